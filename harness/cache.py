@@ -1,0 +1,74 @@
+"""Static KV storage shared by the target and the drafter.
+
+One preallocated tensor pair per model; a write puts K/V at explicit absolute positions, a read takes the prefix
+that the caller's mask allows. Rollback is the owner moving its position: slots past it are stale, masked out by
+the attention mask, and overwritten by the next write at those positions. Nothing is ever cropped.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StaticKV:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.capacity = 0
+        self.k = self.v = torch.empty(0)
+        self.ensure(capacity)
+
+    def ensure(self, capacity: int) -> None:
+        """Grow (never shrink) to hold `capacity` positions. Done between generations, never inside a step."""
+        if capacity <= self.capacity:
+            return
+        shape = (self.n_layers, 1, self.n_kv_heads, capacity, self.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.capacity:
+            k[:, :, :, : self.capacity] = self.k
+            v[:, :, :, : self.capacity] = self.v
+        self.k, self.v, self.capacity = k, v, capacity
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [1, n_kv, T, hd] for absolute `positions` [T]. Out-of-range positions raise (CPU) by design."""
+        self.k[layer].index_copy_(2, positions, k)
+        self.v[layer].index_copy_(2, positions, v)
+
+    def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[layer, :, :, :length], self.v[layer, :, :, :length]
+
+
+def causal_mask(q_positions: torch.Tensor, length: int) -> torch.Tensor:
+    """[T, length] bool: key j visible to query i iff j <= position_i. Stale slots beyond are never visible."""
+    keys = torch.arange(length, device=q_positions.device)
+    return keys.unsqueeze(0) <= q_positions.unsqueeze(1)
+
+
+def prefix_mask(limit: torch.Tensor, n_queries: int, length: int) -> torch.Tensor:
+    """[T, length] bool: every query sees keys j < limit (non-causal block attention of the drafter)."""
+    keys = torch.arange(length, device=limit.device)
+    return (keys < limit).unsqueeze(0).expand(n_queries, length)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+           impl: str = "sdpa") -> torch.Tensor:
+    """q [1,Hq,T,d], k/v [1,Hkv,S,d] (grouped-query), mask [T,S] bool -> [1,T,Hq*d]."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    if impl == "sdpa":
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:  # "eager": the textbook formula with an fp32 softmax, kept as a cross-check of the fused kernel
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        o = (scores.softmax(-1) @ v.float()).to(q.dtype)
+    return o.transpose(1, 2).reshape(1, q.shape[2], -1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the half-split layout used by HF Llama/Qwen checkpoints. cos/sin: [T, d]."""
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rot * sin

@@ -1,0 +1,92 @@
+"""Reading checkpoint directories safely: config.json plus one or many *.safetensors shards.
+
+Shapes and key sets are read from the safetensors headers alone, so a mismatch is reported before any model is
+loaded; tensors are read only after every check has passed.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from harness.errors import UsageError
+
+
+def read_config(directory: str | Path, what: str) -> dict:
+    d = Path(directory)
+    if not d.is_dir():
+        raise UsageError(f"{what} {directory}: not a directory (expected config.json + *.safetensors)")
+    cfg = d / "config.json"
+    if not cfg.is_file():
+        raise UsageError(f"{what} {directory}: config.json is missing")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{what} {cfg}: invalid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def shard_files(directory: str | Path, what: str) -> list[Path]:
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({d / f for f in weight_map.values()})
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise UsageError(f"{what} {directory}: no *.safetensors file found")
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing:
+        raise UsageError(f"{what} {directory}: shard listed in the index is missing: {missing[0]}")
+    return files
+
+
+def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for key in fh.keys():
+                shapes[key] = tuple(fh.get_slice(key).get_shape())
+    return shapes
+
+
+def read_tensors(files: list[Path], keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        for k, t in load_file(str(f)).items():
+            if keys is None or k in keys:
+                out[k] = t
+    return out
+
+
+def check_state(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], what: str,
+                ignored: tuple[str, ...] = ()) -> None:
+    """Exact key set and shapes, with a one-line message naming the first problems."""
+    present = {k for k in found if not any(k.startswith(p) or k == p for p in ignored)}
+    missing = sorted(set(expected) - present)
+    extra = sorted(present - set(expected))
+    if missing:
+        raise UsageError(f"{what}: {len(missing)} missing key(s), e.g. {', '.join(missing[:3])}; "
+                         "is this a checkpoint of the right architecture?")
+    if extra:
+        raise UsageError(f"{what}: {len(extra)} unexpected key(s), e.g. {', '.join(extra[:3])}; "
+                         "is this a checkpoint of the right architecture?")
+    for k, shape in expected.items():
+        if tuple(found[k]) != tuple(shape):
+            raise UsageError(f"{what}: {k} has shape {list(found[k])}, expected {list(shape)} from the config")
+
+
+def write_safetensors_dir(directory: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """config.json + model.safetensors, written to temporary names first so a failure leaves nothing behind."""
+    from safetensors.torch import save_file
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp_w, tmp_c = d / ".model.safetensors.tmp", d / ".config.json.tmp"
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp_w))
+    tmp_c.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp_w, d / "model.safetensors")
+    os.replace(tmp_c, d / "config.json")

@@ -1,0 +1,168 @@
+"""THE decode loop: one function for autoregressive (block 1) and speculative (block B) decoding.
+
+One step: propose -> refine -> verify -> accept -> commit, with every tensor on the device and exactly one host
+sync (`_read_step`), which fetches the accepted count and the first stop position together.
+
+Positions: the sequence is out[0..n-1]; the anchor is its last token, at index `pos` (the target has committed
+pos slots, 0..pos-1). A speculative step writes cache slots pos..pos+B-1 and may emit up to B tokens, so it runs
+only while the whole block fits the context (pos + B < max_model_len); after that the loop finishes with plain
+target steps, so a proposed draft is never left half-verified.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from drafters.base import Drafter
+from harness.devices import Backend
+from harness.errors import UsageError
+from harness.sampling import sample_rows
+from harness.verify import exact_match
+from refiners.base import RefineContext, Refiner
+from refiners.identity import IdentityRefiner
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    max_new_tokens: int
+    max_model_len: int
+    stop_ids: tuple[int, ...]
+    temperature: float = 0.0
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    accept_lengths: list[int]          # per step: tokens the step added to the output (accepted + 1, clipped)
+    accepted: list[int]                # per step: drafts accepted by verification (before clipping)
+    stop_reason: str                   # eos | max_new_tokens | max_model_len
+    prompt_len: int
+    ttft_s: float = 0.0                # prefill + first token
+    drafter_prefill_s: float = 0.0     # the drafter's pass over the prompt context, reported apart
+    decode_s: float = 0.0              # every step after that
+    spec_steps: int = 0
+    ar_steps: int = 0
+    host_syncs: int = 0
+    step_log: list[dict] = field(default_factory=list)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens produced by decode steps: all but the first, which the prefill produced."""
+        return max(0, len(self.tokens) - 1)
+
+
+class PromptTooLong(UsageError):
+    pass
+
+
+def _read_step(n_accept: torch.Tensor, first_stop: torch.Tensor) -> tuple[int, int]:
+    """The one host sync per step."""
+    a, s = torch.stack((n_accept, first_stop)).tolist()
+    return a, s
+
+
+@torch.no_grad()
+def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backend,
+             drafter: Drafter | None = None, refiner: Refiner | None = None,
+             generator: torch.Generator | None = None,
+             on_step: Callable[[dict], None] | None = None) -> Generation:
+    """Decode one prompt. `on_step`, when given, sees each step's device tensors after the step's sync
+    (tests and traces); it is None on timed runs, so it costs nothing there."""
+    dev = backend.device
+    m, limit = settings.max_new_tokens, settings.max_model_len
+    p = len(prompt)
+    if p == 0:
+        raise UsageError("empty prompt: the chat template produced no tokens")
+    if p >= limit:
+        raise PromptTooLong(f"prompt has {p} tokens but --max-model-len is {limit}; raise --max-model-len "
+                           "or drop the prompt")
+    width = drafter.block_size if drafter is not None else 1
+    refiner = refiner or IdentityRefiner()
+    need = min(limit, p + m + width)
+    target.ensure_capacity(need)
+    if drafter is not None:
+        drafter.ensure_capacity(need)
+    target.reset()
+
+    out = torch.full((p + m + width + 1,), -1, dtype=torch.long, device=dev)
+    out[:p] = torch.tensor(prompt, dtype=torch.long)
+    stops = torch.tensor(sorted(settings.stop_ids) or [-2], dtype=torch.long, device=dev)
+    offsets = torch.arange(width, device=dev)
+    gen = Generation(tokens=[], accept_lengths=[], accepted=[], stop_reason="", prompt_len=p)
+
+    t0 = backend.now()
+    logits, feats = target.prefill(out[:p], want_features=drafter is not None)
+    first = sample_rows(logits, settings.temperature, generator)
+    out[p] = first
+    first_id = int(first)  # host read of the prefill's token: part of TTFT, not of any step
+    t1 = backend.now()
+    gen.ttft_s = t1 - t0
+    if drafter is not None:
+        drafter.begin(feats)
+        t2 = backend.now()
+        gen.drafter_prefill_s = t2 - t1
+        t1 = t2
+
+    pos, produced = p, 1
+    stop = ""
+    if first_id in settings.stop_ids:
+        stop = "eos"
+    elif produced >= m:
+        stop = "max_new_tokens"
+    elif pos + 1 >= limit:
+        stop = "max_model_len"
+
+    while not stop:
+        speculative = drafter is not None and pos + width < limit
+        w = width if speculative else 1
+        anchor = out.index_select(0, target.pos.view(1))
+        if speculative:
+            proposal = drafter.propose(anchor[0], target.pos, pos + w)
+            prev = out.index_select(0, target.pos.view(1) - 1)[0]
+            proposal = refiner.refine(proposal, RefineContext(anchor=anchor[0], prev_token=prev))
+            drafts = proposal.tokens
+            block = torch.cat((anchor, drafts))
+        else:
+            drafts = out[:0]
+            block = anchor
+        logits, feats = target.verify(block, pos + w, want_features=speculative)
+        verdict = exact_match(drafts, logits, settings.temperature, generator)
+        n = verdict.n_accept
+        idx = offsets[:w]
+        candidates = torch.cat((drafts, verdict.next_token.view(1)))
+        emitted = torch.where(idx < n, candidates, verdict.next_token)
+        out.index_copy_(0, target.pos + 1 + idx, emitted)
+        hits = torch.isin(emitted, stops) & (idx <= n)
+        first_stop = torch.where(hits.any(), hits.long().argmax(), w)
+        target.commit(n + 1)
+        if speculative:
+            drafter.observe(feats, n + 1)
+
+        accepted, stop_at = _read_step(n, first_stop)
+        gen.host_syncs += 1
+        gen.spec_steps += speculative
+        gen.ar_steps += not speculative
+        emit = accepted + 1
+        if stop_at < w:
+            emit, stop = stop_at + 1, "eos"
+        if produced + emit >= m:
+            if produced + emit > m or not stop:
+                stop = "max_new_tokens"
+            emit = m - produced
+        if on_step is not None:
+            on_step({"position": pos, "speculative": speculative, "block": block, "logits": logits,
+                     "proposal": proposal if speculative else None, "accepted": accepted, "emitted": emit,
+                     "produced": produced + emit, "stop": stop})
+        produced += emit
+        pos += accepted + 1
+        gen.accept_lengths.append(emit)
+        gen.accepted.append(accepted)
+        if not stop and pos + 1 >= limit:
+            stop = "max_model_len"
+
+    gen.decode_s = backend.now() - t1
+    gen.tokens = out[p: p + produced].tolist()
+    gen.stop_reason = stop
+    return gen

@@ -1,0 +1,174 @@
+"""The target model: an HF causal LM driven by our own forward over a static KV cache.
+
+We keep HF's modules and weights (projections, norms, MLP, rotary tables) but run the layer loop ourselves, so that
+the harness owns the cache (write at positions, attend over a prefix, roll back by moving a pointer) and taps only
+the hidden layers a drafter asks for. Qwen3, Qwen2 and Llama families share this structure.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from harness.cache import StaticKV, attend, causal_mask, rotate
+from harness.devices import Backend
+from harness.errors import UsageError
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def split_model_path(spec: str) -> tuple[str, dict]:
+    """A local .gguf file loads through transformers' GGUF reader: directory + gguf_file kwarg."""
+    if spec.lower().endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise UsageError(f"--model-name-or-path {spec}: GGUF file not found")
+        return os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
+    return spec, {}
+
+
+def load_target_config(spec: str):
+    """Read only the config (cheap) so that compatibility can be checked before any weights are loaded."""
+    from transformers import AutoConfig
+    path, extra = split_model_path(spec)
+    try:
+        config = AutoConfig.from_pretrained(path, **extra)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"cannot read the target config from {spec!r}: {first}") from None
+    check_family(config)
+    return config
+
+
+def check_family(config) -> None:
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise UsageError(f"target model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    window = getattr(config, "sliding_window", None)
+    sliding = window is not None and (family == "mistral" or getattr(config, "use_sliding_window", False))
+    if sliding:
+        raise UsageError(f"target uses sliding-window attention (window {window}), which this harness does not "
+                         "model yet; use a full-attention checkpoint")
+
+
+def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (),
+                attn_impl: str = "sdpa"):
+    """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path, extra = split_model_path(spec)
+    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)
+    model.to(backend.device).eval()
+    return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl), tokenizer
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """All of generation_config.eos_token_id (Qwen3 lists two), else the tokenizer's eos."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(int(i) for i in ids))
+
+
+class Target:
+    """prefill / verify / commit / reset over a static cache; `pos` is the committed length, on the device."""
+
+    def __init__(self, model, backend: Backend, capacity: int, taps: tuple[int, ...] = (), attn_impl: str = "sdpa"):
+        check_family(model.config)
+        if attn_impl not in ("sdpa", "eager"):
+            raise UsageError(f"--attn-implementation {attn_impl!r} is not supported here; use sdpa or eager")
+        self.model, self.backend, self.attn_impl = model, backend, attn_impl
+        inner = model.model
+        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
+        self.lm_head = model.lm_head
+        cfg = model.config
+        self.config = cfg
+        self.n_layers = len(self.layers)
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        attn0 = self.layers[0].self_attn
+        self.head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.scale = getattr(attn0, "scaling", self.head_dim ** -0.5)
+        self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        self.set_taps(taps)
+        self.kv = StaticKV(self.n_layers, self.n_kv_heads, self.head_dim, capacity, backend.dtype, backend.device)
+        self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
+
+    def set_taps(self, taps: tuple[int, ...]) -> None:
+        for t in taps:
+            if not 0 <= t < self.n_layers:
+                raise UsageError(f"target layer id {t} is outside the target's {self.n_layers} layers")
+        self.taps = tuple(taps)
+        self._tap_set = frozenset(taps)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+    def ensure_capacity(self, n: int) -> None:
+        self.kv.ensure(n)
+
+    def reset(self) -> None:
+        self.pos.zero_()
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, length: int, want_features: bool,
+                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids/positions [T]; attends over cache slots [0, length). Returns logits [T or 1, V], features."""
+        h = self.embed(ids).unsqueeze(0)
+        cos, sin = self.rotary(h, positions.unsqueeze(0))
+        cos, sin = cos[0], sin[0]
+        mask = causal_mask(positions, length)
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            h = self._layer(i, layer, h, positions, cos, sin, mask, length)
+            if want_features and i in self._tap_set:
+                tapped[i] = h[0]
+        out = self.norm(h[0])
+        if want_features and self.n_layers - 1 in tapped:
+            # HF's last hidden_state is taken after the final norm; drafters were trained on that tensor.
+            tapped[self.n_layers - 1] = out
+        features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
+        logits = self.lm_head(out[-1:] if last_only else out)
+        return logits, features
+
+    def _layer(self, i, layer, h, positions, cos, sin, mask, length):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        t = x.shape[1]
+        q = attn.q_proj(x).view(1, t, -1, self.head_dim)
+        k = attn.k_proj(x).view(1, t, -1, self.head_dim)
+        v = attn.v_proj(x).view(1, t, -1, self.head_dim).transpose(1, 2)
+        if hasattr(attn, "q_norm"):
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = rotate(q.transpose(1, 2), cos, sin)
+        k = rotate(k.transpose(1, 2), cos, sin)
+        self.kv.write(i, positions, k, v)
+        ks, vs = self.kv.read(i, length)
+        h = h + attn.o_proj(attend(q, ks, vs, mask, self.scale, self.attn_impl))
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def prefill(self, prompt: torch.Tensor, want_features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs the prompt at positions 0..P-1 and commits it. Returns last-position logits [V], features [P, F]."""
+        n = prompt.shape[0]
+        positions = torch.arange(n, device=prompt.device)
+        logits, feats = self.forward(prompt, positions, n, want_features, last_only=True)
+        self.pos.fill_(n)
+        return logits[0], feats
+
+    def verify(self, block: torch.Tensor, length: int, want_features: bool):
+        """Runs a fixed-width block at positions pos..pos+W-1 without committing it.
+
+        `length` is a host-side bound on the slots to attend over (>= pos + W); stale slots below it are masked.
+        """
+        positions = self.pos + torch.arange(block.shape[0], device=block.device)
+        return self.forward(block, positions, length, want_features)
+
+    def commit(self, n: torch.Tensor) -> None:
+        """Keep the first n verified positions: the anchor and the accepted drafts. A device-side add, no sync."""
+        self.pos.add_(n)

@@ -1,0 +1,22 @@
+"""What a refiner is: a fixed-shape map from a proposal to a proposal, with no host syncs and no per-step state."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from drafters.base import Proposal
+
+
+@dataclass(frozen=True)
+class RefineContext:
+    anchor: torch.Tensor       # device scalar: the verified token at slot 0
+    prev_token: torch.Tensor   # device scalar: the committed token before the anchor
+
+
+class Refiner(Protocol):
+    name: str
+    passes: int
+
+    def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal: ...

@@ -1,0 +1,54 @@
+"""The harness's own forward over the static cache agrees with HF's forward, logits and tapped features."""
+import pytest
+import torch
+
+from harness.loop import DecodeSettings, generate
+from tiny import CPU32, tiny_target
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_prefill_and_verify_match_hf(family):
+    t = tiny_target(family, taps=(1, 3, 5))
+    prompt = torch.tensor([9, 14, 33, 60, 21, 70, 11, 12, 40, 41])
+    block = torch.tensor([50, 51, 52, 53])
+    full = torch.cat((prompt, block))
+    with torch.no_grad():
+        ref = t.model(full.unsqueeze(0), output_hidden_states=True)
+    logits, feats = t.prefill(prompt, want_features=True)
+    torch.testing.assert_close(logits, ref.logits[0, len(prompt) - 1], atol=1e-4, rtol=1e-4)
+    want = torch.cat([ref.hidden_states[i + 1][0, : len(prompt)] for i in (1, 3, 5)], dim=-1)
+    # Layer 5 is the last one: HF reports it after the final norm, and so do we (drafters were trained on it).
+    torch.testing.assert_close(feats, want, atol=1e-4, rtol=1e-4)
+    vlogits, vfeats = t.verify(block, len(full), want_features=True)
+    torch.testing.assert_close(vlogits, ref.logits[0, len(prompt):], atol=1e-4, rtol=1e-4)
+    want_v = torch.cat([ref.hidden_states[i + 1][0, len(prompt):] for i in (1, 3, 5)], dim=-1)
+    torch.testing.assert_close(vfeats, want_v, atol=1e-4, rtol=1e-4)
+
+
+def test_eager_attention_matches_sdpa():
+    t = tiny_target("qwen3")
+    prompt = torch.tensor([9, 14, 33, 60, 21, 70, 11])
+    a, _ = t.prefill(prompt, want_features=False)
+    t.attn_impl = "eager"
+    b, _ = t.prefill(prompt, want_features=False)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_ar_loop_matches_hf_generate(family):
+    t = tiny_target(family)
+    settings = DecodeSettings(max_new_tokens=20, max_model_len=512, stop_ids=())
+    for prompt in ([9, 14, 33], [40, 41, 42, 43, 44, 45, 46, 47]):
+        ours = generate(t, prompt, settings, CPU32).tokens
+        with torch.no_grad():
+            ref = t.model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)
+        assert ours == ref[0, len(prompt):].tolist()
+
+
+def test_unsupported_family_is_refused():
+    from transformers import GPT2Config
+    from harness.errors import UsageError
+    from harness.target import check_family
+    with pytest.raises(UsageError, match="not supported"):
+        check_family(GPT2Config())
