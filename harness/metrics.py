@@ -1,0 +1,185 @@
+"""Every reported metric, defined once, each with the one-line convention that reports print beside it.
+
+Inputs are plain per-sample values (no torch): for each sample the list of per-step acceptance lengths
+(one entry per verify step = accepted drafts + 1 correction/bonus token, so 1..B), its new-token count and its
+decode seconds. Undefined values (no samples, no steps, zero time) are float('nan') rather than an exception,
+so a report can still print every other column.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+# metric name -> the one-line convention a report prints with it; filled by @_metric so each lives next to its code
+CONVENTIONS: dict[str, str] = {}
+
+_NAN = float("nan")
+
+
+def _metric(convention: str) -> Callable:
+    def register(fn: Callable) -> Callable:
+        CONVENTIONS[fn.__name__] = convention
+        fn.convention = convention
+        return fn
+    return register
+
+
+def _steps(lengths: Sequence[Sequence[int]]) -> np.ndarray:
+    return np.fromiter((int(x) for sample in lengths for x in sample), dtype=np.int64)
+
+
+def _check_block(block_size: int) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+
+def _check_paired(a: Sequence, b: Sequence, what: str) -> None:
+    if len(a) != len(b):
+        raise ValueError(f"{what}: {len(a)} vs {len(b)} values; they must be paired per sample")
+
+
+# ---------------------------------------------------------------------------------------------------- acceptance
+
+@_metric("tau/step = mean of every verify step's length (accepted drafts + 1) pooled over all samples "
+         "(the published tau)")
+def tau_per_step(lengths: Sequence[Sequence[int]]) -> float:
+    """Pooled mean over every step of every sample: long generations weigh more, as in the reference."""
+    steps = _steps(lengths)
+    return float(steps.mean()) if steps.size else _NAN
+
+
+@_metric("tau/sample = mean over samples of each sample's mean step length (accepted drafts + 1)")
+def tau_per_sample(lengths: Sequence[Sequence[int]]) -> float:
+    """Mean of per-sample means; samples with no step are left out (their mean is undefined)."""
+    means = [float(np.mean(sample)) for sample in lengths if len(sample)]
+    return float(np.mean(means)) if means else _NAN
+
+
+@_metric("histogram[b] = fraction of steps whose length (accepted drafts + 1) is exactly b, b = 0..B")
+def acceptance_histogram(lengths: Sequence[Sequence[int]], block_size: int) -> list[float]:
+    """B+1 fractions summing to 1 (b = 0 is kept for the reference's layout, though lengths start at 1)."""
+    _check_block(block_size)
+    steps = _steps(lengths)
+    if not steps.size:
+        return [_NAN] * (block_size + 1)
+    if steps.min() < 0 or steps.max() > block_size:
+        # a length outside 0..B means the loop's bookkeeping is wrong; silently dropping it would hide that
+        raise ValueError(f"acceptance length outside 0..{block_size}: min {steps.min()}, max {steps.max()}")
+    counts = np.bincount(steps, minlength=block_size + 1)
+    return (counts / steps.size).tolist()
+
+
+@_metric("accept_rate@k = fraction of steps that accepted draft k+1, i.e. length >= k+2, k = 0..B-2")
+def per_position_acceptance(lengths: Sequence[Sequence[int]], block_size: int) -> list[float]:
+    """B-1 non-increasing rates: acceptance is a prefix, so draft k+1 counts only if drafts 1..k were accepted."""
+    _check_block(block_size)
+    steps = _steps(lengths)
+    if not steps.size:
+        return [_NAN] * (block_size - 1)
+    return [float(np.mean(steps >= k + 2)) for k in range(block_size - 1)]
+
+
+# ---------------------------------------------------------------------------------------------------- throughput
+
+@_metric("POOLED tok/s = sum of new tokens / sum of decode seconds over samples with tokens (pairs with tau/step)")
+def pooled_tok_per_s(tokens: Sequence[int], seconds: Sequence[float]) -> float:
+    """A ratio of sums: long generations weigh more, matching the pooling of tau/step."""
+    _check_paired(tokens, seconds, "pooled_tok_per_s")
+    kept = [(n, s) for n, s in zip(tokens, seconds) if n > 0]
+    total_s = sum(s for _, s in kept)
+    return sum(n for n, _ in kept) / total_s if total_s > 0 else _NAN
+
+
+@_metric("per-sample tok/s = 1/mean(s/token): inverse of the mean per-sample seconds per token, a harmonic mean "
+         "of rates (pairs with tau/sample)")
+def per_sample_tok_per_s(tokens: Sequence[int], seconds: Sequence[float]) -> float:
+    """1 / mean_i(seconds_i / max(1, tokens_i)), the reference's convention.
+
+    The reference's comments call it a mean of rates; it is the harmonic mean, which weighs slow samples more.
+    """
+    _check_paired(tokens, seconds, "per_sample_tok_per_s")
+    if not len(tokens):
+        return _NAN
+    mean_s_per_tok = float(np.mean([s / max(1, n) for n, s in zip(tokens, seconds)]))
+    return 1.0 / mean_s_per_tok if mean_s_per_tok > 0 else _NAN
+
+
+# ------------------------------------------------------------------------------------------------ paired ratios
+
+@dataclass(frozen=True)
+class RatioStats:
+    n: int
+    mean: float
+    std: float  # sample std (n-1); 0 for a single ratio, so one round still prints
+    median: float
+    min: float
+    max: float
+
+
+@_metric("paired ratio = method / reference within the same round; mean +- sample std (n-1) over rounds, "
+         "median, min, max")
+def paired_ratio_stats(ratios: Sequence[float]) -> RatioStats:
+    """Aggregate per-round paired ratios the way the reference's fair table does."""
+    r = np.asarray(ratios, dtype=np.float64)
+    if not r.size:
+        return RatioStats(0, _NAN, _NAN, _NAN, _NAN, _NAN)
+    std = float(r.std(ddof=1)) if r.size > 1 else 0.0
+    # np.median averages the two middle values for an even count, as the reference's statistics.median does
+    return RatioStats(int(r.size), float(r.mean()), std, float(np.median(r)), float(r.min()), float(r.max()))
+
+
+# -------------------------------------------------------------------------------------------- confidence intervals
+
+def _percentile_bootstrap(n: int, stat_of_idx: Callable[[np.ndarray], float], n_boot: int, alpha: float,
+                          seed: int) -> tuple[float, float]:
+    """Resample item indices with replacement; one index set serves paired arrays, keeping pairs intact."""
+    if n_boot < 1:
+        raise ValueError(f"n_boot must be >= 1, got {n_boot}")
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
+    if n == 0:
+        return _NAN, _NAN
+    rng = np.random.default_rng(seed)
+    draws = rng.integers(0, n, size=(n_boot, n))
+    stats = np.array([stat_of_idx(idx) for idx in draws], dtype=np.float64)
+    lo, hi = np.quantile(stats, [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
+
+
+@_metric("CI = percentile bootstrap over items (resampled with replacement), seeded, two-sided 1-alpha")
+def bootstrap_ci(values: Sequence[float], stat: Callable = np.mean, n_boot: int = 2000, alpha: float = 0.05,
+                 seed: int = 0) -> tuple[float, float]:
+    """(lo, hi) percentile-bootstrap interval of stat(values); deterministic for a given seed."""
+    v = np.asarray(values, dtype=np.float64)
+    return _percentile_bootstrap(v.size, lambda idx: stat(v[idx]), n_boot, alpha, seed)
+
+
+_SPEEDUP = ("speedup = mean AR s/token / mean spec s/token over the same prompts (= ratio of per-sample tok/s); "
+            "CI resamples prompts, pairs kept")
+
+
+@_metric(_SPEEDUP)
+def paired_speedup(spec_seconds_per_tok: Sequence[float], ar_seconds_per_tok: Sequence[float]) -> float:
+    """Point estimate matching speedup_ci_over_prompts: the reference's t1/tb."""
+    _check_paired(spec_seconds_per_tok, ar_seconds_per_tok, "paired_speedup")
+    if not len(spec_seconds_per_tok):
+        return _NAN
+    spec = float(np.mean(spec_seconds_per_tok))
+    return float(np.mean(ar_seconds_per_tok)) / spec if spec > 0 else _NAN
+
+
+@_metric(_SPEEDUP)
+def speedup_ci_over_prompts(spec_seconds_per_tok: Sequence[float], ar_seconds_per_tok: Sequence[float],
+                            n_boot: int = 2000, alpha: float = 0.05, seed: int = 0) -> tuple[float, float]:
+    """(lo, hi) bootstrap interval of paired_speedup, resampling prompts with spec and AR kept paired by index.
+
+    Pooling over prompts before dividing (a ratio of means, not a mean of per-prompt ratios) keeps it the same
+    statistic as the point estimate, and resampling prompts captures prompt-to-prompt variation in both arms.
+    """
+    _check_paired(spec_seconds_per_tok, ar_seconds_per_tok, "speedup_ci_over_prompts")
+    spec = np.asarray(spec_seconds_per_tok, dtype=np.float64)
+    ar = np.asarray(ar_seconds_per_tok, dtype=np.float64)
+    return _percentile_bootstrap(spec.size, lambda idx: ar[idx].mean() / spec[idx].mean(), n_boot, alpha, seed)
+

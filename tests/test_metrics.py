@@ -1,0 +1,113 @@
+"""Metric arithmetic on hand-made step logs with answers worked out by hand (REFERENCE.md appendix B.5)."""
+import math
+
+import numpy as np
+import pytest
+
+from harness import metrics as m
+
+# Sample A: 4 short steps; sample B: 1 long step. Pooling weighs A four times, per-sample weighs them equally.
+LOG = [[1, 2, 1, 4], [8]]
+
+
+def test_tau_pooled_and_per_sample_differ():
+    assert m.tau_per_step(LOG) == pytest.approx(16 / 5)  # (1+2+1+4+8) / 5 steps
+    assert m.tau_per_sample(LOG) == pytest.approx((2 + 8) / 2)  # A's mean is 8/4 = 2
+
+
+def test_tau_skips_stepless_samples_and_is_nan_when_empty():
+    assert m.tau_per_sample([[3, 5], []]) == pytest.approx(4)
+    assert m.tau_per_step([[3, 5], []]) == pytest.approx(4)
+    assert math.isnan(m.tau_per_step([])) and math.isnan(m.tau_per_step([[]]))
+    assert math.isnan(m.tau_per_sample([[], []]))
+
+
+def test_histogram():
+    hist = m.acceptance_histogram(LOG, 8)
+    assert len(hist) == 9
+    assert hist == pytest.approx([0, 2 / 5, 1 / 5, 0, 1 / 5, 0, 0, 0, 1 / 5])
+    assert sum(hist) == pytest.approx(1)
+    assert m.acceptance_histogram([[1, 1]], 1) == [0.0, 1.0]  # AR: every step adds exactly one token
+    with pytest.raises(ValueError, match="outside 0..4"):
+        m.acceptance_histogram(LOG, 4)
+    assert all(math.isnan(x) for x in m.acceptance_histogram([], 3))
+
+
+def test_per_position_acceptance():
+    rates = m.per_position_acceptance(LOG, 8)
+    # k=0: lengths >= 2 are 2, 4, 8 -> 3/5; k=1,2: 4, 8 -> 2/5; k=3..6: only 8 -> 1/5
+    assert rates == pytest.approx([3 / 5, 2 / 5, 2 / 5, 1 / 5, 1 / 5, 1 / 5, 1 / 5])
+    assert m.per_position_acceptance(LOG, 1) == []
+
+
+def test_tau_equals_one_plus_summed_per_position_rates():
+    # An identity that ties the three acceptance metrics together: E[len] = 1 + sum_k P(len >= k+2).
+    rng = np.random.default_rng(1)
+    log = [rng.integers(1, 17, size=n).tolist() for n in (5, 9, 1)]
+    assert m.tau_per_step(log) == pytest.approx(1 + sum(m.per_position_acceptance(log, 16)))
+
+
+def test_pooled_tok_per_s_is_a_ratio_of_sums_over_samples_with_tokens():
+    # the zero-token sample's 9 s are left out, as the reference's non-empty filter does
+    assert m.pooled_tok_per_s([100, 10, 0], [1.0, 1.0, 9.0]) == pytest.approx(110 / 2)
+    assert math.isnan(m.pooled_tok_per_s([], []))
+    with pytest.raises(ValueError, match="paired"):
+        m.pooled_tok_per_s([1, 2], [1.0])
+
+
+def test_per_sample_tok_per_s_is_the_harmonic_convention():
+    # s/token: 1/100 and 1/10 -> mean 0.055 -> 18.18 tok/s; the arithmetic mean of rates would be 55
+    assert m.per_sample_tok_per_s([100, 10], [1.0, 1.0]) == pytest.approx(1 / 0.055)
+    assert m.per_sample_tok_per_s([0], [2.0]) == pytest.approx(0.5)  # max(1, tokens) guards zero tokens
+    assert "1/mean(s/token)" in m.CONVENTIONS["per_sample_tok_per_s"]
+
+
+def test_paired_ratio_stats():
+    s = m.paired_ratio_stats([1.0, 1.2, 1.1, 1.5])
+    assert (s.n, s.min, s.max) == (4, 1.0, 1.5)
+    assert s.mean == pytest.approx(1.2)
+    assert s.std == pytest.approx(math.sqrt((0.04 + 0 + 0.01 + 0.09) / 3))  # n-1 in the denominator
+    assert s.median == pytest.approx(1.15)  # even count: mean of the middle two (1.1, 1.2)
+    one = m.paired_ratio_stats([1.3])
+    assert (one.mean, one.std, one.median) == (1.3, 0.0, 1.3)
+    assert m.paired_ratio_stats([]).n == 0 and math.isnan(m.paired_ratio_stats([]).mean)
+
+
+def test_bootstrap_ci_contains_the_mean_and_is_seeded():
+    values = np.random.default_rng(7).normal(5.0, 1.0, size=40)
+    lo, hi = m.bootstrap_ci(values)
+    assert lo < values.mean() < hi
+    assert (lo, hi) == m.bootstrap_ci(values)  # same seed, same interval
+    assert m.bootstrap_ci(values, seed=1) != (lo, hi)
+    narrow = m.bootstrap_ci(values, alpha=0.5)
+    assert lo < narrow[0] < narrow[1] < hi
+    assert m.bootstrap_ci([2.0, 2.0, 2.0]) == (2.0, 2.0)
+    med_lo, med_hi = m.bootstrap_ci(values, stat=np.median)
+    assert med_lo <= np.median(values) <= med_hi
+    assert all(math.isnan(x) for x in m.bootstrap_ci([]))
+    with pytest.raises(ValueError, match="alpha"):
+        m.bootstrap_ci(values, alpha=1.5)
+
+
+def test_speedup_ci_over_prompts_is_paired():
+    rng = np.random.default_rng(3)
+    ar = rng.uniform(0.01, 0.05, size=30)  # prompts differ a lot in s/token ...
+    spec = ar / 2.5  # ... but spec is exactly 2.5x faster on each one
+    assert m.paired_speedup(spec, ar) == pytest.approx(2.5)
+    lo, hi = m.speedup_ci_over_prompts(spec, ar)
+    # pairing cancels the prompt-to-prompt spread entirely; unpaired resampling could not give this
+    assert lo == pytest.approx(2.5) and hi == pytest.approx(2.5)
+    noisy = spec * rng.uniform(0.9, 1.1, size=30)
+    lo, hi = m.speedup_ci_over_prompts(noisy, ar)
+    assert lo < m.paired_speedup(noisy, ar) < hi
+    assert (lo, hi) == m.speedup_ci_over_prompts(noisy, ar)
+    with pytest.raises(ValueError, match="paired"):
+        m.speedup_ci_over_prompts(spec[:3], ar)
+
+
+def test_every_public_metric_states_a_one_line_convention():
+    for name in ("tau_per_step", "tau_per_sample", "acceptance_histogram", "per_position_acceptance",
+                 "pooled_tok_per_s", "per_sample_tok_per_s", "paired_ratio_stats", "bootstrap_ci",
+                 "paired_speedup", "speedup_ci_over_prompts"):
+        line = m.CONVENTIONS[name]
+        assert line and "\n" not in line and getattr(m, name).convention == line
