@@ -33,14 +33,14 @@ def tiny_hf_model(family: str = "qwen3", seed: int = 0, **kw):
 
 
 def tiny_target(family: str = "qwen3", seed: int = 0, taps=(), capacity: int = 64, backend=CPU32, **kw) -> Target:
-    model = tiny_hf_model(family, seed, **kw).to(backend.dtype)
+    model = tiny_hf_model(family, seed, **kw).to(backend.device, backend.dtype)
     return Target(model, backend, capacity=capacity, taps=tuple(taps))
 
 
 def tiny_drafter(target: Target, block: int = 4, layers: int = 2, seed: int = 1, backend=CPU32) -> DFlashDrafter:
     cfg = config_for_target(target.config, layers, block, MASK_ID)
     target.set_taps(cfg.target_layer_ids)
-    model = random_dflash(cfg, seed=seed).to(backend.dtype)
+    model = random_dflash(cfg, seed=seed).to(backend.device, backend.dtype)
     return DFlashDrafter(model, target.embed, target.lm_head, backend)
 
 
