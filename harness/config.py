@@ -32,6 +32,16 @@ class RunConfig:
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
+    xpress_refiner_path: str | None = None
+    markov_refiner_path: str | None = None
+    xpress_refine_passes: int = 3
+    xpress_topc: int = 0
+    xpress_prev_anchor: bool = False
+    no_fold_mixer: bool = False
+    trust_pickle: bool = False
+    trace: str | None = None
+    use_graph: bool = False
+    compile_refiner: bool = False
 
     @property
     def run_ar(self) -> bool:
@@ -66,6 +76,21 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     a("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
     a("--seed", type=int, default=0, help="seed of the per-(prompt, turn) random streams")
+    r = p.add_argument_group("refiners")
+    r.add_argument("--xpress-refiner-path", help="xPress checkpoint: co-training .pt, serving directory, HF id "
+                   "user/repo or user/repo:file (default: env XPRESS_CKPT)")
+    r.add_argument("--markov-refiner-path", help="Markov-head checkpoint, same forms (default: env MK_CKPT)")
+    r.add_argument("--xpress-refine-passes", type=int, default=3, help="K Jacobi passes; 0 = drafter-only")
+    r.add_argument("--xpress-topc", type=int, default=0,
+                   help="score only each slot's top-C base candidates (1..min(1024, V)); 0 = full vocabulary")
+    r.add_argument("--xpress-prev-anchor", action="store_true",
+                   help="slot 0's predecessor is the anchor itself (vLLM/Spyre convention), not the true token")
+    r.add_argument("--no-fold-mixer", action="store_true", help="keep the xPress mixer unfolded (L*tril, + I)")
+    r.add_argument("--trust-pickle", action="store_true",
+                   help="load a .pt checkpoint with full pickle (only for files you trust)")
+    r.add_argument("--trace", help="write one JSON line per decode step (draft, seed, accepted, next token)")
+    r.add_argument("--use-graph", action="store_true", help="capture the refinement step as a CUDA graph")
+    r.add_argument("--compile-refiner", action="store_true", help="torch.compile the refinement step")
     return p
 
 
@@ -94,9 +119,21 @@ def validate(c: RunConfig) -> None:
     if c.attn_implementation not in ("sdpa", "eager"):
         raise UsageError(f"--attn-implementation {c.attn_implementation!r}: use sdpa or eager "
                          "(flash_attention_2 is not wired into the harness's own attention)")
-    if c.answer_file:
-        folder = os.path.dirname(os.path.abspath(c.answer_file))
-        if not os.path.isdir(folder):
-            raise UsageError(f"--answer-file {c.answer_file}: folder {folder} does not exist")
-        if not os.access(folder, os.W_OK):
-            raise UsageError(f"--answer-file {c.answer_file}: folder {folder} is not writable")
+    if c.xpress_refine_passes < 0:
+        raise UsageError(f"--xpress-refine-passes {c.xpress_refine_passes}: must be >= 0 (0 = drafter-only)")
+    if c.xpress_topc < 0 or c.xpress_topc > 1024:
+        raise UsageError(f"--xpress-topc {c.xpress_topc}: use 0 (full vocabulary) or 1..1024")
+    if c.ar_only and (c.xpress_refiner_path or c.markov_refiner_path):
+        raise UsageError("--ar-only runs no drafter; drop the refiner paths or --ar-only")
+    for path in (c.answer_file, c.trace):
+        if path:
+            check_writable(path)
+
+
+def check_writable(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise UsageError(f"{path}: folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{path}: folder {folder} is not writable")
+

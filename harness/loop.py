@@ -154,6 +154,7 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
         if on_step is not None:
             on_step({"position": pos, "speculative": speculative, "block": block, "logits": logits,
                      "proposal": proposal if speculative else None, "accepted": accepted, "emitted": emit,
+                     "next_token": verdict.next_token,
                      "produced": produced + emit, "stop": stop})
         produced += emit
         pos += accepted + 1

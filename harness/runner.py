@@ -4,32 +4,21 @@ Order matters: every check that reads only configs and file headers runs before 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
-import torch
-
-from drafters.dflash import DFlashDrafter, check_dflash_checkpoint, load_dflash, read_dflash_config
 from harness import metrics
+from harness.build import Arm, build_arms, prepare
 from harness.config import RunConfig
-from harness.data import load_samples, render_prompt, validate_dataset_args
-from harness.devices import Backend, resolve_backend
-from harness.errors import UsageError
+from harness.data import load_samples, render_prompt
 from harness.loop import DecodeSettings, Generation, generate
-from harness.target import load_target, load_target_config, stop_token_ids
-
-
-@dataclass
-class Arm:
-    name: str
-    block_size: int
-    drafter: object | None
-    results: list[list[Generation]] = field(default_factory=list)  # per sample, per turn
+from harness.target import load_target, stop_token_ids
+from harness.trace import StepTracer
 
 
 def stream_seed(seed: int, row: int, turn: int) -> int:
@@ -38,31 +27,13 @@ def stream_seed(seed: int, row: int, turn: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-@dataclass
-class Prepared:
-    backend: Backend
-    target_config: object
-    draft_config: object | None
-    block_size: int
-    max_model_len: int
-
-
-def prepare(cfg: RunConfig) -> Prepared:
-    """All checks that need no weights: arguments, dataset files, configs, drafter keys and shapes."""
-    validate_dataset_args(cfg.dataset, cfg.data_dir, cfg.max_samples)
-    backend = resolve_backend(cfg.device, cfg.dtype)
-    tcfg = load_target_config(cfg.model_name_or_path)
-    dcfg = None
-    block = 1
-    if cfg.run_spec:
-        dcfg = read_dflash_config(cfg.draft_name_or_path)
-        dcfg.check_target(tcfg, f"drafter {cfg.draft_name_or_path}")
-        check_dflash_checkpoint(cfg.draft_name_or_path, dcfg)
-        block = cfg.block_size or dcfg.block_size
-    limit = cfg.max_model_len or int(getattr(tcfg, "max_position_embeddings", 0) or 0)
-    if limit < 2:
-        raise UsageError("the target config has no max_position_embeddings; pass --max-model-len")
-    return Prepared(backend, tcfg, dcfg, block, limit)
+def warmup(arms: list[Arm], target, samples, tokenizer, settings: DecodeSettings, backend) -> None:
+    """Untimed generations before any measurement: lazy initialisation, compilation and graph capture."""
+    prompt = render_prompt(tokenizer, [{"role": "user", "content": samples[0].turns[0]}])
+    short = dataclasses.replace(settings, max_new_tokens=min(32, settings.max_new_tokens))
+    for arm in arms:
+        generate(target, prompt, short, backend, drafter=arm.drafter, refiner=arm.refiner,
+                 generator=backend.generator(0))
 
 
 def run(cfg: RunConfig, out=None) -> dict:
@@ -73,35 +44,45 @@ def run(cfg: RunConfig, out=None) -> dict:
     taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
     target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps, attn_impl=cfg.attn_implementation)
     stops = tuple(stop_token_ids(target.model, tokenizer))
-    arms = []
-    if cfg.run_ar:
-        arms.append(Arm("AR", 1, None))
-    if cfg.run_spec:
-        model = load_dflash(cfg.draft_name_or_path, prep.draft_config, backend)
-        drafter = DFlashDrafter(model, target.embed, target.lm_head, backend, block_size=prep.block_size)
-        arms.append(Arm("drafter-only", prep.block_size, drafter))
+    arms = build_arms(cfg, prep, target)
     settings = DecodeSettings(cfg.max_new_tokens, prep.max_model_len, stops, cfg.temperature)
     print(f"[run] target={cfg.model_name_or_path} device={backend.device} dtype={backend.dtype} "
           f"block={prep.block_size} stop_ids={list(stops)} max_model_len={prep.max_model_len} "
           f"samples={len(samples)} arms={[a.name for a in arms]}", file=out)
-
-    for s in samples:
-        for arm in arms:
-            arm.results.append([])
-        messages: list[dict] = []
-        for turn_idx, turn in enumerate(s.turns):
-            messages.append({"role": "user", "content": turn})
-            prompt = render_prompt(tokenizer, messages)
-            reply = None
+    if prep.refiner is not None:
+        ck = prep.refiner
+        print(f"[refiner] {ck.kind} from {ck.source}: rank={ck.rank} step={ck.step} mixer={ck.mixer} "
+              f"(fold={'no' if cfg.no_fold_mixer else 'after cast to ' + str(backend.dtype)}) "
+              f"co-trained drafter={'yes' if ck.draft_state else 'no'}", file=out)
+    warmup(arms, target, samples, tokenizer, settings, backend)
+    tracer = StepTracer(cfg.trace) if cfg.trace else None
+    try:
+        for qid, s in enumerate(samples):
             for arm in arms:
-                gen_rng = backend.generator(stream_seed(cfg.seed, s.row, turn_idx))
-                g = generate(target, prompt, settings, backend, drafter=arm.drafter, generator=gen_rng)
-                arm.results[-1].append(g)
-                reply = g.tokens  # the last arm (speculative when run) conditions the next turn, as the reference
-            messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
+                arm.results.append([])
+            messages: list[dict] = []
+            for turn_idx, turn in enumerate(s.turns):
+                messages.append({"role": "user", "content": turn})
+                prompt = render_prompt(tokenizer, messages)
+                reply = None
+                for arm in arms:
+                    if tracer:
+                        tracer.set_context(arm=arm.name, question_id=qid, dataset_row=s.row, turn=turn_idx)
+                    gen_rng = backend.generator(stream_seed(cfg.seed, s.row, turn_idx))
+                    g = generate(target, prompt, settings, backend, drafter=arm.drafter, refiner=arm.refiner,
+                                 generator=gen_rng, on_step=tracer)
+                    arm.results[-1].append(g)
+                    reply = g.tokens  # the last arm (speculative when run) conditions the next turn, as the reference
+                messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
+    finally:
+        if tracer:
+            tracer.close()
 
     summary = {arm.name: summarize(arm) for arm in arms}
     report(summary, prep.block_size, out)
+    for arm in arms:
+        if getattr(arm.refiner, "graph_count", 0):
+            print(f"[graphs] {arm.name}: {arm.refiner.graph_count} CUDA graph(s) captured during warmup", file=out)
     if cfg.answer_file:
         write_answers(cfg.answer_file, samples, arms, tokenizer, cfg.dataset)
         print(f"Saved answer file with {len(samples)} samples to {cfg.answer_file}", file=out)
@@ -150,7 +131,7 @@ def report(summary: dict, block: int, out) -> None:
 
 
 def _choice(index: int, arm: Arm | None, turns: list[Generation], tokenizer) -> dict:
-    return {"index": index, "block_size": arm.block_size if arm else None,
+    return {"index": index, "block_size": arm.block_size if arm else None, "method": arm.name if arm else None,
             "turns": [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in turns],
             "new_tokens": [len(g.tokens) for g in turns],
             "wall_time": [g.ttft_s + g.drafter_prefill_s + g.decode_s for g in turns],

@@ -1,0 +1,466 @@
+"""Refiner checkpoints: co-training .pt and serving layout, both converter directions, and every refusal."""
+import argparse
+import collections
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import refiners.convert as convert
+from drafters.dflash import IGNORED_KEYS, config_for_target, random_dflash, save_dflash
+from harness.errors import UsageError
+from refiners.formats import (RefinerCheckpoint, load_refiner_checkpoint, resolve_refiner_path, validate_against)
+from tiny import tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+V, H, R, B, M = 128, 64, 8, 4, 16
+
+
+class TaggedDict(collections.OrderedDict):
+    """A harmless class a weights-only load must still refuse (it is not allow-listed)."""
+
+
+def xpress_head(seed=0, vocab=V, hidden=H, rank=R, block=B, mlp=M):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(shape, generator=g)
+
+    return {"w1.weight": rnd(vocab, rank), "down_h.weight": rnd(rank, hidden), "down_g.weight": rnd(rank, hidden),
+            "in_proj.weight": rnd(rank, 3 * rank), "mix.L": rnd(rank, block, block),
+            "mlp.gate_proj.weight": rnd(mlp, rank), "mlp.up_proj.weight": rnd(mlp, rank),
+            "mlp.down_proj.weight": rnd(rank, mlp), "w2.weight": rnd(vocab, rank)}
+
+
+def markov_head(seed=0, vocab=V, rank=R):
+    g = torch.Generator().manual_seed(seed)
+    return {"w1.weight": torch.randn(vocab, rank, generator=g), "w2.weight": torch.randn(vocab, rank, generator=g)}
+
+
+def xpress_args(**over):
+    a = argparse.Namespace(markov_rank=R, mlp_ratio=M // R, markov_only=False, no_mixer=False, no_residual=True,
+                           input_mode="concat", lr=1e-4)
+    for k, v in over.items():
+        setattr(a, k, v)
+    return a
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    cfg = config_for_target(tiny_config(), 2, B, 127)
+    return cfg, random_dflash(cfg, seed=1)
+
+
+@pytest.fixture()
+def base_dir(tmp_path, drafter):
+    save_dflash(drafter[1], tmp_path / "base")
+    return tmp_path / "base"
+
+
+def draft_state(drafter):
+    return {k: v.clone() for k, v in drafter[1].state_dict().items()}
+
+
+def save_pt(path, drafter, kind="xpress", head=None, args=None, step=403000, **extra):
+    if head is None:
+        head = xpress_head() if kind == "xpress" else markov_head()
+    if args is None:
+        args = xpress_args() if kind == "xpress" else argparse.Namespace(markov_rank=R)
+    content = {"draft_state_dict": draft_state(drafter), "refiner_state_dict": head, "args": args,
+               "global_step": step, **extra}
+    torch.save(content, path)
+    return path
+
+
+def assert_same_tensors(a: dict, b: dict):
+    assert set(a) == set(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def listing(d: Path):
+    return sorted(p.name for p in d.iterdir())
+
+
+# --- round trips -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["xpress", "markov"])
+def test_round_trip_through_both_converters(tmp_path, drafter, base_dir, kind, capsys):
+    pt = save_pt(tmp_path / "in.pt", drafter, kind)
+    original = torch.load(pt, weights_only=False)
+    serving = tmp_path / "serving"
+    assert convert.main(["pt-to-serving", "--ckpt", str(pt), "--base-config", str(base_dir),
+                         "--out", str(serving)]) == 0
+    assert listing(serving) == ["config.json", "model.safetensors"]
+    cfg = json.loads((serving / "config.json").read_text())
+    base = json.loads((base_dir / "config.json").read_text())
+    assert cfg["sample_from_anchor"] is False
+    assert {k: v for k, v in cfg.items() if k in base and k != "architectures"} == \
+        {k: v for k, v in base.items() if k != "architectures"}
+    tensors = load_file(str(serving / "model.safetensors"))
+    if kind == "xpress":
+        assert cfg["architectures"] == ["Qwen3XPressModel"]
+        assert (cfg["xpress_rank"], cfg["xpress_mlp_hidden"], cfg["xpress_block_size"], cfg["xpress_num_passes"]) == \
+            (R, M, B, 6)
+        assert torch.equal(tensors["xpress_head.mix.L"], original["refiner_state_dict"]["mix.L"])  # raw, not folded
+        assert {k for k in tensors if k.startswith("xpress_head.")} == \
+            {"xpress_head." + k for k in original["refiner_state_dict"]}
+    else:
+        assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["markov_rank"] == R
+        assert {k for k in tensors if k.startswith("markov_head.")} == \
+            {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
+    assert_same_tensors({k: v for k, v in tensors.items() if "_head." not in k}, original["draft_state_dict"])
+
+    back = tmp_path / "back.pt"
+    assert convert.main(["serving-to-pt", "--src", str(serving), "--out", str(back)]) == 0
+    assert listing(tmp_path) == sorted(["back.pt", "base", "in.pt", "serving"])
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        again = torch.load(back, weights_only=True)
+    assert_same_tensors(again["refiner_state_dict"], original["refiner_state_dict"])
+    assert_same_tensors(again["draft_state_dict"], original["draft_state_dict"])
+    assert again["args"].markov_rank == R
+    if kind == "xpress":
+        assert again["args"].mlp_ratio == M // R
+
+    for path in (pt, serving, back):
+        ck = load_refiner_checkpoint(path, kind)
+        assert isinstance(ck, RefinerCheckpoint)
+        assert (ck.kind, ck.rank, ck.mixer) == (kind, R, "raw")
+        assert_same_tensors(ck.head_state, original["refiner_state_dict"])
+        assert_same_tensors(ck.draft_state, original["draft_state_dict"])
+        validate_against(ck, V, H, B, drafter[0].expected_shapes())
+        if kind == "xpress":
+            assert (ck.mlp_hidden, ck.block_size) == (M, B)
+    assert load_refiner_checkpoint(pt, kind).step == 403000
+    assert load_refiner_checkpoint(serving, kind).num_passes == (6 if kind == "xpress" else None)
+
+
+def test_bf16_tensors_and_dropped_tril_survive(tmp_path, drafter, base_dir):
+    head = {k: v.to(torch.bfloat16) for k, v in xpress_head().items()}
+    pt = save_pt(tmp_path / "in.pt", drafter, head={**head, "mix.tril": torch.tril(torch.ones(B, B))})
+    ck = load_refiner_checkpoint(pt, "xpress")
+    assert "mix.tril" not in ck.head_state
+    assert_same_tensors(ck.head_state, head)
+    convert.pt_to_serving(str(pt), str(base_dir / "config.json"), str(tmp_path / "s"), num_passes=3)
+    assert json.loads((tmp_path / "s" / "config.json").read_text())["xpress_num_passes"] == 3
+    assert_same_tensors(load_refiner_checkpoint(tmp_path / "s", "xpress").head_state, head)
+
+
+def test_args_may_be_a_plain_dict(tmp_path, drafter):
+    pt = save_pt(tmp_path / "in.pt", drafter, args={"markov_rank": R, "mlp_ratio": 2})
+    assert load_refiner_checkpoint(pt, "xpress").mlp_hidden == M
+
+
+# --- serving layout ------------------------------------------------------------------------------------------
+
+def write_serving(d: Path, drafter, head: dict, prefix="xpress_head.", **cfg_extra):
+    d.mkdir()
+    cfg = {**drafter[0].to_dict(), "architectures": ["Qwen3XPressModel"], **cfg_extra}
+    (d / "config.json").write_text(json.dumps(cfg))
+    save_file({**draft_state(drafter), **{prefix + k: v for k, v in head.items()}}, str(d / "model.safetensors"))
+    return d
+
+
+def test_prefolded_mixer_reads_as_folded_and_is_not_refolded(tmp_path, drafter):
+    head = xpress_head()
+    folded = head["mix.L"] * torch.tril(torch.ones(B, B)) + torch.eye(B)
+    served = {k: v for k, v in head.items() if k != "mix.L"}
+    served["mix_L"] = folded
+    d = write_serving(tmp_path / "s", drafter, served, xpress_rank=R, xpress_block_size=B, xpress_topc=0)
+    ck = load_refiner_checkpoint(d, "xpress")
+    assert ck.mixer == "folded" and torch.equal(ck.head_state["mix.L"], folded) and ck.topc == 0
+    with pytest.raises(UsageError, match="folded"):
+        convert.serving_to_pt(str(d), str(tmp_path / "x.pt"))
+    assert not (tmp_path / "x.pt").exists()
+
+    both = write_serving(tmp_path / "both", drafter, {**head, "mix_L": folded})
+    with pytest.raises(UsageError, match=r"both .*mix\.L.*mix_L"):
+        load_refiner_checkpoint(both, "xpress")
+
+
+def test_serving_aliases_and_config_cross_checks(tmp_path, drafter):
+    head = xpress_head()
+    served = {k.replace("mlp.gate_proj", "mlp_gate").replace("mlp.up_proj", "mlp_up").replace("mlp.down_proj",
+                                                                                              "mlp_down"): v
+              for k, v in head.items()}
+    ck = load_refiner_checkpoint(write_serving(tmp_path / "a", drafter, served), "xpress")
+    assert_same_tensors(ck.head_state, head)
+    bad = write_serving(tmp_path / "b", drafter, head, xpress_block_size=16)
+    with pytest.raises(UsageError, match="xpress_block_size=16 differs"):
+        load_refiner_checkpoint(bad, "xpress")
+    anchor = write_serving(tmp_path / "c", drafter, head, sample_from_anchor=True)
+    with pytest.raises(UsageError, match="sample_from_anchor"):
+        load_refiner_checkpoint(anchor, "xpress")
+    plain = write_serving(tmp_path / "d", drafter, {})
+    with pytest.raises(UsageError, match="no refiner head found"):
+        load_refiner_checkpoint(plain, None)
+
+
+def test_markov_variants_other_than_vanilla_are_refused(tmp_path, drafter):
+    pt = save_pt(tmp_path / "g.pt", drafter, "markov", args=argparse.Namespace(markov_rank=R, markov_head_type="gated"))
+    with pytest.raises(UsageError, match="variant 'gated' is not supported"):
+        load_refiner_checkpoint(pt, "markov")
+    head = {"markov_w1.weight": torch.zeros(V, R), "markov_w2.weight": torch.zeros(V, R),
+            "rnn_J.weight": torch.zeros(3 * R, 2 * R + H)}
+    d = write_serving(tmp_path / "r", drafter, head, prefix="markov_head.", markov_rank=R)
+    with pytest.raises(UsageError, match="rnn_J.weight.*only the vanilla"):
+        load_refiner_checkpoint(d, "markov")
+    d2 = write_serving(tmp_path / "r2", drafter, {k: v for k, v in head.items() if "rnn" not in k},
+                       prefix="markov_head.", markov_rank=R, markov_head_type="rnn")
+    with pytest.raises(UsageError, match="variant 'rnn'"):
+        load_refiner_checkpoint(d2, "markov")
+
+
+# --- refusals ----------------------------------------------------------------------------------------------------
+
+def one_line(e) -> str:
+    text = str(e.value)
+    assert "\n" not in text
+    return text
+
+
+def test_missing_and_unexpected_head_keys(tmp_path, drafter):
+    head = xpress_head()
+    del head["in_proj.weight"]
+    with pytest.raises(UsageError, match="1 missing key.*in_proj.weight") as e:
+        load_refiner_checkpoint(save_pt(tmp_path / "a.pt", drafter, head=head), "xpress")
+    one_line(e)
+    with pytest.raises(UsageError, match="unexpected key.*norm.weight"):
+        extra = {**xpress_head(), "norm.weight": torch.ones(R)}
+        load_refiner_checkpoint(save_pt(tmp_path / "b.pt", drafter, head=extra), "xpress")
+    with pytest.raises(UsageError, match="unexpected key.*gate.weight.*vanilla"):
+        load_refiner_checkpoint(save_pt(tmp_path / "c.pt", drafter, "markov",
+                                        head={**markov_head(), "gate.weight": torch.ones(R, R + H)}), "markov")
+    ck = load_refiner_checkpoint(save_pt(tmp_path / "d.pt", drafter), "xpress")
+    del ck.head_state["w2.weight"]
+    with pytest.raises(UsageError, match="missing key.*w2.weight"):
+        validate_against(ck, V, H, B)
+    bad_shape = xpress_head()
+    bad_shape["in_proj.weight"] = torch.zeros(R, 2 * R)
+    with pytest.raises(UsageError, match=r"in_proj.weight has shape \[8, 16\], expected \[8, 24\]"):
+        load_refiner_checkpoint(save_pt(tmp_path / "e.pt", drafter, head=bad_shape), "xpress")
+
+
+def test_run_mismatches(tmp_path, drafter):
+    ck = load_refiner_checkpoint(save_pt(tmp_path / "a.pt", drafter), "xpress")
+    with pytest.raises(UsageError, match="vocab 128 .* target's vocab 256") as e:
+        validate_against(ck, 256, H, B)
+    one_line(e)
+    with pytest.raises(UsageError, match="hidden size 64.*is 32"):
+        validate_against(ck, V, 32, B)
+    with pytest.raises(UsageError, match="mixer was trained for block 4, the run uses block 16; pass --block-size 4"):
+        validate_against(ck, V, H, 16)
+    expected = dict(drafter[0].expected_shapes())
+    expected["fc.weight"] = (H, H * 3)
+    with pytest.raises(UsageError, match="co-trained drafter.*fc.weight has shape"):
+        validate_against(ck, V, H, B, expected)
+    ck.draft_state.pop("norm.weight")
+    with pytest.raises(UsageError, match="missing key.*norm.weight"):
+        validate_against(ck, V, H, B, drafter[0].expected_shapes())
+    ck.draft_state["norm.weight"] = torch.ones(H)
+    ck.draft_state["embed_tokens.weight"] = torch.zeros(V, H)  # ignored, as for the drafter loader
+    assert "embed_tokens." in IGNORED_KEYS
+    validate_against(ck, V, H, B, drafter[0].expected_shapes())
+    mk = load_refiner_checkpoint(save_pt(tmp_path / "m.pt", drafter, "markov"), "markov")
+    validate_against(mk, V, H, 16)  # the Markov head decodes sequentially: any block
+    with pytest.raises(UsageError, match="vocab"):
+        validate_against(mk, 100, H, B)
+
+
+@pytest.mark.parametrize("flag,value", [("no_mixer", True), ("input_mode", "sum"), ("markov_only", True),
+                                        ("lowrank_base_rank", 64)])
+def test_unsupported_training_flags(tmp_path, drafter, flag, value):
+    pt = save_pt(tmp_path / "a.pt", drafter, args=xpress_args(**{flag: value}))
+    with pytest.raises(UsageError, match=f"{flag}={value!r}.*variant is not supported") as e:
+        load_refiner_checkpoint(pt, "xpress")
+    one_line(e)
+
+
+def test_args_cross_checks_and_required_keys(tmp_path, drafter):
+    with pytest.raises(UsageError, match="markov_rank=16.*width 8"):
+        load_refiner_checkpoint(save_pt(tmp_path / "a.pt", drafter, args=xpress_args(markov_rank=16)), "xpress")
+    with pytest.raises(UsageError, match="no markov_rank \\(default 256\\)"):
+        load_refiner_checkpoint(save_pt(tmp_path / "b.pt", drafter, args={"mlp_ratio": 2}), "xpress")
+    with pytest.raises(UsageError, match="mlp_ratio=4 gives an MLP hidden of 32.*16 rows"):
+        load_refiner_checkpoint(save_pt(tmp_path / "c.pt", drafter, args=xpress_args(mlp_ratio=4)), "xpress")
+    torch.save({"refiner_state_dict": xpress_head(), "args": xpress_args()}, tmp_path / "d.pt")
+    with pytest.raises(UsageError, match="draft_state_dict missing"):
+        load_refiner_checkpoint(tmp_path / "d.pt", "xpress")
+    torch.save({"draft_state_dict": {}, "refiner_state_dict": xpress_head()}, tmp_path / "e.pt")
+    with pytest.raises(UsageError, match="args missing"):
+        load_refiner_checkpoint(tmp_path / "e.pt", "xpress")
+    (tmp_path / "f.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(UsageError, match="cannot be read as a torch checkpoint"):
+        load_refiner_checkpoint(tmp_path / "f.pt", "xpress")
+    with pytest.raises(UsageError, match="no such file"):
+        load_refiner_checkpoint(tmp_path / "nope.pt", "xpress")
+
+
+@pytest.mark.parametrize("payload,name", [(TaggedDict(a=1), "TaggedDict"),
+                                          (datetime.datetime(2025, 1, 1), "datetime.datetime")])
+def test_disallowed_pickle_class_names_it_and_trust_pickle_loads(tmp_path, drafter, payload, name):
+    pt = save_pt(tmp_path / "a.pt", drafter, extra_info=payload)
+    with pytest.raises(UsageError, match=f"{name}.*--trust-pickle") as e:
+        load_refiner_checkpoint(pt, "xpress")
+    one_line(e)
+    ck = load_refiner_checkpoint(pt, "xpress", trust_pickle=True)
+    assert ck.rank == R and ck.step == 403000
+
+
+def test_kind_mismatch(tmp_path, drafter, base_dir):
+    mk = save_pt(tmp_path / "m.pt", drafter, "markov")
+    with pytest.raises(UsageError, match="Markov-head checkpoint.*xPress head was expected.*--markov-refiner-path"):
+        load_refiner_checkpoint(mk, "xpress")
+    xp = save_pt(tmp_path / "x.pt", drafter)
+    with pytest.raises(UsageError, match="xPress-head checkpoint.*--xpress-refiner-path"):
+        load_refiner_checkpoint(xp, "markov")
+    convert.pt_to_serving(str(mk), str(base_dir), str(tmp_path / "ms"))
+    with pytest.raises(UsageError, match="Markov-head checkpoint"):
+        load_refiner_checkpoint(tmp_path / "ms", "xpress")
+    with pytest.raises(UsageError, match="Markov-head checkpoint"):  # a file inside the dir stands for the dir
+        load_refiner_checkpoint(tmp_path / "ms" / "config.json", "xpress")
+
+
+# --- path resolution ---------------------------------------------------------------------------------------------
+
+class FakeHub:
+    def __init__(self, missing=(), fail=False):
+        self.calls, self.missing, self.fail = [], set(missing), fail
+
+    def hf_hub_download(self, repo_id, filename, **kw):
+        self.calls.append(("file", repo_id, filename))
+        if self.fail:
+            raise ConnectionError("Failed to resolve 'huggingface.co'\nsecond line")
+        if filename in self.missing:
+            from huggingface_hub.errors import EntryNotFoundError
+            raise EntryNotFoundError(f"{filename} not found")
+        return f"/cache/{repo_id}/{filename}"
+
+    def snapshot_download(self, repo_id, allow_patterns=None, **kw):
+        self.calls.append(("snapshot", repo_id, tuple(allow_patterns)))
+        if self.fail:
+            raise ConnectionError("offline")
+        return f"/cache/{repo_id}/snapshot"
+
+
+@pytest.fixture()
+def hub(monkeypatch):
+    import huggingface_hub
+    fake = FakeHub()
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake.hf_hub_download)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
+    return fake
+
+
+def test_resolve_local_and_env(tmp_path, monkeypatch, hub):
+    monkeypatch.delenv("XPRESS_CKPT", raising=False)
+    assert resolve_refiner_path(None, "XPRESS_CKPT") is None
+    f = tmp_path / "r.pt"
+    f.write_bytes(b"x")
+    assert resolve_refiner_path(str(f), "XPRESS_CKPT") == str(f)
+    assert resolve_refiner_path(str(tmp_path), "XPRESS_CKPT") == str(tmp_path)
+    monkeypatch.setenv("MK_CKPT", str(f))
+    assert resolve_refiner_path(None, "MK_CKPT") == str(f)
+    assert resolve_refiner_path("", "MK_CKPT") == str(f)
+    monkeypatch.chdir(tmp_path)
+    assert resolve_refiner_path("r.pt", "XPRESS_CKPT") == "r.pt"
+    assert hub.calls == []
+
+
+@pytest.mark.parametrize("bad", ["a/b/c", "justaname", "user/ repo", "user/repo:", "./missing/x.pt", "/no/such.pt",
+                                 "user/repo:a b.pt"])
+def test_resolve_refuses_bad_strings(bad, hub):
+    with pytest.raises(UsageError, match="accepted forms") as e:
+        resolve_refiner_path(bad, "XPRESS_CKPT")
+    one_line(e)
+    assert hub.calls == []
+
+
+def test_resolve_hub_ids(hub, monkeypatch):
+    assert resolve_refiner_path("user/repo", "XPRESS_CKPT") == "/cache/user/repo/refiner_cotrain.pt"
+    assert resolve_refiner_path("user/repo:file.pt", "XPRESS_CKPT") == "/cache/user/repo/file.pt"
+    monkeypatch.setenv("MK_CKPT", "org/Markov-b16:sub/x.pt")
+    assert resolve_refiner_path(None, "MK_CKPT") == "/cache/org/Markov-b16/sub/x.pt"
+    assert resolve_refiner_path("user/repo:config.json", "XPRESS_CKPT") == "/cache/user/repo/snapshot"
+    assert hub.calls == [("file", "user/repo", "refiner_cotrain.pt"), ("file", "user/repo", "file.pt"),
+                         ("file", "org/Markov-b16", "sub/x.pt"),
+                         ("snapshot", "user/repo", ("config.json", "*.safetensors"))]
+
+
+def test_resolve_hub_falls_back_to_serving_layout_only_when_the_file_is_absent(hub):
+    hub.missing = {"refiner_cotrain.pt", "other.pt"}
+    assert resolve_refiner_path("user/repo", "XPRESS_CKPT") == "/cache/user/repo/snapshot"
+    with pytest.raises(UsageError, match="downloading other.pt from the hub repo user/repo failed"):
+        resolve_refiner_path("user/repo:other.pt", "XPRESS_CKPT")  # an explicit file never falls back
+    hub.fail, hub.calls = True, []
+    with pytest.raises(UsageError, match="ConnectionError: Failed to resolve") as e:
+        resolve_refiner_path("user/repo", "XPRESS_CKPT")
+    one_line(e)
+    assert hub.calls == [("file", "user/repo", "refiner_cotrain.pt")]  # a network failure never switches format
+
+
+# --- converter safety ------------------------------------------------------------------------------------------
+
+def test_converter_refuses_existing_output_and_leaves_nothing_on_failure(tmp_path, drafter, base_dir, capsys,
+                                                                         monkeypatch):
+    pt = save_pt(tmp_path / "in.pt", drafter)
+    (tmp_path / "out").mkdir()
+    before = listing(tmp_path)
+    assert convert.main(["pt-to-serving", "--ckpt", str(pt), "--base-config", str(base_dir),
+                         "--out", str(tmp_path / "out")]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert convert.main(["serving-to-pt", "--src", str(base_dir), "--out", str(pt)]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+    # A validation failure (the head's vocab differs from the base drafter's) writes nothing.
+    wrong = save_pt(tmp_path / "wrong.pt", drafter, head=xpress_head(vocab=V + 1))
+    before = listing(tmp_path)
+    assert convert.main(["pt-to-serving", "--ckpt", str(wrong), "--base-config", str(base_dir),
+                         "--out", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "vocab 129" in err and err.count("\n") == 1
+    assert listing(tmp_path) == before
+
+    # A failure in the middle of writing removes the partial output.
+    import harness.checkpoints as hc
+    real = hc.write_safetensors_dir
+
+    def half_then_fail(directory, config, tensors):
+        real(directory, config, tensors)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(hc, "write_safetensors_dir", half_then_fail)
+    assert convert.main(["pt-to-serving", "--ckpt", str(pt), "--base-config", str(base_dir),
+                         "--out", str(tmp_path / "new")]) == 2
+    assert "No space left" in capsys.readouterr().err
+    assert listing(tmp_path) == before
+
+    monkeypatch.setattr(hc, "write_safetensors_dir", real)
+    convert.pt_to_serving(str(pt), str(base_dir), str(tmp_path / "s"))
+    before = listing(tmp_path)
+    real_save = torch.save
+
+    def save_half_then_fail(obj, f, *a, **k):
+        real_save(obj, f, *a, **k)
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(torch, "save", save_half_then_fail)
+    assert convert.main(["serving-to-pt", "--src", str(tmp_path / "s"), "--out", str(tmp_path / "b.pt")]) == 2
+    assert listing(tmp_path) == before
+
+
+def test_cli_subprocess_exit_code_and_no_traceback(tmp_path, drafter, base_dir):
+    pt = save_pt(tmp_path / "in.pt", drafter, args=xpress_args(no_mixer=True))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "refiners.convert", "pt-to-serving", "--ckpt", str(pt),
+                           "--base-config", str(base_dir), "--out", str(tmp_path / "out")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no_mixer=True" in lines[0] and lines[0].startswith("error: ")
+    assert not (tmp_path / "out").exists()
