@@ -24,10 +24,16 @@ class RunConfig:
     max_new_tokens: int = 16384
     max_model_len: int | None = None
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    draft_temperature: float | None = None
+    draft_noise: str = "gumbel"
+    compat_reference: bool = False
     drafter_only: bool = False
     ar_only: bool = False
     skip_ar: bool = False
     answer_file: str | None = None
+    no_answer_timing: bool = False
     attn_implementation: str = "sdpa"
     device: str | None = None
     dtype: str | None = None
@@ -68,10 +74,19 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-new-tokens", type=int, default=16384, help="generation budget per turn")
     a("--max-model-len", type=int, help="context limit in tokens; default: the target's max_position_embeddings")
     a("--temperature", type=float, default=0.0, help="target sampling temperature; < 1e-5 is greedy")
+    a("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off); applied to p and to q")
+    a("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off); applied to p and to q")
+    a("--draft-temperature", type=float, help="temperature of the drafts (default: --temperature)")
+    a("--draft-noise", default="gumbel", choices=["gumbel", "uniform"],
+      help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
+    a("--compat-reference", action="store_true",
+      help="reproduce the reference harness's quirks (today: one global random stream for the whole run)")
     a("--drafter-only", action="store_true", help="speculative arm uses the drafter's own draft (no refiner, K=0)")
     a("--ar-only", action="store_true", help="run only the autoregressive baseline (block 1)")
     a("--skip-ar", action="store_true", help="run only the speculative arm")
     a("--answer-file", help="write per-sample JSONL results here")
+    a("--no-answer-timing", action="store_true",
+      help="leave timings and timestamps out of the answer file, so seeded runs can be compared byte for byte")
     a("--attn-implementation", default="sdpa", help="attention kernel: sdpa (default) or eager")
     a("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     a("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
@@ -116,6 +131,12 @@ def validate(c: RunConfig) -> None:
         raise UsageError(f"--max-model-len {c.max_model_len}: must be >= 2")
     if c.temperature < 0:
         raise UsageError(f"--temperature {c.temperature}: must be >= 0")
+    if c.draft_temperature is not None and c.draft_temperature < 0:
+        raise UsageError(f"--draft-temperature {c.draft_temperature}: must be >= 0")
+    if c.top_k < 0:
+        raise UsageError(f"--top-k {c.top_k}: must be >= 0 (0 = off)")
+    if not 0 < c.top_p <= 1:
+        raise UsageError(f"--top-p {c.top_p}: must be in (0, 1] (1 = off)")
     if c.attn_implementation not in ("sdpa", "eager"):
         raise UsageError(f"--attn-implementation {c.attn_implementation!r}: use sdpa or eager "
                          "(flash_attention_2 is not wired into the harness's own attention)")

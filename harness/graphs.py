@@ -38,11 +38,12 @@ class CapturedFn:
         return self.outputs
 
 
-def refine_tensors(refiner) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The refiner as a pure tensor function, the unit that is compiled and captured."""
+def refine_tensors(refiner, sampler=None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The refiner as a pure tensor function, the unit that is compiled and captured. A draft sampler's frozen
+    noise is read from its (persistent) buffer, refreshed in place before each block."""
     def fn(tokens, logits, hidden, anchor, prev):
         out = refiner.refine(Proposal(tokens=tokens, logits=logits, hidden=hidden),
-                             RefineContext(anchor=anchor, prev_token=prev))
+                             RefineContext(anchor=anchor, prev_token=prev, sampler=sampler))
         return out.tokens, out.logits
     return fn
 
@@ -51,20 +52,26 @@ class AcceleratedRefiner:
     """Wraps a refiner: optionally torch.compile'd, optionally captured as one CUDA graph on its first call."""
 
     def __init__(self, refiner, use_graph: bool = False, compile: bool = False):
-        self.inner, self.use_graph = refiner, use_graph
+        self.inner, self.use_graph, self.compile = refiner, use_graph, compile
         self.name, self.passes = refiner.name, refiner.passes
-        fn = refine_tensors(refiner)
-        self.fn = torch.compile(fn, dynamic=False) if compile else fn
-        self.captured: CapturedFn | None = None
+        self.fns: dict = {}       # per draft sampler (None = greedy): the tensor function, compiled if asked
+        self.captured: dict = {}  # per draft sampler: its CUDA graph
         self.graph_count = 0
+
+    def _fn(self, sampler):
+        if sampler not in self.fns:
+            fn = refine_tensors(self.inner, sampler)
+            self.fns[sampler] = torch.compile(fn, dynamic=False) if self.compile else fn
+        return self.fns[sampler]
 
     def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:
         args = (proposal.tokens, proposal.logits, proposal.hidden, ctx.anchor, ctx.prev_token)
+        fn = self._fn(ctx.sampler)
         if not self.use_graph:
-            tokens, logits = self.fn(*args)
+            tokens, logits = fn(*args)
         else:
-            if self.captured is None:
-                self.captured = CapturedFn(self.fn, args)
+            if ctx.sampler not in self.captured:
+                self.captured[ctx.sampler] = CapturedFn(fn, args)
                 self.graph_count += 1
-            tokens, logits = self.captured(*args)
+            tokens, logits = self.captured[ctx.sampler](*args)
         return proposal.with_tokens(tokens, logits)

@@ -10,6 +10,7 @@ target steps, so a proposed draft is never left half-verified.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,8 +19,8 @@ import torch
 from drafters.base import Drafter
 from harness.devices import Backend
 from harness.errors import UsageError
-from harness.sampling import sample_rows
-from harness.verify import exact_match
+from harness.sampling import DraftSampler, SamplingParams, sample_rows
+from harness.verify import exact_match, rejection
 from refiners.base import RefineContext, Refiner
 from refiners.identity import IdentityRefiner
 
@@ -30,6 +31,19 @@ class DecodeSettings:
     max_model_len: int
     stop_ids: tuple[int, ...]
     temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    draft_temperature: float | None = None   # None: the target temperature (the reference's convention)
+    draft_noise: str = "gumbel"
+
+    @property
+    def target_params(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def draft_params(self) -> SamplingParams:
+        t = self.temperature if self.draft_temperature is None else self.draft_temperature
+        return SamplingParams(t, self.top_k, self.top_p)
 
 
 @dataclass
@@ -91,10 +105,17 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     stops = torch.tensor(sorted(settings.stop_ids) or [-2], dtype=torch.long, device=dev)
     offsets = torch.arange(width, device=dev)
     gen = Generation(tokens=[], accept_lengths=[], accepted=[], stop_reason="", prompt_len=p)
+    target_params, draft_params = settings.target_params, settings.draft_params
+    sampler = None
+    if drafter is not None and not draft_params.greedy:
+        sampler = DraftSampler.shared(draft_params, settings.draft_noise, width - 1, target.vocab_size, dev)
+    # Rejection sampling needs a real q: drafts drawn at Td > 0 verified against a sampled target. Any other
+    # combination is verified by exact match (greedy, or against a sampled target for deterministic drafts).
+    q_mode = sampler is not None and not target_params.greedy
 
     t0 = backend.now()
     logits, feats = target.prefill(out[:p], want_features=drafter is not None)
-    first = sample_rows(logits, settings.temperature, generator)
+    first = sample_rows(logits, target_params, generator)
     out[p] = first
     first_id = int(first)  # host read of the prefill's token: part of TTFT, not of any step
     t1 = backend.now()
@@ -120,15 +141,21 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
         anchor = out.index_select(0, target.pos.view(1))
         if speculative:
             proposal = drafter.propose(anchor[0], target.pos, pos + w)
+            if sampler is not None:
+                sampler.new_block(generator)
+                proposal = dataclasses.replace(proposal, tokens=sampler.select(proposal.logits))
             prev = out.index_select(0, target.pos.view(1) - 1)[0]
-            proposal = refiner.refine(proposal, RefineContext(anchor=anchor[0], prev_token=prev))
+            proposal = refiner.refine(proposal, RefineContext(anchor=anchor[0], prev_token=prev, sampler=sampler))
             drafts = proposal.tokens
             block = torch.cat((anchor, drafts))
         else:
             drafts = out[:0]
             block = anchor
         logits, feats = target.verify(block, pos + w, want_features=speculative)
-        verdict = exact_match(drafts, logits, settings.temperature, generator)
+        if q_mode and speculative:
+            verdict = rejection(drafts, sampler.q(proposal.logits), logits, target_params, generator)
+        else:
+            verdict = exact_match(drafts, logits, target_params, generator)
         n = verdict.n_accept
         idx = offsets[:w]
         candidates = torch.cat((drafts, verdict.next_token.view(1)))

@@ -183,3 +183,80 @@ def speedup_ci_over_prompts(spec_seconds_per_tok: Sequence[float], ar_seconds_pe
     ar = np.asarray(ar_seconds_per_tok, dtype=np.float64)
     return _percentile_bootstrap(spec.size, lambda idx: ar[idx].mean() / spec[idx].mean(), n_boot, alpha, seed)
 
+
+
+# ------------------------------------------------------------------------------------- additions for the reports
+
+@_metric("over rounds = mean +- sample std (n-1) of the per-round value over the measured rounds, median, min, max")
+def round_stats(values: Sequence[float]) -> RatioStats:
+    """Spread of a per-round quantity (e.g. POOLED tok/s); the same aggregation as the paired ratios."""
+    return paired_ratio_stats(values)
+
+
+def _pooled_rate(tokens: np.ndarray, seconds: np.ndarray) -> float:
+    # a prompt without decode tokens adds no time either, as pooled_tok_per_s leaves such samples out
+    total_s = float(np.where(tokens > 0, seconds, 0.0).sum())
+    return float(tokens.sum()) / total_s if total_s > 0 else _NAN
+
+
+_POOLED_SPEEDUP = ("pooled speedup = (sum tokens / sum s of the method) / (same of the reference), each prompt's "
+                   "decode tokens and seconds summed over the measured rounds; CI resamples prompts, pairs kept")
+
+
+@_metric(_POOLED_SPEEDUP)
+def pooled_speedup(spec_tokens: Sequence[int], spec_seconds: Sequence[float], ref_tokens: Sequence[int],
+                   ref_seconds: Sequence[float]) -> float:
+    """Ratio of POOLED rates over the same prompts: the point estimate pooled_speedup_ci_over_prompts brackets."""
+    for a, b in ((spec_tokens, spec_seconds), (ref_tokens, ref_seconds), (spec_tokens, ref_tokens)):
+        _check_paired(a, b, "pooled_speedup")
+    if not len(spec_tokens):
+        return _NAN
+    spec = _pooled_rate(np.asarray(spec_tokens, np.float64), np.asarray(spec_seconds, np.float64))
+    ref = _pooled_rate(np.asarray(ref_tokens, np.float64), np.asarray(ref_seconds, np.float64))
+    return spec / ref if ref > 0 else _NAN
+
+
+@_metric(_POOLED_SPEEDUP)
+def pooled_speedup_ci_over_prompts(spec_tokens: Sequence[int], spec_seconds: Sequence[float],
+                                   ref_tokens: Sequence[int], ref_seconds: Sequence[float], n_boot: int = 2000,
+                                   alpha: float = 0.05, seed: int = 0) -> tuple[float, float]:
+    """(lo, hi) bootstrap interval of pooled_speedup; one index set per draw keeps each prompt's four values paired.
+
+    The POOLED analogue of speedup_ci_over_prompts: a prompt with a long generation weighs more, as in POOLED tok/s.
+    """
+    for a, b in ((spec_tokens, spec_seconds), (ref_tokens, ref_seconds), (spec_tokens, ref_tokens)):
+        _check_paired(a, b, "pooled_speedup_ci_over_prompts")
+    st, ss, rt, rs = (np.asarray(x, dtype=np.float64) for x in (spec_tokens, spec_seconds, ref_tokens, ref_seconds))
+
+    def stat(idx: np.ndarray) -> float:
+        ref = _pooled_rate(rt[idx], rs[idx])
+        return _pooled_rate(st[idx], ss[idx]) / ref if ref > 0 else _NAN
+
+    return _percentile_bootstrap(st.size, stat, n_boot, alpha, seed)
+
+
+@_metric("first divergence = index of the first generated token where a method's output differs from the "
+         "reference's (a length difference counts at the shorter length); none when identical")
+def first_divergence(tokens: Sequence[int], ref_tokens: Sequence[int]) -> int | None:
+    for i, (a, b) in enumerate(zip(tokens, ref_tokens)):
+        if a != b:
+            return i
+    return None if len(tokens) == len(ref_tokens) else min(len(tokens), len(ref_tokens))
+
+
+@_metric("token match = sum over paired outputs of the common-prefix length / sum of the longer output's length "
+         "(tokens after the first divergence never count as matching)")
+def token_match_rate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> float:
+    """Prefix-based: once two greedy outputs diverge, later positions line up only by accident."""
+    matched = total = 0
+    for tokens, ref in pairs:
+        d = first_divergence(tokens, ref)
+        matched += len(tokens) if d is None else d
+        total += max(len(tokens), len(ref))
+    return matched / total if total else _NAN
+
+
+@_metric("latency = arithmetic mean of the per-sample seconds (TTFT: prefill and first token; drafter prefill: the "
+         "drafter's pass over the prompt), outside decode time")
+def mean_latency_s(seconds: Sequence[float]) -> float:
+    return float(np.mean(seconds)) if len(seconds) else _NAN

@@ -45,10 +45,18 @@ def run(cfg: RunConfig, out=None) -> dict:
     target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps, attn_impl=cfg.attn_implementation)
     stops = tuple(stop_token_ids(target.model, tokenizer))
     arms = build_arms(cfg, prep, target)
-    settings = DecodeSettings(cfg.max_new_tokens, prep.max_model_len, stops, cfg.temperature)
+    settings = DecodeSettings(cfg.max_new_tokens, prep.max_model_len, stops, cfg.temperature, cfg.top_k, cfg.top_p,
+                              cfg.draft_temperature, cfg.draft_noise)
     print(f"[run] target={cfg.model_name_or_path} device={backend.device} dtype={backend.dtype} "
           f"block={prep.block_size} stop_ids={list(stops)} max_model_len={prep.max_model_len} "
           f"samples={len(samples)} arms={[a.name for a in arms]}", file=out)
+    tp, dp = settings.target_params, settings.draft_params
+    verification = ("greedy" if tp.greedy else "rejection sampling (q = the drafts' real distribution)"
+                    if not dp.greedy else "exact match against a sampled target")
+    print(f"[sampling] T={tp.temperature} Td={dp.temperature} top_k={tp.top_k or 'off'} "
+          f"top_p={tp.top_p if tp.top_p < 1 else 'off'} draft noise={settings.draft_noise if not dp.greedy else '-'} "
+          f"verification={verification} rng={'one global stream' if cfg.compat_reference else 'per (prompt, turn)'}",
+          file=out)
     if prep.refiner is not None:
         ck = prep.refiner
         print(f"[refiner] {ck.kind} from {ck.source}: rank={ck.rank} step={ck.step} mixer={ck.mixer} "
@@ -56,6 +64,9 @@ def run(cfg: RunConfig, out=None) -> dict:
               f"co-trained drafter={'yes' if ck.draft_state else 'no'}", file=out)
     warmup(arms, target, samples, tokenizer, settings, backend)
     tracer = StepTracer(cfg.trace) if cfg.trace else None
+    # Common random numbers: every arm replays the same stream for a (prompt, turn); the reference instead
+    # draws everything from one stream seeded once (--compat-reference).
+    global_rng = backend.generator(cfg.seed) if cfg.compat_reference else None
     try:
         for qid, s in enumerate(samples):
             for arm in arms:
@@ -68,7 +79,7 @@ def run(cfg: RunConfig, out=None) -> dict:
                 for arm in arms:
                     if tracer:
                         tracer.set_context(arm=arm.name, question_id=qid, dataset_row=s.row, turn=turn_idx)
-                    gen_rng = backend.generator(stream_seed(cfg.seed, s.row, turn_idx))
+                    gen_rng = global_rng or backend.generator(stream_seed(cfg.seed, s.row, turn_idx))
                     g = generate(target, prompt, settings, backend, drafter=arm.drafter, refiner=arm.refiner,
                                  generator=gen_rng, on_step=tracer)
                     arm.results[-1].append(g)
@@ -84,7 +95,7 @@ def run(cfg: RunConfig, out=None) -> dict:
         if getattr(arm.refiner, "graph_count", 0):
             print(f"[graphs] {arm.name}: {arm.refiner.graph_count} CUDA graph(s) captured during warmup", file=out)
     if cfg.answer_file:
-        write_answers(cfg.answer_file, samples, arms, tokenizer, cfg.dataset)
+        write_answers(cfg.answer_file, samples, arms, tokenizer, cfg.dataset, timing=not cfg.no_answer_timing)
         print(f"Saved answer file with {len(samples)} samples to {cfg.answer_file}", file=out)
     return summary
 
@@ -130,8 +141,11 @@ def report(summary: dict, block: int, out) -> None:
         print(f"{name} stop reasons: {s['stop_reasons']}", file=out)
 
 
-def _choice(index: int, arm: Arm | None, turns: list[Generation], tokenizer) -> dict:
-    return {"index": index, "block_size": arm.block_size if arm else None, "method": arm.name if arm else None,
+TIMING_FIELDS = ("wall_time", "prefill_times", "drafter_prefill_times", "decode_times")
+
+
+def _choice(index: int, arm: Arm | None, turns: list[Generation], tokenizer, timing: bool = True) -> dict:
+    choice = {"index": index, "block_size": arm.block_size if arm else None, "method": arm.name if arm else None,
             "turns": [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in turns],
             "new_tokens": [len(g.tokens) for g in turns],
             "wall_time": [g.ttft_s + g.drafter_prefill_s + g.decode_s for g in turns],
@@ -140,9 +154,13 @@ def _choice(index: int, arm: Arm | None, turns: list[Generation], tokenizer) -> 
             "decode_times": [g.decode_s for g in turns],
             "acceptance_lengths": [g.accept_lengths for g in turns],
             "stop_reason": [g.stop_reason for g in turns]}
+    if not timing:
+        for key in TIMING_FIELDS:
+            del choice[key]
+    return choice
 
 
-def write_answers(path: str, samples, arms: list[Arm], tokenizer, dataset: str) -> None:
+def write_answers(path: str, samples, arms: list[Arm], tokenizer, dataset: str, timing: bool = True) -> None:
     """The reference's per-sample schema (choices[0] = AR, choices[1] = speculative) plus provenance fields.
 
     Written to a temporary file and renamed, so an interrupted run leaves no half-written answer file.
@@ -158,9 +176,10 @@ def write_answers(path: str, samples, arms: list[Arm], tokenizer, dataset: str) 
                 choices = []
                 for index, key in enumerate((1, 2)):
                     arm = by_block[key]
-                    choices.append(_choice(index, arm, arm.results[i] if arm else [], tokenizer))
-                row = {"question_id": i, "dataset": dataset, "dataset_row": s.row, "tstamp": time.time(),
-                       "choices": choices}
+                    choices.append(_choice(index, arm, arm.results[i] if arm else [], tokenizer, timing))
+                row = {"question_id": i, "dataset": dataset, "dataset_row": s.row, "choices": choices}
+                if timing:
+                    row["tstamp"] = time.time()
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
         os.replace(tmp, path)
     except BaseException:

@@ -1,5 +1,12 @@
-"""Sampling primitives that need no host sync (and so can later live inside a CUDA graph)."""
+"""Sampling primitives that need no host sync (and so can later live inside a CUDA graph).
+
+Temperature, then top-k, then top-p, as usual. The same filtering is applied wherever a distribution is used:
+to sample the target, to draw drafts, and to build p and q for rejection verification, so that verification
+stays exact for the filtered target distribution.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -10,14 +17,106 @@ def is_greedy(temperature: float) -> bool:
     return temperature < GREEDY_BELOW
 
 
-def sample_rows(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `logits` [..., V]: argmax when greedy, else a draw from softmax(logits / T).
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0        # 0 = off
+    top_p: float = 1.0    # 1 = off
 
-    The draw is argmax(p / E) with E ~ Exponential(1) i.i.d., an exact categorical sample that, unlike
-    torch.multinomial, never waits on the device.
+    @property
+    def greedy(self) -> bool:
+        return is_greedy(self.temperature)
+
+
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """fp32 logits / T with -inf outside the top-k set and outside the smallest top-p nucleus."""
+    z = logits.float() / params.temperature
+    if params.top_k and params.top_k < z.shape[-1]:
+        kth = z.topk(params.top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_z, order = z.sort(dim=-1, descending=True)
+        cum = sorted_z.softmax(-1).cumsum(-1)
+        # keep a token if the mass strictly before it is < top_p (so the top token is always kept)
+        drop_sorted = (cum - sorted_z.softmax(-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    return z
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    return filtered_logits(logits, params).softmax(-1)
+
+
+def sample_from(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """A draw per row proportional to non-negative `weights`: argmax(w / E), E ~ Exponential(1) i.i.d.
+
+    An exact categorical sample that, unlike torch.multinomial, never waits on the device.
     """
-    if is_greedy(temperature):
+    e = torch.empty_like(weights).exponential_(generator=generator)
+    return (weights / e).argmax(-1)
+
+
+def sample_rows(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of `logits` [..., V]: argmax when greedy, else a draw from the filtered distribution."""
+    if params.greedy:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    e = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / e).argmax(-1)
+    return sample_from(probabilities(logits, params), generator)
+
+
+NOISE_KINDS = ("gumbel", "uniform")
+
+
+class DraftSampler:
+    """Draws drafts at the draft temperature with noise frozen for a whole block.
+
+    One noise draw per block is shared by the drafter's seed and every refinement pass, so a draft token is a
+    deterministic function of (its logits, its slot's noise): a settled prefix stays settled, and the final token
+    of each slot is an exact sample from the distribution of the logits it was last chosen from (honest q).
+    gumbel: argmax(z + G) with one Gumbel vector per slot (the reference). uniform: inverse CDF with one uniform
+    per slot (V times fewer random numbers; same distribution, different realisations).
+    """
+
+    _shared: dict = {}
+
+    @classmethod
+    def shared(cls, params: SamplingParams, noise: str, slots: int, vocab: int, device: torch.device) -> "DraftSampler":
+        """One sampler (one noise buffer) per configuration, reused across generations: a captured CUDA graph
+        reads the buffer by address, so it must outlive a single prompt."""
+        key = (params, noise, slots, vocab, str(device))
+        if key not in cls._shared:
+            cls._shared[key] = cls(params, noise, slots, vocab, device)
+        return cls._shared[key]
+
+    def __init__(self, params: SamplingParams, noise: str, slots: int, vocab: int, device: torch.device):
+        if noise not in NOISE_KINDS:
+            raise ValueError(f"draft noise {noise!r}: use one of {', '.join(NOISE_KINDS)}")
+        self.params, self.noise = params, noise
+        shape = (slots, vocab) if noise == "gumbel" else (slots,)
+        self.frozen = torch.zeros(shape, dtype=torch.float32, device=device)
+
+    def new_block(self, generator: torch.Generator | None) -> None:
+        if self.noise == "gumbel":
+            u = torch.rand(self.frozen.shape, generator=generator, device=self.frozen.device)
+            # two clamps, each before its negation, so neither log sees 0 (the reference's construction)
+            self.frozen.copy_(-torch.log(torch.clamp(-torch.log(torch.clamp(u, min=1e-20)), min=1e-20)))
+        else:
+            self.frozen.uniform_(generator=generator)
+
+    def select(self, scores: torch.Tensor, ids: torch.Tensor | None = None, slot: int | None = None) -> torch.Tensor:
+        """Tokens for all slots (scores [S, n]) or for one slot (scores [n], slot index). `ids` maps columns of a
+        shortlist to token ids (None: column i is token i)."""
+        noise = self.frozen if slot is None else self.frozen[slot]
+        z = filtered_logits(scores, self.params)
+        if self.noise == "gumbel":
+            g = noise if ids is None else noise.gather(-1, ids)
+            pick = (z + g).argmax(-1)
+        else:
+            cdf = z.softmax(-1).cumsum(-1)
+            u = noise.unsqueeze(-1) * cdf[..., -1:]
+            pick = torch.searchsorted(cdf, u.contiguous(), right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+        return pick if ids is None else ids.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+
+    def q(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution the drafts were drawn from, given the logits they were last chosen from."""
+        return probabilities(logits, self.params)

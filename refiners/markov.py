@@ -93,7 +93,7 @@ class MarkovRefiner:
         for k in range(base.shape[0]):
             bias, state = head.step(prev, None if rows is None else rows[k], state)
             corrected = torch.add(base[k], bias).to(base.dtype)
-            prev = self.select(corrected)
+            prev = self.select(corrected) if ctx.sampler is None else ctx.sampler.select(corrected, slot=k)
             tokens.append(prev)
             q.append(corrected)
         return proposal.with_tokens(torch.stack(tokens), torch.stack(q))

@@ -257,9 +257,10 @@ class XPressRefiner:
         blk = _Block(self.head, proposal.hidden, proposal.logits, self.topc)
         lead = _lead(ctx.anchor, ctx.anchor if self.prev_anchor else ctx.prev_token)
         tokens = proposal.tokens
+        select = self.select if ctx.sampler is None else ctx.sampler.select
         for _ in range(self.passes):
             scores = blk.scores(torch.cat((lead, tokens[:-1])))
-            tokens = self.select(scores, blk.ids)
+            tokens = select(scores, blk.ids)
         return proposal.with_tokens(tokens, blk.full(scores))
 
 

@@ -94,3 +94,23 @@ def test_bad_refiner_input_fails_before_loading(files, tmp_path, extra, message,
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--compat-reference"], ["--draft-noise", "uniform", "--top-p", "0.9"]])
+def test_seeded_replay_is_byte_identical_at_t1(files, tmp_path, extra, capsys):
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"r{i}.jsonl"
+        argv = args(files, "--xpress-refiner-path", str(files / "xpress.pt"), "--xpress-refine-passes", "2",
+                    "--temperature", "1.0", "--seed", "5", "--no-answer-timing", "--answer-file", str(out), *extra)
+        assert cli.main(argv) == 0
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    assert "rejection sampling" in capsys.readouterr().out
+    rows = [json.loads(x) for x in outs[0].decode().splitlines()]
+    assert "wall_time" not in rows[0]["choices"][0] and "tstamp" not in rows[0]
+    other = tmp_path / "other.jsonl"
+    argv = args(files, "--xpress-refiner-path", str(files / "xpress.pt"), "--xpress-refine-passes", "2",
+                "--temperature", "1.0", "--seed", "6", "--no-answer-timing", "--answer-file", str(other), *extra)
+    assert cli.main(argv) == 0
+    assert other.read_bytes() != outs[0]  # the seed matters

@@ -1,0 +1,70 @@
+"""Interleaved paired rounds (REFERENCE.md 1.3; flag names as the reference's --fair-interleave ROUNDS and
+--fair-warmup-rounds W): how many, in which order each arm runs, and the per-round paired ratios.
+
+Every arm runs the whole evaluation once per round. Round r (1-based) runs the arms rotated left by (r-1) mod n,
+so over n consecutive rounds every arm sits in every slot once, and slot effects (clock warm-up, thermal drift,
+allocator state left by the previous arm) cancel in the paired ratios. Rounds 1..warmup are run but not measured.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+from harness.errors import UsageError
+
+
+def default_rounds(n_arms: int, warmup: int) -> int:
+    """The fewest rounds that keep the rotation balanced: every arm in every slot once after the warmup."""
+    return warmup + n_arms
+
+
+def validate_rounds(rounds: int, warmup: int, n_arms: int) -> str | None:
+    """Raise UsageError when nothing would be measured; return a warning line when the rotation is unbalanced."""
+    if n_arms < 1:
+        raise UsageError(f"no arms to run (n_arms={n_arms}); enable at least one of AR, drafter-only, Markov, xPress")
+    if warmup < 0:
+        raise UsageError(f"--fair-warmup-rounds {warmup}: must be >= 0")
+    if rounds < warmup + 1:
+        raise UsageError(f"--fair-interleave {rounds} leaves no measured round after {warmup} warmup round(s); use "
+                         f"--fair-interleave >= {warmup + 1}, ideally {default_rounds(n_arms, warmup)} "
+                         "(warmup + one round per arm)")
+    measured = rounds - warmup
+    if measured % n_arms:
+        return (f"rotation unbalanced: {measured} measured round(s) is not a multiple of {n_arms} arms, so some arms "
+                f"run in some slots more often; use --fair-interleave "
+                f"{warmup + n_arms * math.ceil(measured / n_arms)}")
+    return None
+
+
+def rotation(arms: list[str], rounds: int) -> list[list[str]]:
+    """Order of the arms in each round; element r-1 is round r, the list rotated left by (r-1) mod n."""
+    n = len(arms)
+    if not n:
+        return [[] for _ in range(rounds)]
+    return [arms[(r % n):] + arms[:(r % n)] for r in range(rounds)]
+
+
+def _usable(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def paired_ratios(tput: Mapping[int, Mapping[str, float]], ref: str) -> dict[str, list[float]]:
+    """Per measured round (ascending), each arm's value / the reference arm's value in that same round.
+
+    `tput` maps round -> arm -> value and should hold only measured rounds. A round contributes only if every arm
+    seen in any round has a usable value there (not missing, None or NaN) and the reference's is positive, so every
+    arm's list covers the same rounds and ratios stay paired. The reference's own list is all 1.0.
+    """
+    arms: list[str] = []
+    for values in tput.values():
+        arms.extend(a for a in values if a not in arms)
+    if ref not in arms:
+        raise KeyError(f"reference arm {ref!r} has no value in any round (arms: {arms})")
+    out: dict[str, list[float]] = {a: [] for a in arms}
+    for r in sorted(tput):
+        values = tput[r]
+        if not all(_usable(values.get(a)) for a in arms) or values[ref] <= 0:
+            continue
+        for a in arms:
+            out[a].append(values[a] / values[ref])
+    return out
