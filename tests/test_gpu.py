@@ -63,3 +63,33 @@ def test_cuda_syncs_are_only_the_named_ones():
     # exactly one per step, plus four outside the steps: prompt upload, stop-id upload, the prefill's first token
     # and the final copy of the output (the H200 run gave 26 for 22 steps)
     assert syncs == g.host_syncs + 4
+
+
+def _refiners(vocab=128, hidden=64, block=4):
+    from refiners.markov import MarkovRefiner, random_markov_head
+    from refiners.xpress import XPressRefiner, random_xpress_head
+    xp = random_xpress_head(vocab, hidden, 8, block, seed=2, std=0.3).cuda().fold()
+    yield "xpress-K3", XPressRefiner(xp, 3)
+    yield "xpress-K2-C8", XPressRefiner(xp, 2, topc=8)
+    for v in ("vanilla", "rnn"):
+        yield f"markov-{v}", MarkovRefiner(random_markov_head(v, vocab, hidden, 8, seed=3, std=0.3).cuda())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_graph_and_compile_give_the_same_tokens(temperature):
+    from harness.graphs import AcceleratedRefiner
+    b = backend(torch.float32)
+    t = tiny_target("qwen3", backend=b)
+    d = tiny_drafter(t, block=4, backend=b)
+    s = DecodeSettings(20, 512, (3, 5), temperature=temperature)
+    for name, r in _refiners():
+        variants = {"eager": r, "graph": AcceleratedRefiner(r, use_graph=True)}
+        if temperature == 0.0:
+            variants["compiled+graph"] = AcceleratedRefiner(r, use_graph=True, compile=True)
+        outs = {}
+        for label, rr in variants.items():
+            outs[label] = [generate(t, p, s, b, drafter=d, refiner=rr, generator=b.generator(i)).tokens
+                           for i, p in enumerate(prompts(4))]
+        for label in variants:
+            assert outs[label] == outs["eager"], f"{name}: {label} differs from eager"
+        assert variants["graph"].graph_count == 1

@@ -1,0 +1,130 @@
+"""Cost of the refinement step alone, per pass: python -m harness.bench_refiner --preset qwen3-8b --device cpu
+
+Random heads at real shapes (timing does not depend on weight values), a random proposal, and the refine() call
+timed in isolation: the median over repeats after warmup, with a device sync around each call (this is a
+micro-benchmark of one stage, not the decode loop). The per-pass cost is the slope of time over K.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from drafters.base import Proposal
+from harness.devices import resolve_backend
+from harness.errors import UsageError
+from harness.graphs import AcceleratedRefiner
+from refiners.base import RefineContext
+from refiners.markov import MarkovRefiner, random_markov_head
+from refiners.xpress import XPressRefiner, random_xpress_head
+
+PRESETS = {  # vocab, hidden, rank, block
+    "qwen3-8b": (151936, 4096, 256, 16),
+    "smollm2-135m": (49152, 576, 256, 16),
+    "tiny": (512, 64, 16, 8),
+}
+
+
+def time_call(fn, backend, repeats: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = backend.now()
+        fn()
+        samples.append(backend.now() - t0)
+    return statistics.median(samples)
+
+
+def measure(preset: str, device: str | None, dtype: str | None, passes: list[int], topcs: list[int],
+            repeats: int, use_graph: bool = False) -> dict:
+    backend = resolve_backend(device, dtype)
+    vocab, hidden, rank, block = PRESETS[preset]
+    g = torch.Generator().manual_seed(0)
+    proposal = Proposal(tokens=torch.randint(0, vocab, (block - 1,), generator=g).to(backend.device),
+                        logits=torch.randn(block - 1, vocab, generator=g).to(backend.device, backend.dtype),
+                        hidden=torch.randn(block, hidden, generator=g).to(backend.device, backend.dtype))
+    ctx = RefineContext(anchor=torch.tensor(5, device=backend.device), prev_token=torch.tensor(7, device=backend.device))
+    head = random_xpress_head(vocab, hidden, rank, block, seed=1).to(backend.device, backend.dtype).fold()
+    rows = []
+
+    def wrap(refiner):
+        return AcceleratedRefiner(refiner, use_graph=True) if use_graph else refiner
+
+    with torch.no_grad():
+        for c in topcs:
+            times = {}
+            for k in passes:
+                r = wrap(XPressRefiner(head, k, topc=c))
+                times[k] = time_call(lambda: r.refine(proposal, ctx), backend, repeats)
+                rows.append({"refiner": "xpress", "K": k, "topc": c, "ms": 1000 * times[k]})
+            # K = 0 skips the head entirely, so the slope is taken over K >= 1 (the per-block work is in every K >= 1)
+            used = [k for k in passes if k >= 1]
+            lo, hi = (min(used), max(used)) if used else (0, 0)
+            if hi > lo:
+                slope = (times[hi] - times[lo]) / (hi - lo)
+                rows.append({"refiner": "xpress", "K": "per pass", "topc": c, "ms": 1000 * slope,
+                             "fixed_ms": 1000 * (times[lo] - slope * lo)})
+        for variant in ("vanilla", "gated", "rnn"):
+            mk = random_markov_head(variant, vocab, hidden, rank, seed=2).to(backend.device, backend.dtype)
+            r = wrap(MarkovRefiner(mk))
+            t = time_call(lambda: r.refine(proposal, ctx), backend, repeats)
+            rows.append({"refiner": f"markov-{variant}", "K": f"{block - 1} steps", "topc": 0, "ms": 1000 * t})
+    device_name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else platform.processor() or "cpu"
+    return {"what": "refinement step alone (seed + K passes, or the Markov steps), median wall time per call",
+            "preset": preset, "shapes": {"vocab": vocab, "hidden": hidden, "rank": rank, "block": block},
+            "device": str(backend.device), "device_name": device_name, "dtype": str(backend.dtype),
+            "threads": torch.get_num_threads(), "cuda_graph": use_graph, "repeats": repeats,
+            "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows}
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Refinement cost, preset {result['preset']} {result['shapes']}, {result['device_name']} "
+             f"({result['device']}, {result['dtype']}, {result['threads']} threads, graph={result['cuda_graph']}), "
+             f"median of {result['repeats']} calls; {result['weights']}.", "",
+             "| refiner | K | top-C | ms |", "|---|---|---|---|"]
+    for r in result["rows"]:
+        extra = f" (fixed {r['fixed_ms']:.3f})" if "fixed_ms" in r else ""
+        lines.append(f"| {r['refiner']} | {r['K']} | {r['topc'] or 'full'} | {r['ms']:.3f}{extra} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.bench_refiner", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
+    p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--passes", default="0,1,2,4,6,8")
+    p.add_argument("--topc", default="0,128")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--use-graph", action="store_true")
+    p.add_argument("--out", help="write JSON here and markdown beside it (.md)")
+    a = p.parse_args(argv)
+    try:
+        passes = [int(x) for x in a.passes.split(",")]
+        topcs = [int(x) for x in a.topc.split(",")]
+        if any(k < 0 for k in passes) or any(c < 0 for c in topcs) or a.repeats < 1:
+            raise UsageError("--passes, --topc must be non-negative integers and --repeats >= 1")
+        result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph)
+    except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = markdown(result)
+    print(text)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            json.dump({**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=2)
+        with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
