@@ -80,7 +80,8 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
     return {"what": "refinement step alone (seed + K passes, or the Markov steps), median wall time per call",
             "preset": preset, "shapes": {"vocab": vocab, "hidden": hidden, "rank": rank, "block": block},
             "device": str(backend.device), "device_name": device_name, "dtype": str(backend.dtype),
-            "threads": torch.get_num_threads(), "cuda_graph": use_graph, "repeats": repeats,
+            "threads": torch.get_num_threads(), "cuda_graph": use_graph,
+            "host_load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "repeats": repeats,
             "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows}
 
 
