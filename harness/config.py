@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--draft-noise", default="gumbel", choices=["gumbel", "uniform"],
       help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
     a("--compat-reference", action="store_true",
-      help="reproduce the reference harness's quirks (today: one global random stream for the whole run)")
+      help="reproduce the reference harness's quirks: one global random stream, an extra step after an EOS "
+           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted")
     a("--drafter-only", action="store_true", help="speculative arm uses the drafter's own draft (no refiner, K=0)")
     a("--ar-only", action="store_true", help="run only the autoregressive baseline (block 1)")
     a("--skip-ar", action="store_true", help="run only the speculative arm")

@@ -35,6 +35,9 @@ class DecodeSettings:
     top_p: float = 1.0
     draft_temperature: float | None = None   # None: the target temperature (the reference's convention)
     draft_noise: str = "gumbel"
+    # The reference harness's loop quirks: tau entries not clipped at EOS or the budget, one extra draft+verify
+    # step after an EOS correction/bonus token, and the decode timer started after the first block's drafting.
+    compat_reference: bool = False
 
     @property
     def target_params(self) -> SamplingParams:
@@ -59,12 +62,13 @@ class Generation:
     spec_steps: int = 0
     ar_steps: int = 0
     host_syncs: int = 0
-    step_log: list[dict] = field(default_factory=list)
+    compat_reference: bool = False
 
     @property
     def decode_tokens(self) -> int:
-        """Tokens produced by decode steps: all but the first, which the prefill produced."""
-        return max(0, len(self.tokens) - 1)
+        """Tokens the decode timer is divided by: all but the prefill's first token (whose time is TTFT); the
+        reference (compat mode) counts that token too."""
+        return len(self.tokens) if self.compat_reference else max(0, len(self.tokens) - 1)
 
 
 class PromptTooLong(UsageError):
@@ -104,7 +108,8 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     out[:p] = torch.tensor(prompt, dtype=torch.long)
     stops = torch.tensor(sorted(settings.stop_ids) or [-2], dtype=torch.long, device=dev)
     offsets = torch.arange(width, device=dev)
-    gen = Generation(tokens=[], accept_lengths=[], accepted=[], stop_reason="", prompt_len=p)
+    compat = settings.compat_reference
+    gen = Generation(tokens=[], accept_lengths=[], accepted=[], stop_reason="", prompt_len=p, compat_reference=compat)
     target_params, draft_params = settings.target_params, settings.draft_params
     sampler = None
     if drafter is not None and not draft_params.greedy:
@@ -135,7 +140,8 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     elif pos + 1 >= limit:
         stop = "max_model_len"
 
-    while not stop:
+    extra_step = False  # compat: the step the reference runs with an EOS anchor, counted but emitting nothing
+    while not stop or extra_step:
         speculative = drafter is not None and pos + width < limit
         w = width if speculative else 1
         anchor = out.index_select(0, target.pos.view(1))
@@ -146,6 +152,10 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
                 proposal = dataclasses.replace(proposal, tokens=sampler.select(proposal.logits))
             prev = out.index_select(0, target.pos.view(1) - 1)[0]
             proposal = refiner.refine(proposal, RefineContext(anchor=anchor[0], prev_token=prev, sampler=sampler))
+            if compat and gen.spec_steps == 0:
+                t2 = backend.now()  # the reference starts its decode timer here (its drafter "prefill")
+                gen.drafter_prefill_s += t2 - t1
+                t1 = t2
             drafts = proposal.tokens
             block = torch.cat((anchor, drafts))
         else:
@@ -171,9 +181,16 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
         gen.host_syncs += 1
         gen.spec_steps += speculative
         gen.ar_steps += not speculative
+        if extra_step:
+            gen.accept_lengths.append(accepted + 1)
+            gen.accepted.append(accepted)
+            break
         emit = accepted + 1
         if stop_at < w:
             emit, stop = stop_at + 1, "eos"
+            # the reference checks stops before the token it just wrote: an EOS correction/bonus costs a step
+            extra_step = (compat and stop_at == accepted and pos + accepted + 1 < p + m
+                          and pos + accepted + 2 < limit)
         if produced + emit >= m:
             if produced + emit > m or not stop:
                 stop = "max_new_tokens"
@@ -185,7 +202,7 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
                      "produced": produced + emit, "stop": stop})
         produced += emit
         pos += accepted + 1
-        gen.accept_lengths.append(emit)
+        gen.accept_lengths.append(accepted + 1 if compat else emit)
         gen.accepted.append(accepted)
         if not stop and pos + 1 >= limit:
             stop = "max_model_len"

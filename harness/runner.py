@@ -46,7 +46,7 @@ def run(cfg: RunConfig, out=None) -> dict:
     stops = tuple(stop_token_ids(target.model, tokenizer))
     arms = build_arms(cfg, prep, target)
     settings = DecodeSettings(cfg.max_new_tokens, prep.max_model_len, stops, cfg.temperature, cfg.top_k, cfg.top_p,
-                              cfg.draft_temperature, cfg.draft_noise)
+                              cfg.draft_temperature, cfg.draft_noise, cfg.compat_reference)
     print(f"[run] target={cfg.model_name_or_path} device={backend.device} dtype={backend.dtype} "
           f"block={prep.block_size} stop_ids={list(stops)} max_model_len={prep.max_model_len} "
           f"samples={len(samples)} arms={[a.name for a in arms]}", file=out)

@@ -224,3 +224,29 @@ def test_sampling_is_reproducible_per_stream():
     assert runs[0] == runs[1]
     other = generate(t, [9, 10, 11], s, CPU32, drafter=d, generator=CPU32.generator(8)).tokens
     assert other != runs[0]
+
+
+def test_compat_reference_quirks():
+    """--compat-reference: same tokens; an extra step after an EOS bonus; tau entries not clipped."""
+    t = tiny_target("qwen3")
+    b = 4
+    prompt, ref, stop = scripted_case(t, b, position_in_block=b - 1)  # EOS is the first block's bonus
+    fixed = DecodeSettings(40, 512, (stop,))
+    compat = DecodeSettings(40, 512, (stop,), compat_reference=True)
+    d1, d2 = ScriptedDrafter(prompt + ref, b, VOCAB), ScriptedDrafter(prompt + ref, b, VOCAB)
+    a = generate(t, prompt, fixed, CPU32, drafter=d1)
+    c = generate(t, prompt, compat, CPU32, drafter=d2)
+    assert a.tokens == c.tokens == ref[: 1 + b]
+    assert a.accept_lengths == [b] and d1.calls == 1
+    assert len(c.accept_lengths) == 2 and c.accept_lengths[0] == b and d2.calls == 2  # one junk step
+    # EOS inside the accepted drafts: no extra step, but the entry is accepted + 1, unclipped
+    prompt, ref, stop = scripted_case(t, 6, position_in_block=2)
+    c = generate(t, prompt, DecodeSettings(40, 512, (stop,), compat_reference=True), CPU32,
+                 drafter=ScriptedDrafter(prompt + ref, 6, VOCAB))
+    assert c.tokens == ref[:4] and c.accept_lengths == [6]
+    # budget inside a block: the last entry is not clipped either
+    prompt = [20, 30, 40, 50]
+    ref = reference(t, prompt)
+    c = generate(t, prompt, DecodeSettings(6, 512, (), compat_reference=True), CPU32,
+                 drafter=ScriptedDrafter(prompt + ref, 4, VOCAB))
+    assert c.tokens == ref[:6] and c.accept_lengths == [4, 4] and c.decode_tokens == 6
