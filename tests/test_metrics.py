@@ -111,3 +111,58 @@ def test_every_public_metric_states_a_one_line_convention():
                  "paired_speedup", "speedup_ci_over_prompts"):
         line = m.CONVENTIONS[name]
         assert line and "\n" not in line and getattr(m, name).convention == line
+
+
+def test_round_stats_aggregates_like_paired_ratios():
+    s = m.round_stats([100.0, 80.0])
+    assert (s.n, s.mean, s.median) == (2, 90.0, 90.0) and s.std == pytest.approx(math.sqrt(200))
+    assert "over the measured rounds" in m.CONVENTIONS["round_stats"]
+
+
+def test_pooled_speedup_is_a_ratio_of_pooled_rates():
+    # per prompt: (tokens, seconds) summed over rounds; spec 300 tok / 1.5 s = 200 tok/s, ref 300 tok / 6 s = 50
+    spec_t, spec_s, ref_t, ref_s = [200, 100], [1.0, 0.5], [200, 100], [2.0, 4.0]
+    assert m.pooled_speedup(spec_t, spec_s, ref_t, ref_s) == pytest.approx(4.0)
+    # not the per-sample statistic: mean ref s/token (0.01, 0.04) / mean spec s/token (0.005, 0.005) = 5
+    assert m.paired_speedup([0.005, 0.005], [0.01, 0.04]) == pytest.approx(5.0)
+    # a prompt without decode tokens adds no seconds, as in pooled_tok_per_s
+    assert m.pooled_speedup([200, 0], [1.0, 9.0], [200, 0], [2.0, 9.0]) == pytest.approx(2.0)
+    assert math.isnan(m.pooled_speedup([], [], [], []))
+    with pytest.raises(ValueError, match="paired"):
+        m.pooled_speedup([1], [1.0], [1, 2], [1.0, 2.0])
+
+
+def test_pooled_speedup_ci_over_prompts_is_paired():
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(50, 2000, size=30)
+    ref_s = tokens * rng.uniform(0.01, 0.05, size=30)  # prompts differ a lot in s/token ...
+    lo, hi = m.pooled_speedup_ci_over_prompts(tokens, ref_s / 3.0, tokens, ref_s)  # ... spec 3x faster on each
+    assert lo == pytest.approx(3.0) and hi == pytest.approx(3.0)
+    noisy = ref_s / 3.0 * rng.uniform(0.8, 1.2, size=30)
+    lo, hi = m.pooled_speedup_ci_over_prompts(tokens, noisy, tokens, ref_s)
+    assert lo < m.pooled_speedup(tokens, noisy, tokens, ref_s) < hi
+    assert (lo, hi) == m.pooled_speedup_ci_over_prompts(tokens, noisy, tokens, ref_s)
+    assert all(math.isnan(x) for x in m.pooled_speedup_ci_over_prompts([], [], [], []))
+
+
+def test_first_divergence_and_token_match_rate():
+    assert m.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert m.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert m.first_divergence([1, 2], [1, 2, 3]) == 2  # a prefix that stops early diverges where it stops
+    assert m.first_divergence([], []) is None
+    # prefix-based: [1,9,3,4] matches 1 of 4, even though positions 2 and 3 agree again
+    assert m.token_match_rate([([1, 2, 3, 4], [1, 2, 3, 4]), ([1, 9, 3, 4], [1, 2, 3, 4])]) == pytest.approx(5 / 8)
+    assert m.token_match_rate([([1, 2], [1, 2, 3])]) == pytest.approx(2 / 3)
+    assert math.isnan(m.token_match_rate([]))
+
+
+def test_mean_latency_s():
+    assert m.mean_latency_s([0.1, 0.3]) == pytest.approx(0.2)
+    assert math.isnan(m.mean_latency_s([]))
+
+
+def test_added_metrics_state_a_one_line_convention():
+    for name in ("round_stats", "pooled_speedup", "pooled_speedup_ci_over_prompts", "first_divergence",
+                 "token_match_rate", "mean_latency_s"):
+        line = m.CONVENTIONS[name]
+        assert line and "\n" not in line and getattr(m, name).convention == line
