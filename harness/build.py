@@ -1,11 +1,15 @@
-"""From a RunConfig to checked configs (no weights) and then to the arms of a run (weights loaded).
+"""From a RunConfig to checked configs and a plan of arms (no weights), then to runnable arms (weights loaded).
 
 `prepare` does every check that needs only configs, file headers and refiner checkpoints, so that bad input fails
-before the target is loaded; `build_arms` loads drafter weights and refiner heads.
+before the target is loaded; `build_arms` loads drafter weights and refiner heads. Arms that need different
+drafter weights (the base z-lab drafter, each refiner's co-trained drafter) share one drafter module; their
+weights are swapped in place before each arm runs (`Arm.activate`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_checkpoint, load_dflash, read_dflash_config
 from harness.config import RunConfig
@@ -13,6 +17,7 @@ from harness.data import validate_dataset_args
 from harness.devices import Backend, resolve_backend
 from harness.errors import UsageError
 from harness.graphs import AcceleratedRefiner
+from harness.rounds import default_rounds, validate_rounds
 from harness.target import load_target_config
 from refiners.formats import (ENV_VARS, MARKOV, XPRESS, RefinerCheckpoint, load_refiner_checkpoint,
                               resolve_refiner_path, validate_against)
@@ -20,13 +25,30 @@ from refiners.markov import MarkovRefiner, markov_head_from_state
 from refiners.xpress import XPressRefiner, validate_topc, xpress_head_from_state
 
 
+@dataclass(frozen=True)
+class ArmSpec:
+    name: str
+    method: str               # ar | drafter-only | markov | xpress
+    K: int | None = None
+    weights: str | None = None  # None: the base drafter; else the refiner kind whose co-trained drafter it uses
+
+
 @dataclass
 class Arm:
-    name: str
+    spec: ArmSpec
     block_size: int
     drafter: object | None = None
     refiner: object | None = None
-    results: list = field(default_factory=list)  # per sample, per turn: Generation
+    state: dict | None = None  # drafter weights to swap in before this arm runs (None: leave as is)
+    results: list = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def activate(self) -> None:
+        if self.state is not None:
+            self.drafter.model.load_state_dict(self.state, strict=True)
 
 
 @dataclass
@@ -36,7 +58,11 @@ class Prepared:
     draft_config: DFlashConfig | None
     block_size: int
     max_model_len: int
-    refiner: RefinerCheckpoint | None
+    refiners: dict[str, RefinerCheckpoint]
+    arms: list[ArmSpec]
+    rounds: int
+    warmup_rounds: int
+    rotation_note: str | None = None
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -48,67 +74,109 @@ def prepare(cfg: RunConfig) -> Prepared:
     limit = cfg.max_model_len or int(getattr(tcfg, "max_position_embeddings", 0) or 0)
     if limit < 2:
         raise UsageError("the target config has no max_position_embeddings; pass --max-model-len")
-    if not cfg.run_spec:
-        return Prepared(backend, tcfg, None, 1, limit, None)
-    dcfg = read_dflash_config(cfg.draft_name_or_path)
-    dcfg.check_target(tcfg, f"drafter {cfg.draft_name_or_path}")
-    check_dflash_checkpoint(cfg.draft_name_or_path, dcfg)
-    block = cfg.block_size or dcfg.block_size
-    ckpt = _refiner_checkpoint(cfg, dcfg, tcfg, block)
-    return Prepared(backend, tcfg, dcfg, block, limit, ckpt)
+    dcfg, block, ckpts = None, 1, {}
+    if cfg.run_spec:
+        dcfg = read_dflash_config(cfg.draft_name_or_path)
+        dcfg.check_target(tcfg, f"drafter {cfg.draft_name_or_path}")
+        check_dflash_checkpoint(cfg.draft_name_or_path, dcfg)
+        block = cfg.block_size or dcfg.block_size
+        ckpts = _refiner_checkpoints(cfg, dcfg, tcfg, block)
+    arms = plan_arms(cfg, ckpts)
+    warmup = cfg.fair_warmup_rounds if cfg.fair else 0
+    rounds = (cfg.fair_interleave or default_rounds(len(arms), warmup)) if cfg.fair else 1
+    note = validate_rounds(rounds, warmup, len(arms))
+    return Prepared(backend, tcfg, dcfg, block, limit, ckpts, arms, rounds, warmup, note)
 
 
-def _refiner_checkpoint(cfg: RunConfig, dcfg: DFlashConfig, tcfg, block: int) -> RefinerCheckpoint | None:
-    xp = resolve_refiner_path(cfg.xpress_refiner_path, ENV_VARS[XPRESS])
-    mk = resolve_refiner_path(cfg.markov_refiner_path, ENV_VARS[MARKOV])
-    if xp and mk:
-        raise UsageError("xPress and Markov checkpoints were both given; one run compares one refiner with AR "
-                         "and drafter-only (pass one of --xpress-refiner-path / --markov-refiner-path)")
+def _refiner_checkpoints(cfg: RunConfig, dcfg: DFlashConfig, tcfg, block: int) -> dict[str, RefinerCheckpoint]:
+    paths = {XPRESS: resolve_refiner_path(cfg.xpress_refiner_path, ENV_VARS[XPRESS]),
+             MARKOV: resolve_refiner_path(cfg.markov_refiner_path, ENV_VARS[MARKOV])}
+    if all(paths.values()) and not cfg.fair:
+        raise UsageError("xPress and Markov checkpoints were both given; outside the paired protocol a run compares "
+                         "one refiner with AR and drafter-only (add --fair-interleave, or pass only one path)")
     if cfg.xpress_topc:
         try:
             validate_topc(cfg.xpress_topc, tcfg.vocab_size)
         except ValueError as e:
             raise UsageError(f"--xpress-topc: {e}") from None
-    path, kind = (xp, XPRESS) if xp else (mk, MARKOV) if mk else (None, None)
-    if path is None:
-        return None
-    ckpt = load_refiner_checkpoint(path, kind, trust_pickle=cfg.trust_pickle)
-    validate_against(ckpt, tcfg.vocab_size, dcfg.hidden_size, block if kind == XPRESS else None,
-                     dcfg.expected_shapes())
-    return ckpt
+    out = {}
+    for kind, path in paths.items():
+        if path:
+            ckpt = load_refiner_checkpoint(path, kind, trust_pickle=cfg.trust_pickle)
+            validate_against(ckpt, tcfg.vocab_size, dcfg.hidden_size, block if kind == XPRESS else None,
+                             dcfg.expected_shapes())
+            out[kind] = ckpt
+    return out
 
 
-def spec_arm_name(cfg: RunConfig, ckpt: RefinerCheckpoint | None) -> str:
-    if ckpt is None or cfg.drafter_only or (ckpt.kind == XPRESS and cfg.xpress_refine_passes == 0):
-        return "drafter-only" if ckpt is None else "drafter-only (co-trained)"
-    if ckpt.kind == XPRESS:
-        suffix = f", C={cfg.xpress_topc}" if cfg.xpress_topc else ""
-        return f"xPress(K={cfg.xpress_refine_passes}{suffix})"
-    return "Markov"
+def _xpress_name(k: int, topc: int) -> str:
+    return f"xPress(K={k}, C={topc})" if topc else f"xPress(K={k})"
+
+
+def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint]) -> list[ArmSpec]:
+    arms = [ArmSpec("AR", "ar")] if cfg.run_ar else []
+    if not cfg.run_spec:
+        return arms
+    xp, mk = ckpts.get(XPRESS), ckpts.get(MARKOV)
+    if cfg.fair:
+        arms.append(ArmSpec("drafter-only", "drafter-only"))
+        if mk:
+            arms.append(ArmSpec("Markov", "markov", weights=MARKOV))
+        if xp:
+            arms += [ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k, XPRESS) for k in cfg.k_list]
+        return arms
+    ck = xp or mk
+    if ck is None:
+        return arms + [ArmSpec("drafter-only", "drafter-only")]
+    if cfg.drafter_only or (ck is xp and cfg.xpress_refine_passes == 0):
+        return arms + [ArmSpec("drafter-only (co-trained)", "drafter-only", weights=ck.kind)]
+    if ck is xp:
+        return arms + [ArmSpec(_xpress_name(cfg.xpress_refine_passes, cfg.xpress_topc), "xpress",
+                               cfg.xpress_refine_passes, XPRESS)]
+    return arms + [ArmSpec("Markov", "markov", weights=MARKOV)]
+
+
+def _device_state(model, tensors: dict, backend: Backend) -> dict:
+    wanted = model.state_dict()
+    return {k: tensors[k].to(device=backend.device, dtype=wanted[k].dtype) for k in wanted}
 
 
 def build_arms(cfg: RunConfig, prep: Prepared, target) -> list[Arm]:
-    arms = [Arm("AR", 1)] if cfg.run_ar else []
-    if not cfg.run_spec:
-        return arms
-    backend, ckpt = prep.backend, prep.refiner
+    backend = prep.backend
+    specs = prep.arms
+    if not any(s.method != "ar" for s in specs):
+        return [Arm(s, 1) for s in specs]
     model = load_dflash(cfg.draft_name_or_path, prep.draft_config, backend)
-    if ckpt is not None and ckpt.draft_state:
-        # The refiner was co-trained with its own drafter weights; they replace the base drafter's.
-        wanted = {k: v for k, v in ckpt.draft_state.items() if k in model.state_dict()}
-        model.load_state_dict(wanted, strict=True)
     drafter = DFlashDrafter(model, target.embed, target.lm_head, backend, block_size=prep.block_size)
-    name = spec_arm_name(cfg, ckpt)
-    refiner = None
-    if not name.startswith("drafter-only"):
-        if ckpt.kind == XPRESS:
-            head = xpress_head_from_state(ckpt.head_state, mixer=ckpt.mixer, device=backend.device,
-                                          dtype=backend.dtype, fold=not cfg.no_fold_mixer)
-            refiner = XPressRefiner(head, cfg.xpress_refine_passes, prev_anchor=cfg.xpress_prev_anchor,
-                                    topc=cfg.xpress_topc)
-        else:
-            refiner = MarkovRefiner(markov_head_from_state(ckpt.head_state, device=backend.device,
+    def key(spec):  # the weight set an arm runs with: a refiner's co-trained drafter, or the base one (None)
+        ck = prep.refiners.get(spec.weights) if spec.weights else None
+        return spec.weights if ck is not None and ck.draft_state else None
+
+    keys = {key(s) for s in specs if s.method != "ar"}
+    states = {k: (_device_state(model, prep.refiners[k].draft_state, backend) if k else
+                  {n: t.clone() for n, t in model.state_dict().items()}) for k in keys}
+    if len(keys) == 1:  # one set of weights for every arm: load it once, swap nothing
+        only = keys.pop()
+        if only:
+            model.load_state_dict(states[only], strict=True)
+        states = {}
+    heads: dict = {}
+    arms = []
+    for s in specs:
+        if s.method == "ar":
+            arms.append(Arm(s, 1))
+            continue
+        refiner = None
+        if s.method == "xpress":
+            if "xpress" not in heads:
+                ck = prep.refiners[XPRESS]
+                heads["xpress"] = xpress_head_from_state(ck.head_state, mixer=ck.mixer, device=backend.device,
+                                                         dtype=backend.dtype, fold=not cfg.no_fold_mixer)
+            refiner = XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc)
+        elif s.method == "markov":
+            refiner = MarkovRefiner(markov_head_from_state(prep.refiners[MARKOV].head_state, device=backend.device,
                                                            dtype=backend.dtype))
-        if cfg.use_graph or cfg.compile_refiner:
+        if refiner is not None and (cfg.use_graph or cfg.compile_refiner):
             refiner = AcceleratedRefiner(refiner, use_graph=cfg.use_graph, compile=cfg.compile_refiner)
-    return arms + [Arm(name, prep.block_size, drafter, refiner)]
+        arms.append(Arm(s, prep.block_size, drafter, refiner, states.get(key(s))))
+    return arms

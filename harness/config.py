@@ -48,6 +48,23 @@ class RunConfig:
     trace: str | None = None
     use_graph: bool = False
     compile_refiner: bool = False
+    fair_interleave: int | None = None      # None: one round; 0: warmup + one round per arm; N: N rounds
+    fair_k_list: str | None = None
+    fair_warmup_rounds: int = 1
+    results_dir: str = "results"
+    run_id: str | None = None
+    resume: str | None = None
+    first_turn_only: bool = False
+
+    @property
+    def fair(self) -> bool:
+        return self.fair_interleave is not None
+
+    @property
+    def k_list(self) -> list[int]:
+        if self.fair_k_list is None:
+            return [self.xpress_refine_passes]
+        return [int(k) for k in self.fair_k_list.split(",") if k.strip()]
 
     @property
     def run_ar(self) -> bool:
@@ -107,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trace", help="write one JSON line per decode step (draft, seed, accepted, next token)")
     r.add_argument("--use-graph", action="store_true", help="capture the refinement step as a CUDA graph")
     r.add_argument("--compile-refiner", action="store_true", help="torch.compile the refinement step")
+    f = p.add_argument_group("paired protocol and results")
+    f.add_argument("--fair-interleave", type=int, nargs="?", const=0, metavar="ROUNDS",
+                   help="paired rounds over every arm (AR, drafter-only, Markov, xPress per K), rotated each round; "
+                        "ROUNDS defaults to warmup + number of arms")
+    f.add_argument("--fair-k-list", help="xPress K values as one arm each, e.g. 4,5,6,7 (default: --xpress-refine-passes)")
+    f.add_argument("--fair-warmup-rounds", type=int, default=1, help="rounds run but excluded from statistics")
+    f.add_argument("--results-dir", default="results", help="run folders are written under this directory")
+    f.add_argument("--run-id", help="name of the run folder (default: dataset, temperature and a timestamp)")
+    f.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in this folder")
+    f.add_argument("--first-turn-only", action="store_true", help="skip later turns (only turn 1 is measured)")
     return p
 
 
@@ -147,9 +174,39 @@ def validate(c: RunConfig) -> None:
         raise UsageError(f"--xpress-topc {c.xpress_topc}: use 0 (full vocabulary) or 1..1024")
     if c.ar_only and (c.xpress_refiner_path or c.markov_refiner_path):
         raise UsageError("--ar-only runs no drafter; drop the refiner paths or --ar-only")
+    if c.fair_k_list is not None:
+        try:
+            ks = c.k_list
+        except ValueError:
+            raise UsageError(f"--fair-k-list {c.fair_k_list!r}: use comma-separated integers, e.g. 4,5,6,7") from None
+        if not ks:
+            raise UsageError("--fair-k-list is empty; give at least one K, e.g. 4,5,6,7")
+        if any(k < 1 for k in ks):
+            raise UsageError(f"--fair-k-list {c.fair_k_list}: every K must be >= 1 (K=0 is the drafter-only arm, "
+                             "which the protocol runs anyway)")
+    if c.fair and c.drafter_only:
+        raise UsageError("--drafter-only with --fair-interleave: the paired protocol already runs a drafter-only arm")
+    if c.fair and c.ar_only:
+        raise UsageError("--ar-only with --fair-interleave: the protocol compares arms; drop one")
+    if c.fair_warmup_rounds < 0:
+        raise UsageError(f"--fair-warmup-rounds {c.fair_warmup_rounds}: must be >= 0")
+    if c.fair_interleave is not None and c.fair_interleave < 0:
+        raise UsageError(f"--fair-interleave {c.fair_interleave}: must be >= 1 (or given without a value)")
     for path in (c.answer_file, c.trace):
         if path:
             check_writable(path)
+    check_results_dir(c.resume or c.results_dir, must_exist=bool(c.resume))
+
+
+def check_results_dir(path: str, must_exist: bool) -> None:
+    """The results folder (or the nearest existing parent) must be writable before anything runs."""
+    if must_exist and not os.path.isdir(path):
+        raise UsageError(f"--resume {path}: no such run folder")
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise UsageError(f"results folder {path}: {probe} is not a writable directory; pass --results-dir")
 
 
 def check_writable(path: str) -> None:

@@ -1,6 +1,9 @@
-"""Builds a run from a RunConfig: checks, loads, decodes every prompt with each arm, reports, writes answers.
+"""Runs a RunConfig: checks, loads, decodes every prompt with every arm in paired rounds, reports, writes results.
 
-Order matters: every check that reads only configs and file headers runs before any weights are loaded.
+Order matters: every check that reads only configs and file headers runs before any weights are loaded. One code
+path serves a single run (one measured round) and the paired protocol (--fair-interleave: rounds rotated left by
+one, the first --fair-warmup-rounds excluded). Every finished (round, arm, prompt) is appended to
+results/<run_id>/samples.jsonl at once, which is what --resume continues from.
 """
 from __future__ import annotations
 
@@ -12,19 +15,58 @@ import sys
 import tempfile
 import time
 
-from harness import metrics
+from harness import report
 from harness.build import Arm, build_arms, prepare
 from harness.config import RunConfig
-from harness.data import load_samples, render_prompt
+from harness.data import dataset_provenance, load_samples, render_prompt
+from harness.errors import UsageError
 from harness.loop import DecodeSettings, Generation, generate
-from harness.target import load_target, stop_token_ids
+from harness.rounds import rotation
+from harness.target import load_target, load_tokenizer, stop_token_ids
 from harness.trace import StepTracer
 
+# Flags that may differ between an interrupted run and its --resume.
+RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace")
 
-def stream_seed(seed: int, row: int, turn: int) -> int:
-    """Independent, reproducible stream per (seed, prompt, turn); every arm gets the same one."""
-    digest = hashlib.sha256(f"{seed}:{row}:{turn}".encode()).digest()
+
+def stream_seed(seed: int, row: int, turn: int, round_: int = 1) -> int:
+    """Independent, reproducible stream per (seed, prompt, turn, round); every arm of a round replays it."""
+    digest = hashlib.sha256(f"{seed}:{row}:{turn}:{round_}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def run_folder(cfg: RunConfig) -> str:
+    if cfg.resume:
+        return cfg.resume
+    taken = lambda f: os.path.exists(os.path.join(f, "samples.jsonl")) or os.path.exists(os.path.join(f, "config.json"))
+    if cfg.run_id:
+        folder = os.path.join(cfg.results_dir, cfg.run_id)
+        if taken(folder):
+            raise UsageError(f"{folder} already holds a run; pass --resume {folder} to continue it, or a new --run-id")
+        return folder
+    base = os.path.join(cfg.results_dir, f"{cfg.dataset}_T{cfg.temperature:g}_{time.strftime('%Y%m%d-%H%M%S')}")
+    folder, n = base, 1
+    while taken(folder):
+        n += 1
+        folder = f"{base}-{n}"
+    return folder
+
+
+def check_resume(cfg: RunConfig, folder: str) -> None:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"--resume {folder}: config.json is missing; is this a run folder?")
+    saved = json.loads(open(path).read())
+    now = dataclasses.asdict(cfg)
+    diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k) != now[k])
+    if diff:
+        raise UsageError(f"--resume {folder}: the run was started with other settings ({', '.join(diff[:4])}); "
+                         "repeat the original command with --resume")
+
+
+def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSettings:
+    return DecodeSettings(cfg.max_new_tokens, limit, stops, cfg.temperature, cfg.top_k, cfg.top_p,
+                          cfg.draft_temperature, cfg.draft_noise, cfg.compat_reference)
 
 
 def warmup(arms: list[Arm], target, samples, tokenizer, settings: DecodeSettings, backend) -> None:
@@ -32,24 +74,145 @@ def warmup(arms: list[Arm], target, samples, tokenizer, settings: DecodeSettings
     prompt = render_prompt(tokenizer, [{"role": "user", "content": samples[0].turns[0]}])
     short = dataclasses.replace(settings, max_new_tokens=min(32, settings.max_new_tokens))
     for arm in arms:
+        arm.activate()
         generate(target, prompt, short, backend, drafter=arm.drafter, refiner=arm.refiner,
                  generator=backend.generator(0))
+
+
+def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Generation) -> dict:
+    return {"run_id": run_id, "dataset": cfg.dataset, "question_id": qid, "dataset_row": sample.row, "turn": turn,
+            "round": round_, "warmup": warm, "arm": arm.name, "method": arm.spec.method, "K": arm.spec.K,
+            "block_size": arm.block_size, "temperature": cfg.temperature, "prompt_tokens": g.prompt_len,
+            "new_tokens": len(g.tokens), "decode_tokens": g.decode_tokens, "ttft_s": g.ttft_s,
+            "drafter_prefill_s": g.drafter_prefill_s, "decode_s": g.decode_s, "accept_lengths": g.accept_lengths,
+            "accepted": g.accepted, "spec_steps": g.spec_steps, "ar_steps": g.ar_steps,
+            "stop_reason": g.stop_reason, "tokens": g.tokens}
+
+
+def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> list[dict]:
+    """Every turn of one prompt with one arm; each arm's later turns condition on its own earlier replies."""
+    cfg, tokenizer = ctx["cfg"], ctx["tokenizer"]
+    turns = sample.turns[:1] if cfg.first_turn_only else sample.turns
+    messages, rows = [], []
+    for turn, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        prompt = render_prompt(tokenizer, messages)
+        if ctx["tracer"]:
+            ctx["tracer"].set_context(arm=arm.name, round=round_, question_id=qid, dataset_row=sample.row, turn=turn)
+        rng = ctx["global_rng"] or ctx["backend"].generator(stream_seed(cfg.seed, sample.row, turn, round_))
+        g = generate(ctx["target"], prompt, ctx["settings"], ctx["backend"], drafter=arm.drafter,
+                     refiner=arm.refiner, generator=rng, on_step=ctx["tracer"])
+        rows.append(sample_row(ctx["run_id"], cfg, arm, qid, sample, turn, round_, warm, g))
+        messages.append({"role": "assistant", "content": tokenizer.decode(g.tokens, skip_special_tokens=True)})
+    return rows
+
+
+def check_prompt_lengths(samples, tokenizer, limit: int) -> None:
+    """First turns must leave room for at least one new token; later turns depend on replies (checked then)."""
+    for qid, s in enumerate(samples):
+        n = len(render_prompt(tokenizer, [{"role": "user", "content": s.turns[0]}]))
+        if n >= limit:
+            raise UsageError(f"prompt {qid} (dataset row {s.row}) has {n} tokens, not below --max-model-len {limit}; "
+                             "raise --max-model-len or lower --max-samples")
+
+
+def progress(total: int, done: int):
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, initial=done, unit="prompt", desc="decode", file=sys.stderr, disable=None)
+    except ImportError:
+        return None
 
 
 def run(cfg: RunConfig, out=None) -> dict:
     out = out or sys.stdout
     prep = prepare(cfg)
+    folder = run_folder(cfg)
+    if cfg.resume:
+        check_resume(cfg, folder)
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
+    tokenizer = load_tokenizer(cfg.model_name_or_path)
+    check_prompt_lengths(samples, tokenizer, prep.max_model_len)
     taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
-    target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps, attn_impl=cfg.attn_implementation)
+    target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps, attn_impl=cfg.attn_implementation,
+                                    tokenizer=tokenizer)
     stops = tuple(stop_token_ids(target.model, tokenizer))
     arms = build_arms(cfg, prep, target)
-    settings = DecodeSettings(cfg.max_new_tokens, prep.max_model_len, stops, cfg.temperature, cfg.top_k, cfg.top_p,
-                              cfg.draft_temperature, cfg.draft_noise, cfg.compat_reference)
+    settings = settings_for(cfg, prep.max_model_len, stops)
+    by_name = {a.name: a for a in arms}
+    order = rotation([a.name for a in arms], prep.rounds)
+    describe(cfg, prep, arms, settings, samples, stops, folder, out)
+
+    os.makedirs(folder, exist_ok=True)
+    rows_path = os.path.join(folder, "samples.jsonl")
+    config = {**dataclasses.asdict(cfg), "resolved": {
+        "block_size": prep.block_size, "max_model_len": prep.max_model_len, "stop_ids": list(stops),
+        "rounds": prep.rounds, "warmup_rounds": prep.warmup_rounds, "arms": [a.name for a in arms],
+        "rotation": order, "dataset": dataset_provenance(cfg.dataset, cfg.data_dir),
+        "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer}
+                     for k, c in prep.refiners.items()}}}
+    if not cfg.resume:
+        report._atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
+    done = {(r["round"], r["arm"], r["question_id"]) for r in report.read_rows(rows_path)} if cfg.resume else set()
+
+    warmup(arms, target, samples, tokenizer, settings, backend)
+    ctx = {"cfg": cfg, "tokenizer": tokenizer, "target": target, "backend": backend, "settings": settings,
+           "run_id": os.path.basename(os.path.normpath(folder)),
+           "tracer": StepTracer(cfg.trace) if cfg.trace else None,
+           # Common random numbers: every arm replays the same stream for a (prompt, turn, round); the reference
+           # instead draws everything from one stream seeded once (--compat-reference).
+           "global_rng": backend.generator(cfg.seed) if cfg.compat_reference else None}
+    bar = progress(prep.rounds * len(arms) * len(samples), len(done))
+    try:
+        for r, names in enumerate(order, start=1):
+            warm = r <= prep.warmup_rounds
+            if prep.rounds > 1:
+                print(f">>> round {r}/{prep.rounds}: {' -> '.join(names)}{'   [warmup - EXCLUDED]' if warm else ''}",
+                      file=out)
+            for name in names:
+                arm = by_name[name]
+                arm.activate()
+                for qid, sample in enumerate(samples):
+                    if (r, name, qid) in done:
+                        continue
+                    report.append_rows(rows_path, decode_sample(ctx, arm, qid, sample, r, warm))
+                    if bar:
+                        bar.update()
+    finally:
+        if bar:
+            bar.close()
+        if ctx["tracer"]:
+            ctx["tracer"].close()
+
+    rows = report.read_rows(rows_path)
+    summary = report.summarize(rows)
+    print(report.format_console_table(summary, cfg.dataset), file=out)
+    saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
+    report.write_results(folder, saved_config, report.environment(), rows, summary, out)
+    print(f"[results] {folder}", file=out)
+    for arm in arms:
+        if getattr(arm.refiner, "graph_count", 0):
+            print(f"[graphs] {arm.name}: {arm.refiner.graph_count} CUDA graph(s) captured during warmup", file=out)
+    if cfg.answer_file:
+        for path, n in write_answer_files(cfg, rows, samples, tokenizer, arms):
+            print(f"Saved answer file with {n} samples to {path}", file=out)
+    return summary
+
+
+def describe(cfg, prep, arms, settings, samples, stops, folder, out) -> None:
+    backend = prep.backend
     print(f"[run] target={cfg.model_name_or_path} device={backend.device} dtype={backend.dtype} "
           f"block={prep.block_size} stop_ids={list(stops)} max_model_len={prep.max_model_len} "
-          f"samples={len(samples)} arms={[a.name for a in arms]}", file=out)
+          f"samples={len(samples)} arms={[a.name for a in arms]} rounds={prep.rounds} "
+          f"(first {prep.warmup_rounds} excluded) folder={folder}", file=out)
+    if prep.rotation_note:
+        print(f"[rounds] {prep.rotation_note}", file=out)
+    for ck in prep.refiners.values():
+        mixer = (f" mixer={ck.mixer} (fold={'no' if cfg.no_fold_mixer else 'after cast to ' + str(backend.dtype)})"
+                 if ck.kind == "xpress" else "")
+        print(f"[refiner] {ck.kind} from {ck.source}: rank={ck.rank} step={ck.step}{mixer} "
+              f"co-trained drafter={'yes' if ck.draft_state else 'no'}", file=out)
     tp, dp = settings.target_params, settings.draft_params
     verification = ("greedy" if tp.greedy else "rejection sampling (q = the drafts' real distribution)"
                     if not dp.greedy else "exact match against a sampled target")
@@ -57,130 +220,69 @@ def run(cfg: RunConfig, out=None) -> dict:
           f"top_p={tp.top_p if tp.top_p < 1 else 'off'} draft noise={settings.draft_noise if not dp.greedy else '-'} "
           f"verification={verification} rng={'one global stream' if cfg.compat_reference else 'per (prompt, turn)'}",
           file=out)
-    if prep.refiner is not None:
-        ck = prep.refiner
-        print(f"[refiner] {ck.kind} from {ck.source}: rank={ck.rank} step={ck.step} mixer={ck.mixer} "
-              f"(fold={'no' if cfg.no_fold_mixer else 'after cast to ' + str(backend.dtype)}) "
-              f"co-trained drafter={'yes' if ck.draft_state else 'no'}", file=out)
-    warmup(arms, target, samples, tokenizer, settings, backend)
-    tracer = StepTracer(cfg.trace) if cfg.trace else None
-    # Common random numbers: every arm replays the same stream for a (prompt, turn); the reference instead
-    # draws everything from one stream seeded once (--compat-reference).
-    global_rng = backend.generator(cfg.seed) if cfg.compat_reference else None
-    try:
-        for qid, s in enumerate(samples):
-            for arm in arms:
-                arm.results.append([])
-            messages: list[dict] = []
-            for turn_idx, turn in enumerate(s.turns):
-                messages.append({"role": "user", "content": turn})
-                prompt = render_prompt(tokenizer, messages)
-                reply = None
-                for arm in arms:
-                    if tracer:
-                        tracer.set_context(arm=arm.name, question_id=qid, dataset_row=s.row, turn=turn_idx)
-                    gen_rng = global_rng or backend.generator(stream_seed(cfg.seed, s.row, turn_idx))
-                    g = generate(target, prompt, settings, backend, drafter=arm.drafter, refiner=arm.refiner,
-                                 generator=gen_rng, on_step=tracer)
-                    arm.results[-1].append(g)
-                    reply = g.tokens  # the last arm (speculative when run) conditions the next turn, as the reference
-                messages.append({"role": "assistant", "content": tokenizer.decode(reply, skip_special_tokens=True)})
-    finally:
-        if tracer:
-            tracer.close()
-
-    summary = {arm.name: summarize(arm) for arm in arms}
-    report(summary, prep.block_size, out)
-    for arm in arms:
-        if getattr(arm.refiner, "graph_count", 0):
-            print(f"[graphs] {arm.name}: {arm.refiner.graph_count} CUDA graph(s) captured during warmup", file=out)
-    if cfg.answer_file:
-        write_answers(cfg.answer_file, samples, arms, tokenizer, cfg.dataset, timing=not cfg.no_answer_timing)
-        print(f"Saved answer file with {len(samples)} samples to {cfg.answer_file}", file=out)
-    return summary
-
-
-def summarize(arm: Arm) -> dict:
-    """Turn 1 of every sample, as the reference measures (later turns only condition the history)."""
-    first = [turns[0] for turns in arm.results if turns]
-    lengths = [g.accept_lengths for g in first]
-    tokens = [g.decode_tokens for g in first]
-    seconds = [g.decode_s for g in first]
-    return {
-        "arm": arm.name, "block_size": arm.block_size, "samples": len(first),
-        "tau_per_step": metrics.tau_per_step(lengths), "tau_per_sample": metrics.tau_per_sample(lengths),
-        "histogram": metrics.acceptance_histogram(lengths, arm.block_size),
-        "per_position": metrics.per_position_acceptance(lengths, arm.block_size) if arm.block_size > 1 else [],
-        "pooled_tok_s": metrics.pooled_tok_per_s(tokens, seconds),
-        "per_sample_tok_s": metrics.per_sample_tok_per_s(tokens, seconds),
-        "ttft_s": sum(g.ttft_s for g in first) / max(1, len(first)),
-        "drafter_prefill_s": sum(g.drafter_prefill_s for g in first) / max(1, len(first)),
-        "new_tokens": sum(len(g.tokens) for g in first),
-        "stop_reasons": {r: sum(g.stop_reason == r for g in first) for r in sorted({g.stop_reason for g in first})},
-    }
-
-
-def report(summary: dict, block: int, out) -> None:
-    print("\nconventions: tau = tokens a verify step adds to the output (accepted drafts + 1), clipped at EOS and "
-          "the budget; tau/step pooled over all steps, tau/sample = mean of per-sample means; decode tok/s counts "
-          "tokens after the prefill's first token over decode time (drafter prefill and TTFT reported apart); "
-          "POOLED = sum tokens / sum time (pairs with tau/step), per-sample = 1/mean(s/token) "
-          "(pairs with tau/sample); turn 1 only.", file=out)
-    print(f"{'arm':<14}{'tau/step':>10}{'tau/sample':>12}{'POOLED tok/s':>14}{'per-sample tok/s':>18}"
-          f"{'TTFT ms':>10}{'drafter-prefill ms':>20}", file=out)
-    for name, s in summary.items():
-        print(f"{name:<14}{s['tau_per_step']:>10.3f}{s['tau_per_sample']:>12.3f}{s['pooled_tok_s']:>14.1f}"
-              f"{s['per_sample_tok_s']:>18.1f}{1000 * s['ttft_s']:>10.1f}{1000 * s['drafter_prefill_s']:>20.1f}",
-              file=out)
-    for name, s in summary.items():
-        if s["block_size"] > 1:
-            print(f"{name} acceptance histogram (b=0..{block}): "
-                  f"{['%.1f%%' % (100 * x) for x in s['histogram']]}", file=out)
-            print(f"{name} per-position accept rate (draft k accepted): "
-                  f"{['%.4f' % x for x in s['per_position']]}", file=out)
-        print(f"{name} stop reasons: {s['stop_reasons']}", file=out)
 
 
 TIMING_FIELDS = ("wall_time", "prefill_times", "drafter_prefill_times", "decode_times")
 
 
-def _choice(index: int, arm: Arm | None, turns: list[Generation], tokenizer, timing: bool = True) -> dict:
+def _choice(index: int, arm: Arm | None, rows: list[dict], tokenizer, timing: bool) -> dict:
     choice = {"index": index, "block_size": arm.block_size if arm else None, "method": arm.name if arm else None,
-            "turns": [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in turns],
-            "new_tokens": [len(g.tokens) for g in turns],
-            "wall_time": [g.ttft_s + g.drafter_prefill_s + g.decode_s for g in turns],
-            "prefill_times": [g.ttft_s for g in turns],
-            "drafter_prefill_times": [g.drafter_prefill_s for g in turns],
-            "decode_times": [g.decode_s for g in turns],
-            "acceptance_lengths": [g.accept_lengths for g in turns],
-            "stop_reason": [g.stop_reason for g in turns]}
+              "turns": [tokenizer.decode(r["tokens"], skip_special_tokens=True) for r in rows],
+              "new_tokens": [r["new_tokens"] for r in rows],
+              "wall_time": [r["ttft_s"] + r["drafter_prefill_s"] + r["decode_s"] for r in rows],
+              "prefill_times": [r["ttft_s"] for r in rows],
+              "drafter_prefill_times": [r["drafter_prefill_s"] for r in rows],
+              "decode_times": [r["decode_s"] for r in rows],
+              "acceptance_lengths": [r["accept_lengths"] for r in rows],
+              "stop_reason": [r["stop_reason"] for r in rows]}
     if not timing:
         for key in TIMING_FIELDS:
             del choice[key]
     return choice
 
 
-def write_answers(path: str, samples, arms: list[Arm], tokenizer, dataset: str, timing: bool = True) -> None:
-    """The reference's per-sample schema (choices[0] = AR, choices[1] = speculative) plus provenance fields.
+def write_answer_files(cfg: RunConfig, rows: list[dict], samples, tokenizer, arms: list[Arm]) -> list[tuple[str, int]]:
+    """The reference's per-sample schema from the last round: choices[0] = AR, choices[1] = a speculative arm.
 
-    Written to a temporary file and renamed, so an interrupted run leaves no half-written answer file.
+    With several speculative arms, one file per arm: <root>.<arm><ext>. Each file is written to a temporary name
+    and renamed, so an interrupted run leaves no half-written answer file.
     """
-    by_block = {1: None, 2: None}
-    for arm in arms:
-        by_block[1 if arm.block_size == 1 else 2] = arm
+    last = max(r["round"] for r in rows)
+    turns = {}
+    for r in rows:
+        if r["round"] == last:
+            turns.setdefault((r["arm"], r["question_id"]), []).append(r)
+    for v in turns.values():
+        v.sort(key=lambda r: r["turn"])
+    ar = next((a for a in arms if a.spec.method == "ar"), None)
+    spec = [a for a in arms if a.spec.method != "ar"] or [None]
+    root, ext = os.path.splitext(cfg.answer_file)
+    written = []
+    for arm in spec:
+        path = cfg.answer_file if len(spec) == 1 else f"{root}.{_slug(arm.name)}{ext}"
+        lines = []
+        for qid, s in enumerate(samples):
+            choices = [_choice(i, a, turns.get((a.name, qid), []) if a else [], tokenizer, not cfg.no_answer_timing)
+                       for i, a in enumerate((ar, arm))]
+            row = {"question_id": qid, "dataset": cfg.dataset, "dataset_row": s.row, "choices": choices}
+            if not cfg.no_answer_timing:
+                row["tstamp"] = time.time()
+            lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+        _write_atomic(path, "".join(lines))
+        written.append((path, len(samples)))
+    return written
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
+
+
+def _write_atomic(path: str, text: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".answers.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for i, s in enumerate(samples):
-                choices = []
-                for index, key in enumerate((1, 2)):
-                    arm = by_block[key]
-                    choices.append(_choice(index, arm, arm.results[i] if arm else [], tokenizer, timing))
-                row = {"question_id": i, "dataset": dataset, "dataset_row": s.row, "choices": choices}
-                if timing:
-                    row["tstamp"] = time.time()
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            f.write(text)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

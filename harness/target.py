@@ -50,12 +50,18 @@ def check_family(config) -> None:
                          "model yet; use a full-attention checkpoint")
 
 
-def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (),
-                attn_impl: str = "sdpa"):
-    """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
     path, extra = split_model_path(spec)
-    tokenizer = AutoTokenizer.from_pretrained(path, **extra)
+    return AutoTokenizer.from_pretrained(path, **extra)
+
+
+def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (),
+                attn_impl: str = "sdpa", tokenizer=None):
+    """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file."""
+    from transformers import AutoModelForCausalLM
+    path, extra = split_model_path(spec)
+    tokenizer = tokenizer or load_tokenizer(spec)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)
     model.to(backend.device).eval()
     return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl), tokenizer

@@ -32,7 +32,7 @@ def files(tmp_path_factory):
 def args(files, *extra):
     return ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
             "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "12", "--device", "cpu",
-            *extra]
+            "--results-dir", str(files / "results"), *extra]
 
 
 def test_end_to_end_ar_and_drafter_only(files, tmp_path, capsys):

@@ -40,7 +40,7 @@ def files(tmp_path_factory):
 def args(files, *extra):
     return ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
             "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "14", "--device", "cpu",
-            *extra]
+            "--results-dir", str(files / "results"), *extra]
 
 
 def answers(path):

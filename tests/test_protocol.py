@@ -1,0 +1,161 @@
+"""The paired protocol end to end on tiny models: bench_fair_fast.sh, the results folder, --resume, bad input."""
+import argparse
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import benchmark_compile_all as cli
+import harness.runner as runner
+from drafters.dflash import random_dflash, save_dflash
+from harness.report import read_rows
+from refiners.markov import random_markov_head
+from refiners.xpress import random_xpress_head
+from tiny import save_tiny_checkpoint, tiny_drafter, tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = {"ttft_s", "drafter_prefill_s", "decode_s", "run_id"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("proto")
+    save_tiny_checkpoint(root / "target")
+    t = tiny_target("qwen3")
+    base = tiny_drafter(t, block=4)
+    save_dflash(base.model, root / "drafter")
+    co = random_dflash(base.model.config, seed=11).state_dict()
+    torch.save({"draft_state_dict": co, "refiner_state_dict": random_xpress_head(128, 64, 8, 4, seed=2).state_dict(),
+                "global_step": 7, "args": argparse.Namespace(markov_rank=8, mlp_ratio=2)}, root / "xp.pt")
+    torch.save({"draft_state_dict": co, "global_step": 9, "args": argparse.Namespace(markov_rank=8),
+                "refiner_state_dict": random_markov_head("vanilla", 128, 64, 8, seed=3).state_dict()}, root / "mk.pt")
+    data = root / "data"
+    data.mkdir()
+    rows = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour.", "Another?"]}, {"turns": ["Count to 4."]}]
+    (data / "mini.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
+
+
+def fair_args(files, results, *extra):
+    return ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
+            "--xpress-refiner-path", str(files / "xp.pt"), "--markov-refiner-path", str(files / "mk.pt"),
+            "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "10", "--device", "cpu",
+            "--fair-interleave", "--fair-k-list", "1,2", "--results-dir", str(results), *extra]
+
+
+def test_bench_fair_fast_script_end_to_end(files, tmp_path):
+    env = {**os.environ, "TARGET": str(files / "target"), "DRAFT": str(files / "drafter"),
+           "XPRESS_CKPT": str(files / "xp.pt"), "MK_CKPT": str(files / "mk.pt"), "DATA_DIR": str(files / "data"),
+           "MAX_SAMPLES": "3", "MAX_NEW_TOKENS": "8", "K_LIST": "1,3", "BLOCK": "4", "DEVICE": "cpu",
+           "OUTDIR": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), "mini", "0.0"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "K_LIST=1,3" in proc.stdout and "round 6/6" in proc.stdout  # 0.0 parsed as greedy; 5 arms + 1 warmup
+    (folder,) = list((tmp_path / "out").iterdir())
+    names = set(os.listdir(folder))
+    assert {"config.json", "env.json", "samples.jsonl", "summary.json", "table.md", "table.csv",
+            "tau_vs_K.png", "speedup_vs_K.png", "acceptance_per_position.png"} <= names
+    rows = read_rows(folder / "samples.jsonl")
+    arms = {"AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=3)"}
+    assert {r["arm"] for r in rows} == arms
+    assert len(rows) == 6 * 5 * 4  # rounds x arms x turns (the second prompt has two)
+    config = json.loads((folder / "config.json").read_text())
+    order = config["resolved"]["rotation"]
+    measured = order[1:]
+    for slot in range(5):  # every arm in every slot exactly once over the measured rounds
+        assert {r[slot] for r in measured} == arms
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["arms"]["xPress(K=1)"]["speedup"]["n"] == 5
+    for r in rows:  # greedy: every arm reproduces the AR tokens
+        ar = next(x for x in rows if x["arm"] == "AR" and (x["question_id"], x["turn"], x["round"]) ==
+                  (r["question_id"], r["turn"], r["round"]))
+        assert r["tokens"] == ar["tokens"]
+
+
+def strip(rows):
+    return sorted((json.dumps({k: v for k, v in r.items() if k not in TIMING}, sort_keys=True) for r in rows))
+
+
+def test_killed_and_resumed_run_gives_the_same_rows(files, tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    assert cli.main(fair_args(files, full, "--run-id", "a")) == 0
+    expected = read_rows(full / "a" / "samples.jsonl")
+
+    calls = {"n": 0}
+    real = runner.generate
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 25:  # the warmup makes 5 calls; this dies in the middle of round 2
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    part = tmp_path / "part"
+    monkeypatch.setattr(runner, "generate", flaky)
+    assert cli.main(fair_args(files, part, "--run-id", "b")) == 130
+    monkeypatch.setattr(runner, "generate", real)
+    partial = read_rows(part / "b" / "samples.jsonl")
+    assert 0 < len(partial) < len(expected)
+    assert cli.main(fair_args(files, part, "--resume", str(part / "b"))) == 0
+    resumed = read_rows(part / "b" / "samples.jsonl")
+    assert strip(resumed) == strip(expected)  # nothing lost, nothing duplicated
+
+
+def test_resume_refuses_other_settings(files, tmp_path, capsys):
+    assert cli.main(fair_args(files, tmp_path, "--run-id", "r", "--first-turn-only")) == 0
+    assert cli.main(fair_args(files, tmp_path, "--resume", str(tmp_path / "r"), "--max-new-tokens", "11")) == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def bad_jsonl(files, tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "mini.jsonl").write_text('{"turns": ["ok"]}\n{"turns": "not a list"}\n')
+    return d
+
+
+@pytest.mark.parametrize("case, message", [
+    ("unknown_dataset", "unknown"),
+    ("missing_file", "mini2.jsonl"),
+    ("malformed_row", "mini.jsonl:2"),
+    ("empty_k", "--fair-k-list"),
+    ("k0", "every K must be >= 1"),
+    ("max_samples0", "--max-samples"),
+    ("rounds", "no measured round"),
+    ("unwritable", "not a writable directory"),
+])
+def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
+    monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    argv = fair_args(files, tmp_path / "res")
+    if case == "unknown_dataset":
+        i = argv.index("--data-dir")
+        del argv[i:i + 2]
+        argv[argv.index("--dataset") + 1] = "nosuchset"
+    elif case == "missing_file":
+        argv[argv.index("--dataset") + 1] = "mini2"
+    elif case == "malformed_row":
+        argv[argv.index("--data-dir") + 1] = str(bad_jsonl(files, tmp_path))
+    elif case == "empty_k":
+        argv[argv.index("--fair-k-list") + 1] = ","
+    elif case == "k0":
+        argv[argv.index("--fair-k-list") + 1] = "0,2"
+    elif case == "max_samples0":
+        argv += ["--max-samples", "0"]
+    elif case == "rounds":
+        argv[argv.index("--fair-interleave")] = "--fair-interleave=1"
+    elif case == "unwritable":
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        argv[argv.index("--results-dir") + 1] = str(ro / "x")
+        if os.access(ro, os.W_OK):  # root ignores permission bits: use a path below a plain file instead
+            (tmp_path / "afile").write_text("")
+            argv[argv.index("--results-dir") + 1] = str(tmp_path / "afile" / "x")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err, err
+    assert not (tmp_path / "res").exists()
