@@ -328,11 +328,11 @@ def changed_log():
 
 def test_greedy_xpress_is_lossless_with_the_tiny_drafter():
     t = tiny_target("qwen3")
-    d = tiny_drafter(t, block=4)  # K in {1, 3 = B-1}
+    d = tiny_drafter(t, block=8)  # K in {1, 3, 6, 7 = B-1}
     head = random_xpress_head(VOCAB, 64, 16, d.block_size, seed=7, std=0.3)
     s = DecodeSettings(max_new_tokens=10, max_model_len=512, stop_ids=STOPS)
     refs = [generate(t, pr, s, CPU32).tokens for pr in prompts(6)]
-    for k in (1, d.block_size - 1):
+    for k in (1, 3, 6, d.block_size - 1):
         for c in (0, 8):
             seen, log = changed_log()
             ref = XPressRefiner(head, k, topc=c)
