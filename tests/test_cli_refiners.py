@@ -1,40 +1,15 @@
 """The CLI with xPress and Markov checkpoints: lossless end to end, traces, and refusals before loading."""
-import argparse
 import json
 
 import pytest
-import torch
 
 import benchmark_compile_all as cli
-from drafters.dflash import random_dflash, save_dflash
-from refiners.markov import random_markov_head
-from refiners.xpress import random_xpress_head
-from tiny import save_tiny_checkpoint, tiny_drafter, tiny_target
-
-XPRESS_ARGS = dict(markov_rank=8, mlp_ratio=2, no_residual=True, input_mode="concat", no_sublayer_norm=True,
-                   no_mix_out=True)
-
+from tiny import write_run_fixture
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli_ref")
-    save_tiny_checkpoint(root / "target")
-    t = tiny_target("qwen3")
-    base = tiny_drafter(t, block=4)
-    save_dflash(base.model, root / "drafter")
-    cotrained = random_dflash(base.model.config, seed=11).state_dict()
-    head = random_xpress_head(128, 64, 8, 4, seed=2, std=0.3)
-    raw = {k: v for k, v in head.state_dict().items()}
-    torch.save({"draft_state_dict": cotrained, "refiner_state_dict": raw, "global_step": 7,
-                "args": argparse.Namespace(**XPRESS_ARGS)}, root / "xpress.pt")
-    mk = random_markov_head("vanilla", 128, 64, 8, seed=3, std=0.3)
-    torch.save({"draft_state_dict": cotrained, "refiner_state_dict": mk.state_dict(), "global_step": 9,
-                "args": argparse.Namespace(markov_rank=8)}, root / "markov.pt")
-    data = root / "data"
-    data.mkdir()
     rows = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour."]}, {"turns": ["Count to five."]}]
-    (data / "mini.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return write_run_fixture(tmp_path_factory.mktemp("cli_ref"), rows)
 
 
 def args(files, *extra):

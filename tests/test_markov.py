@@ -11,13 +11,7 @@ from tiny import CPU32, VOCAB, tiny_drafter, tiny_target
 V, H, R, B = 48, 20, 12, 7
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP barriers make them ~40x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def case(variant, seed, std=0.5):

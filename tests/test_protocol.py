@@ -1,20 +1,15 @@
 """The paired protocol end to end on tiny models: bench_fair_fast.sh, the results folder, --resume, bad input."""
-import argparse
 import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 
 import benchmark_compile_all as cli
 import harness.runner as runner
-from drafters.dflash import random_dflash, save_dflash
 from harness.report import read_rows
-from refiners.markov import random_markov_head
-from refiners.xpress import random_xpress_head
-from tiny import save_tiny_checkpoint, tiny_drafter, tiny_target
+from tiny import write_run_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"ttft_s", "drafter_prefill_s", "decode_s", "run_id"}
@@ -22,33 +17,20 @@ TIMING = {"ttft_s", "drafter_prefill_s", "decode_s", "run_id"}
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("proto")
-    save_tiny_checkpoint(root / "target")
-    t = tiny_target("qwen3")
-    base = tiny_drafter(t, block=4)
-    save_dflash(base.model, root / "drafter")
-    co = random_dflash(base.model.config, seed=11).state_dict()
-    torch.save({"draft_state_dict": co, "refiner_state_dict": random_xpress_head(128, 64, 8, 4, seed=2).state_dict(),
-                "global_step": 7, "args": argparse.Namespace(markov_rank=8, mlp_ratio=2)}, root / "xp.pt")
-    torch.save({"draft_state_dict": co, "global_step": 9, "args": argparse.Namespace(markov_rank=8),
-                "refiner_state_dict": random_markov_head("vanilla", 128, 64, 8, seed=3).state_dict()}, root / "mk.pt")
-    data = root / "data"
-    data.mkdir()
     rows = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour.", "Another?"]}, {"turns": ["Count to 4."]}]
-    (data / "mini.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return root
+    return write_run_fixture(tmp_path_factory.mktemp("proto"), rows, xpress_std=0.02, markov_std=0.02)
 
 
 def fair_args(files, results, *extra):
     return ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
-            "--xpress-refiner-path", str(files / "xp.pt"), "--markov-refiner-path", str(files / "mk.pt"),
+            "--xpress-refiner-path", str(files / "xpress.pt"), "--markov-refiner-path", str(files / "markov.pt"),
             "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "10", "--device", "cpu",
             "--fair-interleave", "--fair-k-list", "1,2", "--results-dir", str(results), *extra]
 
 
 def test_bench_fair_fast_script_end_to_end(files, tmp_path):
     env = {**os.environ, "TARGET": str(files / "target"), "DRAFT": str(files / "drafter"),
-           "XPRESS_CKPT": str(files / "xp.pt"), "MK_CKPT": str(files / "mk.pt"), "DATA_DIR": str(files / "data"),
+           "XPRESS_CKPT": str(files / "xpress.pt"), "MK_CKPT": str(files / "markov.pt"), "DATA_DIR": str(files / "data"),
            "MAX_SAMPLES": "3", "MAX_NEW_TOKENS": "8", "K_LIST": "1,3", "BLOCK": "4", "DEVICE": "cpu",
            "OUTDIR": str(tmp_path / "out")}
     proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), "mini", "0.0"], env=env, capture_output=True,

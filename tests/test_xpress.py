@@ -15,13 +15,7 @@ V, H, R, B = 64, 24, 16, 8
 SEEDS = range(6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a busy 2-core machine OpenMP barriers make them ~40x slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def case(seed, folded=False, v=V, block=B, std=0.2):

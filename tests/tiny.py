@@ -71,3 +71,31 @@ def save_tiny_checkpoint(directory, family: str = "qwen3", seed: int = 0, **kw) 
     model.generation_config.eos_token_id = list(model.config.eos_token_id)
     model.save_pretrained(directory)
     tiny_tokenizer().save_pretrained(directory)
+
+
+XPRESS_ARGS = dict(markov_rank=8, mlp_ratio=2, no_residual=True, input_mode="concat", no_sublayer_norm=True,
+                   no_mix_out=True)
+
+
+def write_run_fixture(root, rows: list[dict], xpress_std: float = 0.3, markov_std: float = 0.3):
+    """Everything a CLI run needs on disk: target/, drafter/ (block 4), xpress.pt and markov.pt (random heads with
+    their own co-trained drafter weights), and data/mini.jsonl holding `rows`."""
+    import argparse
+    import json
+
+    from drafters.dflash import random_dflash, save_dflash
+    from refiners.markov import random_markov_head
+    from refiners.xpress import random_xpress_head
+    save_tiny_checkpoint(root / "target")
+    base = tiny_drafter(tiny_target("qwen3"), block=4)
+    save_dflash(base.model, root / "drafter")
+    cotrained = random_dflash(base.model.config, seed=11).state_dict()
+    head = random_xpress_head(VOCAB, 64, 8, 4, seed=2, std=xpress_std)
+    torch.save({"draft_state_dict": cotrained, "refiner_state_dict": head.state_dict(), "global_step": 7,
+                "args": argparse.Namespace(**XPRESS_ARGS)}, root / "xpress.pt")
+    mk = random_markov_head("vanilla", VOCAB, 64, 8, seed=3, std=markov_std)
+    torch.save({"draft_state_dict": cotrained, "refiner_state_dict": mk.state_dict(), "global_step": 9,
+                "args": argparse.Namespace(markov_rank=8)}, root / "markov.pt")
+    (root / "data").mkdir()
+    (root / "data" / "mini.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
