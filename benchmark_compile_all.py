@@ -10,18 +10,13 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.errors import UsageError
-    try:
+    from harness.errors import cli_exit
+
+    def work():
         from harness.config import parse_args
         from harness.runner import run
         run(parse_args(argv))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return cli_exit(work)
 
 
 if __name__ == "__main__":

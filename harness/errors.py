@@ -1,2 +1,27 @@
+"""The one error type for bad input, and how every command line turns errors into exit codes."""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+
 class UsageError(Exception):
     """Bad input from the user: the CLI prints the one-line message and exits 2, no traceback."""
+
+
+def cli_exit(work: Callable[[], object]) -> int:
+    """Run a command's work: 0 on success, 2 with one `error:` line for bad input or an unusable file,
+    130 when interrupted. Anything else is a bug and keeps its traceback."""
+    try:
+        work()
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from harness import metrics
-from harness.errors import UsageError
+from harness.errors import UsageError, cli_exit
 from harness.rounds import paired_ratios
 
 GREEDY_T = 1e-5  # below this temperature decoding is greedy, as the reference
@@ -681,18 +681,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json")
     p.add_argument("--out", help="also write the table to this markdown file")
     ns = p.parse_args(argv)
-    try:
+
+    def work():
         text = format_multi_dataset_table([_load_folder(f) for f in ns.folders])
         if ns.out:
             _atomic_write(ns.out, text)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {ns.out}: cannot write ({e.strerror or e})", file=sys.stderr)
-        return 2
-    sys.stdout.write(text)
-    return 0
+        sys.stdout.write(text)
+    return cli_exit(work)
 
 
 if __name__ == "__main__":

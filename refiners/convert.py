@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import UsageError
+from harness.errors import UsageError, cli_exit
 from refiners.formats import (ARCHITECTURES, MARKOV_PREFIX, MARKOV_SERVING_NAMES, XPRESS, XPRESS_PREFIX,
                               RefinerCheckpoint, load_refiner_checkpoint, validate_against)
 
@@ -177,22 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
+
+    def work():
         if args.command == "pt-to-serving":
             dest = pt_to_serving(args.ckpt, args.base_config, args.out, args.num_passes, args.trust_pickle)
         else:
             dest = serving_to_pt(args.src, args.out)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except OSError as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    print(dest)
-    return 0
+        print(dest)
+    return cli_exit(work)
 
 
 if __name__ == "__main__":
