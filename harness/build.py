@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_checkpoint, load_dflash, read_dflash_config
 from harness.config import RunConfig

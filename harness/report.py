@@ -15,18 +15,15 @@ import io
 import json
 import math
 import os
-import platform
-import socket
-import subprocess
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import numpy as np
 
 from harness import metrics
 from harness.errors import UsageError, cli_exit
+from harness.plots import write_plots
+from harness.results_io import atomic_write
 from harness.rounds import paired_ratios
 
 GREEDY_T = 1e-5  # below this temperature decoding is greedy, as the reference
@@ -38,77 +35,6 @@ _REQUIRED = ("dataset", "question_id", "turn", "round", "warmup", "arm", "method
 
 
 # ------------------------------------------------------------------------------------------------- sample rows
-
-def append_rows(path: str | os.PathLike, rows: list[dict]) -> None:
-    """Append rows as JSON lines, then flush and fsync, so a crash loses at most the row being written.
-
-    A partial last line left by an earlier crash is cut off first (or closed, when it is a whole object), so the
-    new rows never fuse with it.
-    """
-    with open(path, "ab+") as f:
-        _close_tail(f, path)
-        for row in rows:
-            f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _close_tail(f, path) -> None:
-    end = f.seek(0, os.SEEK_END)
-    if end == 0:
-        return
-    f.seek(end - 1)
-    if f.read(1) == b"\n":
-        return
-    start, pos = 0, end
-    while pos > 0:  # the last line may be long (token lists): scan back in chunks for its start
-        step = min(1 << 16, pos)
-        pos -= step
-        f.seek(pos)
-        k = f.read(step).rfind(b"\n")
-        if k >= 0:
-            start = pos + k + 1
-            break
-    f.seek(start)
-    tail = f.read()
-    if isinstance(_parse(tail), dict):
-        f.write(b"\n")
-    else:
-        f.truncate(start)
-        print(f"[report] {path}: cut a truncated last line ({len(tail)} bytes) before appending", file=sys.stderr)
-
-
-def _parse(line: bytes):
-    try:
-        return json.loads(line)
-    except ValueError:  # JSONDecodeError and UnicodeDecodeError
-        return None
-
-
-def read_rows(path: str | os.PathLike) -> list[dict]:
-    """Every row of a samples.jsonl; a truncated last line (an interrupted append) is ignored with a note."""
-    try:
-        data = Path(path).read_bytes()
-    except FileNotFoundError:
-        raise UsageError(f"{path}: no such file; a run writes samples.jsonl in its results folder") from None
-    lines = data.split(b"\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    rows = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        obj = _parse(line)
-        if obj is None and i == len(lines) - 1:
-            print(f"[report] {path}: ignored a truncated last line ({len(line)} bytes)", file=sys.stderr)
-            break
-        if not isinstance(obj, dict):
-            raise UsageError(f"{path}:{i + 1}: not a JSON object; only the last line may be truncated")
-        rows.append(obj)
-    return rows
-
-
-# ------------------------------------------------------------------------------------------------------ summary
 
 def _dedupe(rows: list[dict]) -> tuple[list[dict], int]:
     """A resumed run may repeat a (arm, prompt, turn, round); the last row written wins."""
@@ -439,23 +365,6 @@ def format_csv(summary: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ results folder
 
-def _atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
-    """Temp file in the same folder, fsync, rename: a reader never sees a half-written file."""
-    path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
-                       f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:  # plain open, so the file gets the umask's mode (mkstemp would make it 0600)
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _json(obj) -> str:
     return json.dumps(_clean(obj), indent=2, ensure_ascii=False, allow_nan=False, default=str) + "\n"
 
@@ -472,120 +381,9 @@ def write_results(folder: str | os.PathLike, config: dict, env: dict, rows: list
              "summary.json": _json(summary), "table.md": format_markdown_table(summary, dataset),
              "table.csv": format_csv(summary)}
     for name, text in files.items():
-        _atomic_write(folder / name, text)
+        atomic_write(folder / name, text)
     return [str(folder / n) for n in files] + write_plots(folder, summary, dataset, out)
 
-
-def write_plots(folder: str | os.PathLike, summary: dict, dataset: str, out=None) -> list[str]:
-    """tau vs K, speedup vs K (xPress sweep as a line, other methods as horizontal lines), per-position curves."""
-    out = out or sys.stdout
-    try:  # lazily, and without pyplot: the Agg canvas needs no display and leaves global state alone
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        print("[report] matplotlib is not installed: plots skipped (pip install 'matplotlib>=3.7')", file=out)
-        return []
-    arms = summary["arms"]
-    sweep = sorted((s for s in arms.values() if s["method"] == "xpress" and s["K"] is not None),
-                   key=lambda s: s["K"])
-    refs = [s for s in arms.values() if s["method"] in ("markov", "drafter-only")]
-    title = f"{dataset}, T={summary['temperature']:g}"
-    written = []
-
-    def save(fig, name: str) -> None:
-        FigureCanvasAgg(fig)
-        path = Path(folder) / name
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
-        _atomic_write(path, buf.getvalue())
-        written.append(str(path))
-
-    def vs_k(name: str, ylabel: str, value, err=None) -> None:
-        fig = Figure(figsize=(6, 4))
-        ax = fig.add_subplot()
-        pts = [(s["K"], value(s), err(s) if err else None) for s in sweep if value(s) is not None]
-        if pts:
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[p[2] or 0 for p in pts] if err else None,
-                        marker="o", capsize=3, label="xPress")
-            ax.set_xticks(sorted({p[0] for p in pts}))
-        for i, s in enumerate(refs):
-            if value(s) is not None:
-                ax.axhline(value(s), linestyle="--", color=f"C{i + 1}", label=f"{s['arm']} ({value(s):.2f})")
-        ax.set_xlabel("K (Jacobi passes)")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        save(fig, name)
-
-    vs_k("tau_vs_K.png", "tau/step (accepted drafts + 1)", lambda s: s["tau_per_step"])
-    if summary.get("reference_arm"):
-        vs_k("speedup_vs_K.png", f"speedup over {summary['reference_arm']} (paired POOLED, mean +- std)",
-             lambda s: (s.get("speedup") or {}).get("mean"), lambda s: (s.get("speedup") or {}).get("std"))
-    else:
-        print("[report] no AR arm: speedup_vs_K.png skipped", file=out)
-    fig = Figure(figsize=(6, 4))
-    ax = fig.add_subplot()
-    for s in arms.values():
-        pp = [math.nan if x is None else x for x in (s["per_position"] or [])]
-        if pp:
-            ax.plot(range(1, len(pp) + 1), pp, marker=".", label=s["arm"])
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel("draft position k")
-    ax.set_ylabel("accept rate (drafts 1..k all accepted)")
-    ax.set_ylim(0, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if ax.lines:
-        ax.legend()
-    save(fig, "acceptance_per_position.png")
-    return written
-
-
-# --------------------------------------------------------------------------------------------------- environment
-
-def _cmd(args: list[str], cwd=None) -> str | None:
-    try:
-        p = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return p.stdout.strip() if p.returncode == 0 else None
-
-
-def _version(package: str) -> str | None:
-    from importlib import metadata
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def environment() -> dict:
-    """Where the numbers came from: GPUs and driver, library versions, the repo's git SHA and dirty flag."""
-    env = {"python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
-           "time_unix": time.time(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "torch": _version("torch"), "transformers": _version("transformers"), "numpy": np.__version__,
-           "cuda": None, "gpus": [], "driver": None}
-    if env["torch"]:
-        try:
-            import torch
-            env["cuda"] = torch.version.cuda
-            if torch.cuda.is_available():
-                env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        except Exception as e:  # a broken CUDA install must not lose the run's results
-            env["torch_error"] = f"{type(e).__name__}: {e}"
-    if env["gpus"]:
-        smi = _cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-        env["driver"] = smi.splitlines()[0].strip() if smi else None
-    sha = _cmd(["git", "rev-parse", "HEAD"], cwd=_REPO)
-    status = _cmd(["git", "status", "--porcelain"], cwd=_REPO) if sha else None  # untracked code counts too
-    env["git_sha"] = sha
-    env["git_dirty"] = None if status is None else bool(status)
-    return env
-
-
-# ------------------------------------------------------------------------------------------ multi-dataset table
 
 def _load_folder(folder: str) -> dict:
     path = Path(folder)
@@ -685,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     def work():
         text = format_multi_dataset_table([_load_folder(f) for f in ns.folders])
         if ns.out:
-            _atomic_write(ns.out, text)
+            atomic_write(ns.out, text)
         sys.stdout.write(text)
     return cli_exit(work)
 

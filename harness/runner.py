@@ -21,6 +21,7 @@ from harness.config import RunConfig
 from harness.data import dataset_provenance, load_samples, render_prompt
 from harness.errors import UsageError
 from harness.loop import DecodeSettings, Generation, generate
+from harness.results_io import append_rows, atomic_write, environment, read_rows
 from harness.rounds import rotation
 from harness.target import load_target, load_tokenizer, stop_token_ids
 from harness.trace import StepTracer
@@ -153,8 +154,8 @@ def run(cfg: RunConfig, out=None) -> dict:
         "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer}
                      for k, c in prep.refiners.items()}}}
     if not cfg.resume:
-        report._atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
-    done = {(r["round"], r["arm"], r["question_id"]) for r in report.read_rows(rows_path)} if cfg.resume else set()
+        atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
+    done = {(r["round"], r["arm"], r["question_id"]) for r in read_rows(rows_path)} if cfg.resume else set()
 
     warmup(arms, target, samples, tokenizer, settings, backend)
     ctx = {"cfg": cfg, "tokenizer": tokenizer, "target": target, "backend": backend, "settings": settings,
@@ -176,7 +177,7 @@ def run(cfg: RunConfig, out=None) -> dict:
                 for qid, sample in enumerate(samples):
                     if (r, name, qid) in done:
                         continue
-                    report.append_rows(rows_path, decode_sample(ctx, arm, qid, sample, r, warm))
+                    append_rows(rows_path, decode_sample(ctx, arm, qid, sample, r, warm))
                     if bar:
                         bar.update()
     finally:
@@ -185,11 +186,11 @@ def run(cfg: RunConfig, out=None) -> dict:
         if ctx["tracer"]:
             ctx["tracer"].close()
 
-    rows = report.read_rows(rows_path)
+    rows = read_rows(rows_path)
     summary = report.summarize(rows)
     print(report.format_console_table(summary, cfg.dataset), file=out)
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
-    report.write_results(folder, saved_config, report.environment(), rows, summary, out)
+    report.write_results(folder, saved_config, environment(), rows, summary, out)
     print(f"[results] {folder}", file=out)
     for arm in arms:
         if getattr(arm.refiner, "graph_count", 0):

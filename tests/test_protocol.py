@@ -8,7 +8,7 @@ import pytest
 
 import benchmark_compile_all as cli
 import harness.runner as runner
-from harness.report import read_rows
+from harness.results_io import read_rows
 from tiny import write_run_fixture
 
 ROOT = Path(__file__).resolve().parents[1]

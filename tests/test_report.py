@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import report
+from harness import report, results_io
 from harness.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,7 +181,7 @@ def test_write_results_writes_every_file(tmp_path, summary, capsys):
         assert (folder / name).stat().st_size > 0 and str(folder / name) in written
     assert json.loads((folder / "summary.json").read_text()) == summary
     assert json.loads((folder / "env.json").read_text()) == env
-    assert report.read_rows(folder / "samples.jsonl") == rows
+    assert results_io.read_rows(folder / "samples.jsonl") == rows
     csv_lines = (folder / "table.csv").read_text().splitlines()
     assert csv_lines[0].startswith("arm,method,K") and len(csv_lines) == 3
     assert "| xPress(K=6) |" in (folder / "table.md").read_text()
@@ -207,26 +207,26 @@ def test_plots_are_skipped_with_a_note_without_matplotlib(tmp_path, summary, mon
 def test_read_rows_ignores_a_truncated_last_line_and_append_repairs_it(tmp_path, capsys):
     path = tmp_path / "samples.jsonl"
     a, b, c = {"i": 1}, {"i": 2, "tokens": [1, 2]}, {"i": 3}
-    report.append_rows(path, [a, b])
+    results_io.append_rows(path, [a, b])
     with open(path, "ab") as f:
         f.write(b'{"i": 3, "tok')  # a crash mid-write
-    assert report.read_rows(path) == [a, b]
+    assert results_io.read_rows(path) == [a, b]
     assert "truncated last line" in capsys.readouterr().err
-    report.append_rows(path, [c])  # cuts the fragment instead of fusing the new row onto it
-    assert report.read_rows(path) == [a, b, c]
+    results_io.append_rows(path, [c])  # cuts the fragment instead of fusing the new row onto it
+    assert results_io.read_rows(path) == [a, b, c]
     with open(path, "ab") as f:
         f.write(b'{"i": 4}')  # a whole object whose newline was lost: kept, and closed before the next append
-    report.append_rows(path, [c])
-    assert report.read_rows(path) == [a, b, c, {"i": 4}, c]
+    results_io.append_rows(path, [c])
+    assert results_io.read_rows(path) == [a, b, c, {"i": 4}, c]
     path.write_text('{"i": 1}\n{"i": \n{"i": 3}\n')
     with pytest.raises(UsageError, match=":2: not a JSON object"):
-        report.read_rows(path)
+        results_io.read_rows(path)
     with pytest.raises(UsageError, match="no such file"):
-        report.read_rows(tmp_path / "missing.jsonl")
+        results_io.read_rows(tmp_path / "missing.jsonl")
 
 
 def test_environment_has_the_provenance_fields():
-    env = report.environment()
+    env = results_io.environment()
     for key in ("gpus", "driver", "torch", "transformers", "python", "platform", "git_sha", "git_dirty", "hostname",
                 "time_utc"):
         assert key in env

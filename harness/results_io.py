@@ -1,0 +1,143 @@
+"""Files of a results folder: sample rows appended as they finish (and read back after a crash), atomic writes,
+and the environment a run was measured in."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from harness.errors import UsageError
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def append_rows(path: str | os.PathLike, rows: list[dict]) -> None:
+    """Append rows as JSON lines, then flush and fsync, so a crash loses at most the row being written.
+
+    A partial last line left by an earlier crash is cut off first (or closed, when it is a whole object), so the
+    new rows never fuse with it.
+    """
+    with open(path, "ab+") as f:
+        _close_tail(f, path)
+        for row in rows:
+            f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _close_tail(f, path) -> None:
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
+        return
+    f.seek(end - 1)
+    if f.read(1) == b"\n":
+        return
+    start, pos = 0, end
+    while pos > 0:  # the last line may be long (token lists): scan back in chunks for its start
+        step = min(1 << 16, pos)
+        pos -= step
+        f.seek(pos)
+        k = f.read(step).rfind(b"\n")
+        if k >= 0:
+            start = pos + k + 1
+            break
+    f.seek(start)
+    tail = f.read()
+    if isinstance(_parse(tail), dict):
+        f.write(b"\n")
+    else:
+        f.truncate(start)
+        print(f"[report] {path}: cut a truncated last line ({len(tail)} bytes) before appending", file=sys.stderr)
+
+
+def _parse(line: bytes):
+    try:
+        return json.loads(line)
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError
+        return None
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """Every row of a samples.jsonl; a truncated last line (an interrupted append) is ignored with a note."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: no such file; a run writes samples.jsonl in its results folder") from None
+    lines = data.split(b"\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    rows = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        obj = _parse(line)
+        if obj is None and i == len(lines) - 1:
+            print(f"[report] {path}: ignored a truncated last line ({len(line)} bytes)", file=sys.stderr)
+            break
+        if not isinstance(obj, dict):
+            raise UsageError(f"{path}:{i + 1}: not a JSON object; only the last line may be truncated")
+        rows.append(obj)
+    return rows
+
+
+def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
+    """Temp file in the same folder, fsync, rename: a reader never sees a half-written file."""
+    path = os.fspath(path)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                       f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "xb") as f:  # plain open, so the file gets the umask's mode (mkstemp would make it 0600)
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _cmd(args: list[str], cwd=None) -> str | None:
+    try:
+        p = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Where the numbers came from: GPUs and driver, library versions, the repo's git SHA and dirty flag."""
+    env = {"python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
+           "time_unix": time.time(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "torch": _version("torch"), "transformers": _version("transformers"), "numpy": _version("numpy"),
+           "cuda": None, "gpus": [], "driver": None}
+    if env["torch"]:
+        try:
+            import torch
+            env["cuda"] = torch.version.cuda
+            if torch.cuda.is_available():
+                env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        except Exception as e:  # a broken CUDA install must not lose the run's results
+            env["torch_error"] = f"{type(e).__name__}: {e}"
+    if env["gpus"]:
+        smi = _cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+        env["driver"] = smi.splitlines()[0].strip() if smi else None
+    sha = _cmd(["git", "rev-parse", "HEAD"], cwd=_REPO)
+    status = _cmd(["git", "status", "--porcelain"], cwd=_REPO) if sha else None  # untracked code counts too
+    env["git_sha"] = sha
+    env["git_dirty"] = None if status is None else bool(status)
+    return env
