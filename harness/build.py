@@ -174,7 +174,8 @@ def build_arms(cfg: RunConfig, prep: Prepared, target) -> list[Arm]:
             refiner = XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc)
         elif s.method == "markov":
             refiner = MarkovRefiner(markov_head_from_state(prep.refiners[MARKOV].head_state, device=backend.device,
-                                                           dtype=backend.dtype))
+                                                           dtype=backend.dtype),
+                                    low_precision_sampling=cfg.compat_reference)
         if refiner is not None and (cfg.use_graph or cfg.compile_refiner):
             refiner = AcceleratedRefiner(refiner, use_graph=cfg.use_graph, compile=cfg.compile_refiner)
         arms.append(Arm(s, prep.block_size, drafter, refiner, states.get(key(s))))

@@ -103,11 +103,19 @@ class DraftSampler:
         else:
             self.frozen.uniform_(generator=generator)
 
-    def select(self, scores: torch.Tensor, ids: torch.Tensor | None = None, slot: int | None = None) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, ids: torch.Tensor | None = None, slot: int | None = None,
+               low_precision: bool = False) -> torch.Tensor:
         """Tokens for all slots (scores [S, n]) or for one slot (scores [n], slot index). `ids` maps columns of a
-        shortlist to token ids (None: column i is token i)."""
+        shortlist to token ids (None: column i is token i).
+
+        `low_precision` draws from a softmax computed in the scores' own dtype (bf16 in bf16 runs), as DeepSpec's
+        Markov sampler does; q stays the fp32 softmax, so this reproduces the reference's small mismatch
+        (--compat-reference only)."""
         noise = self.frozen if slot is None else self.frozen[slot]
         z = filtered_logits(scores, self.params)
+        if low_precision:
+            lowp = (scores / self.params.temperature).softmax(-1).float().log()
+            z = torch.where(torch.isinf(z), z, lowp)
         if self.noise == "gumbel":
             g = noise if ids is None else noise.gather(-1, ids)
             pick = (z + g).argmax(-1)

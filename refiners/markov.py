@@ -71,8 +71,10 @@ class MarkovRefiner:
     passes = 0
     needs_prev_token = False
 
-    def __init__(self, head: MarkovHead):
+    def __init__(self, head: MarkovHead, low_precision_sampling: bool = False):
         self.head = head
+        # --compat-reference: DeepSpec samples from a softmax in the logits' dtype (bf16), not fp32
+        self.low_precision_sampling = low_precision_sampling
 
     @property
     def needs_hidden(self) -> bool:
@@ -93,7 +95,8 @@ class MarkovRefiner:
         for k in range(base.shape[0]):
             bias, state = head.step(prev, None if rows is None else rows[k], state)
             corrected = torch.add(base[k], bias).to(base.dtype)
-            prev = self.select(corrected) if ctx.sampler is None else ctx.sampler.select(corrected, slot=k)
+            prev = (self.select(corrected) if ctx.sampler is None else
+                    ctx.sampler.select(corrected, slot=k, low_precision=self.low_precision_sampling))
             tokens.append(prev)
             q.append(corrected)
         return proposal.with_tokens(torch.stack(tokens), torch.stack(q))

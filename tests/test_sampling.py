@@ -147,3 +147,17 @@ def test_frozen_noise_is_shared_and_honest():
     ids = torch.tensor([[4, 2], [0, 1], [3, 4]])
     picked = s.select(z.gather(1, ids), ids)
     assert all(int(picked[i]) in ids[i].tolist() for i in range(3))
+
+
+def test_low_precision_sampling_uses_the_bf16_softmax():
+    """--compat-reference Markov: tokens come from softmax computed in bf16 (DeepSpec), not from the fp32 one."""
+    s = DraftSampler(SamplingParams(1.0), "uniform", 1, 3, torch.device("cpu"))
+    scores = torch.tensor([-3.0, 2.0, 2.1], dtype=torch.bfloat16)  # bf16 rounds 0.4751 to 0.4746, 0.5217 to 0.5234
+    c32 = torch.softmax(scores.float(), -1).cumsum(-1)
+    c16 = torch.softmax(scores, -1).float().cumsum(-1)
+    # a uniform that falls between the two CDFs' second bins picks differently
+    lo, hi = sorted((float(c32[1] / c32[-1]), float(c16[1] / c16[-1])))
+    assert hi - lo > 1e-4
+    s.frozen.fill_((lo + hi) / 2)
+    fast, slow = int(s.select(scores, slot=0)), int(s.select(scores, slot=0, low_precision=True))
+    assert fast != slow
