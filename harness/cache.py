@@ -53,14 +53,25 @@ def prefix_mask(limit: torch.Tensor, n_queries: int, length: int) -> torch.Tenso
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
            impl: str = "sdpa") -> torch.Tensor:
-    """q [1,Hq,T,d], k/v [1,Hkv,S,d] (grouped-query), mask [T,S] bool -> [1,T,Hq*d]."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
+    """q [1,Hq,T,d], k/v [1,Hkv,S,d] (grouped-query), mask [T,S] bool -> [1,T,Hq*d].
+
+    sdpa: the query heads that share a K/V head are folded into the query rows ([1, Hkv, groups*T, d], mask
+    repeated per group, or passed with groups*T rows already), so K/V are read in place instead of being copied
+    `groups` times per layer."""
+    hq, t = q.shape[1], q.shape[2]
+    groups = hq // k.shape[1]
     if impl == "sdpa":
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    else:  # "eager": the textbook formula with an fp32 softmax, kept as a cross-check of the fused kernel
+        if groups > 1:
+            qg = q.reshape(1, k.shape[1], groups * t, q.shape[-1])
+            m = mask if mask.shape[0] == groups * t else mask.repeat(groups, 1)
+            o = torch.nn.functional.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)
+            o = o.reshape(1, hq, t, q.shape[-1])  # a view where the kernel's output layout allows
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)  # "eager": the textbook formula with an fp32 softmax, kept as a cross-check of the fused kernel
         scores = (q.float() @ k.float().transpose(-1, -2)) * scale
         scores = scores.masked_fill(~mask, float("-inf"))
         o = (scores.softmax(-1) @ v.float()).to(q.dtype)

@@ -3,9 +3,19 @@
 Warmup runs on a side stream first (lazy initialisation and, for compiled functions, compilation happen there),
 then one capture. Replay copies the new inputs into the static buffers; outputs live in static buffers too, so a
 caller must consume them before the next replay (the decode loop does: a step ends before the next begins).
+
+Two granularities:
+- `AcceleratedRefiner`: only the refinement step (the reference's --use-graph).
+- `StepGraphs`: the whole decode step (draft, refine, verify, accept, commit, observe) of harness.loop.Stepper,
+  one graph per (arm, width, KV-length bucket), all sharing one memory pool. The graphs read persistent state by
+  address (output buffer, target.pos, drafter.ctx, KV caches, sampler noise, one generator), so those buffers
+  live here or on their owners and are never reallocated while a graph uses them; when a cache grows, the
+  graphs that read it are dropped and captured again.
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -75,3 +85,171 @@ class AcceleratedRefiner:
                 self.graph_count += 1
             tokens, logits = self.captured[ctx.sampler](*args)
         return proposal.with_tokens(tokens, logits)
+
+
+class _Uncaptured:
+    """An AcceleratedRefiner's function (compiled if asked) without its own graph, for use inside a step graph."""
+
+    def __init__(self, acc: "AcceleratedRefiner"):
+        self.acc, self.name, self.passes = acc, acc.name, acc.passes
+
+    def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:
+        fn = self.acc._fn(ctx.sampler)
+        tokens, logits = fn(proposal.tokens, proposal.logits, proposal.hidden, ctx.anchor, ctx.prev_token)
+        return proposal.with_tokens(tokens, logits)
+
+
+def plain_refiner(refiner):
+    """The refiner to run inside a whole-step graph (a nested capture is impossible). Stable per refiner, since
+    graphs are keyed by the refiner object."""
+    if isinstance(refiner, AcceleratedRefiner):
+        if getattr(refiner, "_uncaptured", None) is None:
+            refiner._uncaptured = _Uncaptured(refiner)
+        return refiner._uncaptured
+    return refiner
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _ptr(obj) -> int | None:
+    kv = getattr(obj, "kv", None)
+    return None if kv is None else kv.k.data_ptr()
+
+
+@dataclass
+class _Entry:
+    graph: object
+    out: object          # the StepOut of the capture: static tensors, rewritten by every replay
+    refs: tuple          # keeps the keyed objects alive, so that their ids are never reused by others
+    layout: tuple
+
+
+class StepGraphs:
+    """Whole-step CUDA graphs of one target, captured lazily, replayed by harness.loop.generate(use_graph=True)."""
+
+    rng_unsupported = ("T>0 steps ran eagerly: this torch's CUDAGraph has no register_generator_state, so a "
+                       "graph cannot draw from a per-(prompt, turn) generator")
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise UsageError("--use-graph captures CUDA graphs and needs --device cuda")
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.entries: dict = {}
+        self.out: torch.Tensor | None = None
+        self._stops: dict = {}
+        self.rng = torch.Generator(device=device)
+        self.captures = 0          # graphs captured so far (recaptures after a cache grew included)
+        self.capture_s = 0.0       # host seconds spent warming up and capturing
+
+    # --- persistent buffers ------------------------------------------------------------------------------------
+    @staticmethod
+    def capacity_for(need: int, bucket: int) -> int:
+        """Round a cache size up to whole buckets, so the last bucket never reads past the cache."""
+        return _round_up(need, bucket) if bucket else need
+
+    @staticmethod
+    def length(needed: int, bucket: int, capacity: int) -> int:
+        """KV slots a step attends over (masked beyond its positions): a bucket boundary, or the whole cache."""
+        return min(_round_up(needed, bucket), capacity) if bucket else capacity
+
+    def out_buffer(self, n: int) -> torch.Tensor:
+        if self.out is None or self.out.numel() < n:
+            self.out = torch.full((n,), -1, dtype=torch.long, device=self.device)
+        return self.out
+
+    def stop_ids(self, ids: tuple[int, ...]) -> torch.Tensor:
+        key = tuple(sorted(ids))
+        if key not in self._stops:
+            self._stops[key] = torch.tensor(list(key) or [-2], dtype=torch.long, device=self.device)
+        return self._stops[key]
+
+    # --- randomness --------------------------------------------------------------------------------------------
+    @staticmethod
+    def supports_rng() -> bool:
+        return hasattr(torch.cuda.CUDAGraph, "register_generator_state")
+
+    def adopt_rng(self, generator: torch.Generator | None) -> bool:
+        """Move a generator's state into the one generator every graph is registered with (False: unsupported)."""
+        if not self.supports_rng():
+            return False
+        self.rng.set_state(self._source(generator).get_state())
+        return True
+
+    def return_rng(self, generator: torch.Generator | None) -> None:
+        """Hand the advanced state back, as if the generation had drawn from `generator` itself."""
+        self._source(generator).set_state(self.rng.get_state())
+
+    def _source(self, generator):
+        return generator if generator is not None else torch.cuda.default_generators[self.device.index or 0]
+
+    # --- capture and replay ------------------------------------------------------------------------------------
+    def _layout(self, stepper) -> tuple:
+        return (self.out.data_ptr() if self.out is not None else None, _ptr(stepper.target), _ptr(stepper.drafter))
+
+    def run(self, stepper, speculative: bool, width: int, length: int):
+        """Replay (capturing first if needed) the step of `stepper`'s arm at this shape; returns its StepOut."""
+        layout = self._layout(stepper)
+        key = (id(stepper.drafter), id(stepper.refiner), id(stepper.sampler), id(stepper.stops),
+               stepper.params, stepper.scripted, speculative, width, length)
+        entry = self.entries.get(key)
+        if entry is None or entry.layout != layout:
+            # a cache or the output buffer was reallocated: graphs reading the old ones are useless
+            kept = {k: e for k, e in self.entries.items() if e.layout[:2] == layout[:2] and k != key}
+            if len(kept) < len(self.entries):
+                # graphs were dropped: their pool may be released with them, and a released pool cannot take
+                # new captures, so later captures go to a fresh pool
+                self.pool = torch.cuda.graph_pool_handle()
+            self.entries = kept
+            entry = self._capture(stepper, speculative, width, length, layout)
+            self.entries[key] = entry
+        entry.graph.replay()
+        return entry.out
+
+    def _capture(self, stepper, speculative, width, length, layout) -> _Entry:
+        t0 = time.perf_counter()
+        live = [stepper.target.pos] + ([stepper.drafter.ctx] if hasattr(stepper.drafter, "ctx") else [])
+        saved = [x.clone() for x in live]
+        uses_rng = stepper.generator is self.rng
+        rng_state = self.rng.get_state() if uses_rng else None
+
+        def restore():
+            for x, s in zip(live, saved):
+                x.copy_(s)
+            if rng_state is not None:
+                self.rng.set_state(rng_state)
+
+        # Warm up (lazy init, cuBLAS handles, compilation) on a side stream, undoing each run's state changes:
+        # the slots a run writes past the committed position are rewritten by the real step before any read.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                stepper.step(speculative, width, length)
+                restore()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        if uses_rng:
+            graph.register_generator_state(self.rng)
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = stepper.step(speculative, width, length)
+        restore()  # capture launches nothing, but keep the invariant explicit
+        torch.cuda.synchronize(self.device)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
+        # the stepper too: its own small tensors (offsets, scripted counts) are read by the graph
+        return _Entry(graph, out, (stepper, stepper.drafter, stepper.refiner, stepper.sampler, stepper.stops), layout)
+
+    def stats(self) -> dict:
+        return {"graphs": len(self.entries), "captures": self.captures, "capture_s": round(self.capture_s, 3)}
+
+
+def step_graphs(target) -> StepGraphs:
+    """The target's StepGraphs (one per target: every arm shares its output buffer and memory pool)."""
+    graphs = getattr(target, "step_graphs", None)
+    if graphs is None:
+        graphs = StepGraphs(target.backend.device)
+        target.step_graphs = graphs
+    return graphs

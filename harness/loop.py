@@ -1,12 +1,17 @@
 """THE decode loop: one function for autoregressive (block 1) and speculative (block B) decoding.
 
 One step: propose -> refine -> verify -> accept -> commit, with every tensor on the device and exactly one host
-sync (`_read_step`), which fetches the accepted count and the first stop position together.
+sync (reading `StepOut.packed`), which fetches the accepted count and the first stop position together.
 
 Positions: the sequence is out[0..n-1]; the anchor is its last token, at index `pos` (the target has committed
 pos slots, 0..pos-1). A speculative step writes cache slots pos..pos+B-1 and may emit up to B tokens, so it runs
 only while the whole block fits the context (pos + B < max_model_len); after that the loop finishes with plain
 target steps, so a proposed draft is never left half-verified.
+
+The device work of a step is one fixed-shape function of persistent state (`Stepper.step`): the output buffer,
+target.pos, drafter.ctx, the KV caches and the draft sampler's noise. Eagerly it runs as plain PyTorch; with
+`use_graph` it is captured once per (arm, width, KV-length bucket) as one CUDA graph (harness.graphs.StepGraphs)
+and replayed, so the host only reads (n_accept, first_stop) per step.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from drafters.base import Drafter
+from drafters.base import Drafter, Proposal
 from harness.devices import Backend
 from harness.errors import UsageError
 from harness.sampling import DraftSampler, SamplingParams, sample_rows
@@ -38,6 +43,14 @@ class DecodeSettings:
     # The reference harness's loop quirks: tau entries not clipped at EOS or the budget, one extra draft+verify
     # step after an EOS correction/bonus token, and the decode timer started after the first block's drafting.
     compat_reference: bool = False
+    # Timing mode: force min(N, W-1) accepted drafts per verify (the target still verifies the whole block and the
+    # next token is its choice at row N), so step times at any tau can be measured. Results made this way are
+    # labelled "random weights / scripted acceptance" (SCRIPTED_LABEL).
+    scripted_accept: int | None = None
+    # One CUDA graph per (arm, width, KV bucket) for the whole step (CUDA only). graph_bucket: KV slots per bucket
+    # (attention reads the bucket, masked); 0 attends over the whole cache capacity with one graph per width.
+    use_graph: bool = False
+    graph_bucket: int = 256
 
     @property
     def target_params(self) -> SamplingParams:
@@ -47,6 +60,9 @@ class DecodeSettings:
     def draft_params(self) -> SamplingParams:
         t = self.temperature if self.draft_temperature is None else self.draft_temperature
         return SamplingParams(t, self.top_k, self.top_p)
+
+
+SCRIPTED_LABEL = "random weights / scripted acceptance"
 
 
 @dataclass
@@ -63,6 +79,8 @@ class Generation:
     ar_steps: int = 0
     host_syncs: int = 0
     compat_reference: bool = False
+    graph_steps: int = 0               # steps replayed from a whole-step CUDA graph
+    graph_note: str = ""               # why steps ran eagerly although use_graph was set ("" when none did)
 
     @property
     def decode_tokens(self) -> int:
@@ -75,19 +93,115 @@ class PromptTooLong(UsageError):
     pass
 
 
-def _read_step(n_accept: torch.Tensor, first_stop: torch.Tensor) -> tuple[int, int]:
-    """The one host sync per step."""
-    a, s = torch.stack((n_accept, first_stop)).tolist()
-    return a, s
+@dataclass
+class StepOut:
+    """One step's device results. `packed` = (n_accept, first_stop) is all the host reads, in one sync."""
+    packed: torch.Tensor
+    n_accept: torch.Tensor
+    next_token: torch.Tensor
+    block: torch.Tensor
+    logits: torch.Tensor
+    proposal: Proposal | None
+
+
+_IDENTITY = IdentityRefiner()  # one object: step graphs are keyed by the refiner's identity
+
+
+def _no_mark(stage: str) -> None:
+    pass
+
+
+class Stepper:
+    """The device work of one step as a fixed-shape function of persistent state (no host sync): for a given
+    (speculative, width, length) every call launches the same kernels on the same buffers, which is what lets
+    harness.graphs capture it once and replay it. `mark(stage)` is called at "begin" and after each of STAGES
+    (timing only; never inside a capture)."""
+
+    STAGES = ("draft", "refine", "verify", "accept", "observe")
+
+    def __init__(self, target, drafter, refiner, settings: DecodeSettings, out: torch.Tensor, stops: torch.Tensor,
+                 sampler: DraftSampler | None, generator: torch.Generator | None):
+        self.target, self.drafter, self.refiner = target, drafter, refiner
+        self.out, self.stops, self.sampler, self.generator = out, stops, sampler, generator
+        self.params = settings.target_params
+        # Rejection sampling needs a real q: drafts drawn at Td > 0 verified against a sampled target. Any other
+        # combination is verified by exact match (greedy, or against a sampled target for deterministic drafts).
+        self.q_mode = sampler is not None and not self.params.greedy
+        width = drafter.block_size if drafter is not None else 1
+        self.offsets = torch.arange(width, device=out.device)
+        self.scripted = settings.scripted_accept
+        self.forced = {} if self.scripted is None else {
+            w: torch.full((), min(self.scripted, w - 1), dtype=torch.long, device=out.device) for w in {1, width}}
+
+    def step(self, speculative: bool, width: int, length: int, mark=_no_mark) -> StepOut:
+        t = self.target
+        mark("begin")
+        anchor = self.out.index_select(0, t.pos.view(1))
+        proposal = None
+        if speculative:
+            proposal = self.drafter.propose(anchor[0], t.pos, length)
+            if self.sampler is not None:
+                self.sampler.new_block(self.generator)
+                proposal = dataclasses.replace(proposal, tokens=self.sampler.select(proposal.logits))
+            mark("draft")
+            prev = self.out.index_select(0, t.pos.view(1) - 1)[0]
+            proposal = self.refiner.refine(proposal, RefineContext(anchor=anchor[0], prev_token=prev,
+                                                                   sampler=self.sampler))
+            mark("refine")
+            drafts = proposal.tokens
+            block = torch.cat((anchor, drafts))
+        else:
+            drafts = self.out[:0]
+            block = anchor
+        logits, feats = t.verify(block, length, want_features=speculative)
+        mark("verify")
+        n, nxt = self._verdict(drafts, proposal, logits, width, speculative)
+        idx = self.offsets[:width]
+        candidates = torch.cat((drafts, nxt.view(1)))
+        emitted = torch.where(idx < n, candidates, nxt)
+        self.out.index_copy_(0, t.pos + 1 + idx, emitted)
+        hits = (emitted.unsqueeze(1) == self.stops).any(1) & (idx <= n)
+        first_stop = torch.where(hits.any(), hits.long().argmax(), width)
+        t.commit(n + 1)
+        mark("accept")
+        if speculative:
+            self.drafter.observe(feats, n + 1)
+            mark("observe")
+        return StepOut(torch.stack((n, first_stop)), n, nxt, block, logits, proposal)
+
+    def _verdict(self, drafts, proposal, logits, width, speculative):
+        if self.q_mode and speculative:
+            v = rejection(drafts, self.sampler.q(proposal.logits), logits, self.params, self.generator)
+        else:
+            v = exact_match(drafts, logits, self.params, self.generator)
+        if self.scripted is None:
+            return v.n_accept, v.next_token
+        # Scripted acceptance: the verdict is still computed (same work), then overridden.
+        n = self.forced[width]
+        return n, sample_rows(logits.index_select(0, n.view(1)), self.params, self.generator)[0]
+
+
+def _check(settings: DecodeSettings, backend: Backend) -> None:
+    s = settings.scripted_accept
+    if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
+        raise UsageError(f"--scripted-accept must be an integer >= 0, got {s!r}")
+    if settings.use_graph and backend.kind != "cuda":
+        raise UsageError("--use-graph captures CUDA graphs and needs --device cuda; drop it on "
+                         f"{backend.kind}")
+    b = settings.graph_bucket
+    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        raise UsageError(f"graph bucket must be an integer >= 0 (0 = the whole cache), got {b!r}")
 
 
 @torch.no_grad()
 def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backend,
              drafter: Drafter | None = None, refiner: Refiner | None = None,
              generator: torch.Generator | None = None,
-             on_step: Callable[[dict], None] | None = None) -> Generation:
+             on_step: Callable[[dict], None] | None = None, mark: Callable[[str], None] | None = None) -> Generation:
     """Decode one prompt. `on_step`, when given, sees each step's device tensors after the step's sync
-    (tests and traces); it is None on timed runs, so it costs nothing there."""
+    (tests and traces); it is None on timed runs, so it costs nothing there. `mark(name)`, for CUDA-event timing
+    (harness.timing.StageTimer), is called at "begin" and "end" of every step and, on eager steps, after each
+    stage (Stepper.STAGES)."""
     dev = backend.device
     m, limit = settings.max_new_tokens, settings.max_model_len
     p = len(prompt)
@@ -96,27 +210,36 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     if p >= limit:
         raise PromptTooLong(f"prompt has {p} tokens but --max-model-len is {limit}; raise --max-model-len "
                            "or drop the prompt")
+    _check(settings, backend)
+    graphs = None
+    if settings.use_graph:
+        from harness.graphs import plain_refiner, step_graphs
+        graphs = step_graphs(target)
     width = drafter.block_size if drafter is not None else 1
-    refiner = refiner or IdentityRefiner()
+    refiner = refiner or _IDENTITY
+    if graphs is not None:
+        refiner = plain_refiner(refiner)  # the whole step is one graph: the refiner must not capture its own
     need = min(limit, p + m + width)
+    if graphs is not None:
+        need = graphs.capacity_for(need, settings.graph_bucket)
     target.ensure_capacity(need)
     if drafter is not None:
         drafter.ensure_capacity(need)
     target.reset()
 
-    out = torch.full((p + m + width + 1,), -1, dtype=torch.long, device=dev)
+    if graphs is not None:  # buffers a captured graph reads by address: persistent across generations
+        out = graphs.out_buffer(target.capacity + width + 1)
+        stops = graphs.stop_ids(settings.stop_ids)
+    else:
+        out = torch.full((p + m + width + 1,), -1, dtype=torch.long, device=dev)
+        stops = torch.tensor(sorted(settings.stop_ids) or [-2], dtype=torch.long, device=dev)
     out[:p] = torch.tensor(prompt, dtype=torch.long)
-    stops = torch.tensor(sorted(settings.stop_ids) or [-2], dtype=torch.long, device=dev)
-    offsets = torch.arange(width, device=dev)
     compat = settings.compat_reference
     gen = Generation(tokens=[], accept_lengths=[], accepted=[], stop_reason="", prompt_len=p, compat_reference=compat)
     target_params, draft_params = settings.target_params, settings.draft_params
     sampler = None
     if drafter is not None and not draft_params.greedy:
         sampler = DraftSampler.shared(draft_params, settings.draft_noise, width - 1, target.vocab_size, dev)
-    # Rejection sampling needs a real q: drafts drawn at Td > 0 verified against a sampled target. Any other
-    # combination is verified by exact match (greedy, or against a sampled target for deterministic drafts).
-    q_mode = sampler is not None and not target_params.greedy
 
     t0 = backend.now()
     logits, feats = target.prefill(out[:p], want_features=drafter is not None)
@@ -131,6 +254,16 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
         gen.drafter_prefill_s = t2 - t1
         t1 = t2
 
+    rng = generator
+    random_steps = sampler is not None or not target_params.greedy
+    if graphs is not None and random_steps:
+        if graphs.adopt_rng(generator):
+            rng = graphs.rng  # a graph reads the generator it was captured with: the state moves, not the object
+        else:
+            gen.graph_note = graphs.rng_unsupported
+            graphs = None
+    stepper = Stepper(target, drafter, refiner, settings, out, stops, sampler, rng)
+
     pos, produced = p, 1
     stop = ""
     if first_id in settings.stop_ids:
@@ -140,44 +273,31 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     elif pos + 1 >= limit:
         stop = "max_model_len"
 
+    clock = [t1]
+
+    def compat_mark(stage: str) -> None:
+        if stage == "refine":  # the reference starts its decode timer here (its drafter "prefill")
+            t2 = backend.now()
+            gen.drafter_prefill_s += t2 - clock[0]
+            clock[0] = t2
+
     extra_step = False  # compat: the step the reference runs with an EOS anchor, counted but emitting nothing
     while not stop or extra_step:
         speculative = drafter is not None and pos + width < limit
         w = width if speculative else 1
-        anchor = out.index_select(0, target.pos.view(1))
-        if speculative:
-            proposal = drafter.propose(anchor[0], target.pos, pos + w)
-            if sampler is not None:
-                sampler.new_block(generator)
-                proposal = dataclasses.replace(proposal, tokens=sampler.select(proposal.logits))
-            prev = out.index_select(0, target.pos.view(1) - 1)[0]
-            proposal = refiner.refine(proposal, RefineContext(anchor=anchor[0], prev_token=prev, sampler=sampler))
-            if compat and gen.spec_steps == 0:
-                t2 = backend.now()  # the reference starts its decode timer here (its drafter "prefill")
-                gen.drafter_prefill_s += t2 - t1
-                t1 = t2
-            drafts = proposal.tokens
-            block = torch.cat((anchor, drafts))
+        first_compat = compat and speculative and gen.spec_steps == 0
+        if graphs is not None and not first_compat:
+            length = graphs.length(pos + w, settings.graph_bucket, target.capacity)
+            if mark is not None:
+                mark("begin")
+            res = graphs.run(stepper, speculative, w, length)
+            gen.graph_steps += 1
         else:
-            drafts = out[:0]
-            block = anchor
-        logits, feats = target.verify(block, pos + w, want_features=speculative)
-        if q_mode and speculative:
-            verdict = rejection(drafts, sampler.q(proposal.logits), logits, target_params, generator)
-        else:
-            verdict = exact_match(drafts, logits, target_params, generator)
-        n = verdict.n_accept
-        idx = offsets[:w]
-        candidates = torch.cat((drafts, verdict.next_token.view(1)))
-        emitted = torch.where(idx < n, candidates, verdict.next_token)
-        out.index_copy_(0, target.pos + 1 + idx, emitted)
-        hits = torch.isin(emitted, stops) & (idx <= n)
-        first_stop = torch.where(hits.any(), hits.long().argmax(), w)
-        target.commit(n + 1)
-        if speculative:
-            drafter.observe(feats, n + 1)
+            res = stepper.step(speculative, w, pos + w, compat_mark if first_compat else (mark or _no_mark))
+        if mark is not None:
+            mark("end")
 
-        accepted, stop_at = _read_step(n, first_stop)
+        accepted, stop_at = res.packed.tolist()  # the one host sync per step
         gen.host_syncs += 1
         gen.spec_steps += speculative
         gen.ar_steps += not speculative
@@ -196,10 +316,9 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
                 stop = "max_new_tokens"
             emit = m - produced
         if on_step is not None:
-            on_step({"position": pos, "speculative": speculative, "block": block, "logits": logits,
-                     "proposal": proposal if speculative else None, "accepted": accepted, "emitted": emit,
-                     "next_token": verdict.next_token,
-                     "produced": produced + emit, "stop": stop})
+            on_step({"position": pos, "speculative": speculative, "block": res.block, "logits": res.logits,
+                     "proposal": res.proposal, "accepted": accepted, "emitted": emit,
+                     "next_token": res.next_token, "produced": produced + emit, "stop": stop})
         produced += emit
         pos += accepted + 1
         gen.accept_lengths.append(accepted + 1 if compat else emit)
@@ -207,7 +326,9 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
         if not stop and pos + 1 >= limit:
             stop = "max_model_len"
 
-    gen.decode_s = backend.now() - t1
+    gen.decode_s = backend.now() - clock[0]
+    if rng is not generator and graphs is not None:
+        graphs.return_rng(generator)
     gen.tokens = out[p: p + produced].tolist()
     gen.stop_reason = stop
     return gen

@@ -80,6 +80,15 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
+def _rms(norm, x: torch.Tensor) -> torch.Tensor:
+    """An HF RMSNorm in two kernels instead of about seven (four norms a layer): the fused normalisation computes
+    in fp32 and rounds to the input dtype once, then the weight multiplies in that dtype, as HF does."""
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        return norm(x)
+    return norm.weight * torch.nn.functional.rms_norm(x, norm.weight.shape, None, eps)
+
+
 class Target:
     """prefill / verify / commit / reset over a static cache; `pos` is the committed length, on the device."""
 
@@ -104,6 +113,40 @@ class Target:
         self.set_taps(taps)
         self.kv = StaticKV(self.n_layers, self.n_kv_heads, self.head_dim, capacity, backend.dtype, backend.device)
         self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
+        self.step_graphs = None  # harness.graphs.StepGraphs, created by the first use_graph generation
+        self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
+
+    @torch.no_grad()
+    def fuse_projections(self, on: bool = True) -> bool:
+        """One matmul for q/k/v and one for gate/up per layer (4 weight reads per layer instead of 7: at one row,
+        small matmuls run far below copy bandwidth). The fused matrix is built once and the HF modules' weights
+        become views into it, so no memory is added and the HF forward still works. Layers with projection
+        biases keep the separate path. Captured step graphs are dropped (they hold the old kernels)."""
+        self.step_graphs = None
+        if not on:
+            self._fused = None
+            return False
+        if self._fused is None:
+            self._fused = [self._fuse_layer(layer) for layer in self.layers]
+        return any(f is not None for f in self._fused)
+
+    @staticmethod
+    def _fuse_layer(layer):
+        a, mlp = layer.self_attn, layer.mlp
+        projs = (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)
+        if any(getattr(m, "bias", None) is not None for m in projs) or not hasattr(mlp, "act_fn"):
+            return None
+        fused = []
+        for group in ((a.q_proj, a.k_proj, a.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            w = torch.cat([m.weight for m in group])
+            start = 0
+            for m in group:
+                n = m.weight.shape[0]
+                m.weight = torch.nn.Parameter(w[start:start + n], requires_grad=False)
+                start += n
+            fused.append(w)
+        sizes = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]
+        return fused[0], sizes, fused[1]
 
     def set_taps(self, taps: tuple[int, ...]) -> None:
         for t in taps:
@@ -130,12 +173,15 @@ class Target:
         cos, sin = self.rotary(h, positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
         mask = causal_mask(positions, length)
+        groups = self.config.num_attention_heads // self.n_kv_heads
+        if self.attn_impl == "sdpa" and groups > 1:
+            mask = mask.repeat(groups, 1)  # once per forward, for attend's grouped-query folding
         tapped = {}
         for i, layer in enumerate(self.layers):
             h = self._layer(i, layer, h, positions, cos, sin, mask, length)
             if want_features and i in self._tap_set:
                 tapped[i] = h[0]
-        out = self.norm(h[0])
+        out = _rms(self.norm, h[0])
         if want_features and self.n_layers - 1 in tapped:
             # HF's last hidden_state is taken after the final norm; drafters were trained on that tensor.
             tapped[self.n_layers - 1] = out
@@ -145,19 +191,29 @@ class Target:
 
     def _layer(self, i, layer, h, positions, cos, sin, mask, length):
         attn = layer.self_attn
-        x = layer.input_layernorm(h)
+        x = _rms(layer.input_layernorm, h)
         t = x.shape[1]
-        q = attn.q_proj(x).view(1, t, -1, self.head_dim)
-        k = attn.k_proj(x).view(1, t, -1, self.head_dim)
-        v = attn.v_proj(x).view(1, t, -1, self.head_dim).transpose(1, 2)
+        fused = self._fused[i] if self._fused is not None else None
+        if fused is not None:
+            q, k, v = torch.nn.functional.linear(x, fused[0]).split(fused[1], dim=-1)
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q = q.view(1, t, -1, self.head_dim)
+        k = k.view(1, t, -1, self.head_dim)
+        v = v.view(1, t, -1, self.head_dim).transpose(1, 2)
         if hasattr(attn, "q_norm"):
-            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = _rms(attn.q_norm, q), _rms(attn.k_norm, k)
         q = rotate(q.transpose(1, 2), cos, sin)
         k = rotate(k.transpose(1, 2), cos, sin)
         self.kv.write(i, positions, k, v)
         ks, vs = self.kv.read(i, length)
         h = h + attn.o_proj(attend(q, ks, vs, mask, self.scale, self.attn_impl))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        x = _rms(layer.post_attention_layernorm, h)
+        if fused is None:
+            return h + layer.mlp(x)
+        mlp = layer.mlp
+        gate, up = torch.nn.functional.linear(x, fused[2]).chunk(2, dim=-1)
+        return h + mlp.down_proj(mlp.act_fn(gate) * up)
 
     def prefill(self, prompt: torch.Tensor, want_features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the prompt at positions 0..P-1 and commits it. Returns last-position logits [V], features [P, F]."""

@@ -1,4 +1,5 @@
 """CUDA checks of the same decode path (skipped without a GPU)."""
+import dataclasses
 import warnings
 
 import pytest
@@ -93,3 +94,87 @@ def test_graph_and_compile_give_the_same_tokens(temperature):
         for label in variants:
             assert outs[label] == outs["eager"], f"{name}: {label} differs from eager"
         assert variants["graph"].graph_count == 1
+
+
+# --- whole-step CUDA graphs (DecodeSettings.use_graph) -------------------------------------------------------------
+
+def _arms(t, block=8):
+    from harness.graphs import AcceleratedRefiner
+    from refiners.markov import MarkovRefiner, random_markov_head
+    from refiners.xpress import XPressRefiner, random_xpress_head
+    d = tiny_drafter(t, block=block, backend=backend(torch.float32))
+    xp = random_xpress_head(t.vocab_size, t.hidden_size, 8, block, seed=2, std=0.3).cuda().fold()
+    mk = random_markov_head("vanilla", t.vocab_size, t.hidden_size, 8, seed=3, std=0.3).cuda()
+    return {"AR": (None, None), "drafter-only": (d, None), "xpress-K6": (d, XPressRefiner(xp, 6)),
+            "xpress-K2-C8": (d, XPressRefiner(xp, 2, topc=8)), "markov": (d, MarkovRefiner(mk)),
+            # a refiner wrapped for its own graph (the runner's --use-graph) runs unwrapped inside the step graph
+            "xpress-K6-wrapped": (d, AcceleratedRefiner(XPressRefiner(xp, 6), use_graph=True))}
+
+
+@pytest.mark.parametrize("bucket", [16, 0])
+def test_step_graphs_give_the_eager_tokens(bucket):
+    b = backend(torch.float32)
+    t = tiny_target("qwen3", backend=b)
+    for name, (d, r) in _arms(t).items():
+        for i, p in enumerate(prompts(6)):
+            s = DecodeSettings(10 + 7 * i, 512, (3, 5))
+            eager = generate(t, p, s, b, drafter=d, refiner=r)
+            g = generate(t, p, dataclasses.replace(s, use_graph=True, graph_bucket=bucket), b, drafter=d,
+                         refiner=r)
+            assert g.tokens == eager.tokens, f"{name}, prompt {i}, bucket {bucket}"
+            assert g.accepted == eager.accepted and g.stop_reason == eager.stop_reason
+            assert g.graph_steps == len(g.accepted) and g.graph_note == ""
+    print("graph stats", t.step_graphs.stats())
+
+
+def test_step_graphs_near_the_context_limit_and_scripted():
+    b = backend(torch.float32)
+    t = tiny_target("qwen3", backend=b)
+    d = tiny_drafter(t, block=4, backend=b)
+    limit = 40
+    for n in (limit - 6, limit - 5, limit - 4):
+        p = [(7 * i) % 90 + 8 for i in range(n)]
+        s = DecodeSettings(500, limit, ())
+        eager = generate(t, p, s, b, drafter=d)
+        g = generate(t, p, dataclasses.replace(s, use_graph=True, graph_bucket=16), b, drafter=d)
+        assert g.tokens == eager.tokens and g.stop_reason == "max_model_len"
+    s = DecodeSettings(30, 512, (), scripted_accept=2, use_graph=True)
+    g = generate(t, [9, 10, 11], s, b, drafter=d)
+    assert g.accepted == [2] * len(g.accepted) and len(g.tokens) == 30
+
+
+def test_step_graphs_capture_once_and_sync_once_per_step():
+    b = backend(torch.float32)
+    t = tiny_target("qwen3", backend=b)
+    d = tiny_drafter(t, block=4, backend=b)
+    s = DecodeSettings(24, 512, (), use_graph=True)
+    generate(t, [9, 10, 11], s, b, drafter=d)  # warm: captures
+    before = t.step_graphs.captures
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            g = generate(t, [9, 10, 11], s, b, drafter=d)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    print(f"graphed: implicit syncs {syncs} for {g.host_syncs} steps")
+    assert t.step_graphs.captures == before, "a warm generation must not capture again"
+    assert syncs <= g.host_syncs + 4
+
+
+def test_step_graphs_sampling():
+    """T > 0: a graph draws from the per-(prompt, turn) generator's state (register_generator_state), so the
+    tokens equal the eager ones for the same seed; without that API the steps run eagerly and say so."""
+    b = backend(torch.float32)
+    t = tiny_target("qwen3", backend=b)
+    for name, (d, r) in _arms(t).items():
+        if name == "xpress-K6-wrapped":
+            continue
+        s = DecodeSettings(24, 512, (3, 5), temperature=1.0)
+        for i, p in enumerate(prompts(3)):
+            eager = generate(t, p, s, b, drafter=d, refiner=r, generator=b.generator(i))
+            g = generate(t, p, dataclasses.replace(s, use_graph=True), b, drafter=d, refiner=r,
+                         generator=b.generator(i))
+            assert g.tokens == eager.tokens, f"{name}, prompt {i}: {g.graph_note}"
+    print("T>0 graphs:", g.graph_note or "captured with the generator registered")

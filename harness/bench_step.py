@@ -1,0 +1,335 @@
+"""Step-level cost of every arm at a preset's real shapes: python -m harness.bench_step --preset qwen3-8b
+
+Random weights (timing does not depend on values) and scripted acceptance (DecodeSettings.scripted_accept), so
+every number here is labelled "random weights / scripted acceptance". Measured, at batch 1 after a prompt of
+--prompt-len tokens:
+- the roofline: target weight bytes / measured device-to-device copy bandwidth (read + write bytes);
+- per arm (AR, drafter-only, Markov, xPress at each K and top-C): the eager step per stage from CUDA events with
+  no per-stage sync (harness.timing.StageTimer), the graphed step (whole-step CUDA graph, harness.graphs) and
+  its host gap, and the per-stage device time with each stage captured as its own graph;
+- speedup = tau x (AR step / spec step) at scripted tau, against the measured tok/s of the full graphed loop;
+- attention over bucketed KV lengths against attention over the whole cache;
+- extra reference arms: HF `generate` with its default cache and with cache_implementation="static".
+Writes JSON (--out) and a markdown table beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from harness.devices import resolve_backend
+from harness.errors import UsageError
+from harness.graphs import StepGraphs
+from harness.loop import DecodeSettings, Stepper, generate
+from harness.presets import PRESETS, RANDOM_LABEL, build_random
+from refiners.identity import IdentityRefiner
+from harness.timing import StageTimer, capture_stage_graphs, copy_bandwidth, time_stage_graphs
+
+
+def arm_list(ks: list[int], topcs: list[int]) -> list[tuple[str, str, int, int]]:
+    arms = [("AR", "ar", 0, 0), ("drafter-only", "drafter-only", 0, 0), ("Markov", "markov", 0, 0)]
+    for c in topcs:
+        arms += [(f"xPress(K={k}{', C=%d' % c if c else ''})", "xpress", k, c) for k in ks]
+    return arms
+
+
+def _prompt(n: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(123)
+    return torch.randint(10, min(vocab, 30000), (n,), generator=g).tolist()
+
+
+def _gen(m, method, K, topc, prompt, settings, mark=None):
+    return generate(m.target, prompt, settings, m.backend, drafter=None if method == "ar" else m.drafter,
+                    refiner=m.refiner(method, K, topc), mark=mark)
+
+
+def _stage_graph_times(m, method, K, topc, prompt, settings, reps: int) -> dict:
+    """Each stage of one step at the prompt's end as its own graph; median device ms per stage."""
+    t, d = m.target, (None if method == "ar" else m.drafter)
+    w = d.block_size if d is not None else 1
+    p = len(prompt)
+    t.reset()
+    out = torch.full((t.capacity + w + 1,), -1, dtype=torch.long, device=m.backend.device)
+    out[:p] = torch.tensor(prompt)
+    logits, feats = t.prefill(out[:p], want_features=d is not None)
+    out[p] = logits.argmax()
+    if d is not None:
+        d.begin(feats)
+    stops = torch.tensor([-2], device=m.backend.device)
+    stepper = Stepper(t, d, m.refiner(method, K, topc) or IdentityRefiner(), settings, out, stops, None, None)
+    live = [t.pos] + ([d.ctx] if d is not None else [])
+    saved = [x.clone() for x in live]
+
+    def restore():
+        for x, s in zip(live, saved):
+            x.copy_(s)
+
+    length = StepGraphs.length(p + w, settings.graph_bucket, t.capacity)
+    stepper.step(d is not None, w, length)
+    restore()
+    graphs = capture_stage_graphs(lambda mark: stepper.step(d is not None, w, length, mark), restore)
+    res = time_stage_graphs(graphs, restore, reps=reps)
+    del graphs
+    return res
+
+
+def measure_arm(m, arm, prompt, base: DecodeSettings, new_tokens: int, graphs: bool, reps: int) -> dict:
+    name, method, K, topc = arm
+    s = dataclasses.replace(base, max_new_tokens=new_tokens)
+    row = {"arm": name, "method": method, "K": K, "topc": topc}
+    _gen(m, method, K, topc, prompt, dataclasses.replace(s, max_new_tokens=8))  # warm
+    timer = StageTimer(m.backend.device)
+    g = _gen(m, method, K, topc, prompt, s, mark=timer)
+    row["eager"] = {**timer.summary(), "wall_per_step_ms": 1000 * g.decode_s / len(g.accepted)}
+    if graphs:
+        sg = dataclasses.replace(s, use_graph=True)
+        _gen(m, method, K, topc, prompt, sg)  # captures every bucket this length passes through
+        timer = StageTimer(m.backend.device)
+        g = _gen(m, method, K, topc, prompt, sg, mark=timer)
+        sm = timer.summary()
+        row["graph"] = {"step_ms": sm["step"], "host_ms": sm.get("host"), "n_steps": sm["n_steps"],
+                        "wall_per_step_ms": 1000 * g.decode_s / len(g.accepted), "graph_steps": g.graph_steps}
+        row["stage_graphs"] = _stage_graph_times(m, method, K, topc, prompt, base, reps)
+    return row
+
+
+def tok_s(m, arm, prompt, settings) -> tuple[float, float, float]:
+    """Full graphed loop: tok/s, wall ms per step, and mean device ms per step (events, same run)."""
+    _gen(m, *arm[1:], prompt, settings)  # warm: every bucket captured
+    timer = StageTimer(m.backend.device)
+    g = _gen(m, *arm[1:], prompt, settings, mark=timer)
+    return g.decode_tokens / g.decode_s, 1000 * g.decode_s / len(g.accepted), timer.summary(skip=0)["mean_step"]
+
+
+def hf_reference(model, prompt, n: int, device) -> dict:
+    """HF generate per new token (prefill excluded: a 1-token run is subtracted), greedy."""
+    ids = torch.tensor([prompt], device=device)
+    res = {}
+    for label, extra in (("HF generate, default cache", {}),
+                         ("HF generate, static cache (no auto-compile)",
+                          {"cache_implementation": "static", "disable_compile": True})):
+        def run(k):
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0, **extra)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            return time.perf_counter() - t0
+        try:
+            run(2)
+            t1, tn = run(1), run(n)
+            res[label] = {"ms_per_token": 1000 * (tn - t1) / (n - 1), "new_tokens": n}
+        except Exception as e:  # a reference arm only: report and go on
+            res[label] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    return res
+
+
+def _save(result: dict, path: str | None) -> None:
+    """Written after every phase, so that a run cut short still leaves what it measured."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=2)
+    with open(os.path.splitext(path)[0] + ".md", "w") as f:
+        f.write(markdown(result))
+
+
+def measure(a, path: str | None = None) -> dict:
+    backend = resolve_backend(a.device, a.dtype)
+    graphs = backend.kind == "cuda" and not a.no_graph
+    t0 = time.perf_counter()
+    m = build_random(a.preset, backend, block_size=a.block_size, capacity=256)
+    build_s = time.perf_counter() - t0
+    vocab = m.target.vocab_size
+    prompt = _prompt(a.prompt_len, vocab)
+    limit = m.target.max_position or 4096
+    base = DecodeSettings(a.new_tokens, limit, (), scripted_accept=a.scripted, graph_bucket=a.bucket)
+    bw = copy_bandwidth(backend.device, nbytes=(1 << 31) if backend.kind == "cuda" else (1 << 26))
+    wb, wb_step = m.target_weight_bytes(), m.target_weight_bytes(include_embedding=False)
+    res = {"label": RANDOM_LABEL, "what": __doc__.splitlines()[0], "preset": a.preset, "preset_note": m.preset.note,
+           "device": str(backend.device),
+           "device_name": torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else platform.processor() or "cpu",
+           "dtype": str(backend.dtype), "batch": 1, "prompt_len": a.prompt_len, "block_size": a.block_size,
+           "scripted_accept_per_arm": a.scripted, "new_tokens_per_arm": a.new_tokens, "graph_bucket": a.bucket,
+           "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+           "build_s": round(build_s, 1), "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wb,
+           "weight_bytes_read_per_step": wb_step, "roofline_ms": 1000 * wb / bw, "roofline_read_ms": 1000 * wb_step / bw,
+           "arms": [], "tau_sweep": [], "attention": {}, "hf_reference": {}}
+    print(f"[bench] {RANDOM_LABEL}: {a.preset} on {res['device_name']}, copy {bw / 1e9:.0f} GB/s, roofline "
+          f"{res['roofline_ms']:.2f} ms ({wb / 1e9:.2f} GB)", flush=True)
+    if graphs:  # the projection-fusion lever, on the AR step (the graphs are recaptured per setting)
+        res["fusion"] = {}
+        for on in (False, True):
+            m.target.fuse_projections(on)
+            s = dataclasses.replace(base, use_graph=True)
+            _gen(m, "ar", 0, 0, prompt, s)
+            timer = StageTimer(backend.device)
+            _gen(m, "ar", 0, 0, prompt, s, mark=timer)
+            res["fusion"]["fused q/k/v and gate/up (4 matmuls/layer)" if on else
+                          "separate projections (7 matmuls/layer)"] = timer.summary()["step"]
+    for arm in arm_list(a.ks, a.topc):
+        row = measure_arm(m, arm, prompt, base, a.new_tokens, graphs, a.reps)
+        res["arms"].append(row)
+        _save(res, path)
+        gr = row.get("graph")
+        print(f"[bench] {arm[0]}: eager {row['eager']['step']:.2f} ms/step" +
+              (f", graph {gr['step_ms']:.3f} ms/step (+{gr['host_ms'] or 0:.3f} host)" if gr else ""), flush=True)
+    if graphs:
+        by = {r["arm"]: r for r in res["arms"]}
+        ar = by["AR"]["graph"]["step_ms"]
+        res["ratios"] = {"AR_step_over_roofline": ar / res["roofline_ms"],
+                         "AR_step_over_roofline_read": ar / res["roofline_read_ms"],
+                         "spec_step_over_AR_step": {r["arm"]: r["graph"]["step_ms"] / ar for r in res["arms"]}}
+        sweep = dataclasses.replace(base, max_new_tokens=a.loop_tokens, use_graph=True)
+        ar_tps, ar_wall, ar_dev = tok_s(m, ("AR", "ar", 0, 0), prompt, sweep)
+        for arm in [x for x in arm_list(a.ks, a.topc) if x[0] in a.sweep_arms]:
+            spec = by[arm[0]]["graph"]["step_ms"]
+            for tau in a.taus:
+                tps, wall, dev = tok_s(m, arm, prompt, dataclasses.replace(sweep, scripted_accept=tau - 1))
+                res["tau_sweep"].append({
+                    "arm": arm[0], "tau": tau, "predicted_speedup": tau * ar / spec,
+                    "predicted_speedup_same_run": tau * ar_dev / dev,
+                    "predicted_speedup_wall": tau * ar_wall / wall, "measured_speedup": tps / ar_tps,
+                    "spec_tok_s": tps, "ar_tok_s": ar_tps, "new_tokens": a.loop_tokens,
+                    "ar_step_ms_same_run": ar_dev, "spec_step_ms_same_run": dev,
+                    "rel_diff": tps / ar_tps / (tau * ar / spec) - 1,
+                    "rel_diff_same_run": tps / ar_tps / (tau * ar_dev / dev) - 1})
+                _save(res, path)
+        for arm in (("AR", "ar", 0, 0), ("xPress(K=6)", "xpress", 6, 0)):
+            got = {}
+            for label, bucket in ((f"bucket {a.bucket}", a.bucket), (f"whole cache {a.full_capacity}", 0)):
+                m.target.ensure_capacity(a.full_capacity)
+                m.drafter.ensure_capacity(a.full_capacity)
+                s = dataclasses.replace(base, use_graph=True, graph_bucket=bucket)
+                _gen(m, *arm[1:], prompt, s)
+                timer = StageTimer(backend.device)
+                _gen(m, *arm[1:], prompt, s, mark=timer)
+                got[label] = timer.summary()["step"]
+            res["attention"][arm[0]] = got
+            _save(res, path)
+        res["graph_stats"] = m.target.step_graphs.stats() if m.target.step_graphs else {}
+    if not a.skip_hf:
+        res["hf_reference"] = hf_reference(m.target.model, prompt, a.hf_tokens, backend.device)
+    return res
+
+
+def _f(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def markdown(r: dict) -> str:
+    L = [f"# Step cost, {r['preset']} — {r['label']}", "",
+         f"{r['device_name']} ({r['dtype']}, batch 1, {r['prompt_len']}-token prompt, block {r['block_size']}), "
+         f"torch {r['torch']}, transformers {r['transformers']}. Every number: **{r['label']}** "
+         f"(per-arm rows at scripted {r['scripted_accept_per_arm']} accepted drafts per step).", "",
+         f"- copy bandwidth (read+write): {r['copy_bandwidth_GBps']:.0f} GB/s",
+         f"- roofline: {r['weight_bytes'] / 1e9:.2f} GB of target weights -> {r['roofline_ms']:.3f} ms "
+         f"({r['weight_bytes_read_per_step'] / 1e9:.2f} GB without the embedding table -> "
+         f"{r['roofline_read_ms']:.3f} ms)"]
+    if "ratios" in r:
+        q = r["ratios"]
+        L.append(f"- graphed AR step / roofline: {q['AR_step_over_roofline']:.3f} "
+                 f"(/ roofline without embedding: {q['AR_step_over_roofline_read']:.3f})")
+    L += ["", "ms per step. eager: stages from CUDA events on the eager path (host-bound), median over steps. "
+          "graph: whole-step CUDA graph replay (device) + host gap per step. stage graphs: each stage captured as "
+          "its own graph (device time).", "",
+          "| arm | eager step | eager draft | eager refine | eager verify | eager accept | eager observe | eager host "
+          "| graph step | graph host | graph wall/step | spec/AR | sg draft | sg refine | sg verify | sg accept | sg observe |",
+          "|---|" + "---|" * 16]
+    for a in r["arms"]:
+        e, g, sg = a["eager"], a.get("graph", {}), a.get("stage_graphs", {})
+        ratio = r.get("ratios", {}).get("spec_step_over_AR_step", {}).get(a["arm"])
+        L.append(f"| {a['arm']} | {_f(e.get('step'), 2)} | {_f(e.get('draft'), 2)} | {_f(e.get('refine'), 2)} | "
+                 f"{_f(e.get('verify'), 2)} | {_f(e.get('accept'), 2)} | {_f(e.get('observe'), 2)} | "
+                 f"{_f(e.get('host'), 2)} | {_f(g.get('step_ms'))} | {_f(g.get('host_ms'))} | "
+                 f"{_f(g.get('wall_per_step_ms'))} | {_f(ratio)} | {_f(sg.get('draft'))} | {_f(sg.get('refine'))} | "
+                 f"{_f(sg.get('verify'))} | {_f(sg.get('accept'))} | {_f(sg.get('observe'))} |")
+    if r.get("fusion"):
+        L += ["", "AR step, graphed device ms: " + "; ".join(f"{k}: {v:.3f}" for k, v in r["fusion"].items())]
+    if r["tau_sweep"]:
+        L += ["", "Speedup over AR at scripted tau (full graphed loop, "
+              f"{r['tau_sweep'][0]['new_tokens']} new tokens): predicted = tau x AR step / spec step, with the step "
+              "times of the per-arm rows above (A) or the mean graphed device step of the same loop runs (B); "
+              "measured = spec tok/s / AR tok/s.", "",
+              "| arm | tau | predicted A | predicted B | measured | measured/A - 1 | measured/B - 1 | spec tok/s "
+              "| AR tok/s |", "|---|---|---|---|---|---|---|---|---|"]
+        for s in r["tau_sweep"]:
+            L.append(f"| {s['arm']} | {s['tau']} | {s['predicted_speedup']:.3f} | "
+                     f"{s.get('predicted_speedup_same_run', float('nan')):.3f} | {s['measured_speedup']:.3f} | "
+                     f"{100 * s['rel_diff']:+.1f}% | {100 * s.get('rel_diff_same_run', float('nan')):+.1f}% | "
+                     f"{s['spec_tok_s']:.1f} | {s['ar_tok_s']:.1f} |")
+    if r["attention"]:
+        L += ["", "Attention slots per graph: graphed device step (ms), KV length bucketed vs the whole cache "
+              "(masked).", "", "| arm | " + " | ".join(next(iter(r["attention"].values()))) + " |",
+              "|---|" + "---|" * len(next(iter(r["attention"].values())))]
+        for arm, got in r["attention"].items():
+            L.append(f"| {arm} | " + " | ".join(f"{v:.3f}" for v in got.values()) + " |")
+    if r["hf_reference"]:
+        L += ["", "Extra reference arms (HF `generate`, eager, greedy; ms per new token, prefill excluded):", ""]
+        for k, v in r["hf_reference"].items():
+            L.append(f"- {k}: " + (f"{v['ms_per_token']:.2f} ms/token" if "ms_per_token" in v else v["error"]))
+    if r.get("graph_stats"):
+        L += ["", f"Graphs: {r['graph_stats']}"]
+    return "\n".join(L) + "\n"
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.bench_step", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
+    p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens per measured generation of each arm")
+    p.add_argument("--scripted", type=int, default=3, help="accepted drafts per step in the per-arm rows")
+    p.add_argument("--ks", default="1,2,3,4,5,6,7,8")
+    p.add_argument("--topc", default="0,128")
+    p.add_argument("--taus", default="2,4,6,8")
+    p.add_argument("--sweep-arms", default="drafter-only;Markov;xPress(K=6)")
+    p.add_argument("--loop-tokens", type=int, default=256, help="new tokens per full-loop tok/s measurement")
+    p.add_argument("--bucket", type=int, default=256)
+    p.add_argument("--full-capacity", type=int, default=4096)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--hf-tokens", type=int, default=32)
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/<gpu>_<preset>.json")
+    a = p.parse_args(argv)
+    try:
+        a.ks, a.topc, a.taus = _ints(a.ks), _ints(a.topc), _ints(a.taus)
+        a.sweep_arms = [x.strip() for x in a.sweep_arms.split(";") if x.strip()]
+        if min(a.taus, default=2) < 1 or max(a.taus, default=1) > a.block_size:
+            raise UsageError(f"--taus must lie in 1..{a.block_size}")
+        path = a.out or os.path.join("results", "perf", f"{_slug(_device_name(a.device))}_{a.preset}.json")
+        result = measure(a, path)
+    except (UsageError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(markdown(result))
+    _save(result, path)
+    print(f"[bench] wrote {path}")
+    return 0
+
+
+def _device_name(device: str | None) -> str:
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
+def _slug(s: str) -> str:
+    return "".join(c.lower() if c.isalnum() else "-" for c in s).strip("-") or "device"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Random-weights models at real shapes, for timing (--random-weights PRESET): nothing is downloaded.
+
+Step time does not depend on weight values, so a target, a dFlash drafter, an xPress head and a vanilla Markov head
+are built from configs alone. Large models are constructed on the meta device and materialised directly on the
+target device (`to_empty`, then in-place normal init), so a 16 GB target never exists on the CPU. Every number
+measured with these models is labelled "random weights / scripted acceptance" (harness.loop.SCRIPTED_LABEL):
+acceptance is meaningless for random weights and must be scripted (DecodeSettings.scripted_accept).
+
+`build_random(preset, backend)` with a meta-device backend builds every module with its shapes and no memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from drafters.dflash import DFlashDrafter, DFlashModel, config_for_target
+from drafters.rope import inv_frequencies
+from harness.devices import Backend
+from harness.errors import UsageError
+from harness.target import Target
+from refiners.markov import MarkovHead, MarkovRefiner
+from refiners.xpress import XPressHead, XPressRefiner
+
+RANDOM_LABEL = "random weights / scripted acceptance"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    family: str                  # qwen3 | llama (transformers config class)
+    config: dict                 # the HF config fields that set the shapes
+    drafter_layers: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...] | None = None   # None: the z-lab default spacing
+    head_rank: int = 256
+    head_mlp: int = 512
+    markov_rank: int = 256
+    stop_ids: tuple[int, ...] = ()
+    note: str = ""
+
+
+PRESETS = {
+    "qwen3-8b": Preset(
+        "qwen3-8b", "qwen3",
+        dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+             tie_word_embeddings=False),
+        drafter_layers=5, mask_token_id=151669, target_layer_ids=(1, 9, 17, 25, 33), stop_ids=(151643, 151645),
+        note="Qwen3-8B shapes; z-lab dFlash drafter (5 layers, taps 1/9/17/25/33); xPress r=256 mlp 512"),
+    "smollm2-135m": Preset(
+        "smollm2-135m", "llama",
+        dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+             num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+             rope_parameters={"rope_type": "default", "rope_theta": 100000.0}, rms_norm_eps=1e-5,
+             tie_word_embeddings=True),
+        drafter_layers=2, mask_token_id=49151, stop_ids=(2,),
+        note="SmolLM2-135M shapes (tied embeddings); a 2-layer drafter; mask id = the last vocabulary id"),
+    "tiny": Preset(
+        "tiny", "qwen3",
+        dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, rms_norm_eps=1e-6,
+             tie_word_embeddings=False),
+        drafter_layers=2, mask_token_id=511, target_layer_ids=(1, 2), head_rank=16, head_mlp=32, markov_rank=16,
+        note="CPU tests"),
+}
+
+
+def preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise UsageError(f"--random-weights {name!r}: unknown preset; choose one of {', '.join(sorted(PRESETS))}")
+    return PRESETS[name]
+
+
+def hf_config(p: Preset):
+    from transformers import LlamaConfig, Qwen3Config
+    cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[p.family]
+    return cls(**p.config)
+
+
+@dataclass
+class RandomModels:
+    """A target, its drafter and both refiner heads, all random, at one preset's shapes."""
+    preset: Preset
+    backend: Backend
+    target: Target
+    drafter: DFlashDrafter
+    xpress_head: XPressHead
+    markov_head: MarkovHead
+    label: str = RANDOM_LABEL
+    refiners: dict = field(default_factory=dict)
+
+    def refiner(self, method: str, K: int = 0, topc: int = 0):
+        """The refiner of an arm: method in ar | drafter-only | markov | xpress (None for the first two)."""
+        if method in ("ar", "drafter-only"):
+            return None
+        key = (method, K, topc)
+        if key not in self.refiners:
+            if method == "xpress":
+                self.refiners[key] = XPressRefiner(self.xpress_head, K, topc=topc)
+            elif method == "markov":
+                self.refiners[key] = MarkovRefiner(self.markov_head)
+            else:
+                raise UsageError(f"unknown method {method!r}")
+        return self.refiners[key]
+
+    def target_weight_bytes(self, include_embedding: bool = True) -> int:
+        """Bytes of the target's weights (each tied tensor once). Without the embedding: what one step reads."""
+        seen, total = set(), 0
+        emb = self.target.embed.weight
+        for p in self.target.model.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if p is emb and not include_embedding and p is not self.target.lm_head.weight:
+                continue
+            total += p.numel() * p.element_size()
+        return total
+
+
+def _init_(module: torch.nn.Module, gen: torch.Generator | None, std: float) -> None:
+    """Norm scales one, every other parameter normal(0, std), in place on its device."""
+    for name, p in module.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def _materialise(module: torch.nn.Module, backend: Backend, gen, std: float) -> None:
+    if backend.device.type == "meta":
+        return
+    module.to_empty(device=backend.device)
+    _init_(module, gen, std)
+
+
+@torch.no_grad()
+def build_random(name: str, backend: Backend, block_size: int = 16, capacity: int = 256, seed: int = 0,
+                 std: float = 0.02, fuse: bool = True) -> RandomModels:
+    """Random target + drafter + xPress head + vanilla Markov head at preset `name`'s shapes on `backend`.
+
+    A meta-device backend gives shapes without memory (for checks); otherwise weights are made on the device.
+    `fuse`: Target.fuse_projections (one q/k/v and one gate/up matmul per layer).
+    """
+    from transformers import AutoModelForCausalLM
+    p = preset(name)
+    cfg = hf_config(p)
+    dev, dt = backend.device, backend.dtype
+    gen = None if dev.type == "meta" else torch.Generator(device=dev).manual_seed(seed)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dt, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
+    _materialise(model, backend, gen, std)
+    if cfg.tie_word_embeddings:  # to_empty makes new tensors per module: tie again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if dev.type != "meta":  # the rotary tables are buffers computed at construction: build them on the device
+        rotary = model.model.rotary_emb
+        with torch.device(dev):
+            model.model.rotary_emb = type(rotary)(config=model.config)
+    dcfg = config_for_target(cfg, p.drafter_layers, block_size, p.mask_token_id,
+                             list(p.target_layer_ids) if p.target_layer_ids else None)
+    target = Target(model, backend, capacity=capacity, taps=dcfg.target_layer_ids)
+    if fuse and dev.type != "meta":
+        target.fuse_projections()
+
+    with torch.device("meta"):
+        dmodel = DFlashModel(dcfg)
+    dmodel = dmodel.to(dtype=dt).eval().requires_grad_(False)
+    _materialise(dmodel, backend, gen, std)
+    dmodel.inv_freq = inv_frequencies(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling).to(dev, dt)
+    drafter = DFlashDrafter(dmodel, target.embed, target.lm_head, backend, block_size=block_size,
+                            capacity=capacity)
+
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    with torch.device(dev):
+        head = XPressHead(vocab, hidden, p.head_rank, block_size, p.head_mlp)
+        markov = MarkovHead("vanilla", vocab, p.markov_rank, hidden)
+    if dev.type != "meta":
+        _init_(head, gen, std)
+        head.mix.L.normal_(0.0, 0.1, generator=gen)  # a mixer that mixes (values do not change the cost)
+        _init_(markov, gen, std)
+    head = head.to(dtype=dt).eval().requires_grad_(False).fold()  # the runner's order: cast, then fold
+    markov = markov.to(dtype=dt).eval().requires_grad_(False)
+    return RandomModels(p, backend, target, drafter, head, markov)

@@ -1,0 +1,70 @@
+"""bench_step and its pieces on the CPU: the tiny preset end to end (no graphs), stage timing, scripted
+acceptance, and the refusal of --use-graph off CUDA."""
+import json
+
+import pytest
+import torch
+
+from harness import bench_step
+from harness.devices import Backend
+from harness.errors import UsageError
+from harness.graphs import StepGraphs
+from harness.loop import DecodeSettings, generate
+from harness.timing import StageTimer
+from tiny import CPU32, tiny_drafter, tiny_target
+
+
+def test_use_graph_on_cpu_is_a_clear_error():
+    t = tiny_target("qwen3")
+    with pytest.raises(UsageError, match="needs --device cuda"):
+        generate(t, [9, 10, 11], DecodeSettings(5, 512, (), use_graph=True), CPU32)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_scripted_accept_must_be_a_count(bad):
+    t = tiny_target("qwen3")
+    with pytest.raises(UsageError, match="scripted-accept"):
+        generate(t, [9, 10, 11], DecodeSettings(5, 512, (), scripted_accept=bad), CPU32)
+
+
+def test_scripted_acceptance_is_clipped_to_the_block_and_keeps_target_tokens():
+    t = tiny_target("qwen3")
+    d = tiny_drafter(t, block=4)
+    g = generate(t, [9, 10, 11], DecodeSettings(21, 512, (), scripted_accept=9), CPU32, drafter=d)
+    assert g.accepted == [3] * 5 and g.accept_lengths == [4] * 5
+    # N = 0: every step emits the target's own token after the anchor, which is plain greedy AR
+    ar = generate(t, [9, 10, 11], DecodeSettings(12, 512, ()), CPU32)
+    g = generate(t, [9, 10, 11], DecodeSettings(12, 512, (), scripted_accept=0), CPU32, drafter=d)
+    assert g.tokens == ar.tokens and g.accepted == [0] * 11
+
+
+def test_stage_timer_sees_every_stage_and_the_host_gap():
+    t = tiny_target("qwen3")
+    d = tiny_drafter(t, block=4)
+    timer = StageTimer(torch.device("cpu"))
+    g = generate(t, [9, 10, 11], DecodeSettings(13, 512, (), scripted_accept=3), CPU32, drafter=d, mark=timer)
+    steps = timer.steps()
+    assert len(steps) == len(g.accepted) == 3
+    assert set(steps[1]) == {"draft", "refine", "verify", "accept", "observe", "pack", "step", "host"}
+    assert abs(sum(v for k, v in steps[1].items() if k not in ("step", "host")) - steps[1]["step"]) < 1e-6
+    assert timer.summary(skip=1)["n_steps"] == 2
+
+
+def test_graph_lengths_are_bucketed():
+    assert StepGraphs.length(130, 256, 1024) == 256 and StepGraphs.length(257, 256, 1024) == 512
+    assert StepGraphs.length(1000, 256, 1000) == 1000 and StepGraphs.length(3, 0, 777) == 777
+    assert StepGraphs.capacity_for(300, 256) == 512 and StepGraphs.capacity_for(300, 0) == 300
+
+
+def test_bench_step_tiny_on_cpu(tmp_path, capsys):
+    out = tmp_path / "perf" / "cpu_tiny.json"
+    rc = bench_step.main(["--preset", "tiny", "--device", "cpu", "--ks", "1,2", "--topc", "0,8", "--new-tokens",
+                          "12", "--prompt-len", "16", "--hf-tokens", "4", "--out", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["label"] == "random weights / scripted acceptance"
+    assert [a["arm"] for a in r["arms"]] == ["AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=2)",
+                                             "xPress(K=1, C=8)", "xPress(K=2, C=8)"]
+    assert r["roofline_ms"] > 0 and r["arms"][1]["eager"]["verify"] > 0
+    md = out.with_suffix(".md").read_text()
+    assert "random weights / scripted acceptance" in md and "| xPress(K=2, C=8) |" in md
