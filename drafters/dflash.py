@@ -193,6 +193,14 @@ class DFlashModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # Rotary frequencies stay fp32 whatever the weights' dtype: in bf16, position x frequency would lose whole
+        # radians at a few thousand tokens. Rebuilt after every move or cast, on the weights' device.
+        super()._apply(fn, recurse)
+        c = self.config
+        self.inv_freq = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling).to(self.norm.weight.device)
+        return self
+
     def _heads(self, proj: nn.Linear, norm: RMSNorm | None, x: torch.Tensor, cos, sin) -> torch.Tensor:
         y = proj(x).view(x.shape[0], -1, self.config.head_dim)
         if norm is not None:

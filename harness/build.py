@@ -69,6 +69,8 @@ def prepare(cfg: RunConfig) -> Prepared:
     backend = resolve_backend(cfg.device, cfg.dtype)
     if cfg.use_graph and backend.kind != "cuda":
         raise UsageError("--use-graph captures CUDA graphs; it needs --device cuda")
+    if cfg.random_weights:
+        return _prepare_random(cfg, backend)
     tcfg = load_target_config(cfg.model_name_or_path)
     limit = cfg.max_model_len or int(getattr(tcfg, "max_position_embeddings", 0) or 0)
     if limit < 2:
@@ -81,10 +83,37 @@ def prepare(cfg: RunConfig) -> Prepared:
         block = cfg.block_size or dcfg.block_size
         ckpts = _refiner_checkpoints(cfg, dcfg, tcfg, block)
     arms = plan_arms(cfg, ckpts)
-    warmup = cfg.fair_warmup_rounds if cfg.fair else 0
-    rounds = (cfg.fair_interleave or default_rounds(len(arms), warmup)) if cfg.fair else 1
-    note = validate_rounds(rounds, warmup, len(arms))
+    rounds, warmup, note = _rounds(cfg, len(arms))
     return Prepared(backend, tcfg, dcfg, block, limit, ckpts, arms, rounds, warmup, note)
+
+
+def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
+    warmup = cfg.fair_warmup_rounds if cfg.fair else 0
+    rounds = (cfg.fair_interleave or default_rounds(n_arms, warmup)) if cfg.fair else 1
+    return rounds, warmup, validate_rounds(rounds, warmup, n_arms)
+
+
+def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
+    """--random-weights: every arm from one preset's random models (no configs or checkpoints to check)."""
+    from harness.presets import hf_config, preset
+    tcfg = hf_config(preset(cfg.random_weights))
+    limit = cfg.max_model_len or tcfg.max_position_embeddings
+    if cfg.fair:
+        specs = [ArmSpec("AR", "ar"), ArmSpec("drafter-only", "drafter-only"), ArmSpec("Markov", "markov")]
+        specs += [ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k) for k in cfg.k_list]
+    else:
+        specs = [ArmSpec("AR", "ar")] if cfg.run_ar else []
+        if cfg.run_spec:
+            k = cfg.xpress_refine_passes
+            specs.append(ArmSpec("drafter-only", "drafter-only") if cfg.drafter_only or k == 0 else
+                         ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k))
+    rounds, warmup, note = _rounds(cfg, len(specs))
+    return Prepared(backend, tcfg, None, cfg.block_size or 16, limit, {}, specs, rounds, warmup, note)
+
+
+def build_random_arms(cfg: RunConfig, prep: Prepared, models) -> list[Arm]:
+    return [Arm(s, 1 if s.method == "ar" else prep.block_size, None if s.method == "ar" else models.drafter,
+                models.refiner(s.method, s.K or 0, cfg.xpress_topc)) for s in prep.arms]
 
 
 def _refiner_checkpoints(cfg: RunConfig, dcfg: DFlashConfig, tcfg, block: int) -> dict[str, RefinerCheckpoint]:

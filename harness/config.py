@@ -55,6 +55,9 @@ class RunConfig:
     run_id: str | None = None
     resume: str | None = None
     first_turn_only: bool = False
+    random_weights: str | None = None
+    scripted_accept: int | None = None
+    compile_all: bool = False
 
     @property
     def fair(self) -> bool:
@@ -82,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="benchmark_compile_all.py",
                                 description="Speculative-decoding benchmark: HF target + dFlash drafter.")
     a = p.add_argument
-    a("--model-name-or-path", required=True, help="target: HF repo id, local directory, or local .gguf file")
+    a("--model-name-or-path", help="target: HF repo id, local directory, or local .gguf file")
     a("--draft-name-or-path", help="dFlash drafter directory (config.json + *.safetensors); not needed with --ar-only")
     a("--dataset", required=True, help="benchmark name, or NAME of DIR/NAME.jsonl with --data-dir")
     a("--data-dir", help="directory of JSONL files with a 'turns' list per row (e.g. shared/data/eval)")
@@ -122,8 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--trust-pickle", action="store_true",
                    help="load a .pt checkpoint with full pickle (only for files you trust)")
     r.add_argument("--trace", help="write one JSON line per decode step (draft, seed, accepted, next token)")
-    r.add_argument("--use-graph", action="store_true", help="capture the refinement step as a CUDA graph")
+    r.add_argument("--use-graph", action="store_true",
+                   help="CUDA: capture every decode step (draft, refine, verify, accept) as one CUDA graph per "
+                        "arm, width and 256-slot KV bucket, replayed with one host read per step")
     r.add_argument("--compile-refiner", action="store_true", help="torch.compile the refinement step")
+    r.add_argument("--compile-all", action="store_true", help="torch.compile target and drafter (not available yet)")
+    t = p.add_argument_group("timing at real shapes")
+    t.add_argument("--random-weights", metavar="PRESET",
+                   help="random target, drafter and heads at real shapes (qwen3-8b, smollm2-135m, tiny); prompts "
+                        "are byte-tokenised, no stop ids; results are labelled random weights / scripted acceptance")
+    t.add_argument("--scripted-accept", type=int, metavar="N",
+                   help="force N accepted drafts per step (compute unchanged) to time steps at any tau")
     f = p.add_argument_group("paired protocol and results")
     f.add_argument("--fair-interleave", type=int, nargs="?", const=0, metavar="ROUNDS",
                    help="paired rounds over every arm (AR, drafter-only, Markov, xPress per K), rotated each round; "
@@ -148,8 +160,21 @@ def validate(c: RunConfig) -> None:
     """Everything that can be wrong without reading a model."""
     if c.ar_only and c.skip_ar:
         raise UsageError("--ar-only and --skip-ar exclude each other; pick one")
-    if not c.ar_only and not c.draft_name_or_path:
-        raise UsageError("--draft-name-or-path is required unless --ar-only is given")
+    if c.random_weights:
+        from harness.presets import preset
+        preset(c.random_weights)
+        if c.model_name_or_path or c.draft_name_or_path or c.xpress_refiner_path or c.markov_refiner_path:
+            raise UsageError("--random-weights builds every model itself; drop the model and checkpoint paths")
+    else:
+        if not c.model_name_or_path:
+            raise UsageError("--model-name-or-path is required (or --random-weights PRESET for timing)")
+        if not c.ar_only and not c.draft_name_or_path:
+            raise UsageError("--draft-name-or-path is required unless --ar-only is given")
+    if c.scripted_accept is not None and c.scripted_accept < 0:
+        raise UsageError(f"--scripted-accept {c.scripted_accept}: must be >= 0")
+    if c.compile_all:
+        raise UsageError("--compile-all is not available yet: whole-step CUDA graphs (--use-graph) are the fast "
+                         "path today; --compile-refiner compiles the refinement step")
     if c.block_size is not None and c.block_size < 2:
         raise UsageError(f"--block-size {c.block_size}: a speculative block needs >= 2 (anchor + drafts); "
                          "use --ar-only for plain decoding")

@@ -169,7 +169,7 @@ def build_random(name: str, backend: Backend, block_size: int = 16, capacity: in
         dmodel = DFlashModel(dcfg)
     dmodel = dmodel.to(dtype=dt).eval().requires_grad_(False)
     _materialise(dmodel, backend, gen, std)
-    dmodel.inv_freq = inv_frequencies(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling).to(dev, dt)
+    dmodel.inv_freq = inv_frequencies(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling).to(dev)  # fp32
     drafter = DFlashDrafter(dmodel, target.embed, target.lm_head, backend, block_size=block_size,
                             capacity=capacity)
 
@@ -184,3 +184,23 @@ def build_random(name: str, backend: Backend, block_size: int = 16, capacity: in
     head = head.to(dtype=dt).eval().requires_grad_(False).fold()  # the runner's order: cast, then fold
     markov = markov.to(dtype=dt).eval().requires_grad_(False)
     return RandomModels(p, backend, target, drafter, head, markov)
+
+
+class ByteTokenizer:
+    """Prompts for random-weights runs: UTF-8 bytes shifted past a few reserved ids, no chat template.
+
+    Random models make meaningless text anyway; this only gives every prompt its realistic length."""
+    chat_template = None
+    OFFSET = 3
+
+    def __init__(self, vocab_size: int):
+        if vocab_size < 256 + self.OFFSET:
+            raise UsageError(f"random-weights preset vocabulary {vocab_size} is too small for byte prompts")
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b + self.OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
+        return data.decode("utf-8", errors="replace")

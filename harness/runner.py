@@ -16,7 +16,7 @@ import tempfile
 import time
 
 from harness import report
-from harness.build import Arm, build_arms, prepare
+from harness.build import Arm, build_arms, build_random_arms, prepare
 from harness.config import RunConfig
 from harness.data import dataset_provenance, load_samples, render_prompt
 from harness.errors import UsageError
@@ -67,7 +67,26 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
 
 def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSettings:
     return DecodeSettings(cfg.max_new_tokens, limit, stops, cfg.temperature, cfg.top_k, cfg.top_p,
-                          cfg.draft_temperature, cfg.draft_noise, cfg.compat_reference)
+                          cfg.draft_temperature, cfg.draft_noise, cfg.compat_reference,
+                          scripted_accept=cfg.scripted_accept, use_graph=cfg.use_graph)
+
+
+def label(cfg: RunConfig) -> str | None:
+    """Numbers from random weights or scripted acceptance say so wherever they appear."""
+    from harness.presets import RANDOM_LABEL
+    return RANDOM_LABEL if cfg.random_weights or cfg.scripted_accept is not None else None
+
+
+def presize(target, arms, samples, tokenizer, settings: DecodeSettings, block: int) -> None:
+    """Size the caches once, before warmup, for the longest first turn: a later growth would drop the captured
+    graphs and capture them again inside a timed generation."""
+    longest = max(len(render_prompt(tokenizer, [{"role": "user", "content": s.turns[0]}])) for s in samples)
+    need = min(settings.max_model_len, longest + settings.max_new_tokens + block + 1)
+    need = -(-need // settings.graph_bucket) * settings.graph_bucket
+    target.ensure_capacity(need)
+    for arm in arms:
+        if arm.drafter is not None:
+            arm.drafter.ensure_capacity(need)
 
 
 def warmup(arms: list[Arm], target, samples, tokenizer, settings: DecodeSettings, backend) -> None:
@@ -133,14 +152,24 @@ def run(cfg: RunConfig, out=None) -> dict:
         check_resume(cfg, folder)
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
-    tokenizer = load_tokenizer(cfg.model_name_or_path)
-    check_prompt_lengths(samples, tokenizer, prep.max_model_len)
-    taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
-    target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps, attn_impl=cfg.attn_implementation,
-                                    tokenizer=tokenizer)
-    stops = tuple(stop_token_ids(target.model, tokenizer))
-    arms = build_arms(cfg, prep, target)
+    if cfg.random_weights:
+        from harness.presets import ByteTokenizer, build_random
+        tokenizer = ByteTokenizer(prep.target_config.vocab_size)
+        check_prompt_lengths(samples, tokenizer, prep.max_model_len)
+        models = build_random(cfg.random_weights, backend, block_size=prep.block_size, seed=cfg.seed)
+        target, stops = models.target, ()  # random models: no stop ids, every prompt runs its full budget
+        arms = build_random_arms(cfg, prep, models)
+    else:
+        tokenizer = load_tokenizer(cfg.model_name_or_path)
+        check_prompt_lengths(samples, tokenizer, prep.max_model_len)
+        taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
+        target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps,
+                                        attn_impl=cfg.attn_implementation, tokenizer=tokenizer)
+        target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
+        stops = tuple(stop_token_ids(target.model, tokenizer))
+        arms = build_arms(cfg, prep, target)
     settings = settings_for(cfg, prep.max_model_len, stops)
+    presize(target, arms, samples, tokenizer, settings, prep.block_size)
     by_name = {a.name: a for a in arms}
     order = rotation([a.name for a in arms], prep.rounds)
     describe(cfg, prep, arms, settings, samples, stops, folder, out)
@@ -152,7 +181,8 @@ def run(cfg: RunConfig, out=None) -> dict:
         "rounds": prep.rounds, "warmup_rounds": prep.warmup_rounds, "arms": [a.name for a in arms],
         "rotation": order, "dataset": dataset_provenance(cfg.dataset, cfg.data_dir),
         "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer}
-                     for k, c in prep.refiners.items()}}}
+                     for k, c in prep.refiners.items()},
+        "label": label(cfg)}}
     if not cfg.resume:
         atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
     done = {(r["round"], r["arm"], r["question_id"]) for r in read_rows(rows_path)} if cfg.resume else set()
@@ -188,13 +218,18 @@ def run(cfg: RunConfig, out=None) -> dict:
 
     rows = read_rows(rows_path)
     summary = report.summarize(rows)
+    if label(cfg):
+        summary["label"] = label(cfg)
+        print(f"[{label(cfg)}]", file=out)
     print(report.format_console_table(summary, cfg.dataset), file=out)
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
     report.write_results(folder, saved_config, environment(), rows, summary, out)
     print(f"[results] {folder}", file=out)
+    if getattr(target, "step_graphs", None) is not None:
+        print(f"[graphs] whole-step CUDA graphs: {target.step_graphs.stats()}", file=out)
     for arm in arms:
         if getattr(arm.refiner, "graph_count", 0):
-            print(f"[graphs] {arm.name}: {arm.refiner.graph_count} CUDA graph(s) captured during warmup", file=out)
+            print(f"[graphs] {arm.name}: {arm.refiner.graph_count} refinement graph(s)", file=out)
     if cfg.answer_file:
         for path, n in write_answer_files(cfg, rows, samples, tokenizer, arms):
             print(f"Saved answer file with {n} samples to {path}", file=out)
@@ -203,7 +238,9 @@ def run(cfg: RunConfig, out=None) -> dict:
 
 def describe(cfg, prep, arms, settings, samples, stops, folder, out) -> None:
     backend = prep.backend
-    print(f"[run] target={cfg.model_name_or_path} device={backend.device} dtype={backend.dtype} "
+    if label(cfg):
+        print(f"[{label(cfg)}] preset={cfg.random_weights or '-'} scripted_accept={cfg.scripted_accept}", file=out)
+    print(f"[run] target={cfg.model_name_or_path or cfg.random_weights} device={backend.device} dtype={backend.dtype} "
           f"block={prep.block_size} stop_ids={list(stops)} max_model_len={prep.max_model_len} "
           f"samples={len(samples)} arms={[a.name for a in arms]} rounds={prep.rounds} "
           f"(first {prep.warmup_rounds} excluded) folder={folder}", file=out)

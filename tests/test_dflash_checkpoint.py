@@ -126,3 +126,12 @@ def test_config_parses_transformers5_rope_style():
     assert a.target_layer_ids == (1, 33)
     with pytest.raises(UsageError, match="rope_type"):
         DFlashConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4}})
+
+
+def test_rotary_frequencies_stay_fp32_in_a_bf16_drafter(saved):
+    t, d, path = saved
+    from harness.devices import Backend
+    bf16 = Backend(torch.device("cpu"), torch.bfloat16)
+    model = load_dflash(path, read_dflash_config(path), bf16)
+    assert model.fc.weight.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32
+    assert model.to(torch.float16).inv_freq.dtype == torch.float32

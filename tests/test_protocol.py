@@ -141,3 +141,37 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err, err
     assert not (tmp_path / "res").exists()
+
+
+def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
+    argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
+            "--max-new-tokens", "17", "--scripted-accept", "3", "--fair-interleave", "--fair-k-list", "1,2",
+            "--results-dir", str(tmp_path), "--run-id", "rw"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[random weights / scripted acceptance]" in out
+    summary = json.loads((tmp_path / "rw" / "summary.json").read_text())
+    assert summary["label"] == "random weights / scripted acceptance"
+    config = json.loads((tmp_path / "rw" / "config.json").read_text())
+    assert config["resolved"]["label"] == "random weights / scripted acceptance"
+    assert set(summary["arms"]) == {"AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=2)"}
+    for name, arm in summary["arms"].items():
+        # 16 decode tokens: four steps of 3 accepted drafts + 1, exactly (no stop ids with random weights)
+        assert arm["tau_per_step"] == (1.0 if name == "AR" else 4.0), name
+    rows = read_rows(tmp_path / "rw" / "samples.jsonl")
+    assert all(r["new_tokens"] == 17 and r["stop_reason"] == "max_new_tokens" for r in rows)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--random-weights", "nope"], "unknown preset"),
+    (["--random-weights", "tiny", "--model-name-or-path", "x"], "drop the model"),
+    (["--scripted-accept", "-1"], "--scripted-accept"),
+    (["--compile-all"], "--compile-all is not available"),
+])
+def test_timing_flags_refuse_bad_input(files, tmp_path, argv, message, capsys):
+    base = ["--dataset", "mini", "--data-dir", str(files / "data"), "--results-dir", str(tmp_path)]
+    if "--random-weights" not in argv:
+        base += ["--random-weights", "tiny"]
+    assert cli.main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
