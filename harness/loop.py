@@ -16,7 +16,7 @@ and replayed, so the host only reads (n_accept, first_stop) per step.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch

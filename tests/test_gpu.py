@@ -16,6 +16,18 @@ def backend(dtype):
     return Backend(torch.device("cuda"), dtype)
 
 
+def count_syncs(run):
+    """Implicit host syncs CUDA reports while `run()` executes (torch's sync debug mode)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return result, sum("synchroniz" in str(w.message) for w in caught)
+
+
 def prompts(n):
     g = torch.Generator().manual_seed(5)
     return [torch.randint(8, 104, (int(k),), generator=g).tolist() for k in torch.randint(1, 40, (n,), generator=g)]
@@ -52,14 +64,7 @@ def test_cuda_syncs_are_only_the_named_ones():
     d = tiny_drafter(t, block=4, backend=b)
     s = DecodeSettings(24, 512, ())
     generate(t, [9, 10, 11], s, b, drafter=d)  # warm
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            g = generate(t, [9, 10, 11], s, b, drafter=d)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    g, syncs = count_syncs(lambda: generate(t, [9, 10, 11], s, b, drafter=d))
     print(f"implicit syncs: {syncs} for {g.host_syncs} steps")
     # exactly one per step, plus four outside the steps: prompt upload, stop-id upload, the prefill's first token
     # and the final copy of the output (the H200 run gave 26 for 22 steps)
@@ -150,14 +155,7 @@ def test_step_graphs_capture_once_and_sync_once_per_step():
     s = DecodeSettings(24, 512, (), use_graph=True)
     generate(t, [9, 10, 11], s, b, drafter=d)  # warm: captures
     before = t.step_graphs.captures
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            g = generate(t, [9, 10, 11], s, b, drafter=d)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    g, syncs = count_syncs(lambda: generate(t, [9, 10, 11], s, b, drafter=d))
     print(f"graphed: implicit syncs {syncs} for {g.host_syncs} steps")
     assert t.step_graphs.captures == before, "a warm generation must not capture again"
     assert syncs <= g.host_syncs + 4
