@@ -8,7 +8,8 @@
 #
 # Environment overrides: K_LIST, ROUNDS (default: warmup + number of arms), DRAFT_T (default: the temperature),
 # XPRESS_CKPT, MK_CKPT, OUTDIR (results folder, default ./results), TARGET, DRAFT, DATA_DIR (local JSONL
-# prompts instead of the hub), MAX_SAMPLES, MAX_NEW_TOKENS, BLOCK, DEVICE, EXTRA_ARGS (appended verbatim).
+# prompts instead of the hub), MAX_SAMPLES, MAX_NEW_TOKENS, BLOCK, DEVICE, USE_GRAPH (1: whole-step CUDA graphs, the
+# default off CPU), EXTRA_ARGS (appended verbatim).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -41,6 +42,8 @@ args=(--model-name-or-path "$TARGET" --draft-name-or-path "$DRAFT"
       --run-id "fairfast_T${TEMP}_draftT${DRAFT_T}_${DATASET}_K${K_LIST//,/-}_$(date +%Y%m%d-%H%M%S)")
 [ -n "${DATA_DIR:-}" ] && args+=(--data-dir "$DATA_DIR")
 [ -n "${DEVICE:-}" ] && args+=(--device "$DEVICE")
+# the fast path (whole-step CUDA graphs) everywhere but on CPU; USE_GRAPH=0 turns it off
+if [ "${USE_GRAPH:-1}" = 1 ] && [ "${DEVICE:-cuda}" != cpu ]; then args+=(--use-graph); fi
 echo "dataset=$DATASET T=$TEMP draftT=$DRAFT_T K_LIST=$K_LIST rounds=${ROUNDS:-auto} (first 1 discarded, order rotates)"
 # shellcheck disable=SC2086
 exec python3 benchmark_compile_all.py "${args[@]}" ${EXTRA_ARGS:-}

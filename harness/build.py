@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_checkpoint, load_dflash, read_dflash_config
+from harness.checkpoints import local_model_dir
 from harness.config import RunConfig
 from harness.data import validate_dataset_args
 from harness.devices import Backend, resolve_backend
@@ -62,6 +63,7 @@ class Prepared:
     rounds: int
     warmup_rounds: int
     rotation_note: str | None = None
+    draft_path: str | None = None  # the drafter's local directory (a hub id resolved to the HF cache)
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -75,16 +77,17 @@ def prepare(cfg: RunConfig) -> Prepared:
     limit = cfg.max_model_len or int(getattr(tcfg, "max_position_embeddings", 0) or 0)
     if limit < 2:
         raise UsageError("the target config has no max_position_embeddings; pass --max-model-len")
-    dcfg, block, ckpts = None, 1, {}
+    dcfg, block, ckpts, draft_path = None, 1, {}, None
     if cfg.run_spec:
-        dcfg = read_dflash_config(cfg.draft_name_or_path)
+        draft_path = local_model_dir(cfg.draft_name_or_path, "--draft-name-or-path")
+        dcfg = read_dflash_config(draft_path)
         dcfg.check_target(tcfg, f"drafter {cfg.draft_name_or_path}")
-        check_dflash_checkpoint(cfg.draft_name_or_path, dcfg)
+        check_dflash_checkpoint(draft_path, dcfg)
         block = cfg.block_size or dcfg.block_size
         ckpts = _refiner_checkpoints(cfg, dcfg, tcfg, block)
     arms = plan_arms(cfg, ckpts)
     rounds, warmup, note = _rounds(cfg, len(arms))
-    return Prepared(backend, tcfg, dcfg, block, limit, ckpts, arms, rounds, warmup, note)
+    return Prepared(backend, tcfg, dcfg, block, limit, ckpts, arms, rounds, warmup, note, draft_path)
 
 
 def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
@@ -174,7 +177,7 @@ def build_arms(cfg: RunConfig, prep: Prepared, target) -> list[Arm]:
     specs = prep.arms
     if not any(s.method != "ar" for s in specs):
         return [Arm(s, 1) for s in specs]
-    model = load_dflash(cfg.draft_name_or_path, prep.draft_config, backend)
+    model = load_dflash(prep.draft_path, prep.draft_config, backend)
     drafter = DFlashDrafter(model, target.embed, target.lm_head, backend, block_size=prep.block_size)
     def key(spec):  # the weight set an arm runs with: a refiner's co-trained drafter, or the base one (None)
         ck = prep.refiners.get(spec.weights) if spec.weights else None

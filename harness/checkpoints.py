@@ -14,6 +14,19 @@ import torch
 from harness.errors import UsageError
 
 
+def local_model_dir(spec: str, what: str) -> str:
+    """A local directory as is; a hub id `user/repo` is fetched (config and safetensors only) into the HF cache."""
+    if os.path.isdir(spec) or spec.startswith((".", "/", "~")) or spec.count("/") != 1 or " " in spec:
+        return spec
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(spec, allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json"])
+    except Exception as e:  # offline, unknown repo, auth: one line, never a traceback
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UsageError(f"{what} {spec}: not a local directory, and fetching it from the HF hub failed ({first})") \
+            from None
+
+
 def read_config(directory: str | Path, what: str) -> dict:
     d = Path(directory)
     if not d.is_dir():

@@ -135,3 +135,18 @@ def test_rotary_frequencies_stay_fp32_in_a_bf16_drafter(saved):
     model = load_dflash(path, read_dflash_config(path), bf16)
     assert model.fc.weight.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32
     assert model.to(torch.float16).inv_freq.dtype == torch.float32
+
+
+def test_drafter_hub_ids_resolve_or_fail_in_one_line(tmp_path, monkeypatch):
+    import huggingface_hub
+    from harness.checkpoints import local_model_dir
+    assert local_model_dir(str(tmp_path), "--draft-name-or-path") == str(tmp_path)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: f"/cache/{repo}")
+    assert local_model_dir("z-lab/Qwen3-8B-DFlash-b16", "--draft-name-or-path") == "/cache/z-lab/Qwen3-8B-DFlash-b16"
+
+    def offline(repo, allow_patterns):
+        raise OSError("We couldn't connect to the hub.\nmore lines")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(UsageError, match="fetching it from the HF hub failed .We couldn't connect") as e:
+        local_model_dir("z-lab/Qwen3-8B-DFlash-b16", "--draft-name-or-path")
+    assert "\n" not in str(e.value)
