@@ -93,7 +93,8 @@ def prepare(cfg: RunConfig) -> Prepared:
 def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
     warmup = cfg.fair_warmup_rounds if cfg.fair else 0
     rounds = (cfg.fair_interleave or default_rounds(n_arms, warmup)) if cfg.fair else 1
-    return rounds, warmup, validate_rounds(rounds, warmup, n_arms)
+    note = validate_rounds(rounds, warmup, n_arms)
+    return rounds, warmup, note if cfg.fair else None  # one round: no rotation to balance
 
 
 def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
