@@ -52,3 +52,22 @@ def test_unsupported_family_is_refused():
     from harness.target import check_family
     with pytest.raises(UsageError, match="not supported"):
         check_family(GPT2Config())
+
+
+def test_qwen2_with_biases_and_fused_projections_match_hf():
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    from harness.target import Target
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=False, initializer_range=0.3)
+    for family_model in (AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval(),
+                         tiny_target("qwen3").model):
+        t = Target(family_model, CPU32, capacity=32)
+        fused = t.fuse_projections()
+        assert fused == (family_model.config.model_type == "qwen3")  # q/k/v biases keep the separate path
+        prompt = torch.tensor([9, 14, 33, 60, 21, 70, 11])
+        with torch.no_grad():
+            ref = family_model(prompt.unsqueeze(0)).logits[0, -1]
+        logits, _ = t.prefill(prompt, want_features=False)
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
