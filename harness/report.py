@@ -98,7 +98,7 @@ def _paired(arm: str, ref: str, ratios: dict[str, list[float]], by: dict[str, di
             "ci95": list(ci), "ci_point": metrics.pooled_speedup(*cols), "ci_prompts": len(prompts)}
 
 
-def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0) -> dict:
+def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warmup: bool = False) -> dict:
     """The run's summary, JSON-ready (undefined numbers are None).
 
     Top level: schema, dataset, temperature, greedy, block_size, rounds {all, warmup, measured}, prompts,
@@ -158,6 +158,11 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0) -> dict:
                                if pr else "no complete measured round")
             s["tau_rounds_agree"] = agree if pr else None
             s.update({k: pr[0][k] if pr else math.nan for k in keys})
+            warm = [r for r in rows if r["arm"] == a and r["turn"] == 0 and warm_rounds and r["round"] == warm_rounds[0]]
+            if tau_from_warmup and warm:  # --compat-reference: the reference keeps the first run's tau (its warmup)
+                first = _round_metrics(warm, info["block_size"])
+                s.update({k: first[k] for k in keys})
+                s["tau_source"] = f"warmup round {warm_rounds[0]} (--compat-reference, as the reference)"
         else:
             s["tau_source"] = f"mean over {len(pr)} measured rounds (sampling, T={temperature:g})"
             s["tau_rounds_agree"] = None

@@ -217,7 +217,7 @@ def run(cfg: RunConfig, out=None) -> dict:
             ctx["tracer"].close()
 
     rows = read_rows(rows_path)
-    summary = report.summarize(rows)
+    summary = report.summarize(rows, tau_from_warmup=cfg.compat_reference)
     if label(cfg):
         summary["label"] = label(cfg)
         print(f"[{label(cfg)}]", file=out)

@@ -311,3 +311,12 @@ def test_summarize_names_a_missing_field():
     del rows[4]["decode_s"]
     with pytest.raises(UsageError, match=r"row 4 lacks \['decode_s'\]"):
         report.summarize(rows)
+
+
+def test_compat_greedy_tau_comes_from_the_warmup_round():
+    s = report.summarize(example(), tau_from_warmup=True)
+    xp = s["arms"]["xPress(K=6)"]
+    warm = [r for r in example() if r["arm"] == "xPress(K=6)" and r["round"] == 1 and r["turn"] == 0]
+    steps = [x for r in warm for x in r["accept_lengths"]]
+    assert xp["tau_per_step"] == pytest.approx(sum(steps) / len(steps)) and "warmup round 1" in xp["tau_source"]
+    assert xp["pooled_tok_s"] == report.summarize(example())["arms"]["xPress(K=6)"]["pooled_tok_s"]  # only tau moves
