@@ -115,9 +115,15 @@ def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
     return Prepared(backend, tcfg, None, cfg.block_size or 16, limit, {}, specs, rounds, warmup, note)
 
 
+def _compiled(refiner, cfg: RunConfig):
+    """--compile-refiner wraps the refinement step in torch.compile. --use-graph needs no wrapper: the loop
+    captures the whole step, refinement included."""
+    return AcceleratedRefiner(refiner, compile=True) if refiner is not None and cfg.compile_refiner else refiner
+
+
 def build_random_arms(cfg: RunConfig, prep: Prepared, models) -> list[Arm]:
     return [Arm(s, 1 if s.method == "ar" else prep.block_size, None if s.method == "ar" else models.drafter,
-                models.refiner(s.method, s.K or 0, cfg.xpress_topc)) for s in prep.arms]
+                _compiled(models.refiner(s.method, s.K or 0, cfg.xpress_topc), cfg)) for s in prep.arms]
 
 
 def _refiner_checkpoints(cfg: RunConfig, dcfg: DFlashConfig, tcfg, block: int) -> dict[str, RefinerCheckpoint]:
@@ -209,7 +215,5 @@ def build_arms(cfg: RunConfig, prep: Prepared, target) -> list[Arm]:
             refiner = MarkovRefiner(markov_head_from_state(prep.refiners[MARKOV].head_state, device=backend.device,
                                                            dtype=backend.dtype),
                                     low_precision_sampling=cfg.compat_reference)
-        if refiner is not None and (cfg.use_graph or cfg.compile_refiner):
-            refiner = AcceleratedRefiner(refiner, use_graph=cfg.use_graph, compile=cfg.compile_refiner)
-        arms.append(Arm(s, prep.block_size, drafter, refiner, states.get(key(s))))
+        arms.append(Arm(s, prep.block_size, drafter, _compiled(refiner, cfg), states.get(key(s))))
     return arms

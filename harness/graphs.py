@@ -5,7 +5,8 @@ then one capture. Replay copies the new inputs into the static buffers; outputs 
 caller must consume them before the next replay (the decode loop does: a step ends before the next begins).
 
 Two granularities:
-- `AcceleratedRefiner`: only the refinement step (the reference's --use-graph).
+- `AcceleratedRefiner`: only the refinement step (the reference's --use-graph granularity): compiled for
+  --compile-refiner, captured alone by `harness.bench_refiner --use-graph`.
 - `StepGraphs`: the whole decode step (draft, refine, verify, accept, commit, observe) of harness.loop.Stepper,
   one graph per (arm, width, KV-length bucket), all sharing one memory pool. The graphs read persistent state by
   address (output buffer, target.pos, drafter.ctx, KV caches, sampler noise, one generator), so those buffers

@@ -77,10 +77,9 @@ def label(cfg: RunConfig) -> str | None:
     return RANDOM_LABEL if cfg.random_weights or cfg.scripted_accept is not None else None
 
 
-def presize(target, arms, samples, tokenizer, settings: DecodeSettings, block: int) -> None:
+def presize(target, arms, longest: int, settings: DecodeSettings, block: int) -> None:
     """Size the caches once, before warmup, for the longest first turn: a later growth would drop the captured
     graphs and capture them again inside a timed generation."""
-    longest = max(len(render_prompt(tokenizer, [{"role": "user", "content": s.turns[0]}])) for s in samples)
     need = min(settings.max_model_len, longest + settings.max_new_tokens + block + 1)
     need = -(-need // settings.graph_bucket) * settings.graph_bucket
     target.ensure_capacity(need)
@@ -127,13 +126,17 @@ def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> l
     return rows
 
 
-def check_prompt_lengths(samples, tokenizer, limit: int) -> None:
-    """First turns must leave room for at least one new token; later turns depend on replies (checked then)."""
+def check_prompt_lengths(samples, tokenizer, limit: int) -> int:
+    """First turns must leave room for at least one new token; later turns depend on replies (checked then).
+    Returns the longest first turn, in tokens."""
+    longest = 0
     for qid, s in enumerate(samples):
         n = len(render_prompt(tokenizer, [{"role": "user", "content": s.turns[0]}]))
         if n >= limit:
             raise UsageError(f"prompt {qid} (dataset row {s.row}) has {n} tokens, not below --max-model-len {limit}; "
                              "raise --max-model-len or lower --max-samples")
+        longest = max(longest, n)
+    return longest
 
 
 def progress(total: int, done: int):
@@ -155,13 +158,13 @@ def run(cfg: RunConfig, out=None) -> dict:
     if cfg.random_weights:
         from harness.presets import ByteTokenizer, build_random
         tokenizer = ByteTokenizer(prep.target_config.vocab_size)
-        check_prompt_lengths(samples, tokenizer, prep.max_model_len)
+        longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
         models = build_random(cfg.random_weights, backend, block_size=prep.block_size, seed=cfg.seed)
         target, stops = models.target, ()  # random models: no stop ids, every prompt runs its full budget
         arms = build_random_arms(cfg, prep, models)
     else:
         tokenizer = load_tokenizer(cfg.model_name_or_path)
-        check_prompt_lengths(samples, tokenizer, prep.max_model_len)
+        longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
         taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
         target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps,
                                         attn_impl=cfg.attn_implementation, tokenizer=tokenizer)
@@ -169,7 +172,7 @@ def run(cfg: RunConfig, out=None) -> dict:
         stops = tuple(stop_token_ids(target.model, tokenizer))
         arms = build_arms(cfg, prep, target)
     settings = settings_for(cfg, prep.max_model_len, stops)
-    presize(target, arms, samples, tokenizer, settings, prep.block_size)
+    presize(target, arms, longest, settings, prep.block_size)
     by_name = {a.name: a for a in arms}
     order = rotation([a.name for a in arms], prep.rounds)
     describe(cfg, prep, arms, settings, samples, stops, folder, out)
@@ -227,9 +230,6 @@ def run(cfg: RunConfig, out=None) -> dict:
     print(f"[results] {folder}", file=out)
     if getattr(target, "step_graphs", None) is not None:
         print(f"[graphs] whole-step CUDA graphs: {target.step_graphs.stats()}", file=out)
-    for arm in arms:
-        if getattr(arm.refiner, "graph_count", 0):
-            print(f"[graphs] {arm.name}: {arm.refiner.graph_count} refinement graph(s)", file=out)
     if cfg.answer_file:
         for path, n in write_answer_files(cfg, rows, samples, tokenizer, arms):
             print(f"Saved answer file with {n} samples to {path}", file=out)

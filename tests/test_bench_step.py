@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from harness import bench_step
-from harness.devices import Backend
 from harness.errors import UsageError
 from harness.graphs import StepGraphs
 from harness.loop import DecodeSettings, generate
