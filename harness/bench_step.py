@@ -164,16 +164,26 @@ def measure(a, path: str | None = None) -> dict:
            "arms": [], "tau_sweep": [], "attention": {}, "hf_reference": {}}
     print(f"[bench] {RANDOM_LABEL}: {a.preset} on {res['device_name']}, copy {bw / 1e9:.0f} GB/s, roofline "
           f"{res['roofline_ms']:.2f} ms ({wb / 1e9:.2f} GB)", flush=True)
-    if graphs:  # the projection-fusion lever, on the AR step (the graphs are recaptured per setting)
+    if graphs:  # the levers, on the AR step (the graphs are recaptured per setting)
         res["fusion"] = {}
-        for on in (False, True):
-            m.target.fuse_projections(on)
+        levers = [("separate projections (7 matmuls/layer), torch ops", False, False),
+                  ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, False)]
+        if a.kernels == "triton":
+            levers.append(("fused projections, harness.kernels (6 launches/layer)", True, True))
+        for label, fuse, kern in levers:
+            m.target.use_kernels(False)
+            m.target.fuse_projections(fuse)
+            if kern:
+                m.target.use_kernels()
             s = dataclasses.replace(base, use_graph=True)
             _gen(m, "ar", 0, 0, prompt, s)
             timer = StageTimer(backend.device)
             _gen(m, "ar", 0, 0, prompt, s, mark=timer)
-            res["fusion"]["fused q/k/v and gate/up (4 matmuls/layer)" if on else
-                          "separate projections (7 matmuls/layer)"] = timer.summary()["step"]
+            res["fusion"][label] = timer.summary()["step"]
+    m.target.fuse_projections(True)
+    if a.kernels == "triton":
+        m.target.use_kernels()
+    res["kernels"] = m.target.kernels
     for arm in arm_list(a.ks, a.topc):
         row = measure_arm(m, arm, prompt, base, a.new_tokens, graphs, a.reps)
         res["arms"].append(row)
@@ -227,7 +237,8 @@ def _f(x, nd=3):
 def markdown(r: dict) -> str:
     L = [f"# Step cost, {r['preset']} — {r['label']}", "",
          f"{r['device_name']} ({r['dtype']}, batch 1, {r['prompt_len']}-token prompt, block {r['block_size']}), "
-         f"torch {r['torch']}, transformers {r['transformers']}. Every number: **{r['label']}** "
+         f"torch {r['torch']}, transformers {r['transformers']}, target decode ops: {r.get('kernels', 'torch')}. "
+         f"Every number: **{r['label']}** "
          f"(per-arm rows at scripted {r['scripted_accept_per_arm']} accepted drafts per step).", "",
          f"- copy bandwidth (read+write): {r['copy_bandwidth_GBps']:.0f} GB/s",
          f"- roofline: {r['weight_bytes'] / 1e9:.2f} GB of target weights -> {r['roofline_ms']:.3f} ms "
@@ -304,10 +315,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-tokens", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--kernels", choices=("triton", "torch"), default=None,
+                   help="target decode ops (default: triton where available on CUDA)")
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/<gpu>_<preset>.json")
     a = p.parse_args(argv)
     try:
         a.ks, a.topc, a.taus = _ints(a.ks), _ints(a.topc), _ints(a.taus)
+        if a.kernels is None:
+            from harness import kernels
+            a.kernels = "triton" if kernels.available() and torch.cuda.is_available() and a.device != "cpu" else "torch"
         a.sweep_arms = [x.strip() for x in a.sweep_arms.split(";") if x.strip()]
         if min(a.taus, default=2) < 1 or max(a.taus, default=1) > a.block_size:
             raise UsageError(f"--taus must lie in 1..{a.block_size}")

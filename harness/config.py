@@ -58,6 +58,7 @@ class RunConfig:
     random_weights: str | None = None
     scripted_accept: int | None = None
     compile_all: bool = False
+    kernels: str = "auto"
 
     @property
     def fair(self) -> bool:
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: capture every decode step (draft, refine, verify, accept) as one CUDA graph per "
                         "arm, width and 256-slot KV bucket, replayed with one host read per step")
     r.add_argument("--compile-refiner", action="store_true", help="torch.compile the refinement step")
+    r.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
+                   help="target decode steps on harness.kernels' Triton kernels (triton) or torch ops; auto: "
+                        "triton on CUDA in bf16/fp16 where Triton is installed and the target fits")
     r.add_argument("--compile-all", action="store_true", help="torch.compile target and drafter (not available yet)")
     t = p.add_argument_group("timing at real shapes")
     t.add_argument("--random-weights", metavar="PRESET",
@@ -175,6 +179,12 @@ def validate(c: RunConfig) -> None:
     if c.compile_all:
         raise UsageError("--compile-all is not available yet: whole-step CUDA graphs (--use-graph) are the fast "
                          "path today; --compile-refiner compiles the refinement step")
+    if c.kernels == "triton":
+        from harness import kernels
+        if not kernels.available():
+            raise UsageError("--kernels triton: Triton is not installed; install triton or use --kernels torch")
+        if c.device is not None and not c.device.startswith("cuda"):
+            raise UsageError(f"--kernels triton runs on CUDA only, not --device {c.device}; use --kernels torch")
     if c.block_size is not None and c.block_size < 2:
         raise UsageError(f"--block-size {c.block_size}: a speculative block needs >= 2 (anchor + drafts); "
                          "use --ar-only for plain decoding")

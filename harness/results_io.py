@@ -124,6 +124,7 @@ def environment() -> dict:
     env = {"python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
            "time_unix": time.time(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "torch": _version("torch"), "transformers": _version("transformers"), "numpy": _version("numpy"),
+           "triton": _version("triton"),
            "cuda": None, "gpus": [], "driver": None}
     if env["torch"]:
         try:

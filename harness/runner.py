@@ -171,11 +171,12 @@ def run(cfg: RunConfig, out=None) -> dict:
         target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
         stops = tuple(stop_token_ids(target.model, tokenizer))
         arms = build_arms(cfg, prep, target)
+    pick_kernels(target, cfg)
     settings = settings_for(cfg, prep.max_model_len, stops)
     presize(target, arms, longest, settings, prep.block_size)
     by_name = {a.name: a for a in arms}
     order = rotation([a.name for a in arms], prep.rounds)
-    describe(cfg, prep, arms, settings, samples, stops, folder, out)
+    describe(cfg, prep, arms, settings, samples, stops, folder, out, target.kernels)
 
     os.makedirs(folder, exist_ok=True)
     rows_path = os.path.join(folder, "samples.jsonl")
@@ -185,7 +186,7 @@ def run(cfg: RunConfig, out=None) -> dict:
         "rotation": order, "dataset": dataset_provenance(cfg.dataset, cfg.data_dir),
         "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer}
                      for k, c in prep.refiners.items()},
-        "label": label(cfg)}}
+        "label": label(cfg), "kernels": target.kernels}}
     if not cfg.resume:
         atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
     done = {(r["round"], r["arm"], r["question_id"]) for r in read_rows(rows_path)} if cfg.resume else set()
@@ -236,12 +237,26 @@ def run(cfg: RunConfig, out=None) -> dict:
     return summary
 
 
-def describe(cfg, prep, arms, settings, samples, stops, folder, out) -> None:
+def pick_kernels(target, cfg) -> None:
+    """--kernels: triton (refused with the reason if this target cannot), torch, or auto (triton for CUDA
+    bf16/fp16 targets that fit, else torch)."""
+    if cfg.kernels == "triton":
+        target.use_kernels()
+    elif cfg.kernels == "auto":
+        from harness import kernels
+        b = target.backend
+        if b.device.type == "cuda" and str(b.dtype) in ("torch.bfloat16", "torch.float16") and kernels.available():
+            target.fuse_projections()
+            if kernels.unsupported_reason(target) is None:
+                target.use_kernels()
+
+
+def describe(cfg, prep, arms, settings, samples, stops, folder, out, target_kernels="torch") -> None:
     backend = prep.backend
     if label(cfg):
         print(f"[{label(cfg)}] preset={cfg.random_weights or '-'} scripted_accept={cfg.scripted_accept}", file=out)
     print(f"[run] target={cfg.model_name_or_path or cfg.random_weights} device={backend.device} dtype={backend.dtype} "
-          f"block={prep.block_size} stop_ids={list(stops)} max_model_len={prep.max_model_len} "
+          f"kernels={target_kernels} block={prep.block_size} stop_ids={list(stops)} max_model_len={prep.max_model_len} "
           f"samples={len(samples)} arms={[a.name for a in arms]} rounds={prep.rounds} "
           f"(first {prep.warmup_rounds} excluded) folder={folder}", file=out)
     if prep.rotation_note:

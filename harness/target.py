@@ -115,6 +115,30 @@ class Target:
         self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
         self.step_graphs = None  # harness.graphs.StepGraphs, created by the first use_graph generation
         self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
+        self._kernels = None  # harness.kernels when use_kernels() turned them on: the decode-step fast path
+
+    def use_kernels(self, on: bool = True) -> bool:
+        """Run decode steps (AR steps and verify blocks up to kernels.MAX_ROWS rows) on harness.kernels' Triton
+        kernels: six launches a layer, fused norms, activation and residual adds, attention bounded by the
+        block's own positions. Prefill stays on the torch path. Raises UsageError if this target or machine
+        cannot; captured step graphs are dropped (they hold the old kernels)."""
+        self.step_graphs = None
+        if not on:
+            self._kernels = None
+            return False
+        from harness import kernels
+        self.fuse_projections()
+        why = kernels.unsupported_reason(self)
+        if why is None and self.backend.device.type != "cuda" and not kernels.interpreted():
+            why = "they need a CUDA device"
+        if why is not None:
+            raise UsageError(f"--kernels triton: not available for this target: {why}; use --kernels torch")
+        self._kernels = kernels
+        return True
+
+    @property
+    def kernels(self) -> str:
+        return "triton" if self._kernels is not None else "torch"
 
     @torch.no_grad()
     def fuse_projections(self, on: bool = True) -> bool:
@@ -169,6 +193,8 @@ class Target:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, length: int, want_features: bool,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids/positions [T]; attends over cache slots [0, length). Returns logits [T or 1, V], features."""
+        if self._kernels is not None and not last_only and ids.shape[0] <= self._kernels.MAX_ROWS:
+            return self._forward_kernels(ids, positions, want_features)
         h = self.embed(ids).unsqueeze(0)
         cos, sin = self.rotary(h, positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
@@ -187,6 +213,40 @@ class Target:
             tapped[self.n_layers - 1] = out
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
         logits = self.lm_head(out[-1:] if last_only else out)
+        return logits, features
+
+    def _forward_kernels(self, ids, positions, want_features):
+        """The decode forward on harness.kernels (same math and rounding steps as `forward`; positions must be
+        increasing, as every decode step's are)."""
+        k = self._kernels
+        h = self.embed(ids)
+        cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
+        cos, sin = cos[0], sin[0]
+        n_q = self.config.num_attention_heads
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, _, gate_up_w = self._fused[i]
+            ln = layer.input_layernorm
+            qkv = k.linear(h, qkv_w, norm=ln.weight, eps=ln.variance_epsilon)
+            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]
+            q = k.qk_rope_kv(qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                             0.0 if qn is None else qn.variance_epsilon, cos, sin, positions, kc, vc, n_q,
+                             self.n_kv_heads)
+            h = k.linear(k.attention(q, kc, vc, positions, self.scale), attn.o_proj.weight, residual=h)
+            ln = layer.post_attention_layernorm
+            gate_up = k.linear(h, gate_up_w, norm=ln.weight, eps=ln.variance_epsilon)
+            h = k.linear(gate_up, mlp.down_proj.weight, gated=True, residual=h)
+            if want_features and i in self._tap_set:
+                tapped[i] = h
+        last = self.n_layers - 1
+        if want_features and last in tapped:
+            tapped[last] = _rms(self.norm, h)  # the tapped tensor is the normed one (see `forward`)
+            logits = k.linear(tapped[last], self.lm_head.weight)
+        else:
+            logits = k.linear(h, self.lm_head.weight, norm=self.norm.weight, eps=self.norm.variance_epsilon)
+        features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
         return logits, features
 
     def _layer(self, i, layer, h, positions, cos, sin, mask, length):

@@ -1,0 +1,156 @@
+"""harness.kernels against the torch path: on CUDA compiled, on CPU through Triton's interpreter (skipped where
+Triton is not installed; CI does not install it, the GPU run covers these)."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before harness.kernels is imported
+
+from harness import kernels  # noqa: E402
+from harness.cache import StaticKV, attend, causal_mask, rotate  # noqa: E402
+from harness.devices import Backend  # noqa: E402
+from harness.errors import UsageError  # noqa: E402
+from harness.loop import DecodeSettings, generate  # noqa: E402
+from tiny import tiny_drafter, tiny_target  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Triton's interpreter runs tensor-core dots in fp32 only; compiled runs check bf16 too
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
+
+
+def tol(dtype):
+    return dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+
+
+def rnd(*shape, dtype=torch.float32, scale=1.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("k", [96, 256])
+def test_linear_plain_norm_gated_residual(dtype, m, k):
+    w = rnd(40, k, dtype=dtype, scale=0.1, seed=1)
+    x = rnd(m, k, dtype=dtype, seed=2)
+    g = rnd(k, dtype=dtype, seed=3)
+    r = rnd(m, 40, dtype=dtype, seed=4)
+    lin = torch.nn.functional.linear
+    torch.testing.assert_close(kernels.linear(x, w), lin(x, w), **tol(dtype))
+    normed = g * torch.nn.functional.rms_norm(x, (k,), None, 1e-6)
+    torch.testing.assert_close(kernels.linear(x, w, norm=g, eps=1e-6, residual=r), r + lin(normed, w), **tol(dtype))
+    x2 = rnd(m, 2 * k, dtype=dtype, seed=5)
+    gate, up = x2.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.linear(x2, w, gated=True), lin(torch.nn.functional.silu(gate) * up, w),
+                               **tol(dtype))
+
+
+def test_linear_one_row_without_dot_and_bad_shapes():
+    w, x = rnd(48, 64, scale=0.1), rnd(1, 64, seed=2)
+    cfg = kernels.LinearConfig(block_n=16, block_k=32, warps=4, stages=1, dot=False)
+    torch.testing.assert_close(kernels.linear(x, w, config=cfg), torch.nn.functional.linear(x, w), **tol(w.dtype))
+    with pytest.raises(ValueError, match="does not fit"):
+        kernels.linear(rnd(1, 32), w)
+    with pytest.raises(ValueError, match="rows"):
+        kernels.linear(rnd(kernels.MAX_ROWS + 1, 64), w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("norm", [True, False])
+def test_qk_rope_kv_matches_torch(dtype, norm):
+    t, n_q, n_kv, d, cap = 3, 4, 2, 16, 12
+    qkv = rnd(t, (n_q + 2 * n_kv) * d, dtype=dtype, seed=1)
+    qn, kn = rnd(d, dtype=dtype, seed=2), rnd(d, dtype=dtype, seed=3)
+    ang = rnd(t, d // 2, seed=4).repeat(1, 2)
+    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+    positions = torch.tensor([5, 6, 7], device=DEV)
+    kc = torch.zeros(n_kv, cap, d, dtype=dtype, device=DEV)
+    vc = torch.zeros_like(kc)
+    q = kernels.qk_rope_kv(qkv, qn if norm else None, kn if norm else None, 1e-6, cos, sin, positions, kc, vc,
+                           n_q, n_kv)
+    rq, rk, rv = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    rq, rk, rv = rq.view(t, n_q, d), rk.view(t, n_kv, d), rv.view(t, n_kv, d)
+    if norm:
+        rq = qn * torch.nn.functional.rms_norm(rq, (d,), None, 1e-6)
+        rk = kn * torch.nn.functional.rms_norm(rk, (d,), None, 1e-6)
+    rq = rotate(rq.transpose(0, 1), cos, sin).transpose(0, 1)
+    rk = rotate(rk.transpose(0, 1), cos, sin)
+    # the same rounding steps: bit-identical without the norm (whose fp32 sum order may differ in the last bit)
+    exact = dict(atol=0, rtol=0) if not norm else tol(dtype)
+    torch.testing.assert_close(q, rq, **exact)
+    torch.testing.assert_close(kc[:, 5:8], rk, **exact)
+    torch.testing.assert_close(vc[:, 5:8], rv.transpose(0, 1), atol=0, rtol=0)
+    assert kc[:, :5].abs().sum() == 0 and kc[:, 8:].abs().sum() == 0  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,start,groups", [(1, 0, 2), (1, 70, 4), (5, 40, 2), (16, 100, 4)])
+def test_attention_causal_over_valid_slots(dtype, t, start, groups):
+    n_kv, d, cap = 2, 16, 160
+    kc = rnd(n_kv, cap, d, dtype=dtype, seed=1)
+    vc = rnd(n_kv, cap, d, dtype=dtype, seed=2)
+    kc[:, start + t:] = float("nan")  # stale slots past the block are never read
+    vc[:, start + t:] = float("nan")
+    q = rnd(t, n_kv * groups, d, dtype=dtype, seed=3)
+    positions = torch.arange(start, start + t, device=DEV)
+    o = kernels.attention(q, kc, vc, positions, d ** -0.5)
+    n = start + t
+    ref = attend(q.transpose(0, 1).unsqueeze(0), kc[:, :n].unsqueeze(0), vc[:, :n].unsqueeze(0),
+                 causal_mask(positions, n), d ** -0.5, impl="eager")[0]
+    torch.testing.assert_close(o, ref, **tol(dtype))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_target_kernels_match_torch_forward(family):
+    b = Backend(DEV, torch.float32)
+    ref, fast = (tiny_target(family, backend=b, taps=(1, 5), capacity=48) for _ in range(2))
+    assert fast.use_kernels() and fast.kernels == "triton" and ref.kernels == "torch"
+    prompt = torch.randint(8, 100, (9,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    for m in (ref, fast):
+        m.prefill(prompt, want_features=True)
+    block = torch.randint(8, 100, (4,), generator=torch.Generator().manual_seed(1)).to(DEV)
+    (la, fa), (lb, fb) = (m.verify(block, 16, want_features=True) for m in (ref, fast))
+    torch.testing.assert_close(lb, la, **tol(torch.float32))
+    torch.testing.assert_close(fb, fa, **tol(torch.float32))  # taps, the last one after the final norm
+    torch.testing.assert_close(fast.kv.k[:, :, :, :13], ref.kv.k[:, :, :, :13], **tol(torch.float32))
+
+
+@pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
+@pytest.mark.parametrize("drafter", [False, True])
+def test_greedy_tokens_same_with_kernels(drafter, graph):
+    """fp32 greedy: the torch path and the kernels (eagerly, and inside whole-step graphs on CUDA) agree."""
+    b = Backend(DEV, torch.float32)
+    outs = []
+    for on in (False, True):
+        t = tiny_target("qwen3", backend=b, capacity=64)
+        d = tiny_drafter(t, block=4, backend=b) if drafter else None
+        t.use_kernels(on)
+        s = DecodeSettings(24, 512, (), use_graph=graph and on, graph_bucket=16)
+        outs.append(generate(t, list(range(10, 30)), s, b, drafter=d).tokens)
+    assert outs[0] == outs[1] and len(outs[0]) == 24
+
+
+def test_refused_with_biases():
+    t = tiny_target("qwen3", backend=Backend(DEV, torch.float32))
+    t.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(t.layers[0].self_attn.q_proj.out_features,
+                                                                      device=DEV))
+    t._fused = None
+    with pytest.raises(UsageError, match="biases"):
+        t.use_kernels()
+
+
+def test_prefill_stays_on_torch_and_kv_shapes_unchanged():
+    """Prefill (last_only) takes the torch path even with kernels on; decode writes the same cache layout."""
+    t = tiny_target("qwen3", backend=Backend(DEV, torch.float32), capacity=32)
+    t.use_kernels()
+    assert isinstance(t.kv, StaticKV) and t.kv.k.shape[3] == 32
+    called = []
+    real = t._forward_kernels
+    t._forward_kernels = lambda *a: called.append(1) or real(*a)
+    t.prefill(torch.arange(8, 20, device=DEV), want_features=False)
+    assert not called
+    t.verify(torch.arange(8, 10, device=DEV), 16, want_features=False)
+    assert called
