@@ -59,8 +59,7 @@ def graph_ms(calls, reps: int = 5) -> float:
 
 def read_bandwidth(device, nbytes: int = 1 << 32) -> float:
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
-    out = torch.empty((), dtype=torch.float32, device=device)
-    ms = graph_ms([lambda: torch.sum(x, dtype=torch.float32, out=out)] * 4)
+    ms = graph_ms([lambda: x.sum(dtype=torch.float32)] * 4)
     return 4 * nbytes / (ms / 1000)
 
 
