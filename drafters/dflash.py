@@ -192,6 +192,21 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False)
+        self._kern = None  # harness.kernels, when use_kernels() turned them on
+        self._fused: list = []  # per layer: (q/k/v weight, gate/up weight), views shared with the modules
+
+    @torch.no_grad()
+    def use_kernels(self, kernels) -> None:
+        """Run blocks and context writes of up to kernels.MAX_ROWS rows on harness.kernels (None: torch ops).
+        Fuses q/k/v and gate/up into one weight each (views: no memory added)."""
+        if kernels is not None and not self._fused:
+            self._fused = [(kernels.fuse_rows((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)),
+                            kernels.fuse_rows((l.mlp.gate_proj, l.mlp.up_proj))) for l in self.layers]
+        self._kern = kernels
+
+    def _fast(self, rows: int):
+        k = self._kern
+        return k if k is not None and rows <= k.MAX_ROWS else None
 
     def _apply(self, fn, recurse=True):
         # Rotary frequencies stay fp32 whatever the weights' dtype: in bf16, position x frequency would lose whole
@@ -211,10 +226,22 @@ class DFlashModel(nn.Module):
     @torch.no_grad()
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV) -> None:
         """Context K/V from projected target features; they do not depend on the block, so each position once."""
-        ctx = self.hidden_norm(self.fc(features))
+        k = self._fast(features.shape[0])
+        if k is not None:
+            ctx = self.hidden_norm(k.linear(features, self.fc.weight))
+        else:
+            ctx = self.hidden_norm(self.fc(features))
         cos, sin = cos_sin(self.inv_freq, positions, ctx.dtype)
+        c = self.config
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
+            if k is not None:  # k and v rows are adjacent in the fused q/k/v weight: one matmul
+                kv_w = self._fused[i][0][c.num_attention_heads * c.head_dim:]
+                kx, vx = k.linear(ctx, kv_w).chunk(2, dim=-1)
+                kx = a.k_norm(kx.view(kx.shape[0], -1, c.head_dim)).transpose(0, 1).unsqueeze(0)
+                kv.write(i, positions, rotate(kx, cos, sin), vx.view(vx.shape[0], -1, c.head_dim).transpose(0, 1)
+                         .unsqueeze(0))
+                continue
             kv.write(i, positions, self._heads(a.k_proj, a.k_norm, ctx, cos, sin), self._heads(a.v_proj, None, ctx, None, None))
 
     @torch.no_grad()
@@ -223,6 +250,8 @@ class DFlashModel(nn.Module):
         """x [B, H] block embeddings at `positions`; attends over slots < limit. Returns normed hidden [B, H]."""
         c = self.config
         cos, sin = cos_sin(self.inv_freq, positions, x.dtype)
+        if self._fast(x.shape[0]) is not None:
+            return self._block_kernels(x, positions, cos, sin, kv)
         mask = prefix_mask(limit, x.shape[0], length)
         h = x
         for i, layer in enumerate(self.layers):
@@ -233,6 +262,23 @@ class DFlashModel(nn.Module):
             ks, vs = kv.read(i, length)
             h = h + a.o_proj(attend(q, ks, vs, mask, c.head_dim ** -0.5)[0])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    def _block_kernels(self, x, positions, cos, sin, kv: StaticKV) -> torch.Tensor:
+        """`block` on harness.kernels: the block's rows attend over every slot up to its last position, which is
+        `limit` - 1 (the drafter's positions run up to the target position + block size)."""
+        k, c = self._kern, self.config
+        h = x
+        for i, layer in enumerate(self.layers):
+            a, (qkv_w, gate_up_w) = layer.self_attn, self._fused[i]
+            ln = layer.input_layernorm
+            qkv = k.linear(h, qkv_w, norm=ln.weight, eps=ln.eps)
+            o = k.attention(qkv, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, positions, kv.k[i, 0],
+                            kv.v[i, 0], c.num_attention_heads, c.head_dim ** -0.5, causal=False)
+            h = k.linear(o, a.o_proj.weight, residual=h)
+            ln = layer.post_attention_layernorm
+            gate_up = k.linear(h, gate_up_w, norm=ln.weight, eps=ln.eps)
+            h = k.linear(gate_up, layer.mlp.down_proj.weight, gated=True, residual=h)
         return self.norm(h)
 
 
@@ -271,7 +317,8 @@ class DFlashDrafter:
         ids = torch.cat((anchor.view(1), self._masks))
         positions = position + self._offsets
         hidden = self.model.block(self.embed(ids), positions, self.kv, position + self.block_size, length)
-        logits = self.lm_head(hidden[1:])
+        fast = self.model._fast(self.block_size)
+        logits = fast.linear(hidden[1:], self.lm_head.weight) if fast is not None else self.lm_head(hidden[1:])
         return Proposal(tokens=logits.argmax(-1), logits=logits, hidden=hidden)
 
 

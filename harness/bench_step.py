@@ -169,7 +169,7 @@ def measure(a, path: str | None = None) -> dict:
         levers = [("separate projections (7 matmuls/layer), torch ops", False, False),
                   ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, False)]
         if a.kernels == "triton":
-            levers.append(("fused projections, harness.kernels (6 launches/layer)", True, True))
+            levers.append(("fused projections, harness.kernels (5 launches/layer)", True, True))
         for label, fuse, kern in levers:
             m.target.use_kernels(False)
             m.target.fuse_projections(fuse)
@@ -182,7 +182,9 @@ def measure(a, path: str | None = None) -> dict:
             res["fusion"][label] = timer.summary()["step"]
     m.target.fuse_projections(True)
     if a.kernels == "triton":
+        from harness import kernels
         m.target.use_kernels()
+        m.drafter.model.use_kernels(kernels)
     res["kernels"] = m.target.kernels
     for arm in arm_list(a.ks, a.topc):
         row = measure_arm(m, arm, prompt, base, a.new_tokens, graphs, a.reps)

@@ -1,15 +1,15 @@
 """Triton kernels for the target's decode step at batch 1 (one AR token or one verify block of a few rows).
 
 At batch 1 every weight is read once per step and used for a handful of rows, so the step is a stream of weight
-bytes plus a few hundred small launches. Three kernels cover a layer in six launches instead of about forty:
+bytes plus a few hundred small launches. Three kernels cover a layer in five launches instead of about forty:
 - `linear`: y = x W^T for up to 64 rows, with optional fused prologues (the RMSNorm that feeds the matmul, or
   silu(gate) * up from a fused gate/up output) and an optional residual add in the epilogue.
-- `qk_rope_kv`: per-head RMSNorm of q and k (Qwen3), rotary embedding, and the K/V write into the static cache.
-- `attention`: causal attention of the block's rows over the cache up to the block's last position (read from
-  the device, so one captured graph serves every KV length), grouped-query heads folded into the rows.
+- `attention`: per-head RMSNorm of q and k (Qwen3), rotary embedding and the K/V write into the static cache,
+  then causal attention of the block's rows over the cache up to the block's last position (read from the
+  device, so one captured graph serves every KV length), grouped-query heads folded into the rows.
 Rounding follows HF's modules step by step (each elementwise op computed in fp32 and rounded to the model's dtype
-where HF's bf16 op would round), so the only differences from the torch path are the matmul and softmax summation
-orders. With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
+where HF's bf16 op would round), except the RMSNorm in front of a matmul, whose row scale is applied to the fp32
+sums (one pass over x; more exact than rounding twice), and the matmul and softmax summation orders. With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
 """
 from __future__ import annotations
 
@@ -74,7 +74,8 @@ if triton is not None:
     def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, M, N, K, sx, sw, sy, sr, eps,
                        PRO: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # PRO: 0 plain x; 1 rms_norm(x) * g (HF rounding); 2 silu(x[:, :K]) * x[:, K:] (HF rounding)
+        # PRO: 0 plain x; 1 rms_norm(x) * g, the row scale applied after the sum (one pass over x); 2 silu(x[:, :K])
+        # * x[:, K:] with HF's roundings
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,14 +83,7 @@ if triton is not None:
         m_ok = rm < M
         n_ok = rn < N
         dt = w_ptr.dtype.element_ty
-        if PRO == 1:
-            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                kk = k0 + rk
-                xf = tl.load(x_ptr + rm[:, None] * sx + kk[None, :], mask=m_ok[:, None] & (kk < K)[None, :],
-                             other=0.0).to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
-            rstd = tl.rsqrt(ss / K + eps)
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         if DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         else:
@@ -102,25 +96,26 @@ if triton is not None:
             else:
                 xmask = m_ok[:, None] & (kk < K)[None, :]
                 wmask = n_ok[:, None] & (kk < K)[None, :]
-            xk = tl.load(x_ptr + rm[:, None] * sx + kk[None, :], mask=xmask, other=0.0)
+            w = tl.load(w_ptr + rn[:, None] * sw + kk[None, :], mask=wmask, other=0.0)
+            xf = tl.load(x_ptr + rm[:, None] * sx + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
             if PRO == 1:
-                g = tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-                xn = (xk.to(tl.float32) * rstd[:, None]).to(dt)
-                xk = (xn.to(tl.float32) * g[None, :]).to(dt)
+                ss += tl.sum(xf * xf, axis=1)
+                xf = xf * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
             if PRO == 2:
                 up = tl.load(x_ptr + rm[:, None] * sx + K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
-                gf = xk.to(tl.float32)
-                act = (gf / (1.0 + tl.exp(-gf))).to(dt)
-                xk = (act.to(tl.float32) * up).to(dt)
-            w = tl.load(w_ptr + rn[:, None] * sw + kk[None, :], mask=wmask, other=0.0)
+                act = (xf / (1.0 + tl.exp(-xf))).to(dt)
+                xf = (act.to(tl.float32) * up).to(dt).to(tl.float32)
             if DOT:
-                acc += tl.dot(xk.to(dt), tl.trans(w), input_precision=PREC)
+                acc += tl.dot(xf.to(dt), tl.trans(w), input_precision=PREC)
             else:
-                acc += w.to(tl.float32) * xk.to(tl.float32)  # one row: [1, BK] against [BN, BK]
+                acc += w.to(tl.float32) * xf  # one row: [1, BK] against [BN, BK]
         if DOT:
-            y = acc.to(dt)
+            y = acc
         else:
-            y = tl.sum(acc, axis=1)[None, :].to(dt)
+            y = tl.sum(acc, axis=1)[None, :]
+        if PRO == 1:
+            y = y * tl.rsqrt(ss / K + eps)[:, None]
+        y = y.to(dt)
         out_mask = m_ok[:, None] & n_ok[None, :]
         if RES:
             r = tl.load(r_ptr + rm[:, None] * sr + rn[None, :], mask=out_mask, other=0.0)
@@ -139,59 +134,57 @@ if triton is not None:
         tl.store(y_ptr + row * sy + c, (act.to(tl.float32) * up).to(dt), mask=ok)
 
     @triton.jit
-    def _qk_rope_kv_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-                           s_qkv, s_cs, s_q, s_kh, s_ks, HQ, HKV, eps, NORM: tl.constexpr, HALF: tl.constexpr):
-        t = tl.program_id(0)
-        h = tl.program_id(1)
-        i = tl.arange(0, HALF)
-        dt = qkv_ptr.dtype.element_ty
-        src = qkv_ptr + t * s_qkv + h * (2 * HALF)
-        x1 = tl.load(src + i)
-        x2 = tl.load(src + HALF + i)
-        pos = tl.load(pos_ptr + t)
-        if h >= HQ + HKV:  # a value head: straight into the cache
-            dst = vc_ptr + (h - HQ - HKV) * s_kh + pos * s_ks
-            tl.store(dst + i, x1)
-            tl.store(dst + HALF + i, x2)
-        else:
-            a = x1.to(tl.float32)
-            b = x2.to(tl.float32)
-            if NORM:
-                if h < HQ:
-                    wp = qn_ptr
-                else:
-                    wp = kn_ptr
-                rstd = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / (2 * HALF) + eps)
-                a = ((a * rstd).to(dt).to(tl.float32) * tl.load(wp + i).to(tl.float32)).to(dt).to(tl.float32)
-                b = ((b * rstd).to(dt).to(tl.float32) * tl.load(wp + HALF + i).to(tl.float32)).to(dt).to(tl.float32)
-            c1 = tl.load(cos_ptr + t * s_cs + i).to(tl.float32)
-            c2 = tl.load(cos_ptr + t * s_cs + HALF + i).to(tl.float32)
-            s1 = tl.load(sin_ptr + t * s_cs + i).to(tl.float32)
-            s2 = tl.load(sin_ptr + t * s_cs + HALF + i).to(tl.float32)
-            # x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), each product rounded as in bf16 torch
-            o1 = ((a * c1).to(dt).to(tl.float32) + (-b * s1).to(dt).to(tl.float32)).to(dt)
-            o2 = ((b * c2).to(dt).to(tl.float32) + (a * s2).to(dt).to(tl.float32)).to(dt)
-            if h < HQ:
-                dst = q_ptr + t * s_q + h * (2 * HALF)
-            else:
-                dst = kc_ptr + (h - HQ) * s_kh + pos * s_ks
-            tl.store(dst + i, o1)
-            tl.store(dst + HALF + i, o2)
+    def _norm_rope(ptrs, ok, w_ptr, cos, sin, d, eps, NORM: tl.constexpr, D: tl.constexpr):
+        """Rows of heads at `ptrs` [R, D] -> rms_norm(x) * w (HF's roundings, if NORM), then x*cos +
+        rotate_half(x)*sin with each product rounded as torch's bf16 ops round. fp32 result, dt-exact."""
+        dt = w_ptr.dtype.element_ty
+        half: tl.constexpr = D // 2
+        shift = (d + half) % D
+        x = tl.load(ptrs + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        xr = tl.load(ptrs + shift[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+            x = ((x * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + d).to(tl.float32)[None, :]).to(dt).to(tl.float32)
+            xr = ((xr * rstd).to(dt).to(tl.float32) * tl.load(w_ptr + shift).to(tl.float32)[None, :]).to(dt)
+            xr = xr.to(tl.float32)
+        rot = tl.where(d[None, :] < half, -xr, xr)
+        return ((x * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
-    def _attention_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, T, s_qt, s_kh, s_ks, s_ot, scale,
-                          GROUPS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_S: tl.constexpr):
+    def _attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, T,
+                          s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr, GROUPS: tl.constexpr,
+                          D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_T: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+        # one program per K/V head: its T new keys/values (norm, rope) into the cache, then its GROUPS*T query
+        # rows (norm, rope) attend over slots [0, last position]: causally, or all of them (the drafter's block)
         h = tl.program_id(0)
+        d = tl.arange(0, D)
+        dt = kc_ptr.dtype.element_ty
+        n_kv = tl.num_programs(0)
+        tt = tl.arange(0, BLOCK_T)
+        t_ok = tt < T
+        tpos = tl.load(pos_ptr + tt, mask=t_ok, other=0)
+        cs = tt[:, None] * s_cs + d[None, :]
+        cos = tl.load(cos_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        k = _norm_rope(qkv_ptr + tt[:, None] * s_qkv + (HQ + h) * D, t_ok, kn_ptr, cos, sin, d, eps, NORM, D)
+        dst = h * s_kh + tpos[:, None] * s_ks + d[None, :]
+        tl.store(kc_ptr + dst, k, mask=t_ok[:, None])
+        v = tl.load(qkv_ptr + tt[:, None] * s_qkv + (HQ + n_kv + h) * D + d[None, :], mask=t_ok[:, None])
+        tl.store(vc_ptr + dst, v, mask=t_ok[:, None])
+
         r = tl.arange(0, BLOCK_R)
         g = r // T
         t = r % T
         r_ok = r < GROUPS * T
-        d = tl.arange(0, D)
         head = h * GROUPS + g
-        dt = kc_ptr.dtype.element_ty
-        q = tl.load(q_ptr + t[:, None] * s_qt + head[:, None] * D + d[None, :], mask=r_ok[:, None], other=0.0)
         qpos = tl.load(pos_ptr + t, mask=r_ok, other=0)
+        cs = t[:, None] * s_cs + d[None, :]
+        cos = tl.load(cos_ptr + cs, mask=r_ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=r_ok[:, None], other=0.0).to(tl.float32)
+        q = _norm_rope(qkv_ptr + t[:, None] * s_qkv + head[:, None] * D, r_ok, qn_ptr, cos, sin, d, eps, NORM, D)
+        tl.debug_barrier()  # this program's cache writes above are read below
+
         kv_len = (tl.load(pos_ptr + T - 1) + 1).to(tl.int32)
         m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -200,17 +193,20 @@ if triton is not None:
         kbase = kc_ptr + h * s_kh
         vbase = vc_ptr + h * s_kh
         for s0 in range(0, kv_len, BLOCK_S):
-            ss = s0 + s
-            s_ok = ss < kv_len
-            k = tl.load(kbase + ss[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-            v = tl.load(vbase + ss[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-            sc = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-            sc = tl.where((ss[None, :] <= qpos[:, None]) & s_ok[None, :], sc, float("-inf"))
+            sj = s0 + s
+            s_ok = sj < kv_len
+            kb = tl.load(kbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+            vb = tl.load(vbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale
+            if CAUSAL:
+                sc = tl.where((sj[None, :] <= qpos[:, None]) & s_ok[None, :], sc, float("-inf"))
+            else:
+                sc = tl.where(s_ok[None, :], sc, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # finite from the first block: key 0 is always visible
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=PREC)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb, input_precision=PREC)
             m_i = m_new
         out = acc / l_i[:, None]
         tl.store(o_ptr + t[:, None] * s_ot + head[:, None] * D + d[None, :], out.to(dt), mask=r_ok[:, None])
@@ -259,35 +255,45 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def qk_rope_kv(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
-    """qkv [T, (n_q + 2 n_kv) d] -> rotated q [T, n_q, d]; rotated k and v written at `positions` into the caches
-    [n_kv, capacity, d] (one layer's slice). q_norm/k_norm: per-head RMSNorm weights [d] or None (Llama)."""
+def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+              cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, n_q: int, scale: float, causal: bool = True) -> torch.Tensor:
+    """One layer's attention for T new tokens at increasing `positions` [T], from the fused projection output
+    qkv [T, (n_q + 2 n_kv) d]: per-head RMSNorm of q and k (q_norm/k_norm weights [d], None for Llama), rotary
+    (cos/sin [T, d]), k and v written into the caches [n_kv, capacity, d] (one layer's slice) at `positions`,
+    then attention over the slots [0, positions[-1]], causal or (causal=False: a drafter's block) not.
+    Returns [T, n_q * d]."""
     t = qkv.shape[0]
-    d = k_cache.shape[-1]
-    q = torch.empty((t, n_q, d), dtype=qkv.dtype, device=qkv.device)
-    norm = q_norm is not None
-    _qk_rope_kv_kernel[(t, n_q + 2 * n_kv)](
-        qkv, q_norm if norm else qkv, k_norm if norm else qkv, cos, sin, positions, q, k_cache, v_cache,
-        qkv.stride(0), cos.stride(0), q.stride(0), k_cache.stride(0), k_cache.stride(1), n_q, n_kv, eps,
-        NORM=norm, HALF=d // 2, num_warps=1)
-    return q
-
-
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-              scale: float) -> torch.Tensor:
-    """q [T, n_q, d] at increasing `positions` [T] (the last one is the highest); causal over the cache slots
-    [0, positions[-1]]. Returns [T, n_q * d]."""
-    t, n_q, d = q.shape
-    n_kv = k_cache.shape[0]
+    n_kv, d = k_cache.shape[0], k_cache.shape[-1]
     groups = n_q // n_kv
-    o = torch.empty((t, n_q * d), dtype=q.dtype, device=q.device)
+    o = torch.empty((t, n_q * d), dtype=qkv.dtype, device=qkv.device)
     rows = _pow2_at_least(groups * t, 16)
-    _attention_kernel[(n_kv,)](q, k_cache, v_cache, positions, o, t, q.stride(0), k_cache.stride(0),
-                               k_cache.stride(1), o.stride(0), scale, GROUPS=groups, D=d, PREC=_prec(q.dtype),
-                               BLOCK_R=rows, BLOCK_S=64 if rows <= 32 else 32, num_warps=4)
+    norm = q_norm is not None
+    _attention_kernel[(n_kv,)](
+        qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o, t,
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q, scale, eps,
+        NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal, BLOCK_T=_pow2_at_least(t, 1), BLOCK_R=rows,
+        BLOCK_S=64 if rows <= 32 else 32, num_warps=4)
     return o
+
+
+def fuse_rows(modules) -> torch.Tensor:
+    """One weight for several projections of the same input (q/k/v, gate/up): concatenated once, and each module's
+    weight becomes a view into it, so no memory is added and the modules still work on their own."""
+    w = torch.cat([m.weight for m in modules])
+    start = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(w[start:start + n], requires_grad=False)
+        start += n
+    return w
+
+
+def drafter_fits(config) -> bool:
+    """A dFlash drafter config whose heads these kernels take (power-of-two head_dim >= 16, whole query groups)."""
+    d = config.head_dim
+    return triton is not None and d >= 16 and not d & (d - 1) and \
+        config.num_attention_heads % config.num_key_value_heads == 0
 
 
 def unsupported_reason(target) -> str | None:
@@ -298,7 +304,7 @@ def unsupported_reason(target) -> str | None:
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act!r} (the kernels fuse silu)"
     d = target.head_dim
-    if d < 16 or d & (d - 1):
+    if d < 16 or d & (d - 1) or cfg.num_attention_heads % target.n_kv_heads:
         return f"head_dim {d} is not a power of two >= 16"
     if target._fused is None or any(f is None for f in target._fused):
         return "projections with biases (or unfused q/k/v and gate/up)"

@@ -171,7 +171,7 @@ def run(cfg: RunConfig, out=None) -> dict:
         target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
         stops = tuple(stop_token_ids(target.model, tokenizer))
         arms = build_arms(cfg, prep, target)
-    pick_kernels(target, cfg)
+    pick_kernels(target, cfg, [a.drafter for a in arms])
     settings = settings_for(cfg, prep.max_model_len, stops)
     presize(target, arms, longest, settings, prep.block_size)
     by_name = {a.name: a for a in arms}
@@ -237,18 +237,23 @@ def run(cfg: RunConfig, out=None) -> dict:
     return summary
 
 
-def pick_kernels(target, cfg) -> None:
+def pick_kernels(target, cfg, drafters) -> None:
     """--kernels: triton (refused with the reason if this target cannot), torch, or auto (triton for CUDA
-    bf16/fp16 targets that fit, else torch)."""
+    bf16/fp16 targets that fit, else torch). The arms' dFlash drafters follow the target where their shapes fit."""
+    from harness import kernels
     if cfg.kernels == "triton":
         target.use_kernels()
     elif cfg.kernels == "auto":
-        from harness import kernels
         b = target.backend
         if b.device.type == "cuda" and str(b.dtype) in ("torch.bfloat16", "torch.float16") and kernels.available():
             target.fuse_projections()
             if kernels.unsupported_reason(target) is None:
                 target.use_kernels()
+    if target.kernels == "triton":
+        for d in drafters:
+            model = getattr(d, "model", None)
+            if hasattr(model, "use_kernels") and kernels.drafter_fits(model.config):
+                model.use_kernels(kernels)
 
 
 def describe(cfg, prep, arms, settings, samples, stops, folder, out, target_kernels="torch") -> None:

@@ -119,7 +119,7 @@ class Target:
 
     def use_kernels(self, on: bool = True) -> bool:
         """Run decode steps (AR steps and verify blocks up to kernels.MAX_ROWS rows) on harness.kernels' Triton
-        kernels: six launches a layer, fused norms, activation and residual adds, attention bounded by the
+        kernels: five launches a layer, fused norms, activation and residual adds, attention bounded by the
         block's own positions. Prefill stays on the torch path. Raises UsageError if this target or machine
         cannot; captured step graphs are dropped (they hold the old kernels)."""
         self.step_graphs = None
@@ -160,15 +160,8 @@ class Target:
         projs = (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)
         if any(getattr(m, "bias", None) is not None for m in projs) or not hasattr(mlp, "act_fn"):
             return None
-        fused = []
-        for group in ((a.q_proj, a.k_proj, a.v_proj), (mlp.gate_proj, mlp.up_proj)):
-            w = torch.cat([m.weight for m in group])
-            start = 0
-            for m in group:
-                n = m.weight.shape[0]
-                m.weight = torch.nn.Parameter(w[start:start + n], requires_grad=False)
-                start += n
-            fused.append(w)
+        from harness.kernels import fuse_rows
+        fused = [fuse_rows((a.q_proj, a.k_proj, a.v_proj)), fuse_rows((mlp.gate_proj, mlp.up_proj))]
         sizes = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]
         return fused[0], sizes, fused[1]
 
@@ -231,10 +224,9 @@ class Target:
             qkv = k.linear(h, qkv_w, norm=ln.weight, eps=ln.variance_epsilon)
             qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]
-            q = k.qk_rope_kv(qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
-                             0.0 if qn is None else qn.variance_epsilon, cos, sin, positions, kc, vc, n_q,
-                             self.n_kv_heads)
-            h = k.linear(k.attention(q, kc, vc, positions, self.scale), attn.o_proj.weight, residual=h)
+            o = k.attention(qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                            0.0 if qn is None else qn.variance_epsilon, cos, sin, positions, kc, vc, n_q, self.scale)
+            h = k.linear(o, attn.o_proj.weight, residual=h)
             ln = layer.post_attention_layernorm
             gate_up = k.linear(h, gate_up_w, norm=ln.weight, eps=ln.variance_epsilon)
             h = k.linear(gate_up, mlp.down_proj.weight, gated=True, residual=h)

@@ -15,7 +15,17 @@ from harness.errors import UsageError  # noqa: E402
 from harness.loop import DecodeSettings, generate  # noqa: E402
 from tiny import tiny_drafter, tiny_target  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not kernels.available(), reason="triton is not installed")
+def _interpreter_broken() -> bool:
+    """Triton 3.6's CPU interpreter turns size-1 arrays into scalars, which numpy >= 2.4 refuses."""
+    if not kernels.interpreted():
+        return False
+    import numpy
+    return tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4)
+
+
+pytestmark = [pytest.mark.skipif(not kernels.available(), reason="triton is not installed"),
+              pytest.mark.skipif(kernels.available() and _interpreter_broken(),
+                                 reason="Triton's CPU interpreter needs numpy < 2.4")]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Triton's interpreter runs tensor-core dots in fp32 only; compiled runs check bf16 too
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
@@ -60,47 +70,43 @@ def test_linear_one_row_without_dot_and_bad_shapes():
         kernels.linear(rnd(kernels.MAX_ROWS + 1, 64), w)
 
 
+def torch_attention(qkv, qn, kn, eps, cos, sin, positions, kc, vc, n_q, scale):
+    """The torch path's steps (harness.target / harness.cache), on one layer's cache slice."""
+    t, n_kv, d = qkv.shape[0], kc.shape[0], kc.shape[-1]
+    q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
+    q, k, v = q.view(t, n_q, d), k.view(t, n_kv, d), v.view(t, n_kv, d)
+    if qn is not None:
+        q = qn * torch.nn.functional.rms_norm(q, (d,), None, eps)
+        k = kn * torch.nn.functional.rms_norm(k, (d,), None, eps)
+    q = rotate(q.transpose(0, 1), cos, sin)
+    kc[:, positions] = rotate(k.transpose(0, 1), cos, sin)
+    vc[:, positions] = v.transpose(0, 1)
+    n = int(positions[-1]) + 1
+    return attend(q.unsqueeze(0), kc[:, :n].unsqueeze(0), vc[:, :n].unsqueeze(0), causal_mask(positions, n), scale,
+                  impl="eager")[0]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("norm", [True, False])
-def test_qk_rope_kv_matches_torch(dtype, norm):
-    t, n_q, n_kv, d, cap = 3, 4, 2, 16, 12
+@pytest.mark.parametrize("t,start,groups,d", [(1, 0, 2, 16), (1, 70, 4, 32), (5, 40, 2, 16), (16, 100, 4, 32)])
+def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, groups, d):
+    n_kv, cap = 2, 160
+    n_q = n_kv * groups
     qkv = rnd(t, (n_q + 2 * n_kv) * d, dtype=dtype, seed=1)
-    qn, kn = rnd(d, dtype=dtype, seed=2), rnd(d, dtype=dtype, seed=3)
-    ang = rnd(t, d // 2, seed=4).repeat(1, 2)
-    cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-    positions = torch.tensor([5, 6, 7], device=DEV)
-    kc = torch.zeros(n_kv, cap, d, dtype=dtype, device=DEV)
-    vc = torch.zeros_like(kc)
-    q = kernels.qk_rope_kv(qkv, qn if norm else None, kn if norm else None, 1e-6, cos, sin, positions, kc, vc,
-                           n_q, n_kv)
-    rq, rk, rv = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
-    rq, rk, rv = rq.view(t, n_q, d), rk.view(t, n_kv, d), rv.view(t, n_kv, d)
-    if norm:
-        rq = qn * torch.nn.functional.rms_norm(rq, (d,), None, 1e-6)
-        rk = kn * torch.nn.functional.rms_norm(rk, (d,), None, 1e-6)
-    rq = rotate(rq.transpose(0, 1), cos, sin).transpose(0, 1)
-    rk = rotate(rk.transpose(0, 1), cos, sin)
-    torch.testing.assert_close(q, rq, **tol(dtype))
-    torch.testing.assert_close(kc[:, 5:8], rk, **tol(dtype))
-    torch.testing.assert_close(vc[:, 5:8], rv.transpose(0, 1), atol=0, rtol=0)
-    assert kc[:, :5].abs().sum() == 0 and kc[:, 8:].abs().sum() == 0  # nothing else written
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,start,groups", [(1, 0, 2), (1, 70, 4), (5, 40, 2), (16, 100, 4)])
-def test_attention_causal_over_valid_slots(dtype, t, start, groups):
-    n_kv, d, cap = 2, 16, 160
-    kc = rnd(n_kv, cap, d, dtype=dtype, seed=1)
-    vc = rnd(n_kv, cap, d, dtype=dtype, seed=2)
+    qn, kn = (rnd(d, dtype=dtype, seed=2), rnd(d, dtype=dtype, seed=3)) if norm else (None, None)
+    ang = (torch.arange(start, start + t).float()[:, None] * 0.3 ** torch.arange(d // 2).float()).repeat(1, 2)
+    cos, sin = ang.cos().to(DEV, dtype), ang.sin().to(DEV, dtype)
+    positions = torch.arange(start, start + t, device=DEV)
+    kc = rnd(n_kv, cap, d, dtype=dtype, seed=4)
+    vc = rnd(n_kv, cap, d, dtype=dtype, seed=5)
     kc[:, start + t:] = float("nan")  # stale slots past the block are never read
     vc[:, start + t:] = float("nan")
-    q = rnd(t, n_kv * groups, d, dtype=dtype, seed=3)
-    positions = torch.arange(start, start + t, device=DEV)
-    o = kernels.attention(q, kc, vc, positions, d ** -0.5)
-    n = start + t
-    ref = attend(q.transpose(0, 1).unsqueeze(0), kc[:, :n].unsqueeze(0), vc[:, :n].unsqueeze(0),
-                 causal_mask(positions, n), d ** -0.5, impl="eager")[0]
+    kr, vr = kc.clone(), vc.clone()
+    o = kernels.attention(qkv, qn, kn, 1e-6, cos, sin, positions, kc, vc, n_q, d ** -0.5)
+    ref = torch_attention(qkv, qn, kn, 1e-6, cos, sin, positions, kr, vr, n_q, d ** -0.5)
     torch.testing.assert_close(o, ref, **tol(dtype))
+    torch.testing.assert_close(kc, kr, equal_nan=True, **tol(dtype))  # same slots written, nothing else
+    torch.testing.assert_close(vc, vr, equal_nan=True, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -113,9 +119,10 @@ def test_target_kernels_match_torch_forward(family):
         m.prefill(prompt, want_features=True)
     block = torch.randint(8, 100, (4,), generator=torch.Generator().manual_seed(1)).to(DEV)
     (la, fa), (lb, fb) = (m.verify(block, 16, want_features=True) for m in (ref, fast))
-    torch.testing.assert_close(lb, la, **tol(torch.float32))
-    torch.testing.assert_close(fb, fa, **tol(torch.float32))  # taps, the last one after the final norm
-    torch.testing.assert_close(fast.kv.k[:, :, :, :13], ref.kv.k[:, :, :, :13], **tol(torch.float32))
+    loose = dict(atol=2e-4, rtol=2e-4)  # six layers of fp32 summation-order differences
+    torch.testing.assert_close(lb, la, **loose)
+    torch.testing.assert_close(fb, fa, **loose)  # taps, the last one after the final norm
+    torch.testing.assert_close(fast.kv.k[:, :, :, :13], ref.kv.k[:, :, :, :13], **loose)
 
 
 @pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
@@ -128,6 +135,8 @@ def test_greedy_tokens_same_with_kernels(drafter, graph):
         t = tiny_target("qwen3", backend=b, capacity=64)
         d = tiny_drafter(t, block=4, backend=b) if drafter else None
         t.use_kernels(on)
+        if on and d is not None:
+            d.model.use_kernels(kernels)
         s = DecodeSettings(24, 512, (), use_graph=graph and on, graph_bucket=16)
         outs.append(generate(t, list(range(10, 30)), s, b, drafter=d).tokens)
     assert outs[0] == outs[1] and len(outs[0]) == 24
@@ -154,3 +163,22 @@ def test_prefill_stays_on_torch_and_kv_shapes_unchanged():
     assert not called
     t.verify(torch.arange(8, 10, device=DEV), 16, want_features=False)
     assert called
+
+
+def test_drafter_kernels_match_torch():
+    """The dFlash block and context writes on the kernels: same proposals and hidden states as torch ops."""
+    b = Backend(DEV, torch.float32)
+    t = tiny_target("qwen3", backend=b, capacity=48)
+    ref, fast = tiny_drafter(t, block=4, backend=b), tiny_drafter(t, block=4, backend=b)
+    assert kernels.drafter_fits(fast.model.config)
+    fast.model.use_kernels(kernels)
+    logits, feats = t.prefill(torch.arange(8, 20, device=DEV), want_features=True)
+    for d in (ref, fast):
+        d.begin(feats)
+        d.observe(feats[:4] * 0.5, torch.tensor(2, device=DEV))  # a context write through the kernels
+    pa, pb = (d.propose(torch.tensor(9, device=DEV), torch.tensor(14, device=DEV), 32) for d in (ref, fast))
+    loose = dict(atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(fast.kv.k[:, :, :, :18], ref.kv.k[:, :, :, :18], **loose)
+    torch.testing.assert_close(pb.hidden, pa.hidden, **loose)
+    torch.testing.assert_close(pb.logits, pa.logits, **loose)
+    assert torch.equal(pb.tokens, pa.tokens)
