@@ -169,7 +169,7 @@ def measure(a, path: str | None = None) -> dict:
         levers = [("separate projections (7 matmuls/layer), torch ops", False, False),
                   ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, False)]
         if a.kernels == "triton":
-            levers.append(("fused projections, harness.kernels (5 launches/layer)", True, True))
+            levers.append(("fused projections, harness.kernels (7 launches/layer)", True, True))
         for label, fuse, kern in levers:
             m.target.use_kernels(False)
             m.target.fuse_projections(fuse)

@@ -1,15 +1,15 @@
 """Triton kernels for the target's decode step at batch 1 (one AR token or one verify block of a few rows).
 
 At batch 1 every weight is read once per step and used for a handful of rows, so the step is a stream of weight
-bytes plus a few hundred small launches. Three kernels cover a layer in five launches instead of about forty:
-- `linear`: y = x W^T for up to 64 rows, with optional fused prologues (the RMSNorm that feeds the matmul, or
-  silu(gate) * up from a fused gate/up output) and an optional residual add in the epilogue.
+bytes plus a few hundred small launches. A layer is seven launches instead of about forty:
+- `linear`: y = x W^T for up to 64 rows, with the residual add in its epilogue and, at one row, silu(gate) * up
+  of a fused gate/up output in its prologue (the RMSNorm in front of a matmul is its own small launch:
+  measured faster than a prologue that every output tile repeats; results/perf/NOTES.md).
 - `attention`: per-head RMSNorm of q and k (Qwen3), rotary embedding and the K/V write into the static cache,
   then causal attention of the block's rows over the cache up to the block's last position (read from the
   device, so one captured graph serves every KV length), grouped-query heads folded into the rows.
 Rounding follows HF's modules step by step (each elementwise op computed in fp32 and rounded to the model's dtype
-where HF's bf16 op would round), except the RMSNorm in front of a matmul, whose row scale is applied to the fp32
-sums (one pass over x; more exact than rounding twice), and the matmul and softmax summation orders. With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
+where HF's bf16 op would round); only the matmul and softmax summation orders differ from the torch path. With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
 """
 from __future__ import annotations
 
@@ -71,11 +71,11 @@ def choose_linear(m: int, n: int, k: int) -> LinearConfig:
 
 if triton is not None:
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, g_ptr, M, N, K, sx, sw, sy, sr, eps,
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, M, N, K, sx, sw, sy, sr,
                        PRO: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        # PRO: 0 plain x; 1 rms_norm(x) * g, the row scale applied after the sum (one pass over x); 2 silu(x[:, :K])
-        # * x[:, K:] with HF's roundings
+        # PRO: 0 plain x; 2 silu(x[:, :K]) * x[:, K:] with HF's roundings (an RMSNorm prologue measured slower than
+        # its own launch, so norms run in _rmsnorm_kernel)
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,7 +83,6 @@ if triton is not None:
         m_ok = rm < M
         n_ok = rn < N
         dt = w_ptr.dtype.element_ty
-        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
         if DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         else:
@@ -98,9 +97,6 @@ if triton is not None:
                 wmask = n_ok[:, None] & (kk < K)[None, :]
             w = tl.load(w_ptr + rn[:, None] * sw + kk[None, :], mask=wmask, other=0.0)
             xf = tl.load(x_ptr + rm[:, None] * sx + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
-            if PRO == 1:
-                ss += tl.sum(xf * xf, axis=1)
-                xf = xf * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
             if PRO == 2:
                 up = tl.load(x_ptr + rm[:, None] * sx + K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
                 act = (xf / (1.0 + tl.exp(-xf))).to(dt)
@@ -113,14 +109,23 @@ if triton is not None:
             y = acc
         else:
             y = tl.sum(acc, axis=1)[None, :]
-        if PRO == 1:
-            y = y * tl.rsqrt(ss / K + eps)[:, None]
         y = y.to(dt)
         out_mask = m_ok[:, None] & n_ok[None, :]
         if RES:
             r = tl.load(r_ptr + rm[:, None] * sr + rn[None, :], mask=out_mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(y_ptr + rm[:, None] * sy + rn[None, :], y, mask=out_mask)
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, sx, sy, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        ok = c < N
+        dt = y_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * sx + c, mask=ok, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+        w = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * sy + c, ((x * rstd).to(dt).to(tl.float32) * w).to(dt), mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, y_ptr, K, sx, sy, BLOCK: tl.constexpr):
@@ -232,6 +237,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or not row-major)")
     cfg = config or choose_linear(m, n, k)
     dot = cfg.dot or m > 1
+    if norm is not None:
+        x = rms_norm(x, norm, eps)
     if gated and dot and config is None:
         # the activation inside a tensor-core loop runs at a quarter of the weight rate (sweep): apply it once
         x, gated = silu_mul(x), False
@@ -239,11 +246,19 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     r = residual if residual is not None else y
     block_k = min(cfg.block_k, _pow2_at_least(k, 16))
     grid = (triton.cdiv(n, cfg.block_n),)
-    _linear_kernel[grid](x, w, y, r, norm if norm is not None else w, m, n, k, x.stride(0), w.stride(0),
-                         y.stride(0), r.stride(0), eps, PRO=1 if norm is not None else (2 if gated else 0),
+    _linear_kernel[grid](x, w, y, r, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0), PRO=2 if gated else 0,
                          RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0, PREC=_prec(w.dtype),
                          BLOCK_M=_pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
                          num_warps=cfg.warps, num_stages=cfg.stages)
+    return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm of rows x [M, K] in one launch: normalised in fp32, rounded, times the weight, rounded."""
+    m, k = x.shape
+    y = torch.empty_like(x)
+    _rmsnorm_kernel[(m,)](x, weight, y, k, x.stride(0), y.stride(0), eps, BLOCK=_pow2_at_least(k, 16),
+                          num_warps=8 if k >= 2048 else 4)
     return y
 
 

@@ -119,8 +119,8 @@ class Target:
 
     def use_kernels(self, on: bool = True) -> bool:
         """Run decode steps (AR steps and verify blocks up to kernels.MAX_ROWS rows) on harness.kernels' Triton
-        kernels: five launches a layer, fused norms, activation and residual adds, attention bounded by the
-        block's own positions. Prefill stays on the torch path. Raises UsageError if this target or machine
+        kernels: seven launches a layer (eight for a block), fused activation and residual adds, attention bounded
+        by the block's own positions. Prefill stays on the torch path. Raises UsageError if this target or machine
         cannot; captured step graphs are dropped (they hold the old kernels)."""
         self.step_graphs = None
         if not on:
