@@ -56,17 +56,24 @@ def _largest_pow2_dividing(k: int, cap: int) -> int:
 
 
 def choose_linear(m: int, n: int, k: int) -> LinearConfig:
-    """Tiles by shape, from the sweep in results/perf/kernels_h200.json (one H200, bf16, Qwen3-8B shapes). One row:
-    the broadcast-multiply kernel with long row reads (best for every shape there: 3.0-4.5 TB/s against cuBLAS's
-    2.5-4.4). Several rows: tensor-core dots, wider tiles for wider outputs."""
-    block_k = _largest_pow2_dividing(k, 512)
+    """Tiles by shape, from the sweep over a whole step's worth of weight copies (16 GB, so that address
+    translation misses are the model's) on one H200: results/perf/kernels_h200_16gb.json. One row: long row reads
+    with the broadcast-multiply kernel for the narrow matrices, tensor-core dots for the wide ones. Several rows:
+    dots, wider tiles for wider outputs."""
+    bk = _largest_pow2_dividing
     if m == 1:
-        if n <= 8192:
-            return LinearConfig(block_n=8, block_k=block_k, warps=4, stages=1, dot=False)
-        return LinearConfig(block_n=32, block_k=min(block_k, 256), warps=8, stages=1, dot=False)
+        if k >= 8192:   # down_proj (12288 -> 4096): 3.76 TB/s
+            return LinearConfig(block_n=4, block_k=bk(k, 1024), warps=4, stages=1, dot=False)
+        if n <= 4096:   # o_proj: 3.09 TB/s
+            return LinearConfig(block_n=16, block_k=bk(k, 1024), warps=4, stages=1, dot=False)
+        if n <= 8192:   # q/k/v: 3.46 TB/s
+            return LinearConfig(block_n=8, block_k=bk(k, 512), warps=4, stages=1, dot=False)
+        return LinearConfig(block_n=64, block_k=bk(k, 128), warps=4, stages=3, dot=True)  # gate/up, lm_head: 4.2-4.4
     if n <= 4096:
-        return LinearConfig(block_n=32, block_k=block_k, warps=4, stages=4, dot=True)
-    return LinearConfig(block_n=64, block_k=min(block_k, 128), warps=4, stages=6 if n <= 8192 else 3, dot=True)
+        return LinearConfig(block_n=32, block_k=bk(k, 512), warps=4, stages=4, dot=True)
+    if n <= 8192:
+        return LinearConfig(block_n=64, block_k=bk(k, 256), warps=4, stages=4, dot=True)
+    return LinearConfig(block_n=64, block_k=bk(k, 128), warps=4, stages=3, dot=True)
 
 
 if triton is not None:
