@@ -186,6 +186,7 @@ def measure(a, path: str | None = None) -> dict:
         m.target.use_kernels()
         m.drafter.model.use_kernels(kernels)
     res["kernels"] = m.target.kernels
+    watch = _compile_refiners(m, a.compile_backend) if a.compile else None
     for arm in arm_list(a.ks, a.topc):
         row = measure_arm(m, arm, prompt, base, a.new_tokens, graphs, a.reps)
         res["arms"].append(row)
@@ -227,9 +228,26 @@ def measure(a, path: str | None = None) -> dict:
             res["attention"][arm[0]] = got
             _save(res, path)
         res["graph_stats"] = m.target.step_graphs.stats() if m.target.step_graphs else {}
+    if watch is not None:
+        res["compile"] = watch.stats()
     if not a.skip_hf:
         res["hf_reference"] = hf_reference(m.target.model, prompt, a.hf_tokens, backend.device)
     return res
+
+
+def _compile_refiners(m, backend: str):
+    """--compile: every arm's refinement step through torch.compile (what --compile-all does in the CLI)."""
+    from harness.compiling import CompileWatch
+    from harness.graphs import AcceleratedRefiner
+    watch, raw, wrapped = CompileWatch(backend), m.refiner, {}
+
+    def refiner(method, K=0, topc=0):
+        r = raw(method, K, topc)
+        if r is not None and (method, K, topc) not in wrapped:
+            wrapped[method, K, topc] = AcceleratedRefiner(r, compile=True, watch=watch)
+        return wrapped.get((method, K, topc))
+    m.refiner = refiner
+    return watch
 
 
 def _f(x, nd=3):
@@ -239,7 +257,8 @@ def _f(x, nd=3):
 def markdown(r: dict) -> str:
     L = [f"# Step cost, {r['preset']} — {r['label']}", "",
          f"{r['device_name']} ({r['dtype']}, batch 1, {r['prompt_len']}-token prompt, block {r['block_size']}), "
-         f"torch {r['torch']}, transformers {r['transformers']}, target decode ops: {r.get('kernels', 'torch')}. "
+         f"torch {r['torch']}, transformers {r['transformers']}, target decode ops: {r.get('kernels', 'torch')}"
+         f"{', refiners compiled: ' + str(r['compile']) if r.get('compile') else ''}. "
          f"Every number: **{r['label']}** "
          f"(per-arm rows at scripted {r['scripted_accept_per_arm']} accepted drafts per step).", "",
          f"- copy bandwidth (read+write): {r['copy_bandwidth_GBps']:.0f} GB/s",
@@ -317,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-tokens", type=int, default=32)
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--no-graph", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the refiners (the CLI's --compile-all)")
+    p.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"))
     p.add_argument("--kernels", choices=("triton", "torch"), default=None,
                    help="target decode ops (default: triton where available on CUDA)")
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/<gpu>_<preset>.json")

@@ -115,15 +115,18 @@ def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
     return Prepared(backend, tcfg, None, cfg.block_size or 16, limit, {}, specs, rounds, warmup, note)
 
 
-def _compiled(refiner, cfg: RunConfig):
-    """--compile-refiner wraps the refinement step in torch.compile. --use-graph needs no wrapper: the loop
-    captures the whole step, refinement included."""
-    return AcceleratedRefiner(refiner, compile=True) if refiner is not None and cfg.compile_refiner else refiner
+def _compiled(refiner, cfg: RunConfig, watch=None):
+    """--compile-refiner / --compile-all wrap the refinement step in torch.compile (--compile-all through
+    `watch`, a harness.compiling.CompileWatch). --use-graph needs no wrapper: the loop captures the whole step,
+    refinement included."""
+    if refiner is None or not (cfg.compile_refiner or cfg.compile_all):
+        return refiner
+    return AcceleratedRefiner(refiner, compile=True, watch=watch)
 
 
-def build_random_arms(cfg: RunConfig, prep: Prepared, models) -> list[Arm]:
+def build_random_arms(cfg: RunConfig, prep: Prepared, models, watch=None) -> list[Arm]:
     return [Arm(s, 1 if s.method == "ar" else prep.block_size, None if s.method == "ar" else models.drafter,
-                _compiled(models.refiner(s.method, s.K or 0, cfg.xpress_topc), cfg)) for s in prep.arms]
+                _compiled(models.refiner(s.method, s.K or 0, cfg.xpress_topc), cfg, watch)) for s in prep.arms]
 
 
 def _refiner_checkpoints(cfg: RunConfig, dcfg: DFlashConfig, tcfg, block: int) -> dict[str, RefinerCheckpoint]:
@@ -179,7 +182,7 @@ def _device_state(model, tensors: dict, backend: Backend) -> dict:
     return {k: tensors[k].to(device=backend.device, dtype=wanted[k].dtype) for k in wanted}
 
 
-def build_arms(cfg: RunConfig, prep: Prepared, target) -> list[Arm]:
+def build_arms(cfg: RunConfig, prep: Prepared, target, watch=None) -> list[Arm]:
     backend = prep.backend
     specs = prep.arms
     if not any(s.method != "ar" for s in specs):
@@ -215,5 +218,5 @@ def build_arms(cfg: RunConfig, prep: Prepared, target) -> list[Arm]:
             refiner = MarkovRefiner(markov_head_from_state(prep.refiners[MARKOV].head_state, device=backend.device,
                                                            dtype=backend.dtype),
                                     low_precision_sampling=cfg.compat_reference)
-        arms.append(Arm(s, prep.block_size, drafter, _compiled(refiner, cfg), states.get(key(s))))
+        arms.append(Arm(s, prep.block_size, drafter, _compiled(refiner, cfg, watch), states.get(key(s))))
     return arms

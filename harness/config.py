@@ -59,6 +59,7 @@ class RunConfig:
     scripted_accept: int | None = None
     compile_all: bool = False
     kernels: str = "auto"
+    compile_backend: str = "inductor"
 
     @property
     def fair(self) -> bool:
@@ -133,7 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                    help="target decode steps on harness.kernels' Triton kernels (triton) or torch ops; auto: "
                         "triton on CUDA in bf16/fp16 where Triton is installed and the target fits")
-    r.add_argument("--compile-all", action="store_true", help="torch.compile target and drafter (not available yet)")
+    r.add_argument("--compile-all", action="store_true",
+                   help="torch.compile what still runs as small torch ops (the refinement step; target and drafter "
+                        "layers run on harness.kernels); reports compile seconds and graph count, fails on any "
+                        "recompile after warmup")
+    r.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
+                   help="torch.compile backend for --compile-refiner/--compile-all")
     t = p.add_argument_group("timing at real shapes")
     t.add_argument("--random-weights", metavar="PRESET",
                    help="random target, drafter and heads at real shapes (qwen3-8b, smollm2-135m, tiny); prompts "
@@ -177,8 +183,11 @@ def validate(c: RunConfig) -> None:
     if c.scripted_accept is not None and c.scripted_accept < 0:
         raise UsageError(f"--scripted-accept {c.scripted_accept}: must be >= 0")
     if c.compile_all:
-        raise UsageError("--compile-all is not available yet: whole-step CUDA graphs (--use-graph) are the fast "
-                         "path today; --compile-refiner compiles the refinement step")
+        td = c.temperature if c.draft_temperature is None else c.draft_temperature
+        if td > 0:
+            raise UsageError("--compile-all needs deterministic drafts (draft temperature 0): sampled drafts get a "
+                             "new noise source per prompt, which would recompile the refinement after warmup; use "
+                             "--compile-refiner, or --draft-temperature 0")
     if c.kernels == "triton":
         from harness import kernels
         if not kernels.available():

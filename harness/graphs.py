@@ -62,8 +62,8 @@ def refine_tensors(refiner, sampler=None) -> Callable[..., tuple[torch.Tensor, t
 class AcceleratedRefiner:
     """Wraps a refiner: optionally torch.compile'd, optionally captured as one CUDA graph on its first call."""
 
-    def __init__(self, refiner, use_graph: bool = False, compile: bool = False):
-        self.inner, self.use_graph, self.compile = refiner, use_graph, compile
+    def __init__(self, refiner, use_graph: bool = False, compile: bool = False, watch=None):
+        self.inner, self.use_graph, self.compile, self.watch = refiner, use_graph, compile, watch
         self.name, self.passes = refiner.name, refiner.passes
         self.fns: dict = {}       # per draft sampler (None = greedy): the tensor function, compiled if asked
         self.captured: dict = {}  # per draft sampler: its CUDA graph
@@ -72,7 +72,10 @@ class AcceleratedRefiner:
     def _fn(self, sampler):
         if sampler not in self.fns:
             fn = refine_tensors(self.inner, sampler)
-            self.fns[sampler] = torch.compile(fn, dynamic=False) if self.compile else fn
+            if not self.compile:
+                self.fns[sampler] = fn
+            else:
+                self.fns[sampler] = self.watch.compile(fn) if self.watch else torch.compile(fn, dynamic=False)
         return self.fns[sampler]
 
     def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:

@@ -155,13 +155,17 @@ def run(cfg: RunConfig, out=None) -> dict:
         check_resume(cfg, folder)
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
+    watch = None
+    if cfg.compile_all:
+        from harness.compiling import CompileWatch
+        watch = CompileWatch(cfg.compile_backend)
     if cfg.random_weights:
         from harness.presets import ByteTokenizer, build_random
         tokenizer = ByteTokenizer(prep.target_config.vocab_size)
         longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
         models = build_random(cfg.random_weights, backend, block_size=prep.block_size, seed=cfg.seed)
         target, stops = models.target, ()  # random models: no stop ids, every prompt runs its full budget
-        arms = build_random_arms(cfg, prep, models)
+        arms = build_random_arms(cfg, prep, models, watch)
     else:
         tokenizer = load_tokenizer(cfg.model_name_or_path)
         longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
@@ -170,7 +174,7 @@ def run(cfg: RunConfig, out=None) -> dict:
                                         attn_impl=cfg.attn_implementation, tokenizer=tokenizer)
         target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
         stops = tuple(stop_token_ids(target.model, tokenizer))
-        arms = build_arms(cfg, prep, target)
+        arms = build_arms(cfg, prep, target, watch)
     pick_kernels(target, cfg, [a.drafter for a in arms])
     settings = settings_for(cfg, prep.max_model_len, stops)
     presize(target, arms, longest, settings, prep.block_size)
@@ -192,6 +196,9 @@ def run(cfg: RunConfig, out=None) -> dict:
     done = {(r["round"], r["arm"], r["question_id"]) for r in read_rows(rows_path)} if cfg.resume else set()
 
     warmup(arms, target, samples, tokenizer, settings, backend)
+    if watch is not None:
+        watch.freeze()
+        print(f"[compile] {watch.stats()}", file=out)
     ctx = {"cfg": cfg, "tokenizer": tokenizer, "target": target, "backend": backend, "settings": settings,
            "run_id": os.path.basename(os.path.normpath(folder)),
            "tracer": StepTracer(cfg.trace) if cfg.trace else None,
@@ -199,6 +206,10 @@ def run(cfg: RunConfig, out=None) -> dict:
            # instead draws everything from one stream seeded once (--compat-reference).
            "global_rng": backend.generator(cfg.seed) if cfg.compat_reference else None}
     bar = progress(prep.rounds * len(arms) * len(samples), len(done))
+    recompiled = ()
+    if watch is not None:
+        from harness.compiling import recompile_error_types
+        recompiled = recompile_error_types()
     try:
         for r, names in enumerate(order, start=1):
             warm = r <= prep.warmup_rounds
@@ -214,7 +225,13 @@ def run(cfg: RunConfig, out=None) -> dict:
                     append_rows(rows_path, decode_sample(ctx, arm, qid, sample, r, warm))
                     if bar:
                         bar.update()
+    except recompiled as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--compile-all: a compiled stage recompiled after warmup ({first}); the rows measured "
+                         f"so far stay in {rows_path}") from None
     finally:
+        if watch is not None:
+            watch.release()
         if bar:
             bar.close()
         if ctx["tracer"]:
@@ -222,6 +239,8 @@ def run(cfg: RunConfig, out=None) -> dict:
 
     rows = read_rows(rows_path)
     summary = report.summarize(rows, tau_from_warmup=cfg.compat_reference)
+    if watch is not None:
+        summary["compile"] = watch.stats()
     if label(cfg):
         summary["label"] = label(cfg)
         print(f"[{label(cfg)}]", file=out)

@@ -67,3 +67,15 @@ def test_bench_step_tiny_on_cpu(tmp_path, capsys):
     assert r["roofline_ms"] > 0 and r["arms"][1]["eager"]["verify"] > 0
     md = out.with_suffix(".md").read_text()
     assert "random weights / scripted acceptance" in md and "| xPress(K=2, C=8) |" in md
+
+
+def test_bench_step_compile_reports_one_graph_per_refiner(tmp_path):
+    import torch
+    torch._dynamo.reset()  # compiled code cached by earlier tests would be reused, not counted
+    out = tmp_path / "c.json"
+    rc = bench_step.main(["--preset", "tiny", "--device", "cpu", "--ks", "2", "--topc", "0", "--new-tokens", "12",
+                          "--prompt-len", "16", "--skip-hf", "--compile", "--compile-backend", "eager",
+                          "--out", str(out)])
+    assert rc == 0
+    c = json.loads(out.read_text())["compile"]
+    assert c["functions"] == 2 and c["graphs"] == 2  # Markov and xPress(K=2), each compiled once, never again

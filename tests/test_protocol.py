@@ -154,6 +154,7 @@ def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     assert summary["label"] == "random weights / scripted acceptance"
     config = json.loads((tmp_path / "rw" / "config.json").read_text())
     assert config["resolved"]["label"] == "random weights / scripted acceptance"
+    assert config["resolved"]["kernels"] == "torch"  # auto: the Triton kernels only on CUDA
     assert set(summary["arms"]) == {"AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=2)"}
     for name, arm in summary["arms"].items():
         # 16 decode tokens: four steps of 3 accepted drafts + 1, exactly (no stop ids with random weights)
@@ -166,7 +167,8 @@ def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     (["--random-weights", "nope"], "unknown preset"),
     (["--random-weights", "tiny", "--model-name-or-path", "x"], "drop the model"),
     (["--scripted-accept", "-1"], "--scripted-accept"),
-    (["--compile-all"], "--compile-all is not available"),
+    (["--compile-all", "--temperature", "0.7"], "--compile-all needs deterministic drafts"),
+    (["--kernels", "triton", "--device", "cpu"], "--kernels triton"),
 ])
 def test_timing_flags_refuse_bad_input(files, tmp_path, argv, message, capsys):
     base = ["--dataset", "mini", "--data-dir", str(files / "data"), "--results-dir", str(tmp_path)]

@@ -1,0 +1,74 @@
+"""--compile-all: torch.compile where it still helps, its cost reported, and recompiles after warmup refused.
+
+With the target's and the drafter's layers on harness.kernels, the stages left as chains of small torch ops are
+the refinements (xPress's latent and scoring passes, the Markov head's sequential steps); those are what gets
+compiled. Every compiled function is compiled at a fixed shape (dynamic=False) during the warmup generations;
+afterwards `freeze()` makes any recompile an error (a guard that fails mid-run would silently time a
+recompilation), which the runner reports as a one-line failure.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def _unique_graphs() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def recompile_error_types() -> tuple[type, ...]:
+    from torch._dynamo import exc
+    return tuple(t for t in (getattr(exc, "RecompileError", None), getattr(exc, "FailOnRecompileLimitHit", None))
+                 if t is not None)
+
+
+class CompileWatch:
+    def __init__(self, backend: str = "inductor"):
+        if backend not in BACKENDS:
+            raise ValueError(f"compile backend {backend!r}: use one of {', '.join(BACKENDS)}")
+        self.backend = backend
+        self.functions = 0
+        self.seconds = 0.0
+        self._start = _unique_graphs()
+        self._saved: dict | None = None
+        cfg = torch._dynamo.config
+        # one compiled refinement per arm shares one code object: let every arm have its own entry
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(cfg, name):
+                setattr(cfg, name, max(getattr(cfg, name), 64))
+
+    def compile(self, fn: Callable) -> Callable:
+        """fn compiled at fixed shapes; calls that compiled something add their wall time to `seconds`."""
+        compiled = torch.compile(fn, dynamic=False, backend=self.backend)
+        self.functions += 1
+
+        def run(*args):
+            before = _unique_graphs()
+            t0 = time.perf_counter()
+            out = compiled(*args)
+            if _unique_graphs() != before:
+                self.seconds += time.perf_counter() - t0
+            return out
+        return run
+
+    def freeze(self) -> None:
+        """From now on a recompile raises (torch._dynamo.config.error_on_recompile) until `release()`."""
+        cfg = torch._dynamo.config
+        if self._saved is None:
+            self._saved = {"error_on_recompile": cfg.error_on_recompile}
+            cfg.error_on_recompile = True
+
+    def release(self) -> None:
+        if self._saved is not None:
+            for k, v in self._saved.items():
+                setattr(torch._dynamo.config, k, v)
+            self._saved = None
+
+    def stats(self) -> dict:
+        return {"backend": self.backend, "functions": self.functions, "graphs": _unique_graphs() - self._start,
+                "compile_s": round(self.seconds, 2), "recompile_guard": self._saved is not None}
