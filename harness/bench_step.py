@@ -190,6 +190,8 @@ def measure(a, path: str | None = None) -> dict:
     for arm in arm_list(a.ks, a.topc):
         row = measure_arm(m, arm, prompt, base, a.new_tokens, graphs, a.reps)
         res["arms"].append(row)
+        if watch is not None:
+            res["compile"] = watch.stats()  # saved with every phase: a run cut short keeps it
         _save(res, path)
         gr = row.get("graph")
         print(f"[bench] {arm[0]}: eager {row['eager']['step']:.2f} ms/step" +

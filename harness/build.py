@@ -116,11 +116,13 @@ def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
 
 
 def _compiled(refiner, cfg: RunConfig, watch=None):
-    """--compile-refiner / --compile-all wrap the refinement step in torch.compile (--compile-all through
-    `watch`, a harness.compiling.CompileWatch). --use-graph needs no wrapper: the loop captures the whole step,
+    """--compile-refiner wraps the refinement step in torch.compile; --compile-all does so where it measured
+    faster (through `watch`, a harness.compiling.CompileWatch). --use-graph needs no wrapper: the loop captures the whole step,
     refinement included."""
     if refiner is None or not (cfg.compile_refiner or cfg.compile_all):
         return refiner
+    if not cfg.compile_refiner and not getattr(refiner, "compile_helps", True):
+        return refiner  # --compile-all: only where compiling measured faster
     return AcceleratedRefiner(refiner, compile=True, watch=watch)
 
 

@@ -135,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target decode steps on harness.kernels' Triton kernels (triton) or torch ops; auto: "
                         "triton on CUDA in bf16/fp16 where Triton is installed and the target fits")
     r.add_argument("--compile-all", action="store_true",
-                   help="torch.compile what still runs as small torch ops (the refinement step; target and drafter "
-                        "layers run on harness.kernels); reports compile seconds and graph count, fails on any "
-                        "recompile after warmup")
+                   help="torch.compile what still runs as small torch ops where that measured faster (the xPress "
+                        "refinement; target and drafter layers run on harness.kernels); reports compile seconds and "
+                        "graph count, fails on any recompile after warmup")
     r.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
                    help="torch.compile backend for --compile-refiner/--compile-all")
     t = p.add_argument_group("timing at real shapes")

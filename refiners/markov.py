@@ -70,6 +70,9 @@ class MarkovRefiner:
     name = "markov"
     passes = 0
     needs_prev_token = False
+    # torch.compile made this refinement slower inside the H200 step graph (0.56 -> 0.97 ms, qwen3-8b preset,
+    # results/perf/h200_qwen3-8b_compiled.md), so --compile-all leaves it alone (--compile-refiner still compiles it)
+    compile_helps = False
 
     def __init__(self, head: MarkovHead, low_precision_sampling: bool = False):
         self.head = head

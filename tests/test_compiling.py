@@ -44,9 +44,10 @@ def test_cli_compile_all_reports_and_matches_uncompiled(files, tmp_path, capsys)
     assert cli.main(base + ["--run-id", "plain"]) == 0
     assert cli.main(base + ["--run-id", "comp", "--compile-all", "--compile-backend", "eager"]) == 0
     out = capsys.readouterr().out
-    assert "[compile] {'backend': 'eager', 'functions': 2" in out and "'recompile_guard': True" in out
+    # xPress(K=2) only: the Markov head declares compile_helps = False (slower compiled on the H200)
+    assert "[compile] {'backend': 'eager', 'functions': 1" in out and "'recompile_guard': True" in out
     stats = json.loads((tmp_path / "comp" / "summary.json").read_text())["compile"]
-    assert stats["graphs"] >= 2 and stats["compile_s"] > 0
+    assert stats["graphs"] == 1 and stats["compile_s"] > 0
     plain, comp = ({(r["round"], r["arm"], r["question_id"], r["turn"]): r["tokens"]
                     for r in read_rows(tmp_path / run / "samples.jsonl")} for run in ("plain", "comp"))
     assert plain == comp and len(plain) > 4  # the same tokens, compiled or not
