@@ -205,8 +205,8 @@ class DFlashModel(nn.Module):
         self._kern = kernels
 
     def _fast(self, rows: int):
-        k = self._kern
-        return k if k is not None and rows <= k.MAX_ROWS else None
+        k, c = self._kern, self.config
+        return k if k is not None and k.fits(rows, c.num_attention_heads // c.num_key_value_heads) else None
 
     def _apply(self, fn, recurse=True):
         # Rotary frequencies stay fp32 whatever the weights' dtype: in bf16, position x frequency would lose whole

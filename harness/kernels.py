@@ -24,8 +24,13 @@ except ImportError:  # the torch path is used instead (harness.target checks `av
     triton = None
     tl = None
 
-MAX_ROWS = 64      # rows one `linear` / `attention` call takes (verify blocks up to 64 tokens)
-MAX_KV = 1 << 30   # attention has no KV-length limit of its own (it loops over the valid slots)
+MAX_ROWS = 64         # rows one `linear` call takes (verify blocks up to 64 tokens)
+MAX_ATTN_ROWS = 128   # query rows (tokens x query heads per K/V head) one attention program keeps in registers
+
+
+def fits(tokens: int, groups: int) -> bool:
+    """Whether a decode forward of `tokens` rows with `groups` query heads per K/V head runs on these kernels."""
+    return tokens <= MAX_ROWS and tokens * groups <= MAX_ATTN_ROWS
 
 
 def available() -> bool:

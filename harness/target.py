@@ -186,13 +186,13 @@ class Target:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, length: int, want_features: bool,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids/positions [T]; attends over cache slots [0, length). Returns logits [T or 1, V], features."""
-        if self._kernels is not None and not last_only and ids.shape[0] <= self._kernels.MAX_ROWS:
+        groups = self.config.num_attention_heads // self.n_kv_heads
+        if self._kernels is not None and not last_only and self._kernels.fits(ids.shape[0], groups):
             return self._forward_kernels(ids, positions, want_features)
         h = self.embed(ids).unsqueeze(0)
         cos, sin = self.rotary(h, positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
         mask = causal_mask(positions, length)
-        groups = self.config.num_attention_heads // self.n_kv_heads
         if self.attn_impl == "sdpa" and groups > 1:
             mask = mask.repeat(groups, 1)  # once per forward, for attend's grouped-query folding
         tapped = {}

@@ -183,3 +183,18 @@ def test_drafter_kernels_match_torch():
     torch.testing.assert_close(pb.hidden, pa.hidden, **loose)
     torch.testing.assert_close(pb.logits, pa.logits, **loose)
     assert torch.equal(pb.tokens, pa.tokens)
+
+
+def test_wide_blocks_fall_back_to_torch():
+    """Blocks whose query rows would not fit one attention program's registers take the torch path."""
+    assert kernels.fits(16, 4) and kernels.fits(64, 2) and not kernels.fits(65, 1) and not kernels.fits(40, 4)
+    t = tiny_target("qwen3", backend=Backend(DEV, torch.float32), capacity=160)  # 2 query heads per K/V head
+    t.use_kernels()
+    called = []
+    real = t._forward_kernels
+    t._forward_kernels = lambda *a: called.append(1) or real(*a)
+    t.prefill(torch.arange(8, 20, device=DEV), want_features=False)
+    t.verify(torch.arange(8, 73, device=DEV), 80, want_features=False)  # 65 rows
+    assert not called
+    t.verify(torch.arange(8, 72, device=DEV), 80, want_features=False)  # 64 rows x 2 = 128
+    assert called
