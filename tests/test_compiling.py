@@ -37,10 +37,13 @@ def test_bad_backend():
         CompileWatch("nope")
 
 
-def test_cli_compile_all_reports_and_matches_uncompiled(files, tmp_path, capsys):
+@pytest.mark.parametrize("temperature", ["0", "0.7"])
+def test_cli_compile_all_reports_and_matches_uncompiled(files, tmp_path, capsys, temperature):
+    """Sampled drafts too: the run's one draft sampler is shared by every generation, so nothing recompiles."""
     torch._dynamo.reset()
     base = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
-            "--max-new-tokens", "10", "--fair-interleave", "--fair-k-list", "2", "--results-dir", str(tmp_path)]
+            "--max-new-tokens", "10", "--fair-interleave", "--fair-k-list", "2", "--results-dir", str(tmp_path),
+            "--temperature", temperature]
     assert cli.main(base + ["--run-id", "plain"]) == 0
     assert cli.main(base + ["--run-id", "comp", "--compile-all", "--compile-backend", "eager"]) == 0
     out = capsys.readouterr().out

@@ -167,7 +167,6 @@ def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     (["--random-weights", "nope"], "unknown preset"),
     (["--random-weights", "tiny", "--model-name-or-path", "x"], "drop the model"),
     (["--scripted-accept", "-1"], "--scripted-accept"),
-    (["--compile-all", "--temperature", "0.7"], "--compile-all needs deterministic drafts"),
     (["--kernels", "triton", "--device", "cpu"], "--kernels triton"),
 ])
 def test_timing_flags_refuse_bad_input(files, tmp_path, argv, message, capsys):
