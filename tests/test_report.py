@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import report, results_io
+from harness import report, results_io, tables
 from harness.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +135,7 @@ def test_gain_over_drafter_only_and_throughput_optimal_k():
     assert s["optimal"]["xpress"] == {"arm": "xPress(K=6)", "K": 6, "pooled_tok_s": pytest.approx(550.0)}
     assert s["optimal"]["markov"]["arm"] == "Markov" and s["optimal"]["ar"]["arm"] == "AR"
     text = report.format_console_table(s, "toy")
-    for column in report._HEADER:
+    for column in tables._HEADER:
         assert column in text
     assert "1.000 (ref)" in text and "throughput-optimal xpress: xPress(K=6) (K=6)" in text
     assert "throughput-optimal ar" not in text

@@ -1,0 +1,181 @@
+"""The tables of a results summary: the console table, its markdown and CSV forms, and the multi-dataset table
+over several results folders (harness.report builds the summaries and writes the folders)."""
+from __future__ import annotations
+
+import csv
+import io
+import math
+
+import numpy as np
+
+from harness import metrics
+
+def _num(x, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
+
+
+def _ratio_cell(p: dict | None, name: str, ref: str | None, ci: bool) -> str:
+    if name == ref:
+        return "1.000 (ref)"
+    if not p or not p.get("n"):
+        return "-"
+    cell = f"{_num(p['mean'], '.3f')}+-{_num(p['std'], '.3f')}"
+    return cell + (f" [{_num(p['ci95'][0], '.2f')}, {_num(p['ci95'][1], '.2f')}]" if ci else "")
+
+
+_HEADER = ["method", "POOLED tok/s", "Sp. (paired) [95% CI]", "tau/step", "per-sample tok/s", "tau/sample",
+           "x gain"]
+
+
+def _table_rows(summary: dict) -> list[list[str]]:
+    out = []
+    for name, s in summary["arms"].items():
+        p, q = s["pooled_tok_s"], s["per_sample_tok_s"]
+        out.append([name, f"{_num(p['mean'], '.1f')}+-{_num(p['std'], '.1f')}",
+                    _ratio_cell(s.get("speedup"), name, summary.get("reference_arm"), True),
+                    _num(s["tau_per_step"], ".2f"), f"{_num(q['mean'], '.1f')}+-{_num(q['std'], '.1f')}",
+                    _num(s["tau_per_sample"], ".2f"),
+                    _ratio_cell(s.get("gain"), name, summary.get("drafter_only_arm"), False)])
+    return out
+
+
+def _notes(summary: dict) -> list[str]:
+    lines = []
+    for method, o in summary.get("optimal", {}).items():
+        if method not in ("xpress", "markov"):  # one arm each: nothing was swept
+            continue
+        k = f" (K={o['K']})" if o.get("K") is not None else ""
+        lines.append(f"throughput-optimal {method}: {o['arm']}{k} at {_num(o['pooled_tok_s'], '.1f')} POOLED tok/s")
+    for name, s in summary["arms"].items():
+        lines.append(f"{name}: tau from {s.get('tau_source')}; TTFT {_num(_ms(s['ttft_s']), '.1f')} ms, drafter "
+                     f"prefill {_num(_ms(s['drafter_prefill_s']), '.1f')} ms; stop reasons {s['stop_reasons']}")
+        tm = s.get("token_match")
+        if tm:
+            div = ", ".join(f"q{d['question_id']}:{'-' if d['position'] is None else d['position']}"
+                            for d in tm["first_divergence"])
+            lines.append(f"{name} vs {tm['ref']}: token match {_num(tm['token_match_rate'], '.4f')}, "
+                         f"{tm['rows_identical']}/{tm['rows_compared']} outputs identical; first divergence per "
+                         f"prompt (turn 0, earliest over rounds; - = none): {div}")
+    for arm, rnd, n, total in summary.get("incomplete_rounds", []):
+        lines.append(f"left out: {arm} round {rnd} has {n} of {total} prompts (incomplete)")
+    if summary.get("duplicate_rows_dropped"):
+        lines.append(f"{summary['duplicate_rows_dropped']} duplicate row(s) dropped (the last one written is kept)")
+    if summary.get("reference_arm") is None:
+        lines.append("no AR arm in this run: no speedup")
+    return lines
+
+
+def _ms(x):
+    return None if x is None else 1000 * x
+
+
+def _title(summary: dict, dataset: str) -> str:
+    r = summary["rounds"]
+    return (f"RESULT  dataset={dataset}  T={summary['temperature']:g}  block={summary['block_size']}  "
+            f"rounds={len(r['all'])} (warmup {r['warmup']} excluded -> measured {r['measured']})  "
+            f"prompts={summary['prompts']}")
+
+
+def format_console_table(summary: dict, dataset: str) -> str:
+    rows = [_HEADER] + _table_rows(summary)
+    widths = [max(len(r[i]) for r in rows) + 2 for i in range(len(_HEADER))]
+    body = ["".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    rule = "=" * max(96, max(len(b) for b in body))
+    lines = [rule, _title(summary, dataset), rule, *body, rule, *_notes(summary), "conventions:"]
+    lines += [f"  {k}: {v}" for k, v in summary["conventions"].items()]
+    return "\n".join(lines)
+
+
+def format_markdown_table(summary: dict, dataset: str) -> str:
+    lines = [f"**{_title(summary, dataset)}**", "", "| " + " | ".join(_HEADER) + " |",
+             "|" + "---|" * len(_HEADER)]
+    lines += ["| " + " | ".join(r) + " |" for r in _table_rows(summary)]
+    lines += ["", *[f"- {n}" for n in _notes(summary)], "", "Conventions:", ""]
+    lines += [f"- {k}: {v}" for k, v in summary["conventions"].items()]
+    return "\n".join(lines) + "\n"
+
+
+_CSV = ["arm", "method", "K", "block_size", "samples", "pooled_tok_s_mean", "pooled_tok_s_std", "speedup_mean",
+        "speedup_std", "speedup_median", "speedup_n", "speedup_ci_lo", "speedup_ci_hi", "tau_per_step",
+        "per_sample_tok_s_mean", "per_sample_tok_s_std", "tau_per_sample", "gain_mean", "gain_std", "gain_n",
+        "ttft_s", "drafter_prefill_s", "token_match_rate"]
+
+
+def format_csv(summary: dict) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(_CSV)
+    for name, s in summary["arms"].items():
+        sp, g, tm = s.get("speedup") or {}, s.get("gain") or {}, s.get("token_match") or {}
+        ci = sp.get("ci95") or [None, None]
+        w.writerow(["" if v is None else v for v in (
+            name, s["method"], s["K"], s["block_size"], s["samples"], s["pooled_tok_s"]["mean"],
+            s["pooled_tok_s"]["std"], sp.get("mean"), sp.get("std"), sp.get("median"), sp.get("n"), ci[0], ci[1],
+            s["tau_per_step"], s["per_sample_tok_s"]["mean"], s["per_sample_tok_s"]["std"], s["tau_per_sample"],
+            g.get("mean"), g.get("std"), g.get("n"), s["ttft_s"], s["drafter_prefill_s"],
+            tm.get("token_match_rate"))])
+    return buf.getvalue()
+
+
+def _cell_values(entry: dict, method: str) -> tuple[float | None, float | None, str | None]:
+    s = entry["summary"]
+    arm = (s["optimal"].get(method) or {}).get("arm")
+    if arm is None:
+        return None, None, None
+    a = s["arms"][arm]
+    return (a.get("speedup") or {}).get("mean"), a.get("tau_per_step"), arm
+
+
+_COLS = (("drafter-only", "drafter-only"), ("markov", "Markov"), ("xpress", "xPress"))
+
+
+def format_multi_dataset_table(entries: list[dict]) -> str:
+    """Rows = datasets; per method 'Sp. / tau', xPress at its throughput-optimal K, x Gain; Avg. recomputed."""
+    head = ["benchmark", "T"] + [f"{label} Sp. / τ" for _, label in _COLS] + ["xPress K", "× Gain"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cols: dict[str, list] = {f"{m}.{k}": [] for m, _ in _COLS for k in ("sp", "tau")}
+    cols["gain"] = []
+    for e in entries:
+        cells = [e["dataset"], _num(e["temperature"], "g")]
+        for method, _ in _COLS:
+            sp, tau, _arm = _cell_values(e, method)
+            cols[f"{method}.sp"].append(sp)
+            cols[f"{method}.tau"].append(tau)
+            cells.append(f"{_num(sp, '.2f')}× / {_num(tau, '.2f')}" if _arm else "-")
+        xs = e["summary"]["optimal"].get("xpress") or {}
+        gain = ((e["summary"]["arms"][xs["arm"]].get("gain") or {}).get("mean")) if xs else None
+        cols["gain"].append(gain)
+        cells.append(str(xs["K"]) if xs.get("K") is not None else "-")
+        cells.append("-" if gain is None else f"{gain:.2f}×")
+        lines.append("| " + " | ".join(cells) + " |")
+
+    partial = []
+
+    def avg(key: str) -> float | None:
+        vals = [v for v in cols[key] if v is not None]
+        if vals and len(vals) < len(cols[key]):
+            partial.append(f"{key} ({len(vals)} of {len(cols[key])})")
+        return float(np.mean(vals)) if vals else None
+
+    cells = ["**Avg.**", ""]
+    for method, _ in _COLS:
+        sp, tau = avg(f"{method}.sp"), avg(f"{method}.tau")
+        cells.append("-" if sp is None and tau is None else f"{_num(sp, '.2f')}× / {_num(tau, '.2f')}")
+    gain = avg("gain")
+    cells += ["", "-" if gain is None else f"{gain:.2f}×"]
+    lines.append("| " + " | ".join(cells) + " |")
+    temps = sorted({e["temperature"] for e in entries}, key=str)
+    c = metrics.CONVENTIONS
+    notes = ["", "Sp. = mean over measured rounds of the per-round paired POOLED tok/s ratio against the AR arm of the "
+             "same run (a mean of ratios). " + c["paired_ratio_stats"],
+             "τ = " + c["tau_per_step"] + "; at T=0 from the first measured round, at T>0 the mean over measured "
+             "rounds.",
+             "Each method at its throughput-optimal K (highest mean POOLED tok/s in that run); τ at that same arm.",
+             "× Gain = the same paired POOLED ratio of xPress (at its K) over the drafter-only arm of the same run.",
+             "Avg. = arithmetic mean of the rows above, recomputed here from the per-dataset numbers."]
+    if partial:
+        notes.append("Avg. over the datasets that have the value only: " + ", ".join(partial) + ".")
+    if len(temps) > 1:
+        notes.append(f"Note: the folders mix temperatures {temps}; the Avg. row mixes them too.")
+    notes.append("Sources: " + ", ".join(f"{e['folder']} ({e['dataset']})" for e in entries) + ".")
+    return "\n".join(lines + notes) + "\n"
