@@ -184,7 +184,8 @@ def measure(a, path: str | None = None) -> dict:
     if a.kernels == "triton":
         from harness import kernels
         m.target.use_kernels()
-        m.drafter.model.use_kernels(kernels)
+        if kernels.drafter_fits(m.drafter.model.config):
+            m.drafter.model.use_kernels(kernels)
     res["kernels"] = m.target.kernels
     watch = _compile_refiners(m, a.compile_backend) if a.compile else None
     for arm in arm_list(a.ks, a.topc):

@@ -37,12 +37,14 @@ class CompileWatch:
         self.functions = 0
         self.seconds = 0.0
         self._start = _unique_graphs()
-        self._saved: dict | None = None
+        self.guarded = False  # whether freeze() ran: recompiles after it were refused
         cfg = torch._dynamo.config
-        # one compiled refinement per arm shares one code object: let every arm have its own entry
+        # one compiled refinement per arm shares one code object: let every arm have its own entry (until release)
+        self._saved = {n: getattr(cfg, n) for n in ("recompile_limit", "cache_size_limit", "error_on_recompile")
+                       if hasattr(cfg, n)}
         for name in ("recompile_limit", "cache_size_limit"):
-            if hasattr(cfg, name):
-                setattr(cfg, name, max(getattr(cfg, name), 64))
+            if name in self._saved:
+                setattr(cfg, name, max(self._saved[name], 64))
 
     def compile(self, fn: Callable) -> Callable:
         """fn compiled at fixed shapes; calls that compiled something add their wall time to `seconds`."""
@@ -60,17 +62,14 @@ class CompileWatch:
 
     def freeze(self) -> None:
         """From now on a recompile raises (torch._dynamo.config.error_on_recompile) until `release()`."""
-        cfg = torch._dynamo.config
-        if self._saved is None:
-            self._saved = {"error_on_recompile": cfg.error_on_recompile}
-            cfg.error_on_recompile = True
+        torch._dynamo.config.error_on_recompile = True
+        self.guarded = True
 
     def release(self) -> None:
-        if self._saved is not None:
-            for k, v in self._saved.items():
-                setattr(torch._dynamo.config, k, v)
-            self._saved = None
+        """Put back every dynamo setting this watch changed (the cache limits and the recompile guard)."""
+        for k, v in self._saved.items():
+            setattr(torch._dynamo.config, k, v)
 
     def stats(self) -> dict:
         return {"backend": self.backend, "functions": self.functions, "graphs": _unique_graphs() - self._start,
-                "compile_s": round(self.seconds, 2), "recompile_guard": self._saved is not None}
+                "compile_s": round(self.seconds, 2), "recompile_guard": self.guarded}

@@ -188,6 +188,9 @@ def validate(c: RunConfig) -> None:
             raise UsageError("--kernels triton: Triton is not installed; install triton or use --kernels torch")
         if c.device is not None and not c.device.startswith("cuda"):
             raise UsageError(f"--kernels triton runs on CUDA only, not --device {c.device}; use --kernels torch")
+        if c.attn_implementation == "eager":
+            raise UsageError("--kernels triton brings its own attention; --attn-implementation eager needs "
+                             "--kernels torch")
     if c.block_size is not None and c.block_size < 2:
         raise UsageError(f"--block-size {c.block_size}: a speculative block needs >= 2 (anchor + drafts); "
                          "use --ar-only for plain decoding")

@@ -148,17 +148,26 @@ def progress(total: int, done: int):
 
 
 def run(cfg: RunConfig, out=None) -> dict:
-    out = out or sys.stdout
+    """One paired run (see the module docstring). --compile-refiner / --compile-all change global torch._dynamo
+    settings for the run's duration (harness.compiling.CompileWatch); they are put back however the run ends."""
+    watch = None
+    if cfg.compile_all or cfg.compile_refiner:
+        from harness.compiling import CompileWatch
+        watch = CompileWatch(cfg.compile_backend)
+    try:
+        return _run(cfg, out or sys.stdout, watch)
+    finally:
+        if watch is not None:
+            watch.release()
+
+
+def _run(cfg: RunConfig, out, watch) -> dict:
     prep = prepare(cfg)
     folder = run_folder(cfg)
     if cfg.resume:
         check_resume(cfg, folder)
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
-    watch = None
-    if cfg.compile_all:
-        from harness.compiling import CompileWatch
-        watch = CompileWatch(cfg.compile_backend)
     if cfg.random_weights:
         from harness.presets import ByteTokenizer, build_random
         tokenizer = ByteTokenizer(prep.target_config.vocab_size)
@@ -197,7 +206,16 @@ def run(cfg: RunConfig, out=None) -> dict:
 
     warmup(arms, target, samples, tokenizer, settings, backend)
     if watch is not None:
-        watch.freeze()
+        if cfg.compile_all:
+            cold = [a.name for a in arms if getattr(a.refiner, "compile", False) and not a.refiner.fns]
+            if cold:
+                if not cfg.resume and os.listdir(folder) == ["config.json"]:
+                    os.remove(os.path.join(folder, "config.json"))  # nothing measured: leave nothing behind
+                    os.rmdir(folder)
+                raise UsageError(f"--compile-all: the warmup generation ran no speculative step for "
+                                 f"{', '.join(cold)}, so nothing was compiled before the timed rounds; give the "
+                                 "first prompt more room (--max-new-tokens, --max-model-len) or use --compile-refiner")
+            watch.freeze()  # a recompile from here on ends the run (see the except below)
         print(f"[compile] {watch.stats()}", file=out)
     ctx = {"cfg": cfg, "tokenizer": tokenizer, "target": target, "backend": backend, "settings": settings,
            "run_id": os.path.basename(os.path.normpath(folder)),
@@ -207,7 +225,7 @@ def run(cfg: RunConfig, out=None) -> dict:
            "global_rng": backend.generator(cfg.seed) if cfg.compat_reference else None}
     bar = progress(prep.rounds * len(arms) * len(samples), len(done))
     recompiled = ()
-    if watch is not None:
+    if watch is not None and watch.guarded:
         from harness.compiling import recompile_error_types
         recompiled = recompile_error_types()
     try:
@@ -230,8 +248,6 @@ def run(cfg: RunConfig, out=None) -> dict:
         raise UsageError(f"--compile-all: a compiled stage recompiled after warmup ({first}); the rows measured "
                          f"so far stay in {rows_path}") from None
     finally:
-        if watch is not None:
-            watch.release()
         if bar:
             bar.close()
         if ctx["tracer"]:
@@ -258,11 +274,12 @@ def run(cfg: RunConfig, out=None) -> dict:
 
 def pick_kernels(target, cfg, drafters) -> None:
     """--kernels: triton (refused with the reason if this target cannot), torch, or auto (triton for CUDA
-    bf16/fp16 targets that fit, else torch). The arms' dFlash drafters follow the target where their shapes fit."""
+    bf16/fp16 targets that fit, else torch; --compat-reference keeps HF's ops, as the reference ran them). The
+    arms' dFlash drafters follow the target where their shapes fit."""
     from harness import kernels
     if cfg.kernels == "triton":
         target.use_kernels()
-    elif cfg.kernels == "auto":
+    elif cfg.kernels == "auto" and not cfg.compat_reference and cfg.attn_implementation == "sdpa":
         b = target.backend
         if b.device.type == "cuda" and str(b.dtype) in ("torch.bfloat16", "torch.float16") and kernels.available():
             target.fuse_projections()

@@ -149,6 +149,7 @@ class Target:
         self.step_graphs = None
         if not on:
             self._fused = None
+            self._kernels = None  # the kernels need the fused weights
             return False
         if self._fused is None:
             self._fused = [self._fuse_layer(layer) for layer in self.layers]

@@ -198,3 +198,10 @@ def test_wide_blocks_fall_back_to_torch():
     assert not called
     t.verify(torch.arange(8, 72, device=DEV), 80, want_features=False)  # 64 rows x 2 = 128
     assert called
+
+
+def test_unfusing_turns_the_kernels_off():
+    t = tiny_target("qwen3", backend=Backend(DEV, torch.float32))
+    t.use_kernels()
+    t.fuse_projections(False)
+    assert t.kernels == "torch"  # the kernels read the fused weights

@@ -168,6 +168,7 @@ def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     (["--random-weights", "tiny", "--model-name-or-path", "x"], "drop the model"),
     (["--scripted-accept", "-1"], "--scripted-accept"),
     (["--kernels", "triton", "--device", "cpu"], "--kernels triton"),
+    (["--kernels", "triton", "--attn-implementation", "eager"], "--kernels triton"),
 ])
 def test_timing_flags_refuse_bad_input(files, tmp_path, argv, message, capsys):
     base = ["--dataset", "mini", "--data-dir", str(files / "data"), "--results-dir", str(tmp_path)]
@@ -176,3 +177,25 @@ def test_timing_flags_refuse_bad_input(files, tmp_path, argv, message, capsys):
     assert cli.main(base + argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("extra, expect", [({}, True), ({"compat_reference": True}, False),
+                                           ({"attn_implementation": "eager"}, False)])
+def test_kernels_auto_keeps_torch_ops_for_reference_numerics(monkeypatch, extra, expect):
+    """--kernels auto picks the Triton kernels on CUDA bf16, but not under --compat-reference or an explicit
+    --attn-implementation eager (a stub target: no CUDA needed)."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+
+    from harness import kernels, runner
+    from harness.config import RunConfig
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    monkeypatch.setattr(kernels, "unsupported_reason", lambda target: None)
+    used = []
+    target = SimpleNamespace(backend=SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16),
+                             fuse_projections=lambda: True, use_kernels=lambda: used.append(1), kernels="torch")
+    cfg = dataclasses.replace(RunConfig("t", "d", "mini"), **extra)
+    runner.pick_kernels(target, cfg, [])
+    assert bool(used) == expect
