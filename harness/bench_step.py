@@ -161,6 +161,8 @@ def measure(a, path: str | None = None) -> dict:
            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
            "build_s": round(build_s, 1), "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wb,
            "weight_bytes_read_per_step": wb_step, "roofline_ms": 1000 * wb / bw, "roofline_read_ms": 1000 * wb_step / bw,
+           "drafter_bytes_per_step": m.drafter_step_bytes(),
+           "spec_over_ar_byte_floor": (wb_step + m.drafter_step_bytes()) / wb_step,
            "arms": [], "tau_sweep": [], "attention": {}, "hf_reference": {}}
     print(f"[bench] {RANDOM_LABEL}: {a.preset} on {res['device_name']}, copy {bw / 1e9:.0f} GB/s, roofline "
           f"{res['roofline_ms']:.2f} ms ({wb / 1e9:.2f} GB)", flush=True)
@@ -268,6 +270,10 @@ def markdown(r: dict) -> str:
          f"- roofline: {r['weight_bytes'] / 1e9:.2f} GB of target weights -> {r['roofline_ms']:.3f} ms "
          f"({r['weight_bytes_read_per_step'] / 1e9:.2f} GB without the embedding table -> "
          f"{r['roofline_read_ms']:.3f} ms)"]
+    if "spec_over_ar_byte_floor" in r:
+        L.append(f"- the drafter reads {r['drafter_bytes_per_step'] / 1e9:.2f} GB a speculative step (its layers, the "
+                 f"lm_head again, the context write): spec/AR >= {r['spec_over_ar_byte_floor']:.3f} by weight bytes "
+                 "at equal streaming rates")
     if "ratios" in r:
         q = r["ratios"]
         L.append(f"- graphed AR step / roofline: {q['AR_step_over_roofline']:.3f} "

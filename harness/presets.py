@@ -120,6 +120,19 @@ class RandomModels:
         return total
 
 
+    def drafter_step_bytes(self) -> int:
+        """Weight bytes the dFlash drafter reads in one speculative step: every layer and the target's lm_head
+        (again, for the draft rows) to propose, then the context projection and each layer's k/v projections
+        to observe the accepted tokens."""
+        def size(*tensors):
+            return sum(t.numel() * t.element_size() for t in tensors)
+        m = self.drafter.model
+        propose = size(*m.layers.parameters(), m.norm.weight, self.target.lm_head.weight)
+        observe = size(m.fc.weight, m.hidden_norm.weight) + sum(
+            size(l.self_attn.k_proj.weight, l.self_attn.v_proj.weight, l.self_attn.k_norm.weight) for l in m.layers)
+        return propose + observe
+
+
 def _init_(module: torch.nn.Module, gen: torch.Generator | None, std: float) -> None:
     """Norm scales one, every other parameter normal(0, std), in place on its device."""
     for name, p in module.named_parameters():

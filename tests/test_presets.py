@@ -70,3 +70,12 @@ def test_unknown_preset_is_a_usage_error():
     with pytest.raises(UsageError, match="qwen3-8b"):
         build_random("gpt-5", META)
     assert set(PRESETS) >= {"qwen3-8b", "smollm2-135m", "tiny"}
+
+
+def test_qwen3_8b_drafter_bytes_bound_the_spec_step():
+    """The byte floor of results/perf/NOTES.md: the drafter's 5 layers (1.93 GB), the lm_head read again
+    (1.245 GB) and the context write (fc 0.168 GB + k/v 0.084 GB) against the 15.14 GB an AR step reads."""
+    m = build_random("qwen3-8b", META)
+    drafter, ar = m.drafter_step_bytes(), m.target_weight_bytes(include_embedding=False)
+    assert abs(drafter / 1e9 - 3.426) < 0.001 and abs(ar / 1e9 - 15.137) < 0.001
+    assert 1.22 < (ar + drafter) / ar < 1.23
