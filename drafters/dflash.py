@@ -217,7 +217,11 @@ class DFlashModel(nn.Module):
         return self
 
     def _heads(self, proj: nn.Linear, norm: RMSNorm | None, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        y = proj(x).view(x.shape[0], -1, self.config.head_dim)
+        return self._split_heads(proj(x), norm, cos, sin)
+
+    def _split_heads(self, y: torch.Tensor, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
+        """Projected rows [T, heads * hd] -> [1, heads, T, hd], per-head norm and rotary where given."""
+        y = y.view(y.shape[0], -1, self.config.head_dim)
         if norm is not None:
             y = norm(y)
         y = y.transpose(0, 1).unsqueeze(0)  # [1, heads, T, hd]
@@ -227,22 +231,16 @@ class DFlashModel(nn.Module):
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV) -> None:
         """Context K/V from projected target features; they do not depend on the block, so each position once."""
         k = self._fast(features.shape[0])
-        if k is not None:
-            ctx = self.hidden_norm(k.linear(features, self.fc.weight))
-        else:
-            ctx = self.hidden_norm(self.fc(features))
+        ctx = self.hidden_norm(k.linear(features, self.fc.weight) if k is not None else self.fc(features))
         cos, sin = cos_sin(self.inv_freq, positions, ctx.dtype)
-        c = self.config
+        q_rows = self.config.num_attention_heads * self.config.head_dim
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             if k is not None:  # k and v rows are adjacent in the fused q/k/v weight: one matmul
-                kv_w = self._fused[i][0][c.num_attention_heads * c.head_dim:]
-                kx, vx = k.linear(ctx, kv_w).chunk(2, dim=-1)
-                kx = a.k_norm(kx.view(kx.shape[0], -1, c.head_dim)).transpose(0, 1).unsqueeze(0)
-                kv.write(i, positions, rotate(kx, cos, sin), vx.view(vx.shape[0], -1, c.head_dim).transpose(0, 1)
-                         .unsqueeze(0))
-                continue
-            kv.write(i, positions, self._heads(a.k_proj, a.k_norm, ctx, cos, sin), self._heads(a.v_proj, None, ctx, None, None))
+                kx, vx = k.linear(ctx, self._fused[i][0][q_rows:]).chunk(2, dim=-1)
+            else:
+                kx, vx = a.k_proj(ctx), a.v_proj(ctx)
+            kv.write(i, positions, self._split_heads(kx, a.k_norm, cos, sin), self._split_heads(vx, None, None, None))
 
     @torch.no_grad()
     def block(self, x: torch.Tensor, positions: torch.Tensor, kv: StaticKV, limit: torch.Tensor,
@@ -270,15 +268,9 @@ class DFlashModel(nn.Module):
         k, c = self._kern, self.config
         h = x
         for i, layer in enumerate(self.layers):
-            a, (qkv_w, gate_up_w) = layer.self_attn, self._fused[i]
-            ln = layer.input_layernorm
-            qkv = k.linear(h, qkv_w, norm=ln.weight, eps=ln.eps)
-            o = k.attention(qkv, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps, cos, sin, positions, kv.k[i, 0],
-                            kv.v[i, 0], c.num_attention_heads, c.head_dim ** -0.5, causal=False)
-            h = k.linear(o, a.o_proj.weight, residual=h)
-            ln = layer.post_attention_layernorm
-            gate_up = k.linear(h, gate_up_w, norm=ln.weight, eps=ln.eps)
-            h = k.linear(gate_up, layer.mlp.down_proj.weight, gated=True, residual=h)
+            qkv_w, gate_up_w = self._fused[i]
+            h = k.decoder_layer(h, layer, qkv_w, gate_up_w, cos, sin, positions, kv.k[i, 0], kv.v[i, 0],
+                                c.num_attention_heads, c.head_dim ** -0.5, causal=False)
         return self.norm(h)
 
 

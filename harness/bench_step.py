@@ -153,6 +153,7 @@ def measure(a, path: str | None = None) -> dict:
     base = DecodeSettings(a.new_tokens, limit, (), scripted_accept=a.scripted, graph_bucket=a.bucket)
     bw = copy_bandwidth(backend.device, nbytes=(1 << 31) if backend.kind == "cuda" else (1 << 26))
     wb, wb_step = m.target_weight_bytes(), m.target_weight_bytes(include_embedding=False)
+    db_step = m.drafter_step_bytes()
     res = {"label": RANDOM_LABEL, "what": __doc__.splitlines()[0], "preset": a.preset, "preset_note": m.preset.note,
            "device": str(backend.device),
            "device_name": torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else platform.processor() or "cpu",
@@ -161,8 +162,7 @@ def measure(a, path: str | None = None) -> dict:
            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
            "build_s": round(build_s, 1), "copy_bandwidth_GBps": bw / 1e9, "weight_bytes": wb,
            "weight_bytes_read_per_step": wb_step, "roofline_ms": 1000 * wb / bw, "roofline_read_ms": 1000 * wb_step / bw,
-           "drafter_bytes_per_step": m.drafter_step_bytes(),
-           "spec_over_ar_byte_floor": (wb_step + m.drafter_step_bytes()) / wb_step,
+           "drafter_bytes_per_step": db_step, "spec_over_ar_byte_floor": (wb_step + db_step) / wb_step,
            "arms": [], "tau_sweep": [], "attention": {}, "hf_reference": {}}
     print(f"[bench] {RANDOM_LABEL}: {a.preset} on {res['device_name']}, copy {bw / 1e9:.0f} GB/s, roofline "
           f"{res['roofline_ms']:.2f} ms ({wb / 1e9:.2f} GB)", flush=True)

@@ -117,8 +117,8 @@ def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
 
 def _compiled(refiner, cfg: RunConfig, watch=None):
     """--compile-refiner wraps the refinement step in torch.compile; --compile-all does so where it measured
-    faster. `watch` (a harness.compiling.CompileWatch) compiles with --compile-backend and counts the cost. --use-graph needs no wrapper: the loop captures the whole step,
-    refinement included."""
+    faster. `watch` (a harness.compiling.CompileWatch) compiles with --compile-backend and counts the cost.
+    --use-graph needs no wrapper: the loop captures the whole step, refinement included."""
     if refiner is None or not (cfg.compile_refiner or cfg.compile_all):
         return refiner
     if not cfg.compile_refiner and not getattr(refiner, "compile_helps", True):

@@ -4,8 +4,8 @@ With the target's and the drafter's layers on harness.kernels, the stages left a
 the refinements (xPress's latent and scoring passes, the Markov head's sequential steps). Measured inside the
 H200 step graph (results/perf/h200_qwen3-8b_compiled.md), compiling cut xPress K=6 from 0.92 to 0.61 ms and made
 the Markov head slower (0.56 -> 0.97 ms), so --compile-all compiles refiners that do not declare
-`compile_helps = False`. Every compiled function is compiled at a fixed shape (dynamic=False) during the warmup generations;
-afterwards `freeze()` makes any recompile an error (a guard that fails mid-run would silently time a
+`compile_helps = False`. Every compiled function is compiled at a fixed shape (dynamic=False) during the warmup
+generations; afterwards `freeze()` makes any recompile an error (a guard that fails mid-run would silently time a
 recompilation), which the runner reports as a one-line failure.
 """
 from __future__ import annotations

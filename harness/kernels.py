@@ -9,7 +9,8 @@ bytes plus a few hundred small launches. A layer is seven launches instead of ab
   then causal attention of the block's rows over the cache up to the block's last position (read from the
   device, so one captured graph serves every KV length), grouped-query heads folded into the rows.
 Rounding follows HF's modules step by step (each elementwise op computed in fp32 and rounded to the model's dtype
-where HF's bf16 op would round); only the matmul and softmax summation orders differ from the torch path. With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
+where HF's bf16 op would round); only the matmul and softmax summation orders differ from the torch path.
+With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
 """
 from __future__ import annotations
 
@@ -258,10 +259,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     r = residual if residual is not None else y
     block_k = min(cfg.block_k, _pow2_at_least(k, 16))
     grid = (triton.cdiv(n, cfg.block_n),)
-    _linear_kernel[grid](x, w, y, r, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0), PRO=2 if gated else 0,
-                         RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0, PREC=_prec(w.dtype),
-                         BLOCK_M=_pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-                         num_warps=cfg.warps, num_stages=cfg.stages)
+    _linear_kernel[grid](x, w, y, r, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0),
+                         PRO=2 if gated else 0, RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
+                         PREC=_prec(w.dtype), BLOCK_M=_pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n,
+                         BLOCK_K=block_k, num_warps=cfg.warps, num_stages=cfg.stages)
     return y
 
 
@@ -299,9 +300,31 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     _attention_kernel[(n_kv,)](
         qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o, t,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q, scale, eps,
-        NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal, BLOCK_T=_pow2_at_least(t, 1), BLOCK_R=rows,
-        BLOCK_S=64 if rows <= 32 else 32, num_warps=4)
+        NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal, BLOCK_T=_pow2_at_least(t, 1),
+        BLOCK_R=rows, BLOCK_S=64 if rows <= 32 else 32, num_warps=4)
     return o
+
+
+def _eps(norm) -> float:
+    """An RMSNorm module's epsilon: HF's modules call it variance_epsilon, the dFlash drafter's eps."""
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.eps if eps is None else eps
+
+
+def decoder_layer(h: torch.Tensor, layer, qkv_w: torch.Tensor, gate_up_w: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  n_q: int, scale: float, causal: bool = True) -> torch.Tensor:
+    """One pre-norm decoder layer (HF Llama/Qwen module names: input_layernorm, self_attn.{q_norm, k_norm,
+    o_proj}, post_attention_layernorm, mlp.down_proj) over rows h [T, H], with the fused q/k/v and gate/up
+    weights; writes the layer's K/V at `positions`. The target's decode step and the drafter's block share it."""
+    attn, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+    qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    qkv = linear(h, qkv_w, norm=ln1.weight, eps=_eps(ln1))
+    o = attention(qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                  0.0 if qn is None else _eps(qn), cos, sin, positions, k_cache, v_cache, n_q, scale, causal)
+    h = linear(o, attn.o_proj.weight, residual=h)
+    gate_up = linear(h, gate_up_w, norm=ln2.weight, eps=_eps(ln2))
+    return linear(gate_up, layer.mlp.down_proj.weight, gated=True, residual=h)
 
 
 def fuse_rows(modules) -> torch.Tensor:
@@ -316,11 +339,14 @@ def fuse_rows(modules) -> torch.Tensor:
     return w
 
 
+def _heads_fit(head_dim: int, n_q: int, n_kv: int) -> bool:
+    """Attention shapes these kernels take: a power-of-two head_dim >= 16 and whole query groups."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1) and n_q % n_kv == 0
+
+
 def drafter_fits(config) -> bool:
-    """A dFlash drafter config whose heads these kernels take (power-of-two head_dim >= 16, whole query groups)."""
-    d = config.head_dim
-    return triton is not None and d >= 16 and not d & (d - 1) and \
-        config.num_attention_heads % config.num_key_value_heads == 0
+    """A dFlash drafter config whose heads these kernels take."""
+    return triton is not None and _heads_fit(config.head_dim, config.num_attention_heads, config.num_key_value_heads)
 
 
 def unsupported_reason(target) -> str | None:
@@ -331,7 +357,7 @@ def unsupported_reason(target) -> str | None:
     if getattr(cfg, "hidden_act", "silu") != "silu":
         return f"activation {cfg.hidden_act!r} (the kernels fuse silu)"
     d = target.head_dim
-    if d < 16 or d & (d - 1) or cfg.num_attention_heads % target.n_kv_heads:
+    if not _heads_fit(d, cfg.num_attention_heads, target.n_kv_heads):
         return f"head_dim {d} is not a power of two >= 16"
     if target._fused is None or any(f is None for f in target._fused):
         return "projections with biases (or unfused q/k/v and gate/up)"

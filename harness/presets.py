@@ -119,7 +119,6 @@ class RandomModels:
             total += p.numel() * p.element_size()
         return total
 
-
     def drafter_step_bytes(self) -> int:
         """Weight bytes the dFlash drafter reads in one speculative step: every layer and the target's lm_head
         (again, for the draft rows) to propose, then the context projection and each layer's k/v projections

@@ -282,9 +282,10 @@ def pick_kernels(target, cfg, drafters) -> None:
     elif cfg.kernels == "auto" and not cfg.compat_reference and cfg.attn_implementation == "sdpa":
         b = target.backend
         if b.device.type == "cuda" and str(b.dtype) in ("torch.bfloat16", "torch.float16") and kernels.available():
-            target.fuse_projections()
-            if kernels.unsupported_reason(target) is None:
+            try:
                 target.use_kernels()
+            except UsageError:  # auto: torch ops where the kernels do not fit this target
+                pass
     if target.kernels == "triton":
         for d in drafters:
             model = getattr(d, "model", None)

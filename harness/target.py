@@ -219,18 +219,9 @@ class Target:
         n_q = self.config.num_attention_heads
         tapped = {}
         for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
             qkv_w, _, gate_up_w = self._fused[i]
-            ln = layer.input_layernorm
-            qkv = k.linear(h, qkv_w, norm=ln.weight, eps=ln.variance_epsilon)
-            qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            kc, vc = self.kv.k[i, 0], self.kv.v[i, 0]
-            o = k.attention(qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
-                            0.0 if qn is None else qn.variance_epsilon, cos, sin, positions, kc, vc, n_q, self.scale)
-            h = k.linear(o, attn.o_proj.weight, residual=h)
-            ln = layer.post_attention_layernorm
-            gate_up = k.linear(h, gate_up_w, norm=ln.weight, eps=ln.variance_epsilon)
-            h = k.linear(gate_up, mlp.down_proj.weight, gated=True, residual=h)
+            h = k.decoder_layer(h, layer, qkv_w, gate_up_w, cos, sin, positions, self.kv.k[i, 0], self.kv.v[i, 0],
+                                n_q, self.scale)
             if want_features and i in self._tap_set:
                 tapped[i] = h
         last = self.n_layers - 1
