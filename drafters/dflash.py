@@ -310,8 +310,12 @@ class DFlashDrafter:
         positions = position + self._offsets
         hidden = self.model.block(self.embed(ids), positions, self.kv, position + self.block_size, length)
         fast = self.model._fast(self.block_size)
-        logits = fast.linear(hidden[1:], self.lm_head.weight) if fast is not None else self.lm_head(hidden[1:])
-        return Proposal(tokens=logits.argmax(-1), logits=logits, hidden=hidden)
+        if fast is not None:  # the argmax rides in the lm_head matmul's epilogue
+            logits, tokens = fast.linear(hidden[1:], self.lm_head.weight, argmax=True)
+        else:
+            logits = self.lm_head(hidden[1:])
+            tokens = logits.argmax(-1)
+        return Proposal(tokens=tokens, logits=logits, hidden=hidden)
 
 
 # --- checkpoints -----------------------------------------------------------------------------------------------

@@ -168,14 +168,19 @@ def measure(a, path: str | None = None) -> dict:
           f"{res['roofline_ms']:.2f} ms ({wb / 1e9:.2f} GB)", flush=True)
     if graphs:  # the levers, on the AR step (the graphs are recaptured per setting)
         res["fusion"] = {}
-        levers = [("separate projections (7 matmuls/layer), torch ops", False, False),
-                  ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, False)]
+        levers = [("separate projections (7 matmuls/layer), torch ops", False, None),
+                  ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, None)]
         if a.kernels == "triton":
-            levers.append(("fused projections, harness.kernels (7 launches/layer)", True, True))
-        for label, fuse, kern in levers:
+            from harness import kernels
+            levers.append(("fused projections, harness.kernels (7 launches/layer), no PDL", True, (False, 0)))
+            if kernels.pdl_supported(backend.device):
+                levers += [(f"harness.kernels with programmatic dependent launch, {p} weight tiles prefetched", True,
+                            (True, p)) for p in sorted(set(a.prefetch_sweep) | {a.prefetch_tiles})]
+        for label, fuse, launch in levers:
             m.target.use_kernels(False)
             m.target.fuse_projections(fuse)
-            if kern:
+            if launch is not None:
+                kernels.set_launch(pdl=launch[0], prefetch_tiles=launch[1])
                 m.target.use_kernels()
             s = dataclasses.replace(base, use_graph=True)
             _gen(m, "ar", 0, 0, prompt, s)
@@ -185,9 +190,10 @@ def measure(a, path: str | None = None) -> dict:
     m.target.fuse_projections(True)
     if a.kernels == "triton":
         from harness import kernels
-        m.target.use_kernels()
-        if kernels.drafter_fits(m.drafter.model.config):
-            m.drafter.model.use_kernels(kernels)
+        kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles)
+        m.use_kernels(kernels)
+        res["pdl"] = kernels.pdl_supported(backend.device) and a.pdl == "auto"
+        res["prefetch_tiles"] = a.prefetch_tiles
     res["kernels"] = m.target.kernels
     watch = _compile_refiners(m, a.compile_backend) if a.compile else None
     for arm in arm_list(a.ks, a.topc):
@@ -349,10 +355,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"))
     p.add_argument("--kernels", choices=("triton", "torch"), default=None,
                    help="target decode ops (default: triton where available on CUDA)")
+    p.add_argument("--pdl", choices=("auto", "off"), default="auto",
+                   help="programmatic dependent launch for the kernels (auto: on Hopper and later)")
+    p.add_argument("--prefetch-tiles", type=int, default=1,
+                   help="with PDL, weight tiles each matmul program asks into L2 before it waits")
+    p.add_argument("--prefetch-sweep", default="0,1,2,4",
+                   help="prefetch settings whose AR step is measured in the levers table (with PDL)")
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/<gpu>_<preset>.json")
     a = p.parse_args(argv)
     try:
-        a.ks, a.topc, a.taus = _ints(a.ks), _ints(a.topc), _ints(a.taus)
+        a.ks, a.topc, a.taus, a.prefetch_sweep = _ints(a.ks), _ints(a.topc), _ints(a.taus), _ints(a.prefetch_sweep)
+        if min([a.prefetch_tiles, *a.prefetch_sweep]) < 0:
+            raise UsageError("--prefetch-tiles and --prefetch-sweep take counts >= 0")
         if a.kernels is None:
             from harness import kernels
             a.kernels = "triton" if kernels.available() and torch.cuda.is_available() and a.device != "cpu" else "torch"

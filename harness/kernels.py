@@ -21,6 +21,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # the torch path is used instead (harness.target checks `available()`)
     triton = None
     tl = None
@@ -84,11 +85,27 @@ def choose_linear(m: int, n: int, k: int) -> LinearConfig:
 
 if triton is not None:
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, M, N, K, sx, sw, sy, sr,
+    def _prefetch_l2(ptrs):
+        """Ask for the lines at `ptrs` to be brought into L2 (no registers, no wait): one address per line."""
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+    @triton.jit
+    def _after_previous(PDL: tl.constexpr):
+        """With programmatic dependent launch this launch may start while the one before it drains: wait for it
+        (its writes are this launch's inputs), then let the next launch start early in turn."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+
+    @triton.jit
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, M, N, K, sx, sw, sy, sr,
                        PRO: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
-                       PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       ARGMAX: tl.constexpr, PDL: tl.constexpr, PF_COLS: tl.constexpr, LINE: tl.constexpr):
         # PRO: 0 plain x; 2 silu(x[:, :K]) * x[:, K:] with HF's roundings (an RMSNorm prologue measured slower than
-        # its own launch, so norms run in _rmsnorm_kernel)
+        # its own launch, so norms run in _rmsnorm_kernel). ARGMAX: each program also writes, per row, the largest
+        # output of its columns and the lowest column holding it (pv/pi [M, programs]; _argmax_reduce_kernel).
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -96,6 +113,11 @@ if triton is not None:
         m_ok = rm < M
         n_ok = rn < N
         dt = w_ptr.dtype.element_ty
+        if PDL:
+            if PF_COLS > 0:  # weights do not depend on the launch before: stream the first columns meanwhile
+                lines = tl.minimum(tl.arange(0, PF_COLS // LINE) * LINE, K - 1)
+                _prefetch_l2(w_ptr + tl.minimum(rn, N - 1)[:, None] * sw + lines[None, :])
+        _after_previous(PDL)
         if DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         else:
@@ -128,9 +150,30 @@ if triton is not None:
             r = tl.load(r_ptr + rm[:, None] * sr + rn[None, :], mask=out_mask, other=0.0)
             y = (y.to(tl.float32) + r.to(tl.float32)).to(dt)
         tl.store(y_ptr + rm[:, None] * sy + rn[None, :], y, mask=out_mask)
+        if ARGMAX:
+            yf = y.to(tl.float32)
+            yf = tl.where(out_mask, tl.where(yf != yf, float("inf"), yf), float("-inf"))  # NaN counts as +inf
+            best = tl.max(yf, axis=1)
+            col = tl.minimum(tl.min(tl.where(yf == best[:, None], rn[None, :], N), axis=1), N - 1)
+            part = rm * tl.num_programs(0) + pid
+            tl.store(pv_ptr + part, best, mask=m_ok)
+            tl.store(pi_ptr + part, col, mask=m_ok)
 
     @triton.jit
-    def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, sx, sy, eps, BLOCK: tl.constexpr):
+    def _argmax_reduce_kernel(pv_ptr, pi_ptr, out_ptr, P, PDL: tl.constexpr, BLOCK: tl.constexpr):
+        # one program per row: the best of the per-program maxima, the lowest column among equal ones
+        _after_previous(PDL)
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        ok = c < P
+        v = tl.load(pv_ptr + row * P + c, mask=ok, other=float("-inf"))
+        i = tl.load(pi_ptr + row * P + c, mask=ok, other=0)
+        best = tl.max(v, axis=0)
+        tl.store(out_ptr + row, tl.min(tl.where(ok & (v == best), i, 2147483647), axis=0).to(tl.int64))
+
+    @triton.jit
+    def _rmsnorm_kernel(x_ptr, w_ptr, y_ptr, N, sx, sy, eps, PDL: tl.constexpr, BLOCK: tl.constexpr):
+        _after_previous(PDL)
         row = tl.program_id(0)
         c = tl.arange(0, BLOCK)
         ok = c < N
@@ -141,7 +184,8 @@ if triton is not None:
         tl.store(y_ptr + row * sy + c, ((x * rstd).to(dt).to(tl.float32) * w).to(dt), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, y_ptr, K, sx, sy, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, y_ptr, K, sx, sy, PDL: tl.constexpr, BLOCK: tl.constexpr):
+        _after_previous(PDL)
         row = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = c < K
@@ -172,9 +216,10 @@ if triton is not None:
     def _attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, T,
                           s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr, GROUPS: tl.constexpr,
                           D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_T: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
         # one program per K/V head: its T new keys/values (norm, rope) into the cache, then its GROUPS*T query
         # rows (norm, rope) attend over slots [0, last position]: causally, or all of them (the drafter's block)
+        _after_previous(PDL)
         h = tl.program_id(0)
         d = tl.arange(0, D)
         dt = kc_ptr.dtype.element_ty
@@ -230,6 +275,40 @@ if triton is not None:
         tl.store(o_ptr + t[:, None] * s_ot + head[:, None] * D + d[None, :], out.to(dt), mask=r_ok[:, None])
 
 
+_LAUNCH = {"pdl": None, "prefetch_tiles": 1}  # pdl None: on where supported (see set_launch)
+_PDL_DEVICES: dict = {}
+
+
+def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1) -> None:
+    """How the kernels are launched. pdl: programmatic dependent launch (a launch starts while the one before it
+    drains and waits on the device for its writes; Hopper and later), None = wherever the GPU supports it.
+    prefetch_tiles: with pdl, how many of its first weight tiles each matmul program asks into L2 before it
+    waits. Clears nothing: graphs captured before keep the launches they captured."""
+    if prefetch_tiles < 0:
+        raise ValueError(f"prefetch_tiles must be >= 0, got {prefetch_tiles}")
+    _LAUNCH.update(pdl=pdl, prefetch_tiles=prefetch_tiles)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled kernels on a Hopper or later GPU."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreted() or triton is None:
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_DEVICES:
+        _PDL_DEVICES[idx] = torch.cuda.get_device_capability(idx) >= (9, 0)
+    return _PDL_DEVICES[idx]
+
+
+def _pdl(device: torch.device) -> bool:
+    return _LAUNCH["pdl"] is not False and pdl_supported(device)
+
+
+def _launch_opts(device: torch.device) -> dict:
+    """The PDL constexpr and, when on, the launch attribute that lets the kernel start early."""
+    return {"PDL": True, "launch_pdl": True} if _pdl(device) else {"PDL": False}
+
+
 def _prec(dtype: torch.dtype) -> str | None:
     """fp32 products in full precision (tensor cores would round the inputs to tf32); other dtypes: the default."""
     return "ieee" if dtype == torch.float32 else None
@@ -237,11 +316,13 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           config: LinearConfig | None = None) -> torch.Tensor:
+           config: LinearConfig | None = None, argmax: bool = False):
     """x [M, K] (or [M, 2K] with gated=True) and w [N, K] -> [M, N] in w's dtype.
 
     norm: RMSNorm weight [K] applied to x first (eps its epsilon); gated: x holds gate|up, the input is
-    silu(gate) * up; residual [M, N]: added to the product (rounded first, as `h + linear(x)` would)."""
+    silu(gate) * up; residual [M, N]: added to the product (rounded first, as `h + linear(x)` would).
+    argmax: also return each row's argmax [M] (int64, lowest column among equal maxima as torch.argmax; a NaN
+    counts as +inf), found by the matmul's programs and one small reduction launch: (y, ids)."""
     m = x.shape[0]
     n, k = w.shape
     if not 1 <= m <= MAX_ROWS:
@@ -259,11 +340,25 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     r = residual if residual is not None else y
     block_k = min(cfg.block_k, _pow2_at_least(k, 16))
     grid = (triton.cdiv(n, cfg.block_n),)
-    _linear_kernel[grid](x, w, y, r, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0),
+    opts = _launch_opts(w.device)
+    line = max(128 // w.element_size(), 1)  # elements per 128-byte line
+    pf_cols = min(_pow2_at_least(_LAUNCH["prefetch_tiles"] * block_k, line), _pow2_at_least(k, line)) \
+        if opts["PDL"] and _LAUNCH["prefetch_tiles"] else 0
+    if argmax:
+        pv = torch.empty((m, grid[0]), dtype=torch.float32, device=w.device)
+        pi = torch.empty((m, grid[0]), dtype=torch.int32, device=w.device)
+    else:
+        pv = pi = y
+    _linear_kernel[grid](x, w, y, r, pv, pi, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0),
                          PRO=2 if gated else 0, RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
                          PREC=_prec(w.dtype), BLOCK_M=_pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n,
-                         BLOCK_K=block_k, num_warps=cfg.warps, num_stages=cfg.stages)
-    return y
+                         BLOCK_K=block_k, ARGMAX=argmax, PF_COLS=pf_cols, LINE=line, num_warps=cfg.warps,
+                         num_stages=cfg.stages, **opts)
+    if not argmax:
+        return y
+    ids = torch.empty(m, dtype=torch.long, device=w.device)
+    _argmax_reduce_kernel[(m,)](pv, pi, ids, grid[0], BLOCK=_pow2_at_least(grid[0], 16), num_warps=4, **opts)
+    return y, ids
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -271,7 +366,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     m, k = x.shape
     y = torch.empty_like(x)
     _rmsnorm_kernel[(m,)](x, weight, y, k, x.stride(0), y.stride(0), eps, BLOCK=_pow2_at_least(k, 16),
-                          num_warps=8 if k >= 2048 else 4)
+                          num_warps=8 if k >= 2048 else 4, **_launch_opts(x.device))
     return y
 
 
@@ -279,7 +374,8 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """x [M, 2K] = gate | up -> silu(gate) * up [M, K], rounded as HF's two bf16 ops."""
     m, k = x.shape[0], x.shape[1] // 2
     y = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    _silu_mul_kernel[(m, triton.cdiv(k, 1024))](x, y, k, x.stride(0), y.stride(0), BLOCK=1024, num_warps=4)
+    _silu_mul_kernel[(m, triton.cdiv(k, 1024))](x, y, k, x.stride(0), y.stride(0), BLOCK=1024, num_warps=4,
+                                                **_launch_opts(x.device))
     return y
 
 
@@ -301,7 +397,7 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o, t,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q, scale, eps,
         NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal, BLOCK_T=_pow2_at_least(t, 1),
-        BLOCK_R=rows, BLOCK_S=64 if rows <= 32 else 32, num_warps=4)
+        BLOCK_R=rows, BLOCK_S=64 if rows <= 32 else 32, num_warps=4, **_launch_opts(qkv.device))
     return o
 
 

@@ -91,6 +91,16 @@ class RandomModels:
     markov_head: MarkovHead
     label: str = RANDOM_LABEL
     refiners: dict = field(default_factory=dict)
+    kernels: object = None  # harness.kernels for the refiners' greedy scoring (use_kernels), None: torch ops
+
+    def use_kernels(self, kernels) -> None:
+        """The target, the drafter (where its shapes fit) and every refiner, now and later, on `kernels`."""
+        self.target.use_kernels(kernels is not None)
+        fits = kernels is not None and kernels.drafter_fits(self.drafter.model.config)
+        self.drafter.model.use_kernels(kernels if fits else None)
+        self.kernels = kernels
+        for r in self.refiners.values():
+            r.use_kernels(kernels)
 
     def refiner(self, method: str, K: int = 0, topc: int = 0):
         """The refiner of an arm: method in ar | drafter-only | markov | xpress (None for the first two)."""
@@ -104,6 +114,7 @@ class RandomModels:
                 self.refiners[key] = MarkovRefiner(self.markov_head)
             else:
                 raise UsageError(f"unknown method {method!r}")
+            self.refiners[key].use_kernels(self.kernels)
         return self.refiners[key]
 
     def target_weight_bytes(self, include_embedding: bool = True) -> int:

@@ -184,7 +184,7 @@ def _run(cfg: RunConfig, out, watch) -> dict:
         target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
         stops = tuple(stop_token_ids(target.model, tokenizer))
         arms = build_arms(cfg, prep, target, watch)
-    pick_kernels(target, cfg, [a.drafter for a in arms])
+    pick_kernels(target, cfg, [a.drafter for a in arms], [a.refiner for a in arms])
     settings = settings_for(cfg, prep.max_model_len, stops)
     presize(target, arms, longest, settings, prep.block_size)
     by_name = {a.name: a for a in arms}
@@ -272,10 +272,10 @@ def _run(cfg: RunConfig, out, watch) -> dict:
     return summary
 
 
-def pick_kernels(target, cfg, drafters) -> None:
+def pick_kernels(target, cfg, drafters, refiners=()) -> None:
     """--kernels: triton (refused with the reason if this target cannot), torch, or auto (triton for CUDA
     bf16/fp16 targets that fit, else torch; --compat-reference keeps HF's ops, as the reference ran them). The
-    arms' dFlash drafters follow the target where their shapes fit."""
+    arms' dFlash drafters follow the target where their shapes fit, and so do the refiners' greedy scoring."""
     from harness import kernels
     if cfg.kernels == "triton":
         target.use_kernels()
@@ -291,6 +291,15 @@ def pick_kernels(target, cfg, drafters) -> None:
             model = getattr(d, "model", None)
             if hasattr(model, "use_kernels") and kernels.drafter_fits(model.config):
                 model.use_kernels(kernels)
+        refiners_use_kernels(refiners, kernels)
+
+
+def refiners_use_kernels(refiners, kernels) -> None:
+    """Each refiner that can (compiled ones through their wrapper) scores greedy passes on `kernels`."""
+    for r in refiners:
+        inner = getattr(r, "inner", r)
+        if hasattr(inner, "use_kernels"):
+            inner.use_kernels(kernels)
 
 
 def describe(cfg, prep, arms, settings, samples, stops, folder, out, target_kernels="torch") -> None:

@@ -22,7 +22,7 @@ from torch import nn
 
 from drafters.base import Proposal
 from refiners.base import RefineContext
-from refiners.xpress import argmax_select
+from refiners.xpress import argmax_select, fused_scoring_fits
 
 VARIANTS = ("vanilla", "gated", "rnn")
 
@@ -49,17 +49,22 @@ class MarkovHead(nn.Module):
     def initial_state(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(self.rank, dtype=self.w1.weight.dtype, device=like.device)
 
-    def step(self, prev: torch.Tensor, h: torch.Tensor | None, state: torch.Tensor):
-        """prev: 0-d token, h: [H] hidden row of the predicted slot, state: [r] -> (bias [V], next state)."""
+    def latent(self, prev: torch.Tensor, h: torch.Tensor | None, state: torch.Tensor):
+        """prev: 0-d token, h: [H] hidden row of the predicted slot, state: [r] -> (w2's input [r], next state)."""
         e = self.w1(prev)
         if self.variant == "vanilla":
-            return self.w2(e), state
+            return e, state
         if self.variant == "gated":
-            return self.w2(torch.sigmoid(self.gate(torch.cat((h, e)))) * e), state
+            return torch.sigmoid(self.gate(torch.cat((h, e)))) * e, state
         g, c, o = self.cell(torch.cat((state, e, h))).chunk(3)
         keep = torch.sigmoid(g)
         state = keep * state + (1 - keep) * torch.tanh(c)
-        return self.w2(torch.tanh(o)), state
+        return torch.tanh(o), state
+
+    def step(self, prev: torch.Tensor, h: torch.Tensor | None, state: torch.Tensor):
+        """As `latent`, through w2: (bias [V], next state)."""
+        z, state = self.latent(prev, h, state)
+        return self.w2(z), state
 
 
 class MarkovRefiner:
@@ -78,6 +83,18 @@ class MarkovRefiner:
         self.head = head
         # --compat-reference: DeepSpec samples from a softmax in the logits' dtype (bf16), not fp32
         self.low_precision_sampling = low_precision_sampling
+        self._kern = None
+
+    def use_kernels(self, kernels) -> None:
+        """Greedy steps score through harness.kernels: w2, the base add and the argmax in one matmul launch and
+        one small reduction (None: torch ops)."""
+        self._kern = kernels
+
+    @torch.compiler.disable  # a Triton launch: compiled refiners call it between their compiled pieces
+    def _pick(self, z: torch.Tensor, base_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        corrected, pick = self._kern.linear(z.view(1, -1), self.head.w2.weight, residual=base_row.view(1, -1),
+                                            argmax=True)
+        return pick.view(()), corrected.view(-1)
 
     @property
     def needs_hidden(self) -> bool:
@@ -94,12 +111,18 @@ class MarkovRefiner:
         rows = proposal.hidden[1:].to(head.w2.weight.dtype) if head.needs_hidden else None
         prev = ctx.anchor.reshape(()).long()
         state = head.initial_state(base)
+        fused = ctx.sampler is None and self._kern is not None and fused_scoring_fits(self._kern, base, head.w2.weight)
         tokens, q = [], []
         for k in range(base.shape[0]):
-            bias, state = head.step(prev, None if rows is None else rows[k], state)
-            corrected = torch.add(base[k], bias).to(base.dtype)
-            prev = (self.select(corrected) if ctx.sampler is None else
-                    ctx.sampler.select(corrected, slot=k, low_precision=self.low_precision_sampling))
+            h = None if rows is None else rows[k]
+            if fused:
+                z, state = head.latent(prev, h, state)
+                prev, corrected = self._pick(z, base[k])
+            else:
+                bias, state = head.step(prev, h, state)
+                corrected = torch.add(base[k], bias).to(base.dtype)
+                prev = (self.select(corrected) if ctx.sampler is None else
+                        ctx.sampler.select(corrected, slot=k, low_precision=self.low_precision_sampling))
             tokens.append(prev)
             q.append(corrected)
         return proposal.with_tokens(torch.stack(tokens), torch.stack(q))

@@ -183,12 +183,16 @@ def argmax_select(scores: torch.Tensor, ids: torch.Tensor | None = None) -> torc
 
 
 class _Block:
-    """What no pass changes in one block (hidden cache, shortlist, gathered w2 rows), and the per-pass scoring."""
+    """What no pass changes in one block (hidden cache, shortlist, gathered w2 rows), and the per-pass scoring.
 
-    def __init__(self, head: XPressHead, hidden: torch.Tensor, base: torch.Tensor, topc: int):
+    `kern` (harness.kernels, greedy full-vocabulary passes only): w2, the base add and the argmax run as one
+    matmul launch with the add and a per-tile argmax in its epilogue, plus one small reduction launch."""
+
+    def __init__(self, head: XPressHead, hidden: torch.Tensor, base: torch.Tensor, topc: int, kern=None):
         dt = head.w2.weight.dtype
         self.head, self.base = head, base
         self.cache = head.block_cache(hidden.to(dt))
+        self.kern = kern if kern is not None and not topc and fused_scoring_fits(kern, base, head.w2.weight) else None
         self.ids = None
         if topc:
             self.ids = shortlist(base, topc)                                   # [B-1, C]
@@ -203,11 +207,24 @@ class _Block:
         bias = torch.bmm(self.w2_c, z.unsqueeze(-1)).squeeze(-1)
         return torch.add(self.base_c, bias).to(self.base.dtype)
 
+    @torch.compiler.disable  # a Triton launch: compiled refiners call it between their compiled pieces
+    def pick(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A greedy pass on the kernels: (tokens [B-1], refined logits [B-1, V]), the same as scores + argmax."""
+        scores, tokens = self.kern.linear(self.head.latent(self.cache, prev), self.head.w2.weight,
+                                          residual=self.base, argmax=True)
+        return tokens, scores
+
     def full(self, scores: torch.Tensor) -> torch.Tensor:
         """The proposal distribution over the whole vocabulary (-inf off the shortlist)."""
         if self.ids is None:
             return scores
         return torch.full_like(self.base, float("-inf")).scatter(-1, self.ids, scores)
+
+
+def fused_scoring_fits(kern, base: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether base [n, V] + z w2^T and its argmax can run as one kernels.linear: rows within its limit, the same
+    dtype (the sum is rounded to it), row-major base."""
+    return base.shape[0] <= kern.MAX_ROWS and base.dtype == w2.dtype and base.stride(-1) == 1
 
 
 def check_geometry(head: XPressHead, proposal: Proposal) -> None:
@@ -240,6 +257,11 @@ class XPressRefiner:
         self.passes = passes
         self.prev_anchor = prev_anchor
         self.topc = validate_topc(topc, head.vocab)
+        self._kern = None
+
+    def use_kernels(self, kernels) -> None:
+        """Greedy full-vocabulary passes score through harness.kernels (None: torch ops)."""
+        self._kern = kernels
 
     @property
     def needs_prev_token(self) -> bool:
@@ -254,13 +276,18 @@ class XPressRefiner:
         if self.passes == 0:
             return proposal
         check_geometry(self.head, proposal)
-        blk = _Block(self.head, proposal.hidden, proposal.logits, self.topc)
+        blk = _Block(self.head, proposal.hidden, proposal.logits, self.topc,
+                     self._kern if ctx.sampler is None else None)
         lead = _lead(ctx.anchor, ctx.anchor if self.prev_anchor else ctx.prev_token)
         tokens = proposal.tokens
         select = self.select if ctx.sampler is None else ctx.sampler.select
         for _ in range(self.passes):
-            scores = blk.scores(torch.cat((lead, tokens[:-1])))
-            tokens = select(scores, blk.ids)
+            prev = torch.cat((lead, tokens[:-1]))
+            if blk.kern is not None:
+                tokens, scores = blk.pick(prev)
+            else:
+                scores = blk.scores(prev)
+                tokens = select(scores, blk.ids)
         return proposal.with_tokens(tokens, blk.full(scores))
 
 

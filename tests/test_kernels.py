@@ -13,6 +13,10 @@ from harness.cache import StaticKV, attend, causal_mask, rotate  # noqa: E402
 from harness.devices import Backend  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
 from harness.loop import DecodeSettings, generate  # noqa: E402
+from drafters.base import Proposal  # noqa: E402
+from refiners.base import RefineContext  # noqa: E402
+from refiners.markov import MarkovRefiner, random_markov_head  # noqa: E402
+from refiners.xpress import XPressRefiner, random_xpress_head  # noqa: E402
 from tiny import tiny_drafter, tiny_target  # noqa: E402
 
 def _interpreter_broken() -> bool:
@@ -68,6 +72,30 @@ def test_linear_one_row_without_dot_and_bad_shapes():
         kernels.linear(rnd(1, 32), w)
     with pytest.raises(ValueError, match="rows"):
         kernels.linear(rnd(kernels.MAX_ROWS + 1, 64), w)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,cfg", [(1, 300, None), (15, 300, None), (1, 300, "no-dot"), (4, 1000, "narrow")])
+def test_linear_argmax_matches_torch_with_ties(dtype, m, n, cfg):
+    """The fused argmax: the lowest column among equal maxima (torch.argmax's rule), across program boundaries, with
+    and without the residual (the xPress base logits); a NaN counts as +inf."""
+    config = {None: None, "no-dot": kernels.LinearConfig(block_n=16, block_k=32, warps=4, stages=1, dot=False),
+              "narrow": kernels.LinearConfig(block_n=16, block_k=32, warps=4, stages=1)}[cfg]
+    w = rnd(n, 64, dtype=dtype, scale=0.1, seed=1)
+    w[n // 2] = w[n - 3] = w[7] = w[n // 3]  # equal rows give equal outputs in different programs
+    x = rnd(m, 64, dtype=dtype, seed=2)
+    x[0] = 0.0  # a row of all-equal outputs: the answer is column 0
+    r = rnd(m, n, dtype=dtype, seed=3)
+    for res in (None, r):
+        y, ids = kernels.linear(x, w, residual=res, config=config, argmax=True)
+        want = torch.nn.functional.linear(x, w) + (0 if res is None else res)
+        torch.testing.assert_close(y, want.to(dtype), **tol(dtype))
+        assert ids.dtype == torch.long and ids.shape == (m,)
+        assert torch.equal(ids, y.argmax(-1)), (ids, y.argmax(-1))  # exactly torch's pick over the same values
+    assert ids[0] == r[0].argmax() and kernels.linear(x, w, argmax=True)[1][0] == 0
+    xn = x.clone()
+    xn[-1, 5] = float("nan")  # the whole last row is NaN
+    assert kernels.linear(xn, w, argmax=True, config=config)[1][-1] == 0
 
 
 def torch_attention(qkv, qn, kn, eps, cos, sin, positions, kc, vc, n_q, scale):
@@ -143,6 +171,33 @@ def test_greedy_tokens_same_with_kernels(drafter, graph):
     assert outs[0] == outs[1] and len(outs[0]) == n
 
 
+@pytest.mark.skipif(not kernels.pdl_supported(DEV), reason="programmatic dependent launch needs a Hopper GPU")
+def test_programmatic_dependent_launch_changes_no_bit():
+    """PDL only lets a launch start early and wait on the device: bf16 verify logits, drafter proposals and the
+    greedy tokens of whole-step graphs with the xPress and Markov refiners are bit-identical with it off and on."""
+    from tiny import VOCAB
+    b = Backend(DEV, torch.bfloat16)
+    runs = []
+    try:
+        for pdl in (False, None):
+            kernels.set_launch(pdl=pdl, prefetch_tiles=1)
+            t = tiny_target("qwen3", backend=b, capacity=96)
+            d = tiny_drafter(t, block=8, backend=b)
+            t.use_kernels()
+            d.model.use_kernels(kernels)
+            logits, feats = t.verify(torch.arange(8, 24, device=DEV), 16, want_features=False)
+            refs = [XPressRefiner(random_xpress_head(VOCAB, 64, 16, 8, seed=7, std=0.3).to(DEV, b.dtype), 4),
+                    MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 16, seed=2, std=0.3).to(DEV, b.dtype))]
+            for r in refs:
+                r.use_kernels(kernels)
+            s = DecodeSettings(40, 512, (), use_graph=True, graph_bucket=32)
+            toks = [generate(t, list(range(10, 30)), s, b, drafter=d, refiner=r).tokens for r in refs]
+            runs.append((logits, toks))
+    finally:
+        kernels.set_launch()
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+
+
 def test_refused_with_biases():
     t = tiny_target("qwen3", backend=Backend(DEV, torch.float32))
     t.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(t.layers[0].self_attn.q_proj.out_features,
@@ -183,6 +238,62 @@ def test_drafter_kernels_match_torch():
     torch.testing.assert_close(pb.hidden, pa.hidden, **loose)
     torch.testing.assert_close(pb.logits, pa.logits, **loose)
     assert torch.equal(pb.tokens, pa.tokens)
+
+
+def _block_case(seed, n, v, hidden_size):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, hidden_size, generator=g).to(DEV)
+    base = (torch.randn(n - 1, v, generator=g) * 0.3).to(DEV)
+    anchor, prev = torch.randint(0, v, (2,), generator=g).to(DEV)
+    return Proposal(base.argmax(-1), base, hidden), RefineContext(anchor=anchor, prev_token=prev)
+
+
+def _counting_linear(fn, *args):
+    """fn(*args) and the `argmax` flag of every kernels.linear call it made."""
+    calls, real = [], kernels.linear
+    kernels.linear = lambda *a, **k: calls.append(k.get("argmax")) or real(*a, **k)
+    try:
+        return fn(*args), calls
+    finally:
+        kernels.linear = real
+
+
+def test_xpress_fused_scoring_matches_torch():
+    """Greedy xPress passes with w2, the base add and the argmax in one kernels.linear: the same tokens and
+    refined logits as the torch passes, with and without a shortlist (which stays on torch ops), and the kernel
+    path really taken."""
+    v, n = 300, 8
+    head = random_xpress_head(v, 24, 16, n, seed=0, std=0.2).to(DEV)
+    changed = 0
+    for topc in (0, 32):
+        ref, fast = XPressRefiner(head, 3, topc=topc), XPressRefiner(head, 3, topc=topc)
+        fast.use_kernels(kernels)
+        for seed in range(4):
+            p, ctx = _block_case(seed, n, v, 24)
+            got, calls = _counting_linear(fast.refine, p, ctx)
+            want = ref.refine(p, ctx)
+            assert calls == ([True] * 3 if topc == 0 else [])
+            assert torch.equal(got.tokens, want.tokens), (topc, seed)
+            torch.testing.assert_close(got.logits, want.logits, **tol(torch.float32))
+            changed += int((want.tokens != p.tokens).sum())
+    assert changed, "refinement changed no token: the comparison would prove little"
+
+
+@pytest.mark.parametrize("variant", ["vanilla", "gated", "rnn"])
+def test_markov_fused_scoring_matches_torch(variant):
+    v, n = 200, 6
+    head = random_markov_head(variant, v, 20, 12, seed=1, std=0.5).to(DEV)
+    ref, fast = MarkovRefiner(head), MarkovRefiner(head)
+    fast.use_kernels(kernels)
+    changed = 0
+    for seed in range(3):
+        p, ctx = _block_case(seed, n, v, 20)
+        (got, calls), want = _counting_linear(fast.refine, p, ctx), ref.refine(p, ctx)
+        assert calls == [True] * (n - 1)
+        assert torch.equal(got.tokens, want.tokens), seed
+        torch.testing.assert_close(got.logits, want.logits, **tol(torch.float32))
+        changed += int((want.tokens != p.tokens).sum())
+    assert changed
 
 
 def test_wide_blocks_fall_back_to_torch():
