@@ -108,6 +108,38 @@ def tok_s(m, arm, prompt, settings) -> tuple[float, float, float]:
     return g.decode_tokens / g.decode_s, 1000 * g.decode_s / len(g.accepted), timer.summary(skip=0)["mean_step"]
 
 
+def kernel_profile(m, method: str, prompt, settings: DecodeSettings) -> dict:
+    """Device time per kernel name over a graphed generation (torch.profiler / CUPTI, which sees the kernels
+    inside graph replays), per step; `gap_ms` is the graphed step minus the kernels' sum (launch gaps)."""
+    from torch.profiler import ProfilerActivity, profile
+    _gen(m, method, 0, 0, prompt, settings)  # captured before the profile
+    timer = StageTimer(m.backend.device)
+    prof = profile(activities=[ProfilerActivity.CUDA])
+
+    def mark(name: str) -> None:  # the profile starts at the first step's begin: the prefill stays out
+        if not timer.marks:
+            torch.cuda.synchronize()
+            prof.start()
+        timer(name)
+    try:
+        g = _gen(m, method, 0, 0, prompt, settings, mark=mark)
+        torch.cuda.synchronize()
+    finally:
+        prof.stop()
+    steps = len(g.accepted)
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        us = e.cuda_time_total if us is None else us
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "calls_per_step": e.count / steps, "us_per_step": us / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows) / 1000
+    step = timer.summary(skip=0)["mean_step"]
+    return {"arm": method, "steps": steps, "step_ms": step, "kernel_sum_ms": total, "gap_ms": step - total,
+            "kernels": rows[:25]}
+
+
 def hf_reference(model, prompt, n: int, device) -> dict:
     """HF generate per new token (prefill excluded: a 1-token run is subtracted), greedy."""
     ids = torch.tensor([prompt], device=device)
@@ -176,17 +208,20 @@ def measure(a, path: str | None = None) -> dict:
             if kernels.pdl_supported(backend.device):
                 levers += [(f"harness.kernels with programmatic dependent launch, {p} weight tiles prefetched", True,
                             (True, p)) for p in sorted(set(a.prefetch_sweep) | {a.prefetch_tiles})]
+        res["fusion_drafter_only"] = {}
         for label, fuse, launch in levers:
-            m.target.use_kernels(False)
+            m.use_kernels(None)
             m.target.fuse_projections(fuse)
             if launch is not None:
                 kernels.set_launch(pdl=launch[0], prefetch_tiles=launch[1])
-                m.target.use_kernels()
+                m.use_kernels(kernels)
             s = dataclasses.replace(base, use_graph=True)
-            _gen(m, "ar", 0, 0, prompt, s)
-            timer = StageTimer(backend.device)
-            _gen(m, "ar", 0, 0, prompt, s, mark=timer)
-            res["fusion"][label] = timer.summary()["step"]
+            for method, into in (("ar", res["fusion"]), ("drafter-only", res["fusion_drafter_only"])):
+                if method == "ar" or launch is not None:
+                    _gen(m, method, 0, 0, prompt, s)
+                    timer = StageTimer(backend.device)
+                    _gen(m, method, 0, 0, prompt, s, mark=timer)
+                    into[label] = timer.summary()["step"]
     m.target.fuse_projections(True)
     if a.kernels == "triton":
         from harness import kernels
@@ -195,6 +230,10 @@ def measure(a, path: str | None = None) -> dict:
         res["pdl"] = kernels.pdl_supported(backend.device) and a.pdl == "auto"
         res["prefetch_tiles"] = a.prefetch_tiles
     res["kernels"] = m.target.kernels
+    if graphs and a.profile:
+        s = dataclasses.replace(base, use_graph=True)
+        res["profile"] = [kernel_profile(m, meth, prompt, s) for meth in ("ar", "drafter-only")]
+        _save(res, path)
     watch = _compile_refiners(m, a.compile_backend) if a.compile else None
     for arm in arm_list(a.ks, a.topc):
         row = measure_arm(m, arm, prompt, base, a.new_tokens, graphs, a.reps)
@@ -300,6 +339,9 @@ def markdown(r: dict) -> str:
                  f"{_f(sg.get('verify'))} | {_f(sg.get('accept'))} | {_f(sg.get('observe'))} |")
     if r.get("fusion"):
         L += ["", "AR step, graphed device ms: " + "; ".join(f"{k}: {v:.3f}" for k, v in r["fusion"].items())]
+        if r.get("fusion_drafter_only"):
+            L += ["", "Drafter-only step, graphed device ms: " +
+                  "; ".join(f"{k}: {v:.3f}" for k, v in r["fusion_drafter_only"].items())]
     if r["tau_sweep"]:
         L += ["", "Speedup over AR at scripted tau (full graphed loop, "
               f"{r['tau_sweep'][0]['new_tokens']} new tokens): predicted = tau x AR step / spec step, with the step "
@@ -322,6 +364,11 @@ def markdown(r: dict) -> str:
         L += ["", "Extra reference arms (HF `generate`, eager, greedy; ms per new token, prefill excluded):", ""]
         for k, v in r["hf_reference"].items():
             L.append(f"- {k}: " + (f"{v['ms_per_token']:.2f} ms/token" if "ms_per_token" in v else v["error"]))
+    for pr in r.get("profile", []):
+        L += ["", f"Kernels of the graphed {pr['arm']} step (torch.profiler, per step over {pr['steps']} steps): "
+              f"step {pr['step_ms']:.3f} ms, kernels {pr['kernel_sum_ms']:.3f} ms, gaps {pr['gap_ms']:.3f} ms", "",
+              "| kernel | calls/step | us/step |", "|---|---|---|"]
+        L += [f"| `{k['kernel']}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} |" for k in pr["kernels"]]
     if r.get("graph_stats"):
         L += ["", f"Graphs: {r['graph_stats']}"]
     return "\n".join(L) + "\n"
@@ -361,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with PDL, weight tiles each matmul program asks into L2 before it waits")
     p.add_argument("--prefetch-sweep", default="0,1,2,4",
                    help="prefetch settings whose AR step is measured in the levers table (with PDL)")
+    p.add_argument("--profile", action="store_true",
+                   help="per-kernel device time of the graphed AR and drafter-only steps (torch.profiler)")
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/<gpu>_<preset>.json")
     a = p.parse_args(argv)
     try:

@@ -282,8 +282,8 @@ _PDL_DEVICES: dict = {}
 def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1) -> None:
     """How the kernels are launched. pdl: programmatic dependent launch (a launch starts while the one before it
     drains and waits on the device for its writes; Hopper and later), None = wherever the GPU supports it.
-    prefetch_tiles: with pdl, how many of its first weight tiles each matmul program asks into L2 before it
-    waits. Clears nothing: graphs captured before keep the launches they captured."""
+    prefetch_tiles: with pdl, how many of its first weight tiles each tensor-core matmul program (several rows)
+    asks into L2 before it waits. Clears nothing: graphs captured before keep the launches they captured."""
     if prefetch_tiles < 0:
         raise ValueError(f"prefetch_tiles must be >= 0, got {prefetch_tiles}")
     _LAUNCH.update(pdl=pdl, prefetch_tiles=prefetch_tiles)
@@ -327,8 +327,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     n, k = w.shape
     if not 1 <= m <= MAX_ROWS:
         raise ValueError(f"kernels.linear takes 1..{MAX_ROWS} rows, got {m}")
-    if x.shape[1] != (2 * k if gated else k) or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or not row-major)")
+    if x.stride(1) != 1:
+        x = x.contiguous()  # a few rows: the copy is one small launch
+    if x.shape[1] != (2 * k if gated else k) or w.stride(1) != 1:
+        raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w not row-major)")
     cfg = config or choose_linear(m, n, k)
     dot = cfg.dot or m > 1
     if norm is not None:
@@ -342,8 +344,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     grid = (triton.cdiv(n, cfg.block_n),)
     opts = _launch_opts(w.device)
     line = max(128 // w.element_size(), 1)  # elements per 128-byte line
+    # measured on the H200: the prefetch helps the tensor-core (several-row) launches and slows one-row ones
     pf_cols = min(_pow2_at_least(_LAUNCH["prefetch_tiles"] * block_k, line), _pow2_at_least(k, line)) \
-        if opts["PDL"] and _LAUNCH["prefetch_tiles"] else 0
+        if opts["PDL"] and _LAUNCH["prefetch_tiles"] and dot else 0
     if argmax:
         pv = torch.empty((m, grid[0]), dtype=torch.float32, device=w.device)
         pi = torch.empty((m, grid[0]), dtype=torch.int32, device=w.device)
