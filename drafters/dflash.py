@@ -202,6 +202,8 @@ class DFlashModel(nn.Module):
         if kernels is not None and not self._fused:
             self._fused = [(kernels.fuse_rows((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)),
                             kernels.fuse_rows((l.mlp.gate_proj, l.mlp.up_proj))) for l in self.layers]
+        if kernels is not None:
+            kernels.prepare(self.norm.weight.device)
         self._kern = kernels
 
     def _fast(self, rows: int):
@@ -266,12 +268,9 @@ class DFlashModel(nn.Module):
         """`block` on harness.kernels: the block's rows attend over every slot up to its last position, which is
         `limit` - 1 (the drafter's positions run up to the target position + block size)."""
         k, c = self._kern, self.config
-        h = x
-        for i, layer in enumerate(self.layers):
-            qkv_w, gate_up_w = self._fused[i]
-            h = k.decoder_layer(h, layer, qkv_w, gate_up_w, cos, sin, positions, kv.k[i, 0], kv.v[i, 0],
-                                c.num_attention_heads, c.head_dim ** -0.5, causal=False)
-        return self.norm(h)
+        out, _ = k.decoder_stack(x, self.layers, self.norm, lambda i: (*self._fused[i], kv.k[i, 0], kv.v[i, 0]),
+                                 cos, sin, positions, c.num_attention_heads, c.head_dim ** -0.5, causal=False)
+        return out
 
 
 class DFlashDrafter:

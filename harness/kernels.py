@@ -99,13 +99,16 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, M, N, K, sx, sw, sy, sr,
-                       PRO: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, cnt_ptr, nw_ptr, yn_ptr, M, N, K, sx, sw, sy,
+                       sr, syn, eps, PRO: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ARGMAX: tl.constexpr, PDL: tl.constexpr, PF_COLS: tl.constexpr, LINE: tl.constexpr):
+                       ARGMAX: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_ROW: tl.constexpr, PDL: tl.constexpr,
+                       PF_COLS: tl.constexpr, LINE: tl.constexpr):
         # PRO: 0 plain x; 2 silu(x[:, :K]) * x[:, K:] with HF's roundings (an RMSNorm prologue measured slower than
-        # its own launch, so norms run in _rmsnorm_kernel). ARGMAX: each program also writes, per row, the largest
-        # output of its columns and the lowest column holding it (pv/pi [M, programs]; _argmax_reduce_kernel).
+        # its own launch: every output tile would repeat it). ARGMAX: each program also writes, per row, the
+        # largest output of its columns and the lowest column holding it (pv/pi [M, programs];
+        # _argmax_reduce_kernel). NORM_OUT: the last program to finish (a counter at cnt_ptr, left at 0) writes
+        # yn = RMSNorm(y) * nw for whole rows: the next matmul's input without a launch of its own.
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,6 +161,17 @@ if triton is not None:
             part = rm * tl.num_programs(0) + pid
             tl.store(pv_ptr + part, best, mask=m_ok)
             tl.store(pi_ptr + part, col, mask=m_ok)
+        if NORM_OUT:
+            tl.debug_barrier()  # all of this program's stores come before its arrival
+            if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+                c = tl.arange(0, BLOCK_ROW)
+                c_ok = c < N
+                nw = tl.load(nw_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
+                for row in range(0, M):  # other programs' columns: read past L1
+                    h = tl.load(y_ptr + row * sy + c, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+                    tl.store(yn_ptr + row * syn + c, ((h * rstd).to(dt).to(tl.float32) * nw).to(dt), mask=c_ok)
+                tl.atomic_xchg(cnt_ptr, 0)
 
     @triton.jit
     def _argmax_reduce_kernel(pv_ptr, pi_ptr, out_ptr, P, PDL: tl.constexpr, BLOCK: tl.constexpr):
@@ -304,9 +318,30 @@ def _pdl(device: torch.device) -> bool:
     return _LAUNCH["pdl"] is not False and pdl_supported(device)
 
 
-def _launch_opts(device: torch.device) -> dict:
-    """The PDL constexpr and, when on, the launch attribute that lets the kernel start early."""
-    return {"PDL": True, "launch_pdl": True} if _pdl(device) else {"PDL": False}
+def _launch_opts(device: torch.device, rows: int) -> dict:
+    """The PDL constexpr and, when on, the launch attribute that lets the kernel start early. Only launches of
+    several rows (verify blocks, the drafter's block): measured on the H200, PDL made the drafter-only step
+    0.2 ms faster and left the one-row AR step as it was, or slower where matmuls follow each other."""
+    return {"PDL": True, "launch_pdl": True} if rows > 1 and _pdl(device) else {"PDL": False}
+
+
+_COUNTERS: dict = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The arrival counter of norm_out launches on this device (int32, 0 between launches: the last program resets
+    it; launches on one stream never overlap their counting). Made by `prepare` before any graph capture."""
+    key = str(device)
+    if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("kernels: call kernels.prepare(device) before capturing graphs that use norm_out")
+        _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def prepare(device: torch.device) -> None:
+    """Allocate what the kernels keep per device (outside any graph capture)."""
+    _counter(torch.device(device))
 
 
 def _prec(dtype: torch.dtype) -> str | None:
@@ -316,13 +351,16 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           config: LinearConfig | None = None, argmax: bool = False):
+           config: LinearConfig | None = None, argmax: bool = False, norm_out: torch.Tensor | None = None,
+           norm_out_eps: float = 0.0):
     """x [M, K] (or [M, 2K] with gated=True) and w [N, K] -> [M, N] in w's dtype.
 
     norm: RMSNorm weight [K] applied to x first (eps its epsilon); gated: x holds gate|up, the input is
     silu(gate) * up; residual [M, N]: added to the product (rounded first, as `h + linear(x)` would).
     argmax: also return each row's argmax [M] (int64, lowest column among equal maxima as torch.argmax; a NaN
-    counts as +inf), found by the matmul's programs and one small reduction launch: (y, ids)."""
+    counts as +inf), found by the matmul's programs and one small reduction launch: (y, ids).
+    norm_out: RMSNorm weight [N]: also return the output's RMSNorm (epsilon norm_out_eps), made by the matmul's
+    last program: (y, normed y)."""
     m = x.shape[0]
     n, k = w.shape
     if not 1 <= m <= MAX_ROWS:
@@ -331,6 +369,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         x = x.contiguous()  # a few rows: the copy is one small launch
     if x.shape[1] != (2 * k if gated else k) or w.stride(1) != 1:
         raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w not row-major)")
+    if argmax and norm_out is not None:
+        raise ValueError("kernels.linear: argmax and norm_out are not taken together")
     cfg = config or choose_linear(m, n, k)
     dot = cfg.dot or m > 1
     if norm is not None:
@@ -342,7 +382,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     r = residual if residual is not None else y
     block_k = min(cfg.block_k, _pow2_at_least(k, 16))
     grid = (triton.cdiv(n, cfg.block_n),)
-    opts = _launch_opts(w.device)
+    opts = _launch_opts(w.device, m)
     line = max(128 // w.element_size(), 1)  # elements per 128-byte line
     # measured on the H200: the prefetch helps the tensor-core (several-row) launches and slows one-row ones
     pf_cols = min(_pow2_at_least(_LAUNCH["prefetch_tiles"] * block_k, line), _pow2_at_least(k, line)) \
@@ -352,11 +392,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         pi = torch.empty((m, grid[0]), dtype=torch.int32, device=w.device)
     else:
         pv = pi = y
-    _linear_kernel[grid](x, w, y, r, pv, pi, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0),
+    yn, cnt = (torch.empty_like(y), _counter(w.device)) if norm_out is not None else (y, y)
+    _linear_kernel[grid](x, w, y, r, pv, pi, cnt, norm_out if norm_out is not None else w, yn, m, n, k,
+                         x.stride(0), w.stride(0), y.stride(0), r.stride(0), yn.stride(0), norm_out_eps,
                          PRO=2 if gated else 0, RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
                          PREC=_prec(w.dtype), BLOCK_M=_pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n,
-                         BLOCK_K=block_k, ARGMAX=argmax, PF_COLS=pf_cols, LINE=line, num_warps=cfg.warps,
-                         num_stages=cfg.stages, **opts)
+                         BLOCK_K=block_k, ARGMAX=argmax, NORM_OUT=norm_out is not None,
+                         BLOCK_ROW=_pow2_at_least(n, 16) if norm_out is not None else 16, PF_COLS=pf_cols,
+                         LINE=line, num_warps=cfg.warps, num_stages=cfg.stages, **opts)
+    if norm_out is not None:
+        return y, yn
     if not argmax:
         return y
     ids = torch.empty(m, dtype=torch.long, device=w.device)
@@ -369,7 +414,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     m, k = x.shape
     y = torch.empty_like(x)
     _rmsnorm_kernel[(m,)](x, weight, y, k, x.stride(0), y.stride(0), eps, BLOCK=_pow2_at_least(k, 16),
-                          num_warps=8 if k >= 2048 else 4, **_launch_opts(x.device))
+                          num_warps=8 if k >= 2048 else 4, **_launch_opts(x.device, m))
     return y
 
 
@@ -378,7 +423,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     m, k = x.shape[0], x.shape[1] // 2
     y = torch.empty((m, k), dtype=x.dtype, device=x.device)
     _silu_mul_kernel[(m, triton.cdiv(k, 1024))](x, y, k, x.stride(0), y.stride(0), BLOCK=1024, num_warps=4,
-                                                **_launch_opts(x.device))
+                                                **_launch_opts(x.device, m))
     return y
 
 
@@ -400,7 +445,7 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o, t,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q, scale, eps,
         NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal, BLOCK_T=_pow2_at_least(t, 1),
-        BLOCK_R=rows, BLOCK_S=64 if rows <= 32 else 32, num_warps=4, **_launch_opts(qkv.device))
+        BLOCK_R=rows, BLOCK_S=64 if rows <= 32 else 32, num_warps=4, **_launch_opts(qkv.device, t))
     return o
 
 
@@ -410,20 +455,42 @@ def _eps(norm) -> float:
     return norm.eps if eps is None else eps
 
 
-def decoder_layer(h: torch.Tensor, layer, qkv_w: torch.Tensor, gate_up_w: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  n_q: int, scale: float, causal: bool = True) -> torch.Tensor:
-    """One pre-norm decoder layer (HF Llama/Qwen module names: input_layernorm, self_attn.{q_norm, k_norm,
-    o_proj}, post_attention_layernorm, mlp.down_proj) over rows h [T, H], with the fused q/k/v and gate/up
-    weights; writes the layer's K/V at `positions`. The target's decode step and the drafter's block share it."""
-    attn, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
+def decoder_layer(h: torch.Tensor, hn: torch.Tensor, layer, next_norm, qkv_w: torch.Tensor,
+                  gate_up_w: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, positions: torch.Tensor, n_q: int, scale: float,
+                  causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pre-norm decoder layer (HF Llama/Qwen module names: self_attn.{q_norm, k_norm, o_proj},
+    post_attention_layernorm, mlp.down_proj) over residual rows h [T, H] whose input_layernorm is hn, with the
+    fused q/k/v and gate/up weights; writes the layer's K/V at `positions`. Returns the new residual rows and
+    their `next_norm` (the next layer's input_layernorm, or the model's final norm), both norms made by the
+    last program of the matmul before them."""
+    attn, ln2 = layer.self_attn, layer.post_attention_layernorm
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    qkv = linear(h, qkv_w, norm=ln1.weight, eps=_eps(ln1))
+    qkv = linear(hn, qkv_w)
     o = attention(qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
                   0.0 if qn is None else _eps(qn), cos, sin, positions, k_cache, v_cache, n_q, scale, causal)
-    h = linear(o, attn.o_proj.weight, residual=h)
-    gate_up = linear(h, gate_up_w, norm=ln2.weight, eps=_eps(ln2))
-    return linear(gate_up, layer.mlp.down_proj.weight, gated=True, residual=h)
+    h, hn = linear(o, attn.o_proj.weight, residual=h, norm_out=ln2.weight, norm_out_eps=_eps(ln2))
+    gate_up = linear(hn, gate_up_w)
+    return linear(gate_up, layer.mlp.down_proj.weight, gated=True, residual=h, norm_out=next_norm.weight,
+                  norm_out_eps=_eps(next_norm))
+
+
+def decoder_stack(h: torch.Tensor, layers, final_norm, weights, cos: torch.Tensor, sin: torch.Tensor,
+                  positions: torch.Tensor, n_q: int, scale: float, causal: bool = True,
+                  taps=()) -> tuple[torch.Tensor, dict]:
+    """Every decoder layer over rows h [T, H]; `weights(i)` gives layer i's (q/k/v weight, gate/up weight,
+    K cache, V cache). One RMSNorm launch (the first layer's input); every later norm rides in the matmul before
+    it. Returns final_norm(h) and {i: residual rows after layer i} for i in `taps`. The target's decode step and
+    the drafter's block share it."""
+    ln1 = layers[0].input_layernorm
+    hn = rms_norm(h, ln1.weight, _eps(ln1))
+    tapped = {}
+    for i, layer in enumerate(layers):
+        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
+        h, hn = decoder_layer(h, hn, layer, nxt, *weights(i), cos, sin, positions, n_q, scale, causal)
+        if i in taps:
+            tapped[i] = h
+    return hn, tapped
 
 
 def fuse_rows(modules) -> torch.Tensor:

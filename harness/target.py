@@ -133,6 +133,7 @@ class Target:
             why = "they need a CUDA device"
         if why is not None:
             raise UsageError(f"--kernels triton: not available for this target: {why}; use --kernels torch")
+        kernels.prepare(self.backend.device)
         self._kernels = kernels
         return True
 
@@ -216,20 +217,15 @@ class Target:
         h = self.embed(ids)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
-        n_q = self.config.num_attention_heads
-        tapped = {}
-        for i, layer in enumerate(self.layers):
-            qkv_w, _, gate_up_w = self._fused[i]
-            h = k.decoder_layer(h, layer, qkv_w, gate_up_w, cos, sin, positions, self.kv.k[i, 0], self.kv.v[i, 0],
-                                n_q, self.scale)
-            if want_features and i in self._tap_set:
-                tapped[i] = h
+        out, tapped = k.decoder_stack(
+            h, self.layers, self.norm, lambda i: (self._fused[i][0], self._fused[i][2], self.kv.k[i, 0],
+                                                  self.kv.v[i, 0]),
+            cos, sin, positions, self.config.num_attention_heads, self.scale,
+            taps=self._tap_set if want_features else ())
         last = self.n_layers - 1
-        if want_features and last in tapped:
-            tapped[last] = _rms(self.norm, h)  # the tapped tensor is the normed one (see `forward`)
-            logits = k.linear(tapped[last], self.lm_head.weight)
-        else:
-            logits = k.linear(h, self.lm_head.weight, norm=self.norm.weight, eps=self.norm.variance_epsilon)
+        if last in tapped:
+            tapped[last] = out  # the tapped tensor is the normed one (see `forward`)
+        logits = k.linear(out, self.lm_head.weight)
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
         return logits, features
 
