@@ -233,16 +233,21 @@ class DFlashModel(nn.Module):
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV) -> None:
         """Context K/V from projected target features; they do not depend on the block, so each position once."""
         k = self._fast(features.shape[0])
-        ctx = self.hidden_norm(k.linear(features, self.fc.weight) if k is not None else self.fc(features))
+        if k is not None:  # the hidden norm in the fc matmul's last program
+            _, ctx = k.linear(features, self.fc.weight, norm_out=self.hidden_norm.weight,
+                              norm_out_eps=self.hidden_norm.eps)
+        else:
+            ctx = self.hidden_norm(self.fc(features))
         cos, sin = cos_sin(self.inv_freq, positions, ctx.dtype)
         q_rows = self.config.num_attention_heads * self.config.head_dim
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            if k is not None:  # k and v rows are adjacent in the fused q/k/v weight: one matmul
-                kx, vx = k.linear(ctx, self._fused[i][0][q_rows:]).chunk(2, dim=-1)
+            if k is not None:  # k and v rows are adjacent in the fused q/k/v weight: one matmul, one cache write
+                k.write_kv(k.linear(ctx, self._fused[i][0][q_rows:]), a.k_norm.weight, a.k_norm.eps, cos, sin,
+                           positions, kv.k[i, 0], kv.v[i, 0])
             else:
-                kx, vx = a.k_proj(ctx), a.v_proj(ctx)
-            kv.write(i, positions, self._split_heads(kx, a.k_norm, cos, sin), self._split_heads(vx, None, None, None))
+                kv.write(i, positions, self._heads(a.k_proj, a.k_norm, ctx, cos, sin),
+                         self._heads(a.v_proj, None, ctx, None, None))
 
     @torch.no_grad()
     def block(self, x: torch.Tensor, positions: torch.Tensor, kv: StaticKV, limit: torch.Tensor,

@@ -227,6 +227,32 @@ if triton is not None:
         return ((x * cos).to(dt).to(tl.float32) + (rot * sin).to(dt).to(tl.float32)).to(dt)
 
     @triton.jit
+    def _store_kv(rows_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_rows, s_cs, s_kh, s_ks, HQ, h,
+                  n_kv, eps, NORM: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+        """K/V head h of T projected rows (k heads from column block HQ, v heads after the n_kv k heads): k
+        normed (if NORM) and rotated, both written into the caches at the rows' positions."""
+        d = tl.arange(0, D)
+        tt = tl.arange(0, BLOCK_T)
+        t_ok = tt < T
+        tpos = tl.load(pos_ptr + tt, mask=t_ok, other=0)
+        cs = tt[:, None] * s_cs + d[None, :]
+        cos = tl.load(cos_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        k = _norm_rope(rows_ptr + tt[:, None] * s_rows + (HQ + h) * D, t_ok, kn_ptr, cos, sin, d, eps, NORM, D)
+        dst = h * s_kh + tpos[:, None] * s_ks + d[None, :]
+        tl.store(kc_ptr + dst, k, mask=t_ok[:, None])
+        v = tl.load(rows_ptr + tt[:, None] * s_rows + (HQ + n_kv + h) * D + d[None, :], mask=t_ok[:, None])
+        tl.store(vc_ptr + dst, v, mask=t_ok[:, None])
+
+    @triton.jit
+    def _kv_write_kernel(kv_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_kv, s_cs, s_kh, s_ks,
+                         eps, NORM: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+        # one program per K/V head: the drafter's context write (no attention)
+        _after_previous(PDL)
+        _store_kv(kv_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_kv, s_cs, s_kh, s_ks, 0,
+                  tl.program_id(0), tl.num_programs(0), eps, NORM, D, BLOCK_T)
+
+    @triton.jit
     def _attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, T,
                           s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr, GROUPS: tl.constexpr,
                           D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -237,18 +263,8 @@ if triton is not None:
         h = tl.program_id(0)
         d = tl.arange(0, D)
         dt = kc_ptr.dtype.element_ty
-        n_kv = tl.num_programs(0)
-        tt = tl.arange(0, BLOCK_T)
-        t_ok = tt < T
-        tpos = tl.load(pos_ptr + tt, mask=t_ok, other=0)
-        cs = tt[:, None] * s_cs + d[None, :]
-        cos = tl.load(cos_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
-        k = _norm_rope(qkv_ptr + tt[:, None] * s_qkv + (HQ + h) * D, t_ok, kn_ptr, cos, sin, d, eps, NORM, D)
-        dst = h * s_kh + tpos[:, None] * s_ks + d[None, :]
-        tl.store(kc_ptr + dst, k, mask=t_ok[:, None])
-        v = tl.load(qkv_ptr + tt[:, None] * s_qkv + (HQ + n_kv + h) * D + d[None, :], mask=t_ok[:, None])
-        tl.store(vc_ptr + dst, v, mask=t_ok[:, None])
+        _store_kv(qkv_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_qkv, s_cs, s_kh, s_ks, HQ, h,
+                  tl.num_programs(0), eps, NORM, D, BLOCK_T)
 
         r = tl.arange(0, BLOCK_R)
         g = r // T
@@ -447,6 +463,23 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal, BLOCK_T=_pow2_at_least(t, 1),
         BLOCK_R=rows, BLOCK_S=64 if rows <= 32 else 32, num_warps=4, **_launch_opts(qkv.device, t))
     return o
+
+
+def write_kv(kv: torch.Tensor, k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+             positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Projected rows kv [T, 2 n_kv d] (k heads, then v heads) into one layer's caches [n_kv, capacity, d] at
+    `positions`: k through its per-head RMSNorm (k_norm weight [d], None: none) and the rotary (cos/sin [T, d]),
+    v as it is. One launch; the rounding of `attention`'s own cache write."""
+    t = kv.shape[0]
+    if kv.stride(1) != 1:
+        kv = kv.contiguous()
+    n_kv, d = k_cache.shape[0], k_cache.shape[-1]
+    if kv.shape[1] != 2 * n_kv * d:
+        raise ValueError(f"kernels.write_kv: rows of {kv.shape[1]} values, expected {2 * n_kv * d}")
+    norm = k_norm is not None
+    _kv_write_kernel[(n_kv,)](kv, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, t,
+                              kv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), eps, NORM=norm, D=d,
+                              BLOCK_T=_pow2_at_least(t, 1), num_warps=4, **_launch_opts(kv.device, t))
 
 
 def _eps(norm) -> float:

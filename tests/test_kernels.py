@@ -255,6 +255,7 @@ def test_drafter_kernels_match_torch():
     pa, pb = (d.propose(torch.tensor(9, device=DEV), torch.tensor(14, device=DEV), 32) for d in (ref, fast))
     loose = dict(atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(fast.kv.k[:, :, :, :18], ref.kv.k[:, :, :, :18], **loose)
+    torch.testing.assert_close(fast.kv.v[:, :, :, :18], ref.kv.v[:, :, :, :18], **loose)
     torch.testing.assert_close(pb.hidden, pa.hidden, **loose)
     torch.testing.assert_close(pb.logits, pa.logits, **loose)
     assert torch.equal(pb.tokens, pa.tokens)
