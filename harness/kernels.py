@@ -28,6 +28,7 @@ except ImportError:  # the torch path is used instead (harness.target checks `av
 
 MAX_ROWS = 64         # rows one `linear` call takes (verify blocks up to 64 tokens)
 MAX_ATTN_ROWS = 128   # query rows (tokens x query heads per K/V head) one attention program keeps in registers
+MAX_SPLITS = 16       # programs per K/V head that share one attention's slots
 
 
 def fits(tokens: int, groups: int) -> bool:
@@ -253,14 +254,19 @@ if triton is not None:
                   tl.program_id(0), tl.num_programs(0), eps, NORM, D, BLOCK_T)
 
     @triton.jit
-    def _attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, T,
-                          s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr, GROUPS: tl.constexpr,
-                          D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_T: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):
-        # one program per K/V head: its T new keys/values (norm, rope) into the cache, then its GROUPS*T query
-        # rows (norm, rope) attend over slots [0, last position]: causally, or all of them (the drafter's block)
+    def _attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr,
+                          pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr,
+                          GROUPS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
+                          PDL: tl.constexpr):
+        # programs (K/V head, split): each writes its head's T new keys/values (norm, rope) into the cache (the
+        # splits write the same values), then its GROUPS*T query rows (norm, rope) attend over its share of the
+        # slots [0, last position]: causally, or all of them (the drafter's block). With SPLITS > 1 each split
+        # leaves its running max, sum and output in pm/pl/pa, and the head's last split to arrive (a counter at
+        # cnt_ptr + head, left at 0) merges them in split order.
         _after_previous(PDL)
         h = tl.program_id(0)
+        sp = tl.program_id(1)
         d = tl.arange(0, D)
         dt = kc_ptr.dtype.element_ty
         _store_kv(qkv_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_qkv, s_cs, s_kh, s_ks, HQ, h,
@@ -279,15 +285,18 @@ if triton is not None:
         tl.debug_barrier()  # this program's cache writes above are read below
 
         kv_len = (tl.load(pos_ptr + T - 1) + 1).to(tl.int32)
+        per = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_S) * BLOCK_S  # slots per split, whole blocks
+        lo = sp * per
+        hi = tl.minimum(lo + per, kv_len)
         m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
         s = tl.arange(0, BLOCK_S)
         kbase = kc_ptr + h * s_kh
         vbase = vc_ptr + h * s_kh
-        for s0 in range(0, kv_len, BLOCK_S):
+        for s0 in range(lo, hi, BLOCK_S):
             sj = s0 + s
-            s_ok = sj < kv_len
+            s_ok = sj < hi
             kb = tl.load(kbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
             vb = tl.load(vbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
             sc = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale
@@ -295,14 +304,36 @@ if triton is not None:
                 sc = tl.where((sj[None, :] <= qpos[:, None]) & s_ok[None, :], sc, float("-inf"))
             else:
                 sc = tl.where(s_ok[None, :], sc, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(sc, axis=1))  # finite from the first block: key 0 is always visible
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(sc - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible slot yet stays empty
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(sc - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb, input_precision=PREC)
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(o_ptr + t[:, None] * s_ot + head[:, None] * D + d[None, :], out.to(dt), mask=r_ok[:, None])
+        dst = o_ptr + t[:, None] * s_ot + head[:, None] * D + d[None, :]
+        if SPLITS == 1:
+            tl.store(dst, (acc / l_i[:, None]).to(dt), mask=r_ok[:, None])
+        else:
+            part = (h * SPLITS + sp) * BLOCK_R + r
+            tl.store(pm_ptr + part, m_i)
+            tl.store(pl_ptr + part, l_i)
+            tl.store(pa_ptr + part[:, None] * D + d[None, :], acc)
+            tl.debug_barrier()  # all of this split's stores come before its arrival
+            if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == SPLITS - 1:
+                first = h * SPLITS * BLOCK_R + r
+                mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+                for j in range(SPLITS):
+                    mx = tl.maximum(mx, tl.load(pm_ptr + first + j * BLOCK_R, cache_modifier=".cg"))
+                den = tl.zeros([BLOCK_R], dtype=tl.float32)
+                num = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+                for j in range(SPLITS):  # key 0 is visible to every row, so mx is finite
+                    at = first + j * BLOCK_R
+                    wj = tl.exp(tl.load(pm_ptr + at, cache_modifier=".cg") - mx)
+                    den += tl.load(pl_ptr + at, cache_modifier=".cg") * wj
+                    num += tl.load(pa_ptr + at[:, None] * D + d[None, :], cache_modifier=".cg") * wj[:, None]
+                tl.store(dst, (num / den[:, None]).to(dt), mask=r_ok[:, None])
+                tl.atomic_xchg(cnt_ptr + h, 0)
 
 
 _LAUNCH = {"pdl": None, "prefetch_tiles": 1}  # pdl None: on where supported (see set_launch)
@@ -345,13 +376,14 @@ _COUNTERS: dict = {}
 
 
 def _counter(device: torch.device) -> torch.Tensor:
-    """The arrival counter of norm_out launches on this device (int32, 0 between launches: the last program resets
-    it; launches on one stream never overlap their counting). Made by `prepare` before any graph capture."""
+    """Arrival counters on this device (int32, 0 between launches: the last program to arrive resets its own):
+    [0] for norm_out matmuls, [1 + h] for K/V head h of a split attention. Launches on one stream never overlap
+    their counting (with PDL they count after waiting). Made by `prepare` before any graph capture."""
     key = str(device)
     if key not in _COUNTERS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("kernels: call kernels.prepare(device) before capturing graphs that use norm_out")
-        _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        _COUNTERS[key] = torch.zeros(1 + 1024, dtype=torch.int32, device=device)  # norm_out, then attention heads
     return _COUNTERS[key]
 
 
@@ -408,7 +440,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         pi = torch.empty((m, grid[0]), dtype=torch.int32, device=w.device)
     else:
         pv = pi = y
-    yn, cnt = (torch.empty_like(y), _counter(w.device)) if norm_out is not None else (y, y)
+    yn, cnt = (torch.empty_like(y), _counter(w.device)[:1]) if norm_out is not None else (y, y)
     _linear_kernel[grid](x, w, y, r, pv, pi, cnt, norm_out if norm_out is not None else w, yn, m, n, k,
                          x.stride(0), w.stride(0), y.stride(0), r.stride(0), yn.stride(0), norm_out_eps,
                          PRO=2 if gated else 0, RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
@@ -445,23 +477,38 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, n_q: int, scale: float, causal: bool = True) -> torch.Tensor:
+              v_cache: torch.Tensor, n_q: int, scale: float, causal: bool = True,
+              splits: int | None = None) -> torch.Tensor:
     """One layer's attention for T new tokens at increasing `positions` [T], from the fused projection output
     qkv [T, (n_q + 2 n_kv) d]: per-head RMSNorm of q and k (q_norm/k_norm weights [d], None for Llama), rotary
     (cos/sin [T, d]), k and v written into the caches [n_kv, capacity, d] (one layer's slice) at `positions`,
-    then attention over the slots [0, positions[-1]], causal or (causal=False: a drafter's block) not.
-    Returns [T, n_q * d]."""
+    then attention over the slots [0, positions[-1]], causal or (causal=False: a drafter's block) not, split
+    over the slots into `splits` programs per K/V head (None: by the cache's capacity) whose partial results
+    the last of them merges. Returns [T, n_q * d]."""
     t = qkv.shape[0]
     n_kv, d = k_cache.shape[0], k_cache.shape[-1]
     groups = n_q // n_kv
     o = torch.empty((t, n_q * d), dtype=qkv.dtype, device=qkv.device)
     rows = _pow2_at_least(groups * t, 16)
     norm = q_norm is not None
-    _attention_kernel[(n_kv,)](
-        qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o, t,
-        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q, scale, eps,
-        NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal, BLOCK_T=_pow2_at_least(t, 1),
-        BLOCK_R=rows, BLOCK_S=64 if rows <= 32 else 32, num_warps=4, **_launch_opts(qkv.device, t))
+    block_s = 64 if rows <= 32 else 32
+    if splits is None:  # one block of slots per split up to MAX_SPLITS, by the cache's capacity (a host bound)
+        splits = max(1, min(MAX_SPLITS, -(-k_cache.shape[1] // block_s)))
+    if splits > 1:
+        pm = torch.empty((n_kv, splits, rows), dtype=torch.float32, device=qkv.device)
+        pl = torch.empty_like(pm)
+        pa = torch.empty((n_kv, splits, rows, d), dtype=torch.float32, device=qkv.device)
+        cnt = _counter(qkv.device)[1:]
+        if n_kv > cnt.numel():
+            raise ValueError(f"kernels.attention: {n_kv} K/V heads, at most {cnt.numel()}")
+    else:
+        pm = pl = pa = cnt = o
+    _attention_kernel[(n_kv, splits)](
+        qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o,
+        pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q,
+        scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal,
+        BLOCK_T=_pow2_at_least(t, 1), BLOCK_R=rows, BLOCK_S=block_s, SPLITS=splits, num_warps=4,
+        **_launch_opts(qkv.device, t))
     return o
 
 
