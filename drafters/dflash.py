@@ -233,9 +233,8 @@ class DFlashModel(nn.Module):
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV) -> None:
         """Context K/V from projected target features; they do not depend on the block, so each position once."""
         k = self._fast(features.shape[0])
-        if k is not None:  # the hidden norm in the fc matmul's last program
-            _, ctx = k.linear(features, self.fc.weight, norm_out=self.hidden_norm.weight,
-                              norm_out_eps=self.hidden_norm.eps)
+        if k is not None:
+            ctx = k.rms_norm(k.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
         else:
             ctx = self.hidden_norm(self.fc(features))
         cos, sin = cos_sin(self.inv_freq, positions, ctx.dtype)

@@ -204,16 +204,20 @@ def measure(a, path: str | None = None) -> dict:
                   ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, None)]
         if a.kernels == "triton":
             from harness import kernels
-            levers.append(("fused projections, harness.kernels (7 launches/layer), no PDL", True, (False, 0)))
+            levers += [("fused projections, harness.kernels (7 launches/layer), no PDL", True,
+                        dict(pdl=False, prefetch_tiles=0)),
+                       ("the same, attention in one program per K/V head", True,
+                        dict(pdl=False, prefetch_tiles=0, attention_splits=1))]
             if kernels.pdl_supported(backend.device):
-                levers += [(f"harness.kernels with programmatic dependent launch, {p} weight tiles prefetched", True,
-                            (True, p)) for p in sorted(set(a.prefetch_sweep) | {a.prefetch_tiles})]
+                levers += [(f"harness.kernels with programmatic dependent launch (several-row launches), {p} "
+                            "weight tiles prefetched", True, dict(pdl=True, prefetch_tiles=p))
+                           for p in sorted(set(a.prefetch_sweep) | {a.prefetch_tiles})]
         res["fusion_drafter_only"] = {}
         for label, fuse, launch in levers:
             m.use_kernels(None)
             m.target.fuse_projections(fuse)
             if launch is not None:
-                kernels.set_launch(pdl=launch[0], prefetch_tiles=launch[1])
+                kernels.set_launch(**launch)
                 m.use_kernels(kernels)
             s = dataclasses.replace(base, use_graph=True)
             for method, into in (("ar", res["fusion"]), ("drafter-only", res["fusion_drafter_only"])):

@@ -100,16 +100,16 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, cnt_ptr, nw_ptr, yn_ptr, M, N, K, sx, sw, sy,
-                       sr, syn, eps, PRO: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, M, N, K, sx, sw, sy, sr,
+                       PRO: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ARGMAX: tl.constexpr, NORM_OUT: tl.constexpr, BLOCK_ROW: tl.constexpr, PDL: tl.constexpr,
-                       PF_COLS: tl.constexpr, LINE: tl.constexpr):
-        # PRO: 0 plain x; 2 silu(x[:, :K]) * x[:, K:] with HF's roundings (an RMSNorm prologue measured slower than
-        # its own launch: every output tile would repeat it). ARGMAX: each program also writes, per row, the
-        # largest output of its columns and the lowest column holding it (pv/pi [M, programs];
-        # _argmax_reduce_kernel). NORM_OUT: the last program to finish (a counter at cnt_ptr, left at 0) writes
-        # yn = RMSNorm(y) * nw for whole rows: the next matmul's input without a launch of its own.
+                       ARGMAX: tl.constexpr, PDL: tl.constexpr, PF_COLS: tl.constexpr, LINE: tl.constexpr):
+        # PRO: 0 plain x; 2 silu(x[:, :K]) * x[:, K:] with HF's roundings. The RMSNorm in front of a matmul is its
+        # own launch: measured faster than a prologue that every output tile repeats, and than an epilogue in
+        # the last program of the matmul before (its arrival atomic and row reads cost more than the launch, and
+        # 16 rows in one program cost 1.3 ms a verify step; results/perf/NOTES.md). ARGMAX: each program also
+        # writes, per row, the largest output of its columns and the lowest column holding it (pv/pi [M,
+        # programs]; _argmax_reduce_kernel).
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,17 +162,6 @@ if triton is not None:
             part = rm * tl.num_programs(0) + pid
             tl.store(pv_ptr + part, best, mask=m_ok)
             tl.store(pi_ptr + part, col, mask=m_ok)
-        if NORM_OUT:
-            tl.debug_barrier()  # all of this program's stores come before its arrival
-            if tl.atomic_add(cnt_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-                c = tl.arange(0, BLOCK_ROW)
-                c_ok = c < N
-                nw = tl.load(nw_ptr + c, mask=c_ok, other=0.0).to(tl.float32)
-                for row in range(0, M):  # other programs' columns: read past L1
-                    h = tl.load(y_ptr + row * sy + c, mask=c_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-                    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-                    tl.store(yn_ptr + row * syn + c, ((h * rstd).to(dt).to(tl.float32) * nw).to(dt), mask=c_ok)
-                tl.atomic_xchg(cnt_ptr, 0)
 
     @triton.jit
     def _argmax_reduce_kernel(pv_ptr, pi_ptr, out_ptr, P, PDL: tl.constexpr, BLOCK: tl.constexpr):
@@ -336,18 +325,21 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + h, 0)
 
 
-_LAUNCH = {"pdl": None, "prefetch_tiles": 1}  # pdl None: on where supported (see set_launch)
+_LAUNCH = {"pdl": None, "prefetch_tiles": 1, "attention_splits": None}  # None: automatic (see set_launch)
 _PDL_DEVICES: dict = {}
 
 
-def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1) -> None:
+def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1, attention_splits: int | None = None) -> None:
     """How the kernels are launched. pdl: programmatic dependent launch (a launch starts while the one before it
     drains and waits on the device for its writes; Hopper and later), None = wherever the GPU supports it.
     prefetch_tiles: with pdl, how many of its first weight tiles each tensor-core matmul program (several rows)
-    asks into L2 before it waits. Clears nothing: graphs captured before keep the launches they captured."""
+    asks into L2 before it waits. attention_splits: programs per K/V head in `attention` (None: by the cache's
+    capacity). Clears nothing: graphs captured before keep the launches they captured."""
     if prefetch_tiles < 0:
         raise ValueError(f"prefetch_tiles must be >= 0, got {prefetch_tiles}")
-    _LAUNCH.update(pdl=pdl, prefetch_tiles=prefetch_tiles)
+    if attention_splits is not None and not 1 <= attention_splits <= MAX_SPLITS:
+        raise ValueError(f"attention_splits must be in 1..{MAX_SPLITS}, got {attention_splits}")
+    _LAUNCH.update(pdl=pdl, prefetch_tiles=prefetch_tiles, attention_splits=attention_splits)
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -376,14 +368,14 @@ _COUNTERS: dict = {}
 
 
 def _counter(device: torch.device) -> torch.Tensor:
-    """Arrival counters on this device (int32, 0 between launches: the last program to arrive resets its own):
-    [0] for norm_out matmuls, [1 + h] for K/V head h of a split attention. Launches on one stream never overlap
-    their counting (with PDL they count after waiting). Made by `prepare` before any graph capture."""
+    """Arrival counters on this device (int32, 0 between launches: the last program to arrive resets its own),
+    [h] for K/V head h of a split attention. Launches on one stream never overlap their counting (with PDL they
+    count after waiting). Made by `prepare` before any graph capture."""
     key = str(device)
     if key not in _COUNTERS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("kernels: call kernels.prepare(device) before capturing graphs that use norm_out")
-        _COUNTERS[key] = torch.zeros(1 + 1024, dtype=torch.int32, device=device)  # norm_out, then attention heads
+            raise RuntimeError("kernels: call kernels.prepare(device) before capturing graphs with split attention")
+        _COUNTERS[key] = torch.zeros(1024, dtype=torch.int32, device=device)
     return _COUNTERS[key]
 
 
@@ -399,16 +391,13 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
            gated: bool = False, residual: torch.Tensor | None = None, out: torch.Tensor | None = None,
-           config: LinearConfig | None = None, argmax: bool = False, norm_out: torch.Tensor | None = None,
-           norm_out_eps: float = 0.0):
+           config: LinearConfig | None = None, argmax: bool = False):
     """x [M, K] (or [M, 2K] with gated=True) and w [N, K] -> [M, N] in w's dtype.
 
     norm: RMSNorm weight [K] applied to x first (eps its epsilon); gated: x holds gate|up, the input is
     silu(gate) * up; residual [M, N]: added to the product (rounded first, as `h + linear(x)` would).
     argmax: also return each row's argmax [M] (int64, lowest column among equal maxima as torch.argmax; a NaN
-    counts as +inf), found by the matmul's programs and one small reduction launch: (y, ids).
-    norm_out: RMSNorm weight [N]: also return the output's RMSNorm (epsilon norm_out_eps), made by the matmul's
-    last program: (y, normed y)."""
+    counts as +inf), found by the matmul's programs and one small reduction launch: (y, ids)."""
     m = x.shape[0]
     n, k = w.shape
     if not 1 <= m <= MAX_ROWS:
@@ -417,8 +406,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         x = x.contiguous()  # a few rows: the copy is one small launch
     if x.shape[1] != (2 * k if gated else k) or w.stride(1) != 1:
         raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w not row-major)")
-    if argmax and norm_out is not None:
-        raise ValueError("kernels.linear: argmax and norm_out are not taken together")
     cfg = config or choose_linear(m, n, k)
     dot = cfg.dot or m > 1
     if norm is not None:
@@ -440,16 +427,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         pi = torch.empty((m, grid[0]), dtype=torch.int32, device=w.device)
     else:
         pv = pi = y
-    yn, cnt = (torch.empty_like(y), _counter(w.device)[:1]) if norm_out is not None else (y, y)
-    _linear_kernel[grid](x, w, y, r, pv, pi, cnt, norm_out if norm_out is not None else w, yn, m, n, k,
-                         x.stride(0), w.stride(0), y.stride(0), r.stride(0), yn.stride(0), norm_out_eps,
+    _linear_kernel[grid](x, w, y, r, pv, pi, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0),
                          PRO=2 if gated else 0, RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
                          PREC=_prec(w.dtype), BLOCK_M=_pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n,
-                         BLOCK_K=block_k, ARGMAX=argmax, NORM_OUT=norm_out is not None,
-                         BLOCK_ROW=_pow2_at_least(n, 16) if norm_out is not None else 16, PF_COLS=pf_cols,
-                         LINE=line, num_warps=cfg.warps, num_stages=cfg.stages, **opts)
-    if norm_out is not None:
-        return y, yn
+                         BLOCK_K=block_k, ARGMAX=argmax, PF_COLS=pf_cols, LINE=line, num_warps=cfg.warps,
+                         num_stages=cfg.stages, **opts)
     if not argmax:
         return y
     ids = torch.empty(m, dtype=torch.long, device=w.device)
@@ -492,13 +474,14 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     rows = _pow2_at_least(groups * t, 16)
     norm = q_norm is not None
     block_s = 64 if rows <= 32 else 32
+    splits = splits or _LAUNCH["attention_splits"]
     if splits is None:  # one block of slots per split up to MAX_SPLITS, by the cache's capacity (a host bound)
         splits = max(1, min(MAX_SPLITS, -(-k_cache.shape[1] // block_s)))
     if splits > 1:
         pm = torch.empty((n_kv, splits, rows), dtype=torch.float32, device=qkv.device)
         pl = torch.empty_like(pm)
         pa = torch.empty((n_kv, splits, rows, d), dtype=torch.float32, device=qkv.device)
-        cnt = _counter(qkv.device)[1:]
+        cnt = _counter(qkv.device)
         if n_kv > cnt.numel():
             raise ValueError(f"kernels.attention: {n_kv} K/V heads, at most {cnt.numel()}")
     else:
@@ -535,42 +518,34 @@ def _eps(norm) -> float:
     return norm.eps if eps is None else eps
 
 
-def decoder_layer(h: torch.Tensor, hn: torch.Tensor, layer, next_norm, qkv_w: torch.Tensor,
-                  gate_up_w: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor,
-                  sin: torch.Tensor, positions: torch.Tensor, n_q: int, scale: float,
-                  causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pre-norm decoder layer (HF Llama/Qwen module names: self_attn.{q_norm, k_norm, o_proj},
-    post_attention_layernorm, mlp.down_proj) over residual rows h [T, H] whose input_layernorm is hn, with the
-    fused q/k/v and gate/up weights; writes the layer's K/V at `positions`. Returns the new residual rows and
-    their `next_norm` (the next layer's input_layernorm, or the model's final norm), both norms made by the
-    last program of the matmul before them."""
-    attn, ln2 = layer.self_attn, layer.post_attention_layernorm
+def decoder_layer(h: torch.Tensor, layer, qkv_w: torch.Tensor, gate_up_w: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, n_q: int,
+                  scale: float, causal: bool = True) -> torch.Tensor:
+    """One pre-norm decoder layer (HF Llama/Qwen module names: input_layernorm, self_attn.{q_norm, k_norm,
+    o_proj}, post_attention_layernorm, mlp.down_proj) over rows h [T, H], with the fused q/k/v and gate/up
+    weights; writes the layer's K/V at `positions`."""
+    attn, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
     qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    qkv = linear(hn, qkv_w)
+    qkv = linear(h, qkv_w, norm=ln1.weight, eps=_eps(ln1))
     o = attention(qkv, None if qn is None else qn.weight, None if kn is None else kn.weight,
                   0.0 if qn is None else _eps(qn), cos, sin, positions, k_cache, v_cache, n_q, scale, causal)
-    h, hn = linear(o, attn.o_proj.weight, residual=h, norm_out=ln2.weight, norm_out_eps=_eps(ln2))
-    gate_up = linear(hn, gate_up_w)
-    return linear(gate_up, layer.mlp.down_proj.weight, gated=True, residual=h, norm_out=next_norm.weight,
-                  norm_out_eps=_eps(next_norm))
+    h = linear(o, attn.o_proj.weight, residual=h)
+    gate_up = linear(h, gate_up_w, norm=ln2.weight, eps=_eps(ln2))
+    return linear(gate_up, layer.mlp.down_proj.weight, gated=True, residual=h)
 
 
 def decoder_stack(h: torch.Tensor, layers, final_norm, weights, cos: torch.Tensor, sin: torch.Tensor,
                   positions: torch.Tensor, n_q: int, scale: float, causal: bool = True,
                   taps=()) -> tuple[torch.Tensor, dict]:
     """Every decoder layer over rows h [T, H]; `weights(i)` gives layer i's (q/k/v weight, gate/up weight,
-    K cache, V cache). One RMSNorm launch (the first layer's input); every later norm rides in the matmul before
-    it. Returns final_norm(h) and {i: residual rows after layer i} for i in `taps`. The target's decode step and
-    the drafter's block share it."""
-    ln1 = layers[0].input_layernorm
-    hn = rms_norm(h, ln1.weight, _eps(ln1))
+    K cache, V cache). Returns final_norm(h) and {i: residual rows after layer i} for i in `taps`. The target's
+    decode step and the drafter's block share it."""
     tapped = {}
     for i, layer in enumerate(layers):
-        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else final_norm
-        h, hn = decoder_layer(h, hn, layer, nxt, *weights(i), cos, sin, positions, n_q, scale, causal)
+        h = decoder_layer(h, layer, *weights(i), cos, sin, positions, n_q, scale, causal)
         if i in taps:
             tapped[i] = h
-    return hn, tapped
+    return rms_norm(h, final_norm.weight, _eps(final_norm)), tapped
 
 
 def fuse_rows(modules) -> torch.Tensor:

@@ -64,24 +64,6 @@ def test_linear_plain_norm_gated_residual(dtype, m, k):
     torch.testing.assert_close(kernels.linear(x2, w, gated=True, config=one_row), ref, **tol(dtype))
 
 
-@pytest.mark.parametrize("m", [1, 5])
-def test_linear_norm_out_by_the_last_program(m):
-    """norm_out: the matmul's last program normalises whole output rows (other programs' columns too) and leaves
-    the arrival counter at zero, so the next launch counts from zero again."""
-    dtype = DTYPES[-1]
-    w = rnd(96, 64, dtype=dtype, scale=0.1, seed=1)
-    g = rnd(96, dtype=dtype, seed=3)
-    for seed in (2, 4):  # twice: the counter must be back at zero after the first call
-        x, r = rnd(m, 64, dtype=dtype, seed=seed), rnd(m, 96, dtype=dtype, seed=seed + 10)
-        for cfg in (None, kernels.LinearConfig(block_n=16, block_k=32, warps=4, stages=1, dot=m == 1)):
-            y, yn = kernels.linear(x, w, residual=r, norm_out=g, norm_out_eps=1e-5, config=cfg)
-            torch.testing.assert_close(y, r + torch.nn.functional.linear(x, w), **tol(dtype))
-            torch.testing.assert_close(yn, kernels.rms_norm(y, g, 1e-5), **tol(dtype))
-            assert not kernels._counter(DEV).any()
-    with pytest.raises(ValueError, match="not taken together"):
-        kernels.linear(x, w, argmax=True, norm_out=g)
-
-
 def test_linear_one_row_without_dot_and_bad_shapes():
     w, x = rnd(48, 64, scale=0.1), rnd(1, 64, seed=2)
     cfg = kernels.LinearConfig(block_n=16, block_k=32, warps=4, stages=1, dot=False)
