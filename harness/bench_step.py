@@ -110,7 +110,8 @@ def tok_s(m, arm, prompt, settings) -> tuple[float, float, float]:
 
 def kernel_profile(m, method: str, prompt, settings: DecodeSettings) -> dict:
     """Device time per kernel name over a graphed generation (torch.profiler / CUPTI, which sees the kernels
-    inside graph replays), per step; `gap_ms` is the graphed step minus the kernels' sum (launch gaps)."""
+    inside graph replays), per step; `gap_ms` is the graphed step minus the kernels' sum (launch gaps). A kernel
+    launched early by PDL counts its wait for the launch before it, so with PDL the sum exceeds the step."""
     from torch.profiler import ProfilerActivity, profile
     _gen(m, method, 0, 0, prompt, settings)  # captured before the profile
     timer = StageTimer(m.backend.device)
@@ -234,10 +235,6 @@ def measure(a, path: str | None = None) -> dict:
         res["pdl"] = kernels.pdl_supported(backend.device) and a.pdl == "auto"
         res["prefetch_tiles"] = a.prefetch_tiles
     res["kernels"] = m.target.kernels
-    if graphs and a.profile:
-        s = dataclasses.replace(base, use_graph=True)
-        res["profile"] = [kernel_profile(m, meth, prompt, s) for meth in ("ar", "drafter-only")]
-        _save(res, path)
     watch = _compile_refiners(m, a.compile_backend) if a.compile else None
     for arm in arm_list(a.ks, a.topc):
         row = measure_arm(m, arm, prompt, base, a.new_tokens, graphs, a.reps)
@@ -281,12 +278,42 @@ def measure(a, path: str | None = None) -> dict:
                 got[label] = timer.summary()["step"]
             res["attention"][arm[0]] = got
             _save(res, path)
+        if a.kernels == "triton" and a.long_prompt:
+            res["long_prompt"] = long_prompt_attention(m, a, base)
+            _save(res, path)
         res["graph_stats"] = m.target.step_graphs.stats() if m.target.step_graphs else {}
     if watch is not None:
         res["compile"] = watch.stats()
     if not a.skip_hf:
         res["hf_reference"] = hf_reference(m.target.model, prompt, a.hf_tokens, backend.device)
+    if graphs and a.profile:  # last: the profiler's hooks slow what runs after it
+        s = dataclasses.replace(base, use_graph=True)
+        res["profile"] = [kernel_profile(m, meth, prompt, s) for meth in ("ar", "drafter-only")]
     return res
+
+
+def long_prompt_attention(m, a, base: DecodeSettings) -> dict:
+    """Graphed AR and xPress(K=6) steps after a long prompt, the attention split over the slots (the default)
+    and in one program per K/V head: where splitting pays."""
+    from harness import kernels
+    n = a.long_prompt
+    prompt = _prompt(n, m.target.vocab_size)
+    for model in (m.target, m.drafter):
+        model.ensure_capacity(n + a.new_tokens + 2 * a.block_size)
+    out = {"prompt_len": n}
+    s = dataclasses.replace(base, use_graph=True)
+    for label, splits in (("split", None), ("one program per K/V head", 1)):
+        kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles,
+                           attention_splits=splits)
+        m.use_kernels(kernels)
+        for arm in (("AR", "ar", 0, 0), ("xPress(K=6)", "xpress", 6, 0)):
+            _gen(m, *arm[1:], prompt, s)
+            timer = StageTimer(m.backend.device)
+            _gen(m, *arm[1:], prompt, s, mark=timer)
+            out[f"{arm[0]}, attention {label}"] = timer.summary()["step"]
+    kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles)
+    m.use_kernels(kernels)
+    return out
 
 
 def _compile_refiners(m, backend: str):
@@ -373,6 +400,10 @@ def markdown(r: dict) -> str:
               f"step {pr['step_ms']:.3f} ms, kernels {pr['kernel_sum_ms']:.3f} ms, gaps {pr['gap_ms']:.3f} ms", "",
               "| kernel | calls/step | us/step |", "|---|---|---|"]
         L += [f"| `{k['kernel']}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} |" for k in pr["kernels"]]
+    if r.get("long_prompt"):
+        lp = r["long_prompt"]
+        L += ["", f"Graphed device step after a {lp['prompt_len']}-token prompt (ms): " +
+              "; ".join(f"{k}: {v:.3f}" for k, v in lp.items() if k != "prompt_len")]
     if r.get("graph_stats"):
         L += ["", f"Graphs: {r['graph_stats']}"]
     return "\n".join(L) + "\n"
@@ -412,6 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with PDL, weight tiles each matmul program asks into L2 before it waits")
     p.add_argument("--prefetch-sweep", default="0,1,2,4",
                    help="prefetch settings whose AR step is measured in the levers table (with PDL)")
+    p.add_argument("--long-prompt", type=int, default=2048,
+                   help="prompt length of the split-attention comparison (0: skip it)")
     p.add_argument("--profile", action="store_true",
                    help="per-kernel device time of the graphed AR and drafter-only steps (torch.profiler)")
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/<gpu>_<preset>.json")

@@ -247,17 +247,24 @@ if triton is not None:
                           pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr,
                           GROUPS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
-                          PDL: tl.constexpr):
-        # programs (K/V head, split): each writes its head's T new keys/values (norm, rope) into the cache (the
-        # splits write the same values), then its GROUPS*T query rows (norm, rope) attend over its share of the
-        # slots [0, last position]: causally, or all of them (the drafter's block). With SPLITS > 1 each split
-        # leaves its running max, sum and output in pm/pl/pa, and the head's last split to arrive (a counter at
-        # cnt_ptr + head, left at 0) merges them in split order.
+                          MIN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
+        # programs (K/V head, split): each split with slots to read writes its head's T new keys/values (norm,
+        # rope) into the cache (the splits write the same values), then its GROUPS*T query rows (norm, rope)
+        # attend over its share of the slots [0, last position]: causally, or all of them (the drafter's
+        # block). With several splits each leaves its running max, sum and output in pm/pl/pa, and the head's
+        # last split to arrive (a counter at cnt_ptr + head, left at 0) merges them in split order.
         _after_previous(PDL)
         h = tl.program_id(0)
         sp = tl.program_id(1)
         d = tl.arange(0, D)
         dt = kc_ptr.dtype.element_ty
+        kv_len = (tl.load(pos_ptr + T - 1) + 1).to(tl.int32)
+        # slots per split: whole blocks, at least MIN_BLOCKS of them (a merge costs about as much as a few
+        # blocks), so short caches use fewer splits and one split writes its result directly
+        per = tl.maximum(tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_S), MIN_BLOCKS) * BLOCK_S
+        active = tl.cdiv(kv_len, per)
+        if sp >= active:
+            return
         _store_kv(qkv_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_qkv, s_cs, s_kh, s_ks, HQ, h,
                   tl.num_programs(0), eps, NORM, D, BLOCK_T)
 
@@ -273,8 +280,6 @@ if triton is not None:
         q = _norm_rope(qkv_ptr + t[:, None] * s_qkv + head[:, None] * D, r_ok, qn_ptr, cos, sin, d, eps, NORM, D)
         tl.debug_barrier()  # this program's cache writes above are read below
 
-        kv_len = (tl.load(pos_ptr + T - 1) + 1).to(tl.int32)
-        per = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_S) * BLOCK_S  # slots per split, whole blocks
         lo = sp * per
         hi = tl.minimum(lo + per, kv_len)
         m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
@@ -301,7 +306,7 @@ if triton is not None:
             acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb, input_precision=PREC)
             m_i = m_new
         dst = o_ptr + t[:, None] * s_ot + head[:, None] * D + d[None, :]
-        if SPLITS == 1:
+        if active == 1:
             tl.store(dst, (acc / l_i[:, None]).to(dt), mask=r_ok[:, None])
         else:
             part = (h * SPLITS + sp) * BLOCK_R + r
@@ -309,14 +314,14 @@ if triton is not None:
             tl.store(pl_ptr + part, l_i)
             tl.store(pa_ptr + part[:, None] * D + d[None, :], acc)
             tl.debug_barrier()  # all of this split's stores come before its arrival
-            if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == SPLITS - 1:
+            if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == active - 1:
                 first = h * SPLITS * BLOCK_R + r
                 mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-                for j in range(SPLITS):
+                for j in range(active):
                     mx = tl.maximum(mx, tl.load(pm_ptr + first + j * BLOCK_R, cache_modifier=".cg"))
                 den = tl.zeros([BLOCK_R], dtype=tl.float32)
                 num = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-                for j in range(SPLITS):  # key 0 is visible to every row, so mx is finite
+                for j in range(active):  # key 0 is visible to every row, so mx is finite
                     at = first + j * BLOCK_R
                     wj = tl.exp(tl.load(pm_ptr + at, cache_modifier=".cg") - mx)
                     den += tl.load(pl_ptr + at, cache_modifier=".cg") * wj
@@ -460,13 +465,14 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, n_q: int, scale: float, causal: bool = True,
-              splits: int | None = None) -> torch.Tensor:
+              splits: int | None = None, min_blocks: int = 4) -> torch.Tensor:
     """One layer's attention for T new tokens at increasing `positions` [T], from the fused projection output
     qkv [T, (n_q + 2 n_kv) d]: per-head RMSNorm of q and k (q_norm/k_norm weights [d], None for Llama), rotary
     (cos/sin [T, d]), k and v written into the caches [n_kv, capacity, d] (one layer's slice) at `positions`,
     then attention over the slots [0, positions[-1]], causal or (causal=False: a drafter's block) not, split
-    over the slots into `splits` programs per K/V head (None: by the cache's capacity) whose partial results
-    the last of them merges. Returns [T, n_q * d]."""
+    over the slots into up to `splits` programs per K/V head (None: by the cache's capacity), each with at
+    least `min_blocks` blocks of slots (read on the device: short caches use one), whose partial results the
+    last of them merges. Returns [T, n_q * d]."""
     t = qkv.shape[0]
     n_kv, d = k_cache.shape[0], k_cache.shape[-1]
     groups = n_q // n_kv
@@ -490,7 +496,8 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o,
         pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q,
         scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal,
-        BLOCK_T=_pow2_at_least(t, 1), BLOCK_R=rows, BLOCK_S=block_s, SPLITS=splits, num_warps=4,
+        BLOCK_T=_pow2_at_least(t, 1), BLOCK_R=rows, BLOCK_S=block_s, SPLITS=splits, MIN_BLOCKS=min_blocks,
+        num_warps=4,
         **_launch_opts(qkv.device, t))
     return o
 

@@ -120,8 +120,9 @@ def torch_attention(qkv, qn, kn, eps, cos, sin, positions, kc, vc, n_q, scale):
 @pytest.mark.parametrize("norm", [True, False])
 @pytest.mark.parametrize("t,start,groups,d", [(1, 0, 2, 16), (1, 70, 4, 32), (5, 40, 2, 16), (16, 90, 4, 32)])
 def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, groups, d):
-    """Also split over the slots: by default (3 or 5 splits for this cache), in one program, and in 7 (the last
-    case's block straddles a split boundary, so a split holds no visible slot for its first rows)."""
+    """Also split over the slots: by default (one split at these lengths), in one program, in up to 7 of one
+    block each (the last case's block straddles a split boundary, so a split holds no visible slot for its first
+    rows) and in up to 3 of at least 2 blocks."""
     n_kv, cap = 2, 160
     n_q = n_kv * groups
     qkv = rnd(t, (n_q + 2 * n_kv) * d, dtype=dtype, seed=1)
@@ -135,8 +136,9 @@ def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, grou
     vc[:, start + t:] = float("nan")
     kr, vr = kc.clone(), vc.clone()
     ref = torch_attention(qkv, qn, kn, 1e-6, cos, sin, positions, kr, vr, n_q, d ** -0.5)
-    for splits in (None, 1, 7):
-        o = kernels.attention(qkv, qn, kn, 1e-6, cos, sin, positions, kc, vc, n_q, d ** -0.5, splits=splits)
+    for splits, least in ((None, 4), (1, 4), (7, 1), (3, 2)):
+        o = kernels.attention(qkv, qn, kn, 1e-6, cos, sin, positions, kc, vc, n_q, d ** -0.5, splits=splits,
+                              min_blocks=least)
         torch.testing.assert_close(o, ref, **tol(dtype))
         torch.testing.assert_close(kc, kr, equal_nan=True, **tol(dtype))  # same slots written, nothing else
         torch.testing.assert_close(vc, vr, equal_nan=True, atol=0, rtol=0)
