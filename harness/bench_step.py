@@ -278,10 +278,10 @@ def measure(a, path: str | None = None) -> dict:
                 got[label] = timer.summary()["step"]
             res["attention"][arm[0]] = got
             _save(res, path)
-        if a.kernels == "triton" and a.long_prompt:
+        res["graph_stats"] = m.target.step_graphs.stats() if m.target.step_graphs else {}
+        if a.kernels == "triton" and a.long_prompt:  # recaptures: after the graph statistics
             res["long_prompt"] = long_prompt_attention(m, a, base)
             _save(res, path)
-        res["graph_stats"] = m.target.step_graphs.stats() if m.target.step_graphs else {}
     if watch is not None:
         res["compile"] = watch.stats()
     if not a.skip_hf:
