@@ -79,3 +79,25 @@ def test_bench_step_compile_reports_one_graph_per_refiner(tmp_path):
     assert rc == 0
     c = json.loads(out.read_text())["compile"]
     assert c["functions"] == 2 and c["graphs"] == 2  # Markov and xPress(K=2), each compiled once, never again
+
+
+def test_bench_step_refuses_negative_prefetch(tmp_path, capsys):
+    rc = bench_step.main(["--preset", "tiny", "--device", "cpu", "--prefetch-sweep", "0,-1",
+                          "--out", str(tmp_path / "x.json")])
+    assert rc == 2 and "--prefetch-tiles and --prefetch-sweep" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_markdown_shows_levers_long_prompt_and_profile():
+    r = {"preset": "p", "label": "L", "device_name": "d", "dtype": "bf16", "prompt_len": 8, "block_size": 4,
+         "torch": "t", "transformers": "tf", "scripted_accept_per_arm": 1, "copy_bandwidth_GBps": 1.0,
+         "weight_bytes": 1e9, "weight_bytes_read_per_step": 1e9, "roofline_ms": 1.0, "roofline_read_ms": 1.0,
+         "arms": [], "tau_sweep": [], "attention": {}, "hf_reference": {},
+         "fusion": {"no PDL": 4.4}, "fusion_drafter_only": {"no PDL": 5.7},
+         "long_prompt": {"prompt_len": 2048, "AR, attention split": 4.66},
+         "profile": [{"arm": "ar", "steps": 3, "step_ms": 4.0, "kernel_sum_ms": 3.5, "gap_ms": 0.5,
+                      "kernels": [{"kernel": "_linear_kernel", "calls_per_step": 145.0, "us_per_step": 3000.0}]}]}
+    md = bench_step.markdown(r)
+    assert "Drafter-only step, graphed device ms: no PDL: 5.700" in md
+    assert "after a 2048-token prompt (ms): AR, attention split: 4.660" in md
+    assert "| `_linear_kernel` | 145.0 | 3000.0 |" in md and "gaps 0.500 ms" in md

@@ -206,6 +206,15 @@ def test_programmatic_dependent_launch_changes_no_bit():
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
 
 
+def test_launch_settings_are_checked_and_pdl_needs_a_hopper_gpu():
+    with pytest.raises(ValueError, match="prefetch_tiles"):
+        kernels.set_launch(prefetch_tiles=-1)
+    with pytest.raises(ValueError, match="attention_splits"):
+        kernels.set_launch(attention_splits=kernels.MAX_SPLITS + 1)
+    assert not kernels.pdl_supported(torch.device("cpu"))
+    assert kernels._launch_opts(torch.device("cpu"), 16) == {"PDL": False}
+
+
 def test_refused_with_biases():
     t = tiny_target("qwen3", backend=Backend(DEV, torch.float32))
     t.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(t.layers[0].self_attn.q_proj.out_features,
