@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    # Triton picks its CPU interpreter when a kernel is defined, and triton.language's own helpers are defined when
+    # triton is first imported (torch._dynamo imports it too): choose it before any test module loads anything
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from torch import nn
 
 from drafters.base import Proposal
 from refiners.base import RefineContext
-from refiners.xpress import argmax_select, fused_scoring_fits
+from refiners.xpress import argmax_select, fused_pick, fused_scoring_fits
 
 VARIANTS = ("vanilla", "gated", "rnn")
 
@@ -90,10 +90,8 @@ class MarkovRefiner:
         one small reduction (None: torch ops)."""
         self._kern = kernels
 
-    @torch.compiler.disable  # a Triton launch: compiled refiners call it between their compiled pieces
     def _pick(self, z: torch.Tensor, base_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        corrected, pick = self._kern.linear(z.view(1, -1), self.head.w2.weight, residual=base_row.view(1, -1),
-                                            argmax=True)
+        pick, corrected = fused_pick(self._kern, z.view(1, -1), self.head.w2.weight, base_row.view(1, -1))
         return pick.view(()), corrected.view(-1)
 
     @property

@@ -207,18 +207,33 @@ class _Block:
         bias = torch.bmm(self.w2_c, z.unsqueeze(-1)).squeeze(-1)
         return torch.add(self.base_c, bias).to(self.base.dtype)
 
-    @torch.compiler.disable  # a Triton launch: compiled refiners call it between their compiled pieces
     def pick(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A greedy pass on the kernels: (tokens [B-1], refined logits [B-1, V]), the same as scores + argmax."""
-        scores, tokens = self.kern.linear(self.head.latent(self.cache, prev), self.head.w2.weight,
-                                          residual=self.base, argmax=True)
-        return tokens, scores
+        return fused_pick(self.kern, self.head.latent(self.cache, prev), self.head.w2.weight, self.base)
 
     def full(self, scores: torch.Tensor) -> torch.Tensor:
         """The proposal distribution over the whole vocabulary (-inf off the shortlist)."""
         if self.ids is None:
             return scores
         return torch.full_like(self.base, float("-inf")).scatter(-1, self.ids, scores)
+
+
+def _fused_pick(kern, z: torch.Tensor, w2: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scores, tokens = kern.linear(z, w2, residual=base, argmax=True)
+    return tokens, scores
+
+
+_DISABLED: dict = {}
+
+
+def fused_pick(kern, z: torch.Tensor, w2: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """base + z w2^T [n, V] and its argmax in one kernels.linear: (tokens [n], scores). Runs outside
+    torch.compile (a compiled refinement calls it between its compiled pieces); the wrapper is made on first use,
+    so that importing this module does not import torch._dynamo (and with it Triton, before a test could set
+    TRITON_INTERPRET)."""
+    if "fn" not in _DISABLED:
+        _DISABLED["fn"] = torch.compiler.disable(_fused_pick)
+    return _DISABLED["fn"](kern, z, w2, base)
 
 
 def fused_scoring_fits(kern, base: torch.Tensor, w2: torch.Tensor) -> bool:
