@@ -199,3 +199,24 @@ def test_kernels_auto_keeps_torch_ops_for_reference_numerics(monkeypatch, extra,
     cfg = dataclasses.replace(RunConfig("t", "d", "mini"), **extra)
     runner.pick_kernels(target, cfg, [])
     assert bool(used) == expect
+
+
+def test_kernel_runs_hand_the_kernels_to_every_refiner():
+    """With the target on the kernels, each arm's refiner scores on them too, a compiled one through its wrapper;
+    refiners without use_kernels (identity) are left alone; with torch ops none is told."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from harness import kernels, runner
+    from harness.config import RunConfig
+    from harness.graphs import AcceleratedRefiner
+    from refiners.identity import IdentityRefiner
+    from refiners.markov import MarkovRefiner, random_markov_head
+    from refiners.xpress import XPressRefiner, random_xpress_head
+    xp = XPressRefiner(random_xpress_head(40, 16, 8, 4, seed=0), 2)
+    mk = MarkovRefiner(random_markov_head("vanilla", 40, 16, 8, seed=0))
+    arms = [xp, AcceleratedRefiner(mk, compile=True), IdentityRefiner(), None]
+    for on in ("torch", "triton"):
+        target = SimpleNamespace(kernels=on)
+        runner.pick_kernels(target, dataclasses.replace(RunConfig("t", "d", "mini"), kernels="torch"), [], arms)
+        assert (xp._kern, mk._kern) == ((None, None) if on == "torch" else (kernels, kernels))
