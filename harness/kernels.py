@@ -415,6 +415,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         raise ValueError(f"kernels.linear takes 1..{MAX_ROWS} rows, got {m}")
     if x.stride(1) != 1:
         x = x.contiguous()  # a few rows: the copy is one small launch
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()  # the epilogue reads whole rows
     if x.shape[1] != (2 * k if gated else k) or w.stride(1) != 1:
         raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w not row-major)")
     cfg = config or choose_linear(m, n, k)

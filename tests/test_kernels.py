@@ -69,7 +69,9 @@ def test_linear_one_row_without_dot_and_bad_shapes():
     cfg = kernels.LinearConfig(block_n=16, block_k=32, warps=4, stages=1, dot=False)
     torch.testing.assert_close(kernels.linear(x, w, config=cfg), torch.nn.functional.linear(x, w), **tol(w.dtype))
     xt = rnd(64, 3, seed=3).t()  # rows not contiguous (e.g. a transposed mixer output): copied first
-    torch.testing.assert_close(kernels.linear(xt, w), torch.nn.functional.linear(xt, w), **tol(w.dtype))
+    rt = rnd(48, 3, seed=4).t()  # so is a residual whose columns are strided
+    torch.testing.assert_close(kernels.linear(xt, w, residual=rt), rt + torch.nn.functional.linear(xt, w),
+                               **tol(w.dtype))
     with pytest.raises(ValueError, match="does not fit"):
         kernels.linear(rnd(1, 32), w)
     with pytest.raises(ValueError, match="rows"):
