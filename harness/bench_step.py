@@ -279,8 +279,9 @@ def measure(a, path: str | None = None) -> dict:
             res["attention"][arm[0]] = got
             _save(res, path)
         res["graph_stats"] = m.target.step_graphs.stats() if m.target.step_graphs else {}
-        if a.kernels == "triton" and a.long_prompt:  # recaptures: after the graph statistics
-            res["long_prompt"] = long_prompt_attention(m, a, base)
+        n_long = long_prompt_len(a.long_prompt, limit, a.new_tokens, a.block_size)
+        if a.kernels == "triton" and n_long > a.prompt_len:  # recaptures: after the graph statistics
+            res["long_prompt"] = long_prompt_attention(m, a, base, n_long)
             _save(res, path)
     if watch is not None:
         res["compile"] = watch.stats()
@@ -292,11 +293,16 @@ def measure(a, path: str | None = None) -> dict:
     return res
 
 
-def long_prompt_attention(m, a, base: DecodeSettings) -> dict:
-    """Graphed AR and xPress(K=6) steps after a long prompt, the attention split over the slots (the default)
-    and in one program per K/V head: where splitting pays."""
+def long_prompt_len(requested: int, limit: int, new_tokens: int, block: int) -> int:
+    """The long prompt's length: as asked, but leaving room in the model's context for the generation and a
+    verify block (0: no room for one)."""
+    return max(0, min(requested, limit - new_tokens - 2 * block))
+
+
+def long_prompt_attention(m, a, base: DecodeSettings, n: int) -> dict:
+    """Graphed AR and xPress(K=6) steps after an n-token prompt, the attention split over the slots (the
+    default) and in one program per K/V head: where splitting pays."""
     from harness import kernels
-    n = a.long_prompt
     prompt = _prompt(n, m.target.vocab_size)
     for model in (m.target, m.drafter):
         model.ensure_capacity(n + a.new_tokens + 2 * a.block_size)

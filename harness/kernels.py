@@ -25,10 +25,15 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # the torch path is used instead (harness.target checks `available()`)
     triton = None
     tl = None
+try:  # grid dependency control (programmatic dependent launch): Triton releases from 2025 on
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    _HAS_GDC = True
+except ImportError:  # the kernels still run, without PDL (the names are only read under PDL=True)
+    gdc_launch_dependents = gdc_wait = None
+    _HAS_GDC = False
 
 MAX_ROWS = 64         # rows one `linear` call takes (verify blocks up to 64 tokens)
 MAX_ATTN_ROWS = 128   # query rows (tokens x query heads per K/V head) one attention program keeps in registers
@@ -356,7 +361,7 @@ def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1, attention_split
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: compiled kernels on a Hopper or later GPU."""
     device = torch.device(device)
-    if device.type != "cuda" or interpreted() or triton is None:
+    if device.type != "cuda" or interpreted() or triton is None or not _HAS_GDC:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _PDL_DEVICES:
@@ -382,6 +387,9 @@ def _counter(device: torch.device) -> torch.Tensor:
     """Arrival counters on this device (int32, 0 between launches: the last program to arrive resets its own),
     [h] for K/V head h of a split attention. Launches on one stream never overlap their counting (with PDL they
     count after waiting). Made by `prepare` before any graph capture."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" are one device, one set of counters
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     if key not in _COUNTERS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -392,7 +400,7 @@ def _counter(device: torch.device) -> torch.Tensor:
 
 def prepare(device: torch.device) -> None:
     """Allocate what the kernels keep per device (outside any graph capture)."""
-    _counter(torch.device(device))
+    _counter(device)
 
 
 def _prec(dtype: torch.dtype) -> str | None:
@@ -408,7 +416,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     norm: RMSNorm weight [K] applied to x first (eps its epsilon); gated: x holds gate|up, the input is
     silu(gate) * up; residual [M, N]: added to the product (rounded first, as `h + linear(x)` would).
     argmax: also return each row's argmax [M] (int64, lowest column among equal maxima as torch.argmax; a NaN
-    counts as +inf), found by the matmul's programs and one small reduction launch: (y, ids)."""
+    counts as +inf, so a row holding both a +inf before a NaN differs from torch.argmax, which picks the first
+    NaN), found by the matmul's programs and one small reduction launch: (y, ids)."""
     m = x.shape[0]
     n, k = w.shape
     if not 1 <= m <= MAX_ROWS:

@@ -101,3 +101,9 @@ def test_markdown_shows_levers_long_prompt_and_profile():
     assert "Drafter-only step, graphed device ms: no PDL: 5.700" in md
     assert "after a 2048-token prompt (ms): AR, attention split: 4.660" in md
     assert "| `_linear_kernel` | 145.0 | 3000.0 |" in md and "gaps 0.500 ms" in md
+
+
+def test_long_prompt_leaves_room_in_the_models_context():
+    assert bench_step.long_prompt_len(2048, 40960, 64, 16) == 2048
+    assert bench_step.long_prompt_len(2048, 1024, 64, 16) == 1024 - 64 - 32  # the tiny preset's context
+    assert bench_step.long_prompt_len(2048, 64, 64, 16) == 0

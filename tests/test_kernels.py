@@ -217,6 +217,27 @@ def test_launch_settings_are_checked_and_pdl_needs_a_hopper_gpu():
     assert kernels._launch_opts(torch.device("cpu"), 16) == {"PDL": False}
 
 
+def test_a_triton_without_grid_dependency_control_keeps_the_kernels_and_drops_pdl(tmp_path):
+    """Older Triton releases lack triton.language.extra.cuda's gdc functions: the kernels must stay available
+    (only PDL off), and one still runs."""
+    import subprocess
+    import sys
+    code = (
+        "import sys, types, torch\n"
+        "import triton.language.extra.cuda as c\n"
+        "stub = types.ModuleType(c.__name__)\n"
+        "stub.__dict__.update({k: v for k, v in vars(c).items() if not k.startswith('gdc')})\n"
+        "sys.modules[c.__name__] = stub\n"
+        "from harness import kernels\n"
+        "assert kernels.available() and not kernels._HAS_GDC\n"
+        "w, x = torch.randn(40, 32), torch.randn(2, 32)\n"
+        "torch.testing.assert_close(kernels.linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-4)\n"
+        "print('ok')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
 def test_refused_with_biases():
     t = tiny_target("qwen3", backend=Backend(DEV, torch.float32))
     t.layers[0].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(t.layers[0].self_attn.q_proj.out_features,
