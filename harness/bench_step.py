@@ -50,6 +50,21 @@ def _gen(m, method, K, topc, prompt, settings, mark=None):
                     refiner=m.refiner(method, K, topc), mark=mark)
 
 
+def _timed(m, method, K, topc, prompt, settings, warm: DecodeSettings | None = None):
+    """One warm generation (with `warm`, else the same settings: captures every graph the timed one needs),
+    then the timed one: (its Generation, its StageTimer)."""
+    _gen(m, method, K, topc, prompt, warm or settings)
+    timer = StageTimer(m.backend.device)
+    return _gen(m, method, K, topc, prompt, settings, mark=timer), timer
+
+
+def _default_launch(a, attention_splits: int | None = None) -> None:
+    """The kernels' launch settings this run asked for (--pdl, --prefetch-tiles)."""
+    from harness import kernels
+    kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles,
+                       attention_splits=attention_splits)
+
+
 def _stage_graph_times(m, method, K, topc, prompt, settings, reps: int) -> dict:
     """Each stage of one step at the prompt's end as its own graph; median device ms per stage."""
     t, d = m.target, (None if method == "ar" else m.drafter)
@@ -84,15 +99,10 @@ def measure_arm(m, arm, prompt, base: DecodeSettings, new_tokens: int, graphs: b
     name, method, K, topc = arm
     s = dataclasses.replace(base, max_new_tokens=new_tokens)
     row = {"arm": name, "method": method, "K": K, "topc": topc}
-    _gen(m, method, K, topc, prompt, dataclasses.replace(s, max_new_tokens=8))  # warm
-    timer = StageTimer(m.backend.device)
-    g = _gen(m, method, K, topc, prompt, s, mark=timer)
+    g, timer = _timed(m, method, K, topc, prompt, s, warm=dataclasses.replace(s, max_new_tokens=8))
     row["eager"] = {**timer.summary(), "wall_per_step_ms": 1000 * g.decode_s / len(g.accepted)}
     if graphs:
-        sg = dataclasses.replace(s, use_graph=True)
-        _gen(m, method, K, topc, prompt, sg)  # captures every bucket this length passes through
-        timer = StageTimer(m.backend.device)
-        g = _gen(m, method, K, topc, prompt, sg, mark=timer)
+        g, timer = _timed(m, method, K, topc, prompt, dataclasses.replace(s, use_graph=True))
         sm = timer.summary()
         row["graph"] = {"step_ms": sm["step"], "host_ms": sm.get("host"), "n_steps": sm["n_steps"],
                         "wall_per_step_ms": 1000 * g.decode_s / len(g.accepted), "graph_steps": g.graph_steps}
@@ -102,9 +112,7 @@ def measure_arm(m, arm, prompt, base: DecodeSettings, new_tokens: int, graphs: b
 
 def tok_s(m, arm, prompt, settings) -> tuple[float, float, float]:
     """Full graphed loop: tok/s, wall ms per step, and mean device ms per step (events, same run)."""
-    _gen(m, *arm[1:], prompt, settings)  # warm: every bucket captured
-    timer = StageTimer(m.backend.device)
-    g = _gen(m, *arm[1:], prompt, settings, mark=timer)
+    g, timer = _timed(m, *arm[1:], prompt, settings)
     return g.decode_tokens / g.decode_s, 1000 * g.decode_s / len(g.accepted), timer.summary(skip=0)["mean_step"]
 
 
@@ -223,14 +231,11 @@ def measure(a, path: str | None = None) -> dict:
             s = dataclasses.replace(base, use_graph=True)
             for method, into in (("ar", res["fusion"]), ("drafter-only", res["fusion_drafter_only"])):
                 if method == "ar" or launch is not None:
-                    _gen(m, method, 0, 0, prompt, s)
-                    timer = StageTimer(backend.device)
-                    _gen(m, method, 0, 0, prompt, s, mark=timer)
-                    into[label] = timer.summary()["step"]
+                    into[label] = _timed(m, method, 0, 0, prompt, s)[1].summary()["step"]
     m.target.fuse_projections(True)
     if a.kernels == "triton":
         from harness import kernels
-        kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles)
+        _default_launch(a)
         m.use_kernels(kernels)
         res["pdl"] = kernels.pdl_supported(backend.device) and a.pdl == "auto"
         res["prefetch_tiles"] = a.prefetch_tiles
@@ -272,10 +277,7 @@ def measure(a, path: str | None = None) -> dict:
                 m.target.ensure_capacity(a.full_capacity)
                 m.drafter.ensure_capacity(a.full_capacity)
                 s = dataclasses.replace(base, use_graph=True, graph_bucket=bucket)
-                _gen(m, *arm[1:], prompt, s)
-                timer = StageTimer(backend.device)
-                _gen(m, *arm[1:], prompt, s, mark=timer)
-                got[label] = timer.summary()["step"]
+                got[label] = _timed(m, *arm[1:], prompt, s)[1].summary()["step"]
             res["attention"][arm[0]] = got
             _save(res, path)
         res["graph_stats"] = m.target.step_graphs.stats() if m.target.step_graphs else {}
@@ -309,15 +311,11 @@ def long_prompt_attention(m, a, base: DecodeSettings, n: int) -> dict:
     out = {"prompt_len": n}
     s = dataclasses.replace(base, use_graph=True)
     for label, splits in (("split", None), ("one program per K/V head", 1)):
-        kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles,
-                           attention_splits=splits)
+        _default_launch(a, attention_splits=splits)
         m.use_kernels(kernels)
         for arm in (("AR", "ar", 0, 0), ("xPress(K=6)", "xpress", 6, 0)):
-            _gen(m, *arm[1:], prompt, s)
-            timer = StageTimer(m.backend.device)
-            _gen(m, *arm[1:], prompt, s, mark=timer)
-            out[f"{arm[0]}, attention {label}"] = timer.summary()["step"]
-    kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles)
+            out[f"{arm[0]}, attention {label}"] = _timed(m, *arm[1:], prompt, s)[1].summary()["step"]
+    _default_launch(a)
     m.use_kernels(kernels)
     return out
 

@@ -18,6 +18,7 @@ With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that 
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -369,15 +370,12 @@ def pdl_supported(device: torch.device) -> bool:
     return _PDL_DEVICES[idx]
 
 
-def _pdl(device: torch.device) -> bool:
-    return _LAUNCH["pdl"] is not False and pdl_supported(device)
-
-
 def _launch_opts(device: torch.device, rows: int) -> dict:
     """The PDL constexpr and, when on, the launch attribute that lets the kernel start early. Only launches of
     several rows (verify blocks, the drafter's block): measured on the H200, PDL made the drafter-only step
     0.2 ms faster and left the one-row AR step as it was, or slower where matmuls follow each other."""
-    return {"PDL": True, "launch_pdl": True} if rows > 1 and _pdl(device) else {"PDL": False}
+    on = rows > 1 and _LAUNCH["pdl"] is not False and pdl_supported(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
 _COUNTERS: dict = {}
@@ -613,6 +611,20 @@ def unsupported_reason(target) -> str | None:
     if getattr(target.lm_head, "bias", None) is not None:
         return "an lm_head bias"
     return None
+
+
+def attach(drafters=(), refiners=(), on: bool = True) -> None:
+    """Put the arms' dFlash drafters (those whose heads fit) and refiners (through a compile wrapper too) on these
+    kernels, or with on=False back on torch ops. The target is switched by its own `use_kernels`."""
+    me = sys.modules[__name__]
+    for d in drafters:
+        model = getattr(d, "model", None)
+        if hasattr(model, "use_kernels"):
+            model.use_kernels(me if on and drafter_fits(model.config) else None)
+    for r in refiners:
+        inner = getattr(r, "inner", r)
+        if hasattr(inner, "use_kernels"):
+            inner.use_kernels(me if on else None)
 
 
 def interpreted() -> bool:

@@ -95,12 +95,10 @@ class RandomModels:
 
     def use_kernels(self, kernels) -> None:
         """The target, the drafter (where its shapes fit) and every refiner, now and later, on `kernels`."""
+        from harness.kernels import attach
         self.target.use_kernels(kernels is not None)
-        fits = kernels is not None and kernels.drafter_fits(self.drafter.model.config)
-        self.drafter.model.use_kernels(kernels if fits else None)
         self.kernels = kernels
-        for r in self.refiners.values():
-            r.use_kernels(kernels)
+        attach([self.drafter], self.refiners.values(), on=kernels is not None)
 
     def refiner(self, method: str, K: int = 0, topc: int = 0):
         """The refiner of an arm: method in ar | drafter-only | markov | xpress (None for the first two)."""

@@ -287,19 +287,7 @@ def pick_kernels(target, cfg, drafters, refiners=()) -> None:
             except UsageError:  # auto: torch ops where the kernels do not fit this target
                 pass
     if target.kernels == "triton":
-        for d in drafters:
-            model = getattr(d, "model", None)
-            if hasattr(model, "use_kernels") and kernels.drafter_fits(model.config):
-                model.use_kernels(kernels)
-        refiners_use_kernels(refiners, kernels)
-
-
-def refiners_use_kernels(refiners, kernels) -> None:
-    """Each refiner that can (compiled ones through their wrapper) scores greedy passes on `kernels`."""
-    for r in refiners:
-        inner = getattr(r, "inner", r)
-        if hasattr(inner, "use_kernels"):
-            inner.use_kernels(kernels)
+        kernels.attach(drafters, refiners)
 
 
 def describe(cfg, prep, arms, settings, samples, stops, folder, out, target_kernels="torch") -> None:

@@ -357,3 +357,18 @@ def test_unfusing_turns_the_kernels_off():
     t.use_kernels()
     t.fuse_projections(False)
     assert t.kernels == "torch"  # the kernels read the fused weights
+
+
+def test_random_models_switch_target_drafter_and_refiners_together():
+    """RandomModels.use_kernels: the target, the drafter and every refiner, made before or after, on the kernels;
+    None puts all of them back on torch ops."""
+    from harness.presets import build_random
+    m = build_random("tiny", Backend(DEV, torch.float32), block_size=8)
+    before = m.refiner("xpress", 2)
+    m.use_kernels(kernels)
+    after = m.refiner("markov")
+    assert m.target.kernels == "triton" and m.drafter.model._kern is kernels
+    assert before._kern is kernels and after._kern is kernels
+    m.use_kernels(None)
+    assert m.target.kernels == "torch" and m.drafter.model._kern is None
+    assert before._kern is None and after._kern is None and m.refiner("xpress", 3)._kern is None
