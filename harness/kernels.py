@@ -110,16 +110,19 @@ if triton is not None:
             gdc_launch_dependents()
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, M, N, K, sx, sw, sy, sr,
-                       PRO: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr, EVEN_K: tl.constexpr,
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, g_ptr, M, N, K, sx, sw, sy, sr, eps,
+                       PRO: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr,
+                       EVEN_K: tl.constexpr,
                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        ARGMAX: tl.constexpr, PDL: tl.constexpr, PF_COLS: tl.constexpr, LINE: tl.constexpr):
-        # PRO: 0 plain x; 2 silu(x[:, :K]) * x[:, K:] with HF's roundings. The RMSNorm in front of a matmul is its
-        # own launch: measured faster than a prologue that every output tile repeats, and than an epilogue in
-        # the last program of the matmul before (its arrival atomic and row reads cost more than the launch, and
-        # 16 rows in one program cost 1.3 ms a verify step; results/perf/NOTES.md). ARGMAX: each program also
-        # writes, per row, the largest output of its columns and the lowest column holding it (pv/pi [M,
-        # programs]; _argmax_reduce_kernel).
+        # PRO: 0 plain x; 2 silu(x[:, :K]) * x[:, K:] with HF's roundings. NORM (one row without tensor cores):
+        # the RMSNorm of x (weight at g_ptr) folded in: the loop multiplies x by the norm weight and sums x's
+        # squares on the way, and the reciprocal RMS scales the outputs at the end, so nothing waits for the
+        # norm. Tensor-core loops keep the norm a launch of its own: any elementwise op between the load of x and
+        # the dot cost more than the launch, as did a prologue that normalises first and an epilogue in the last
+        # program of the matmul before (results/perf/NOTES.md). ARGMAX: each program also writes, per row, the
+        # largest output of its columns and the lowest column holding it (pv/pi [M, programs];
+        # _argmax_reduce_kernel).
         pid = tl.program_id(0)
         rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,6 +139,9 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        if NORM:  # (one row, no tensor-core dot) x's squares per column, summed at the end
+            tl.static_assert(not DOT, "the norm folds into one-row matmuls only")
+            ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + rk
             if EVEN_K:
@@ -150,6 +156,9 @@ if triton is not None:
                 up = tl.load(x_ptr + rm[:, None] * sx + K + kk[None, :], mask=xmask, other=0.0).to(tl.float32)
                 act = (xf / (1.0 + tl.exp(-xf))).to(dt)
                 xf = (act.to(tl.float32) * up).to(dt).to(tl.float32)
+            if NORM:
+                ss += xf * xf
+                xf = xf * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
             if DOT:
                 acc += tl.dot(xf.to(dt), tl.trans(w), input_precision=PREC)
             else:
@@ -158,6 +167,8 @@ if triton is not None:
             y = acc
         else:
             y = tl.sum(acc, axis=1)[None, :]
+        if NORM:
+            y = y * tl.rsqrt(tl.sum(ss, axis=1) / K + eps)[:, None]
         y = y.to(dt)
         out_mask = m_ok[:, None] & n_ok[None, :]
         if RES:
@@ -342,21 +353,32 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + h, 0)
 
 
-_LAUNCH = {"pdl": None, "prefetch_tiles": 1, "attention_splits": None}  # None: automatic (see set_launch)
+_LAUNCH = {"pdl": None, "prefetch_tiles": 1, "attention_splits": None, "attention_min_blocks": 4,
+           "attention_block": 64, "fold_norms": True}  # None: automatic (see set_launch)
 _PDL_DEVICES: dict = {}
 
 
-def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1, attention_splits: int | None = None) -> None:
+def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1, attention_splits: int | None = None,
+               attention_min_blocks: int = 4, attention_block: int = 64, fold_norms: bool = True) -> None:
     """How the kernels are launched. pdl: programmatic dependent launch (a launch starts while the one before it
     drains and waits on the device for its writes; Hopper and later), None = wherever the GPU supports it.
     prefetch_tiles: with pdl, how many of its first weight tiles each tensor-core matmul program (several rows)
     asks into L2 before it waits. attention_splits: programs per K/V head in `attention` (None: by the cache's
-    capacity). Clears nothing: graphs captured before keep the launches they captured."""
+    capacity); attention_block: slots an attention program reads at a time when it has at most 32 query rows
+    (more rows: 32); attention_min_blocks: the fewest blocks a split reads. fold_norms: the RMSNorm in front of
+    a matmul folded into it (False: its own launch first, as HF rounds it). Clears nothing: graphs captured
+    before keep the launches they captured."""
     if prefetch_tiles < 0:
         raise ValueError(f"prefetch_tiles must be >= 0, got {prefetch_tiles}")
     if attention_splits is not None and not 1 <= attention_splits <= MAX_SPLITS:
         raise ValueError(f"attention_splits must be in 1..{MAX_SPLITS}, got {attention_splits}")
-    _LAUNCH.update(pdl=pdl, prefetch_tiles=prefetch_tiles, attention_splits=attention_splits)
+    if attention_min_blocks < 1:
+        raise ValueError(f"attention_min_blocks must be >= 1, got {attention_min_blocks}")
+    if attention_block not in (16, 32, 64, 128):
+        raise ValueError(f"attention_block must be one of 16, 32, 64, 128, got {attention_block}")
+    _LAUNCH.update(pdl=pdl, prefetch_tiles=prefetch_tiles, attention_splits=attention_splits,
+                   attention_min_blocks=attention_min_blocks, attention_block=attention_block,
+                   fold_norms=bool(fold_norms))
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -411,7 +433,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
            config: LinearConfig | None = None, argmax: bool = False):
     """x [M, K] (or [M, 2K] with gated=True) and w [N, K] -> [M, N] in w's dtype.
 
-    norm: RMSNorm weight [K] applied to x first (eps its epsilon); gated: x holds gate|up, the input is
+    norm: RMSNorm weight [K] applied to x first (eps its epsilon). At one row without tensor cores it is folded
+    into the matmul: x times the weight goes through the product and the output is scaled by x's reciprocal
+    RMS, rounded once at the end (HF rounds the normed row before the product; the difference is of the order
+    of that one rounding); otherwise it is a launch of its own with HF's roundings. gated: x
+    holds gate|up, the input is
     silu(gate) * up; residual [M, N]: added to the product (rounded first, as `h + linear(x)` would).
     argmax: also return each row's argmax [M] (int64, lowest column among equal maxima as torch.argmax; a NaN
     counts as +inf, so a row holding both a +inf before a NaN differs from torch.argmax, which picks the first
@@ -428,8 +454,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w not row-major)")
     cfg = config or choose_linear(m, n, k)
     dot = cfg.dot or m > 1
-    if norm is not None:
-        x = rms_norm(x, norm, eps)
+    if norm is not None and gated:
+        raise ValueError("kernels.linear: norm and gated do not combine")
+    if norm is not None and (dot or not _LAUNCH["fold_norms"]):  # folded into one-row loops only (see kernel)
+        x, norm = rms_norm(x, norm, eps), None
     if gated and dot and config is None:
         # the activation inside a tensor-core loop runs at a quarter of the weight rate (sweep): apply it once
         x, gated = silu_mul(x), False
@@ -447,8 +475,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         pi = torch.empty((m, grid[0]), dtype=torch.int32, device=w.device)
     else:
         pv = pi = y
-    _linear_kernel[grid](x, w, y, r, pv, pi, m, n, k, x.stride(0), w.stride(0), y.stride(0), r.stride(0),
-                         PRO=2 if gated else 0, RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
+    _linear_kernel[grid](x, w, y, r, pv, pi, w if norm is None else norm, m, n, k, x.stride(0), w.stride(0),
+                         y.stride(0), r.stride(0), float(eps), PRO=2 if gated else 0, NORM=norm is not None,
+                         RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
                          PREC=_prec(w.dtype), BLOCK_M=_pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n,
                          BLOCK_K=block_k, ARGMAX=argmax, PF_COLS=pf_cols, LINE=line, num_warps=cfg.warps,
                          num_stages=cfg.stages, **opts)
@@ -480,22 +509,23 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, n_q: int, scale: float, causal: bool = True,
-              splits: int | None = None, min_blocks: int = 4) -> torch.Tensor:
+              splits: int | None = None, min_blocks: int | None = None) -> torch.Tensor:
     """One layer's attention for T new tokens at increasing `positions` [T], from the fused projection output
     qkv [T, (n_q + 2 n_kv) d]: per-head RMSNorm of q and k (q_norm/k_norm weights [d], None for Llama), rotary
     (cos/sin [T, d]), k and v written into the caches [n_kv, capacity, d] (one layer's slice) at `positions`,
     then attention over the slots [0, positions[-1]], causal or (causal=False: a drafter's block) not, split
     over the slots into up to `splits` programs per K/V head (None: by the cache's capacity), each with at
     least `min_blocks` blocks of slots (read on the device: short caches use one), whose partial results the
-    last of them merges. Returns [T, n_q * d]."""
+    last of them merges (None: `set_launch`'s). Returns [T, n_q * d]."""
     t = qkv.shape[0]
     n_kv, d = k_cache.shape[0], k_cache.shape[-1]
     groups = n_q // n_kv
     o = torch.empty((t, n_q * d), dtype=qkv.dtype, device=qkv.device)
     rows = _pow2_at_least(groups * t, 16)
     norm = q_norm is not None
-    block_s = 64 if rows <= 32 else 32
+    block_s = _LAUNCH["attention_block"] if rows <= 32 else 32
     splits = splits or _LAUNCH["attention_splits"]
+    min_blocks = min_blocks or _LAUNCH["attention_min_blocks"]
     if splits is None:  # one block of slots per split up to MAX_SPLITS, by the cache's capacity (a host bound)
         splits = max(1, min(MAX_SPLITS, -(-k_cache.shape[1] // block_s)))
     if splits > 1:
@@ -512,7 +542,7 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q,
         scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal,
         BLOCK_T=_pow2_at_least(t, 1), BLOCK_R=rows, BLOCK_S=block_s, SPLITS=splits, MIN_BLOCKS=min_blocks,
-        num_warps=4,
+        num_warps=8 if block_s >= 128 else 4,
         **_launch_opts(qkv.device, t))
     return o
 
@@ -556,18 +586,29 @@ def decoder_layer(h: torch.Tensor, layer, qkv_w: torch.Tensor, gate_up_w: torch.
     return linear(gate_up, layer.mlp.down_proj.weight, gated=True, residual=h)
 
 
-def decoder_stack(h: torch.Tensor, layers, final_norm, weights, cos: torch.Tensor, sin: torch.Tensor,
+def decoder_stack(h: torch.Tensor, layers, weights, cos: torch.Tensor, sin: torch.Tensor,
                   positions: torch.Tensor, n_q: int, scale: float, causal: bool = True,
                   taps=()) -> tuple[torch.Tensor, dict]:
     """Every decoder layer over rows h [T, H]; `weights(i)` gives layer i's (q/k/v weight, gate/up weight,
-    K cache, V cache). Returns final_norm(h) and {i: residual rows after layer i} for i in `taps`. The target's
-    decode step and the drafter's block share it."""
+    K cache, V cache). Returns the last layer's residual rows (before the final norm, which callers fold into
+    their lm_head with `normed_linear`) and {i: residual rows after layer i} for i in `taps`. The target's decode
+    step and the drafter's block share it."""
     tapped = {}
     for i, layer in enumerate(layers):
         h = decoder_layer(h, layer, *weights(i), cos, sin, positions, n_q, scale, causal)
         if i in taps:
             tapped[i] = h
-    return rms_norm(h, final_norm.weight, _eps(final_norm)), tapped
+    return h, tapped
+
+
+def final_norm(h: torch.Tensor, norm) -> torch.Tensor:
+    """An RMSNorm module applied to rows h [T, H] in one launch."""
+    return rms_norm(h, norm.weight, _eps(norm))
+
+
+def normed_linear(h: torch.Tensor, norm, w: torch.Tensor, argmax: bool = False):
+    """linear(norm(h), w) with the RMSNorm module `norm` folded into the matmul (see `linear`)."""
+    return linear(h, w, norm=norm.weight, eps=_eps(norm), argmax=argmax)
 
 
 def fuse_rows(modules) -> torch.Tensor:

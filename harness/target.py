@@ -217,15 +217,14 @@ class Target:
         h = self.embed(ids)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
-        out, tapped = k.decoder_stack(
-            h, self.layers, self.norm, lambda i: (self._fused[i][0], self._fused[i][2], self.kv.k[i, 0],
-                                                  self.kv.v[i, 0]),
+        h, tapped = k.decoder_stack(
+            h, self.layers, lambda i: (self._fused[i][0], self._fused[i][2], self.kv.k[i, 0], self.kv.v[i, 0]),
             cos, sin, positions, self.config.num_attention_heads, self.scale,
             taps=self._tap_set if want_features else ())
         last = self.n_layers - 1
         if last in tapped:
-            tapped[last] = out  # the tapped tensor is the normed one (see `forward`)
-        logits = k.linear(out, self.lm_head.weight)
+            tapped[last] = k.final_norm(h, self.norm)  # the tapped tensor is the normed one (see `forward`)
+        logits = k.normed_linear(h, self.norm, self.lm_head.weight)
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
         return logits, features
 

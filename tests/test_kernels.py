@@ -19,12 +19,14 @@ from refiners.markov import MarkovRefiner, random_markov_head  # noqa: E402
 from refiners.xpress import XPressRefiner, random_xpress_head  # noqa: E402
 from tiny import tiny_drafter, tiny_target  # noqa: E402
 
-def _interpreter_broken() -> bool:
+def _numpy_breaks_interpreter() -> bool:
     """Triton 3.6's CPU interpreter turns size-1 arrays into scalars, which numpy >= 2.4 refuses."""
-    if not kernels.interpreted():
-        return False
     import numpy
     return tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4)
+
+
+def _interpreter_broken() -> bool:
+    return kernels.interpreted() and _numpy_breaks_interpreter()
 
 
 pytestmark = [pytest.mark.skipif(not kernels.available(), reason="triton is not installed"),
@@ -124,7 +126,7 @@ def torch_attention(qkv, qn, kn, eps, cos, sin, positions, kc, vc, n_q, scale):
 def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, groups, d):
     """Also split over the slots: by default (one split at these lengths), in one program, in up to 7 of one
     block each (the last case's block straddles a split boundary, so a split holds no visible slot for its first
-    rows) and in up to 3 of at least 2 blocks."""
+    rows) and in up to 3 of at least 2 blocks; and reading 128 slots at a time."""
     n_kv, cap = 2, 160
     n_q = n_kv * groups
     qkv = rnd(t, (n_q + 2 * n_kv) * d, dtype=dtype, seed=1)
@@ -138,9 +140,13 @@ def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, grou
     vc[:, start + t:] = float("nan")
     kr, vr = kc.clone(), vc.clone()
     ref = torch_attention(qkv, qn, kn, 1e-6, cos, sin, positions, kr, vr, n_q, d ** -0.5)
-    for splits, least in ((None, 4), (1, 4), (7, 1), (3, 2)):
-        o = kernels.attention(qkv, qn, kn, 1e-6, cos, sin, positions, kc, vc, n_q, d ** -0.5, splits=splits,
-                              min_blocks=least)
+    for splits, least, block in ((None, 4, 64), (1, 4, 64), (7, 1, 64), (3, 2, 64), (None, 1, 128), (2, 1, 128)):
+        kernels.set_launch(attention_block=block)  # slots read at a time (for at most 32 query rows)
+        try:
+            o = kernels.attention(qkv, qn, kn, 1e-6, cos, sin, positions, kc, vc, n_q, d ** -0.5, splits=splits,
+                                  min_blocks=least)
+        finally:
+            kernels.set_launch()
         torch.testing.assert_close(o, ref, **tol(dtype))
         torch.testing.assert_close(kc, kr, equal_nan=True, **tol(dtype))  # same slots written, nothing else
         torch.testing.assert_close(vc, vr, equal_nan=True, atol=0, rtol=0)
@@ -161,6 +167,32 @@ def test_target_kernels_match_torch_forward(family):
     torch.testing.assert_close(lb, la, **loose)
     torch.testing.assert_close(fb, fa, **loose)  # taps, the last one after the final norm
     torch.testing.assert_close(fast.kv.k[:, :, :, :13], ref.kv.k[:, :, :, :13], **loose)
+
+
+def test_norms_fold_into_the_one_row_matmuls_after_them(monkeypatch):
+    """An AR step of the tiny model (every one-row matmul without tensor cores) runs no RMSNorm launch of its
+    own: each is folded into the matmul after it (q/k/v, gate/up, lm_head). With fold_norms=False, and for a
+    block of rows (tensor-core loops), it runs one per norm; the logits agree within summation order."""
+    b = Backend(DEV, torch.float32)
+    t = tiny_target("qwen3", backend=b, capacity=32)
+    assert t.use_kernels()
+    prompt = torch.randint(8, 100, (5,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    calls = []
+    real = kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda *a: calls.append(1) or real(*a))
+    try:
+        for block in ([9], [9, 10, 11]):
+            out = []
+            for fold in (True, False):
+                kernels.set_launch(fold_norms=fold)
+                t.reset()
+                t.prefill(prompt, want_features=False)
+                calls.clear()
+                out.append(t.verify(torch.tensor(block, device=DEV), 16, want_features=False)[0])
+                assert len(calls) == (0 if fold and len(block) == 1 else 2 * t.n_layers + 1)
+            torch.testing.assert_close(out[0], out[1], atol=2e-4, rtol=2e-4)
+    finally:
+        kernels.set_launch()
 
 
 @pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
@@ -213,10 +245,13 @@ def test_launch_settings_are_checked_and_pdl_needs_a_hopper_gpu():
         kernels.set_launch(prefetch_tiles=-1)
     with pytest.raises(ValueError, match="attention_splits"):
         kernels.set_launch(attention_splits=kernels.MAX_SPLITS + 1)
+    with pytest.raises(ValueError, match="attention_min_blocks"):
+        kernels.set_launch(attention_min_blocks=0)
     assert not kernels.pdl_supported(torch.device("cpu"))
     assert kernels._launch_opts(torch.device("cpu"), 16) == {"PDL": False}
 
 
+@pytest.mark.skipif(_numpy_breaks_interpreter(), reason="runs Triton's CPU interpreter, which needs numpy < 2.4")
 def test_a_triton_without_grid_dependency_control_keeps_the_kernels_and_drops_pdl(tmp_path):
     """Older Triton releases lack triton.language.extra.cuda's gdc functions: the kernels must stay available
     (only PDL off), and one still runs."""
