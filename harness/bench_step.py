@@ -213,17 +213,14 @@ def measure(a, path: str | None = None) -> dict:
                   ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, None)]
         if a.kernels == "triton":
             from harness import kernels
-            levers += [("fused projections, harness.kernels (5 launches/layer, norms folded), no PDL", True,
+            levers += [("fused projections, harness.kernels (6 launches/layer: the q/k/v norm folded at one row), no PDL", True,
                         dict(pdl=False, prefetch_tiles=0)),
-                       ("the same, each RMSNorm its own launch (7 launches/layer)", True,
+                       ("the same, the q/k/v norm its own launch (7 launches/layer)", True,
                         dict(pdl=False, prefetch_tiles=0, fold_norms=False)),
                        ("the same, attention in one program per K/V head", True,
                         dict(pdl=False, prefetch_tiles=0, attention_splits=1))]
-            levers += [(f"the same, attention splits of at least {b} block{'s' * (b > 1)} of 64 slots", True,
-                        dict(pdl=False, prefetch_tiles=0, attention_min_blocks=b)) for b in (1, 2)]
-            levers += [(f"the same, one-row attention reads {b} slots at a time{', splits of one block' * one}",
-                        True, dict(pdl=False, prefetch_tiles=0, attention_block=b, attention_min_blocks=1 if one else 4))
-                       for b in (128,) for one in (False, True)]
+            levers += [("the same, one-row attention reads 64 slots at a time (not 128)", True,
+                        dict(pdl=False, prefetch_tiles=0, attention_block=64))]
             if kernels.pdl_supported(backend.device):
                 levers += [(f"harness.kernels with programmatic dependent launch (several-row launches), {p} "
                             "weight tiles prefetched", True, dict(pdl=True, prefetch_tiles=p))
