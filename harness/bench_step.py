@@ -213,8 +213,8 @@ def measure(a, path: str | None = None) -> dict:
                   ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, None)]
         if a.kernels == "triton":
             from harness import kernels
-            levers += [("fused projections, harness.kernels (6 launches/layer: the q/k/v norm folded at one row), no PDL", True,
-                        dict(pdl=False, prefetch_tiles=0)),
+            levers += [("fused projections, harness.kernels (6 launches/layer: the q/k/v norm folded at one row), "
+                        "no PDL", True, dict(pdl=False, prefetch_tiles=0)),
                        ("the same, the q/k/v norm its own launch (7 launches/layer)", True,
                         dict(pdl=False, prefetch_tiles=0, fold_norms=False)),
                        ("the same, attention in one program per K/V head", True,
