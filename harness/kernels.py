@@ -1,19 +1,22 @@
 """Triton kernels for the target's decode step at batch 1 (one AR token or one verify block of a few rows).
 
 At batch 1 every weight is read once per step and used for a handful of rows, so the step is a stream of weight
-bytes plus a few hundred small launches. A layer is seven launches instead of about forty:
+bytes plus a few hundred small launches. A layer is six launches at one row (eight for a block of rows) instead
+of about forty:
 - `linear`: y = x W^T for up to 64 rows, with the residual add in its epilogue and, at one row, silu(gate) * up
-  of a fused gate/up output in its prologue (the RMSNorm in front of a matmul is its own small launch:
-  measured faster than a prologue that every output tile repeats, and than an epilogue of the matmul before;
-  results/perf/NOTES.md). Optionally each row's argmax from the epilogue (the drafter's lm_head, the refiners'
-  greedy scoring).
+  of a fused gate/up output in its prologue. An RMSNorm in front of a one-row matmul without tensor cores (the
+  q/k/v projection) folds into its loop; elsewhere it is its own small launch (measured faster than folding it
+  into a tensor-core loop, than a prologue that every output tile repeats, and than splitting it between the
+  epilogue of the matmul before and the one after; results/perf/NOTES.md). Optionally each row's argmax from
+  the epilogue (the drafter's lm_head, the refiners' greedy scoring).
 - `attention`: per-head RMSNorm of q and k (Qwen3), rotary embedding and the K/V write into the static cache,
   then causal attention of the block's rows over the cache up to the block's last position (read from the
   device, so one captured graph serves every KV length), grouped-query heads folded into the rows, split over
   the slots when the cache is long. `write_kv` is its cache write alone (the drafter's context).
 On Hopper, launches of several rows use programmatic dependent launch (`set_launch`).
 Rounding follows HF's modules step by step (each elementwise op computed in fp32 and rounded to the model's dtype
-where HF's bf16 op would round); only the matmul and softmax summation orders differ from the torch path.
+where HF's bf16 op would round); only the matmul and softmax summation orders differ from the torch path, and a
+folded norm, which skips one rounding of the normed row (`linear`).
 With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
 """
 from __future__ import annotations
