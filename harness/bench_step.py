@@ -220,9 +220,7 @@ def measure(a, path: str | None = None) -> dict:
                        ("the same, attention in one program per K/V head", True,
                         dict(pdl=False, prefetch_tiles=0, attention_splits=1))]
             levers += [("the same, one-row attention reads 64 slots at a time (not 128)", True,
-                        dict(pdl=False, prefetch_tiles=0, attention_block=64)),
-                       ("the same, attention reads its first block after writing the new keys", True,
-                        dict(pdl=False, prefetch_tiles=0, attention_early=False))]
+                        dict(pdl=False, prefetch_tiles=0, attention_block=64))]
             if kernels.pdl_supported(backend.device):
                 levers += [(f"harness.kernels with programmatic dependent launch (several-row launches), {p} "
                             "weight tiles prefetched", True, dict(pdl=True, prefetch_tiles=p))

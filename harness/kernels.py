@@ -267,35 +267,16 @@ if triton is not None:
                   tl.program_id(0), tl.num_programs(0), eps, NORM, D, BLOCK_T)
 
     @triton.jit
-    def _attend_block(q, kb, vb, sj, ok, qpos, m_i, l_i, acc, scale, CAUSAL: tl.constexpr, PREC: tl.constexpr):
-        """Online softmax: the running (max, sum, output) of the query rows after one block of slots sj (ok: the
-        slots to count) with keys kb and values vb [BLOCK_S, D]."""
-        sc = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale
-        if CAUSAL:
-            sc = tl.where((sj[None, :] <= qpos[:, None]) & ok[None, :], sc, float("-inf"))
-        else:
-            sc = tl.where(ok[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible slot yet stays empty
-        alpha = tl.exp(m_i - m_use)
-        p = tl.exp(sc - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(vb.dtype), vb, input_precision=PREC)
-        return m_new, l_i, acc
-
-    @triton.jit
     def _attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr,
                           pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr,
                           GROUPS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
-                          MIN_BLOCKS: tl.constexpr, EARLY: tl.constexpr, PDL: tl.constexpr):
+                          MIN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
         # programs (K/V head, split): each split with slots to read writes its head's T new keys/values (norm,
         # rope) into the cache (the splits write the same values), then its GROUPS*T query rows (norm, rope)
         # attend over its share of the slots [0, last position]: causally, or all of them (the drafter's
         # block). With several splits each leaves its running max, sum and output in pm/pl/pa, and the head's
-        # last split to arrive (a counter at cnt_ptr + head, left at 0) merges them in split order. EARLY: the
-        # split's first block of cache slots before the new positions is read before the new keys are written
-        # and the queries prepared (those slots do not depend on this launch), the rest of it after.
+        # last split to arrive (a counter at cnt_ptr + head, left at 0) merges them in split order.
         _after_previous(PDL)
         h = tl.program_id(0)
         sp = tl.program_id(1)
@@ -308,17 +289,6 @@ if triton is not None:
         active = tl.cdiv(kv_len, per)
         if sp >= active:
             return
-        lo = sp * per
-        hi = tl.minimum(lo + per, kv_len)
-        s = tl.arange(0, BLOCK_S)
-        kbase = kc_ptr + h * s_kh
-        vbase = vc_ptr + h * s_kh
-        if EARLY:
-            first = tl.load(pos_ptr).to(tl.int32)  # slots below it hold keys written by earlier launches
-            sj0 = lo + s
-            old = sj0 < tl.minimum(hi, first)
-            kb0 = tl.load(kbase + sj0[:, None] * s_ks + d[None, :], mask=old[:, None], other=0.0)
-            vb0 = tl.load(vbase + sj0[:, None] * s_ks + d[None, :], mask=old[:, None], other=0.0)
         _store_kv(qkv_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_qkv, s_cs, s_kh, s_ks, HQ, h,
                   tl.num_programs(0), eps, NORM, D, BLOCK_T)
 
@@ -334,24 +304,31 @@ if triton is not None:
         q = _norm_rope(qkv_ptr + t[:, None] * s_qkv + head[:, None] * D, r_ok, qn_ptr, cos, sin, d, eps, NORM, D)
         tl.debug_barrier()  # this program's cache writes above are read below
 
+        lo = sp * per
+        hi = tl.minimum(lo + per, kv_len)
         m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
         acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-        start = lo
-        if EARLY:  # the first block: its new slots (if any) now, from the cache just written
-            new = (sj0 >= first) & (sj0 < hi)
-            kb = tl.where(new[:, None], tl.load(kbase + sj0[:, None] * s_ks + d[None, :], mask=new[:, None],
-                                                other=0.0), kb0)
-            vb = tl.where(new[:, None], tl.load(vbase + sj0[:, None] * s_ks + d[None, :], mask=new[:, None],
-                                                other=0.0), vb0)
-            m_i, l_i, acc = _attend_block(q, kb, vb, sj0, sj0 < hi, qpos, m_i, l_i, acc, scale, CAUSAL, PREC)
-            start = lo + BLOCK_S
-        for s0 in range(start, hi, BLOCK_S):
+        s = tl.arange(0, BLOCK_S)
+        kbase = kc_ptr + h * s_kh
+        vbase = vc_ptr + h * s_kh
+        for s0 in range(lo, hi, BLOCK_S):
             sj = s0 + s
             s_ok = sj < hi
             kb = tl.load(kbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
             vb = tl.load(vbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-            m_i, l_i, acc = _attend_block(q, kb, vb, sj, s_ok, qpos, m_i, l_i, acc, scale, CAUSAL, PREC)
+            sc = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale
+            if CAUSAL:
+                sc = tl.where((sj[None, :] <= qpos[:, None]) & s_ok[None, :], sc, float("-inf"))
+            else:
+                sc = tl.where(s_ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible slot yet stays empty
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(sc - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb, input_precision=PREC)
+            m_i = m_new
         dst = o_ptr + t[:, None] * s_ot + head[:, None] * D + d[None, :]
         if SPLITS == 1:  # (a constexpr branch: no counter is passed then)
             tl.store(dst, (acc / l_i[:, None]).to(dt), mask=r_ok[:, None])
@@ -380,23 +357,21 @@ if triton is not None:
 
 
 _LAUNCH = {"pdl": None, "prefetch_tiles": 1, "attention_splits": None, "attention_min_blocks": 4,
-           "attention_block": 128, "attention_early": True, "fold_norms": True}  # None: automatic (set_launch)
+           "attention_block": 128, "fold_norms": True}  # None: automatic (see set_launch)
 _PDL_DEVICES: dict = {}
 
 
 def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1, attention_splits: int | None = None,
-               attention_min_blocks: int = 4, attention_block: int = 128, attention_early: bool = True,
-               fold_norms: bool = True) -> None:
+               attention_min_blocks: int = 4, attention_block: int = 128, fold_norms: bool = True) -> None:
     """How the kernels are launched. pdl: programmatic dependent launch (a launch starts while the one before it
     drains and waits on the device for its writes; Hopper and later), None = wherever the GPU supports it.
     prefetch_tiles: with pdl, how many of its first weight tiles each tensor-core matmul program (several rows)
     asks into L2 before it waits. attention_splits: programs per K/V head in `attention` (None: by the cache's
     capacity); attention_block: slots an attention program reads at a time when it has at most 32 query rows
     (more rows: 32; 128 measured 0.01-0.03 ms faster per AR step than 64 on the H200); attention_min_blocks: the
-    fewest slots a split reads, in blocks of 64 (of 32 for more rows); attention_early: each split reads its first
-    block's earlier slots before it writes the new keys and prepares the queries. fold_norms: the RMSNorm in
-    front of a one-row matmul without tensor cores folded into it (False: its own launch first, as HF rounds
-    it). Clears nothing: graphs captured before keep the launches they captured."""
+    fewest slots a split reads, in blocks of 64 (of 32 for more rows). fold_norms: the RMSNorm in front of
+    a matmul folded into it (False: its own launch first, as HF rounds it). Clears nothing: graphs captured
+    before keep the launches they captured."""
     if prefetch_tiles < 0:
         raise ValueError(f"prefetch_tiles must be >= 0, got {prefetch_tiles}")
     if attention_splits is not None and not 1 <= attention_splits <= MAX_SPLITS:
@@ -407,7 +382,7 @@ def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1, attention_split
         raise ValueError(f"attention_block must be one of 16, 32, 64, 128, got {attention_block}")
     _LAUNCH.update(pdl=pdl, prefetch_tiles=prefetch_tiles, attention_splits=attention_splits,
                    attention_min_blocks=attention_min_blocks, attention_block=attention_block,
-                   attention_early=bool(attention_early), fold_norms=bool(fold_norms))
+                   fold_norms=bool(fold_norms))
 
 
 def pdl_supported(device: torch.device) -> bool:
@@ -574,7 +549,6 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
         pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q,
         scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=_prec(qkv.dtype), CAUSAL=causal,
         BLOCK_T=_pow2_at_least(t, 1), BLOCK_R=rows, BLOCK_S=block_s, SPLITS=splits, MIN_BLOCKS=min_blocks,
-        EARLY=_LAUNCH["attention_early"],
         num_warps=8 if block_s >= 128 else 4,
         **_launch_opts(qkv.device, t))
     return o

@@ -126,8 +126,7 @@ def torch_attention(qkv, qn, kn, eps, cos, sin, positions, kc, vc, n_q, scale):
 def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, groups, d):
     """Also split over the slots: by default (one split at these lengths), in one program, in up to 7 of one
     block each (the last case's block straddles a split boundary, so a split holds no visible slot for its first
-    rows) and in up to 3 of at least 2 blocks; and reading 128 slots at a time; with the
-    first block's earlier slots read before the new keys are written (the default) and after."""
+    rows) and in up to 3 of at least 2 blocks; and reading 128 slots at a time."""
     n_kv, cap = 2, 160
     n_q = n_kv * groups
     qkv = rnd(t, (n_q + 2 * n_kv) * d, dtype=dtype, seed=1)
@@ -141,12 +140,8 @@ def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, grou
     vc[:, start + t:] = float("nan")
     kr, vr = kc.clone(), vc.clone()
     ref = torch_attention(qkv, qn, kn, 1e-6, cos, sin, positions, kr, vr, n_q, d ** -0.5)
-    for splits, least, block, early in ((None, 4, 64, True), (1, 4, 64, True), (7, 1, 64, True), (3, 2, 64, True),
-                                        (None, 1, 128, True), (2, 1, 128, True), (None, 4, 128, False),
-                                        (7, 1, 64, False)):
-        # block: slots read at a time (for at most 32 query rows); early: the first block's earlier slots read
-        # before the new keys are written
-        kernels.set_launch(attention_block=block, attention_early=early)
+    for splits, least, block in ((None, 4, 64), (1, 4, 64), (7, 1, 64), (3, 2, 64), (None, 1, 128), (2, 1, 128)):
+        kernels.set_launch(attention_block=block)  # slots read at a time (for at most 32 query rows)
         try:
             o = kernels.attention(qkv, qn, kn, 1e-6, cos, sin, positions, kc, vc, n_q, d ** -0.5, splits=splits,
                                   min_blocks=least)
