@@ -233,8 +233,8 @@ class DFlashModel(nn.Module):
     def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV) -> None:
         """Context K/V from projected target features; they do not depend on the block, so each position once."""
         k = self._fast(features.shape[0])
-        if k is not None:  # hidden_norm is folded into each layer's k/v matmul
-            ctx = k.linear(features, self.fc.weight)
+        if k is not None:
+            ctx = k.rms_norm(k.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
         else:
             ctx = self.hidden_norm(self.fc(features))
         cos, sin = cos_sin(self.inv_freq, positions, ctx.dtype)
@@ -242,8 +242,8 @@ class DFlashModel(nn.Module):
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
             if k is not None:  # k and v rows are adjacent in the fused q/k/v weight: one matmul, one cache write
-                k.write_kv(k.normed_linear(ctx, self.hidden_norm, self._fused[i][0][q_rows:]), a.k_norm.weight,
-                           a.k_norm.eps, cos, sin, positions, kv.k[i, 0], kv.v[i, 0])
+                k.write_kv(k.linear(ctx, self._fused[i][0][q_rows:]), a.k_norm.weight, a.k_norm.eps, cos, sin,
+                           positions, kv.k[i, 0], kv.v[i, 0])
             else:
                 kv.write(i, positions, self._heads(a.k_proj, a.k_norm, ctx, cos, sin),
                          self._heads(a.v_proj, None, ctx, None, None))

@@ -119,9 +119,10 @@ class Target:
 
     def use_kernels(self, on: bool = True) -> bool:
         """Run decode steps (AR steps and verify blocks up to kernels.MAX_ROWS rows) on harness.kernels' Triton
-        kernels: seven launches a layer (eight for a block), fused activation and residual adds, attention bounded
-        by the block's own positions. Prefill stays on the torch path. Raises UsageError if this target or machine
-        cannot; captured step graphs are dropped (they hold the old kernels)."""
+        kernels: six launches a layer at one row (eight for a block), the q/k/v norm folded at one row, fused
+        activation and residual adds, attention bounded by the block's own positions. Prefill stays on the torch
+        path. Raises UsageError if this target or machine cannot; captured step graphs are dropped (they hold the
+        old kernels)."""
         self.step_graphs = None
         if not on:
             self._kernels = None
@@ -222,9 +223,11 @@ class Target:
             cos, sin, positions, self.config.num_attention_heads, self.scale,
             taps=self._tap_set if want_features else ())
         last = self.n_layers - 1
-        if last in tapped:
-            tapped[last] = k.final_norm(h, self.norm)  # the tapped tensor is the normed one (see `forward`)
-        logits = k.normed_linear(h, self.norm, self.lm_head.weight)
+        if last in tapped:  # the tapped tensor is the normed one (see `forward`), which the lm_head reads too
+            tapped[last] = k.final_norm(h, self.norm)
+            logits = k.linear(tapped[last], self.lm_head.weight)
+        else:  # the final norm folds into the lm_head where it can
+            logits = k.normed_linear(h, self.norm, self.lm_head.weight)
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
         return logits, features
 
