@@ -193,6 +193,11 @@ def test_norms_fold_into_the_one_row_matmuls_after_them(monkeypatch):
             torch.testing.assert_close(out[0], out[1], atol=2e-4, rtol=2e-4)
     finally:
         kernels.set_launch()
+    d = tiny_drafter(t, block=4, backend=b)
+    d.model.use_kernels(kernels)
+    calls.clear()
+    d.begin(torch.randn(6, len(d.target_layer_ids) * t.config.hidden_size, device=DEV))
+    assert len(calls) == 1  # the drafter's context write normalises once, not once per layer
 
 
 @pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
