@@ -597,9 +597,9 @@ def decoder_stack(h: torch.Tensor, layers, weights, cos: torch.Tensor, sin: torc
                   positions: torch.Tensor, n_q: int, scale: float, causal: bool = True,
                   taps=()) -> tuple[torch.Tensor, dict]:
     """Every decoder layer over rows h [T, H]; `weights(i)` gives layer i's (q/k/v weight, gate/up weight,
-    K cache, V cache). Returns the last layer's residual rows (before the final norm, which callers fold into
-    their lm_head with `normed_linear`) and {i: residual rows after layer i} for i in `taps`. The target's decode
-    step and the drafter's block share it."""
+    K cache, V cache). Returns the last layer's residual rows (before the final norm: callers apply it with
+    `final_norm`, or with `normed_linear` in their lm_head) and {i: residual rows after layer i} for i in `taps`.
+    The target's decode step and the drafter's block share it."""
     tapped = {}
     for i, layer in enumerate(layers):
         h = decoder_layer(h, layer, *weights(i), cos, sin, positions, n_q, scale, causal)
@@ -614,7 +614,8 @@ def final_norm(h: torch.Tensor, norm) -> torch.Tensor:
 
 
 def normed_linear(h: torch.Tensor, norm, w: torch.Tensor, argmax: bool = False):
-    """linear(norm(h), w) with the RMSNorm module `norm` folded into the matmul (see `linear`)."""
+    """linear(norm(h), w) for the RMSNorm module `norm`: folded into the matmul where `linear` can (one row, no
+    tensor cores), else a norm launch first."""
     return linear(h, w, norm=norm.weight, eps=_eps(norm), argmax=argmax)
 
 
