@@ -218,8 +218,8 @@ def measure(a, path: str | None = None) -> dict:
                        ("the same, the q/k/v norm its own launch (7 launches/layer)", True,
                         dict(pdl=False, prefetch_tiles=0, fold_norms=False)),
                        ("the same, attention in one program per K/V head", True,
-                        dict(pdl=False, prefetch_tiles=0, attention_splits=1))]
-            levers += [("the same, one-row attention reads 64 slots at a time (not 128)", True,
+                        dict(pdl=False, prefetch_tiles=0, attention_splits=1)),
+                       ("the same, one-row attention reads 64 slots at a time (not 128)", True,
                         dict(pdl=False, prefetch_tiles=0, attention_block=64))]
             if kernels.pdl_supported(backend.device):
                 levers += [(f"harness.kernels with programmatic dependent launch (several-row launches), {p} "

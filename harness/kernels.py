@@ -369,9 +369,9 @@ def set_launch(pdl: bool | None = None, prefetch_tiles: int = 1, attention_split
     asks into L2 before it waits. attention_splits: programs per K/V head in `attention` (None: by the cache's
     capacity); attention_block: slots an attention program reads at a time when it has at most 32 query rows
     (more rows: 32; 128 measured 0.01-0.03 ms faster per AR step than 64 on the H200); attention_min_blocks: the
-    fewest slots a split reads, in blocks of 64 (of 32 for more rows). fold_norms: the RMSNorm in front of
-    a matmul folded into it (False: its own launch first, as HF rounds it). Clears nothing: graphs captured
-    before keep the launches they captured."""
+    fewest slots a split reads, in blocks of 64 (of 32 for more rows). fold_norms: the RMSNorm in front of a
+    one-row matmul without tensor cores folded into it (False: its own launch first, as HF rounds it). Clears
+    nothing: graphs captured before keep the launches they captured."""
     if prefetch_tiles < 0:
         raise ValueError(f"prefetch_tiles must be >= 0, got {prefetch_tiles}")
     if attention_splits is not None and not 1 <= attention_splits <= MAX_SPLITS:
@@ -440,9 +440,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     norm: RMSNorm weight [K] applied to x first (eps its epsilon). At one row without tensor cores it is folded
     into the matmul: x times the weight goes through the product and the output is scaled by x's reciprocal
     RMS, rounded once at the end (HF rounds the normed row before the product; the difference is of the order
-    of that one rounding); otherwise it is a launch of its own with HF's roundings. gated: x
-    holds gate|up, the input is
-    silu(gate) * up; residual [M, N]: added to the product (rounded first, as `h + linear(x)` would).
+    of that one rounding); otherwise it is a launch of its own with HF's roundings. gated: x holds gate|up,
+    the input is silu(gate) * up (not with norm); residual [M, N]: added to the product (rounded first, as
+    `h + linear(x)` would).
     argmax: also return each row's argmax [M] (int64, lowest column among equal maxima as torch.argmax; a NaN
     counts as +inf, so a row holding both a +inf before a NaN differs from torch.argmax, which picks the first
     NaN), found by the matmul's programs and one small reduction launch: (y, ids)."""
@@ -520,8 +520,7 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     then attention over the slots [0, positions[-1]], causal or (causal=False: a drafter's block) not, split
     over the slots into up to `splits` programs per K/V head (None: by the cache's capacity), each with at
     least `min_blocks` blocks of 64 slots (of 32 for more than 32 query rows; read on the device: short caches
-    use one), whose partial results the
-    last of them merges (None: `set_launch`'s). Returns [T, n_q * d]."""
+    use one), whose partial results the last of them merges (None: `set_launch`'s). Returns [T, n_q * d]."""
     t = qkv.shape[0]
     n_kv, d = k_cache.shape[0], k_cache.shape[-1]
     groups = n_q // n_kv

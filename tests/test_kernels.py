@@ -78,6 +78,8 @@ def test_linear_one_row_without_dot_and_bad_shapes():
         kernels.linear(rnd(1, 32), w)
     with pytest.raises(ValueError, match="rows"):
         kernels.linear(rnd(kernels.MAX_ROWS + 1, 64), w)
+    with pytest.raises(ValueError, match="norm and gated"):
+        kernels.linear(rnd(1, 128), w, norm=rnd(64), eps=1e-6, gated=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
