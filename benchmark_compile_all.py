@@ -13,8 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     from harness.errors import cli_exit
 
     def work():
-        from harness.config import parse_args
-        from harness.runner import run
+        from harness.protocol.config import parse_args
+        from harness.protocol.runner import run
         run(parse_args(argv))
     return cli_exit(work)
 

@@ -15,10 +15,10 @@ from torch import nn
 
 from drafters.base import Proposal
 from drafters.rope import cos_sin, inv_frequencies, rope_settings
-from harness.cache import StaticKV, attend, prefix_mask, rotate
+from harness.decode.cache import StaticKV, attend, prefix_mask, rotate
 from harness.checkpoints import check_state, read_config, read_tensors, shard_files, tensor_shapes, \
     write_safetensors_dir
-from harness.devices import Backend
+from harness.decode.devices import Backend
 from harness.errors import UsageError
 
 # Present in some exports, never used: the drafter borrows the target's embedding and head.
@@ -192,12 +192,12 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False)
-        self._kern = None  # harness.kernels, when use_kernels() turned them on
+        self._kern = None  # harness.decode.kernels, when use_kernels() turned them on
         self._fused: list = []  # per layer: (q/k/v weight, gate/up weight), views shared with the modules
 
     @torch.no_grad()
     def use_kernels(self, kernels) -> None:
-        """Run blocks and context writes of up to kernels.MAX_ROWS rows on harness.kernels (None: torch ops).
+        """Run blocks and context writes of up to kernels.MAX_ROWS rows on harness.decode.kernels (None: torch ops).
         Fuses q/k/v and gate/up into one weight each (views: no memory added)."""
         if kernels is not None and not self._fused:
             self._fused = [(kernels.fuse_rows((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)),
@@ -269,7 +269,7 @@ class DFlashModel(nn.Module):
         return self.norm(h)
 
     def _block_kernels(self, x, positions, cos, sin, kv: StaticKV) -> torch.Tensor:
-        """`block` on harness.kernels: the block's rows attend over every slot up to its last position, which is
+        """`block` on harness.decode.kernels: the block's rows attend over every slot up to its last position, which is
         `limit` - 1 (the drafter's positions run up to the target position + block size)."""
         k, c = self._kern, self.config
         h, _ = k.decoder_stack(x, self.layers, lambda i: (*self._fused[i], kv.k[i, 0], kv.v[i, 0]), cos, sin,

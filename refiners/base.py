@@ -13,7 +13,7 @@ from drafters.base import Proposal
 class RefineContext:
     anchor: torch.Tensor       # device scalar: the verified token at slot 0
     prev_token: torch.Tensor   # device scalar: the committed token before the anchor
-    # Draft sampling at Td > 0 (harness.sampling.DraftSampler, noise frozen for this block); None = greedy.
+    # Draft sampling at Td > 0 (harness.decode.sampling.DraftSampler, noise frozen for this block); None = greedy.
     # A refiner picks tokens with sampler.select(scores, ids, slot) and returns as logits the scores its final
     # tokens were picked from, so that q is honest.
     sampler: object | None = None

@@ -86,7 +86,7 @@ class MarkovRefiner:
         self._kern = None
 
     def use_kernels(self, kernels) -> None:
-        """Greedy steps score through harness.kernels: w2, the base add and the argmax in one matmul launch and
+        """Greedy steps score through harness.decode.kernels: w2, the base add and the argmax in one matmul launch and
         one small reduction (None: torch ops)."""
         self._kern = kernels
 

@@ -185,7 +185,7 @@ def argmax_select(scores: torch.Tensor, ids: torch.Tensor | None = None) -> torc
 class _Block:
     """What no pass changes in one block (hidden cache, shortlist, gathered w2 rows), and the per-pass scoring.
 
-    `kern` (harness.kernels, greedy full-vocabulary passes only): w2, the base add and the argmax run as one
+    `kern` (harness.decode.kernels, greedy full-vocabulary passes only): w2, the base add and the argmax run as one
     matmul launch with the add and a per-tile argmax in its epilogue, plus one small reduction launch."""
 
     def __init__(self, head: XPressHead, hidden: torch.Tensor, base: torch.Tensor, topc: int, kern=None):
@@ -275,7 +275,7 @@ class XPressRefiner:
         self._kern = None
 
     def use_kernels(self, kernels) -> None:
-        """Greedy full-vocabulary passes score through harness.kernels (None: torch ops)."""
+        """Greedy full-vocabulary passes score through harness.decode.kernels (None: torch ops)."""
         self._kern = kernels
 
     @property

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import assets
+from harness.protocol import assets
 
 
 def _forbid_subprocess(monkeypatch):

@@ -1,6 +1,6 @@
 import json
 
-from harness import bench_refiner
+from harness.lab import bench_refiner
 
 
 def test_bench_refiner_writes_json_and_markdown(tmp_path, capsys):

@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from harness import bench_step
+from harness.lab import bench_step
 from harness.errors import UsageError
-from harness.graphs import StepGraphs
-from harness.loop import DecodeSettings, generate
-from harness.timing import StageTimer
+from harness.decode.graphs import StepGraphs
+from harness.decode.loop import DecodeSettings, generate
+from harness.decode.timing import StageTimer
 from tiny import CPU32, tiny_drafter, tiny_target
 
 

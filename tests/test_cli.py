@@ -75,7 +75,7 @@ def test_ar_only_and_skip_ar(files, tmp_path):
     (["--max-samples", "0"], "max"),
 ])
 def test_bad_arguments_fail_before_loading(files, extra, message, capsys, monkeypatch):
-    import harness.runner as runner
+    import harness.protocol.runner as runner
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
     assert cli.main(args(files, *extra)) == 2
     err = capsys.readouterr().err.strip()
@@ -84,7 +84,7 @@ def test_bad_arguments_fail_before_loading(files, extra, message, capsys, monkey
 
 def test_bad_drafter_checkpoint_fails_before_loading(files, tmp_path, capsys, monkeypatch):
     import shutil
-    import harness.runner as runner
+    import harness.protocol.runner as runner
     bad = tmp_path / "drafter"
     shutil.copytree(files / "drafter", bad)
     state = load_file(str(bad / "model.safetensors"))

@@ -61,7 +61,7 @@ def test_refiner_runs_are_lossless(files, tmp_path, extra, method, capsys):
     (["--use-graph"], "--use-graph"),
 ])
 def test_bad_refiner_input_fails_before_loading(files, tmp_path, extra, message, capsys, monkeypatch):
-    import harness.runner as runner
+    import harness.protocol.runner as runner
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
     extra = [str(files / x) if x.endswith(".pt") else x for x in extra]
     out = tmp_path / "a.jsonl"

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import benchmark_compile_all as cli
-from harness.compiling import CompileWatch, recompile_error_types
-from harness.results_io import read_rows
+from harness.decode.compiling import CompileWatch, recompile_error_types
+from harness.protocol.results_io import read_rows
 from tiny import write_run_fixture
 
 

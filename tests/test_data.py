@@ -13,8 +13,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-import harness.data as data_mod
-from harness.data import (HUB_SOURCES, KNOWN_DATASETS, PINNED_REVISIONS, DatasetSourceError, Sample,
+import harness.protocol.data as data_mod
+from harness.protocol.data import (HUB_SOURCES, KNOWN_DATASETS, PINNED_REVISIONS, DatasetSourceError, Sample,
                           build_turns_aime24, build_turns_aime25, build_turns_gsm8k, build_turns_humaneval,
                           build_turns_livecodebench, build_turns_math500, build_turns_mbpp, build_turns_mt_bench,
                           dataset_provenance, hub_offline, load_samples, render_prompt, subset_rows,
@@ -201,7 +201,7 @@ def test_known_name_without_data_dir_is_accepted_without_network_or_imports(monk
     for name in KNOWN_DATASETS:
         validate_dataset_args(name, None, 128)
     # and it imports neither datasets nor huggingface_hub (checked in a fresh interpreter)
-    code = ("import sys, harness.data as d\n"
+    code = ("import sys, harness.protocol.data as d\n"
             "[d.validate_dataset_args(n, None, 128) for n in d.KNOWN_DATASETS]\n"
             "loaded = [m for m in ('datasets', 'huggingface_hub') if m in sys.modules]\n"
             "assert not loaded, loaded\n")
@@ -219,7 +219,7 @@ def test_hub_without_the_datasets_package_says_what_to_install(monkeypatch):
 
 
 # ------------------------------------------------------------------ prompt templates (REFERENCE.md section 8)
-# The expected strings below are typed from section 8, not taken from harness.data.
+# The expected strings below are typed from section 8, not taken from harness.protocol.data.
 
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HE_HEAD = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"

@@ -130,7 +130,7 @@ def test_config_parses_transformers5_rope_style():
 
 def test_rotary_frequencies_stay_fp32_in_a_bf16_drafter(saved):
     t, d, path = saved
-    from harness.devices import Backend
+    from harness.decode.devices import Backend
     bf16 = Backend(torch.device("cpu"), torch.bfloat16)
     model = load_dflash(path, read_dflash_config(path), bf16)
     assert model.fc.weight.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32

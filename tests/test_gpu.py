@@ -5,8 +5,8 @@ import warnings
 import pytest
 import torch
 
-from harness.devices import Backend
-from harness.loop import DecodeSettings, generate
+from harness.decode.devices import Backend
+from harness.decode.loop import DecodeSettings, generate
 from tiny import tiny_drafter, tiny_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -83,7 +83,7 @@ def _refiners(vocab=128, hidden=64, block=4):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_graph_and_compile_give_the_same_tokens(temperature):
-    from harness.graphs import AcceleratedRefiner
+    from harness.decode.graphs import AcceleratedRefiner
     b = backend(torch.float32)
     t = tiny_target("qwen3", backend=b)
     d = tiny_drafter(t, block=4, backend=b)
@@ -104,7 +104,7 @@ def test_graph_and_compile_give_the_same_tokens(temperature):
 # --- whole-step CUDA graphs (DecodeSettings.use_graph) -------------------------------------------------------------
 
 def _arms(t, block=8):
-    from harness.graphs import AcceleratedRefiner
+    from harness.decode.graphs import AcceleratedRefiner
     from refiners.markov import MarkovRefiner, random_markov_head
     from refiners.xpress import XPressRefiner, random_xpress_head
     d = tiny_drafter(t, block=block, backend=backend(torch.float32))

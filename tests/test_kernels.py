@@ -1,4 +1,4 @@
-"""harness.kernels against the torch path: on CUDA compiled, on CPU through Triton's interpreter (skipped where
+"""harness.decode.kernels against the torch path: on CUDA compiled, on CPU through Triton's interpreter (skipped where
 Triton is not installed; CI does not install it, the GPU run covers these)."""
 import os
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before harness.kernels is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before harness.decode.kernels is imported
 
-from harness import kernels  # noqa: E402
-from harness.cache import StaticKV, attend, causal_mask, rotate  # noqa: E402
-from harness.devices import Backend  # noqa: E402
+from harness.decode import kernels  # noqa: E402
+from harness.decode.cache import StaticKV, attend, causal_mask, rotate  # noqa: E402
+from harness.decode.devices import Backend  # noqa: E402
 from harness.errors import UsageError  # noqa: E402
-from harness.loop import DecodeSettings, generate  # noqa: E402
+from harness.decode.loop import DecodeSettings, generate  # noqa: E402
 from drafters.base import Proposal  # noqa: E402
 from refiners.base import RefineContext  # noqa: E402
 from refiners.markov import MarkovRefiner, random_markov_head  # noqa: E402
@@ -107,7 +107,7 @@ def test_linear_argmax_matches_torch_with_ties(dtype, m, n, cfg):
 
 
 def torch_attention(qkv, qn, kn, eps, cos, sin, positions, kc, vc, n_q, scale):
-    """The torch path's steps (harness.target / harness.cache), on one layer's cache slice."""
+    """The torch path's steps (harness.decode.target / harness.decode.cache), on one layer's cache slice."""
     t, n_kv, d = qkv.shape[0], kc.shape[0], kc.shape[-1]
     q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q, k, v = q.view(t, n_q, d), k.view(t, n_kv, d), v.view(t, n_kv, d)
@@ -270,7 +270,7 @@ def test_a_triton_without_grid_dependency_control_keeps_the_kernels_and_drops_pd
         "stub = types.ModuleType(c.__name__)\n"
         "stub.__dict__.update({k: v for k, v in vars(c).items() if not k.startswith('gdc')})\n"
         "sys.modules[c.__name__] = stub\n"
-        "from harness import kernels\n"
+        "from harness.decode import kernels\n"
         "assert kernels.available() and not kernels._HAS_GDC\n"
         "w, x = torch.randn(40, 32), torch.randn(2, 32)\n"
         "torch.testing.assert_close(kernels.linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-4)\n"
@@ -404,7 +404,7 @@ def test_unfusing_turns_the_kernels_off():
 def test_random_models_switch_target_drafter_and_refiners_together():
     """RandomModels.use_kernels: the target, the drafter and every refiner, made before or after, on the kernels;
     None puts all of them back on torch ops."""
-    from harness.presets import build_random
+    from harness.protocol.presets import build_random
     m = build_random("tiny", Backend(DEV, torch.float32), block_size=8)
     before = m.refiner("xpress", 2)
     m.use_kernels(kernels)

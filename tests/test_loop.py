@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from drafters.dflash import DFlashDrafter
-from harness.loop import DecodeSettings, PromptTooLong, generate
+from harness.decode.loop import DecodeSettings, PromptTooLong, generate
 from doubles import ScriptedDrafter
 from tiny import CPU32, VOCAB, tiny_drafter, tiny_target
 
@@ -256,7 +256,7 @@ def test_bf16_on_cpu_runs_both_arms():
     """--dtype bfloat16 --device cpu: the loop runs; near-ties between 1- and B-token forwards may change a token,
     so only the shape of the result is asserted here (fp32 equality is tested above)."""
     import torch as th
-    from harness.devices import Backend
+    from harness.decode.devices import Backend
     b = Backend(th.device("cpu"), th.bfloat16)
     t = tiny_target("qwen3", backend=b)
     d = tiny_drafter(t, block=4, backend=b)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from drafters.base import Proposal
-from harness.loop import DecodeSettings, generate
+from harness.decode.loop import DecodeSettings, generate
 from refiners.base import RefineContext
 from refiners.markov import VARIANTS, MarkovHead, MarkovRefiner, markov_head_from_state, random_markov_head
 from tiny import CPU32, VOCAB, tiny_drafter, tiny_target

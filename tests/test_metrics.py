@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from harness import metrics as m
+from harness.protocol import metrics as m
 
 # Sample A: 4 short steps; sample B: 1 long step. Pooling weighs A four times, per-sample weighs them equally.
 LOG = [[1, 2, 1, 4], [8]]

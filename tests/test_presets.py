@@ -3,10 +3,10 @@ on the meta device (no memory)."""
 import pytest
 import torch
 
-from harness.devices import Backend
+from harness.decode.devices import Backend
 from harness.errors import UsageError
-from harness.loop import DecodeSettings, generate
-from harness.presets import PRESETS, RANDOM_LABEL, build_random
+from harness.decode.loop import DecodeSettings, generate
+from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random
 
 META = Backend(torch.device("meta"), torch.bfloat16)
 

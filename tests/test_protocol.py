@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import benchmark_compile_all as cli
-import harness.runner as runner
-from harness.results_io import read_rows
+import harness.protocol.runner as runner
+from harness.protocol.results_io import read_rows
 from tiny import write_run_fixture
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,8 +189,9 @@ def test_kernels_auto_keeps_torch_ops_for_reference_numerics(monkeypatch, extra,
 
     import torch
 
-    from harness import kernels, runner
-    from harness.config import RunConfig
+    from harness.decode import kernels
+    from harness.protocol import runner
+    from harness.protocol.config import RunConfig
     monkeypatch.setattr(kernels, "available", lambda: True)
     monkeypatch.setattr(kernels, "unsupported_reason", lambda target: None)
     used = []
@@ -207,9 +208,10 @@ def test_kernel_runs_hand_the_kernels_to_every_refiner():
     import dataclasses
     from types import SimpleNamespace
 
-    from harness import kernels, runner
-    from harness.config import RunConfig
-    from harness.graphs import AcceleratedRefiner
+    from harness.decode import kernels
+    from harness.protocol import runner
+    from harness.protocol.config import RunConfig
+    from harness.decode.graphs import AcceleratedRefiner
     from refiners.identity import IdentityRefiner
     from refiners.markov import MarkovRefiner, random_markov_head
     from refiners.xpress import XPressRefiner, random_xpress_head

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import report, results_io, tables
+from harness.protocol import report, results_io, tables
 from harness.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -292,7 +292,7 @@ def test_merge_cli_error_exits_on_a_folder_without_summary(tmp_path, capsys):
     (tmp_path / "bad" / "summary.json").write_text("{not json")
     (tmp_path / "bad" / "config.json").write_text("{}")
     assert report.main([str(tmp_path / "bad")]) == 2
-    p = subprocess.run([sys.executable, "-m", "harness.report", str(tmp_path / "empty")], cwd=ROOT,
+    p = subprocess.run([sys.executable, "-m", "harness.protocol.report", str(tmp_path / "empty")], cwd=ROOT,
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.startswith("error: ") and p.stdout == ""
 

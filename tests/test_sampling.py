@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from drafters.dflash import DFlashDrafter, config_for_target, random_dflash
-from harness.loop import DecodeSettings, generate
-from harness.sampling import DraftSampler, SamplingParams, filtered_logits, probabilities
-from harness.target import Target
+from harness.decode.loop import DecodeSettings, generate
+from harness.decode.sampling import DraftSampler, SamplingParams, filtered_logits, probabilities
+from harness.decode.target import Target
 from refiners.markov import MarkovRefiner, random_markov_head
 from refiners.xpress import XPressRefiner, random_xpress_head
 from tiny import CPU32

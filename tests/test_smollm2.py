@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from drafters.dflash import DFlashDrafter, config_for_target, random_dflash
-from harness.assets import AssetUnavailable, fetch_smollm2_gguf
-from harness.data import render_prompt
-from harness.loop import DecodeSettings, generate
-from harness.target import load_target, stop_token_ids
+from harness.protocol.assets import AssetUnavailable, fetch_smollm2_gguf
+from harness.protocol.data import render_prompt
+from harness.decode.loop import DecodeSettings, generate
+from harness.decode.target import load_target, stop_token_ids
 from tiny import CPU32
 
 pytestmark = pytest.mark.network

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from harness.loop import DecodeSettings, generate
+from harness.decode.loop import DecodeSettings, generate
 from tiny import CPU32, tiny_target
 
 
@@ -49,14 +49,14 @@ def test_ar_loop_matches_hf_generate(family):
 def test_unsupported_family_is_refused():
     from transformers import GPT2Config
     from harness.errors import UsageError
-    from harness.target import check_family
+    from harness.decode.target import check_family
     with pytest.raises(UsageError, match="not supported"):
         check_family(GPT2Config())
 
 
 def test_qwen2_with_biases_and_fused_projections_match_hf():
     from transformers import AutoModelForCausalLM, Qwen2Config
-    from harness.target import Target
+    from harness.decode.target import Target
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from drafters.base import Proposal
-from harness.loop import DecodeSettings, generate
+from harness.decode.loop import DecodeSettings, generate
 from refiners.base import RefineContext
 from refiners.xpress import (MAX_TOPC, XPressHead, XPressRefiner, random_xpress_head, sequential_decode, shortlist,
                              xpress_head_from_state)

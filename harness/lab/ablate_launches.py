@@ -2,15 +2,15 @@
 the attention launches (replaced by no-ops: numerically wrong, same shapes), with PDL off and on: upper bounds on
 what fusing them away could save. Random weights / scripted acceptance; CUDA only.
 
-    PYTHONPATH=. python results/perf/ablate_launches.py
+    PYTHONPATH=. python harness/lab/ablate_launches.py
 
 Its numbers in NOTES.md were measured at f0e3d68, when PDL also applied to one-row launches."""
-from harness import kernels
-from harness.bench_step import _gen, _prompt
-from harness.devices import resolve_backend
-from harness.loop import DecodeSettings
-from harness.presets import build_random
-from harness.timing import StageTimer
+from harness.decode import kernels
+from harness.lab.bench_step import _gen, _prompt
+from harness.decode.devices import resolve_backend
+from harness.decode.loop import DecodeSettings
+from harness.protocol.presets import build_random
+from harness.decode.timing import StageTimer
 
 REAL_NORM, REAL_ATTN = kernels.rms_norm, kernels.attention
 

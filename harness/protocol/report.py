@@ -1,10 +1,10 @@
 """Results of a paired run: the summary of the sample rows, plots, the results folder, and the multi-dataset table
-over several results folders (the tables themselves are harness.tables, re-exported here).
+over several results folders (the tables themselves are harness.protocol.tables, re-exported here).
 
-    python -m harness.report results/gsm8k_T0 results/math500_T0 [--out table.md]
+    python -m harness.protocol.report results/gsm8k_T0 results/math500_T0 [--out table.md]
 
-Every metric comes from harness.metrics and is printed with its convention line. Throughput uses turn 0 of the
-measured (non-warmup) rounds only; ratios are paired within a round (harness.rounds).
+Every metric comes from harness.protocol.metrics and is printed with its convention line. Throughput uses turn 0 of the
+measured (non-warmup) rounds only; ratios are paired within a round (harness.protocol.rounds).
 """
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from harness import metrics
+from harness.protocol import metrics
 from harness.errors import UsageError, cli_exit
-from harness.plots import write_plots
-from harness.results_io import atomic_write
-from harness.rounds import paired_ratios
-from harness.tables import format_console_table, format_csv, format_markdown_table, format_multi_dataset_table
+from harness.protocol.plots import write_plots
+from harness.protocol.results_io import atomic_write
+from harness.protocol.rounds import paired_ratios
+from harness.protocol.tables import format_console_table, format_csv, format_markdown_table, format_multi_dataset_table
 
 __all__ = ["summarize", "conventions", "write_results", "format_console_table", "format_markdown_table",
            "format_csv", "format_multi_dataset_table", "main"]
@@ -31,7 +31,7 @@ __all__ = ["summarize", "conventions", "write_results", "format_console_table", 
 GREEDY_T = 1e-5  # below this temperature decoding is greedy, as the reference
 SCHEMA = "xpress-bench/summary/1"
 _METHOD_ORDER = {"ar": 0, "drafter-only": 1, "markov": 2, "xpress": 3}
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 _REQUIRED = ("dataset", "question_id", "turn", "round", "warmup", "arm", "method", "block_size", "temperature",
              "new_tokens", "decode_tokens", "ttft_s", "decode_s", "accept_lengths")
 
@@ -308,7 +308,7 @@ def _load_folder(folder: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.report",
+    p = argparse.ArgumentParser(prog="python -m harness.protocol.report",
                                 description="One table over several results folders (rows = datasets).")
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json")
     p.add_argument("--out", help="also write the table to this markdown file")

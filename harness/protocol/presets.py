@@ -3,7 +3,7 @@
 Step time does not depend on weight values, so a target, a dFlash drafter, an xPress head and a vanilla Markov head
 are built from configs alone. Large models are constructed on the meta device and materialised directly on the
 target device (`to_empty`, then in-place normal init), so a 16 GB target never exists on the CPU. Every number
-measured with these models is labelled "random weights / scripted acceptance" (harness.loop.SCRIPTED_LABEL):
+measured with these models is labelled "random weights / scripted acceptance" (harness.decode.loop.SCRIPTED_LABEL):
 acceptance is meaningless for random weights and must be scripted (DecodeSettings.scripted_accept).
 
 `build_random(preset, backend)` with a meta-device backend builds every module with its shapes and no memory.
@@ -16,9 +16,9 @@ import torch
 
 from drafters.dflash import DFlashDrafter, DFlashModel, config_for_target
 from drafters.rope import inv_frequencies
-from harness.devices import Backend
+from harness.decode.devices import Backend
 from harness.errors import UsageError
-from harness.target import Target
+from harness.decode.target import Target
 from refiners.markov import MarkovHead, MarkovRefiner
 from refiners.xpress import XPressHead, XPressRefiner
 
@@ -91,11 +91,11 @@ class RandomModels:
     markov_head: MarkovHead
     label: str = RANDOM_LABEL
     refiners: dict = field(default_factory=dict)
-    kernels: object = None  # harness.kernels for the refiners' greedy scoring (use_kernels), None: torch ops
+    kernels: object = None  # harness.decode.kernels for the refiners' greedy scoring (use_kernels), None: torch ops
 
     def use_kernels(self, kernels) -> None:
         """The target, the drafter (where its shapes fit) and every refiner, now and later, on `kernels`."""
-        from harness.kernels import attach
+        from harness.decode.kernels import attach
         self.target.use_kernels(kernels is not None)
         self.kernels = kernels
         attach([self.drafter], self.refiners.values(), on=kernels is not None)

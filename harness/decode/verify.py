@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.sampling import SamplingParams, probabilities, sample_from, sample_rows
+from harness.decode.sampling import SamplingParams, probabilities, sample_from, sample_rows
 
 RESIDUAL_FLOOR = 1e-8  # below this residual mass, p and q agree to rounding: resample from p (the reference's rule)
 

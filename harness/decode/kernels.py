@@ -29,7 +29,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the torch path is used instead (harness.target checks `available()`)
+except ImportError:  # the torch path is used instead (harness.decode.target checks `available()`)
     triton = None
     tl = None
 try:  # grid dependency control (programmatic dependent launch): Triton releases from 2025 on

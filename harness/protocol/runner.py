@@ -15,16 +15,16 @@ import sys
 import tempfile
 import time
 
-from harness import report
-from harness.build import Arm, build_arms, build_random_arms, prepare
-from harness.config import RunConfig
-from harness.data import dataset_provenance, load_samples, render_prompt
+from harness.protocol import report
+from harness.protocol.build import Arm, build_arms, build_random_arms, prepare
+from harness.protocol.config import RunConfig
+from harness.protocol.data import dataset_provenance, load_samples, render_prompt
 from harness.errors import UsageError
-from harness.loop import DecodeSettings, Generation, generate
-from harness.results_io import append_rows, atomic_write, environment, read_rows
-from harness.rounds import rotation
-from harness.target import load_target, load_tokenizer, stop_token_ids
-from harness.trace import StepTracer
+from harness.decode.loop import DecodeSettings, Generation, generate
+from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
+from harness.protocol.rounds import rotation
+from harness.decode.target import load_target, load_tokenizer, stop_token_ids
+from harness.protocol.trace import StepTracer
 
 # Flags that may differ between an interrupted run and its --resume.
 RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace")
@@ -73,7 +73,7 @@ def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSe
 
 def label(cfg: RunConfig) -> str | None:
     """Numbers from random weights or scripted acceptance say so wherever they appear."""
-    from harness.presets import RANDOM_LABEL
+    from harness.protocol.presets import RANDOM_LABEL
     return RANDOM_LABEL if cfg.random_weights or cfg.scripted_accept is not None else None
 
 
@@ -149,10 +149,10 @@ def progress(total: int, done: int):
 
 def run(cfg: RunConfig, out=None) -> dict:
     """One paired run (see the module docstring). --compile-refiner / --compile-all change global torch._dynamo
-    settings for the run's duration (harness.compiling.CompileWatch); they are put back however the run ends."""
+    settings for the run's duration (harness.decode.compiling.CompileWatch); they are put back however the run ends."""
     watch = None
     if cfg.compile_all or cfg.compile_refiner:
-        from harness.compiling import CompileWatch
+        from harness.decode.compiling import CompileWatch
         watch = CompileWatch(cfg.compile_backend)
     try:
         return _run(cfg, out or sys.stdout, watch)
@@ -169,7 +169,7 @@ def _run(cfg: RunConfig, out, watch) -> dict:
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
     if cfg.random_weights:
-        from harness.presets import ByteTokenizer, build_random
+        from harness.protocol.presets import ByteTokenizer, build_random
         tokenizer = ByteTokenizer(prep.target_config.vocab_size)
         longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
         models = build_random(cfg.random_weights, backend, block_size=prep.block_size, seed=cfg.seed)
@@ -226,7 +226,7 @@ def _run(cfg: RunConfig, out, watch) -> dict:
     bar = progress(prep.rounds * len(arms) * len(samples), len(done))
     recompiled = ()
     if watch is not None and watch.guarded:
-        from harness.compiling import recompile_error_types
+        from harness.decode.compiling import recompile_error_types
         recompiled = recompile_error_types()
     try:
         for r, names in enumerate(order, start=1):
@@ -276,7 +276,7 @@ def pick_kernels(target, cfg, drafters, refiners=()) -> None:
     """--kernels: triton (refused with the reason if this target cannot), torch, or auto (triton for CUDA
     bf16/fp16 targets that fit, else torch; --compat-reference keeps HF's ops, as the reference ran them). The
     arms' dFlash drafters follow the target where their shapes fit, and so do the refiners' greedy scoring."""
-    from harness import kernels
+    from harness.decode import kernels
     if cfg.kernels == "triton":
         target.use_kernels()
     elif cfg.kernels == "auto" and not cfg.compat_reference and cfg.attn_implementation == "sdpa":

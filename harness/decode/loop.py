@@ -10,7 +10,7 @@ target steps, so a proposed draft is never left half-verified.
 
 The device work of a step is one fixed-shape function of persistent state (`Stepper.step`): the output buffer,
 target.pos, drafter.ctx, the KV caches and the draft sampler's noise. Eagerly it runs as plain PyTorch; with
-`use_graph` it is captured once per (arm, width, KV-length bucket) as one CUDA graph (harness.graphs.StepGraphs)
+`use_graph` it is captured once per (arm, width, KV-length bucket) as one CUDA graph (harness.decode.graphs.StepGraphs)
 and replayed, so the host only reads (n_accept, first_stop) per step.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 
 from drafters.base import Drafter, Proposal
-from harness.devices import Backend
+from harness.decode.devices import Backend
 from harness.errors import UsageError
-from harness.sampling import DraftSampler, SamplingParams, sample_rows
-from harness.verify import exact_match, rejection
+from harness.decode.sampling import DraftSampler, SamplingParams, sample_rows
+from harness.decode.verify import exact_match, rejection
 from refiners.base import RefineContext, Refiner
 from refiners.identity import IdentityRefiner
 
@@ -114,7 +114,7 @@ def _no_mark(stage: str) -> None:
 class Stepper:
     """The device work of one step as a fixed-shape function of persistent state (no host sync): for a given
     (speculative, width, length) every call launches the same kernels on the same buffers, which is what lets
-    harness.graphs capture it once and replay it. `mark(stage)` is called at "begin" and after each of STAGES
+    harness.decode.graphs capture it once and replay it. `mark(stage)` is called at "begin" and after each of STAGES
     (timing only; never inside a capture)."""
 
     STAGES = ("draft", "refine", "verify", "accept", "observe")
@@ -200,7 +200,7 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
              on_step: Callable[[dict], None] | None = None, mark: Callable[[str], None] | None = None) -> Generation:
     """Decode one prompt. `on_step`, when given, sees each step's device tensors after the step's sync
     (tests and traces); it is None on timed runs, so it costs nothing there. `mark(name)`, for CUDA-event timing
-    (harness.timing.StageTimer), is called at "begin" and "end" of every step and, on eager steps, after each
+    (harness.decode.timing.StageTimer), is called at "begin" and "end" of every step and, on eager steps, after each
     stage (Stepper.STAGES)."""
     dev = backend.device
     m, limit = settings.max_new_tokens, settings.max_model_len
@@ -213,7 +213,7 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     _check(settings, backend)
     graphs = None
     if settings.use_graph:
-        from harness.graphs import plain_refiner, step_graphs
+        from harness.decode.graphs import plain_refiner, step_graphs
         graphs = step_graphs(target)
     width = drafter.block_size if drafter is not None else 1
     refiner = refiner or _IDENTITY

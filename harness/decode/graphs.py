@@ -6,8 +6,8 @@ caller must consume them before the next replay (the decode loop does: a step en
 
 Two granularities:
 - `AcceleratedRefiner`: only the refinement step (the reference's --use-graph granularity): compiled for
-  --compile-refiner, captured alone by `harness.bench_refiner --use-graph`.
-- `StepGraphs`: the whole decode step (draft, refine, verify, accept, commit, observe) of harness.loop.Stepper,
+  --compile-refiner, captured alone by `harness.lab.bench_refiner --use-graph`.
+- `StepGraphs`: the whole decode step (draft, refine, verify, accept, commit, observe) of harness.decode.loop.Stepper,
   one graph per (arm, width, KV-length bucket), all sharing one memory pool. The graphs read persistent state by
   address (output buffer, target.pos, drafter.ctx, KV caches, sampler noise, one generator), so those buffers
   live here or on their owners and are never reallocated while a graph uses them; when a cache grows, the
@@ -131,7 +131,7 @@ class _Entry:
 
 
 class StepGraphs:
-    """Whole-step CUDA graphs of one target, captured lazily, replayed by harness.loop.generate(use_graph=True)."""
+    """Whole-step CUDA graphs of one target, captured lazily, replayed by harness.decode.loop.generate(use_graph=True)."""
 
     rng_unsupported = ("T>0 steps ran eagerly: this torch's CUDAGraph has no register_generator_state, so a "
                        "graph cannot draw from a per-(prompt, turn) generator")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from harness.errors import UsageError
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = Path(__file__).resolve().parents[2]
 
 
 def append_rows(path: str | os.PathLike, rows: list[dict]) -> None:

@@ -1,6 +1,6 @@
 """CUDA-event timing without per-stage synchronisation.
 
-What is timed: `StageTimer` is a `mark` callback for harness.loop.generate; each mark records a CUDA event on the
+What is timed: `StageTimer` is a `mark` callback for harness.decode.loop.generate; each mark records a CUDA event on the
 current stream (a host clock on the CPU), and nothing is read until the generation is over, so timing adds no
 sync. A stage's time is the gap between its mark and the previous one on the device timeline: on an eager step
 that includes the device waiting for the host to launch the stage's kernels (the eager path is host-bound), on a

@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from harness.cache import StaticKV, attend, causal_mask, rotate
-from harness.devices import Backend
+from harness.decode.cache import StaticKV, attend, causal_mask, rotate
+from harness.decode.devices import Backend
 from harness.errors import UsageError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -113,12 +113,12 @@ class Target:
         self.set_taps(taps)
         self.kv = StaticKV(self.n_layers, self.n_kv_heads, self.head_dim, capacity, backend.dtype, backend.device)
         self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
-        self.step_graphs = None  # harness.graphs.StepGraphs, created by the first use_graph generation
+        self.step_graphs = None  # harness.decode.graphs.StepGraphs, created by the first use_graph generation
         self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
-        self._kernels = None  # harness.kernels when use_kernels() turned them on: the decode-step fast path
+        self._kernels = None  # harness.decode.kernels when use_kernels() turned them on: the decode-step fast path
 
     def use_kernels(self, on: bool = True) -> bool:
-        """Run decode steps (AR steps and verify blocks up to kernels.MAX_ROWS rows) on harness.kernels' Triton
+        """Run decode steps (AR steps and verify blocks up to kernels.MAX_ROWS rows) on harness.decode.kernels' Triton
         kernels: six launches a layer at one row (eight for a block), the q/k/v norm folded at one row, fused
         activation and residual adds, attention bounded by the block's own positions. Prefill stays on the torch
         path. Raises UsageError if this target or machine cannot; captured step graphs are dropped (they hold the
@@ -127,7 +127,7 @@ class Target:
         if not on:
             self._kernels = None
             return False
-        from harness import kernels
+        from harness.decode import kernels
         self.fuse_projections()
         why = kernels.unsupported_reason(self)
         if why is None and self.backend.device.type != "cuda" and not kernels.interpreted():
@@ -163,7 +163,7 @@ class Target:
         projs = (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)
         if any(getattr(m, "bias", None) is not None for m in projs) or not hasattr(mlp, "act_fn"):
             return None
-        from harness.kernels import fuse_rows
+        from harness.decode.kernels import fuse_rows
         fused = [fuse_rows((a.q_proj, a.k_proj, a.v_proj)), fuse_rows((mlp.gate_proj, mlp.up_proj))]
         sizes = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]
         return fused[0], sizes, fused[1]
@@ -212,7 +212,7 @@ class Target:
         return logits, features
 
     def _forward_kernels(self, ids, positions, want_features):
-        """The decode forward on harness.kernels (same math and rounding steps as `forward`; positions must be
+        """The decode forward on harness.decode.kernels (same math and rounding steps as `forward`; positions must be
         increasing, as every decode step's are)."""
         k = self._kernels
         h = self.embed(ids)

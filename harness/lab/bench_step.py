@@ -1,11 +1,11 @@
-"""Step-level cost of every arm at a preset's real shapes: python -m harness.bench_step --preset qwen3-8b
+"""Step-level cost of every arm at a preset's real shapes: python -m harness.lab.bench_step --preset qwen3-8b
 
 Random weights (timing does not depend on values) and scripted acceptance (DecodeSettings.scripted_accept), so
 every number here is labelled "random weights / scripted acceptance". Measured, at batch 1 after a prompt of
 --prompt-len tokens:
 - the roofline: target weight bytes / measured device-to-device copy bandwidth (read + write bytes);
 - per arm (AR, drafter-only, Markov, xPress at each K and top-C): the eager step per stage from CUDA events with
-  no per-stage sync (harness.timing.StageTimer), the graphed step (whole-step CUDA graph, harness.graphs) and
+  no per-stage sync (harness.decode.timing.StageTimer), the graphed step (whole-step CUDA graph, harness.decode.graphs) and
   its host gap, and the per-stage device time with each stage captured as its own graph;
 - speedup = tau x (AR step / spec step) at scripted tau, against the measured tok/s of the full graphed loop;
 - attention over bucketed KV lengths against attention over the whole cache;
@@ -24,13 +24,13 @@ import time
 
 import torch
 
-from harness.devices import resolve_backend
+from harness.decode.devices import resolve_backend
 from harness.errors import UsageError
-from harness.graphs import StepGraphs
-from harness.loop import DecodeSettings, Stepper, generate
-from harness.presets import PRESETS, RANDOM_LABEL, build_random
+from harness.decode.graphs import StepGraphs
+from harness.decode.loop import DecodeSettings, Stepper, generate
+from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random
 from refiners.identity import IdentityRefiner
-from harness.timing import StageTimer, capture_stage_graphs, copy_bandwidth, time_stage_graphs
+from harness.decode.timing import StageTimer, capture_stage_graphs, copy_bandwidth, time_stage_graphs
 
 
 def arm_list(ks: list[int], topcs: list[int]) -> list[tuple[str, str, int, int]]:
@@ -60,7 +60,7 @@ def _timed(m, method, K, topc, prompt, settings, warm: DecodeSettings | None = N
 
 def _default_launch(a, attention_splits: int | None = None) -> None:
     """The kernels' launch settings this run asked for (--pdl, --prefetch-tiles)."""
-    from harness import kernels
+    from harness.decode import kernels
     kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles,
                        attention_splits=attention_splits)
 
@@ -212,8 +212,8 @@ def measure(a, path: str | None = None) -> dict:
         levers = [("separate projections (7 matmuls/layer), torch ops", False, None),
                   ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, None)]
         if a.kernels == "triton":
-            from harness import kernels
-            levers += [("fused projections, harness.kernels (6 launches/layer: the q/k/v norm folded at one row), "
+            from harness.decode import kernels
+            levers += [("fused projections, harness.decode.kernels (6 launches/layer: the q/k/v norm folded at one row), "
                         "no PDL", True, dict(pdl=False, prefetch_tiles=0)),
                        ("the same, the q/k/v norm its own launch (7 launches/layer)", True,
                         dict(pdl=False, prefetch_tiles=0, fold_norms=False)),
@@ -222,7 +222,7 @@ def measure(a, path: str | None = None) -> dict:
                        ("the same, one-row attention reads 64 slots at a time (not 128)", True,
                         dict(pdl=False, prefetch_tiles=0, attention_block=64))]
             if kernels.pdl_supported(backend.device):
-                levers += [(f"harness.kernels with programmatic dependent launch (several-row launches), {p} "
+                levers += [(f"harness.decode.kernels with programmatic dependent launch (several-row launches), {p} "
                             "weight tiles prefetched", True, dict(pdl=True, prefetch_tiles=p))
                            for p in sorted(set(a.prefetch_sweep) | {a.prefetch_tiles})]
         res["fusion_drafter_only"] = {}
@@ -238,7 +238,7 @@ def measure(a, path: str | None = None) -> dict:
                     into[label] = _timed(m, method, 0, 0, prompt, s)[1].summary()["step"]
     m.target.fuse_projections(True)
     if a.kernels == "triton":
-        from harness import kernels
+        from harness.decode import kernels
         _default_launch(a)
         m.use_kernels(kernels)
         res["pdl"] = kernels.pdl_supported(backend.device) and a.pdl == "auto"
@@ -308,7 +308,7 @@ def long_prompt_len(requested: int, limit: int, new_tokens: int, block: int) -> 
 def long_prompt_attention(m, a, base: DecodeSettings, n: int) -> dict:
     """Graphed AR and xPress(K=6) steps after an n-token prompt, the attention split over the slots (the
     default) and in one program per K/V head: where splitting pays."""
-    from harness import kernels
+    from harness.decode import kernels
     prompt = _prompt(n, m.target.vocab_size)
     for model in (m.target, m.drafter):
         model.ensure_capacity(n + a.new_tokens + 2 * a.block_size)
@@ -326,8 +326,8 @@ def long_prompt_attention(m, a, base: DecodeSettings, n: int) -> dict:
 
 def _compile_refiners(m, backend: str):
     """--compile: every arm's refinement step through torch.compile (what --compile-all does in the CLI)."""
-    from harness.compiling import CompileWatch
-    from harness.graphs import AcceleratedRefiner
+    from harness.decode.compiling import CompileWatch
+    from harness.decode.graphs import AcceleratedRefiner
     watch, raw, wrapped = CompileWatch(backend), m.refiner, {}
 
     def refiner(method, K=0, topc=0):
@@ -422,7 +422,7 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.bench_step", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_step", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--device")
     p.add_argument("--dtype")
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if min([a.prefetch_tiles, *a.prefetch_sweep]) < 0:
             raise UsageError("--prefetch-tiles and --prefetch-sweep take counts >= 0")
         if a.kernels is None:
-            from harness import kernels
+            from harness.decode import kernels
             a.kernels = "triton" if kernels.available() and torch.cuda.is_available() and a.device != "cpu" else "torch"
         a.sweep_arms = [x.strip() for x in a.sweep_arms.split(";") if x.strip()]
         if min(a.taus, default=2) < 1 or max(a.taus, default=1) > a.block_size:

@@ -1,5 +1,5 @@
 """The tables of a results summary: the console table, its markdown and CSV forms, and the multi-dataset table
-over several results folders (harness.report builds the summaries and writes the folders)."""
+over several results folders (harness.protocol.report builds the summaries and writes the folders)."""
 from __future__ import annotations
 
 import csv
@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from harness import metrics
+from harness.protocol import metrics
 
 def _num(x, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)

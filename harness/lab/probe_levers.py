@@ -2,19 +2,19 @@
 alternated over repetitions in one process (so machine drift hits every setting alike), and with --profile the
 device time per kernel of the AR step. Random weights / scripted acceptance; CUDA only.
 
-    PYTHONPATH=. python results/perf/probe_levers.py [--reps 2] [--profile] [--out probe.json]
+    PYTHONPATH=. python harness/lab/probe_levers.py [--reps 2] [--profile] [--out probe.json]
 
 NOTES.md's probe numbers for the kept code come from this script's settings (an earlier copy of it also ran the
 reverted variants, whose code was not kept: see NOTES.md)."""
 import argparse
 import json
 
-from harness import kernels
-from harness.bench_step import _prompt, _timed, kernel_profile
-from harness.devices import resolve_backend
-from harness.loop import DecodeSettings
-from harness.presets import build_random
-from harness.timing import copy_bandwidth
+from harness.decode import kernels
+from harness.lab.bench_step import _prompt, _timed, kernel_profile
+from harness.decode.devices import resolve_backend
+from harness.decode.loop import DecodeSettings
+from harness.protocol.presets import build_random
+from harness.decode.timing import copy_bandwidth
 
 SETTINGS = (("default", {}), ("norm as its own launch", dict(fold_norms=False)),
             ("64-slot attention blocks", dict(attention_block=64)))

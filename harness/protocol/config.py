@@ -132,11 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "arm, width and 256-slot KV bucket, replayed with one host read per step")
     r.add_argument("--compile-refiner", action="store_true", help="torch.compile the refinement step")
     r.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
-                   help="target decode steps on harness.kernels' Triton kernels (triton) or torch ops; auto: "
+                   help="target decode steps on harness.decode.kernels' Triton kernels (triton) or torch ops; auto: "
                         "triton on CUDA in bf16/fp16 where Triton is installed and the target fits")
     r.add_argument("--compile-all", action="store_true",
                    help="torch.compile what still runs as small torch ops where that measured faster (the xPress "
-                        "refinement; target and drafter layers run on harness.kernels); reports compile seconds and "
+                        "refinement; target and drafter layers run on harness.decode.kernels); reports compile seconds and "
                         "graph count, fails on any recompile after warmup")
     r.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
                    help="torch.compile backend for --compile-refiner/--compile-all")
@@ -171,7 +171,7 @@ def validate(c: RunConfig) -> None:
     if c.ar_only and c.skip_ar:
         raise UsageError("--ar-only and --skip-ar exclude each other; pick one")
     if c.random_weights:
-        from harness.presets import preset
+        from harness.protocol.presets import preset
         preset(c.random_weights)
         if c.model_name_or_path or c.draft_name_or_path or c.xpress_refiner_path or c.markov_refiner_path:
             raise UsageError("--random-weights builds every model itself; drop the model and checkpoint paths")
@@ -183,7 +183,7 @@ def validate(c: RunConfig) -> None:
     if c.scripted_accept is not None and c.scripted_accept < 0:
         raise UsageError(f"--scripted-accept {c.scripted_accept}: must be >= 0")
     if c.kernels == "triton":
-        from harness import kernels
+        from harness.decode import kernels
         if not kernels.available():
             raise UsageError("--kernels triton: Triton is not installed; install triton or use --kernels torch")
         if c.device is not None and not c.device.startswith("cuda"):

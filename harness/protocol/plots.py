@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from harness.results_io import atomic_write
+from harness.protocol.results_io import atomic_write
 
 
 def write_plots(folder: str | os.PathLike, summary: dict, dataset: str, out=None) -> list[str]:

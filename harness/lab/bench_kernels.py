@@ -1,10 +1,10 @@
-"""Weight-streaming rate of the skinny matmuls: python -m harness.bench_kernels --preset qwen3-8b
+"""Weight-streaming rate of the skinny matmuls: python -m harness.lab.bench_kernels --preset qwen3-8b
 
 For each weight shape of a preset's target layer and lm_head, at 1 row (an AR step) and at the verify width,
-times cuBLAS (torch.nn.functional.linear) and harness.kernels.linear over a grid of tile configurations, each
+times cuBLAS (torch.nn.functional.linear) and harness.decode.kernels.linear over a grid of tile configurations, each
 as a CUDA graph of calls over enough weight copies that nothing is served from L2. Reports GB/s of weight bytes
 against two ceilings measured in the same run: the device-to-device copy (read + write bytes) and a read-only
-reduction (torch.sum). The best configurations feed harness.kernels.choose_linear.
+reduction (torch.sum). The best configurations feed harness.decode.kernels.choose_linear.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from harness import kernels
-from harness.presets import PRESETS, hf_config, preset
-from harness.timing import copy_bandwidth
+from harness.decode import kernels
+from harness.protocol.presets import PRESETS, hf_config, preset
+from harness.decode.timing import copy_bandwidth
 
 
 def shapes(name: str) -> dict[str, tuple[int, int, bool]]:
@@ -121,7 +121,7 @@ def sweep(name: str, rows: list[int], dtype, budget_bytes: int = 1 << 31, full: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.bench_kernels", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--rows", default="1,16")
     p.add_argument("--chosen-only", action="store_true", help="time choose_linear's pick only (no sweep)")
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if not torch.cuda.is_available() or not kernels.available():
-        print("error: harness.bench_kernels needs a CUDA device and triton", file=sys.stderr)
+        print("error: harness.lab.bench_kernels needs a CUDA device and triton", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     t0 = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Cost of the refinement step alone, per pass: python -m harness.bench_refiner --preset qwen3-8b --device cpu
+"""Cost of the refinement step alone, per pass: python -m harness.lab.bench_refiner --preset qwen3-8b --device cpu
 
 Random heads at real shapes (timing does not depend on weight values), a random proposal, and the refine() call
 timed in isolation: the median over repeats after warmup, with a device sync around each call (this is a
@@ -17,9 +17,9 @@ import time
 import torch
 
 from drafters.base import Proposal
-from harness.devices import resolve_backend
+from harness.decode.devices import resolve_backend
 from harness.errors import UsageError
-from harness.graphs import AcceleratedRefiner
+from harness.decode.graphs import AcceleratedRefiner
 from refiners.base import RefineContext
 from refiners.markov import MarkovRefiner, random_markov_head
 from refiners.xpress import XPressRefiner, random_xpress_head
@@ -97,7 +97,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.bench_refiner", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_refiner", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--device")
     p.add_argument("--dtype")

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_checkpoint, load_dflash, read_dflash_config
 from harness.checkpoints import local_model_dir
-from harness.config import RunConfig
-from harness.data import validate_dataset_args
-from harness.devices import Backend, resolve_backend
+from harness.protocol.config import RunConfig
+from harness.protocol.data import validate_dataset_args
+from harness.decode.devices import Backend, resolve_backend
 from harness.errors import UsageError
-from harness.graphs import AcceleratedRefiner
-from harness.rounds import default_rounds, validate_rounds
-from harness.target import load_target_config
+from harness.decode.graphs import AcceleratedRefiner
+from harness.protocol.rounds import default_rounds, validate_rounds
+from harness.decode.target import load_target_config
 from refiners.formats import (ENV_VARS, MARKOV, XPRESS, RefinerCheckpoint, load_refiner_checkpoint,
                               resolve_refiner_path, validate_against)
 from refiners.markov import MarkovRefiner, markov_head_from_state
@@ -99,7 +99,7 @@ def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
 
 def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
     """--random-weights: every arm from one preset's random models (no configs or checkpoints to check)."""
-    from harness.presets import hf_config, preset
+    from harness.protocol.presets import hf_config, preset
     tcfg = hf_config(preset(cfg.random_weights))
     limit = cfg.max_model_len or tcfg.max_position_embeddings
     if cfg.fair:
@@ -117,7 +117,7 @@ def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
 
 def _compiled(refiner, cfg: RunConfig, watch=None):
     """--compile-refiner wraps the refinement step in torch.compile; --compile-all does so where it measured
-    faster. `watch` (a harness.compiling.CompileWatch) compiles with --compile-backend and counts the cost.
+    faster. `watch` (a harness.decode.compiling.CompileWatch) compiles with --compile-backend and counts the cost.
     --use-graph needs no wrapper: the loop captures the whole step, refinement included."""
     if refiner is None or not (cfg.compile_refiner or cfg.compile_all):
         return refiner
