@@ -14,12 +14,15 @@ import torch
 from torch import nn
 
 from drafters.base import Proposal
+from drafters.layer_kinds import block_masks
 from drafters.rope import cos_sin, inv_frequencies, rope_settings
-from harness.decode.cache import StaticKV, attend, prefix_mask, rotate
+from harness.decode.cache import StaticKV, attend, rotate
 from harness.checkpoints import check_state, read_config, read_tensors, shard_files, tensor_shapes, \
     write_safetensors_dir
 from harness.decode.devices import Backend
 from harness.errors import UsageError
+
+LAYER_KINDS = ("full_attention", "sliding_attention")  # masks: drafters.layer_kinds
 
 # Present in some exports, never used: the drafter borrows the target's embedding and head.
 IGNORED_KEYS = ("embed_tokens.", "lm_head.", "rotary_emb.", "mask_embedding", "t2d", "d2t")
@@ -51,6 +54,7 @@ class DFlashConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict = field(default_factory=lambda: {"rope_type": "default"})
     max_position_embeddings: int = 32768
+    sliding_window: int | None = None  # for sliding_attention layers (causal, windowed); full layers: non-causal
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "drafter config") -> "DFlashConfig":
@@ -71,9 +75,13 @@ class DFlashConfig:
         types = tuple(d.get("layer_types") or ["full_attention"] * n_layers)
         if len(types) != n_layers:
             raise UsageError(f"{where}: layer_types has {len(types)} entries for {n_layers} layers")
-        bad = [t for t in types if t != "full_attention"]
+        bad = [t for t in types if t not in LAYER_KINDS]
         if bad:
-            raise UsageError(f"{where}: layer type {bad[0]!r} is not supported yet (only full_attention)")
+            raise UsageError(f"{where}: layer type {bad[0]!r} is not supported (only {', '.join(LAYER_KINDS)})")
+        window = d.get("sliding_window")
+        if "sliding_attention" in types and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise UsageError(f"{where}: sliding_attention layers need an integer sliding_window >= 1 "
+                             f"(got {window!r})")
         if d.get("attention_bias"):
             raise UsageError(f"{where}: attention_bias=true is not a dFlash (Qwen3) drafter")
         heads = int(need("num_attention_heads"))
@@ -85,7 +93,8 @@ class DFlashConfig:
                    vocab_size=int(need("vocab_size")), block_size=block, num_target_layers=n_target,
                    mask_token_id=int(dfc["mask_token_id"]), target_layer_ids=tuple(int(i) for i in ids),
                    layer_types=types, rope_theta=theta, rope_scaling=scaling,
-                   max_position_embeddings=int(d.get("max_position_embeddings", 32768)))
+                   max_position_embeddings=int(d.get("max_position_embeddings", 32768)),
+                   sliding_window=window if "sliding_attention" in types else None)
 
     def to_dict(self) -> dict:
         """The z-lab config.json layout (a Qwen3 config plus the dFlash fields)."""
@@ -98,6 +107,7 @@ class DFlashConfig:
                 "rope_scaling": None if self.rope_scaling.get("rope_type") == "default" else self.rope_scaling,
                 "max_position_embeddings": self.max_position_embeddings, "block_size": self.block_size,
                 "num_target_layers": self.num_target_layers, "layer_types": list(self.layer_types),
+                **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
                 "dflash_config": {"mask_token_id": self.mask_token_id,
                                   "target_layer_ids": list(self.target_layer_ids)}}
 
@@ -208,6 +218,8 @@ class DFlashModel(nn.Module):
 
     def _fast(self, rows: int):
         k, c = self._kern, self.config
+        if "sliding_attention" in c.layer_types:
+            return None  # the kernels attend without a mask (every layer non-causal)
         return k if k is not None and k.fits(rows, c.num_attention_heads // c.num_key_value_heads) else None
 
     def _apply(self, fn, recurse=True):
@@ -256,9 +268,10 @@ class DFlashModel(nn.Module):
         cos, sin = cos_sin(self.inv_freq, positions, x.dtype)
         if self._fast(x.shape[0]) is not None:
             return self._block_kernels(x, positions, cos, sin, kv)
-        mask = prefix_mask(limit, x.shape[0], length)
+        masks = block_masks(c, positions, limit, length)
         h = x
         for i, layer in enumerate(self.layers):
+            mask = masks[c.layer_types[i]]
             a = layer.self_attn
             hn = layer.input_layernorm(h)
             q = self._heads(a.q_proj, a.q_norm, hn, cos, sin)

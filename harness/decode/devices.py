@@ -29,6 +29,8 @@ class Backend:
         """Wait for queued device work, so that a host timestamp means what it says."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        elif self.device.type == "spyre":  # torch-spyre's device (harness.decode.spyre)
+            torch.accelerator.synchronize(self.device)
 
     def now(self) -> float:
         self.sync()
@@ -43,6 +45,9 @@ class Backend:
 def resolve_backend(device: str | None, dtype: str | None) -> Backend:
     """Turn the --device/--dtype strings into a Backend, failing early with a usable message."""
     name = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if name.split(":")[0] == "spyre":
+        from harness.decode.spyre import spyre_backend
+        return spyre_backend(name, dtype)
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError):
@@ -52,7 +57,7 @@ def resolve_backend(device: str | None, dtype: str | None) -> Backend:
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"--device {name}: only {torch.cuda.device_count()} GPU(s) are visible")
     if dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device {name}: backend {dev.type!r} is not supported yet (cpu, cuda)")
+        raise UsageError(f"--device {name}: backend {dev.type!r} is not supported (cpu, cuda, spyre)")
     if dtype is None:
         dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     else:

@@ -14,7 +14,7 @@ from harness.decode.cache import StaticKV, attend, causal_mask, rotate
 from harness.decode.devices import Backend
 from harness.errors import UsageError
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma4_text")  # gemma4_text: harness.decode.gemma4
 
 
 def split_model_path(spec: str) -> tuple[str, dict]:
@@ -26,21 +26,32 @@ def split_model_path(spec: str) -> tuple[str, dict]:
     return spec, {}
 
 
-def load_target_config(spec: str):
-    """Read only the config (cheap) so that compatibility can be checked before any weights are loaded."""
+def load_target_config(spec: str, overrides: dict | None = None):
+    """Read only the config (cheap) so that compatibility can be checked before any weights are loaded.
+    `overrides`: --hf-overrides (harness.decode.hf_overrides), e.g. the text backbone of a multimodal model."""
     from transformers import AutoConfig
+
+    from harness.decode.hf_overrides import apply_overrides
     path, extra = split_model_path(spec)
     try:
         config = AutoConfig.from_pretrained(path, **extra)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"cannot read the target config from {spec!r}: {first}") from None
+    config = apply_overrides(config, overrides or {})
     check_family(config)
     return config
 
 
 def check_family(config) -> None:
     family = getattr(config, "model_type", None)
+    from harness.decode.hf_overrides import multimodal_hint
+    hint = multimodal_hint(config)
+    if hint:
+        raise UsageError(hint)
+    if family == "gemma4_text":
+        from harness.decode.gemma4 import check_gemma4
+        return check_gemma4(config)
     if family not in SUPPORTED_FAMILIES:
         raise UsageError(f"target model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
     window = getattr(config, "sliding_window", None)
@@ -57,14 +68,27 @@ def load_tokenizer(spec: str):
 
 
 def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (),
-                attn_impl: str = "sdpa", tokenizer=None):
-    """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file."""
+                attn_impl: str = "sdpa", tokenizer=None, overrides: dict | None = None):
+    """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file; `overrides`:
+    --hf-overrides (the config is read and overridden first, then the weights load into it)."""
     from transformers import AutoModelForCausalLM
+
+    from harness.decode.hf_overrides import load_kwargs
     path, extra = split_model_path(spec)
     tokenizer = tokenizer or load_tokenizer(spec)
+    if overrides:
+        extra = {**extra, "config": load_target_config(spec, overrides), **load_kwargs(overrides)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)
     model.to(backend.device).eval()
-    return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl), tokenizer
+    return make_target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl), tokenizer
+
+
+def make_target(model, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (), attn_impl: str = "sdpa"):
+    """The Target class for the model's family (Gemma 4 has its own layer, harness.decode.gemma4)."""
+    if getattr(model.config, "model_type", None) == "gemma4_text":
+        from harness.decode.gemma4 import Gemma4Target
+        return Gemma4Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl)
+    return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl)
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:

@@ -7,6 +7,7 @@ weights are swapped in place before each arm runs (`Arm.activate`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -18,7 +19,9 @@ from harness.decode.devices import Backend, resolve_backend
 from harness.errors import UsageError
 from harness.decode.graphs import AcceleratedRefiner
 from harness.protocol.rounds import default_rounds, validate_rounds
+from harness.decode.hf_overrides import parse_overrides
 from harness.decode.target import load_target_config
+from harness.protocol.spyre_contract import check_models, is_spyre
 from refiners.formats import (ENV_VARS, MARKOV, XPRESS, RefinerCheckpoint, load_refiner_checkpoint,
                               resolve_refiner_path, validate_against)
 from refiners.markov import MarkovRefiner, markov_head_from_state
@@ -64,6 +67,8 @@ class Prepared:
     warmup_rounds: int
     rotation_note: str | None = None
     draft_path: str | None = None  # the drafter's local directory (a hub id resolved to the HF cache)
+    config: RunConfig | None = None  # the run config with Spyre's resolved K and C (None: as given)
+    spyre: object | None = None      # harness.protocol.spyre_contract.SpyrePlan on --device spyre
 
 
 def prepare(cfg: RunConfig) -> Prepared:
@@ -73,7 +78,7 @@ def prepare(cfg: RunConfig) -> Prepared:
         raise UsageError("--use-graph captures CUDA graphs; it needs --device cuda")
     if cfg.random_weights:
         return _prepare_random(cfg, backend)
-    tcfg = load_target_config(cfg.model_name_or_path)
+    tcfg = load_target_config(cfg.model_name_or_path, parse_overrides(cfg.hf_overrides))
     limit = cfg.max_model_len or int(getattr(tcfg, "max_position_embeddings", 0) or 0)
     if limit < 2:
         raise UsageError("the target config has no max_position_embeddings; pass --max-model-len")
@@ -85,9 +90,13 @@ def prepare(cfg: RunConfig) -> Prepared:
         check_dflash_checkpoint(draft_path, dcfg)
         block = cfg.block_size or dcfg.block_size
         ckpts = _refiner_checkpoints(cfg, dcfg, tcfg, block)
+    plan = None
+    if is_spyre(cfg.device):  # the serving contract, from configs and checkpoint headers: still nothing loaded
+        plan = check_models(cfg, tcfg, block, ckpts.get(XPRESS))
+        cfg = dataclasses.replace(cfg, xpress_refine_passes=plan.passes, xpress_topc=plan.shortlist)
     arms = plan_arms(cfg, ckpts)
     rounds, warmup, note = _rounds(cfg, len(arms))
-    return Prepared(backend, tcfg, dcfg, block, limit, ckpts, arms, rounds, warmup, note, draft_path)
+    return Prepared(backend, tcfg, dcfg, block, limit, ckpts, arms, rounds, warmup, note, draft_path, cfg, plan)
 
 
 def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
@@ -127,8 +136,18 @@ def _compiled(refiner, cfg: RunConfig, watch=None):
 
 
 def build_random_arms(cfg: RunConfig, prep: Prepared, models, watch=None) -> list[Arm]:
+    def refiner(s):
+        if s.method == "xpress" and cfg.refine_numerics == "spyre":
+            return _spyre_refiner(models.xpress_head, s.K, cfg)
+        return models.refiner(s.method, s.K or 0, cfg.xpress_topc)
     return [Arm(s, 1 if s.method == "ar" else prep.block_size, None if s.method == "ar" else models.drafter,
-                _compiled(models.refiner(s.method, s.K or 0, cfg.xpress_topc), cfg, watch)) for s in prep.arms]
+                _compiled(refiner(s), cfg, watch)) for s in prep.arms]
+
+
+def _spyre_refiner(head, k: int, cfg: RunConfig):
+    """--refine-numerics spyre: the xPress refinement as the Spyre card runs it (refiners.spyre_numerics)."""
+    from refiners.spyre_numerics import SpyreXPressRefiner
+    return SpyreXPressRefiner(head, k, topc=cfg.xpress_topc, prev_anchor=cfg.xpress_prev_anchor)
 
 
 def _refiner_checkpoints(cfg: RunConfig, dcfg: DFlashConfig, tcfg, block: int) -> dict[str, RefinerCheckpoint]:
@@ -153,7 +172,7 @@ def _refiner_checkpoints(cfg: RunConfig, dcfg: DFlashConfig, tcfg, block: int) -
 
 
 def _xpress_name(k: int, topc: int) -> str:
-    return f"xPress(K={k}, C={topc})" if topc else f"xPress(K={k})"
+    return f"xPress(K={k}, C={topc})" if topc else f"xPress(K={k})"  # --refine-numerics is in the run config
 
 
 def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint]) -> list[ArmSpec]:
@@ -215,7 +234,8 @@ def build_arms(cfg: RunConfig, prep: Prepared, target, watch=None) -> list[Arm]:
                 ck = prep.refiners[XPRESS]
                 heads["xpress"] = xpress_head_from_state(ck.head_state, mixer=ck.mixer, device=backend.device,
                                                          dtype=backend.dtype, fold=not cfg.no_fold_mixer)
-            refiner = XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc)
+            refiner = (_spyre_refiner(heads["xpress"], s.K, cfg) if cfg.refine_numerics == "spyre" else
+                       XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc))
         elif s.method == "markov":
             refiner = MarkovRefiner(markov_head_from_state(prep.refiners[MARKOV].head_state, device=backend.device,
                                                            dtype=backend.dtype),

@@ -60,6 +60,10 @@ class RunConfig:
     compile_all: bool = False
     kernels: str = "auto"
     compile_backend: str = "inductor"
+    refine_numerics: str = "standard"         # standard | spyre (refiners.spyre_numerics)
+    max_num_batched_tokens: int | None = None  # Spyre token budget per step (default 64)
+    hf_overrides: str | None = None           # JSON merged into the target config (harness.decode.hf_overrides)
+    given: tuple[str, ...] = ()               # the flags set on the command line (explicit beats checkpoint)
 
     @property
     def fair(self) -> bool:
@@ -111,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-answer-timing", action="store_true",
       help="leave timings and timestamps out of the answer file, so seeded runs can be compared byte for byte")
     a("--attn-implementation", default="sdpa", help="attention kernel: sdpa (default) or eager")
-    a("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    a("--device", help="cpu, cuda, cuda:N or spyre (IBM Spyre through torch-spyre; default: cuda if available)")
     a("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
     a("--seed", type=int, default=0, help="seed of the per-(prompt, turn) random streams")
     r = p.add_argument_group("refiners")
@@ -121,6 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--xpress-refine-passes", type=int, default=3, help="K Jacobi passes; 0 = drafter-only")
     r.add_argument("--xpress-topc", type=int, default=0,
                    help="score only each slot's top-C base candidates (1..min(1024, V)); 0 = full vocabulary")
+    r.add_argument("--refine-numerics", choices=("standard", "spyre"), default="standard",
+                   help="spyre: the xPress shortlist refinement as Spyre runs it (CPU top-k of the base logits, FP16 "
+                        "per-pass scores on the device, first-position ties, candidate embeddings cached per block); "
+                        "plain torch, any device")
+    r.add_argument("--max-num-batched-tokens", type=int,
+                   help="Spyre: token slots per scheduler step (default 64); a request needs >= 31 at block 16")
+    r.add_argument("--hf-overrides", metavar="JSON",
+                   help='JSON merged into the target config before loading, e.g. \'{"text_config": {...}}\' or '
+                        '\'{"text_only": true}\' (Gemma 4: load the text backbone only, the default)')
     r.add_argument("--xpress-prev-anchor", action="store_true",
                    help="slot 0's predecessor is the anchor itself (vLLM/Spyre convention), not the true token")
     r.add_argument("--no-fold-mixer", action="store_true", help="keep the xPress mixer unfolded (L*tril, + I)")
@@ -161,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     ns = build_parser().parse_args(argv)
+    from harness.protocol.spyre_contract import given_flags
+    ns.given = given_flags(build_parser, argv)
     cfg = RunConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RunConfig)})
     validate(cfg)
     return cfg
@@ -182,6 +197,18 @@ def validate(c: RunConfig) -> None:
             raise UsageError("--draft-name-or-path is required unless --ar-only is given")
     if c.scripted_accept is not None and c.scripted_accept < 0:
         raise UsageError(f"--scripted-accept {c.scripted_accept}: must be >= 0")
+    from harness.protocol.spyre_contract import check_run, is_spyre
+    if is_spyre(c.device):
+        check_run(c)
+    if c.hf_overrides is not None:
+        from harness.decode.hf_overrides import parse_overrides
+        parse_overrides(c.hf_overrides)
+    if c.refine_numerics == "spyre" and (c.draft_temperature if c.draft_temperature is not None
+                                         else c.temperature) >= 1e-5:
+        raise UsageError("--refine-numerics spyre selects greedily (Spyre drafts are greedy); use "
+                         "--draft-temperature 0 (the target may still sample)")
+    if c.refine_numerics == "spyre" and c.xpress_topc == 0 and not is_spyre(c.device):
+        raise UsageError("--refine-numerics spyre scores a shortlist; pass --xpress-topc 1..1024 (Spyre uses 512)")
     if c.kernels == "triton":
         from harness.decode import kernels
         if not kernels.available():

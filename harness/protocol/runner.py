@@ -23,6 +23,7 @@ from harness.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
 from harness.protocol.rounds import rotation
+from harness.decode.hf_overrides import parse_overrides
 from harness.decode.target import load_target, load_tokenizer, stop_token_ids
 from harness.protocol.trace import StepTracer
 
@@ -163,6 +164,7 @@ def run(cfg: RunConfig, out=None) -> dict:
 
 def _run(cfg: RunConfig, out, watch) -> dict:
     prep = prepare(cfg)
+    cfg = prep.config or cfg  # --device spyre: K and C as the Spyre contract resolved them
     folder = run_folder(cfg)
     if cfg.resume:
         check_resume(cfg, folder)
@@ -180,11 +182,15 @@ def _run(cfg: RunConfig, out, watch) -> dict:
         longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
         taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
         target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps,
-                                        attn_impl=cfg.attn_implementation, tokenizer=tokenizer)
+                                        attn_impl=cfg.attn_implementation, tokenizer=tokenizer,
+                                        overrides=parse_overrides(cfg.hf_overrides))
         target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
         stops = tuple(stop_token_ids(target.model, tokenizer))
         arms = build_arms(cfg, prep, target, watch)
     pick_kernels(target, cfg, [a.drafter for a in arms], [a.refiner for a in arms])
+    if prep.spyre is not None:  # fixed-shape compiled graphs (harness.decode.spyre)
+        from harness.decode.spyre import compile_for
+        compile_for(target, [a.drafter for a in arms])
     settings = settings_for(cfg, prep.max_model_len, stops)
     presize(target, arms, longest, settings, prep.block_size)
     by_name = {a.name: a for a in arms}

@@ -1,0 +1,127 @@
+"""The IBM Spyre serving contract, checked before any model loads.
+
+What a Spyre deployment of dFlash/xPress accepts (the torch-spyre integration's validator; docs/SPYRE_GEMMA.md):
+    - FP16 weights, unquantized (the card computes in DL16; bf16 and fp32 are not served);
+    - xPress scores a shortlist: C = min(xpress_topc, V) with 1 <= C <= 1024; topc 0 (exact full-vocabulary
+      scoring every pass) is not served;
+    - block = anchor + 15 = 16 (the published b16 checkpoints);
+    - a token budget of at least 31 per request: a 16-row verification block plus 15 drafting slots;
+    - K from the checkpoint's xpress_num_passes, 6 when it says nothing.
+Precedence for K and C, as in the Spyre bridge: an explicit flag, then the checkpoint, then the default.
+
+`check_run` needs only the command line (called by config.validate); `check_models` needs the target config and
+the refiner checkpoint headers (called by build.prepare, before any weights load) and returns the resolved plan.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from harness.errors import UsageError
+
+BLOCK = 16                 # anchor + 15 drafts
+MAX_SHORTLIST = 1024
+DEFAULT_PASSES = 6
+DEFAULT_TOPC = 512
+DEFAULT_BUDGET = 64        # the validated single-request setup: compile sizes 1, 16, 64
+REQUESTS = 1               # the harness decodes one request at a time
+FP16_NAMES = ("float16", "fp16")
+
+
+def is_spyre(device: str | None) -> bool:
+    return bool(device) and device.split(":")[0] == "spyre"
+
+
+def per_request_budget(block: int = BLOCK) -> int:
+    """Token slots one request needs per scheduler step: a verification block plus its B-1 drafting slots."""
+    return block + block - 1
+
+
+@dataclass(frozen=True)
+class SpyrePlan:
+    passes: int
+    topc: int                    # the value asked for (flag, checkpoint or default)
+    shortlist: int               # min(topc, V): what each slot scores
+    block: int
+    budget: int
+    compile_sizes: tuple[int, ...]
+
+    def describe(self) -> str:
+        return (f"Spyre contract: FP16, block {self.block}, K={self.passes}, shortlist C={self.shortlist}, "
+                f"token budget {self.budget}, compile sizes {list(self.compile_sizes)}")
+
+
+def check_run(cfg) -> None:
+    """Everything on the command line that Spyre cannot serve (no file is read)."""
+    if cfg.dtype is not None and cfg.dtype not in FP16_NAMES:
+        raise UsageError(f"--device spyre serves FP16 weights only, not --dtype {cfg.dtype}; use --dtype float16 "
+                         "(or leave --dtype out)")
+    target = cfg.model_name_or_path or ""
+    if target.lower().endswith(".gguf"):
+        raise UsageError(f"--device spyre serves unquantized FP16 weights; {target} is a (quantized) GGUF file: "
+                         "use the original HF checkpoint")
+    if "xpress_topc" in cfg.given and cfg.xpress_topc == 0:
+        raise UsageError("--device spyre scores a shortlist: --xpress-topc 0 (full-vocabulary scoring every pass) "
+                         f"is not served; use 1..{MAX_SHORTLIST} (Spyre's default is {DEFAULT_TOPC})")
+    if cfg.xpress_topc > MAX_SHORTLIST:
+        raise UsageError(f"--device spyre: --xpress-topc {cfg.xpress_topc} is above the largest Spyre shortlist "
+                         f"({MAX_SHORTLIST}); use 1..{MAX_SHORTLIST}")
+    if cfg.block_size is not None and cfg.block_size != BLOCK:
+        raise UsageError(f"--device spyre: --block-size {cfg.block_size}, but Spyre serves block = anchor + 15 = "
+                         f"{BLOCK}; drop --block-size")
+    budget = budget_of(cfg)
+    need = per_request_budget() * REQUESTS
+    if budget < need:
+        raise UsageError(f"--max-num-batched-tokens {budget}: a request needs at least {need} token slots per step "
+                         f"on Spyre (a {BLOCK}-row verification block + {BLOCK - 1} drafting slots); use >= {need}")
+    if cfg.use_graph:
+        raise UsageError("--use-graph captures CUDA graphs; Spyre runs compiled graphs of its own: drop --use-graph")
+    if cfg.kernels == "triton":
+        raise UsageError("--kernels triton runs on CUDA; --device spyre needs --kernels torch (or auto)")
+
+
+def budget_of(cfg) -> int:
+    return DEFAULT_BUDGET if cfg.max_num_batched_tokens is None else cfg.max_num_batched_tokens
+
+
+def check_models(cfg, target_config, block: int, xpress=None) -> SpyrePlan:
+    """The config-level contract: target precision, vocabulary, block and the refiner checkpoint's K and C.
+    `xpress` is the xPress RefinerCheckpoint when one was given (its tensors are read, no model is built)."""
+    text = getattr(target_config, "text_config", None) or target_config
+    quant = getattr(target_config, "quantization_config", None) or getattr(text, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+        raise UsageError(f"--device spyre serves unquantized FP16 weights; the target is quantized ({method}): "
+                         "use the unquantized checkpoint")
+    vocab = int(text.vocab_size)
+    where = f" (the xPress checkpoint {xpress.source} is b{xpress.block_size})" if xpress is not None else ""
+    if block != BLOCK or (xpress is not None and xpress.block_size != BLOCK):
+        got = xpress.block_size if xpress is not None and xpress.block_size != BLOCK else block
+        raise UsageError(f"--device spyre serves block = anchor + 15 = {BLOCK}, got block {got}{where}; use a "
+                         "published b16 drafter and checkpoint")
+    topc = _resolve(cfg, "xpress_topc", xpress.topc if xpress is not None else None, DEFAULT_TOPC)
+    if topc == 0:
+        raise UsageError(f"--device spyre scores a shortlist, but the xPress checkpoint asks for xpress_topc 0 (full "
+                         f"vocabulary); pass --xpress-topc 1..{MAX_SHORTLIST}")
+    if not 1 <= topc <= MAX_SHORTLIST:
+        raise UsageError(f"--device spyre: xpress_topc {topc} is outside 1..{MAX_SHORTLIST}")
+    passes = _resolve(cfg, "xpress_refine_passes", xpress.num_passes if xpress is not None else None,
+                      DEFAULT_PASSES)
+    budget = budget_of(cfg)
+    return SpyrePlan(passes=passes, topc=topc, shortlist=min(topc, vocab), block=BLOCK, budget=budget,
+                     compile_sizes=tuple(sorted({1, BLOCK, budget})))
+
+
+def _resolve(cfg, field: str, checkpoint, default: int) -> int:
+    if field in cfg.given:
+        return getattr(cfg, field)
+    return default if checkpoint is None else int(checkpoint)
+
+
+def given_flags(parser_factory, argv) -> tuple[str, ...]:
+    """The destinations the user set on the command line (not left at their defaults): parse again with every
+    default replaced by a marker."""
+    marker = object()
+    p = parser_factory()
+    p.set_defaults(**{a.dest: marker for a in p._actions if a.dest != "help"})
+    ns = p.parse_args(argv)
+    return tuple(sorted(k for k, v in vars(ns).items() if v is not marker))
