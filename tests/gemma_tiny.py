@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from drafters.dflash import DFlashDrafter, config_for_target, random_dflash
+from drafters.dflash import DFlashConfig, DFlashDrafter, random_dflash
 from harness.decode.target import make_target
 from tiny import CPU32, MASK_ID, VOCAB
 
@@ -44,10 +44,12 @@ def gemma_target(seed: int = 0, taps=(), capacity: int = 64, backend=CPU32, **kw
 def gemma_drafter(target, block: int = 4, window: int = 3, seed: int = 1, taps=(1, 2, 4),
                   types=("sliding_attention",) * 2 + ("full_attention",)) -> DFlashDrafter:
     """A dFlash drafter at the target's width with sliding (causal, windowed) and full (non-causal) layers."""
-    import dataclasses
-    cfg = config_for_target(target.config, len(types), block, MASK_ID, list(taps), intermediate_size=96)
-    cfg = dataclasses.replace(cfg, layer_types=tuple(types), sliding_window=window, head_dim=16,
-                              num_key_value_heads=2)
+    t = target.config
+    cfg = DFlashConfig(hidden_size=t.hidden_size, intermediate_size=96, num_hidden_layers=len(types),
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                       vocab_size=t.vocab_size, block_size=block, num_target_layers=t.num_hidden_layers,
+                       mask_token_id=MASK_ID, target_layer_ids=tuple(taps), layer_types=tuple(types),
+                       rope_theta=1e6, sliding_window=window)
     target.set_taps(cfg.target_layer_ids)
     model = random_dflash(cfg, seed=seed)
     return DFlashDrafter(model, target.embed, target.lm_head, CPU32)
