@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.dflash import DFlashDrafter, DFlashModel, config_for_target
+from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, config_for_target
 from drafters.rope import inv_frequencies
 from harness.decode.devices import Backend
 from harness.errors import UsageError
-from harness.decode.target import Target
+from harness.decode.target import Target, make_target
 from refiners.markov import MarkovHead, MarkovRefiner
 from refiners.xpress import XPressHead, XPressRefiner
 
@@ -38,6 +38,7 @@ class Preset:
     markov_rank: int = 256
     stop_ids: tuple[int, ...] = ()
     note: str = ""
+    drafter: dict | None = None   # explicit drafter geometry (DFlashConfig fields) where it differs from the target
 
 
 PRESETS = {
@@ -57,6 +58,36 @@ PRESETS = {
              tie_word_embeddings=True),
         drafter_layers=2, mask_token_id=49151, stop_ids=(2,),
         note="SmolLM2-135M shapes (tied embeddings); a 2-layer drafter; mask id = the last vocabulary id"),
+    "gemma4-26b-a4b": Preset(
+        "gemma4-26b-a4b", "gemma4",
+        dict(vocab_size=262144, hidden_size=2816, intermediate_size=2112, num_hidden_layers=30,
+             layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5, num_attention_heads=16,
+             num_key_value_heads=8, head_dim=256, global_head_dim=512, num_global_key_value_heads=2,
+             attention_k_eq_v=True, sliding_window=1024, final_logit_softcapping=30.0,
+             hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=128, top_k_experts=8,
+             moe_intermediate_size=704, max_position_embeddings=262144, tie_word_embeddings=True,
+             hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                              "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                                 "rope_theta": 1000000.0}}),
+        drafter_layers=5, mask_token_id=4, target_layer_ids=(1, 6, 11, 17, 22, 27), stop_ids=(1, 106),
+        drafter=dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=5632,
+                     layer_types=("sliding_attention",) * 4 + ("full_attention",), sliding_window=2048,
+                     rope_theta=1000000.0),
+        note="google/gemma-4-26B-A4B-it text backbone (30 layers, 25 sliding + 5 full, 128 experts top-8); "
+             "z-lab Gemma dFlash drafter layout (4 sliding + 1 full, taps 1/6/11/17/22/27); docs/SPYRE_GEMMA.md"),
+    "gemma4-tiny": Preset(
+        "gemma4-tiny", "gemma4",
+        dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+             layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+             num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8, final_logit_softcapping=30.0,
+             hidden_size_per_layer_input=0, enable_moe_block=True, num_experts=16, top_k_experts=4,
+             moe_intermediate_size=32, max_position_embeddings=1024, tie_word_embeddings=True),
+        drafter_layers=3, mask_token_id=4, target_layer_ids=(1, 3, 4), head_rank=16, head_mlp=32, markov_rank=16,
+        drafter=dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                     layer_types=("sliding_attention",) * 2 + ("full_attention",), sliding_window=8),
+        note="CPU tests of the Gemma 4 paths (experts, sliding layers)"),
     "tiny": Preset(
         "tiny", "qwen3",
         dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -76,8 +107,22 @@ def preset(name: str) -> Preset:
 
 def hf_config(p: Preset):
     from transformers import LlamaConfig, Qwen3Config
+    if p.family == "gemma4":
+        from transformers.models.gemma4 import Gemma4TextConfig
+        return Gemma4TextConfig(**p.config)
     cls = {"qwen3": Qwen3Config, "llama": LlamaConfig}[p.family]
     return cls(**p.config)
+
+
+def drafter_config(p: Preset, cfg, block_size: int):
+    """The preset's dFlash drafter: the target's geometry, or the preset's own (Gemma's drafter is narrower)."""
+    if p.drafter is None:
+        return config_for_target(cfg, p.drafter_layers, block_size, p.mask_token_id,
+                                 list(p.target_layer_ids) if p.target_layer_ids else None)
+    d = {"rms_norm_eps": 1e-6, **p.drafter}
+    return DFlashConfig(hidden_size=cfg.hidden_size, num_hidden_layers=p.drafter_layers, vocab_size=cfg.vocab_size,
+                        block_size=block_size, num_target_layers=cfg.num_hidden_layers, mask_token_id=p.mask_token_id,
+                        target_layer_ids=tuple(p.target_layer_ids), **d)
 
 
 @dataclass
@@ -180,9 +225,13 @@ def build_random(name: str, backend: Backend, block_size: int = 16, capacity: in
         rotary = model.model.rotary_emb
         with torch.device(dev):
             model.model.rotary_emb = type(rotary)(config=model.config)
-    dcfg = config_for_target(cfg, p.drafter_layers, block_size, p.mask_token_id,
-                             list(p.target_layer_ids) if p.target_layer_ids else None)
-    target = Target(model, backend, capacity=capacity, taps=dcfg.target_layer_ids)
+        for layer in model.model.layers:  # Gemma 4's per-layer output scalar is a buffer too
+            if hasattr(layer, "layer_scalar"):
+                layer.layer_scalar.fill_(1.0)
+    if p.family == "gemma4" and dev.type == "cuda":
+        model.set_experts_implementation("grouped_mm")  # no host sync (capturable), the serving engines' kernel
+    dcfg = drafter_config(p, cfg, block_size)
+    target = make_target(model, backend, capacity=capacity, taps=dcfg.target_layer_ids)
     if fuse and dev.type != "meta":
         target.fuse_projections()
 
