@@ -28,7 +28,7 @@ from harness.decode.target import load_target, load_tokenizer, stop_token_ids
 from harness.protocol.trace import StepTracer
 
 # Flags that may differ between an interrupted run and its --resume.
-RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace")
+RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "given")  # given: which flags were typed
 
 
 def stream_seed(seed: int, row: int, turn: int, round_: int = 1) -> int:
