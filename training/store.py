@@ -1,0 +1,48 @@
+"""Stage outputs: each stage writes into `<dir>.tmp` and renames it to `<dir>` at the end, with a manifest.json
+that records what made it (its inputs' fingerprint). A stage whose manifest matches is skipped; a failure leaves
+the previous output as it was and nothing half-written under the final name."""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+
+
+def read_manifest(d: Path) -> dict | None:
+    f = d / MANIFEST
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def is_done(d: Path, key: str) -> bool:
+    m = read_manifest(d)
+    return m is not None and m.get("key") == key
+
+
+@contextlib.contextmanager
+def staged(d: Path):
+    """Yields a fresh temporary directory; on success it replaces `d` (the manifest must be written inside)."""
+    tmp = d.with_name(d.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if d.exists():
+        shutil.rmtree(d)
+    tmp.rename(d)
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def write_jsonl(path: Path, rows) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
