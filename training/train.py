@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -107,7 +108,7 @@ def trainer_kwargs(m: dict) -> dict:
     return base
 
 
-def train_one(cfg: dict, name: str, verifier: str, held_out, force_cpu_attn: bool) -> Path:
+def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float = 0.0) -> Path | None:
     from speculators.model import SpeculatorModel
     from speculators.train.dataloader import create_train_val_loaders
     from speculators.train.trainer import TrainerConfig
@@ -150,7 +151,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, force_cpu_attn: boo
     mlog.setLevel(logging.INFO)
     trainer = PipelineTrainer(model, tconf, train_loader, val_loader, device=device, seed=cfg["seed"],
                               eval_fn=held_out, eval_every=tc["eval_every"], stop_after_step=tc["stop_after_step"],
-                              metrics_file=out / "metrics.jsonl", max_seconds=tc.get("max_minutes", 0) * 60)
+                              metrics_file=out / "metrics.jsonl", max_seconds=max_seconds)
     try:
         trainer.run_training()
     except StopRequested as stop:
@@ -174,5 +175,17 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
         check_target_fit(cfg, n, tcfg)
         if final_dir(cfg, n) is None:
             check_resume(cfg, n)
-    held = held_out_factory() if held_out_factory and cfg["train"]["eval_every"] >= 0 else None
-    return {n: train_one(cfg, n, verifier, held, False) for n in names}
+    held = held_out_factory() if held_out_factory else None
+    budget = cfg["train"]["max_minutes"] * 60
+    deadline = time.monotonic() + budget
+    done = {}
+    for n in names:  # train.max_minutes bounds the whole stage: a model cut short resumes on the next run
+        left = deadline - time.monotonic()
+        if budget and left <= 0 and final_dir(cfg, n) is None:
+            print(f"train: out of time (train.max_minutes={cfg['train']['max_minutes']}); run again to continue "
+                  f"with {n}")
+            break
+        done[n] = train_one(cfg, n, verifier, held, max(left, 1.0) if budget else 0.0)
+        if done[n] is None:
+            break
+    return done
