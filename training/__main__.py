@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
         pipe.preflight(stages)
         for s in stages:
             pipe.run(s, only=args.models.split(",") if args.models else None)
+            if pipe.stopped:
+                print("training: stopped early with a checkpoint; the same command resumes it")
+                break
     return cli_exit(work)
 
 

@@ -15,6 +15,7 @@ class Pipeline:
     def __init__(self, cfg: dict, eval_dir: str | None = None, force: bool = False):
         self.cfg, self.eval_dir, self.force = cfg, eval_dir, force
         self._hf = None
+        self.stopped = False
         Path(cfg["workdir"]).mkdir(parents=True, exist_ok=True)
 
     def device(self) -> torch.device:
@@ -56,6 +57,8 @@ class Pipeline:
             hidden.run(cfg, self.load, self.force)
         elif stage == "train":
             vdir = verifier_dir(cfg["target"], Path(cfg["workdir"]))
-            train.run(cfg, vdir, self.held_out if cfg["train"]["eval_prompts"] else None, only)
+            done = train.run(cfg, vdir, self.held_out if cfg["train"]["eval_prompts"] else None, only)
+            wanted = [n for n in cfg["models"] if not only or n in only]
+            self.stopped = any(done.get(n) is None for n in wanted)  # cut short: later stages wait for the rerun
         elif stage == "export":
             export.run(cfg, target_config(cfg["target"]).num_hidden_layers)
