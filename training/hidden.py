@@ -22,7 +22,7 @@ from harness.errors import UsageError
 from training.config import fingerprint
 from training.responses import out_dir as responses_dir
 from training.responses import read_rows
-from training.store import read_manifest, write_json
+from training.store import read_manifest, resumable, write_json
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -102,18 +102,15 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     from safetensors.torch import save_file
     out = out_dir(cfg)
     key = stage_key(cfg)
-    m = read_manifest(out)
-    if m is not None and m.get("key") == key and m.get("complete") and not force:
-        print(f"hidden: up to date ({out})")
+    state = resumable(out, key, force, "hidden")
+    if state == "done":
         return out
     model, _ = load()
     ids = layer_ids(cfg, model.config.num_hidden_layers)
     rows = read_rows(cfg)
     import random
     random.Random(cfg["seed"]).shuffle(rows)  # the trainer's val split is the dataset's tail
-    if m is None or m.get("key") != key or force:
-        import shutil
-        shutil.rmtree(out, ignore_errors=True)
+    if state == "fresh":
         write_dataset(out, rows)
         write_json(out / "manifest.json", {"key": key, "complete": False})
     hs_dir = out / "hidden_states"

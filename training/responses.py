@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from training.config import fingerprint
 from training.prompts import out_dir as prompts_dir
-from training.store import read_manifest, write_json, write_jsonl
+from training.store import read_manifest, resumable, write_json, write_jsonl
 
 PART_PROMPTS = 256  # prompts per part file
 
@@ -61,14 +61,9 @@ def _part(cfg, model, tokenizer, prompts: list[dict], part: int) -> list[dict]:
 def run(cfg: dict, load, force: bool = False) -> Path:
     out = out_dir(cfg)
     key = stage_key(cfg)
-    m = read_manifest(out)
-    if m is not None and m.get("key") == key and m.get("complete") and not force:
-        print(f"responses: up to date ({out})")
+    if resumable(out, key, force, "responses") == "done":
         return out
     parts = out / "parts"
-    if m is None or m.get("key") != key or force:
-        import shutil
-        shutil.rmtree(out, ignore_errors=True)
     parts.mkdir(parents=True, exist_ok=True)
     write_json(out / "manifest.json", {"key": key, "complete": False})
     prompts = [json.loads(line) for line in (prompts_dir(cfg) / "train.jsonl").read_text().splitlines()]

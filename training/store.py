@@ -46,3 +46,16 @@ def write_jsonl(path: Path, rows) -> None:
     with path.open("w", encoding="utf-8") as f:
         for r in rows:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def resumable(d: Path, key: str, force: bool, label: str) -> str:
+    """A stage that fills its directory in parts: 'done' (complete with this key: skip), 'resume' (same key,
+    unfinished: keep the parts) or 'fresh' (anything else: emptied)."""
+    m = read_manifest(d)
+    if m is not None and m.get("key") == key and not force:
+        if m.get("complete"):
+            print(f"{label}: up to date ({d})")
+            return "done"
+        return "resume"
+    shutil.rmtree(d, ignore_errors=True)
+    return "fresh"
