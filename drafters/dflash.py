@@ -58,6 +58,10 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "drafter config") -> "DFlashConfig":
+        from refiners.speculators_layout import is_speculators, zlab_config
+        if is_speculators(d):  # the speculators/vLLM layout: read as the equivalent z-lab config
+            d = zlab_config(d, where)
+
         def need(key):
             if key not in d:
                 raise UsageError(f"{where}: field {key!r} is missing")
@@ -117,7 +121,7 @@ class DFlashConfig:
         if self.hidden_size != target_config.hidden_size:
             raise UsageError(f"{where}: hidden size {self.hidden_size} differs from the target's "
                              f"{target_config.hidden_size}; it was trained for another target")
-        if self.num_target_layers != n:
+        if self.num_target_layers not in (0, n):  # 0: not recorded (speculators configs need not say)
             raise UsageError(f"{where}: built for a {self.num_target_layers}-layer target, this target has {n} layers")
         bad = [i for i in self.target_layer_ids if not 0 <= i < n]
         if bad:

@@ -246,6 +246,9 @@ def load_serving_dir(path: str | Path, expect_kind: str | None = None) -> Refine
     d = Path(path)
     where = f"refiner checkpoint {d}"
     cfg = read_config(d, "refiner checkpoint")
+    from refiners.speculators_layout import is_speculators, load_dir
+    if is_speculators(cfg):  # the speculators/vLLM layout (training/ writes it)
+        return load_dir(d, cfg, expect_kind)
     files = shard_files(d, "refiner checkpoint")
     keys = set(tensor_shapes(files))
     kind = _detect_serving_kind(cfg, keys, where)

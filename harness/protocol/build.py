@@ -237,8 +237,10 @@ def build_arms(cfg: RunConfig, prep: Prepared, target, watch=None) -> list[Arm]:
             refiner = (_spyre_refiner(heads["xpress"], s.K, cfg) if cfg.refine_numerics == "spyre" else
                        XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc))
         elif s.method == "markov":
-            refiner = MarkovRefiner(markov_head_from_state(prep.refiners[MARKOV].head_state, device=backend.device,
-                                                           dtype=backend.dtype),
+            ck = prep.refiners[MARKOV]  # gated/rnn heads (speculators dspark layout) carry extra tensors
+            refiner = MarkovRefiner(markov_head_from_state({**ck.head_state, **ck.extras.get("markov_extra", {})},
+                                                           ck.extras.get("markov_variant") or "vanilla",
+                                                           device=backend.device, dtype=backend.dtype),
                                     low_precision_sampling=cfg.compat_reference)
         arms.append(Arm(s, prep.block_size, drafter, _compiled(refiner, cfg, watch), states.get(key(s))))
     return arms

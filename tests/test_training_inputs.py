@@ -1,0 +1,94 @@
+"""Bad input to python -m training: one error line, exit 2, nothing overwritten; and resume/loss behaviour."""
+import json
+
+import pytest
+import torch
+
+from training_fixtures import EVAL_ROW, run_cli, tiny_models, write_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_overlap_index_finds_near_duplicates():
+    from training.overlap import NgramIndex
+    idx = NgramIndex(3)
+    idx.add(EVAL_ROW + "\nPlease reason step by step.", "mbpp.jsonl:1")
+    assert idx.best(EVAL_ROW)[1] >= 0.5                       # near-duplicate (the template tail differs)
+    assert idx.best("Write a haiku about the sea at night.")[1] < 0.1
+
+
+def test_eval_prompt_in_training_data_is_refused(tmp_path, capsys):
+    cfg = write_config(tmp_path, tiny_models(heads=False))
+    data = json.loads(cfg.read_text())["prompts"]["jsonl"][0]
+    with open(data, "a") as f:
+        f.write(json.dumps({"question": EVAL_ROW.upper()}) + "\n")
+    capsys.readouterr()
+    assert run_cli("prompts", "--config", cfg, "--workdir", tmp_path / "w") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: training prompt") and "mbpp.jsonl:1" in err[0]
+    assert not (tmp_path / "w" / "prompts").exists()
+
+
+def test_drafter_config_incompatible_with_target(tmp_path, capsys):
+    models = tiny_models(heads=False)
+    models["drafter"]["num_layers"] = 9  # the tiny target has 6 layers
+    cfg = write_config(tmp_path, models)
+    capsys.readouterr()
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "num_layers 9 exceeds the target's 6 layers" in err[0]
+    assert not any((tmp_path / "w").iterdir())
+    cfg = write_config(tmp_path, tiny_models(heads=False), hidden={"layer_ids": [1, 6]})
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 2
+    assert "hidden.layer_ids" in capsys.readouterr().err
+
+
+def _train(cfg, work, *extra):
+    return run_cli("all", "--config", cfg, "--workdir", work, *extra)
+
+
+def _final_state(work, name="drafter"):
+    from safetensors.torch import load_file
+    m = json.loads((work / "train" / name / "manifest.json").read_text())
+    return load_file(str(work / "train" / name / m["final"] / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """One uninterrupted run and one stopped after step 3 (checkpoint every step) then resumed."""
+    root = tmp_path_factory.mktemp("resume")
+    cfg = write_config(root, tiny_models(heads=False),
+                       train={"save_every": 1, "epochs": 2, "eval_prompts": 0})
+    assert _train(cfg, root / "a") == 0
+    assert _train(cfg, root / "b", "--set", "train.stop_after_step=3") == 0
+    assert not (root / "b" / "train" / "drafter" / "manifest.json").exists()  # stopped: not complete
+    assert _train(cfg, root / "b") == 0
+    return root, cfg
+
+
+def test_interrupted_and_resumed_run_ends_with_the_same_weights(resumed):
+    root, _ = resumed
+    a, b = _final_state(root / "a"), _final_state(root / "b")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_loss_decreases(resumed):
+    root, _ = resumed
+    rows = [json.loads(line) for line in (root / "a" / "train" / "drafter" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train"]["loss"] for r in rows if "train" in r]
+    assert len(losses) >= 4 and sum(losses[-2:]) < sum(losses[:2])
+
+
+def test_resume_from_another_configs_checkpoint_is_refused(resumed, capsys):
+    root, cfg = resumed
+    before = sorted(p.name for p in (root / "b" / "train" / "drafter").iterdir())
+    m = root / "b" / "train" / "drafter" / "manifest.json"
+    m.unlink()  # an unfinished run of this config...
+    capsys.readouterr()
+    assert _train(cfg, root / "b", "--set", "train.lr=0.01") == 2  # ...resumed with another learning rate
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds checkpoints of another config" in err[0]
+    assert sorted(p.name for p in (root / "b" / "train" / "drafter").iterdir()) == [n for n in before
+                                                                                   if n != "manifest.json"]

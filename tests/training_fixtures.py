@@ -1,0 +1,52 @@
+"""A tiny pipeline run shared by the training tests: a random tiny target, a config over it, and helpers."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tiny import save_tiny_checkpoint
+
+EVAL_ROW = "Write a python function to find the volume of a triangular prism."
+
+
+def tiny_models(variant="vanilla", heads=True) -> dict:
+    common = {"num_layers": 1, "block_size": 4, "intermediate_size": 64, "max_anchors": 16}
+    models = {"drafter": {"type": "dflash", **common}}
+    if heads:
+        models["xpress"] = {"type": "xpress", **common, "init_from": "drafter", "freeze_backbone": True,
+                            "xpress_rank": 8}
+        models["markov"] = {"type": "dspark", **common, "init_from": "drafter", "freeze_backbone": True,
+                            "markov_rank": 8, "markov_head_type": variant}
+    return models
+
+
+def write_config(root: Path, models: dict | None = None, **sections) -> Path:
+    target = root / "target"
+    if not target.exists():
+        save_tiny_checkpoint(target)
+    evals = root / "eval"
+    evals.mkdir(exist_ok=True)
+    (evals / "mbpp.jsonl").write_text(json.dumps({"turns": [EVAL_ROW]}) + "\n")
+    data = root / "train.jsonl"
+    if not data.exists():
+        rows = [{"question": f"What is {a} plus {b} times {a + b}? Answer briefly."} for a in range(6) for b in (1, 2)]
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = {"target": str(target), "seed": 0,
+           "prompts": {"jsonl": [str(data)], "magpie": 2, "magpie_max_new_tokens": 12, "magpie_batch": 2,
+                       "min_chars": 4, "heldout": 2, "eval_dir": str(evals)},
+           "responses": {"max_new_tokens": 12, "batch_size": 8, "sampled": 1},
+           "hidden": {"layer_ids": [1, 3, 5], "batch_size": 8, "dtype": "float32"},
+           "train": {"device": "cpu", "total_seq_len": 128, "epochs": 1, "lr": 1e-3, "eval_prompts": 1,
+                     "eval_max_new_tokens": 6, "warmup_ratio": 0.0},
+           "export": {"max_shard_mib": 0.05},
+           "models": models or tiny_models()}
+    for k, v in sections.items():
+        cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+    path = root / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def run_cli(*args) -> int:
+    from training.__main__ import main
+    return main([str(a) for a in args])

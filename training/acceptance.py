@@ -1,0 +1,75 @@
+"""Held-out acceptance with the harness's own decode loop (harness.decode.loop.generate): a speculators model in
+memory is turned into the harness's drafter and refiner (the same name mapping the checkpoint loaders use), and
+greedy tau (tau/step, harness.protocol.metrics) is measured on held-out prompts for drafter-only and, when the
+model has one, its Markov or xPress head."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel
+from harness.decode.devices import Backend
+from harness.decode.loop import DecodeSettings, generate
+from harness.decode.target import Target
+from harness.protocol.metrics import tau_per_step
+from refiners.markov import MarkovRefiner, markov_head_from_state
+from refiners.speculators_layout import split_tensors, zlab_config
+from refiners.xpress import XPressRefiner, xpress_head_from_state
+
+
+def speculators_config_dict(model) -> dict:
+    return json.loads(model.config.to_json_string())
+
+
+def harness_models(cfg_dict: dict, state: dict, backend: Backend, num_target_layers: int = 0):
+    """(DFlashModel, refiner factory or None, kind) from a speculators config dict and state dict."""
+    zl = zlab_config(cfg_dict, "model")
+    zl["num_target_layers"] = zl["num_target_layers"] or num_target_layers
+    dcfg = DFlashConfig.from_dict(zl, "model")
+    drafter = DFlashModel(dcfg)
+    want = dcfg.expected_shapes()
+    drafter.load_state_dict({k: state[k].float() for k in want}, strict=True)
+    drafter = drafter.to(device=backend.device, dtype=backend.dtype).eval()
+    if cfg_dict["speculators_model_type"] == "dflash":
+        return drafter, None, None
+    kind, _, head, variant = split_tensors(cfg_dict, state, "model")
+    head = {k: v.float() for k, v in head.items()}
+    if kind == "xpress":
+        h = xpress_head_from_state(head, mixer="raw", device=backend.device, dtype=backend.dtype)
+        return drafter, (lambda k: XPressRefiner(h, k)), kind
+    m = markov_head_from_state(head, variant, device=backend.device, dtype=backend.dtype)
+    return drafter, (lambda k: MarkovRefiner(m)), kind
+
+
+class HeldOut:
+    """Built once per training run: the target (harness Target over the HF model) and the held-out prompt ids."""
+
+    def __init__(self, hf_model, prompts: list[list[int]], stops: list[int], backend: Backend,
+                 max_new_tokens: int, k_list=(1,)):
+        self.hf, self.prompts, self.backend = hf_model, prompts, backend
+        self.settings = DecodeSettings(max_new_tokens=max_new_tokens,
+                                       max_model_len=max(len(p) for p in prompts) + max_new_tokens + 64,
+                                       stop_ids=tuple(stops))
+        self.k_list = tuple(k_list)
+        self.target = Target(hf_model, backend, capacity=self.settings.max_model_len)
+
+    def _tau(self, drafter, refiner=None) -> float:
+        lengths = [generate(self.target, p, self.settings, self.backend, drafter=drafter, refiner=refiner)
+                   .accept_lengths for p in self.prompts]
+        return tau_per_step(lengths)
+
+    @torch.no_grad()
+    def __call__(self, model) -> dict:
+        cfg = speculators_config_dict(model)
+        state = {k: v.detach() for k, v in model.state_dict().items()}
+        dmodel, make, kind = harness_models(cfg, state, self.backend, self.hf.config.num_hidden_layers)
+        self.target.set_taps(dmodel.config.target_layer_ids)
+        drafter = DFlashDrafter(dmodel, self.target.embed, self.target.lm_head, self.backend)
+        out = {"tau_drafter": self._tau(drafter)}
+        if kind == "markov":
+            out["tau_markov"] = self._tau(drafter, make(0))
+        elif kind == "xpress":
+            for k in self.k_list:
+                out[f"tau_xpress_K{k}"] = self._tau(drafter, make(k))
+        return out

@@ -1,0 +1,175 @@
+"""Pipeline configs: a JSON file (training/configs/NAME.json or any path) plus `--set key.sub=value` overrides.
+
+A config has one section per stage (prompts, responses, hidden, train, export) and `models`: name -> the
+speculators model to train (type dflash | xpress | dspark and its sizes). Every field is checked here, before any
+model is loaded, so a typo fails in a second with one line.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+from harness.errors import UsageError
+
+CONFIG_DIR = Path(__file__).resolve().parent / "configs"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MODEL_TYPES = ("dflash", "xpress", "dspark")
+MARKOV_TYPES = ("vanilla", "gated", "rnn")
+SECTIONS = ("prompts", "responses", "hidden", "train", "export")
+
+DEFAULTS = {
+    "target": None,
+    "workdir": None,                     # default: runs/<config name>
+    "seed": 0,
+    "prompts": {"jsonl": [], "jsonl_limit": 0, "magpie": 0, "magpie_max_new_tokens": 64,
+                "magpie_temperature": 1.0, "magpie_top_p": 0.95, "magpie_batch": 16, "min_chars": 16,
+                "max_chars": 2000, "dedup_jaccard": 0.8, "overlap_jaccard": 0.5, "ngram": 3,
+                "eval_dir": "data/eval", "heldout": 8},
+    "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
+                  "max_prompt_tokens": 512},
+    "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0},
+    "train": {"device": "auto", "attn_impl": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
+              "weight_decay": 0.0, "scheduler": "cosine", "warmup_ratio": 0.04, "save_every": 0,
+              "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
+              "num_workers": 0, "stop_after_step": 0, "max_minutes": 0, "mask_token_id": None,
+              "eval_k": [1]},
+    "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
+    "models": {},
+}
+
+MODEL_DEFAULTS = {
+    "type": "dflash", "num_layers": 1, "block_size": 8, "intermediate_size": None, "max_anchors": 512,
+    "loss_fn": '{"ce": 0.1, "tv": 0.9}', "gamma": 4.0, "init_from": None, "freeze_backbone": False,
+    "xpress_rank": 64, "xpress_mlp_ratio": 2, "num_jacobi_passes": 6, "consistency_weight": 0.3,
+    "consistency_passes": 3, "base_anchor_weight": 0.6,
+    "markov_rank": 64, "markov_head_type": "vanilla", "enable_confidence_head": True,
+    "epochs": None, "lr": None, "max_steps": None,
+}
+
+
+def _merge(base: dict, over: dict, where: str) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if k not in base and where != "models":
+            raise UsageError(f"config: unknown field {where + '.' if where else ''}{k}; known: {', '.join(base)}")
+        out[k] = _merge(base[k], v, k) if isinstance(base.get(k), dict) and isinstance(v, dict) and k != "models" \
+            else copy.deepcopy(v)
+    return out
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def apply_override(cfg: dict, item: str) -> None:
+    """`a.b.c=value` (value parsed as JSON when it parses, else a string)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise UsageError(f"--set {item!r}: expected KEY=VALUE, e.g. train.epochs=2")
+    parts = key.split(".")
+    node = cfg
+    for p in parts[:-1]:
+        if not isinstance(node.get(p), dict):
+            raise UsageError(f"--set {item!r}: {p!r} is not a config section")
+        node = node[p]
+    if parts[-1] not in node and not (len(parts) == 3 and parts[0] == "models"):
+        raise UsageError(f"--set {item!r}: unknown field {key}")
+    node[parts[-1]] = _parse_value(value)
+
+
+def resolve_config_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix == ".json" and p.is_file():
+        return p
+    candidate = CONFIG_DIR / f"{name}.json"
+    if candidate.is_file():
+        return candidate
+    known = ", ".join(sorted(f.stem for f in CONFIG_DIR.glob("*.json")))
+    raise UsageError(f"--config {name}: no such config file and no preset of that name (presets: {known})")
+
+
+def load_config(name: str, overrides: list[str] = (), workdir: str | None = None) -> dict:
+    path = resolve_config_path(name)
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"config {path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    cfg = _merge(DEFAULTS, raw, "")
+    for item in overrides:
+        apply_override(cfg, item)
+    cfg["name"] = path.stem
+    if workdir:
+        cfg["workdir"] = workdir
+    cfg["workdir"] = str(Path(cfg["workdir"] or REPO_ROOT / "runs" / cfg["name"]))
+    cfg["models"] = {n: _merge(MODEL_DEFAULTS, m, "model") for n, m in cfg["models"].items()}
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: dict) -> None:
+    if not cfg["target"]:
+        raise UsageError("config: target is not set (a hub id, a model directory, a .gguf file or 'smollm2')")
+    if not cfg["models"]:
+        raise UsageError("config: models is empty; name at least one model to train")
+    for name, m in cfg["models"].items():
+        where = f"config models.{name}"
+        if m["type"] not in MODEL_TYPES:
+            raise UsageError(f"{where}: type {m['type']!r} is not one of {', '.join(MODEL_TYPES)}")
+        if m["type"] == "dspark" and m["markov_head_type"] not in MARKOV_TYPES:
+            raise UsageError(f"{where}: markov_head_type {m['markov_head_type']!r} is not one of "
+                             f"{', '.join(MARKOV_TYPES)}")
+        if not isinstance(m["block_size"], int) or m["block_size"] < 2:
+            raise UsageError(f"{where}: block_size must be an integer >= 2")
+        if not isinstance(m["num_layers"], int) or m["num_layers"] < 1:
+            raise UsageError(f"{where}: num_layers must be an integer >= 1")
+        src = m["init_from"]
+        if src is not None and src not in cfg["models"]:
+            raise UsageError(f"{where}: init_from {src!r} names no model of this config")
+        if src is not None and cfg["models"][src]["type"] != "dflash":
+            raise UsageError(f"{where}: init_from must name a dflash model (got {cfg['models'][src]['type']})")
+        if m["freeze_backbone"] and src is None:
+            raise UsageError(f"{where}: freeze_backbone needs init_from (a trained drafter to freeze)")
+        if src is not None:
+            for key in ("num_layers", "block_size", "intermediate_size"):
+                if cfg["models"][src][key] != m[key]:
+                    raise UsageError(f"{where}: {key}={m[key]} differs from its init_from model {src!r} "
+                                     f"({cfg['models'][src][key]})")
+    if cfg["train"]["device"] not in ("auto", "cpu", "cuda"):
+        raise UsageError("config train.device must be auto, cpu or cuda")
+
+
+def train_order(cfg: dict) -> list[str]:
+    """Models in an order where every init_from source trains first."""
+    order, seen = [], set()
+
+    def visit(n):
+        if n in seen:
+            return
+        src = cfg["models"][n]["init_from"]
+        if src is not None:
+            visit(src)
+        seen.add(n)
+        order.append(n)
+
+    for n in cfg["models"]:
+        visit(n)
+    return order
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def model_fingerprint(cfg: dict, name: str) -> str:
+    """What a checkpoint was trained with: its model spec, the train section (minus run-control fields), the
+    target and the data's fingerprint. A resume with another fingerprint is refused."""
+    train = {k: v for k, v in cfg["train"].items() if k not in ("stop_after_step", "eval_every", "eval_prompts", "eval_k",
+                                                                 "eval_max_new_tokens", "num_workers", "device",
+                                                                 "max_minutes")}
+    return fingerprint({"model": cfg["models"][name], "train": train, "target": cfg["target"], "seed": cfg["seed"],
+                        "hidden": cfg["hidden"]})

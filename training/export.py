@@ -1,0 +1,112 @@
+"""Stage 5, export: the trained checkpoints in the speculators layout the harness loads as they are, in bf16,
+sharded into files under `export.max_shard_mib` (with model.safetensors.index.json when there is more than one),
+and each refiner also as the co-training .pt the reference harness reads (refiners.convert.cotrain_dict).
+
+A head trained on a frozen drafter (`freeze_backbone`) ships its head tensors only: its backbone is bit-identical
+to the drafter it was initialised from, which ships once; the harness then runs every arm on that drafter.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from harness.errors import UsageError
+from training.store import staged, write_json
+from training.train import final_dir
+
+HEAD_PREFIXES = ("refiner_head.", "markov_head.", "confidence_head.")
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def out_dir(cfg: dict) -> Path:
+    return Path(cfg["workdir"]) / "export"
+
+
+def shipped_tensors(cfg: dict, name: str) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+    src = final_dir(cfg, name)
+    if src is None:
+        raise UsageError(f"export: model {name!r} has not finished training (run the train stage)")
+    spec = json.loads((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    if cfg["models"][name]["freeze_backbone"]:
+        tensors = {k: v for k, v in tensors.items() if k.startswith(HEAD_PREFIXES)}
+    dtype = DTYPES[cfg["export"]["dtype"]]
+    return spec, {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
+
+
+def shards(tensors: dict, limit_bytes: int) -> list[list[str]]:
+    groups, size = [[]], 0
+    for k in sorted(tensors):
+        n = tensors[k].numel() * tensors[k].element_size()
+        if n > limit_bytes:
+            raise UsageError(f"export: tensor {k} alone is {n / 2**20:.1f} MiB, over export.max_shard_mib")
+        if size + n > limit_bytes and groups[-1]:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += n
+    return groups
+
+
+def write_dir(d: Path, config: dict, tensors: dict, limit_bytes: int) -> None:
+    from safetensors.torch import save_file
+    groups = shards(tensors, limit_bytes)
+    d.mkdir(parents=True, exist_ok=True)
+    write_json(d / "config.json", config)
+    if len(groups) == 1:
+        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, keys in enumerate(groups, 1):
+        fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: tensors[k] for k in keys}, str(d / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in keys})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    write_json(d / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def cotrain_pt(d: Path, drafter_dir: Path | None, out: Path) -> None:
+    """The reference harness's co-training checkpoint of one exported refiner directory."""
+    from harness.checkpoints import read_tensors, shard_files
+    from refiners.convert import cotrain_dict
+    from refiners.formats import load_refiner_checkpoint
+    ck = load_refiner_checkpoint(d, None)
+    if ck.draft_state is None and drafter_dir is not None:
+        ck.draft_state = read_tensors(shard_files(drafter_dir, "drafter"))
+    content = cotrain_dict(ck)
+    variant = ck.extras.get("markov_variant")
+    if variant:
+        content["args"].markov_head_type = variant
+        content["refiner_state_dict"].update(ck.extras.get("markov_extra", {}))
+    torch.save(content, out)
+
+
+def run(cfg: dict, num_target_layers: int) -> Path:
+    ec = cfg["export"]
+    limit = int(ec["max_shard_mib"] * 2**20)
+    planned = {n: shipped_tensors(cfg, n) for n in cfg["models"]}
+    total = sum(t.numel() * t.element_size() for _, ts in planned.values() for t in ts.values())
+    if ec["max_total_mb"] and total > ec["max_total_mb"] * 1e6:
+        sizes = ", ".join(f"{n} {sum(t.numel() * t.element_size() for t in ts.values()) / 1e6:.1f} MB"
+                          for n, (_, ts) in planned.items())
+        raise UsageError(f"export: {total / 1e6:.1f} MB in all ({sizes}) exceeds export.max_total_mb="
+                         f"{ec['max_total_mb']}; shrink the models (num_layers, ranks) or raise the budget")
+    out = out_dir(cfg)
+    with staged(out) as tmp:
+        files = {}
+        for n, (spec, tensors) in planned.items():
+            spec = {**spec, "num_target_layers": num_target_layers, "dtype": ec["dtype"]}
+            write_dir(tmp / n, spec, tensors, limit)
+            files[n] = {f.name: f.stat().st_size for f in sorted((tmp / n).iterdir())}
+        (tmp / "pt").mkdir()
+        for n, m in cfg["models"].items():
+            if m["type"] != "dflash":
+                src = m["init_from"] if m["freeze_backbone"] else None
+                cotrain_pt(tmp / n, tmp / src if src else None, tmp / "pt" / f"{n}_refiner_cotrain.pt")
+        write_json(tmp / "manifest.json", {"models": {n: cfg["models"][n] for n in cfg["models"]}, "files": files,
+                                           "total_bytes": total, "dtype": ec["dtype"]})
+    print(f"export: {total / 1e6:.1f} MB in {sum(len(f) for f in files.values())} files -> {out}")
+    return out

@@ -1,0 +1,64 @@
+"""The stages in order over one config: loads the target once (lazily: a stage that is up to date loads nothing)
+and checks what can be checked from configs alone before the first stage runs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from training import export, hidden, prompts, responses, train
+from training.target import load_hf, target_config, verifier_dir
+
+
+class Pipeline:
+    def __init__(self, cfg: dict, eval_dir: str | None = None, force: bool = False):
+        self.cfg, self.eval_dir, self.force = cfg, eval_dir, force
+        self._hf = None
+        self.stopped = False
+        Path(cfg["workdir"]).mkdir(parents=True, exist_ok=True)
+
+    def device(self) -> torch.device:
+        return train.device_of(self.cfg)
+
+    def load(self):
+        if self._hf is None:
+            self._hf = load_hf(self.cfg["target"], self.device())
+        return self._hf
+
+    def preflight(self, stages) -> None:
+        """Target/model compatibility and resume checks from configs alone (no weights read)."""
+        tcfg = target_config(self.cfg["target"])
+        hidden.layer_ids(self.cfg, tcfg.num_hidden_layers)
+        for n in self.cfg["models"]:
+            train.check_target_fit(self.cfg, n, tcfg)
+            if "train" in stages and train.final_dir(self.cfg, n) is None:
+                train.check_resume(self.cfg, n)
+
+    def held_out(self):
+        from harness.decode.devices import Backend
+        from training.acceptance import HeldOut
+        from training.gen import stop_ids
+        from training.responses import chat_ids
+        model, tok = self.load()
+        tc = self.cfg["train"]
+        rows = [json.loads(line) for line in (prompts.out_dir(self.cfg) / "heldout.jsonl").read_text().splitlines()]
+        ids = [chat_ids(tok, r["text"]) for r in rows[:tc["eval_prompts"]]]
+        backend = Backend(model.device, torch.float32)
+        return HeldOut(model, ids, stop_ids(model, tok), backend, tc["eval_max_new_tokens"], tc["eval_k"])
+
+    def run(self, stage: str, only=None) -> None:
+        cfg = self.cfg
+        if stage == "prompts":
+            prompts.run(cfg, self.eval_dir, self.force, load=self.load)
+        elif stage == "responses":
+            responses.run(cfg, self.load, self.force)
+        elif stage == "hidden":
+            hidden.run(cfg, self.load, self.force)
+        elif stage == "train":
+            vdir = verifier_dir(cfg["target"], Path(cfg["workdir"]))
+            done = train.run(cfg, vdir, self.held_out if cfg["train"]["eval_prompts"] else None, only)
+            wanted = [n for n in cfg["models"] if not only or n in only]
+            self.stopped = any(done.get(n) is None for n in wanted)  # cut short: later stages wait for the rerun
+        elif stage == "export":
+            export.run(cfg, target_config(cfg["target"]).num_hidden_layers)

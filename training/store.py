@@ -1,0 +1,61 @@
+"""Stage outputs: each stage writes into `<dir>.tmp` and renames it to `<dir>` at the end, with a manifest.json
+that records what made it (its inputs' fingerprint). A stage whose manifest matches is skipped; a failure leaves
+the previous output as it was and nothing half-written under the final name."""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+
+
+def read_manifest(d: Path) -> dict | None:
+    f = d / MANIFEST
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def is_done(d: Path, key: str) -> bool:
+    m = read_manifest(d)
+    return m is not None and m.get("key") == key
+
+
+@contextlib.contextmanager
+def staged(d: Path):
+    """Yields a fresh temporary directory; on success it replaces `d` (the manifest must be written inside)."""
+    tmp = d.with_name(d.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if d.exists():
+        shutil.rmtree(d)
+    tmp.rename(d)
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def write_jsonl(path: Path, rows) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+def resumable(d: Path, key: str, force: bool, label: str) -> str:
+    """A stage that fills its directory in parts: 'done' (complete with this key: skip), 'resume' (same key,
+    unfinished: keep the parts) or 'fresh' (anything else: emptied)."""
+    m = read_manifest(d)
+    if m is not None and m.get("key") == key and not force:
+        if m.get("complete"):
+            print(f"{label}: up to date ({d})")
+            return "done"
+        return "resume"
+    shutil.rmtree(d, ignore_errors=True)
+    return "fresh"

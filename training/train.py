@@ -1,0 +1,191 @@
+"""Stage 4, train: each configured model with speculators (its model classes, losses, data loader and Trainer),
+in dependency order (a model with `init_from` starts from that drafter's final weights; with `freeze_backbone`
+only its head trains, so every arm shares one drafter and one set of drafter weights ships).
+
+Checkpoints: <workdir>/train/<model>/<epoch>/ (speculators' layout) plus a fingerprint of what trained them; a
+run resumes from the latest one, and one from another config is refused before anything is loaded or written.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from harness.errors import UsageError
+from training.config import model_fingerprint, train_order
+from training.hidden import out_dir as hidden_dir
+from training.store import read_manifest, write_json
+from training.trainer import FINGERPRINT, MetricsFile, PipelineTrainer, StopRequested
+
+
+def model_dir(cfg: dict, name: str) -> Path:
+    return Path(cfg["workdir"]) / "train" / name
+
+
+def final_dir(cfg: dict, name: str) -> Path | None:
+    d = model_dir(cfg, name)
+    m = read_manifest(d)
+    return d / m["final"] if m and m.get("complete") and m.get("key") == model_fingerprint(cfg, name) else None
+
+
+def device_of(cfg: dict) -> torch.device:
+    want = cfg["train"]["device"]
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UsageError("config train.device=cuda but no CUDA device is visible")
+    return torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
+
+
+def check_resume(cfg: dict, name: str) -> None:
+    """A checkpoint directory trained with another fingerprint is refused (nothing is overwritten)."""
+    d = model_dir(cfg, name)
+    f = d / FINGERPRINT
+    has_ckpt = d.is_dir() and any(p.is_dir() and p.name.isdigit() for p in d.iterdir())
+    if not has_ckpt:
+        return
+    found = json.loads(f.read_text()).get("key") if f.is_file() else None
+    if found != model_fingerprint(cfg, name):
+        raise UsageError(f"train: {d} holds checkpoints of another config (fingerprint {found}, this config "
+                         f"{model_fingerprint(cfg, name)}); resuming from them would mix two runs. Use another "
+                         "--workdir or delete that directory")
+
+
+def check_target_fit(cfg: dict, name: str, tcfg) -> None:
+    m = cfg["models"][name]
+    n = tcfg.num_hidden_layers
+    if m["num_layers"] > n:
+        raise UsageError(f"config models.{name}: num_layers {m['num_layers']} exceeds the target's {n} layers")
+    mask = cfg["train"].get("mask_token_id")
+    if mask is not None and not 0 <= mask < tcfg.vocab_size:
+        raise UsageError(f"config train.mask_token_id {mask} is outside the target vocab ({tcfg.vocab_size})")
+
+
+def build_model(cfg: dict, name: str, verifier: str, layer_ids: list[int], attn_impl: str):
+    from speculators.model import SpeculatorModel
+    from speculators.train.cli import create_transformer_layer_config
+    m = cfg["models"][name]
+    tl = create_transformer_layer_config(verifier, m["num_layers"], "qwen3", None, 4096,
+                                         list(range(m["num_layers"])))
+    if m["intermediate_size"]:
+        tl.intermediate_size = m["intermediate_size"]
+    kwargs = dict(verifier_name_or_path=verifier, target_layer_ids=layer_ids, block_size=m["block_size"],
+                  draft_vocab_size=tl.vocab_size, mask_token_id=cfg["train"].get("mask_token_id", tl.vocab_size - 1),
+                  sample_from_anchor=False, draft_attn_impl=attn_impl)
+    if m["type"] == "xpress":
+        kwargs.update(xpress_rank=m["xpress_rank"], xpress_mlp_ratio=m["xpress_mlp_ratio"],
+                      num_jacobi_passes=m["num_jacobi_passes"])
+    elif m["type"] == "dspark":
+        kwargs.update(markov_rank=m["markov_rank"], markov_head_type=m["markov_head_type"],
+                      enable_confidence_head=m["enable_confidence_head"])
+    if kwargs["mask_token_id"] is None:
+        kwargs["mask_token_id"] = tl.vocab_size - 1
+    model = SpeculatorModel.registry[m["type"]].from_training_args(tl, **kwargs)
+    if m["init_from"]:
+        src = final_dir(cfg, m["init_from"])
+        if src is None:
+            raise UsageError(f"models.{name}: init_from {m['init_from']!r} has not finished training")
+        from safetensors.torch import load_file
+        state = load_file(str(src / "model.safetensors"))
+        missing = [k for k in state if k not in model.state_dict()]
+        if missing:
+            raise UsageError(f"models.{name}: {m['init_from']}'s tensor {missing[0]} does not fit this model")
+        model.load_state_dict(state, strict=False)
+        if m["freeze_backbone"]:
+            for k, p in model.named_parameters():
+                if k in state:
+                    p.requires_grad_(False)
+    return model
+
+
+def trainer_kwargs(m: dict) -> dict:
+    base = dict(loss_fn=m["loss_fn"], loss_implementation="eager", dflash_decay_gamma=m["gamma"],
+                max_anchors=m["max_anchors"])
+    if m["type"] == "xpress":
+        base.update(consistency_weight=m["consistency_weight"], consistency_passes=m["consistency_passes"],
+                    base_anchor_weight=0.0 if m["freeze_backbone"] else m["base_anchor_weight"])
+    return base
+
+
+def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float = 0.0) -> Path | None:
+    from speculators.model import SpeculatorModel
+    from speculators.train.dataloader import create_train_val_loaders
+    from speculators.train.trainer import TrainerConfig
+    m, tc = cfg["models"][name], cfg["train"]
+    key = model_fingerprint(cfg, name)
+    if final_dir(cfg, name) is not None:
+        print(f"train {name}: up to date ({final_dir(cfg, name)})")
+        return final_dir(cfg, name)
+    check_resume(cfg, name)
+    device = device_of(cfg)
+    attn = tc["attn_impl"] if tc["attn_impl"] != "auto" else ("simple_flex_attention" if device.type == "cuda"
+                                                                else "eager")
+    hm = read_manifest(hidden_dir(cfg))
+    torch.manual_seed(cfg["seed"])
+    model = build_model(cfg, name, verifier, hm["layer_ids"], attn)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    train_loader, val_loader = create_train_val_loaders(
+        data_path=str(hidden_dir(cfg)), total_seq_len=tc["total_seq_len"], hidden_states_dtype=dtype, transfer=None,
+        vllm_endpoint="http://unused", on_missing="raise", verifier_name_or_path=verifier, request_timeout=None,
+        max_retries=0, generation_validation_retries=0, max_consecutive_generation_failures=1,
+        hidden_size=hm["hidden_size"], num_target_layers=len(hm["layer_ids"]), num_workers=tc["num_workers"],
+        prefetch_factor=2, preprocess=None, train_data_ratio=tc["train_ratio"], seed=cfg["seed"])
+    cls = SpeculatorModel.registry[m["type"]]
+    train_kw, val_kw = cls.get_trainer_kwargs(**trainer_kwargs(m))
+    steps_per_epoch = len(train_loader)
+    epochs = m["epochs"] or tc["epochs"]
+    total = m["max_steps"] or epochs * steps_per_epoch
+    save_every = tc["save_every"]
+    out = model_dir(cfg, name)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / FINGERPRINT, {"key": key})
+    tconf = TrainerConfig(lr=m["lr"] or tc["lr"], num_epochs=epochs, save_path=str(out), resume_from_checkpoint=True,
+                          train_call_kwargs=train_kw, val_call_kwargs=val_kw, weight_decay=tc["weight_decay"],
+                          scheduler_type=tc["scheduler"], scheduler_warmup_ratio=tc["warmup_ratio"],
+                          scheduler_total_steps=total, checkpoint_freq=min(1.0, save_every / steps_per_epoch)
+                          if save_every else 1, hidden_states_dtype=dtype, log_freq=1, max_steps=m["max_steps"])
+    handler = MetricsFile(out / "metrics.jsonl")
+    mlog = logging.getLogger("speculators.metrics")
+    mlog.addHandler(handler)
+    mlog.setLevel(logging.INFO)
+    trainer = PipelineTrainer(model, tconf, train_loader, val_loader, device=device, seed=cfg["seed"],
+                              eval_fn=held_out, eval_every=tc["eval_every"], stop_after_step=tc["stop_after_step"],
+                              metrics_file=out / "metrics.jsonl", max_seconds=max_seconds)
+    try:
+        trainer.run_training()
+    except StopRequested as stop:
+        print(f"train {name}: stopped after step {stop.args[0]} with a checkpoint; run again to resume")
+        return None
+    finally:
+        mlog.removeHandler(handler)
+    last = max(int(p.name) for p in out.iterdir() if p.is_dir() and p.name.isdigit())
+    if held_out is not None:
+        trainer.log_eval()
+    write_json(out / "manifest.json", {"key": key, "complete": True, "final": str(last),
+                                       "global_step": trainer.global_step, "evals": trainer.evals})
+    return out / str(last)
+
+
+def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None = None) -> dict:
+    from training.target import target_config
+    tcfg = target_config(cfg["target"])
+    names = [n for n in train_order(cfg) if not only or n in only]
+    for n in names:  # every config and resume check before any training starts
+        check_target_fit(cfg, n, tcfg)
+        if final_dir(cfg, n) is None:
+            check_resume(cfg, n)
+    held = held_out_factory() if held_out_factory else None
+    budget = cfg["train"]["max_minutes"] * 60
+    deadline = time.monotonic() + budget
+    done = {}
+    for n in names:  # train.max_minutes bounds the whole stage: a model cut short resumes on the next run
+        left = deadline - time.monotonic()
+        if budget and left <= 0 and final_dir(cfg, n) is None:
+            print(f"train: out of time (train.max_minutes={cfg['train']['max_minutes']}); run again to continue "
+                  f"with {n}")
+            break
+        done[n] = train_one(cfg, n, verifier, held, max(left, 1.0) if budget else 0.0)
+        if done[n] is None:
+            break
+    return done

@@ -1,0 +1,139 @@
+"""speculators' Trainer, run as it is, with the few changes it needs here (each names speculators 0.9.0):
+
+* device: the Trainer moves the model and batches to `get_local_rank()` (an int: CUDA device 0) and its
+  checkpointer loads onto `get_current_device()` ("cuda:0" when there is no accelerator), so it cannot run on a
+  CPU. The device is set here before the model is placed, and loads map to it.
+* checkpoints: `SingleGPUCheckpointer.save_checkpoint` rounds the weights AND the optimizer state (Adam's moments
+  and its step count) to bf16, so a resumed run is not the run it continues. They are saved in fp32 here; export
+  writes bf16.
+* determinism: anchors are drawn from torch's global generator (`select_anchors`); the generator is reseeded from
+  (seed, global step) before every step, and the data loader gets its own generator, so a run resumed mid-epoch
+  draws what the uninterrupted run drew.
+* CPU timing: its per-step `_StepTimer` (which gates the metric logging) calls `torch.accelerator.synchronize()`,
+  which raises without an accelerator; on a CPU a timer that skips the synchronisation is swapped in.
+* hooks: `run_training` passes no step callback; `train_epoch` is called with one here (held-out acceptance every
+  `eval_every` steps). `stop_after_step` ends a run right after a checkpoint, and `max_seconds` checkpoints and
+  ends it once the time is up (a long run split across calls resumes from there).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+from speculators.train.checkpointer import SingleGPUCheckpointer, convert_float_dtype, load_safetensors_state_dict
+import speculators.train.trainer as trainer_module
+from speculators.train.trainer import Trainer
+
+FINGERPRINT = "xpress_bench_fingerprint.json"
+
+
+class _HostTimer(trainer_module._StepTimer):
+    """speculators 0.9.0's step timer without the accelerator synchronisation (CPU only)."""
+
+    def mark(self, name: str) -> None:
+        if self.enabled:
+            self._marks[name] = time.perf_counter()
+
+    def now(self) -> float | None:
+        return time.perf_counter() if self.enabled else None
+
+
+class StopRequested(Exception):
+    pass
+
+
+class Fp32Checkpointer(SingleGPUCheckpointer):
+    def __init__(self, path, device: torch.device):
+        self.device = device
+        super().__init__(path)
+
+    def save_checkpoint(self, model, optimizer, epoch, float_dtype=torch.float32):
+        super().save_checkpoint(model, optimizer, epoch, float_dtype=torch.float32)
+
+    def load_model_state_dict(self, model, float_dtype=None):
+        state = load_safetensors_state_dict(self.model_path(self.previous_epoch), str(self.device))
+        model.load_state_dict(convert_float_dtype(state, float_dtype or model.dtype), strict=False)
+
+    def load_optimizer_state_dict(self, model, optimizer, float_dtype=None):
+        loaded = torch.load(self.optimizer_path(self.previous_epoch), weights_only=True, map_location=self.device)
+        opts = optimizer if isinstance(optimizer, list) else [optimizer]
+        for opt, sd in zip(opts, loaded if isinstance(loaded, list) else [loaded], strict=True):
+            opt.load_state_dict(sd)
+
+
+class PipelineTrainer(Trainer):
+    def __init__(self, model, config, train_loader, val_loader, *, device: torch.device, seed: int,
+                 eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
+                 max_seconds: float = 0.0):
+        self._device, self._seed = device, seed
+        self._deadline = time.monotonic() + max_seconds if max_seconds else None
+        self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
+        self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
+        self._metrics_file = metrics_file
+        self.evals: list[dict] = []
+        train_loader.generator = torch.Generator().manual_seed(seed)
+        super().__init__(model, config, train_loader, val_loader)
+
+    def setup_trainer(self):
+        self.local_rank = self._device  # noqa: speculators 0.9.0 uses an int (CUDA) here
+        self.checkpointer = Fp32Checkpointer(self.config.save_path, self._device)
+        super().setup_trainer()
+
+    def _reseed(self):
+        torch.manual_seed(self._seed * 1_000_003 + self.global_step)
+
+    def _after_step(self):
+        self._reseed()
+        if self._deadline is not None and time.monotonic() > self._deadline:  # out of time: checkpoint and stop
+            epoch, g0, l0 = self._epoch_start
+            self._stop_after = self.global_step
+            self.maybe_save_checkpoint(epoch, local_step=l0 + self.global_step - g0)
+        if self._eval_fn is not None and self._eval_every and self.global_step % self._eval_every == 0:
+            self.log_eval()
+
+    def log_eval(self):
+        raw = getattr(self.model, "module", self.model)
+        was = raw.training
+        result = {"global_step": self.global_step, **self._eval_fn(raw)}
+        raw.train(was)
+        self.evals.append(result)
+        logging.getLogger("speculators").info(f"held-out acceptance: {result}")
+        print(f"held-out acceptance @ step {self.global_step}: " +
+              ", ".join(f"{k}={v:.3f}" for k, v in result.items() if isinstance(v, float)), flush=True)
+        if self._metrics_file is not None:
+            with self._metrics_file.open("a") as f:
+                f.write(json.dumps({"eval": result}) + "\n")
+
+    def train_epoch(self, epoch, *, step_callback=None):
+        self._reseed()
+        skip = getattr(self, "_resume_local_step", 0) if epoch == getattr(self, "current_epoch", epoch) else 0
+        self._epoch_start = (epoch, self.global_step, skip)
+        swap = not torch.accelerator.is_available()
+        original = trainer_module._StepTimer
+        if swap:
+            trainer_module._StepTimer = _HostTimer
+        try:
+            return super().train_epoch(epoch, step_callback=self._after_step)
+        finally:
+            trainer_module._StepTimer = original
+
+    def maybe_save_checkpoint(self, epoch, local_step: int = 0):
+        super().maybe_save_checkpoint(epoch, local_step=local_step)
+        if self._stop_after and self.global_step >= self._stop_after and isinstance(epoch, int):
+            raise StopRequested(self.global_step)
+
+
+class MetricsFile(logging.Handler):
+    """speculators logs its metrics as dicts on the `speculators.metrics` logger; one JSON line each here."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def emit(self, record):
+        if isinstance(record.msg, dict):
+            with self.path.open("a") as f:
+                f.write(json.dumps(record.msg, default=float) + "\n")
