@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from drafters.base import Proposal
-from drafters.layer_kinds import block_masks
+from drafters.layer_kinds import block_spans
 from drafters.rope import cos_sin, inv_frequencies, rope_settings
-from harness.decode.cache import StaticKV, attend, rotate
+from harness.decode.cache import StaticKV
+from harness.decode.ops import Ops, TorchOps, fuse_rows
 from harness.checkpoints import check_state, read_config, read_tensors, shard_files, tensor_shapes, \
     write_safetensors_dir
 from harness.decode.devices import Backend
@@ -206,25 +207,15 @@ class DFlashModel(nn.Module):
         self.layers = nn.ModuleList(_Layer(c) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.register_buffer("inv_freq", inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling), persistent=False)
-        self._kern = None  # harness.decode.kernels, when use_kernels() turned them on
         self._fused: list = []  # per layer: (q/k/v weight, gate/up weight), views shared with the modules
 
     @torch.no_grad()
-    def use_kernels(self, kernels) -> None:
-        """Run blocks and context writes of up to kernels.MAX_ROWS rows on harness.decode.kernels (None: torch ops).
-        Fuses q/k/v and gate/up into one weight each (views: no memory added)."""
-        if kernels is not None and not self._fused:
-            self._fused = [(kernels.fuse_rows((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)),
-                            kernels.fuse_rows((l.mlp.gate_proj, l.mlp.up_proj))) for l in self.layers]
-        if kernels is not None:
-            kernels.prepare(self.norm.weight.device)
-        self._kern = kernels
-
-    def _fast(self, rows: int):
-        k, c = self._kern, self.config
-        if "sliding_attention" in c.layer_types:
-            return None  # the kernels attend without a mask (every layer non-causal)
-        return k if k is not None and k.fits(rows, c.num_attention_heads // c.num_key_value_heads) else None
+    def fuse(self) -> list:
+        """q/k/v and gate/up as one weight each (views: no memory added, the modules still work); once."""
+        if not self._fused:
+            self._fused = [(fuse_rows((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj)),
+                            fuse_rows((l.mlp.gate_proj, l.mlp.up_proj))) for l in self.layers]
+        return self._fused
 
     def _apply(self, fn, recurse=True):
         # Rotary frequencies stay fp32 whatever the weights' dtype: in bf16, position x frequency would lose whole
@@ -232,75 +223,55 @@ class DFlashModel(nn.Module):
         super()._apply(fn, recurse)
         c = self.config
         self.inv_freq = inv_frequencies(c.head_dim, c.rope_theta, c.rope_scaling).to(self.norm.weight.device)
+        self._fused = []  # a move or cast makes new tensors: fuse again
         return self
 
-    def _heads(self, proj: nn.Linear, norm: RMSNorm | None, x: torch.Tensor, cos, sin) -> torch.Tensor:
-        return self._split_heads(proj(x), norm, cos, sin)
-
-    def _split_heads(self, y: torch.Tensor, norm: RMSNorm | None, cos, sin) -> torch.Tensor:
-        """Projected rows [T, heads * hd] -> [1, heads, T, hd], per-head norm and rotary where given."""
-        y = y.view(y.shape[0], -1, self.config.head_dim)
-        if norm is not None:
-            y = norm(y)
-        y = y.transpose(0, 1).unsqueeze(0)  # [1, heads, T, hd]
-        return y if cos is None else rotate(y, cos, sin)
-
     @torch.no_grad()
-    def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV) -> None:
-        """Context K/V from projected target features; they do not depend on the block, so each position once."""
-        k = self._fast(features.shape[0])
-        if k is not None:
-            ctx = k.rms_norm(k.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
-        else:
-            ctx = self.hidden_norm(self.fc(features))
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV, ops: Ops) -> None:
+        """Context K/V from projected target features; they do not depend on the block, so each position once.
+        k and v rows are adjacent in the fused q/k/v weight: one matmul and one cache write per layer."""
+        c = self.config
+        ops = ops.sized(features.shape[0], c.num_attention_heads // c.num_key_value_heads)
+        ctx = ops.rms_norm(ops.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
         cos, sin = cos_sin(self.inv_freq, positions, ctx.dtype)
-        q_rows = self.config.num_attention_heads * self.config.head_dim
+        q_rows = c.num_attention_heads * c.head_dim
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            if k is not None:  # k and v rows are adjacent in the fused q/k/v weight: one matmul, one cache write
-                k.write_kv(k.linear(ctx, self._fused[i][0][q_rows:]), a.k_norm.weight, a.k_norm.eps, cos, sin,
-                           positions, kv.k[i, 0], kv.v[i, 0])
-            else:
-                kv.write(i, positions, self._heads(a.k_proj, a.k_norm, ctx, cos, sin),
-                         self._heads(a.v_proj, None, ctx, None, None))
+            ops.write_kv(ops.linear(ctx, self.fuse()[i][0][q_rows:]), kv, i, positions, cos, sin, a.k_norm.weight,
+                         a.k_norm.eps)
 
     @torch.no_grad()
     def block(self, x: torch.Tensor, positions: torch.Tensor, kv: StaticKV, limit: torch.Tensor,
-              length: int) -> torch.Tensor:
-        """x [B, H] block embeddings at `positions`; attends over slots < limit. Returns normed hidden [B, H]."""
+              length: int, ops: Ops) -> torch.Tensor:
+        """x [B, H] block embeddings at `positions`; attends over slots < limit (limit - 1 is the block's last
+        position). Returns normed hidden [B, H]."""
         c = self.config
+        ops = ops.sized(x.shape[0], c.num_attention_heads // c.num_key_value_heads)
         cos, sin = cos_sin(self.inv_freq, positions, x.dtype)
-        if self._fast(x.shape[0]) is not None:
-            return self._block_kernels(x, positions, cos, sin, kv)
-        masks = block_masks(c, positions, limit, length)
+        spans = block_spans(c, positions, limit, length)
         h = x
         for i, layer in enumerate(self.layers):
-            mask = masks[c.layer_types[i]]
-            a = layer.self_attn
-            hn = layer.input_layernorm(h)
-            q = self._heads(a.q_proj, a.q_norm, hn, cos, sin)
-            kv.write(i, positions, self._heads(a.k_proj, a.k_norm, hn, cos, sin), self._heads(a.v_proj, None, hn, None, None))
-            ks, vs = kv.read(i, length)
-            h = h + a.o_proj(attend(q, ks, vs, mask, c.head_dim ** -0.5)[0])
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.norm(h)
-
-    def _block_kernels(self, x, positions, cos, sin, kv: StaticKV) -> torch.Tensor:
-        """`block` on harness.decode.kernels: the block's rows attend over every slot up to its last position, which is
-        `limit` - 1 (the drafter's positions run up to the target position + block size)."""
-        k, c = self._kern, self.config
-        h, _ = k.decoder_stack(x, self.layers, lambda i: (*self._fused[i], kv.k[i, 0], kv.v[i, 0]), cos, sin,
-                               positions, c.num_attention_heads, c.head_dim ** -0.5, causal=False)
-        return k.final_norm(h, self.norm)  # the proposal's hidden rows are the normed ones
+            a, (qkv_w, gate_up_w) = layer.self_attn, self.fuse()[i]
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+            qkv = ops.linear(h, qkv_w, norm=ln1.weight, eps=ln1.eps)
+            o = ops.attention(qkv, kv, i, spans[c.layer_types[i]], cos, sin, c.num_attention_heads,
+                              c.head_dim ** -0.5, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
+            h = ops.linear(o, a.o_proj.weight, residual=h)
+            gate_up = ops.linear(h, gate_up_w, norm=ln2.weight, eps=ln2.eps)
+            h = ops.linear(gate_up, layer.mlp.down_proj.weight, act=nn.functional.silu, residual=h)
+        return ops.rms_norm(h, self.norm.weight, self.norm.eps)  # the proposal's hidden rows are the normed ones
 
 
 class DFlashDrafter:
     """The Drafter protocol over a DFlashModel, the target's embedding and lm_head, and a static context cache."""
 
     def __init__(self, model: DFlashModel, embed: nn.Module, lm_head: nn.Module, backend: Backend,
-                 block_size: int | None = None, capacity: int = 256):
+                 block_size: int | None = None, capacity: int = 256, ops: Ops | None = None):
         c = model.config
         self.model, self.embed, self.lm_head = model, embed, lm_head
+        self.ops = (ops or TorchOps()).for_heads(c.head_dim, c.num_attention_heads, c.num_key_value_heads,
+                                                 windows="sliding_attention" in c.layer_types)
+        model.fuse()
         # A block other than the trained one is allowed (the attention is shape-agnostic); acceptance may drop.
         self.block_size, self.mask_token_id = block_size or c.block_size, c.mask_token_id
         self.target_layer_ids = c.target_layer_ids
@@ -316,25 +287,23 @@ class DFlashDrafter:
 
     def begin(self, features: torch.Tensor) -> None:
         n = features.shape[0]
-        self.model.write_context(features, torch.arange(n, device=features.device), self.kv)
+        self.model.write_context(features, torch.arange(n, device=features.device), self.kv, self.ops)
         self.ctx.fill_(n)
 
     def observe(self, features: torch.Tensor, count: torch.Tensor) -> None:
         positions = self.ctx + self._offsets[: features.shape[0]]
-        self.model.write_context(features, positions, self.kv)
+        self.model.write_context(features, positions, self.kv, self.ops)
         self.ctx.add_(count)
 
     @torch.no_grad()
     def propose(self, anchor: torch.Tensor, position: torch.Tensor, length: int) -> Proposal:
         ids = torch.cat((anchor.view(1), self._masks))
         positions = position + self._offsets
-        hidden = self.model.block(self.embed(ids), positions, self.kv, position + self.block_size, length)
-        fast = self.model._fast(self.block_size)
-        if fast is not None:  # the argmax rides in the lm_head matmul's epilogue
-            logits, tokens = fast.linear(hidden[1:], self.lm_head.weight, argmax=True)
-        else:
-            logits = self.lm_head(hidden[1:])
-            tokens = logits.argmax(-1)
+        hidden = self.model.block(self.embed(ids), positions, self.kv, position + self.block_size, length, self.ops)
+        c = self.model.config
+        ops = self.ops.sized(self.block_size, c.num_attention_heads // c.num_key_value_heads)
+        logits, tokens = ops.linear(hidden[1:], self.lm_head.weight,
+                                    bias=self.lm_head.bias, argmax=True)
         return Proposal(tokens=tokens, logits=logits, hidden=hidden)
 
 

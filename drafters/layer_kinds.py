@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import torch
 
-from harness.decode.cache import prefix_mask
-from harness.decode.windows import window_mask
+from harness.decode.ops import Span
 
 
-def block_masks(config, positions: torch.Tensor, limit: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
-    """{layer kind: [B, length] bool mask} for the kinds `config.layer_types` uses."""
-    masks = {}
+def block_spans(config, positions: torch.Tensor, limit: torch.Tensor, length: int) -> dict[str, Span]:
+    """{layer kind: the slots its attention sees} for the kinds `config.layer_types` uses."""
+    spans = {}
     for kind in set(config.layer_types):
         if kind == "sliding_attention":
-            masks[kind] = window_mask(positions, length, config.sliding_window)
+            spans[kind] = Span(positions, length, window=config.sliding_window)
         else:
-            masks[kind] = prefix_mask(limit, positions.shape[0], length)
-    return masks
+            spans[kind] = Span(positions, length, limit=limit)
+    return spans

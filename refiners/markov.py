@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from drafters.base import Proposal
+from harness.decode.ops import Ops, TorchOps
 from refiners.base import RefineContext
-from refiners.xpress import argmax_select, fused_pick, fused_scoring_fits
 
 VARIANTS = ("vanilla", "gated", "rnn")
 
@@ -44,7 +44,7 @@ class MarkovHead(nn.Module):
 
     vocab = property(lambda self: self.w1.num_embeddings)
     rank = property(lambda self: self.w1.embedding_dim)
-    needs_hidden = property(lambda self: self.variant != "vanilla")
+    reads_hidden = property(lambda self: self.variant != "vanilla")
 
     def initial_state(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros(self.rank, dtype=self.w1.weight.dtype, device=like.device)
@@ -74,53 +74,34 @@ class MarkovRefiner:
     """
     name = "markov"
     passes = 0
-    needs_prev_token = False
-    # torch.compile made this refinement slower inside the H200 step graph (0.56 -> 0.97 ms, qwen3-8b preset,
-    # results/perf/h200_qwen3-8b_compiled.md), so --compile-all leaves it alone (--compile-refiner still compiles it)
+    # torch.compile made this refinement slower inside the H200 step graph (results/perf/NOTES.md), so
+    # --compile-all leaves it alone (--compile-refiner still compiles it)
     compile_helps = False
 
-    def __init__(self, head: MarkovHead, low_precision_sampling: bool = False):
+    def __init__(self, head: MarkovHead, low_precision_sampling: bool = False, ops: Ops | None = None):
         self.head = head
         # --compat-reference: DeepSpec samples from a softmax in the logits' dtype (bf16), not fp32
         self.low_precision_sampling = low_precision_sampling
-        self._kern = None
-
-    def use_kernels(self, kernels) -> None:
-        """Greedy steps score through harness.decode.kernels: w2, the base add and the argmax in one matmul launch and
-        one small reduction (None: torch ops)."""
-        self._kern = kernels
-
-    def _pick(self, z: torch.Tensor, base_row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pick, corrected = fused_pick(self._kern, z.view(1, -1), self.head.w2.weight, base_row.view(1, -1))
-        return pick.view(()), corrected.view(-1)
-
-    @property
-    def needs_hidden(self) -> bool:
-        return self.head.needs_hidden
-
-    def select(self, scores: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Argmax for now; a per-slot sampler plugs in here."""
-        return argmax_select(scores, ids)
+        self.ops = ops or TorchOps()
 
     @torch.no_grad()
     def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:
+        """Each step's bias, the base add and (greedy) the argmax are one `ops.linear` over w2."""
         head = self.head
         base = proposal.logits
-        rows = proposal.hidden[1:].to(head.w2.weight.dtype) if head.needs_hidden else None
+        rows = proposal.hidden[1:].to(head.w2.weight.dtype) if head.reads_hidden else None
         prev = ctx.anchor.reshape(()).long()
         state = head.initial_state(base)
-        fused = ctx.sampler is None and self._kern is not None and fused_scoring_fits(self._kern, base, head.w2.weight)
+        greedy = ctx.sampler is None
         tokens, q = [], []
         for k in range(base.shape[0]):
-            h = None if rows is None else rows[k]
-            if fused:
-                z, state = head.latent(prev, h, state)
-                prev, corrected = self._pick(z, base[k])
+            z, state = head.latent(prev, None if rows is None else rows[k], state)
+            out = self.ops.linear(z.view(1, -1), head.w2.weight, residual=base[k].view(1, -1), argmax=greedy)
+            if greedy:
+                corrected, prev = out[0].view(-1), out[1].view(())
             else:
-                bias, state = head.step(prev, h, state)
-                corrected = torch.add(base[k], bias).to(base.dtype)
-                prev = (self.select(corrected) if ctx.sampler is None else
-                        ctx.sampler.select(corrected, slot=k, low_precision=self.low_precision_sampling))
+                corrected = out.view(-1)
+                prev = ctx.sampler.select(corrected, slot=k, low_precision=self.low_precision_sampling)
             tokens.append(prev)
             q.append(corrected)
         return proposal.with_tokens(torch.stack(tokens), torch.stack(q))

@@ -75,7 +75,6 @@ class SpyreXPressRefiner:
     """K Jacobi passes of an xPress head over a top-C shortlist with Spyre's numerics (module docstring).
     `counters` holds the last block's logical transfer sizes in bytes and the device selection count."""
     name = "xpress"
-    needs_hidden = True
     compile_helps = False
 
     def __init__(self, head: XPressHead, passes: int, topc: int, prev_anchor: bool = False, record: bool = False):
@@ -87,13 +86,6 @@ class SpyreXPressRefiner:
         self.topc = validate_topc(topc, head.vocab)
         self.counters: dict[str, int] = {}
         self.record, self.pass_scores = record, []  # record=True (tests): each pass's FP16 scores, last block
-
-    @property
-    def needs_prev_token(self) -> bool:
-        return not self.prev_anchor
-
-    def use_kernels(self, kernels) -> None:
-        """Spyre numerics stay on torch ops (the point is to reproduce the card's selection, not the GPU's)."""
 
     @torch.no_grad()
     def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafters.base import Proposal
+from harness.decode.ops import Ops, TorchOps
 from refiners.base import RefineContext
 
 MAX_TOPC = 1024
@@ -185,61 +186,34 @@ def argmax_select(scores: torch.Tensor, ids: torch.Tensor | None = None) -> torc
 class _Block:
     """What no pass changes in one block (hidden cache, shortlist, gathered w2 rows), and the per-pass scoring.
 
-    `kern` (harness.decode.kernels, greedy full-vocabulary passes only): w2, the base add and the argmax run as one
-    matmul launch with the add and a per-tile argmax in its epilogue, plus one small reduction launch."""
+    Full-vocabulary scoring is one `ops.linear`: w2, the base add and (greedy) the argmax, which the Triton ops
+    run as one matmul launch with the add and a per-tile argmax in its epilogue plus one small reduction."""
 
-    def __init__(self, head: XPressHead, hidden: torch.Tensor, base: torch.Tensor, topc: int, kern=None):
+    def __init__(self, head: XPressHead, hidden: torch.Tensor, base: torch.Tensor, topc: int, ops: Ops):
         dt = head.w2.weight.dtype
-        self.head, self.base = head, base
+        self.head, self.base, self.ops = head, base, ops
         self.cache = head.block_cache(hidden.to(dt))
-        self.kern = kern if kern is not None and not topc and fused_scoring_fits(kern, base, head.w2.weight) else None
         self.ids = None
         if topc:
             self.ids = shortlist(base, topc)                                   # [B-1, C]
             self.base_c = base.gather(-1, self.ids)
             self.w2_c = head.w2.weight.index_select(0, self.ids.flatten()).view(*self.ids.shape, -1)  # [B-1, C, r]
 
-    def scores(self, prev: torch.Tensor) -> torch.Tensor:
-        """Refined logits of slots 1..B-1: [B-1, V], or [B-1, C] over the shortlist."""
+    def scores(self, prev: torch.Tensor, greedy: bool = False):
+        """Refined logits of slots 1..B-1: [B-1, V], or [B-1, C] over the shortlist; greedy: (tokens, logits)."""
         z = self.head.latent(self.cache, prev)
         if self.ids is None:
-            return torch.add(self.base, self.head.w2(z)).to(self.base.dtype)
+            out = self.ops.linear(z, self.head.w2.weight, residual=self.base, argmax=greedy)
+            return out[::-1] if greedy else out
         bias = torch.bmm(self.w2_c, z.unsqueeze(-1)).squeeze(-1)
-        return torch.add(self.base_c, bias).to(self.base.dtype)
-
-    def pick(self, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A greedy pass on the kernels: (tokens [B-1], refined logits [B-1, V]), the same as scores + argmax."""
-        return fused_pick(self.kern, self.head.latent(self.cache, prev), self.head.w2.weight, self.base)
+        scores = torch.add(self.base_c, bias).to(self.base.dtype)
+        return (argmax_select(scores, self.ids), scores) if greedy else scores
 
     def full(self, scores: torch.Tensor) -> torch.Tensor:
         """The proposal distribution over the whole vocabulary (-inf off the shortlist)."""
         if self.ids is None:
             return scores
         return torch.full_like(self.base, float("-inf")).scatter(-1, self.ids, scores)
-
-
-def _fused_pick(kern, z: torch.Tensor, w2: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scores, tokens = kern.linear(z, w2, residual=base, argmax=True)
-    return tokens, scores
-
-
-_DISABLED: dict = {}
-
-
-def fused_pick(kern, z: torch.Tensor, w2: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """base + z w2^T [n, V] and its argmax in one kernels.linear: (tokens [n], scores). Runs outside
-    torch.compile (a compiled refinement calls it between its compiled pieces); the wrapper is made on first use,
-    so that importing this module does not import torch._dynamo (and with it Triton, before a test could set
-    TRITON_INTERPRET)."""
-    if "fn" not in _DISABLED:
-        _DISABLED["fn"] = torch.compiler.disable(_fused_pick)
-    return _DISABLED["fn"](kern, z, w2, base)
-
-
-def fused_scoring_fits(kern, base: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether base [n, V] + z w2^T and its argmax can run as one kernels.linear: rows within its limit, the same
-    dtype (the sum is rounded to it), row-major base."""
-    return base.shape[0] <= kern.MAX_ROWS and base.dtype == w2.dtype and base.stride(-1) == 1
 
 
 def check_geometry(head: XPressHead, proposal: Proposal) -> None:
@@ -263,46 +237,32 @@ class XPressRefiner:
     slot, fixed once per block; q is then -inf off the shortlist.
     """
     name = "xpress"
-    needs_hidden = True
 
-    def __init__(self, head: XPressHead, passes: int, prev_anchor: bool = False, topc: int = 0):
+    def __init__(self, head: XPressHead, passes: int, prev_anchor: bool = False, topc: int = 0,
+                 ops: Ops | None = None):
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 0:
             raise ValueError(f"xPress passes K must be an integer >= 0, got {passes!r}")
         self.head = head
         self.passes = passes
         self.prev_anchor = prev_anchor
         self.topc = validate_topc(topc, head.vocab)
-        self._kern = None
-
-    def use_kernels(self, kernels) -> None:
-        """Greedy full-vocabulary passes score through harness.decode.kernels (None: torch ops)."""
-        self._kern = kernels
-
-    @property
-    def needs_prev_token(self) -> bool:
-        return not self.prev_anchor
-
-    def select(self, scores: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Argmax for now; frozen-noise sampling plugs in here (one noise tensor shared by every pass)."""
-        return argmax_select(scores, ids)
+        self.ops = ops or TorchOps()
 
     @torch.no_grad()
     def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:
         if self.passes == 0:
             return proposal
         check_geometry(self.head, proposal)
-        blk = _Block(self.head, proposal.hidden, proposal.logits, self.topc,
-                     self._kern if ctx.sampler is None else None)
+        blk = _Block(self.head, proposal.hidden, proposal.logits, self.topc, self.ops)
         lead = _lead(ctx.anchor, ctx.anchor if self.prev_anchor else ctx.prev_token)
         tokens = proposal.tokens
-        select = self.select if ctx.sampler is None else ctx.sampler.select
         for _ in range(self.passes):
             prev = torch.cat((lead, tokens[:-1]))
-            if blk.kern is not None:
-                tokens, scores = blk.pick(prev)
-            else:
+            if ctx.sampler is None:  # greedy: one frozen-noise-free pick per slot
+                tokens, scores = blk.scores(prev, greedy=True)
+            else:  # one noise tensor shared by every pass
                 scores = blk.scores(prev)
-                tokens = select(scores, blk.ids)
+                tokens = ctx.sampler.select(scores, blk.ids)
         return proposal.with_tokens(tokens, blk.full(scores))
 
 
@@ -314,7 +274,7 @@ def sequential_decode(head: XPressHead, hidden: torch.Tensor, base: torch.Tensor
     The reference semantics of the Jacobi rollout. Slots not yet decided hold placeholder zeros, which causality
     makes irrelevant. Returns tokens [B-1] and each slot's refined logits at the time it was chosen [B-1, V].
     """
-    blk = _Block(head, hidden, base, validate_topc(topc, head.vocab))
+    blk = _Block(head, hidden, base, validate_topc(topc, head.vocab), TorchOps())
     lead = _lead(anchor, tok_am1)
     n = base.shape[0]
     tokens = torch.zeros(n, dtype=torch.long, device=base.device)

@@ -81,13 +81,6 @@ def test_bench_step_compile_reports_one_graph_per_refiner(tmp_path):
     assert c["functions"] == 2 and c["graphs"] == 2  # Markov and xPress(K=2), each compiled once, never again
 
 
-def test_bench_step_refuses_negative_prefetch(tmp_path, capsys):
-    rc = bench_step.main(["--preset", "tiny", "--device", "cpu", "--prefetch-sweep", "0,-1",
-                          "--out", str(tmp_path / "x.json")])
-    assert rc == 2 and "--prefetch-tiles and --prefetch-sweep" in capsys.readouterr().err
-    assert not (tmp_path / "x.json").exists()
-
-
 def test_markdown_shows_levers_long_prompt_and_profile():
     r = {"preset": "p", "label": "L", "device_name": "d", "dtype": "bf16", "prompt_len": 8, "block_size": 4,
          "torch": "t", "transformers": "tf", "scripted_accept_per_arm": 1, "copy_bandwidth_GBps": 1.0,

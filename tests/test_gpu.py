@@ -83,15 +83,15 @@ def _refiners(vocab=128, hidden=64, block=4):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_graph_and_compile_give_the_same_tokens(temperature):
-    from harness.decode.graphs import AcceleratedRefiner
+    from harness.lab.captured import CapturedRefiner
     b = backend(torch.float32)
     t = tiny_target("qwen3", backend=b)
     d = tiny_drafter(t, block=4, backend=b)
     s = DecodeSettings(20, 512, (3, 5), temperature=temperature)
     for name, r in _refiners():
-        variants = {"eager": r, "graph": AcceleratedRefiner(r, use_graph=True)}
+        variants = {"eager": r, "graph": CapturedRefiner(r)}
         if temperature == 0.0:
-            variants["compiled+graph"] = AcceleratedRefiner(r, use_graph=True, compile=True)
+            variants["compiled+graph"] = CapturedRefiner(r, compile=True)
         outs = {}
         for label, rr in variants.items():
             outs[label] = [generate(t, p, s, b, drafter=d, refiner=rr, generator=b.generator(i)).tokens
@@ -104,7 +104,7 @@ def test_graph_and_compile_give_the_same_tokens(temperature):
 # --- whole-step CUDA graphs (DecodeSettings.use_graph) -------------------------------------------------------------
 
 def _arms(t, block=8):
-    from harness.decode.graphs import AcceleratedRefiner
+    from harness.lab.captured import CapturedRefiner
     from refiners.markov import MarkovRefiner, random_markov_head
     from refiners.xpress import XPressRefiner, random_xpress_head
     d = tiny_drafter(t, block=block, backend=backend(torch.float32))
@@ -112,8 +112,8 @@ def _arms(t, block=8):
     mk = random_markov_head("vanilla", t.vocab_size, t.hidden_size, 8, seed=3, std=0.3).cuda()
     return {"AR": (None, None), "drafter-only": (d, None), "xpress-K6": (d, XPressRefiner(xp, 6)),
             "xpress-K2-C8": (d, XPressRefiner(xp, 2, topc=8)), "markov": (d, MarkovRefiner(mk)),
-            # a refiner wrapped for its own graph (the runner's --use-graph) runs unwrapped inside the step graph
-            "xpress-K6-wrapped": (d, AcceleratedRefiner(XPressRefiner(xp, 6), use_graph=True))}
+            # a refiner captured as its own graph (the lab's) runs uncaptured inside the step graph
+            "xpress-K6-wrapped": (d, CapturedRefiner(XPressRefiner(xp, 6)))}
 
 
 @pytest.mark.parametrize("bucket", [16, 0])

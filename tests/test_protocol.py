@@ -179,11 +179,11 @@ def test_timing_flags_refuse_bad_input(files, tmp_path, argv, message, capsys):
     assert message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("extra, expect", [({}, True), ({"compat_reference": True}, False),
-                                           ({"attn_implementation": "eager"}, False)])
+@pytest.mark.parametrize("extra, expect", [({}, "triton"), ({"compat_reference": True}, "torch"),
+                                           ({"attn_implementation": "eager"}, "torch")])
 def test_kernels_auto_keeps_torch_ops_for_reference_numerics(monkeypatch, extra, expect):
-    """--kernels auto picks the Triton kernels on CUDA bf16, but not under --compat-reference or an explicit
-    --attn-implementation eager (a stub target: no CUDA needed)."""
+    """--kernels auto picks the Triton ops on CUDA bf16, but not under --compat-reference or an explicit
+    --attn-implementation eager; decided from the config alone (no CUDA, no weights needed)."""
     import dataclasses
     from types import SimpleNamespace
 
@@ -192,33 +192,20 @@ def test_kernels_auto_keeps_torch_ops_for_reference_numerics(monkeypatch, extra,
     from harness.decode import kernels
     from harness.protocol import runner
     from harness.protocol.config import RunConfig
+    from tiny import tiny_config
     monkeypatch.setattr(kernels, "available", lambda: True)
-    monkeypatch.setattr(kernels, "unsupported_reason", lambda target: None)
-    used = []
-    target = SimpleNamespace(backend=SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16),
-                             fuse_projections=lambda: True, use_kernels=lambda: used.append(1), kernels="torch")
+    prep = SimpleNamespace(backend=SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16),
+                           target_config=tiny_config())
     cfg = dataclasses.replace(RunConfig("t", "d", "mini"), **extra)
-    runner.pick_kernels(target, cfg, [])
-    assert bool(used) == expect
+    assert runner.choose_ops(cfg, prep).name == expect
 
 
-def test_kernel_runs_hand_the_kernels_to_every_refiner():
-    """With the target on the kernels, each arm's refiner scores on them too, a compiled one through its wrapper;
-    refiners without use_kernels (identity) are left alone; with torch ops none is told."""
-    import dataclasses
-    from types import SimpleNamespace
-
-    from harness.decode import kernels
-    from harness.protocol import runner
-    from harness.protocol.config import RunConfig
-    from harness.decode.graphs import AcceleratedRefiner
-    from refiners.identity import IdentityRefiner
-    from refiners.markov import MarkovRefiner, random_markov_head
-    from refiners.xpress import XPressRefiner, random_xpress_head
-    xp = XPressRefiner(random_xpress_head(40, 16, 8, 4, seed=0), 2)
-    mk = MarkovRefiner(random_markov_head("vanilla", 40, 16, 8, seed=0))
-    arms = [xp, AcceleratedRefiner(mk, compile=True), IdentityRefiner(), None]
-    for on in ("torch", "triton"):
-        target = SimpleNamespace(kernels=on)
-        runner.pick_kernels(target, dataclasses.replace(RunConfig("t", "d", "mini"), kernels="torch"), [], arms)
-        assert (xp._kern, mk._kern) == ((None, None) if on == "torch" else (kernels, kernels))
+def test_one_ops_object_reaches_target_drafter_and_every_refiner():
+    """The ops chosen once are the ones every model of the run holds (construction-time injection)."""
+    from harness.decode.ops import TorchOps
+    from harness.protocol.presets import build_random
+    from tiny import CPU32
+    ops = TorchOps()
+    m = build_random("tiny", CPU32, block_size=4, ops=ops)
+    assert m.target.ops is ops and m.drafter.ops is ops
+    assert m.refiner("xpress", 2).ops is ops and m.refiner("markov").ops is ops

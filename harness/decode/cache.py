@@ -16,6 +16,9 @@ class StaticKV:
         self.dtype, self.device = dtype, device
         self.capacity = 0
         self.k = self.v = torch.empty(0)
+        # split attention's arrival counters, one row per layer (harness.decode.kernels.attention): this cache's
+        # own, so that no other cache or stream shares them; 0 between launches, never reallocated
+        self.counters = torch.zeros((n_layers, max(n_kv_heads, 1)), dtype=torch.int32, device=device)
         self.ensure(capacity)
 
     def ensure(self, capacity: int) -> None:
@@ -34,6 +37,16 @@ class StaticKV:
         """k, v: [1, n_kv, T, hd] for absolute `positions` [T]. Out-of-range positions raise (CPU) by design."""
         self.k[layer].index_copy_(2, positions, k)
         self.v[layer].index_copy_(2, positions, v)
+
+    def check_counters(self) -> None:
+        """The debug check between steps: every split-attention counter back at 0. A leftover count (a launch that
+        did not finish, or another stream's launch on this cache) would make the next merge run early or never;
+        raises instead, naming the layers, and puts them back at 0."""
+        left = self.counters.any(-1).nonzero().flatten().tolist()  # a host sync: debug runs only
+        if left:
+            self.counters.zero_()
+            raise RuntimeError(f"split-attention counters of layer(s) {left} were not 0 between steps: a launch on "
+                               "this cache was aborted or ran on another stream")
 
     def read(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer, :, :, :length], self.v[layer, :, :, :length]

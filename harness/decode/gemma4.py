@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from harness.decode.cache import StaticKV, attend, causal_mask, rotate
+from harness.decode.ops import TorchOps
 from harness.decode.target import Target
 from harness.decode.windows import window_mask
 from harness.errors import UsageError
@@ -114,16 +115,10 @@ class Gemma4Target(Target):
         self.kv = LayerKV(self.layers, self.kinds, capacity, backend.dtype, backend.device)
         self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
         self.step_graphs = None
+        self.samplers: dict = {}
         self._fused = None
-        self._kernels = None
+        self.ops = TorchOps()  # its layers are its own torch code (make_ops refuses the kernels for Gemma 4)
         self.route_log: list | None = None  # set to a list to record each MoE layer's expert ids (untimed use)
-
-    def use_kernels(self, on: bool = True) -> bool:
-        self.step_graphs = None
-        if on:
-            raise UsageError("--kernels triton: not available for this target: Gemma 4 layers run on torch ops "
-                             "(sandwich norms, GeGLU, experts); use --kernels torch")
-        return False
 
     def fuse_projections(self, on: bool = True) -> bool:
         return False  # HF's modules as they are: the q/k/v widths differ per layer kind

@@ -5,8 +5,8 @@ then one capture. Replay copies the new inputs into the static buffers; outputs 
 caller must consume them before the next replay (the decode loop does: a step ends before the next begins).
 
 Two granularities:
-- `AcceleratedRefiner`: only the refinement step (the reference's --use-graph granularity): compiled for
-  --compile-refiner, captured alone by `harness.lab.bench_refiner --use-graph`.
+- `CompiledRefiner`: only the refinement step, through torch.compile (--compile-refiner); the lab captures it
+  alone as a graph (harness.lab.captured, the reference's --use-graph granularity).
 - `StepGraphs`: the whole decode step (draft, refine, verify, accept, commit, observe) of harness.decode.loop.Stepper,
   one graph per (arm, width, KV-length bucket), all sharing one memory pool. The graphs read persistent state by
   address (output buffer, target.pos, drafter.ctx, KV caches, sampler noise, one generator), so those buffers
@@ -26,29 +26,6 @@ from harness.errors import UsageError
 from refiners.base import RefineContext
 
 
-class CapturedFn:
-    def __init__(self, fn: Callable[..., tuple[torch.Tensor, ...]], example: tuple[torch.Tensor, ...],
-                 warmup: int = 3):
-        if not example or example[0].device.type != "cuda":
-            raise UsageError("--use-graph needs a CUDA device; drop it on CPU")
-        self.inputs = tuple(t.clone() for t in example)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                fn(*self.inputs)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.outputs = fn(*self.inputs)
-
-    def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        for buf, x in zip(self.inputs, args):
-            buf.copy_(x)
-        self.graph.replay()
-        return self.outputs
-
-
 def refine_tensors(refiner, sampler=None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The refiner as a pure tensor function, the unit that is compiled and captured. A draft sampler's frozen
     noise is read from its (persistent) buffer, refreshed in place before each block."""
@@ -59,58 +36,27 @@ def refine_tensors(refiner, sampler=None) -> Callable[..., tuple[torch.Tensor, t
     return fn
 
 
-class AcceleratedRefiner:
-    """Wraps a refiner: optionally torch.compile'd, optionally captured as one CUDA graph on its first call."""
+class CompiledRefiner:
+    """A refiner whose refinement runs through torch.compile (--compile-refiner, --compile-all): one compiled
+    tensor function per draft sampler (None = greedy), at fixed shapes. It captures no graph of its own, so it runs
+    as is inside a whole-step graph."""
+    compile = True  # (the runner's --compile-all check reads it)
 
-    def __init__(self, refiner, use_graph: bool = False, compile: bool = False, watch=None):
-        self.inner, self.use_graph, self.compile, self.watch = refiner, use_graph, compile, watch
+    def __init__(self, refiner, watch=None):
+        self.inner, self.watch = refiner, watch
         self.name, self.passes = refiner.name, refiner.passes
-        self.fns: dict = {}       # per draft sampler (None = greedy): the tensor function, compiled if asked
-        self.captured: dict = {}  # per draft sampler: its CUDA graph
-        self.graph_count = 0
+        self.fns: dict = {}
 
     def _fn(self, sampler):
         if sampler not in self.fns:
             fn = refine_tensors(self.inner, sampler)
-            if not self.compile:
-                self.fns[sampler] = fn
-            else:
-                self.fns[sampler] = self.watch.compile(fn) if self.watch else torch.compile(fn, dynamic=False)
+            self.fns[sampler] = self.watch.compile(fn) if self.watch else torch.compile(fn, dynamic=False)
         return self.fns[sampler]
 
     def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:
-        args = (proposal.tokens, proposal.logits, proposal.hidden, ctx.anchor, ctx.prev_token)
-        fn = self._fn(ctx.sampler)
-        if not self.use_graph:
-            tokens, logits = fn(*args)
-        else:
-            if ctx.sampler not in self.captured:
-                self.captured[ctx.sampler] = CapturedFn(fn, args)
-                self.graph_count += 1
-            tokens, logits = self.captured[ctx.sampler](*args)
+        tokens, logits = self._fn(ctx.sampler)(proposal.tokens, proposal.logits, proposal.hidden, ctx.anchor,
+                                                ctx.prev_token)
         return proposal.with_tokens(tokens, logits)
-
-
-class _Uncaptured:
-    """An AcceleratedRefiner's function (compiled if asked) without its own graph, for use inside a step graph."""
-
-    def __init__(self, acc: "AcceleratedRefiner"):
-        self.acc, self.name, self.passes = acc, acc.name, acc.passes
-
-    def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:
-        fn = self.acc._fn(ctx.sampler)
-        tokens, logits = fn(proposal.tokens, proposal.logits, proposal.hidden, ctx.anchor, ctx.prev_token)
-        return proposal.with_tokens(tokens, logits)
-
-
-def plain_refiner(refiner):
-    """The refiner to run inside a whole-step graph (a nested capture is impossible). Stable per refiner, since
-    graphs are keyed by the refiner object."""
-    if isinstance(refiner, AcceleratedRefiner):
-        if getattr(refiner, "_uncaptured", None) is None:
-            refiner._uncaptured = _Uncaptured(refiner)
-        return refiner._uncaptured
-    return refiner
 
 
 def _round_up(n: int, m: int) -> int:

@@ -213,12 +213,10 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     _check(settings, backend)
     graphs = None
     if settings.use_graph:
-        from harness.decode.graphs import plain_refiner, step_graphs
+        from harness.decode.graphs import step_graphs
         graphs = step_graphs(target)
     width = drafter.block_size if drafter is not None else 1
     refiner = refiner or _IDENTITY
-    if graphs is not None:
-        refiner = plain_refiner(refiner)  # the whole step is one graph: the refiner must not capture its own
     need = min(limit, p + m + width)
     if graphs is not None:
         need = graphs.capacity_for(need, settings.graph_bucket)

@@ -10,8 +10,9 @@ import os
 
 import torch
 
-from harness.decode.cache import StaticKV, attend, causal_mask, rotate
+from harness.decode.cache import StaticKV
 from harness.decode.devices import Backend
+from harness.decode.ops import Ops, Span, TorchOps, eps_of, fuse_rows
 from harness.errors import UsageError
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma4_text")  # gemma4_text: harness.decode.gemma4
@@ -68,9 +69,10 @@ def load_tokenizer(spec: str):
 
 
 def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (),
-                attn_impl: str = "sdpa", tokenizer=None, overrides: dict | None = None):
+                attn_impl: str = "sdpa", tokenizer=None, overrides: dict | None = None, ops: Ops | None = None):
     """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file; `overrides`:
-    --hf-overrides (the config is read and overridden first, then the weights load into it)."""
+    --hf-overrides (the config is read and overridden first, then the weights load into it); `ops`: the decode
+    math (harness.decode.ops, default torch ops)."""
     from transformers import AutoModelForCausalLM
 
     from harness.decode.hf_overrides import load_kwargs
@@ -80,15 +82,16 @@ def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[in
         extra = {**extra, "config": load_target_config(spec, overrides), **load_kwargs(overrides)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)
     model.to(backend.device).eval()
-    return make_target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl), tokenizer
+    return make_target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl, ops=ops), tokenizer
 
 
-def make_target(model, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (), attn_impl: str = "sdpa"):
-    """The Target class for the model's family (Gemma 4 has its own layer, harness.decode.gemma4)."""
+def make_target(model, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (), attn_impl: str = "sdpa",
+                ops: Ops | None = None):
+    """The Target class for the model's family (Gemma 4 has its own layer on torch ops, harness.decode.gemma4)."""
     if getattr(model.config, "model_type", None) == "gemma4_text":
         from harness.decode.gemma4 import Gemma4Target
         return Gemma4Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl)
-    return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl)
+    return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl, ops=ops)
 
 
 def stop_token_ids(model, tokenizer) -> list[int]:
@@ -104,19 +107,14 @@ def stop_token_ids(model, tokenizer) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
-def _rms(norm, x: torch.Tensor) -> torch.Tensor:
-    """An HF RMSNorm in two kernels instead of about seven (four norms a layer): the fused normalisation computes
-    in fp32 and rounds to the input dtype once, then the weight multiplies in that dtype, as HF does."""
-    eps = getattr(norm, "variance_epsilon", None)
-    if eps is None:
-        return norm(x)
-    return norm.weight * torch.nn.functional.rms_norm(x, norm.weight.shape, None, eps)
-
-
 class Target:
-    """prefill / verify / commit / reset over a static cache; `pos` is the committed length, on the device."""
+    """prefill / verify / commit / reset over a static cache; `pos` is the committed length, on the device.
 
-    def __init__(self, model, backend: Backend, capacity: int, taps: tuple[int, ...] = (), attn_impl: str = "sdpa"):
+    `ops` (harness.decode.ops, default torch ops) runs the decode math: decode steps (AR steps and verify blocks
+    within the ops' limits) on them, the prompt on the ops' prefill choice."""
+
+    def __init__(self, model, backend: Backend, capacity: int, taps: tuple[int, ...] = (), attn_impl: str = "sdpa",
+                 ops: Ops | None = None):
         check_family(model.config)
         if attn_impl not in ("sdpa", "eager"):
             raise UsageError(f"--attn-implementation {attn_impl!r} is not supported here; use sdpa or eager")
@@ -132,6 +130,7 @@ class Target:
         attn0 = self.layers[0].self_attn
         self.head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
+        self.groups = cfg.num_attention_heads // self.n_kv_heads
         self.scale = getattr(attn0, "scaling", self.head_dim ** -0.5)
         self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.set_taps(taps)
@@ -139,43 +138,27 @@ class Target:
         self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
         self.step_graphs = None  # harness.decode.graphs.StepGraphs, created by the first use_graph generation
         self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
-        self._kernels = None  # harness.decode.kernels when use_kernels() turned them on: the decode-step fast path
+        self.ops = ops or TorchOps()
 
-    def use_kernels(self, on: bool = True) -> bool:
-        """Run decode steps (AR steps and verify blocks up to kernels.MAX_ROWS rows) on harness.decode.kernels' Triton
-        kernels: six launches a layer at one row (eight for a block), the q/k/v norm folded at one row, fused
-        activation and residual adds, attention bounded by the block's own positions. Prefill stays on the torch
-        path. Raises UsageError if this target or machine cannot; captured step graphs are dropped (they hold the
-        old kernels)."""
+    def use_ops(self, ops: Ops) -> None:
+        """Other ops from now on (the lab compares them in one process); captured step graphs are dropped."""
         self.step_graphs = None
-        if not on:
-            self._kernels = None
-            return False
-        from harness.decode import kernels
-        self.fuse_projections()
-        why = kernels.unsupported_reason(self)
-        if why is None and self.backend.device.type != "cuda" and not kernels.interpreted():
-            why = "they need a CUDA device"
-        if why is not None:
-            raise UsageError(f"--kernels triton: not available for this target: {why}; use --kernels torch")
-        kernels.prepare(self.backend.device)
-        self._kernels = kernels
-        return True
+        self.ops = ops
 
     @property
     def kernels(self) -> str:
-        return "triton" if self._kernels is not None else "torch"
+        """The name of the ops the decode steps run on (torch, triton)."""
+        return self.ops.name
 
     @torch.no_grad()
     def fuse_projections(self, on: bool = True) -> bool:
         """One matmul for q/k/v and one for gate/up per layer (4 weight reads per layer instead of 7: at one row,
         small matmuls run far below copy bandwidth). The fused matrix is built once and the HF modules' weights
         become views into it, so no memory is added and the HF forward still works. Layers with projection
-        biases keep the separate path. Captured step graphs are dropped (they hold the old kernels)."""
+        biases keep the separate path. Captured step graphs are dropped (they hold the old launches)."""
         self.step_graphs = None
         if not on:
             self._fused = None
-            self._kernels = None  # the kernels need the fused weights
             return False
         if self._fused is None:
             self._fused = [self._fuse_layer(layer) for layer in self.layers]
@@ -187,7 +170,6 @@ class Target:
         projs = (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)
         if any(getattr(m, "bias", None) is not None for m in projs) or not hasattr(mlp, "act_fn"):
             return None
-        from harness.decode.kernels import fuse_rows
         fused = [fuse_rows((a.q_proj, a.k_proj, a.v_proj)), fuse_rows((mlp.gate_proj, mlp.up_proj))]
         sizes = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]
         return fused[0], sizes, fused[1]
@@ -212,74 +194,51 @@ class Target:
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, length: int, want_features: bool,
                 last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids/positions [T]; attends over cache slots [0, length). Returns logits [T or 1, V], features."""
-        groups = self.config.num_attention_heads // self.n_kv_heads
-        if self._kernels is not None and not last_only and self._kernels.fits(ids.shape[0], groups):
-            return self._forward_kernels(ids, positions, want_features)
-        h = self.embed(ids).unsqueeze(0)
-        cos, sin = self.rotary(h, positions.unsqueeze(0))
-        cos, sin = cos[0], sin[0]
-        mask = causal_mask(positions, length)
-        if self.attn_impl == "sdpa" and groups > 1:
-            mask = mask.repeat(groups, 1)  # once per forward, for attend's grouped-query folding
-        tapped = {}
-        for i, layer in enumerate(self.layers):
-            h = self._layer(i, layer, h, positions, cos, sin, mask, length)
-            if want_features and i in self._tap_set:
-                tapped[i] = h[0]
-        out = _rms(self.norm, h[0])
-        if want_features and self.n_layers - 1 in tapped:
-            # HF's last hidden_state is taken after the final norm; drafters were trained on that tensor.
-            tapped[self.n_layers - 1] = out
-        features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
-        logits = self.lm_head(out[-1:] if last_only else out)
-        return logits, features
-
-    def _forward_kernels(self, ids, positions, want_features):
-        """The decode forward on harness.decode.kernels (same math and rounding steps as `forward`; positions must be
-        increasing, as every decode step's are)."""
-        k = self._kernels
+        """ids/positions [T] (increasing); attends over cache slots [0, length). Returns logits [T or 1, V],
+        features."""
+        ops = self.ops.sized(ids.shape[0], self.groups, prefill=last_only)
         h = self.embed(ids)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
-        h, tapped = k.decoder_stack(
-            h, self.layers, lambda i: (self._fused[i][0], self._fused[i][2], self.kv.k[i, 0], self.kv.v[i, 0]),
-            cos, sin, positions, self.config.num_attention_heads, self.scale,
-            taps=self._tap_set if want_features else ())
+        span = Span(positions, length, impl=self.attn_impl)
+        tapped = {}
+        for i, layer in enumerate(self.layers):
+            h = self._layer(ops, i, layer, h, span, cos, sin)
+            if want_features and i in self._tap_set:
+                tapped[i] = h
         last = self.n_layers - 1
-        if last in tapped:  # the tapped tensor is the normed one (see `forward`), which the lm_head reads too
-            tapped[last] = k.final_norm(h, self.norm)
-            logits = k.linear(tapped[last], self.lm_head.weight)
-        else:  # the final norm folds into the lm_head where it can
-            logits = k.normed_linear(h, self.norm, self.lm_head.weight)
+        w = self.lm_head.weight
+        if want_features and last in tapped:
+            # HF's last hidden_state is taken after the final norm; drafters were trained on that tensor, and the
+            # lm_head reads it too
+            out = tapped[last] = ops.rms_norm(h, self.norm.weight, eps_of(self.norm))
+            logits = ops.linear(out[-1:] if last_only else out, w, bias=self.lm_head.bias)
+        else:  # the final norm rides in the lm_head matmul where the ops can fold it
+            logits = ops.linear(h[-1:] if last_only else h, w, bias=self.lm_head.bias, norm=self.norm.weight,
+                                eps=eps_of(self.norm))
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
         return logits, features
 
-    def _layer(self, i, layer, h, positions, cos, sin, mask, length):
-        attn = layer.self_attn
-        x = _rms(layer.input_layernorm, h)
-        t = x.shape[1]
+    def _layer(self, ops: Ops, i: int, layer, h: torch.Tensor, span: Span, cos, sin) -> torch.Tensor:
+        """One pre-norm decoder layer (HF Llama/Qwen module names) over rows h [T, H]."""
+        attn, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
         fused = self._fused[i] if self._fused is not None else None
         if fused is not None:
-            q, k, v = torch.nn.functional.linear(x, fused[0]).split(fused[1], dim=-1)
+            qkv = ops.linear(h, fused[0], norm=ln1.weight, eps=eps_of(ln1))
         else:
-            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
-        q = q.view(1, t, -1, self.head_dim)
-        k = k.view(1, t, -1, self.head_dim)
-        v = v.view(1, t, -1, self.head_dim).transpose(1, 2)
-        if hasattr(attn, "q_norm"):
-            q, k = _rms(attn.q_norm, q), _rms(attn.k_norm, k)
-        q = rotate(q.transpose(1, 2), cos, sin)
-        k = rotate(k.transpose(1, 2), cos, sin)
-        self.kv.write(i, positions, k, v)
-        ks, vs = self.kv.read(i, length)
-        h = h + attn.o_proj(attend(q, ks, vs, mask, self.scale, self.attn_impl))
-        x = _rms(layer.post_attention_layernorm, h)
-        if fused is None:
-            return h + layer.mlp(x)
+            x = ops.rms_norm(h, ln1.weight, eps_of(ln1))
+            qkv = torch.cat([ops.linear(x, p.weight, bias=p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)],
+                            dim=-1)
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        o = ops.attention(qkv, self.kv, i, span, cos, sin, self.config.num_attention_heads, self.scale,
+                          None if qn is None else qn.weight, None if kn is None else kn.weight,
+                          0.0 if qn is None else eps_of(qn))
+        h = ops.linear(o, attn.o_proj.weight, bias=attn.o_proj.bias, residual=h)
         mlp = layer.mlp
-        gate, up = torch.nn.functional.linear(x, fused[2]).chunk(2, dim=-1)
-        return h + mlp.down_proj(mlp.act_fn(gate) * up)
+        if fused is None:
+            return h + mlp(ops.rms_norm(h, ln2.weight, eps_of(ln2)))
+        gate_up = ops.linear(h, fused[2], norm=ln2.weight, eps=eps_of(ln2))
+        return ops.linear(gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, act=mlp.act_fn, residual=h)
 
     def prefill(self, prompt: torch.Tensor, want_features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the prompt at positions 0..P-1 and commits it. Returns last-position logits [V], features [P, F]."""

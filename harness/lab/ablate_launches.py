@@ -4,34 +4,45 @@ what fusing them away could save. Random weights / scripted acceptance; CUDA onl
 
     PYTHONPATH=. python harness/lab/ablate_launches.py
 
-Its numbers in NOTES.md were measured at f0e3d68, when PDL also applied to one-row launches."""
-from harness.decode import kernels
-from harness.lab.bench_step import _gen, _prompt
+The ablations are Ops subclasses (harness.decode.ops): the models run whatever ops they are given. Its numbers in
+NOTES.md were measured at f0e3d68, when PDL also applied to one-row launches."""
 from harness.decode.devices import resolve_backend
+from harness.decode.kernels import Launch
 from harness.decode.loop import DecodeSettings
-from harness.protocol.presets import build_random
+from harness.decode.ops.triton_impl import TritonOps
 from harness.decode.timing import StageTimer
-
-REAL_NORM, REAL_ATTN = kernels.rms_norm, kernels.attention
-
-
-def no_norm(x, w, eps):
-    return x
+from harness.lab.bench_step import _gen, _prompt
+from harness.protocol.presets import build_random
 
 
-def no_attn(qkv, qn, kn, eps, cos, sin, positions, kc, vc, n_q, scale, causal=True, **kw):
-    return qkv[:, : n_q * kc.shape[-1]]
+class Ablated(TritonOps):
+    """The Triton ops with the norm launches and/or the attention launches replaced by no-ops."""
+
+    def __init__(self, device, launch, norms: bool, attention: bool):
+        super().__init__(device, launch)
+        self.norms, self.attn = norms, attention
+
+    def rms_norm(self, x, weight, eps):
+        return super().rms_norm(x, weight, eps) if self.norms else x
+
+    def linear(self, x, w, *, norm=None, **kw):
+        if norm is not None and not self.norms:
+            norm = None
+        return super().linear(x, w, norm=norm, **kw)
+
+    def attention(self, qkv, kv, layer, span, cos, sin, n_q, scale, *args, **kw):
+        if self.attn:
+            return super().attention(qkv, kv, layer, span, cos, sin, n_q, scale, *args, **kw)
+        return qkv[:, : n_q * kv.head_dim]
 
 
-def run(m, prompt, settings, label, norm, attn, pdl):
+def run(m, prompt, settings, label, ops):
     """Median over three captures of the graphed step's median device ms, for AR and drafter-only."""
-    kernels.set_launch(pdl=pdl, prefetch_tiles=1)
-    kernels.rms_norm, kernels.attention = norm, attn
     out = []
     for method in ("ar", "drafter-only"):
         vals = []
         for _ in range(3):
-            m.use_kernels(kernels)
+            m.use_ops(ops)
             _gen(m, method, 0, 0, prompt, settings)
             t = StageTimer(m.backend.device)
             _gen(m, method, 0, 0, prompt, settings, mark=t)
@@ -46,11 +57,10 @@ def main():
     prompt = _prompt(128, m.target.vocab_size)
     settings = DecodeSettings(64, 4096, (), scripted_accept=3, graph_bucket=256, use_graph=True)
     for pdl in (False, None):
-        run(m, prompt, settings, f"pdl={pdl} all", REAL_NORM, REAL_ATTN, pdl)
-        run(m, prompt, settings, f"pdl={pdl} no norms", no_norm, REAL_ATTN, pdl)
-        run(m, prompt, settings, f"pdl={pdl} no attention", REAL_NORM, no_attn, pdl)
-        run(m, prompt, settings, f"pdl={pdl} neither", no_norm, no_attn, pdl)
-    kernels.rms_norm, kernels.attention = REAL_NORM, REAL_ATTN
+        launch = Launch(pdl=pdl)
+        for label, norms, attn in (("all", True, True), ("no norms", False, True), ("no attention", True, False),
+                                   ("neither", False, False)):
+            run(m, prompt, settings, f"pdl={pdl} {label}", Ablated(b.device, launch, norms, attn))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import time
 import torch
 
 from harness.decode import kernels
+
+AUTO = kernels.Launch(pdl=None)  # PDL where the GPU has it (resolved per call)
 from harness.protocol.presets import PRESETS, hf_config, preset
 from harness.decode.timing import copy_bandwidth
 
@@ -97,7 +99,7 @@ def sweep(name: str, rows: list[int], dtype, budget_bytes: int = 1 << 31, full: 
             best = None
             for cfg in cfgs:
                 try:
-                    t = graph_ms([lambda w=w: kernels.linear(x, w, gated=gated, out=ys, config=cfg)
+                    t = graph_ms([lambda w=w: kernels.linear(x, w, gated=gated, out=ys, config=cfg, launch=AUTO)
                                   for w in ws]) / copies
                 except Exception as e:  # a tile that does not compile here (shared memory): skip it
                     row["configs"].append({"config": cfg.__dict__, "error": f"{type(e).__name__}"[:80]})
@@ -106,11 +108,11 @@ def sweep(name: str, rows: list[int], dtype, budget_bytes: int = 1 << 31, full: 
                 if best is None or t < best[1]:
                     best = (cfg, t)
             chosen = kernels.choose_linear(m, n, k)
-            tc = graph_ms([lambda w=w: kernels.linear(x, w, gated=gated, out=ys) for w in ws]) / copies
+            tc = graph_ms([lambda w=w: kernels.linear(x, w, gated=gated, out=ys, launch=AUTO) for w in ws]) / copies
             row.update(best_config=best[0].__dict__, best_ms=best[1], best_GBps=wbytes / best[1] / 1e6,
                        chosen_config=chosen.__dict__, chosen_ms=tc, chosen_GBps=wbytes / tc / 1e6)
             ref = torch.nn.functional.linear(xin, ws[0])
-            got = kernels.linear(x, ws[0], gated=gated)
+            got = kernels.linear(x, ws[0], gated=gated, launch=AUTO)
             row["max_abs_diff_vs_cublas"] = (got.float() - ref.float()).abs().max().item()
             res[f"{label} x{m}"] = row
             print(f"[kernels] {label} rows={m}: cuBLAS {row['cublas_GBps']:.0f} GB/s, best {row['best_GBps']:.0f} "

@@ -19,7 +19,7 @@ import torch
 from drafters.base import Proposal
 from harness.decode.devices import resolve_backend
 from harness.errors import UsageError
-from harness.decode.graphs import AcceleratedRefiner
+from harness.lab.captured import CapturedRefiner
 from refiners.base import RefineContext
 from refiners.markov import MarkovRefiner, random_markov_head
 from refiners.xpress import XPressRefiner, random_xpress_head
@@ -55,7 +55,7 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
     rows = []
 
     def wrap(refiner):
-        return AcceleratedRefiner(refiner, use_graph=True) if use_graph else refiner
+        return CapturedRefiner(refiner) if use_graph else refiner
 
     with torch.no_grad():
         for c in topcs:

@@ -25,6 +25,8 @@ import time
 import torch
 
 from harness.decode.devices import resolve_backend
+from harness.decode.ops import TorchOps, triton_ops
+from harness.lab.step_markdown import markdown
 from harness.errors import UsageError
 from harness.decode.graphs import StepGraphs
 from harness.decode.loop import DecodeSettings, Stepper, generate
@@ -58,11 +60,12 @@ def _timed(m, method, K, topc, prompt, settings, warm: DecodeSettings | None = N
     return _gen(m, method, K, topc, prompt, settings, mark=timer), timer
 
 
-def _default_launch(a, attention_splits: int | None = None) -> None:
-    """The kernels' launch settings this run asked for (--pdl, --prefetch-tiles)."""
-    from harness.decode import kernels
-    kernels.set_launch(pdl=None if a.pdl == "auto" else False, prefetch_tiles=a.prefetch_tiles,
-                       attention_splits=attention_splits)
+def _ops(a, device, pdl: bool | None = None, attention_splits: int | None = None):
+    """The Triton ops with this run's launch settings (--pdl; pdl/attention_splits override them)."""
+    from harness.decode.kernels import Launch
+    if pdl is None:
+        pdl = None if a.pdl == "auto" else False
+    return triton_ops(device, Launch(pdl=pdl, attention_splits=attention_splits))
 
 
 def _stage_graph_times(m, method, K, topc, prompt, settings, reps: int) -> dict:
@@ -214,35 +217,24 @@ def measure(a, path: str | None = None) -> dict:
         if a.kernels == "triton":
             from harness.decode import kernels
             levers += [("fused projections, harness.decode.kernels (6 launches/layer: the q/k/v norm folded at one row), "
-                        "no PDL", True, dict(pdl=False, prefetch_tiles=0)),
-                       ("the same, the q/k/v norm its own launch (7 launches/layer)", True,
-                        dict(pdl=False, prefetch_tiles=0, fold_norms=False)),
+                        "no PDL", True, _ops(a, backend.device, pdl=False)),
                        ("the same, attention in one program per K/V head", True,
-                        dict(pdl=False, prefetch_tiles=0, attention_splits=1)),
-                       ("the same, one-row attention reads 64 slots at a time (not 128)", True,
-                        dict(pdl=False, prefetch_tiles=0, attention_block=64))]
+                        _ops(a, backend.device, pdl=False, attention_splits=1))]
             if kernels.pdl_supported(backend.device):
-                levers += [(f"harness.decode.kernels with programmatic dependent launch (several-row launches), {p} "
-                            "weight tiles prefetched", True, dict(pdl=True, prefetch_tiles=p))
-                           for p in sorted(set(a.prefetch_sweep) | {a.prefetch_tiles})]
+                levers += [("harness.decode.kernels with programmatic dependent launch (several-row launches)", True,
+                            _ops(a, backend.device, pdl=True))]
         res["fusion_drafter_only"] = {}
-        for label, fuse, launch in levers:
-            m.use_kernels(None)
+        for label, fuse, ops in levers:
+            m.use_ops(ops or TorchOps())
             m.target.fuse_projections(fuse)
-            if launch is not None:
-                kernels.set_launch(**launch)
-                m.use_kernels(kernels)
             s = dataclasses.replace(base, use_graph=True)
             for method, into in (("ar", res["fusion"]), ("drafter-only", res["fusion_drafter_only"])):
-                if method == "ar" or launch is not None:
+                if method == "ar" or ops is not None:
                     into[label] = _timed(m, method, 0, 0, prompt, s)[1].summary()["step"]
     m.target.fuse_projections(True)
     if a.kernels == "triton":
-        from harness.decode import kernels
-        _default_launch(a)
-        m.use_kernels(kernels)
-        res["pdl"] = kernels.pdl_supported(backend.device) and a.pdl == "auto"
-        res["prefetch_tiles"] = a.prefetch_tiles
+        m.use_ops(_ops(a, backend.device))
+        res["pdl"] = bool(m.target.ops.launch.pdl)
     res["kernels"] = m.target.kernels
     watch = _compile_refiners(m, a.compile_backend) if a.compile else None
     for arm in arm_list(a.ks, a.topc):
@@ -308,113 +300,32 @@ def long_prompt_len(requested: int, limit: int, new_tokens: int, block: int) -> 
 def long_prompt_attention(m, a, base: DecodeSettings, n: int) -> dict:
     """Graphed AR and xPress(K=6) steps after an n-token prompt, the attention split over the slots (the
     default) and in one program per K/V head: where splitting pays."""
-    from harness.decode import kernels
     prompt = _prompt(n, m.target.vocab_size)
     for model in (m.target, m.drafter):
         model.ensure_capacity(n + a.new_tokens + 2 * a.block_size)
     out = {"prompt_len": n}
     s = dataclasses.replace(base, use_graph=True)
     for label, splits in (("split", None), ("one program per K/V head", 1)):
-        _default_launch(a, attention_splits=splits)
-        m.use_kernels(kernels)
+        m.use_ops(_ops(a, m.backend.device, attention_splits=splits))
         for arm in (("AR", "ar", 0, 0), ("xPress(K=6)", "xpress", 6, 0)):
             out[f"{arm[0]}, attention {label}"] = _timed(m, *arm[1:], prompt, s)[1].summary()["step"]
-    _default_launch(a)
-    m.use_kernels(kernels)
+    m.use_ops(_ops(a, m.backend.device))
     return out
 
 
 def _compile_refiners(m, backend: str):
     """--compile: every arm's refinement step through torch.compile (what --compile-all does in the CLI)."""
     from harness.decode.compiling import CompileWatch
-    from harness.decode.graphs import AcceleratedRefiner
+    from harness.decode.graphs import CompiledRefiner
     watch, raw, wrapped = CompileWatch(backend), m.refiner, {}
 
     def refiner(method, K=0, topc=0):
         r = raw(method, K, topc)
         if r is not None and (method, K, topc) not in wrapped:
-            wrapped[method, K, topc] = AcceleratedRefiner(r, compile=True, watch=watch)
+            wrapped[method, K, topc] = CompiledRefiner(r, watch=watch)
         return wrapped.get((method, K, topc))
     m.refiner = refiner
     return watch
-
-
-def _f(x, nd=3):
-    return "-" if x is None else f"{x:.{nd}f}"
-
-
-def markdown(r: dict) -> str:
-    L = [f"# Step cost, {r['preset']} — {r['label']}", "",
-         f"{r['device_name']} ({r['dtype']}, batch 1, {r['prompt_len']}-token prompt, block {r['block_size']}), "
-         f"torch {r['torch']}, transformers {r['transformers']}, target decode ops: {r.get('kernels', 'torch')}"
-         f"{', refiners compiled: ' + str(r['compile']) if r.get('compile') else ''}. "
-         f"Every number: **{r['label']}** "
-         f"(per-arm rows at scripted {r['scripted_accept_per_arm']} accepted drafts per step).", "",
-         f"- copy bandwidth (read+write): {r['copy_bandwidth_GBps']:.0f} GB/s",
-         f"- roofline: {r['weight_bytes'] / 1e9:.2f} GB of target weights -> {r['roofline_ms']:.3f} ms "
-         f"({r['weight_bytes_read_per_step'] / 1e9:.2f} GB without the embedding table -> "
-         f"{r['roofline_read_ms']:.3f} ms)"]
-    if "spec_over_ar_byte_floor" in r:
-        L.append(f"- the drafter reads {r['drafter_bytes_per_step'] / 1e9:.2f} GB a speculative step (its layers, the "
-                 f"lm_head again, the context write): spec/AR >= {r['spec_over_ar_byte_floor']:.3f} by weight bytes "
-                 "at equal streaming rates")
-    if "ratios" in r:
-        q = r["ratios"]
-        L.append(f"- graphed AR step / roofline: {q['AR_step_over_roofline']:.3f} "
-                 f"(/ roofline without embedding: {q['AR_step_over_roofline_read']:.3f})")
-    L += ["", "ms per step. eager: stages from CUDA events on the eager path (host-bound), median over steps. "
-          "graph: whole-step CUDA graph replay (device) + host gap per step. stage graphs: each stage captured as "
-          "its own graph (device time).", "",
-          "| arm | eager step | eager draft | eager refine | eager verify | eager accept | eager observe | eager host "
-          "| graph step | graph host | graph wall/step | spec/AR | sg draft | sg refine | sg verify | sg accept | sg observe |",
-          "|---|" + "---|" * 16]
-    for a in r["arms"]:
-        e, g, sg = a["eager"], a.get("graph", {}), a.get("stage_graphs", {})
-        ratio = r.get("ratios", {}).get("spec_step_over_AR_step", {}).get(a["arm"])
-        L.append(f"| {a['arm']} | {_f(e.get('step'), 2)} | {_f(e.get('draft'), 2)} | {_f(e.get('refine'), 2)} | "
-                 f"{_f(e.get('verify'), 2)} | {_f(e.get('accept'), 2)} | {_f(e.get('observe'), 2)} | "
-                 f"{_f(e.get('host'), 2)} | {_f(g.get('step_ms'))} | {_f(g.get('host_ms'))} | "
-                 f"{_f(g.get('wall_per_step_ms'))} | {_f(ratio)} | {_f(sg.get('draft'))} | {_f(sg.get('refine'))} | "
-                 f"{_f(sg.get('verify'))} | {_f(sg.get('accept'))} | {_f(sg.get('observe'))} |")
-    if r.get("fusion"):
-        L += ["", "AR step, graphed device ms: " + "; ".join(f"{k}: {v:.3f}" for k, v in r["fusion"].items())]
-        if r.get("fusion_drafter_only"):
-            L += ["", "Drafter-only step, graphed device ms: " +
-                  "; ".join(f"{k}: {v:.3f}" for k, v in r["fusion_drafter_only"].items())]
-    if r["tau_sweep"]:
-        L += ["", "Speedup over AR at scripted tau (full graphed loop, "
-              f"{r['tau_sweep'][0]['new_tokens']} new tokens): predicted = tau x AR step / spec step, with the step "
-              "times of the per-arm rows above (A) or the mean graphed device step of the same loop runs (B); "
-              "measured = spec tok/s / AR tok/s.", "",
-              "| arm | tau | predicted A | predicted B | measured | measured/A - 1 | measured/B - 1 | spec tok/s "
-              "| AR tok/s |", "|---|---|---|---|---|---|---|---|---|"]
-        for s in r["tau_sweep"]:
-            L.append(f"| {s['arm']} | {s['tau']} | {s['predicted_speedup']:.3f} | "
-                     f"{s.get('predicted_speedup_same_run', float('nan')):.3f} | {s['measured_speedup']:.3f} | "
-                     f"{100 * s['rel_diff']:+.1f}% | {100 * s.get('rel_diff_same_run', float('nan')):+.1f}% | "
-                     f"{s['spec_tok_s']:.1f} | {s['ar_tok_s']:.1f} |")
-    if r["attention"]:
-        L += ["", "Attention slots per graph: graphed device step (ms), KV length bucketed vs the whole cache "
-              "(masked).", "", "| arm | " + " | ".join(next(iter(r["attention"].values()))) + " |",
-              "|---|" + "---|" * len(next(iter(r["attention"].values())))]
-        for arm, got in r["attention"].items():
-            L.append(f"| {arm} | " + " | ".join(f"{v:.3f}" for v in got.values()) + " |")
-    if r["hf_reference"]:
-        L += ["", "Extra reference arms (HF `generate`, eager, greedy; ms per new token, prefill excluded):", ""]
-        for k, v in r["hf_reference"].items():
-            L.append(f"- {k}: " + (f"{v['ms_per_token']:.2f} ms/token" if "ms_per_token" in v else v["error"]))
-    for pr in r.get("profile", []):
-        L += ["", f"Kernels of the graphed {pr['arm']} step (torch.profiler, per step over {pr['steps']} steps): "
-              f"step {pr['step_ms']:.3f} ms, kernels {pr['kernel_sum_ms']:.3f} ms, gaps {pr['gap_ms']:.3f} ms", "",
-              "| kernel | calls/step | us/step |", "|---|---|---|"]
-        L += [f"| `{k['kernel']}` | {k['calls_per_step']:.1f} | {k['us_per_step']:.1f} |" for k in pr["kernels"]]
-    if r.get("long_prompt"):
-        lp = r["long_prompt"]
-        L += ["", f"Graphed device step after a {lp['prompt_len']}-token prompt (ms): " +
-              "; ".join(f"{k}: {v:.3f}" for k, v in lp.items() if k != "prompt_len")]
-    if r.get("graph_stats"):
-        L += ["", f"Graphs: {r['graph_stats']}"]
-    return "\n".join(L) + "\n"
 
 
 def _ints(s: str) -> list[int]:
@@ -447,10 +358,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="target decode ops (default: triton where available on CUDA)")
     p.add_argument("--pdl", choices=("auto", "off"), default="auto",
                    help="programmatic dependent launch for the kernels (auto: on Hopper and later)")
-    p.add_argument("--prefetch-tiles", type=int, default=1,
-                   help="with PDL, weight tiles each matmul program asks into L2 before it waits")
-    p.add_argument("--prefetch-sweep", default="0,1,2,4",
-                   help="prefetch settings whose AR step is measured in the levers table (with PDL)")
     p.add_argument("--long-prompt", type=int, default=2048,
                    help="prompt length of the split-attention comparison (0: skip it)")
     p.add_argument("--profile", action="store_true",
@@ -458,9 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/<gpu>_<preset>.json")
     a = p.parse_args(argv)
     try:
-        a.ks, a.topc, a.taus, a.prefetch_sweep = _ints(a.ks), _ints(a.topc), _ints(a.taus), _ints(a.prefetch_sweep)
-        if min([a.prefetch_tiles, *a.prefetch_sweep]) < 0:
-            raise UsageError("--prefetch-tiles and --prefetch-sweep take counts >= 0")
+        a.ks, a.topc, a.taus = _ints(a.ks), _ints(a.topc), _ints(a.taus)
         if a.kernels is None:
             from harness.decode import kernels
             a.kernels = "triton" if kernels.available() and torch.cuda.is_available() and a.device != "cpu" else "torch"

@@ -17,7 +17,7 @@ from harness.protocol.config import RunConfig
 from harness.protocol.data import validate_dataset_args
 from harness.decode.devices import Backend, resolve_backend
 from harness.errors import UsageError
-from harness.decode.graphs import AcceleratedRefiner
+from harness.decode.graphs import CompiledRefiner
 from harness.protocol.rounds import default_rounds, validate_rounds
 from harness.decode.hf_overrides import parse_overrides
 from harness.decode.target import load_target_config
@@ -132,7 +132,7 @@ def _compiled(refiner, cfg: RunConfig, watch=None):
         return refiner
     if not cfg.compile_refiner and not getattr(refiner, "compile_helps", True):
         return refiner  # --compile-all: only where compiling measured faster
-    return AcceleratedRefiner(refiner, compile=True, watch=watch)
+    return CompiledRefiner(refiner, watch=watch)
 
 
 def build_random_arms(cfg: RunConfig, prep: Prepared, models, watch=None) -> list[Arm]:
@@ -209,7 +209,8 @@ def build_arms(cfg: RunConfig, prep: Prepared, target, watch=None) -> list[Arm]:
     if not any(s.method != "ar" for s in specs):
         return [Arm(s, 1) for s in specs]
     model = load_dflash(prep.draft_path, prep.draft_config, backend)
-    drafter = DFlashDrafter(model, target.embed, target.lm_head, backend, block_size=prep.block_size)
+    drafter = DFlashDrafter(model, target.embed, target.lm_head, backend, block_size=prep.block_size,
+                            ops=target.ops)
     def key(spec):  # the weight set an arm runs with: a refiner's co-trained drafter, or the base one (None)
         ck = prep.refiners.get(spec.weights) if spec.weights else None
         return spec.weights if ck is not None and ck.draft_state else None
@@ -235,12 +236,13 @@ def build_arms(cfg: RunConfig, prep: Prepared, target, watch=None) -> list[Arm]:
                 heads["xpress"] = xpress_head_from_state(ck.head_state, mixer=ck.mixer, device=backend.device,
                                                          dtype=backend.dtype, fold=not cfg.no_fold_mixer)
             refiner = (_spyre_refiner(heads["xpress"], s.K, cfg) if cfg.refine_numerics == "spyre" else
-                       XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc))
+                       XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc,
+                                     ops=target.ops))
         elif s.method == "markov":
             ck = prep.refiners[MARKOV]  # gated/rnn heads (speculators dspark layout) carry extra tensors
             refiner = MarkovRefiner(markov_head_from_state({**ck.head_state, **ck.extras.get("markov_extra", {})},
                                                            ck.extras.get("markov_variant") or "vanilla",
                                                            device=backend.device, dtype=backend.dtype),
-                                    low_precision_sampling=cfg.compat_reference)
+                                    low_precision_sampling=cfg.compat_reference, ops=target.ops)
         arms.append(Arm(s, prep.block_size, drafter, _compiled(refiner, cfg, watch), states.get(key(s))))
     return arms

@@ -17,6 +17,7 @@ import torch
 from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, config_for_target
 from drafters.rope import inv_frequencies
 from harness.decode.devices import Backend
+from harness.decode.ops import Ops, TorchOps
 from harness.errors import UsageError
 from harness.decode.target import Target, make_target
 from refiners.markov import MarkovHead, MarkovRefiner
@@ -136,14 +137,18 @@ class RandomModels:
     markov_head: MarkovHead
     label: str = RANDOM_LABEL
     refiners: dict = field(default_factory=dict)
-    kernels: object = None  # harness.decode.kernels for the refiners' greedy scoring (use_kernels), None: torch ops
+    ops: Ops = field(default_factory=TorchOps)  # harness.decode.ops, given to every refiner made here
 
-    def use_kernels(self, kernels) -> None:
-        """The target, the drafter (where its shapes fit) and every refiner, now and later, on `kernels`."""
-        from harness.decode.kernels import attach
-        self.target.use_kernels(kernels is not None)
-        self.kernels = kernels
-        attach([self.drafter], self.refiners.values(), on=kernels is not None)
+    def use_ops(self, ops: Ops) -> None:
+        """The target, the drafter (where its heads fit) and every refiner, now and later, on `ops` (the lab
+        compares ops in one process; a run chooses them once, at build_random)."""
+        self.target.use_ops(ops)
+        c = self.drafter.model.config
+        self.drafter.ops = ops.for_heads(c.head_dim, c.num_attention_heads, c.num_key_value_heads,
+                                         windows="sliding_attention" in c.layer_types)
+        self.ops = ops
+        for r in self.refiners.values():
+            r.ops = ops
 
     def refiner(self, method: str, K: int = 0, topc: int = 0):
         """The refiner of an arm: method in ar | drafter-only | markov | xpress (None for the first two)."""
@@ -152,12 +157,11 @@ class RandomModels:
         key = (method, K, topc)
         if key not in self.refiners:
             if method == "xpress":
-                self.refiners[key] = XPressRefiner(self.xpress_head, K, topc=topc)
+                self.refiners[key] = XPressRefiner(self.xpress_head, K, topc=topc, ops=self.ops)
             elif method == "markov":
-                self.refiners[key] = MarkovRefiner(self.markov_head)
+                self.refiners[key] = MarkovRefiner(self.markov_head, ops=self.ops)
             else:
                 raise UsageError(f"unknown method {method!r}")
-            self.refiners[key].use_kernels(self.kernels)
         return self.refiners[key]
 
     def target_weight_bytes(self, include_embedding: bool = True) -> int:
@@ -204,12 +208,14 @@ def _materialise(module: torch.nn.Module, backend: Backend, gen, std: float) -> 
 
 @torch.no_grad()
 def build_random(name: str, backend: Backend, block_size: int = 16, capacity: int = 256, seed: int = 0,
-                 std: float = 0.02, fuse: bool = True) -> RandomModels:
+                 std: float = 0.02, fuse: bool = True, ops: Ops | None = None) -> RandomModels:
     """Random target + drafter + xPress head + vanilla Markov head at preset `name`'s shapes on `backend`.
 
     A meta-device backend gives shapes without memory (for checks); otherwise weights are made on the device.
-    `fuse`: Target.fuse_projections (one q/k/v and one gate/up matmul per layer).
+    `fuse`: Target.fuse_projections (one q/k/v and one gate/up matmul per layer). `ops`: harness.decode.ops for
+    every model (default torch ops).
     """
+    ops = ops or TorchOps()
     from transformers import AutoModelForCausalLM
     p = preset(name)
     cfg = hf_config(p)
@@ -231,7 +237,7 @@ def build_random(name: str, backend: Backend, block_size: int = 16, capacity: in
     if p.family == "gemma4" and dev.type == "cuda":
         model.set_experts_implementation("grouped_mm")  # no host sync (capturable), the serving engines' kernel
     dcfg = drafter_config(p, cfg, block_size)
-    target = make_target(model, backend, capacity=capacity, taps=dcfg.target_layer_ids)
+    target = make_target(model, backend, capacity=capacity, taps=dcfg.target_layer_ids, ops=ops)
     if fuse and dev.type != "meta":
         target.fuse_projections()
 
@@ -241,7 +247,7 @@ def build_random(name: str, backend: Backend, block_size: int = 16, capacity: in
     _materialise(dmodel, backend, gen, std)
     dmodel.inv_freq = inv_frequencies(dcfg.head_dim, dcfg.rope_theta, dcfg.rope_scaling).to(dev)  # fp32
     drafter = DFlashDrafter(dmodel, target.embed, target.lm_head, backend, block_size=block_size,
-                            capacity=capacity)
+                            capacity=capacity, ops=ops)
 
     vocab, hidden = cfg.vocab_size, cfg.hidden_size
     with torch.device(dev):
@@ -253,7 +259,7 @@ def build_random(name: str, backend: Backend, block_size: int = 16, capacity: in
         _init_(markov, gen, std)
     head = head.to(dtype=dt).eval().requires_grad_(False).fold()  # the runner's order: cast, then fold
     markov = markov.to(dtype=dt).eval().requires_grad_(False)
-    return RandomModels(p, backend, target, drafter, head, markov)
+    return RandomModels(p, backend, target, drafter, head, markov, ops=ops)
 
 
 class ByteTokenizer:

@@ -170,11 +170,12 @@ def _run(cfg: RunConfig, out, watch) -> dict:
         check_resume(cfg, folder)
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
+    ops = choose_ops(cfg, prep)
     if cfg.random_weights:
         from harness.protocol.presets import ByteTokenizer, build_random
         tokenizer = ByteTokenizer(prep.target_config.vocab_size)
         longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
-        models = build_random(cfg.random_weights, backend, block_size=prep.block_size, seed=cfg.seed)
+        models = build_random(cfg.random_weights, backend, block_size=prep.block_size, seed=cfg.seed, ops=ops)
         target, stops = models.target, ()  # random models: no stop ids, every prompt runs its full budget
         arms = build_random_arms(cfg, prep, models, watch)
     else:
@@ -183,11 +184,10 @@ def _run(cfg: RunConfig, out, watch) -> dict:
         taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
         target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps,
                                         attn_impl=cfg.attn_implementation, tokenizer=tokenizer,
-                                        overrides=parse_overrides(cfg.hf_overrides))
+                                        overrides=parse_overrides(cfg.hf_overrides), ops=ops)
         target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
         stops = tuple(stop_token_ids(target.model, tokenizer))
         arms = build_arms(cfg, prep, target, watch)
-    pick_kernels(target, cfg, [a.drafter for a in arms], [a.refiner for a in arms])
     if prep.spyre is not None:  # fixed-shape compiled graphs (harness.decode.spyre)
         from harness.decode.spyre import compile_for
         compile_for(target, [a.drafter for a in arms])
@@ -278,22 +278,13 @@ def _run(cfg: RunConfig, out, watch) -> dict:
     return summary
 
 
-def pick_kernels(target, cfg, drafters, refiners=()) -> None:
-    """--kernels: triton (refused with the reason if this target cannot), torch, or auto (triton for CUDA
-    bf16/fp16 targets that fit, else torch; --compat-reference keeps HF's ops, as the reference ran them). The
-    arms' dFlash drafters follow the target where their shapes fit, and so do the refiners' greedy scoring."""
-    from harness.decode import kernels
-    if cfg.kernels == "triton":
-        target.use_kernels()
-    elif cfg.kernels == "auto" and not cfg.compat_reference and cfg.attn_implementation == "sdpa":
-        b = target.backend
-        if b.device.type == "cuda" and str(b.dtype) in ("torch.bfloat16", "torch.float16") and kernels.available():
-            try:
-                target.use_kernels()
-            except UsageError:  # auto: torch ops where the kernels do not fit this target
-                pass
-    if target.kernels == "triton":
-        kernels.attach(drafters, refiners)
+def choose_ops(cfg, prep):
+    """--kernels, decided once from the run's settings and the target's config, before any weights load (see
+    harness.decode.ops.make_ops); the target, the drafter and the refiners are all built on the result."""
+    from harness.decode.ops import make_ops
+    b = prep.backend
+    return make_ops(cfg.kernels, b.device, b.dtype, prep.target_config, compat=cfg.compat_reference,
+                    attn_impl=cfg.attn_implementation)
 
 
 def describe(cfg, prep, arms, settings, samples, stops, folder, out, target_kernels="torch") -> None:

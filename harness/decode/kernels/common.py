@@ -1,0 +1,104 @@
+"""What every kernel family shares: the Triton import, the launch settings and programmatic dependent launch.
+
+Contract for all of harness.decode.kernels: tensors on one CUDA device (or CPU tensors under TRITON_INTERPRET=1,
+the tests' way to run them), row-major rows, fp32/bf16/fp16; launches of one forward are queued on one stream, in
+order (PDL lets a launch start early, but each waits on the device for the one before it before reading its
+inputs).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch ops are used instead (harness.decode.ops.make_ops checks `available()`)
+    triton = None
+    tl = None
+try:  # grid dependency control (programmatic dependent launch): Triton releases from 2025 on
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # the kernels still run, without PDL (the names are only read under PDL=True)
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
+
+MAX_ROWS = 64     # new rows one matmul or attention call takes (verify blocks up to 64 tokens)
+MAX_SPLITS = 16  # programs per K/V head that share one attention's slots
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def interpreted() -> bool:
+    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1)."""
+    return triton is not None and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How the kernels are launched; one object, made once and passed to every call.
+
+    pdl: programmatic dependent launch for launches of several rows (a launch starts while the one before it
+    drains and waits on the device for its writes; Hopper and later; `resolve` turns None into what the GPU
+    supports; a call given None checks each time). attention_splits: programs per K/V head in `attention` (None: by the cache's capacity, up to
+    MAX_SPLITS). The settings the measurements settled (results/perf/NOTES.md) are constants, not levers."""
+    pdl: bool | None = False
+    attention_splits: int | None = None
+
+    def __post_init__(self):
+        s = self.attention_splits
+        if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_SPLITS):
+            raise ValueError(f"attention_splits must be None or in 1..{MAX_SPLITS}, got {s!r}")
+
+    def resolve(self, device: torch.device) -> "Launch":
+        """pdl=None becomes whether `device` supports it."""
+        if self.pdl is not None:
+            return self
+        return Launch(pdl=pdl_supported(device), attention_splits=self.attention_splits)
+
+
+@lru_cache(maxsize=None)
+def _capability_at_least_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: compiled kernels on a Hopper or later GPU."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreted() or triton is None or not HAS_GDC:
+        return False
+    return _capability_at_least_hopper(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_opts(launch: Launch, device: torch.device, rows: int) -> dict:
+    """The PDL constexpr and, when on, the launch attribute that lets the kernel start early: launches of several
+    rows only (at one row PDL was neutral or slower, results/perf/NOTES.md)."""
+    on = rows > 1 and launch.pdl is not False and pdl_supported(device)
+    return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
+
+
+def pow2_at_least(n: int, lo: int) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+def prec(dtype: torch.dtype) -> str | None:
+    """fp32 products in full precision (tensor cores would round the inputs to tf32); other dtypes: the default."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+if triton is not None:
+    @triton.jit
+    def after_previous(PDL: tl.constexpr):
+        """With programmatic dependent launch this launch may start while the one before it drains: wait for it
+        (its writes are this launch's inputs), then let the next launch start early in turn."""
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()

@@ -1,0 +1,52 @@
+"""The ops seam: one interface for the decode math (`Ops`), in torch (`TorchOps`) and on the Triton kernels
+(`TritonOps`). `make_ops` chooses once, from the run's setting and the target's config, before weights load."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from harness.decode.ops.base import Ops, Span, eps_of, fuse_rows
+from harness.decode.ops.torch_impl import TorchOps
+from harness.errors import UsageError
+
+KINDS = ("auto", "triton", "torch")
+
+__all__ = ["KINDS", "Ops", "Span", "TorchOps", "eps_of", "fuse_rows", "make_ops", "triton_ops"]
+
+
+def triton_ops(device, launch=None, debug: bool | None = None) -> Ops:
+    """TritonOps on `device` (launch: a kernels.Launch, default PDL where supported; debug: the counter check,
+    default from XPRESS_BENCH_DEBUG=1)."""
+    from harness.decode import kernels
+    from harness.decode.ops.triton_impl import TritonOps
+    if debug is None:
+        debug = os.environ.get("XPRESS_BENCH_DEBUG", "0") not in ("", "0")
+    return TritonOps(device, launch or kernels.Launch(pdl=None), debug=debug)
+
+
+def make_ops(kind: str, device: torch.device, dtype: torch.dtype, config=None, compat: bool = False,
+             attn_impl: str = "sdpa", launch=None) -> Ops:
+    """--kernels: triton (refused, with the reason, where this target or machine cannot), torch, or auto (triton
+    for CUDA bf16/fp16 targets that fit, else torch; compat (--compat-reference) and eager attention keep HF's
+    ops, as the reference ran them). `config` is the target's HF config (read before any weights)."""
+    if kind not in KINDS:
+        raise UsageError(f"--kernels {kind!r}: use one of {', '.join(KINDS)}")
+    if kind == "torch":
+        return TorchOps()
+    from harness.decode import kernels
+    from harness.decode.ops.triton_impl import unsupported_reason
+    device = torch.device(device)
+    why = unsupported_reason(config) if config is not None else (None if kernels.available() else
+                                                                 "triton is not installed")
+    if why is None and device.type != "cuda" and not kernels.interpreted():
+        why = "they need a CUDA device"
+    if why is None and attn_impl != "sdpa":
+        why = f"--attn-implementation {attn_impl} (the kernels have one attention)"
+    if kind == "triton":
+        if why is not None:
+            raise UsageError(f"--kernels triton: not available for this target: {why}; use --kernels torch")
+        return triton_ops(device, launch)
+    if why is None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and not compat:
+        return triton_ops(device, launch)
+    return TorchOps()

@@ -1,0 +1,97 @@
+"""The decode math on harness.decode.kernels (Triton); what the kernels do not take runs on a TorchOps.
+
+The kernels take up to kernels.MAX_ROWS rows without biases, silu as the only gated activation, one dtype, and
+attention heads that `kernels.heads_fit`; a prompt (prefill) stays on torch ops, whose cuBLAS/SDPA suit long
+blocks. A refinement compiled with torch.compile calls these between its compiled pieces (they run outside the
+compiler, wrapped on first use so that importing this module does not import torch._dynamo).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from harness.decode import kernels
+from harness.decode.ops.base import Ops
+from harness.decode.ops.torch_impl import TorchOps
+
+
+def _is_silu(act) -> bool:
+    return act is F.silu or isinstance(act, torch.nn.SiLU)
+
+
+def unsupported_reason(config) -> str | None:
+    """Why a target with this (HF) config cannot run its decode steps on the kernels (None: it can)."""
+    if not kernels.available():
+        return "triton is not installed"
+    if getattr(config, "model_type", None) == "gemma4_text":
+        return "Gemma 4 layers run on torch ops (sandwich norms, GeGLU, experts)"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} (the kernels fuse silu)"
+    heads = config.num_attention_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if not kernels.heads_fit(d, heads, getattr(config, "num_key_value_heads", heads)):
+        return f"head_dim {d} is not a power of two >= 16 (or the query heads do not group)"
+    if getattr(config, "model_type", None) == "qwen2" or getattr(config, "attention_bias", False) \
+            or getattr(config, "mlp_bias", False):
+        return "projections with biases"
+    return None
+
+
+class TritonOps(Ops):
+    """debug: check the cache's split-attention counters before each eager attention launch (a host sync)."""
+    name = "triton"
+
+    def __init__(self, device: torch.device, launch: kernels.Launch = kernels.Launch(pdl=None), debug: bool = False,
+                 torch_ops: TorchOps | None = None):
+        self.device = torch.device(device)
+        self.launch = launch.resolve(self.device)
+        self.debug = debug
+        self.torch = torch_ops or TorchOps()
+        self._outside: dict = {}
+
+    def sized(self, rows, groups, prefill=False):
+        return self.torch if prefill or not kernels.fits(rows, groups) else self
+
+    def for_heads(self, head_dim, n_q, n_kv, windows=False):
+        return self if kernels.heads_fit(head_dim, n_q, n_kv) and not windows else self.torch
+
+    def _uncompiled(self, name: str, fn):
+        if name not in self._outside:
+            self._outside[name] = torch.compiler.disable(fn)
+        return self._outside[name]
+
+    def linear(self, x, w, *, bias=None, norm=None, eps=0.0, act=None, residual=None, argmax=False):
+        fits = bias is None and x.shape[0] <= kernels.MAX_ROWS and (act is None or _is_silu(act)) and \
+            x.dtype == w.dtype and (residual is None or (residual.dtype == w.dtype and residual.dim() == 2))
+        if not fits:
+            return self.torch.linear(x, w, bias=bias, norm=norm, eps=eps, act=act, residual=residual, argmax=argmax)
+        if norm is not None and act is not None:
+            x, norm = self.rms_norm(x, norm, eps), None
+        return self._uncompiled("linear", _kernel_linear)(x, w, norm=norm, eps=eps, gated=act is not None,
+                                                          residual=residual, argmax=argmax, launch=self.launch)
+
+    def rms_norm(self, x, weight, eps):
+        if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
+            return self.torch.rms_norm(x, weight, eps)
+        return kernels.rms_norm(x, weight, eps, self.launch)
+
+    def attention(self, qkv, kv, layer, span, cos, sin, n_q, scale, q_norm=None, k_norm=None, eps=0.0):
+        if span.window is not None or not kernels.fits(qkv.shape[0], n_q // kv.n_kv_heads):
+            return self.torch.attention(qkv, kv, layer, span, cos, sin, n_q, scale, q_norm, k_norm, eps)
+        if self.debug and not _capturing(qkv.device):
+            kv.check_counters()
+        return kernels.attention(qkv, q_norm, k_norm, eps, cos, sin, span.positions, kv.k[layer, 0], kv.v[layer, 0],
+                                 n_q, scale, causal=span.causal, counters=kv.counters[layer], launch=self.launch)
+
+    def write_kv(self, rows, kv, layer, positions, cos, sin, k_norm=None, eps=0.0):
+        if rows.shape[0] > kernels.MAX_ROWS:
+            return self.torch.write_kv(rows, kv, layer, positions, cos, sin, k_norm, eps)
+        kernels.write_kv(rows, k_norm, eps, cos, sin, positions, kv.k[layer, 0], kv.v[layer, 0], self.launch)
+
+
+def _kernel_linear(*args, **kw):
+    return kernels.linear(*args, **kw)  # looked up per call (the tests count the launches)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

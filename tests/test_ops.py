@@ -1,0 +1,198 @@
+"""The models on the Triton ops against the torch ops (harness.decode.ops): target, drafter, refiners, whole
+generations, the fallbacks, and the split-attention counters each cache owns. CPU through Triton's interpreter."""
+import pytest
+import torch
+
+from kernel_env import DEV, pytestmark, tol  # noqa: F401  (sets TRITON_INTERPRET first)
+from drafters.base import Proposal
+from harness.decode import kernels
+from harness.decode.devices import Backend
+from harness.decode.loop import DecodeSettings, generate
+from harness.decode.ops import TorchOps, make_ops, triton_ops
+from harness.errors import UsageError
+from refiners.base import RefineContext
+from refiners.markov import MarkovRefiner, random_markov_head
+from refiners.xpress import XPressRefiner, random_xpress_head
+from tiny import tiny_config, tiny_drafter, tiny_target
+from tolerance import assert_close
+
+F32 = Backend(DEV, torch.float32)
+
+
+def fast_target(family="qwen3", **kw):
+    t = tiny_target(family, backend=F32, **kw)
+    t.fuse_projections()
+    t.use_ops(triton_ops(DEV))
+    return t
+
+
+class Count:
+    """Counts the calls of a function reached as `module.name` (the ops look kernels up per call)."""
+
+    def __init__(self, monkeypatch, module, name):
+        real, self.calls = getattr(module, name), []
+        monkeypatch.setattr(module, name, lambda *a, **k: self.calls.append(k.get("argmax")) or real(*a, **k))
+
+    def __len__(self):
+        return len(self.calls)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_target_on_triton_ops_matches_torch_ops(family):
+    ref, fast = tiny_target(family, backend=F32, taps=(1, 5), capacity=48), fast_target(family, taps=(1, 5),
+                                                                                        capacity=48)
+    assert fast.kernels == "triton" and ref.kernels == "torch"
+    prompt = torch.randint(8, 100, (9,), generator=torch.Generator().manual_seed(0)).to(DEV)
+    for m in (ref, fast):
+        m.prefill(prompt, want_features=True)
+    block = torch.randint(8, 100, (4,), generator=torch.Generator().manual_seed(1)).to(DEV)
+    (la, fa), (lb, fb) = (m.verify(block, 16, want_features=True) for m in (ref, fast))
+    assert_close(lb, la, steps=ref.n_layers)
+    assert_close(fb, fa, steps=ref.n_layers)  # taps, the last one after the final norm
+    assert_close(fast.kv.k[:, :, :, :13], ref.kv.k[:, :, :, :13], steps=ref.n_layers)
+
+
+def test_norms_fold_into_the_one_row_matmuls_after_them(monkeypatch):
+    """An AR step of the tiny model (every one-row matmul without tensor cores) runs no RMSNorm launch of its
+    own: each is folded into the matmul after it (q/k/v, gate/up, lm_head); a block of rows (tensor-core loops)
+    runs one per norm. The drafter's context write normalises once, not once per layer."""
+    t = fast_target(capacity=32)
+    norms = Count(monkeypatch, kernels.matmul, "rms_norm")
+    direct = Count(monkeypatch, kernels, "rms_norm")
+    t.prefill(torch.randint(8, 100, (5,), generator=torch.Generator().manual_seed(0)).to(DEV), want_features=False)
+    for block, want in (([9], 0), ([9, 10, 11], 2 * t.n_layers + 1)):
+        norms.calls.clear()
+        t.verify(torch.tensor(block, device=DEV), 16, want_features=False)
+        assert len(norms) == want and not direct
+    d = tiny_drafter(t, block=4, backend=F32)
+    d.ops = t.ops
+    d.begin(torch.randn(6, len(d.target_layer_ids) * t.config.hidden_size, device=DEV))
+    assert len(direct) == 1
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+def test_greedy_tokens_same_on_both_ops(drafter):
+    n = 12  # the CPU interpreter is slow
+    outs = []
+    for fast in (False, True):
+        t = fast_target(capacity=64) if fast else tiny_target("qwen3", backend=F32, capacity=64)
+        d = tiny_drafter(t, block=4, backend=F32) if drafter else None
+        if d is not None:
+            d.ops = t.ops
+        outs.append(generate(t, list(range(10, 30)), DecodeSettings(n, 512, ()), F32, drafter=d).tokens)
+    assert outs[0] == outs[1] and len(outs[0]) == n
+
+
+def test_make_ops_refuses_what_the_kernels_cannot_run():
+    """Chosen from the config, before any weights: biases, another activation, odd heads, eager attention."""
+    cpu = torch.device("cpu")
+    assert make_ops("torch", DEV, torch.float32).name == "torch"
+    assert make_ops("triton", DEV, torch.float32, tiny_config()).name == "triton"
+    for change, why in ((dict(attention_bias=True), "biases"), (dict(hidden_act="gelu"), "activation"),
+                        (dict(head_dim=24), "head_dim")):
+        cfg = tiny_config()
+        for k, v in change.items():
+            setattr(cfg, k, v)
+        with pytest.raises(UsageError, match=why):
+            make_ops("triton", DEV, torch.float32, cfg)
+        assert make_ops("auto", DEV, torch.bfloat16, cfg).name == "torch"
+    with pytest.raises(UsageError, match="eager"):
+        make_ops("triton", DEV, torch.float32, tiny_config(), attn_impl="eager")
+    assert make_ops("auto", cpu, torch.float32, tiny_config()).name == "torch"  # auto: CUDA bf16/fp16 only
+    with pytest.raises(UsageError, match="--kernels"):
+        make_ops("cuda", DEV, torch.float32)
+
+
+def test_prefill_and_wide_blocks_run_on_the_torch_ops(monkeypatch):
+    """A prompt, and blocks whose query rows would not fit one attention program, take the torch ops."""
+    assert kernels.fits(16, 4) and kernels.fits(64, 2) and not kernels.fits(65, 1) and not kernels.fits(40, 4)
+    t = fast_target(capacity=160)  # 2 query heads per K/V head
+    attn = Count(monkeypatch, kernels, "attention")
+    t.prefill(torch.arange(8, 20, device=DEV), want_features=False)
+    t.verify(torch.arange(8, 73, device=DEV), 80, want_features=False)  # 65 rows
+    assert not attn
+    t.verify(torch.arange(8, 72, device=DEV), 80, want_features=False)  # 64 rows x 2 = 128
+    assert len(attn) == t.n_layers
+
+
+def test_unfused_projections_still_match_on_the_triton_ops():
+    ref, fast = tiny_target("qwen3", backend=F32, capacity=32), fast_target(capacity=32)
+    fast.fuse_projections(False)
+    for m in (ref, fast):
+        m.prefill(torch.arange(8, 20, device=DEV), want_features=False)
+    a, b = (m.verify(torch.arange(30, 33, device=DEV), 16, want_features=False)[0] for m in (ref, fast))
+    assert_close(b, a, steps=ref.n_layers)
+
+
+def test_drafter_on_triton_ops_matches_torch():
+    """The dFlash block and context writes: same proposals and hidden states as the torch ops."""
+    t = tiny_target("qwen3", backend=F32, capacity=48)
+    ref, fast = tiny_drafter(t, block=4, backend=F32), tiny_drafter(t, block=4, backend=F32)
+    fast.ops = triton_ops(DEV)
+    logits, feats = t.prefill(torch.arange(8, 20, device=DEV), want_features=True)
+    for d in (ref, fast):
+        d.begin(feats)
+        d.observe(feats[:4] * 0.5, torch.tensor(2, device=DEV))  # a context write through the kernels
+    pa, pb = (d.propose(torch.tensor(9, device=DEV), torch.tensor(14, device=DEV), 32) for d in (ref, fast))
+    for got, want in ((fast.kv.k[:, :, :, :18], ref.kv.k[:, :, :, :18]), (fast.kv.v[:, :, :, :18],
+                      ref.kv.v[:, :, :, :18]), (pb.hidden, pa.hidden), (pb.logits, pa.logits)):
+        assert_close(got, want, steps=4)
+    assert torch.equal(pb.tokens, pa.tokens)
+
+
+def _block_case(seed, n, v, hidden_size):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, hidden_size, generator=g).to(DEV)
+    base = (torch.randn(n - 1, v, generator=g) * 0.3).to(DEV)
+    anchor, prev = torch.randint(0, v, (2,), generator=g).to(DEV)
+    return Proposal(base.argmax(-1), base, hidden), RefineContext(anchor=anchor, prev_token=prev)
+
+
+def test_xpress_scoring_on_triton_ops_matches_torch(monkeypatch):
+    """Greedy xPress passes with w2, the base add and the argmax in one kernels.linear: the same tokens and
+    refined logits as the torch ops, with and without a shortlist (which stays on torch ops), the kernel path
+    really taken."""
+    v, n = 300, 8
+    head = random_xpress_head(v, 24, 16, n, seed=0, std=0.2).to(DEV)
+    changed = 0
+    for topc in (0, 32):
+        ref, fast = XPressRefiner(head, 3, topc=topc), XPressRefiner(head, 3, topc=topc, ops=triton_ops(DEV))
+        for seed in range(4):
+            p, ctx = _block_case(seed, n, v, 24)
+            lin = Count(monkeypatch, kernels, "linear")
+            got, want = fast.refine(p, ctx), ref.refine(p, ctx)
+            assert lin.calls == ([True] * 3 if topc == 0 else [])
+            assert torch.equal(got.tokens, want.tokens), (topc, seed)
+            assert_close(got.logits, want.logits, steps=4)
+            changed += int((want.tokens != p.tokens).sum())
+    assert changed, "refinement changed no token: the comparison would prove little"
+
+
+@pytest.mark.parametrize("variant", ["vanilla", "gated", "rnn"])
+def test_markov_scoring_on_triton_ops_matches_torch(monkeypatch, variant):
+    v, n = 200, 6
+    head = random_markov_head(variant, v, 20, 12, seed=1, std=0.5).to(DEV)
+    ref, fast = MarkovRefiner(head), MarkovRefiner(head, ops=triton_ops(DEV))
+    changed = 0
+    for seed in range(3):
+        p, ctx = _block_case(seed, n, v, 20)
+        lin = Count(monkeypatch, kernels, "linear")
+        got, want = fast.refine(p, ctx), ref.refine(p, ctx)
+        assert lin.calls == [True] * (n - 1)
+        assert torch.equal(got.tokens, want.tokens), seed
+        assert_close(got.logits, want.logits, steps=4)
+        changed += int((want.tokens != p.tokens).sum())
+    assert changed
+
+
+def test_random_models_switch_target_drafter_and_refiners_together():
+    """RandomModels.use_ops: the target, the drafter and every refiner, made before or after, on the same ops."""
+    from harness.protocol.presets import build_random
+    m = build_random("tiny", F32, block_size=8)
+    before = m.refiner("xpress", 2)
+    fast = triton_ops(DEV)
+    m.use_ops(fast)
+    after = m.refiner("markov")
+    assert m.target.ops is fast and m.drafter.ops is fast and before.ops is fast and after.ops is fast
+    m.use_ops(TorchOps())
+    assert m.target.kernels == "torch" and m.drafter.ops.name == "torch" and m.refiner("xpress", 3).ops.name == "torch"
