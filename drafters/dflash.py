@@ -26,7 +26,7 @@ from harness.errors import UsageError
 LAYER_KINDS = ("full_attention", "sliding_attention")  # masks: drafters.layer_kinds
 
 # Present in some exports, never used: the drafter borrows the target's embedding and head.
-IGNORED_KEYS = ("embed_tokens.", "lm_head.", "rotary_emb.", "mask_embedding", "t2d", "d2t")
+IGNORED_KEYS = ("embed_tokens.", "lm_head.", "rotary_emb.", "mask_embedding", "t2d", "d2t", "confidence_head.")
 
 
 def default_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from harness.errors import UsageError
-from refiners.formats import (DEFAULT_MLP_RATIO, DEFAULT_RANK, MARKOV_HEAD_KEYS, XPRESS, XPRESS_DROPPED_KEYS,
-                              XPRESS_EXPECTED_ARGS, RefinerCheckpoint, _check_kind, _detect_kind_from_keys,
-                              _first_line, head_dims)
+from refiners.checkpoint import (DEFAULT_MLP_RATIO, DEFAULT_RANK, MARKOV_HEAD_KEYS, XPRESS, XPRESS_DROPPED_KEYS,
+                                 XPRESS_EXPECTED_ARGS, RefinerCheckpoint, _check_kind, _detect_kind_from_keys,
+                                 _first_line, head_dims)
 
 _GLOBAL_IN_ERROR = re.compile(r"GLOBAL ([\w.]+)")
 SAFE_PICKLE_GLOBALS = [argparse.Namespace]

@@ -21,79 +21,21 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from harness.checkpoints import check_state, read_config, read_tensors, shard_files, tensor_shapes
 from harness.errors import UsageError
-
-XPRESS, MARKOV = "xpress", "markov"
-KINDS = (XPRESS, MARKOV)
-KIND_NAMES = {XPRESS: "xPress", MARKOV: "Markov"}
-KIND_FLAGS = {XPRESS: "--xpress-refiner-path", MARKOV: "--markov-refiner-path"}
-ENV_VARS = {XPRESS: "XPRESS_CKPT", MARKOV: "MK_CKPT"}
-ARCHITECTURES = {XPRESS: "Qwen3XPressModel", MARKOV: "Qwen3DSparkModel"}
-
-DEFAULT_HUB_FILENAME = "refiner_cotrain.pt"
-SERVING_PATTERNS = ["config.json", "*.safetensors"]
-
-XPRESS_HEAD_KEYS = ("w1.weight", "down_h.weight", "down_g.weight", "in_proj.weight", "mix.L",
-                    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "w2.weight")
-MARKOV_HEAD_KEYS = ("w1.weight", "w2.weight")
-HEAD_KEYS = {XPRESS: XPRESS_HEAD_KEYS, MARKOV: MARKOV_HEAD_KEYS}
-# Keys only an xPress head has; their presence in a `.pt` marks the kind.
-XPRESS_ONLY_KEYS = frozenset(XPRESS_HEAD_KEYS) - frozenset(MARKOV_HEAD_KEYS)
-# A buffer (the causal mask) some checkpoints carry; the head rebuilds it, so it is dropped on read.
-XPRESS_DROPPED_KEYS = ("mix.tril",)
-
-XPRESS_PREFIX, MARKOV_PREFIX = "xpress_head.", "markov_head."
-FOLDED_MIXER_KEY = "mix_L"  # vLLM's serving name of the folded matrix L*tril + I
-# vLLM's serving module names of the SwiGLU, accepted as aliases of the training names in a serving directory.
-XPRESS_SERVING_ALIASES = {"mlp_gate.weight": "mlp.gate_proj.weight", "mlp_up.weight": "mlp.up_proj.weight",
-                          "mlp_down.weight": "mlp.down_proj.weight"}
-MARKOV_SERVING_NAMES = {"w1.weight": "markov_w1.weight", "w2.weight": "markov_w2.weight"}
-
-# Training flags of the head variant the harness implements (REFERENCE 5.5 step 2); checked only when present.
-XPRESS_EXPECTED_ARGS = {
-    "markov_only": False, "no_hidden": False, "no_perpos": False, "no_global": False, "no_residual": True,
-    "no_mixer": False, "no_mlp": False, "input_mode": "concat", "no_sublayer_norm": True, "no_mix_out": True,
-    "lowrank_lmhead_shared_rank": 0, "lowrank_base_rank": 0, "input_relu": False,
-}
-DEFAULT_RANK = 256
-DEFAULT_MLP_RATIO = 2
-MARKOV_VARIANTS_UNSUPPORTED = ("gated", "rnn")
-
-
-@dataclass
-class RefinerCheckpoint:
-    kind: str                                   # "xpress" | "markov"
-    draft_state: dict[str, torch.Tensor] | None  # co-trained drafter tensors (z-lab names), None = none stored
-    head_state: dict[str, torch.Tensor]          # training names; see XPRESS_HEAD_KEYS / MARKOV_HEAD_KEYS
-    rank: int
-    mlp_hidden: int | None = None               # xPress only
-    block_size: int | None = None               # xPress only: the mixer's block (last dim of mix.L)
-    step: int | None = None                     # training global_step, when recorded
-    source: str = ""                            # the path it was read from
-    mixer: str = "raw"                          # "raw" (L, fold at load) | "folded" (L*tril + I, never refold)
-    num_passes: int | None = None               # serving config xpress_num_passes (informative; K is a CLI choice)
-    topc: int | None = None                     # serving config xpress_topc / xpress_candidate_topc
-    extras: dict = field(default_factory=dict)  # other informative facts (e.g. the serving architectures)
-
-    @property
-    def name(self) -> str:
-        return KIND_NAMES[self.kind]
-
+from refiners.checkpoint import (  # noqa: F401  (re-exported: the checkpoint vocabulary)
+    XPRESS, MARKOV, KINDS, KIND_NAMES, KIND_FLAGS, ENV_VARS, ARCHITECTURES, DEFAULT_HUB_FILENAME,
+    SERVING_PATTERNS, XPRESS_HEAD_KEYS, MARKOV_HEAD_KEYS, HEAD_KEYS, XPRESS_ONLY_KEYS, XPRESS_DROPPED_KEYS,
+    XPRESS_PREFIX, MARKOV_PREFIX, FOLDED_MIXER_KEY, XPRESS_SERVING_ALIASES, MARKOV_SERVING_NAMES,
+    XPRESS_EXPECTED_ARGS, MARKOV_VARIANTS, DEFAULT_RANK, DEFAULT_MLP_RATIO, RefinerCheckpoint, _first_line, head_dims, _shape,
+    _detect_kind_from_keys, _check_kind)
+from refiners.cotrain_pt import load_cotrain_pt
 
 # --- path resolution -------------------------------------------------------------------------------------------
 
 _HUB_REPO = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]*/[A-Za-z0-9_.\-]+")
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def _is_remote_missing(e: BaseException) -> bool:
@@ -157,63 +99,6 @@ def resolve_refiner_path(value: str | None, env_var: str) -> str | None:
 
 
 # --- head structure --------------------------------------------------------------------------------------------
-
-def _shape(t) -> tuple[int, ...]:
-    return tuple(t.shape)
-
-
-def head_dims(kind: str, head: dict[str, torch.Tensor], where: str) -> dict[str, int]:
-    """Key set and internal shape consistency of a head; returns its dims (vocab, rank, and for xPress hidden,
-    mlp_hidden, block)."""
-    expected = HEAD_KEYS[kind]
-    missing = [k for k in expected if k not in head]
-    extra = sorted(k for k in head if k not in expected)
-    label = f"{KIND_NAMES[kind]} head in {where}"
-    if missing:
-        raise UsageError(f"{label}: {len(missing)} missing key(s), e.g. {', '.join(missing[:3])}")
-    if extra:
-        hint = " (only the vanilla Markov head, w1/w2, is supported)" if kind == MARKOV else ""
-        raise UsageError(f"{label}: {len(extra)} unexpected key(s), e.g. {', '.join(extra[:3])}{hint}")
-    bad = [k for k in expected if not isinstance(head[k], torch.Tensor)]
-    if bad:
-        raise UsageError(f"{label}: {bad[0]} is a {type(head[bad[0]]).__name__}, not a tensor")
-    w1 = _shape(head["w1.weight"])
-    if len(w1) != 2:
-        raise UsageError(f"{label}: w1.weight has shape {list(w1)}, expected [vocab, rank]")
-    vocab, rank = w1
-    dims = {"vocab": vocab, "rank": rank}
-    want = {"w1.weight": (vocab, rank), "w2.weight": (vocab, rank)}
-    if kind == XPRESS:
-        dh, mix, gate = _shape(head["down_h.weight"]), _shape(head["mix.L"]), _shape(head["mlp.gate_proj.weight"])
-        if len(dh) != 2 or len(mix) != 3 or len(gate) != 2:
-            raise UsageError(f"{label}: down_h.weight {list(dh)}, mix.L {list(mix)} and mlp.gate_proj.weight "
-                             f"{list(gate)} must be [rank, hidden], [rank, B, B] and [mlp, rank]")
-        hidden, block, mlp = dh[1], mix[-1], gate[0]
-        dims.update(hidden=hidden, block=block, mlp_hidden=mlp)
-        want.update({"down_h.weight": (rank, hidden), "down_g.weight": (rank, hidden),
-                     "in_proj.weight": (rank, 3 * rank), "mix.L": (rank, block, block),
-                     "mlp.gate_proj.weight": (mlp, rank), "mlp.up_proj.weight": (mlp, rank),
-                     "mlp.down_proj.weight": (rank, mlp)})
-    for k, shape in want.items():
-        if _shape(head[k]) != shape:
-            basis = "w1, down_h, mix.L and mlp.gate_proj" if kind == XPRESS else "w1"
-            raise UsageError(f"{label}: {k} has shape {list(_shape(head[k]))}, expected {list(shape)} "
-                             f"(from the shapes of {basis})")
-    return dims
-
-
-def _detect_kind_from_keys(head: dict) -> str:
-    return XPRESS if any(k in XPRESS_ONLY_KEYS or k in XPRESS_DROPPED_KEYS for k in head) else MARKOV
-
-
-def _check_kind(found: str, expect_kind: str | None, where: str, evidence: str) -> None:
-    if expect_kind is None or found == expect_kind:
-        return
-    if expect_kind not in KINDS:
-        raise ValueError(f"expect_kind must be one of {KINDS} or None, not {expect_kind!r}")
-    raise UsageError(f"{where} is a {KIND_NAMES[found]}-head checkpoint ({evidence}), but a "
-                     f"{KIND_NAMES[expect_kind]} head was expected; pass it with {KIND_FLAGS[found]}")
-
 
 # --- serving directory -------------------------------------------------------------------------------------------
 
@@ -280,18 +165,19 @@ def load_serving_dir(path: str | Path, expect_kind: str | None = None) -> Refine
             head[k] = v
     else:
         variant = cfg.get("markov_head_type", "vanilla")
-        if variant != "vanilla":
-            raise UsageError(f"{where}: Markov head variant {variant!r} is not supported (only 'vanilla', w1/w2)")
+        if variant not in MARKOV_VARIANTS:
+            raise UsageError(f"{where}: markov_head_type {variant!r} is not one of {', '.join(MARKOV_VARIANTS)}")
         back = {v: k for k, v in MARKOV_SERVING_NAMES.items()}
         head = {back.get(k, k): v for k, v in raw_head.items()}
         unknown = sorted(k for k in raw_head if k not in back)
         if unknown:
             raise UsageError(f"{where}: unexpected Markov head tensor(s), e.g. "
-                             f"{', '.join(prefix + k for k in unknown[:3])} (only the vanilla Markov head, "
-                             f"{prefix}markov_w1.weight and {prefix}markov_w2.weight, is supported)")
-    dims = head_dims(kind, head, str(d))
+                             f"{', '.join(prefix + k for k in unknown[:3])} (DSpark's Markov head: "
+                             f"{', '.join(prefix + v for v in MARKOV_SERVING_NAMES.values())})")
+    variant = variant if kind == MARKOV else "vanilla"
+    dims = head_dims(kind, head, str(d), variant)
     ck = RefinerCheckpoint(kind=kind, draft_state=draft or None, head_state=head, rank=dims["rank"], source=str(d),
-                           mixer=mixer, extras={"architectures": cfg.get("architectures")})
+                           mixer=mixer, variant=variant, extras={"architectures": cfg.get("architectures")})
     if kind == XPRESS:
         ck.mlp_hidden, ck.block_size = dims["mlp_hidden"], dims["block"]
         for key, value, what in (("xpress_rank", ck.rank, "w1.weight width"),
@@ -326,7 +212,6 @@ def load_refiner_checkpoint(path: str | Path, expect_kind: str | None, trust_pic
     if p.is_file():
         if p.name == "config.json" or p.name.endswith(".safetensors"):
             return load_serving_dir(p.parent, expect_kind)
-        from refiners.cotrain_pt import load_cotrain_pt  # imports this module: loaded on first use
         return load_cotrain_pt(p, expect_kind, trust_pickle)
     raise UsageError(f"refiner checkpoint {path}: no such file or directory")
 
@@ -337,15 +222,16 @@ def validate_against(ckpt: RefinerCheckpoint, vocab_size: int, hidden_size: int,
     drafter's key set and shapes. Every failure is a one-line UsageError."""
     from drafters.dflash import IGNORED_KEYS
     where = ckpt.source or "refiner checkpoint"
-    dims = head_dims(ckpt.kind, ckpt.head_state, where)
+    dims = head_dims(ckpt.kind, ckpt.head_state, where, ckpt.variant)
     label = f"{ckpt.name} head in {where}"
     if dims["vocab"] != vocab_size:
         raise UsageError(f"{label}: vocab {dims['vocab']} (w1/w2 rows) differs from the target's vocab {vocab_size}; "
                          "it was trained for another target")
+    if "hidden" in dims and dims["hidden"] != hidden_size:
+        reads = "down_h/down_g read" if ckpt.kind == XPRESS else f"the {ckpt.variant} layer reads"
+        raise UsageError(f"{label}: {reads} hidden size {dims['hidden']}, but the drafter/target "
+                         f"hidden size is {hidden_size}; it was trained for another target")
     if ckpt.kind == XPRESS:
-        if dims["hidden"] != hidden_size:
-            raise UsageError(f"{label}: down_h/down_g read hidden size {dims['hidden']}, but the drafter/target "
-                             f"hidden size is {hidden_size}; it was trained for another target")
         if block_size is not None and dims["block"] != block_size:
             raise UsageError(f"{label}: the mixer was trained for block {dims['block']}, the run uses block "
                              f"{block_size}; pass --block-size {dims['block']}")

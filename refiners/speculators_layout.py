@@ -76,20 +76,18 @@ def split_tensors(cfg: dict, tensors: dict, where: str) -> tuple[str, dict, dict
 
 
 def load_dir(d, cfg: dict, expect_kind: str | None):
-    """A speculators xpress/dspark directory as a refiners.formats.RefinerCheckpoint. A gated/rnn Markov head keeps
-    w1/w2 in head_state (what every check reads) and its gate/cell tensors in extras['markov_extra'], with the
-    variant in extras['markov_variant']."""
+    """A speculators xpress/dspark directory as a refiners.checkpoint.RefinerCheckpoint (a gated/rnn Markov head:
+    its gate/cell tensors in head_state beside w1/w2, the variant in `variant`)."""
     from harness.checkpoints import read_tensors, shard_files
-    from refiners.formats import MARKOV, MARKOV_HEAD_KEYS, XPRESS, RefinerCheckpoint, _check_kind, head_dims
+    from refiners.checkpoint import XPRESS, RefinerCheckpoint, _check_kind, head_dims
     where = f"refiner checkpoint {d}"
     zlab_config(cfg, where)  # layout checks (fill-in, full vocab, taps)
     kind, draft, head, variant = split_tensors(cfg, read_tensors(shard_files(d, "refiner checkpoint")), where)
     _check_kind(kind, expect_kind, where, f"speculators_model_type={cfg['speculators_model_type']!r}")
-    extra = {k: head.pop(k) for k in list(head) if kind == MARKOV and k not in MARKOV_HEAD_KEYS}
-    dims = head_dims(kind, head, str(d))
+    variant = variant or "vanilla"
+    dims = head_dims(kind, head, str(d), variant)
     ck = RefinerCheckpoint(kind=kind, draft_state=draft or None, head_state=head, rank=dims["rank"], source=str(d),
-                           extras={"architectures": cfg.get("architectures"), "markov_variant": variant or None,
-                                   "markov_extra": extra})
+                           variant=variant, extras={"architectures": cfg.get("architectures")})
     if kind == XPRESS:
         ck.mlp_hidden, ck.block_size = dims["mlp_hidden"], dims["block"]
         ck.num_passes = cfg.get("num_jacobi_passes")

@@ -1,91 +1,18 @@
 """Refiner checkpoints: co-training .pt and serving layout, both converter directions, and every refusal."""
 import argparse
-import collections
 import datetime
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import refiners.convert as convert
-from drafters.dflash import IGNORED_KEYS, config_for_target, random_dflash, save_dflash
+from drafters.dflash import IGNORED_KEYS
 from harness.errors import UsageError
-from refiners.formats import (RefinerCheckpoint, load_refiner_checkpoint, resolve_refiner_path, validate_against)
-from tiny import tiny_config
-
-ROOT = Path(__file__).resolve().parent.parent
-V, H, R, B, M = 128, 64, 8, 4, 16
-
-
-class TaggedDict(collections.OrderedDict):
-    """A harmless class a weights-only load must still refuse (it is not allow-listed)."""
-
-
-def xpress_head(seed=0, vocab=V, hidden=H, rank=R, block=B, mlp=M):
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(shape, generator=g)
-
-    return {"w1.weight": rnd(vocab, rank), "down_h.weight": rnd(rank, hidden), "down_g.weight": rnd(rank, hidden),
-            "in_proj.weight": rnd(rank, 3 * rank), "mix.L": rnd(rank, block, block),
-            "mlp.gate_proj.weight": rnd(mlp, rank), "mlp.up_proj.weight": rnd(mlp, rank),
-            "mlp.down_proj.weight": rnd(rank, mlp), "w2.weight": rnd(vocab, rank)}
-
-
-def markov_head(seed=0, vocab=V, rank=R):
-    g = torch.Generator().manual_seed(seed)
-    return {"w1.weight": torch.randn(vocab, rank, generator=g), "w2.weight": torch.randn(vocab, rank, generator=g)}
-
-
-def xpress_args(**over):
-    a = argparse.Namespace(markov_rank=R, mlp_ratio=M // R, markov_only=False, no_mixer=False, no_residual=True,
-                           input_mode="concat", lr=1e-4)
-    for k, v in over.items():
-        setattr(a, k, v)
-    return a
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    cfg = config_for_target(tiny_config(), 2, B, 127)
-    return cfg, random_dflash(cfg, seed=1)
-
-
-@pytest.fixture()
-def base_dir(tmp_path, drafter):
-    save_dflash(drafter[1], tmp_path / "base")
-    return tmp_path / "base"
-
-
-def draft_state(drafter):
-    return {k: v.clone() for k, v in drafter[1].state_dict().items()}
-
-
-def save_pt(path, drafter, kind="xpress", head=None, args=None, step=403000, **extra):
-    if head is None:
-        head = xpress_head() if kind == "xpress" else markov_head()
-    if args is None:
-        args = xpress_args() if kind == "xpress" else argparse.Namespace(markov_rank=R)
-    content = {"draft_state_dict": draft_state(drafter), "refiner_state_dict": head, "args": args,
-               "global_step": step, **extra}
-    torch.save(content, path)
-    return path
-
-
-def assert_same_tensors(a: dict, b: dict):
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-
-
-def listing(d: Path):
-    return sorted(p.name for p in d.iterdir())
+from refiners.formats import RefinerCheckpoint, load_refiner_checkpoint, validate_against
+from refiner_fixtures import (B, H, M, R, V, TaggedDict, assert_same_tensors, base_dir, drafter, listing,
+                              markov_head, one_line, save_pt, write_serving, xpress_args, xpress_head)
 
 
 # --- round trips -----------------------------------------------------------------------------------------------
@@ -159,14 +86,6 @@ def test_args_may_be_a_plain_dict(tmp_path, drafter):
 
 # --- serving layout ------------------------------------------------------------------------------------------
 
-def write_serving(d: Path, drafter, head: dict, prefix="xpress_head.", **cfg_extra):
-    d.mkdir()
-    cfg = {**drafter[0].to_dict(), "architectures": ["Qwen3XPressModel"], **cfg_extra}
-    (d / "config.json").write_text(json.dumps(cfg))
-    save_file({**draft_state(drafter), **{prefix + k: v for k, v in head.items()}}, str(d / "model.safetensors"))
-    return d
-
-
 def test_prefolded_mixer_reads_as_folded_and_is_not_refolded(tmp_path, drafter):
     head = xpress_head()
     folded = head["mix.L"] * torch.tril(torch.ones(B, B)) + torch.eye(B)
@@ -202,28 +121,7 @@ def test_serving_aliases_and_config_cross_checks(tmp_path, drafter):
         load_refiner_checkpoint(plain, None)
 
 
-def test_markov_variants_other_than_vanilla_are_refused(tmp_path, drafter):
-    pt = save_pt(tmp_path / "g.pt", drafter, "markov", args=argparse.Namespace(markov_rank=R, markov_head_type="gated"))
-    with pytest.raises(UsageError, match="variant 'gated' is not supported"):
-        load_refiner_checkpoint(pt, "markov")
-    head = {"markov_w1.weight": torch.zeros(V, R), "markov_w2.weight": torch.zeros(V, R),
-            "rnn_J.weight": torch.zeros(3 * R, 2 * R + H)}
-    d = write_serving(tmp_path / "r", drafter, head, prefix="markov_head.", markov_rank=R)
-    with pytest.raises(UsageError, match="rnn_J.weight.*only the vanilla"):
-        load_refiner_checkpoint(d, "markov")
-    d2 = write_serving(tmp_path / "r2", drafter, {k: v for k, v in head.items() if "rnn" not in k},
-                       prefix="markov_head.", markov_rank=R, markov_head_type="rnn")
-    with pytest.raises(UsageError, match="variant 'rnn'"):
-        load_refiner_checkpoint(d2, "markov")
-
-
 # --- refusals ----------------------------------------------------------------------------------------------------
-
-def one_line(e) -> str:
-    text = str(e.value)
-    assert "\n" not in text
-    return text
-
 
 def test_missing_and_unexpected_head_keys(tmp_path, drafter):
     head = xpress_head()
@@ -327,140 +225,3 @@ def test_kind_mismatch(tmp_path, drafter, base_dir):
         load_refiner_checkpoint(tmp_path / "ms" / "config.json", "xpress")
 
 
-# --- path resolution ---------------------------------------------------------------------------------------------
-
-class FakeHub:
-    def __init__(self, missing=(), fail=False):
-        self.calls, self.missing, self.fail = [], set(missing), fail
-
-    def hf_hub_download(self, repo_id, filename, **kw):
-        self.calls.append(("file", repo_id, filename))
-        if self.fail:
-            raise ConnectionError("Failed to resolve 'huggingface.co'\nsecond line")
-        if filename in self.missing:
-            from huggingface_hub.errors import EntryNotFoundError
-            raise EntryNotFoundError(f"{filename} not found")
-        return f"/cache/{repo_id}/{filename}"
-
-    def snapshot_download(self, repo_id, allow_patterns=None, **kw):
-        self.calls.append(("snapshot", repo_id, tuple(allow_patterns)))
-        if self.fail:
-            raise ConnectionError("offline")
-        return f"/cache/{repo_id}/snapshot"
-
-
-@pytest.fixture()
-def hub(monkeypatch):
-    import huggingface_hub
-    fake = FakeHub()
-    monkeypatch.setattr(huggingface_hub, "hf_hub_download", fake.hf_hub_download)
-    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake.snapshot_download)
-    return fake
-
-
-def test_resolve_local_and_env(tmp_path, monkeypatch, hub):
-    monkeypatch.delenv("XPRESS_CKPT", raising=False)
-    assert resolve_refiner_path(None, "XPRESS_CKPT") is None
-    f = tmp_path / "r.pt"
-    f.write_bytes(b"x")
-    assert resolve_refiner_path(str(f), "XPRESS_CKPT") == str(f)
-    assert resolve_refiner_path(str(tmp_path), "XPRESS_CKPT") == str(tmp_path)
-    monkeypatch.setenv("MK_CKPT", str(f))
-    assert resolve_refiner_path(None, "MK_CKPT") == str(f)
-    assert resolve_refiner_path("", "MK_CKPT") == str(f)
-    monkeypatch.chdir(tmp_path)
-    assert resolve_refiner_path("r.pt", "XPRESS_CKPT") == "r.pt"
-    assert hub.calls == []
-
-
-@pytest.mark.parametrize("bad", ["a/b/c", "justaname", "user/ repo", "user/repo:", "./missing/x.pt", "/no/such.pt",
-                                 "user/repo:a b.pt"])
-def test_resolve_refuses_bad_strings(bad, hub):
-    with pytest.raises(UsageError, match="accepted forms") as e:
-        resolve_refiner_path(bad, "XPRESS_CKPT")
-    one_line(e)
-    assert hub.calls == []
-
-
-def test_resolve_hub_ids(hub, monkeypatch):
-    assert resolve_refiner_path("user/repo", "XPRESS_CKPT") == "/cache/user/repo/refiner_cotrain.pt"
-    assert resolve_refiner_path("user/repo:file.pt", "XPRESS_CKPT") == "/cache/user/repo/file.pt"
-    monkeypatch.setenv("MK_CKPT", "org/Markov-b16:sub/x.pt")
-    assert resolve_refiner_path(None, "MK_CKPT") == "/cache/org/Markov-b16/sub/x.pt"
-    assert resolve_refiner_path("user/repo:config.json", "XPRESS_CKPT") == "/cache/user/repo/snapshot"
-    assert hub.calls == [("file", "user/repo", "refiner_cotrain.pt"), ("file", "user/repo", "file.pt"),
-                         ("file", "org/Markov-b16", "sub/x.pt"),
-                         ("snapshot", "user/repo", ("config.json", "*.safetensors"))]
-
-
-def test_resolve_hub_falls_back_to_serving_layout_only_when_the_file_is_absent(hub):
-    hub.missing = {"refiner_cotrain.pt", "other.pt"}
-    assert resolve_refiner_path("user/repo", "XPRESS_CKPT") == "/cache/user/repo/snapshot"
-    with pytest.raises(UsageError, match="downloading other.pt from the hub repo user/repo failed"):
-        resolve_refiner_path("user/repo:other.pt", "XPRESS_CKPT")  # an explicit file never falls back
-    hub.fail, hub.calls = True, []
-    with pytest.raises(UsageError, match="ConnectionError: Failed to resolve") as e:
-        resolve_refiner_path("user/repo", "XPRESS_CKPT")
-    one_line(e)
-    assert hub.calls == [("file", "user/repo", "refiner_cotrain.pt")]  # a network failure never switches format
-
-
-# --- converter safety ------------------------------------------------------------------------------------------
-
-def test_converter_refuses_existing_output_and_leaves_nothing_on_failure(tmp_path, drafter, base_dir, capsys,
-                                                                         monkeypatch):
-    pt = save_pt(tmp_path / "in.pt", drafter)
-    (tmp_path / "out").mkdir()
-    before = listing(tmp_path)
-    assert convert.main(["pt-to-serving", "--ckpt", str(pt), "--base-config", str(base_dir),
-                         "--out", str(tmp_path / "out")]) == 2
-    assert "already exists" in capsys.readouterr().err
-    assert convert.main(["serving-to-pt", "--src", str(base_dir), "--out", str(pt)]) == 2
-    assert "already exists" in capsys.readouterr().err
-
-    # A validation failure (the head's vocab differs from the base drafter's) writes nothing.
-    wrong = save_pt(tmp_path / "wrong.pt", drafter, head=xpress_head(vocab=V + 1))
-    before = listing(tmp_path)
-    assert convert.main(["pt-to-serving", "--ckpt", str(wrong), "--base-config", str(base_dir),
-                         "--out", str(tmp_path / "new")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "vocab 129" in err and err.count("\n") == 1
-    assert listing(tmp_path) == before
-
-    # A failure in the middle of writing removes the partial output.
-    import harness.checkpoints as hc
-    real = hc.write_safetensors_dir
-
-    def half_then_fail(directory, config, tensors):
-        real(directory, config, tensors)
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(hc, "write_safetensors_dir", half_then_fail)
-    assert convert.main(["pt-to-serving", "--ckpt", str(pt), "--base-config", str(base_dir),
-                         "--out", str(tmp_path / "new")]) == 2
-    assert "No space left" in capsys.readouterr().err
-    assert listing(tmp_path) == before
-
-    monkeypatch.setattr(hc, "write_safetensors_dir", real)
-    convert.pt_to_serving(str(pt), str(base_dir), str(tmp_path / "s"))
-    before = listing(tmp_path)
-    real_save = torch.save
-
-    def save_half_then_fail(obj, f, *a, **k):
-        real_save(obj, f, *a, **k)
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(torch, "save", save_half_then_fail)
-    assert convert.main(["serving-to-pt", "--src", str(tmp_path / "s"), "--out", str(tmp_path / "b.pt")]) == 2
-    assert listing(tmp_path) == before
-
-
-def test_cli_subprocess_exit_code_and_no_traceback(tmp_path, drafter, base_dir):
-    pt = save_pt(tmp_path / "in.pt", drafter, args=xpress_args(no_mixer=True))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "refiners.convert", "pt-to-serving", "--ckpt", str(pt),
-                           "--base-config", str(base_dir), "--out", str(tmp_path / "out")],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no_mixer=True" in lines[0] and lines[0].startswith("error: ")
-    assert not (tmp_path / "out").exists()

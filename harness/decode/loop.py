@@ -45,7 +45,7 @@ class DecodeSettings:
     compat_reference: bool = False
     # Timing mode: force min(N, W-1) accepted drafts per verify (the target still verifies the whole block and the
     # next token is its choice at row N), so step times at any tau can be measured. Results made this way are
-    # labelled "random weights / scripted acceptance" (SCRIPTED_LABEL).
+    # labelled "random weights / scripted acceptance".
     scripted_accept: int | None = None
     # One CUDA graph per (arm, width, KV bucket) for the whole step (CUDA only). graph_bucket: KV slots per bucket
     # (attention reads the bucket, masked); 0 attends over the whole cache capacity with one graph per width.
@@ -62,7 +62,6 @@ class DecodeSettings:
         return SamplingParams(t, self.top_k, self.top_p)
 
 
-SCRIPTED_LABEL = "random weights / scripted acceptance"
 
 
 @dataclass
@@ -237,7 +236,8 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     target_params, draft_params = settings.target_params, settings.draft_params
     sampler = None
     if drafter is not None and not draft_params.greedy:
-        sampler = DraftSampler.shared(draft_params, settings.draft_noise, width - 1, target.vocab_size, dev)
+        sampler = DraftSampler.kept_in(target.samplers, draft_params, settings.draft_noise, width - 1,
+                                       target.vocab_size, dev)
 
     t0 = backend.now()
     logits, feats = target.prefill(out[:p], want_features=drafter is not None)

@@ -77,16 +77,16 @@ class DraftSampler:
     per slot (V times fewer random numbers; same distribution, different realisations).
     """
 
-    _shared: dict = {}
-
     @classmethod
-    def shared(cls, params: SamplingParams, noise: str, slots: int, vocab: int, device: torch.device) -> "DraftSampler":
-        """One sampler (one noise buffer) per configuration, reused across generations: a captured CUDA graph
-        reads the buffer by address, so it must outlive a single prompt."""
+    def kept_in(cls, store: dict, params: SamplingParams, noise: str, slots: int, vocab: int,
+                device: torch.device) -> "DraftSampler":
+        """One sampler (one noise buffer) per configuration in `store`, reused across generations: a captured CUDA
+        graph reads the buffer by address, so it lives as long as its owner (the target's `samplers`, beside
+        the step graphs that read it), not one prompt."""
         key = (params, noise, slots, vocab, str(device))
-        if key not in cls._shared:
-            cls._shared[key] = cls(params, noise, slots, vocab, device)
-        return cls._shared[key]
+        if key not in store:
+            store[key] = cls(params, noise, slots, vocab, device)
+        return store[key]
 
     def __init__(self, params: SamplingParams, noise: str, slots: int, vocab: int, device: torch.device):
         if noise not in NOISE_KINDS:

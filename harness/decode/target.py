@@ -137,6 +137,7 @@ class Target:
         self.kv = StaticKV(self.n_layers, self.n_kv_heads, self.head_dim, capacity, backend.dtype, backend.device)
         self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
         self.step_graphs = None  # harness.decode.graphs.StepGraphs, created by the first use_graph generation
+        self.samplers: dict = {}  # DraftSampler per configuration: their noise buffers outlive one generation
         self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
         self.ops = ops or TorchOps()
 

@@ -239,10 +239,9 @@ def build_arms(cfg: RunConfig, prep: Prepared, target, watch=None) -> list[Arm]:
                        XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc,
                                      ops=target.ops))
         elif s.method == "markov":
-            ck = prep.refiners[MARKOV]  # gated/rnn heads (speculators dspark layout) carry extra tensors
-            refiner = MarkovRefiner(markov_head_from_state({**ck.head_state, **ck.extras.get("markov_extra", {})},
-                                                           ck.extras.get("markov_variant") or "vanilla",
-                                                           device=backend.device, dtype=backend.dtype),
+            ck = prep.refiners[MARKOV]  # a gated/rnn head (DSpark, speculators) carries its layer's tensors too
+            refiner = MarkovRefiner(markov_head_from_state(ck.head_state, ck.variant, device=backend.device,
+                                                           dtype=backend.dtype),
                                     low_precision_sampling=cfg.compat_reference, ops=target.ops)
         arms.append(Arm(s, prep.block_size, drafter, _compiled(refiner, cfg, watch), states.get(key(s))))
     return arms

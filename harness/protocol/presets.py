@@ -3,7 +3,7 @@
 Step time does not depend on weight values, so a target, a dFlash drafter, an xPress head and a vanilla Markov head
 are built from configs alone. Large models are constructed on the meta device and materialised directly on the
 target device (`to_empty`, then in-place normal init), so a 16 GB target never exists on the CPU. Every number
-measured with these models is labelled "random weights / scripted acceptance" (harness.decode.loop.SCRIPTED_LABEL):
+measured with these models is labelled "random weights / scripted acceptance" (RANDOM_LABEL):
 acceptance is meaningless for random weights and must be scripted (DecodeSettings.scripted_accept).
 
 `build_random(preset, backend)` with a meta-device backend builds every module with its shapes and no memory.

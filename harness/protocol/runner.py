@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 import time
 
 from harness.protocol import report
@@ -203,7 +202,8 @@ def _run(cfg: RunConfig, out, watch) -> dict:
         "block_size": prep.block_size, "max_model_len": prep.max_model_len, "stop_ids": list(stops),
         "rounds": prep.rounds, "warmup_rounds": prep.warmup_rounds, "arms": [a.name for a in arms],
         "rotation": order, "dataset": dataset_provenance(cfg.dataset, cfg.data_dir),
-        "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer}
+        "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
+                          "variant": c.variant}
                      for k, c in prep.refiners.items()},
         "label": label(cfg), "kernels": target.kernels}}
     if not cfg.resume:
@@ -357,23 +357,10 @@ def write_answer_files(cfg: RunConfig, rows: list[dict], samples, tokenizer, arm
             if not cfg.no_answer_timing:
                 row["tstamp"] = time.time()
             lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-        _write_atomic(path, "".join(lines))
+        atomic_write(path, "".join(lines))
         written.append((path, len(samples)))
     return written
 
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name).strip("-").lower()
-
-
-def _write_atomic(path: str, text: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".answers.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
