@@ -227,11 +227,12 @@ class DFlashModel(nn.Module):
         return self
 
     @torch.no_grad()
-    def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV, ops: Ops) -> None:
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor, kv: StaticKV,
+                      ops: Ops | None = None) -> None:
         """Context K/V from projected target features; they do not depend on the block, so each position once.
         k and v rows are adjacent in the fused q/k/v weight: one matmul and one cache write per layer."""
         c = self.config
-        ops = ops.sized(features.shape[0], c.num_attention_heads // c.num_key_value_heads)
+        ops = (ops or TorchOps()).sized(features.shape[0], c.num_attention_heads // c.num_key_value_heads)
         ctx = ops.rms_norm(ops.linear(features, self.fc.weight), self.hidden_norm.weight, self.hidden_norm.eps)
         cos, sin = cos_sin(self.inv_freq, positions, ctx.dtype)
         q_rows = c.num_attention_heads * c.head_dim
@@ -242,11 +243,11 @@ class DFlashModel(nn.Module):
 
     @torch.no_grad()
     def block(self, x: torch.Tensor, positions: torch.Tensor, kv: StaticKV, limit: torch.Tensor,
-              length: int, ops: Ops) -> torch.Tensor:
+              length: int, ops: Ops | None = None) -> torch.Tensor:
         """x [B, H] block embeddings at `positions`; attends over slots < limit (limit - 1 is the block's last
-        position). Returns normed hidden [B, H]."""
+        position). Returns normed hidden [B, H]. ops: the drafter's (default torch ops)."""
         c = self.config
-        ops = ops.sized(x.shape[0], c.num_attention_heads // c.num_key_value_heads)
+        ops = (ops or TorchOps()).sized(x.shape[0], c.num_attention_heads // c.num_key_value_heads)
         cos, sin = cos_sin(self.inv_freq, positions, x.dtype)
         spans = block_spans(c, positions, limit, length)
         h = x

@@ -12,7 +12,7 @@ import sys
 
 from drafters.dflash import config_for_target, random_dflash, save_dflash
 from harness.errors import UsageError
-from harness.decode.target import load_target_config
+from harness.decode.loading import load_target_config
 
 
 def main(argv: list[str] | None = None) -> int:

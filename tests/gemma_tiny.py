@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, random_dflash
-from harness.decode.target import make_target
+from harness.decode.loading import make_target
 from tiny import CPU32, MASK_ID, VOCAB
 
 KINDS = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "sliding_attention",

@@ -6,7 +6,7 @@ from drafters.dflash import DFlashDrafter, config_for_target, random_dflash
 from harness.protocol.assets import AssetUnavailable, fetch_smollm2_gguf
 from harness.protocol.data import render_prompt
 from harness.decode.loop import DecodeSettings, generate
-from harness.decode.target import load_target, stop_token_ids
+from harness.decode.loading import load_target, stop_token_ids
 from tiny import CPU32
 
 pytestmark = pytest.mark.network

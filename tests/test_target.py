@@ -50,7 +50,7 @@ def test_ar_loop_matches_hf_generate(family):
 def test_unsupported_family_is_refused():
     from transformers import GPT2Config
     from harness.errors import UsageError
-    from harness.decode.target import check_family
+    from harness.decode.loading import check_family
     with pytest.raises(UsageError, match="not supported"):
         check_family(GPT2Config())
 

@@ -47,7 +47,7 @@ def resolve_backend(device: str | None, dtype: str | None) -> Backend:
     name = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if name.split(":")[0] == "spyre":
         from harness.decode.spyre import spyre_backend
-        return spyre_backend(name, dtype)
+        return Backend(*spyre_backend(name, dtype))
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError):

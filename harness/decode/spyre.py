@@ -31,9 +31,9 @@ def import_torch_spyre(importer=importlib.import_module):
         raise UsageError(MISSING + detail) from None
 
 
-def spyre_backend(name: str, dtype: str | None, importer=importlib.import_module):
-    """The Backend for --device spyre[:N]: FP16 only (the contract), torch-spyre imported here and nowhere else."""
-    from harness.decode.devices import Backend
+def spyre_backend(name: str, dtype: str | None, importer=importlib.import_module) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype for --device spyre[:N] (harness.decode.devices makes the Backend): FP16 only (the
+    contract), torch-spyre imported here and nowhere else."""
     if dtype not in (None, "float16", "fp16"):
         raise UsageError(f"--device spyre serves FP16 weights only, not --dtype {dtype}; use --dtype float16")
     import_torch_spyre(importer)
@@ -42,7 +42,7 @@ def spyre_backend(name: str, dtype: str | None, importer=importlib.import_module
     except (RuntimeError, ValueError):
         raise UsageError(f"--device {name}: torch-spyre is installed but did not register the 'spyre' device "
                          "(check the IBM Spyre software stack)") from None
-    return Backend(dev, torch.float16)
+    return dev, torch.float16
 
 
 def compile_for(target, drafters=(), backend: str | None = None) -> None:

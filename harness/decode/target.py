@@ -1,12 +1,10 @@
-"""The target model: an HF causal LM driven by our own forward over a static KV cache.
+"""The target model: an HF causal LM driven by our own forward over a static KV cache (loading: harness.decode.loading).
 
 We keep HF's modules and weights (projections, norms, MLP, rotary tables) but run the layer loop ourselves, so that
 the harness owns the cache (write at positions, attend over a prefix, roll back by moving a pointer) and taps only
 the hidden layers a drafter asks for. Qwen3, Qwen2 and Llama families share this structure.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -15,96 +13,18 @@ from harness.decode.devices import Backend
 from harness.decode.ops import Ops, Span, TorchOps, eps_of, fuse_rows
 from harness.errors import UsageError
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma4_text")  # gemma4_text: harness.decode.gemma4
+PLAIN_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # what this layer loop runs (Gemma 4: harness.decode.gemma4)
 
 
-def split_model_path(spec: str) -> tuple[str, dict]:
-    """A local .gguf file loads through transformers' GGUF reader: directory + gguf_file kwarg."""
-    if spec.lower().endswith(".gguf"):
-        if not os.path.isfile(spec):
-            raise UsageError(f"--model-name-or-path {spec}: GGUF file not found")
-        return os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
-    return spec, {}
-
-
-def load_target_config(spec: str, overrides: dict | None = None):
-    """Read only the config (cheap) so that compatibility can be checked before any weights are loaded.
-    `overrides`: --hf-overrides (harness.decode.hf_overrides), e.g. the text backbone of a multimodal model."""
-    from transformers import AutoConfig
-
-    from harness.decode.hf_overrides import apply_overrides
-    path, extra = split_model_path(spec)
-    try:
-        config = AutoConfig.from_pretrained(path, **extra)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"cannot read the target config from {spec!r}: {first}") from None
-    config = apply_overrides(config, overrides or {})
-    check_family(config)
-    return config
-
-
-def check_family(config) -> None:
+def check_plain_family(config) -> None:
     family = getattr(config, "model_type", None)
-    from harness.decode.hf_overrides import multimodal_hint
-    hint = multimodal_hint(config)
-    if hint:
-        raise UsageError(hint)
-    if family == "gemma4_text":
-        from harness.decode.gemma4 import check_gemma4
-        return check_gemma4(config)
-    if family not in SUPPORTED_FAMILIES:
-        raise UsageError(f"target model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    if family not in PLAIN_FAMILIES:
+        raise UsageError(f"target model_type {family!r} is not one this layer loop runs ({', '.join(PLAIN_FAMILIES)})")
     window = getattr(config, "sliding_window", None)
     sliding = window is not None and (family == "mistral" or getattr(config, "use_sliding_window", False))
     if sliding:
         raise UsageError(f"target uses sliding-window attention (window {window}), which this harness does not "
                          "model yet; use a full-attention checkpoint")
-
-
-def load_tokenizer(spec: str):
-    from transformers import AutoTokenizer
-    path, extra = split_model_path(spec)
-    return AutoTokenizer.from_pretrained(path, **extra)
-
-
-def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (),
-                attn_impl: str = "sdpa", tokenizer=None, overrides: dict | None = None, ops: Ops | None = None):
-    """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file; `overrides`:
-    --hf-overrides (the config is read and overridden first, then the weights load into it); `ops`: the decode
-    math (harness.decode.ops, default torch ops)."""
-    from transformers import AutoModelForCausalLM
-
-    from harness.decode.hf_overrides import load_kwargs
-    path, extra = split_model_path(spec)
-    tokenizer = tokenizer or load_tokenizer(spec)
-    if overrides:
-        extra = {**extra, "config": load_target_config(spec, overrides), **load_kwargs(overrides)}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)
-    model.to(backend.device).eval()
-    return make_target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl, ops=ops), tokenizer
-
-
-def make_target(model, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (), attn_impl: str = "sdpa",
-                ops: Ops | None = None):
-    """The Target class for the model's family (Gemma 4 has its own layer on torch ops, harness.decode.gemma4)."""
-    if getattr(model.config, "model_type", None) == "gemma4_text":
-        from harness.decode.gemma4 import Gemma4Target
-        return Gemma4Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl)
-    return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl, ops=ops)
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """All of generation_config.eos_token_id (Qwen3 lists two), else the tokenizer's eos."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    ids = [ids] if isinstance(ids, int) else list(ids)
-    return sorted(set(int(i) for i in ids))
 
 
 class Target:
@@ -115,7 +35,7 @@ class Target:
 
     def __init__(self, model, backend: Backend, capacity: int, taps: tuple[int, ...] = (), attn_impl: str = "sdpa",
                  ops: Ops | None = None):
-        check_family(model.config)
+        check_plain_family(model.config)
         if attn_impl not in ("sdpa", "eager"):
             raise UsageError(f"--attn-implementation {attn_impl!r} is not supported here; use sdpa or eager")
         self.model, self.backend, self.attn_impl = model, backend, attn_impl

@@ -20,7 +20,7 @@ from harness.errors import UsageError
 from harness.decode.graphs import CompiledRefiner
 from harness.protocol.rounds import default_rounds, validate_rounds
 from harness.decode.hf_overrides import parse_overrides
-from harness.decode.target import load_target_config
+from harness.decode.loading import load_target_config
 from harness.protocol.spyre_contract import check_models, is_spyre
 from refiners.formats import (ENV_VARS, MARKOV, XPRESS, RefinerCheckpoint, load_refiner_checkpoint,
                               resolve_refiner_path, validate_against)

@@ -19,7 +19,8 @@ from drafters.rope import inv_frequencies
 from harness.decode.devices import Backend
 from harness.decode.ops import Ops, TorchOps
 from harness.errors import UsageError
-from harness.decode.target import Target, make_target
+from harness.decode.loading import make_target
+from harness.decode.target import Target
 from refiners.markov import MarkovHead, MarkovRefiner
 from refiners.xpress import XPressHead, XPressRefiner
 

@@ -23,7 +23,7 @@ from harness.decode.loop import DecodeSettings, Generation, generate
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
 from harness.protocol.rounds import rotation
 from harness.decode.hf_overrides import parse_overrides
-from harness.decode.target import load_target, load_tokenizer, stop_token_ids
+from harness.decode.loading import load_target, load_tokenizer, stop_token_ids
 from harness.protocol.trace import StepTracer
 
 # Flags that may differ between an interrupted run and its --resume.

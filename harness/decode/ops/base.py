@@ -24,15 +24,18 @@ from harness.decode.windows import window_mask
 class Span:
     """The slots one forward's rows see. positions [T]: increasing, on the device; length: a host bound (> the
     last position) on the slots the torch path reads; limit: None for causal rows, else every slot below it
-    (the drafter's block, whose last position is limit - 1); impl: how the torch path attends (sdpa, eager)."""
+    (the drafter's block, whose last position is limit - 1); window: causal rows that see only the `window` most
+    recent positions (sliding-window layers); impl: how the torch path attends (sdpa, eager)."""
     positions: torch.Tensor
     length: int
     limit: torch.Tensor | None = None
+    window: int | None = None
     impl: str = "sdpa"
     _masks: dict = field(default_factory=dict, repr=False)
 
     @property
     def causal(self) -> bool:
+        """Causal rows (windowed or not); False: the drafter's block, every slot below `limit`."""
         return self.limit is None
 
     def mask(self, groups: int) -> torch.Tensor:

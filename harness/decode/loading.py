@@ -1,0 +1,93 @@
+"""Loading a target: its config first (checked before any weights), then the model, then the Target class of its
+family (harness.decode.target for Llama/Qwen/Mistral, harness.decode.gemma4 for Gemma 4)."""
+from __future__ import annotations
+
+import os
+
+from harness.decode.devices import Backend
+from harness.decode.gemma4 import FAMILY as GEMMA4, Gemma4Target, check_gemma4
+from harness.decode.hf_overrides import apply_overrides, load_kwargs, multimodal_hint
+from harness.decode.ops import Ops
+from harness.decode.target import PLAIN_FAMILIES, Target, check_plain_family
+from harness.errors import UsageError
+
+SUPPORTED_FAMILIES = PLAIN_FAMILIES + (GEMMA4,)
+
+
+def split_model_path(spec: str) -> tuple[str, dict]:
+    """A local .gguf file loads through transformers' GGUF reader: directory + gguf_file kwarg."""
+    if spec.lower().endswith(".gguf"):
+        if not os.path.isfile(spec):
+            raise UsageError(f"--model-name-or-path {spec}: GGUF file not found")
+        return os.path.dirname(os.path.abspath(spec)), {"gguf_file": os.path.basename(spec)}
+    return spec, {}
+
+
+def load_target_config(spec: str, overrides: dict | None = None):
+    """Read only the config (cheap) so that compatibility can be checked before any weights are loaded.
+    `overrides`: --hf-overrides (harness.decode.hf_overrides), e.g. the text backbone of a multimodal model."""
+    from transformers import AutoConfig
+    path, extra = split_model_path(spec)
+    try:
+        config = AutoConfig.from_pretrained(path, **extra)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"cannot read the target config from {spec!r}: {first}") from None
+    config = apply_overrides(config, overrides or {})
+    check_family(config)
+    return config
+
+
+def check_family(config) -> None:
+    """Whether a target with this config can run here, from the config alone."""
+    hint = multimodal_hint(config)
+    if hint:
+        raise UsageError(hint)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise UsageError(f"target model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    if family == GEMMA4:
+        return check_gemma4(config)
+    check_plain_family(config)
+
+
+def load_tokenizer(spec: str):
+    from transformers import AutoTokenizer
+    path, extra = split_model_path(spec)
+    return AutoTokenizer.from_pretrained(path, **extra)
+
+
+def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (),
+                attn_impl: str = "sdpa", tokenizer=None, overrides: dict | None = None, ops: Ops | None = None):
+    """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file; `overrides`:
+    --hf-overrides (the config is read and overridden first, then the weights load into it); `ops`: the decode
+    math (harness.decode.ops, default torch ops)."""
+    from transformers import AutoModelForCausalLM
+    path, extra = split_model_path(spec)
+    tokenizer = tokenizer or load_tokenizer(spec)
+    if overrides:
+        extra = {**extra, "config": load_target_config(spec, overrides), **load_kwargs(overrides)}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)
+    model.to(backend.device).eval()
+    return make_target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl, ops=ops), tokenizer
+
+
+def make_target(model, backend: Backend, capacity: int = 256, taps: tuple[int, ...] = (), attn_impl: str = "sdpa",
+                ops: Ops | None = None):
+    """The Target class for the model's family (Gemma 4 has its own layer on torch ops, harness.decode.gemma4)."""
+    if getattr(model.config, "model_type", None) == GEMMA4:
+        return Gemma4Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl)
+    return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl, ops=ops)
+
+
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """All of generation_config.eos_token_id (Qwen3 lists two), else the tokenizer's eos."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return []
+    ids = [ids] if isinstance(ids, int) else list(ids)
+    return sorted(set(int(i) for i in ids))
