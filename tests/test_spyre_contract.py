@@ -23,16 +23,19 @@ def argv(files, *extra):
             "--device", "spyre", *extra]
 
 
-@pytest.mark.parametrize("extra, reason", [
-    (["--dtype", "float32"], "FP16 weights only, not --dtype float32"),
-    (["--dtype", "bfloat16"], "FP16 weights only"),
-    (["--xpress-topc", "0"], "--xpress-topc 0 (full-vocabulary scoring every pass) is not served"),
-    (["--xpress-topc", "1025"], "above the largest Spyre shortlist (1024)"),
-    (["--max-num-batched-tokens", "30"], "at least 31 token slots"),
-    (["--block-size", "8"], "block = anchor + 15 = 16"),
-    (["--use-graph"], "CUDA graphs"),
-])
-def test_unsupported_configuration_fails_before_loading(files, extra, reason, capsys, monkeypatch):
+REFUSED = {  # the flags, and what the one-line error says
+    "FP16 weights only, not --dtype float32": ["--dtype", "float32"],
+    "FP16 weights only": ["--dtype", "bfloat16"],
+    "--xpress-topc 0 (full-vocabulary scoring every pass) is not served": ["--xpress-topc", "0"],
+    "above the largest Spyre shortlist (1024)": ["--xpress-topc", "1025"],
+    "at least 31 token slots": ["--max-num-batched-tokens", "30"],
+    "block = anchor + 15 = 16": ["--block-size", "8"],
+    "CUDA graphs": ["--use-graph"],
+}
+
+
+@pytest.mark.parametrize("reason, extra", REFUSED.items())
+def test_unsupported_configuration_fails_before_loading(files, reason, extra, capsys, monkeypatch):
     import harness.protocol.runner as runner
     import harness.protocol.build as build
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU side of issue 12 ("no behaviour change"): the GPU tests, and bench_step on the code before and after the
+# redesign, the same arguments, one after the other on one machine. Run from the repository root on a CUDA machine.
+#
+#   bash harness/lab/gpu_check.sh tests                 # tests/test_{kernels,ops,counters,gpu}.py, log kept
+#   bash harness/lab/gpu_check.sh bench before DIR      # bench_step in DIR, a copy of the tree before the redesign
+#                                                       #   (e.g. `git archive cb7493b | tar -x -C DIR`)
+#   bash harness/lab/gpu_check.sh bench after           # bench_step in this tree
+#   bash harness/lab/gpu_check.sh compare               # step times side by side, from the two JSON files
+#
+# Files go to $OUT (default results/perf/gpu_check). Numbers are random weights / scripted acceptance.
+set -euo pipefail
+OUT=${OUT:-results/perf/gpu_check}
+OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)
+# the qwen3-8b preset, the arms NOTES.md compares (AR, drafter-only, Markov, xPress K=6 with and without C=128),
+# one tau, the split-attention comparison after a 2048-token prompt; a few minutes per run on one H200
+BENCH=(--preset qwen3-8b --device cuda --dtype bfloat16 --reps 10 --skip-hf --ks 6 --topc 0,128 --taus 4
+       --sweep-arms "xPress(K=6)" --long-prompt 2048)
+
+case "${1:-}" in
+  tests)
+    python -m pytest -q tests/test_kernels.py tests/test_ops.py tests/test_counters.py tests/test_gpu.py \
+      2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+  bench)
+    which=${2:?before or after}
+    if [ "$which" = before ]; then
+      dir=${3:?the directory holding the tree before the redesign}
+      # the old bench_step had a prefetch sweep in its lever table: 0 skips the extra rows, as NOTES.md's runs did
+      (cd "$dir" && python -m harness.lab.bench_step "${BENCH[@]}" --prefetch-sweep 0 --out "$OUT/before.json")
+    else
+      python -m harness.lab.bench_step "${BENCH[@]}" --out "$OUT/after.json"
+    fi
+    ;;
+  compare)
+    python - "$OUT/before.json" "$OUT/after.json" <<'PY'
+import json, sys
+before, after = (json.load(open(p)) for p in sys.argv[1:3])
+def steps(r):
+    rows = {a["arm"]: a["graph"]["step_ms"] for a in r["arms"] if a.get("graph")}
+    rows.update({f"long prompt: {k}": v for k, v in r.get("long_prompt", {}).items() if k != "prompt_len"})
+    return rows
+b, a = steps(before), steps(after)
+print(f"copy bandwidth GB/s: before {before['copy_bandwidth_GBps']:.0f}, after {after['copy_bandwidth_GBps']:.0f}")
+print(f"{'graphed step, device ms':48s} {'before':>8s} {'after':>8s} {'after/before':>12s}")
+for k in b:
+    if k in a:
+        print(f"{k:48s} {b[k]:8.3f} {a[k]:8.3f} {a[k] / b[k]:12.4f}")
+PY
+    ;;
+  *)
+    sed -n 2,12p "$0"
+    exit 2
+    ;;
+esac
