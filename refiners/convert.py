@@ -132,7 +132,7 @@ def cotrain_dict(ckpt: RefinerCheckpoint) -> dict:
         ratio = ckpt.mlp_hidden / ckpt.rank
         args.mlp_ratio = int(ratio) if ratio == int(ratio) else ratio
     else:
-        args.markov_head_type = "vanilla"
+        args.markov_head_type = ckpt.variant
     return {"draft_state_dict": dict(ckpt.draft_state), "refiner_state_dict": dict(ckpt.head_state), "args": args,
             "global_step": ckpt.step}
 

@@ -57,7 +57,7 @@ def test_hidden_states_are_the_targets_own(run_dir):
 
 def _harness(run_dir):
     from harness.decode.devices import Backend
-    from harness.decode.target import load_target
+    from harness.decode.loading import load_target
     from drafters.dflash import DFlashDrafter, load_dflash, read_dflash_config
     backend = Backend(torch.device("cpu"), torch.float32)
     e = run_dir / "work" / "export"
@@ -86,10 +86,8 @@ def test_exports_load_in_the_harness_and_greedy_equals_ar(run_dir):
     for name in ("markov", "markov_gated", "markov_rnn"):
         ck = load_refiner_checkpoint(e / name, "markov")
         validate_against(ck, 128, 64, None, drafter.model.config.expected_shapes())
-        variant = ck.extras["markov_variant"]
-        assert variant == ("vanilla" if name == "markov" else name.split("_")[1])
-        refiners[name] = MarkovRefiner(markov_head_from_state({**ck.head_state, **ck.extras["markov_extra"]},
-                                                              variant))
+        assert ck.variant == ("vanilla" if name == "markov" else name.split("_")[1])
+        refiners[name] = MarkovRefiner(markov_head_from_state(ck.head_state, ck.variant))
     for name, ref in refiners.items():
         for p, want in zip(prompts, refs):
             assert generate(target, p, s, backend, drafter=drafter, refiner=ref).tokens == want, name

@@ -76,11 +76,7 @@ def cotrain_pt(d: Path, drafter_dir: Path | None, out: Path) -> None:
     ck = load_refiner_checkpoint(d, None)
     if ck.draft_state is None and drafter_dir is not None:
         ck.draft_state = read_tensors(shard_files(drafter_dir, "drafter"))
-    content = cotrain_dict(ck)
-    variant = ck.extras.get("markov_variant")
-    if variant:
-        content["args"].markov_head_type = variant
-        content["refiner_state_dict"].update(ck.extras.get("markov_extra", {}))
+    content = cotrain_dict(ck)  # a gated/rnn Markov head: its variant and gate/cell tensors included
     torch.save(content, out)
 
 

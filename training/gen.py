@@ -6,7 +6,7 @@ import torch
 
 
 def stop_ids(model, tokenizer) -> list[int]:
-    from harness.decode.target import stop_token_ids
+    from harness.decode.loading import stop_token_ids
     return stop_token_ids(model, tokenizer)
 
 

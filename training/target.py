@@ -26,7 +26,7 @@ def resolve_spec(spec: str) -> str:
 
 
 def target_config(spec: str):
-    from harness.decode.target import load_target_config
+    from harness.decode.loading import load_target_config
     return load_target_config(resolve_spec(spec))
 
 
@@ -43,7 +43,7 @@ def fix_special_tokens(tokenizer, model) -> None:
 def load_hf(spec: str, device: torch.device, dtype=torch.float32):
     """(model, tokenizer) on `device`, eval mode."""
     from transformers import AutoModelForCausalLM
-    from harness.decode.target import load_tokenizer, split_model_path
+    from harness.decode.loading import load_tokenizer, split_model_path
     path, extra = split_model_path(resolve_spec(spec))
     tokenizer = load_tokenizer(resolve_spec(spec))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **extra)
@@ -53,7 +53,7 @@ def load_hf(spec: str, device: torch.device, dtype=torch.float32):
 
 def verifier_dir(spec: str, workdir: Path) -> str:
     """An HF directory with safetensors for speculators: the spec itself when it is one, else a saved copy."""
-    from harness.decode.target import split_model_path
+    from harness.decode.loading import split_model_path
     resolved = resolve_spec(spec)
     path, extra = split_model_path(resolved)
     if not extra and Path(path).is_dir():
