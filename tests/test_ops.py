@@ -70,17 +70,43 @@ def test_norms_fold_into_the_one_row_matmuls_after_them(monkeypatch):
     assert len(direct) == 1
 
 
+@pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
 @pytest.mark.parametrize("drafter", [False, True])
-def test_greedy_tokens_same_on_both_ops(drafter):
-    n = 12  # the CPU interpreter is slow
+def test_greedy_tokens_same_on_both_ops(drafter, graph):
+    """fp32 greedy: the torch ops and the Triton ops (eagerly, and inside whole-step graphs on CUDA) agree."""
+    n = 24 if DEV.type == "cuda" else 12  # the CPU interpreter is slow
     outs = []
     for fast in (False, True):
         t = fast_target(capacity=64) if fast else tiny_target("qwen3", backend=F32, capacity=64)
         d = tiny_drafter(t, block=4, backend=F32) if drafter else None
         if d is not None:
             d.ops = t.ops
-        outs.append(generate(t, list(range(10, 30)), DecodeSettings(n, 512, ()), F32, drafter=d).tokens)
+        s = DecodeSettings(n, 512, (), use_graph=graph and fast, graph_bucket=16)
+        outs.append(generate(t, list(range(10, 30)), s, F32, drafter=d).tokens)
     assert outs[0] == outs[1] and len(outs[0]) == n
+
+
+@pytest.mark.skipif(not kernels.pdl_supported(DEV), reason="programmatic dependent launch needs a Hopper GPU")
+def test_programmatic_dependent_launch_changes_no_bit():
+    """PDL only lets a launch start early and wait on the device: bf16 verify logits and the greedy tokens of
+    whole-step graphs with the xPress and Markov refiners are bit-identical with it off and on."""
+    from tiny import VOCAB
+    b = Backend(DEV, torch.bfloat16)
+    runs = []
+    for pdl in (False, True):
+        ops = triton_ops(DEV, kernels.Launch(pdl=pdl))
+        t = tiny_target("qwen3", backend=b, capacity=96)
+        t.fuse_projections()
+        t.use_ops(ops)
+        d = tiny_drafter(t, block=8, backend=b)
+        d.ops = ops
+        logits, _ = t.verify(torch.arange(8, 24, device=DEV), 16, want_features=False)
+        refs = [XPressRefiner(random_xpress_head(VOCAB, 64, 16, 8, seed=7, std=0.3).to(DEV, b.dtype), 4, ops=ops),
+                MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 16, seed=2, std=0.3).to(DEV, b.dtype),
+                              ops=ops)]
+        s = DecodeSettings(40, 512, (), use_graph=True, graph_bucket=32)
+        runs.append((logits, [generate(t, list(range(10, 30)), s, b, drafter=d, refiner=r).tokens for r in refs]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
 
 
 def test_make_ops_refuses_what_the_kernels_cannot_run():
