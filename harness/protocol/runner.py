@@ -23,9 +23,10 @@ from harness.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
 from harness.protocol.rounds import rotation
+from harness.decode.accounting import accounting_for, model_stop_ids
 from harness.decode.hf_overrides import parse_overrides
-from harness.decode.target import load_target, load_tokenizer, stop_token_ids
-from harness.protocol.trace import StepTracer
+from harness.decode.target import load_target, load_tokenizer
+from harness.protocol.trace import StepTracer, timed_then_traced
 
 # Flags that may differ between an interrupted run and its --resume.
 RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "given")  # given: which flags were typed
@@ -106,7 +107,8 @@ def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Genera
             "new_tokens": len(g.tokens), "decode_tokens": g.decode_tokens, "ttft_s": g.ttft_s,
             "drafter_prefill_s": g.drafter_prefill_s, "decode_s": g.decode_s, "accept_lengths": g.accept_lengths,
             "accepted": g.accepted, "spec_steps": g.spec_steps, "ar_steps": g.ar_steps,
-            "stop_reason": g.stop_reason, "tokens": g.tokens}
+            "tail_steps": g.tail_steps, "extra_steps": g.extra_steps, "graph_captures": g.graph_captures,
+            "draft_temperature": cfg.draft_temperature, "stop_reason": g.stop_reason, "tokens": g.tokens}
 
 
 def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> list[dict]:
@@ -120,8 +122,9 @@ def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> l
         if ctx["tracer"]:
             ctx["tracer"].set_context(arm=arm.name, round=round_, question_id=qid, dataset_row=sample.row, turn=turn)
         rng = ctx["global_rng"] or ctx["backend"].generator(stream_seed(cfg.seed, sample.row, turn, round_))
-        g = generate(ctx["target"], prompt, ctx["settings"], ctx["backend"], drafter=arm.drafter,
-                     refiner=arm.refiner, generator=rng, on_step=ctx["tracer"])
+        g = timed_then_traced(lambda gen, on_step: generate(  # the tracer never runs inside the timer
+            ctx["target"], prompt, ctx["settings"], ctx["backend"], drafter=arm.drafter, refiner=arm.refiner,
+            generator=gen, on_step=on_step), rng, ctx["tracer"])
         rows.append(sample_row(ctx["run_id"], cfg, arm, qid, sample, turn, round_, warm, g))
         messages.append({"role": "assistant", "content": tokenizer.decode(g.tokens, skip_special_tokens=True)})
     return rows
@@ -185,7 +188,7 @@ def _run(cfg: RunConfig, out, watch) -> dict:
                                         attn_impl=cfg.attn_implementation, tokenizer=tokenizer,
                                         overrides=parse_overrides(cfg.hf_overrides))
         target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
-        stops = tuple(stop_token_ids(target.model, tokenizer))
+        stops = model_stop_ids(target.model, tokenizer, accounting_for(cfg.compat_reference))  # REFERENCE: eos only
         arms = build_arms(cfg, prep, target, watch)
     pick_kernels(target, cfg, [a.drafter for a in arms], [a.refiner for a in arms])
     if prep.spyre is not None:  # fixed-shape compiled graphs (harness.decode.spyre)
