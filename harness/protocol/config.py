@@ -58,6 +58,8 @@ class RunConfig:
     random_weights: str | None = None
     scripted_accept: int | None = None
     compile_all: bool = False
+    explain: bool = False                   # print the conventions block after the table (always in the folder's README)
+    fp32_logits: bool = False               # verify/lm_head logits in float32 (ties of bf16 logits; costs a wider matmul)
     kernels: str = "auto"
     compile_backend: str = "inductor"
     refine_numerics: str = "standard"         # standard | spyre (refiners.spyre_numerics)
@@ -169,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--run-id", help="name of the run folder (default: dataset, temperature and a timestamp)")
     f.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in this folder")
     f.add_argument("--first-turn-only", action="store_true", help="skip later turns (only turn 1 is measured)")
+    f.add_argument("--explain", action="store_true",
+                   help="print the conventions of every number after the table (they are always in the results "
+                        "folder's README.md)")
+    r.add_argument("--fp32-logits", action="store_true",
+                   help="compute the target's lm_head logits in float32 (bf16 logits tie where the top-2 gap is "
+                        "below their rounding; costs a float32 lm_head matmul per step)")
     return p
 
 

@@ -29,7 +29,8 @@ from harness.decode.target import load_target, load_tokenizer
 from harness.protocol.trace import StepTracer, timed_then_traced
 
 # Flags that may differ between an interrupted run and its --resume.
-RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "given")  # given: which flags were typed
+RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain",
+               "given")  # given: which flags were typed
 
 
 def stream_seed(seed: int, row: int, turn: int, round_: int = 1) -> int:
@@ -263,13 +264,13 @@ def _run(cfg: RunConfig, out, watch) -> dict:
             ctx["tracer"].close()
 
     rows = read_rows(rows_path)
-    summary = report.summarize(rows, tau_from_warmup=cfg.compat_reference)
+    summary = report.summarize(rows, tau_from_warmup=cfg.compat_reference,
+                               labels=report.config_labels(dataclasses.asdict(cfg)))
     if watch is not None:
         summary["compile"] = watch.stats()
-    if label(cfg):
-        summary["label"] = label(cfg)
-        print(f"[{label(cfg)}]", file=out)
-    print(report.format_console_table(summary, cfg.dataset), file=out)
+    if summary["labels"]:
+        print(f"[{'; '.join(summary['labels'])}]", file=out)
+    print(report.format_console_table(summary, cfg.dataset, explain=cfg.explain), file=out)
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
     report.write_results(folder, saved_config, environment(), rows, summary, out)
     print(f"[results] {folder}", file=out)
