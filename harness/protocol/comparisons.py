@@ -60,7 +60,7 @@ def optimal(arms: dict, out_arms: dict, rows: list[dict], prompts: list[int]) ->
         else:
             pick = usable(measured)
             on = ("measured rounds (the reported ones: no held-out round, so the chosen arm's number is biased "
-                  "upward)" if len(names) > 1 else "only arm of its method")
+                  "upward)" if len(names) > 1 else "no choice: the only arm of its method")
         if pick:
             best = max(pick, key=pick.get)
             optimal[method] = {"arm": best, "K": arms[best]["K"], "pooled_tok_s": measured[best],

@@ -63,7 +63,7 @@ def _notes(summary: dict) -> list[str]:
             continue
         k = f" (K={o['K']})" if o.get("K") is not None else ""
         lines.append(f"throughput-optimal {method}: {o['arm']}{k} at {_num(o['pooled_tok_s'], '.1f')} POOLED tok/s "
-                     f"over the measured rounds; chosen on {o.get('selected_on', 'the measured rounds')}")
+                     f"over the measured rounds; " + _chosen(o.get("selected_on", "the measured rounds")))
     for name, s in summary["arms"].items():
         lines.append(f"{name}: tau from {s.get('tau_source')}; TTFT {_num(_ms(s['ttft_s']), '.1f')} ms, drafter "
                      f"prefill {_num(_ms(s['drafter_prefill_s']), '.1f')} ms; stop reasons {s['stop_reasons']}")
@@ -84,6 +84,10 @@ def _notes(summary: dict) -> list[str]:
     if summary.get("reference_arm") is None:
         lines.append("no AR arm in this run: no speedup")
     return lines
+
+
+def _chosen(on: str) -> str:
+    return on if on.startswith("no choice") else f"chosen on {on}"
 
 
 def _ms(x):
@@ -230,7 +234,7 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
     if all_labels:
         notes.append(f"**Labelled: {'; '.join(all_labels)}** (see the labels column: not a measurement of a "
                      "real model's decoding where it says random weights / scripted acceptance).")
-    notes += ["Sp. = " + c["median_round_speedup"] + ".",
+    notes += [c["median_round_speedup"] + ".",
               "τ = " + c["tau_per_step"] + "; deterministic runs (T=0, greedy drafts) from the first measured "
               "round, sampled ones the mean over measured rounds.",
               "Each method at its throughput-optimal K, chosen on held-out (warmup) rounds where the run has them "
