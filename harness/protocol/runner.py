@@ -22,8 +22,9 @@ from harness.protocol.data import dataset_provenance, load_samples, render_promp
 from harness.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
-from harness.protocol.rounds import rotation
+from harness.protocol.rounds import refuse_captures, rotation
 from harness.decode.accounting import accounting_for, model_stop_ids
+from harness.decode.capture_plan import capture_every_shape
 from harness.decode.hf_overrides import parse_overrides
 from harness.decode.target import load_target, load_tokenizer
 from harness.protocol.trace import StepTracer, timed_then_traced
@@ -97,8 +98,11 @@ def warmup(arms: list[Arm], target, samples, tokenizer, settings: DecodeSettings
     short = dataclasses.replace(settings, max_new_tokens=min(32, settings.max_new_tokens))
     for arm in arms:
         arm.activate()
-        generate(target, prompt, short, backend, drafter=arm.drafter, refiner=arm.refiner,
-                 generator=backend.generator(0))
+        decode = lambda tokens, s: generate(target, tokens, s, backend, drafter=arm.drafter, refiner=arm.refiner,
+                                            generator=backend.generator(0))
+        decode(prompt, short)
+        if settings.use_graph:  # every step graph before the first measured round (harness.decode.capture_plan)
+            capture_every_shape(decode, prompt, settings, target.capacity, arm.block_size)
 
 
 def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Generation) -> dict:
@@ -250,7 +254,9 @@ def _run(cfg: RunConfig, out, watch) -> dict:
                 for qid, sample in enumerate(samples):
                     if (r, name, qid) in done:
                         continue
-                    append_rows(rows_path, decode_sample(ctx, arm, qid, sample, r, warm))
+                    rows = decode_sample(ctx, arm, qid, sample, r, warm)
+                    append_rows(rows_path, rows)
+                    refuse_captures(rows, rows_path)
                     if bar:
                         bar.update()
     except recompiled as e:
