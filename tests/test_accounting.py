@@ -83,3 +83,19 @@ def test_tracing_runs_outside_the_timer_on_the_same_tokens(tmp_path, temperature
     assert torch.equal(traced_rng.get_state(), plain_rng.get_state())  # the stream continues as if untraced
     # a generation given a step callback says that its timing is not a measurement
     assert not decode(CPU32.generator(3), lambda rec: None).timed
+
+
+def test_logit_gaps_are_recorded_per_token_and_fp32_logits_keep_the_tokens():
+    from harness.decode.loop import top2_gap
+    t = tiny_target("qwen3")
+    d = tiny_drafter(t, block=4)
+    prompt = [9, 10, 11]
+    g = generate(t, prompt, DecodeSettings(12, 512, (), record_gaps=True), CPU32, drafter=d)
+    assert generate(t, prompt, DecodeSettings(12, 512, ()), CPU32).top2_gaps is None  # off by default
+    with torch.no_grad():
+        logits = t.model(torch.tensor([prompt + g.tokens])).logits[0, len(prompt) - 1:-1]
+    # cached decode vs one full forward: fp32 summation order over 6 layers, a few hundred eps of the logits' size
+    tol = 256 * torch.finfo(torch.float32).eps * float(logits.abs().max())
+    torch.testing.assert_close(torch.tensor(g.top2_gaps), top2_gap(logits), atol=tol, rtol=0)
+    t.use_fp32_logits()
+    assert generate(t, prompt, DecodeSettings(12, 512, ()), CPU32, drafter=d).tokens == g.tokens

@@ -129,3 +129,13 @@ def test_rebuild_labels_a_folder_from_its_samples(tmp_path, capsys):
     assert "[random weights / scripted acceptance]" in (folder / "table.md").read_text().splitlines()[0]
     assert json.loads((folder / "summary.json").read_text())["labels"] == ["random weights / scripted acceptance"]
     assert "| random weights / scripted acceptance |" in capsys.readouterr().out
+
+
+def test_each_first_divergence_comes_with_the_logit_gaps_of_both_runs():
+    rows = example()
+    for r in rows:
+        r["top2_gaps"] = [1.0, 2.0, 3.0, 0.004 if r["arm"] != "AR" else 0.002, 5.0]
+    tm = report.summarize(rows, n_boot=50)["arms"]["xPress(K=6)"]["token_match"]
+    q1 = tm["first_divergence"][1]
+    assert (q1["position"], q1["round"], q1["gap_arm"], q1["gap_ref"]) == (3, 3, 0.004, 0.002)
+    assert "q1:3 (gap 0.004/0.002)" in report.format_console_table(report.summarize(rows, n_boot=50), "toy")

@@ -115,7 +115,8 @@ def test_token_match_and_first_divergence(summary):
     # 3 rounds x (3 turn-0 rows + 1 turn-1 row) compared; one output diverges at position 3 of 5
     assert (tm["rows_compared"], tm["rows_identical"]) == (12, 11)
     assert tm["token_match_rate"] == pytest.approx(58 / 60)
-    assert tm["first_divergence"] == [{"question_id": 0, "position": None}, {"question_id": 1, "position": 3},
+    assert tm["first_divergence"] == [{"question_id": 0, "position": None},
+                                      {"question_id": 1, "position": 3, "round": 3},
                                       {"question_id": 2, "position": None}]
     assert summary["arms"]["AR"]["token_match"] is None
     text = report.format_console_table(summary, "toy")

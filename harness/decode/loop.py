@@ -51,6 +51,9 @@ class DecodeSettings:
     # (attention reads the bucket, masked); 0 attends over the whole cache capacity with one graph per width.
     use_graph: bool = False
     graph_bucket: int = 256
+    # Record the target's top-2 logit gap of every emitted token (one top-2 per step, inside the timer: off unless
+    # asked, and labelled), so a divergence from AR can be shown to sit on a near-tie.
+    record_gaps: bool = False
 
     @property
     def target_params(self) -> SamplingParams:
@@ -89,6 +92,7 @@ class Generation:
     graph_steps: int = 0               # steps replayed from a whole-step CUDA graph
     graph_captures: int = 0            # whole-step graphs captured during this generation (inside its decode_s)
     graph_note: str = ""               # why steps ran eagerly although use_graph was set ("" when none did)
+    top2_gaps: list[float] | None = None  # per token: the target's top-2 logit gap (settings.record_gaps)
 
     @property
     def compat_reference(self) -> bool:
@@ -142,6 +146,7 @@ class Stepper:
         width = drafter.block_size if drafter is not None else 1
         self.offsets = torch.arange(width, device=out.device)
         self.scripted = settings.scripted_accept
+        self.gaps: torch.Tensor | None = None  # [len(out)] float32 when settings.record_gaps (see top2_gap)
         self.forced = {} if self.scripted is None else {
             w: torch.full((), min(self.scripted, w - 1), dtype=torch.long, device=out.device) for w in {1, width}}
 
@@ -172,6 +177,8 @@ class Stepper:
         candidates = torch.cat((drafts, nxt.view(1)))
         emitted = torch.where(idx < n, candidates, nxt)
         self.out.index_copy_(0, t.pos + 1 + idx, emitted)
+        if self.gaps is not None:
+            self.gaps.index_copy_(0, t.pos + 1 + idx, top2_gap(logits))
         hits = (emitted.unsqueeze(1) == self.stops).any(1) & (idx <= n)
         first_stop = torch.where(hits.any(), hits.long().argmax(), width)
         t.commit(n + 1)
@@ -191,6 +198,13 @@ class Stepper:
         # Scripted acceptance: the verdict is still computed (same work), then overridden.
         n = self.forced[width]
         return n, sample_rows(logits.index_select(0, n.view(1)), self.params, self.generator)[0]
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """Per row: the largest logit minus the second largest (float32). A greedy choice is a near-tie where this is
+    within the rounding of the logits' dtype."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
 
 
 def _check(settings: DecodeSettings, backend: Backend) -> None:
@@ -256,6 +270,11 @@ class _Decode:
                 self.gen.graph_note = self.graphs.rng_unsupported
                 self.graphs = None
         self.stepper = Stepper(target, drafter, refiner, settings, self.out, stops, self.sampler, self.rng)
+        if settings.record_gaps:  # persistent like `out`: a captured graph writes it by address
+            gaps = getattr(target, "gap_buffer", None)
+            if gaps is None or gaps.numel() < self.out.numel():
+                gaps = target.gap_buffer = torch.zeros(self.out.numel(), dtype=torch.float32, device=dev)
+            self.stepper.gaps = gaps
         self.captures0 = self.graphs.captures if self.graphs is not None else 0
         self.clock = 0.0
 
@@ -266,6 +285,8 @@ class _Decode:
         logits, feats = t.prefill(self.out[:p], want_features=self.drafter is not None)
         first = sample_rows(logits, self.settings.target_params, self.generator)
         self.out[p] = first
+        if self.stepper.gaps is not None:
+            self.stepper.gaps[p] = top2_gap(logits)
         first_id = int(first)  # host read of the prefill's token: part of TTFT, not of any step
         t1 = b.now()
         gen.ttft_s = t1 - t0
@@ -307,6 +328,8 @@ class _Decode:
                 self.graphs.return_rng(self.generator)
         p = gen.prompt_len
         gen.tokens = self.out[p: p + produced].tolist()
+        if self.stepper.gaps is not None:  # read after the timer stopped
+            gen.top2_gaps = [round(x, 5) for x in self.stepper.gaps[p: p + produced].tolist()]
         gen.stop_reason = stop
         return gen
 

@@ -140,6 +140,17 @@ class Target:
         self.step_graphs = None  # harness.decode.graphs.StepGraphs, created by the first use_graph generation
         self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
         self._kernels = None  # harness.decode.kernels when use_kernels() turned them on: the decode-step fast path
+        self._lm_fp32 = None  # float32 copy of the lm_head weight when use_fp32_logits() (--fp32-logits)
+
+    def use_fp32_logits(self) -> None:
+        """Logits in float32 from the (normed) last hidden state: bf16 logits round at 2^-8 relative, so two
+        computations of the same step can flip a near-tie; this keeps one float32 copy of the lm_head weight."""
+        self._lm_fp32 = self.lm_head.weight.detach().float()
+
+    def _logits(self, normed: torch.Tensor) -> torch.Tensor:
+        if self._lm_fp32 is None:
+            return self.lm_head(normed)
+        return torch.nn.functional.linear(normed.float(), self._lm_fp32)
 
     def use_kernels(self, on: bool = True) -> bool:
         """Run decode steps (AR steps and verify blocks up to kernels.MAX_ROWS rows) on harness.decode.kernels' Triton
@@ -232,7 +243,7 @@ class Target:
             # HF's last hidden_state is taken after the final norm; drafters were trained on that tensor.
             tapped[self.n_layers - 1] = out
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
-        logits = self.lm_head(out[-1:] if last_only else out)
+        logits = self._logits(out[-1:] if last_only else out)
         return logits, features
 
     def _forward_kernels(self, ids, positions, want_features):
@@ -247,9 +258,10 @@ class Target:
             cos, sin, positions, self.config.num_attention_heads, self.scale,
             taps=self._tap_set if want_features else ())
         last = self.n_layers - 1
-        if last in tapped:  # the tapped tensor is the normed one (see `forward`), which the lm_head reads too
-            tapped[last] = k.final_norm(h, self.norm)
-            logits = k.linear(tapped[last], self.lm_head.weight)
+        if last in tapped or self._lm_fp32 is not None:  # the tapped tensor is the normed one (see `forward`)
+            normed = k.final_norm(h, self.norm)
+            tapped[last] = normed
+            logits = k.linear(normed, self.lm_head.weight) if self._lm_fp32 is None else self._logits(normed)
         else:  # the final norm folds into the lm_head where it can
             logits = k.normed_linear(h, self.norm, self.lm_head.weight)
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None

@@ -68,20 +68,36 @@ def optimal(arms: dict, out_arms: dict, rows: list[dict], prompts: list[int]) ->
     return optimal
 
 
+def _gap(row: dict, position: int | None):
+    gaps = row.get("top2_gaps")
+    return gaps[position] if gaps is not None and position is not None and position < len(gaps) else None
+
+
 def token_match(rows: list[dict], arm: str, ar: str) -> dict | None:
-    """Every (prompt, turn, round) both arms ran, warmup included: a correctness check, not a throughput number."""
-    ref = {(r["question_id"], r["turn"], r["round"]): r.get("tokens") for r in rows if r["arm"] == ar}
-    mine = {(r["question_id"], r["turn"], r["round"]): r.get("tokens") for r in rows if r["arm"] == arm}
-    keys = sorted(k for k in mine.keys() & ref.keys() if mine[k] is not None and ref[k] is not None)
+    """Every (prompt, turn, round) both arms ran, warmup included: a correctness check, not a throughput number.
+    Each prompt's first divergence (turn 0, earliest over rounds) comes with the target's top-2 logit gap at that
+    position in both runs of that round, where the rows recorded gaps (--record-logit-gaps)."""
+    ref = {(r["question_id"], r["turn"], r["round"]): r for r in rows if r["arm"] == ar and r.get("tokens") is not None}
+    mine = {(r["question_id"], r["turn"], r["round"]): r for r in rows if r["arm"] == arm and r.get("tokens") is not None}
+    keys = sorted(mine.keys() & ref.keys())
     if not keys:
         return None
+    div = {k: metrics.first_divergence(mine[k]["tokens"], ref[k]["tokens"]) for k in keys}
     first: dict = {}
     for q, turn, rnd in keys:
-        d = metrics.first_divergence(mine[q, turn, rnd], ref[q, turn, rnd])
-        if turn == 0:
-            old = first.get(q)
-            first[q] = d if old is None else (old if d is None else min(old, d))
-    identical = sum(metrics.first_divergence(mine[k], ref[k]) is None for k in keys)
-    return {"ref": ar, "rows_compared": len(keys), "rows_identical": identical,
-            "token_match_rate": metrics.token_match_rate([(mine[k], ref[k]) for k in keys]),
-            "first_divergence": [{"question_id": q, "position": first[q]} for q in sorted(first)]}
+        d = div[q, turn, rnd]
+        if turn == 0 and (q not in first or (d is not None and (first[q][0] is None or d < first[q][0]))):
+            first[q] = (d, rnd)
+    out = []
+    for q in sorted(first):
+        d, rnd = first[q]
+        entry = {"question_id": q, "position": d}
+        if d is not None:
+            entry["round"] = rnd
+            gaps = {"gap_arm": _gap(mine[q, 0, rnd], d), "gap_ref": _gap(ref[q, 0, rnd], d)}
+            if any(v is not None for v in gaps.values()):
+                entry.update(gaps)
+        out.append(entry)
+    return {"ref": ar, "rows_compared": len(keys), "rows_identical": sum(div[k] is None for k in keys),
+            "token_match_rate": metrics.token_match_rate([(mine[k]["tokens"], ref[k]["tokens"]) for k in keys]),
+            "first_divergence": out}

@@ -60,6 +60,7 @@ class RunConfig:
     compile_all: bool = False
     explain: bool = False                   # print the conventions block after the table (always in the folder's README)
     fp32_logits: bool = False               # verify/lm_head logits in float32 (ties of bf16 logits; costs a wider matmul)
+    record_logit_gaps: bool = False         # top-2 logit gap of every token in the rows (a top-2 per step, timed)
     kernels: str = "auto"
     compile_backend: str = "inductor"
     refine_numerics: str = "standard"         # standard | spyre (refiners.spyre_numerics)
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--explain", action="store_true",
                    help="print the conventions of every number after the table (they are always in the results "
                         "folder's README.md)")
+    r.add_argument("--record-logit-gaps", action="store_true",
+                   help="store the target's top-2 logit gap of every token, so each divergence from AR is reported "
+                        "with its gap in both runs (one top-2 per step inside the timer: the run is labelled)")
     r.add_argument("--fp32-logits", action="store_true",
                    help="compute the target's lm_head logits in float32 (bf16 logits tie where the top-2 gap is "
                         "below their rounding; costs a float32 lm_head matmul per step)")

@@ -289,6 +289,8 @@ def config_labels(config: dict) -> list[str]:
         labels.append(TRACED_LABEL)
     if config.get("compat_reference"):
         labels.append("compat (the reference's accounting)")
+    if config.get("record_logit_gaps"):
+        labels.append("logit gaps recorded (a top-2 per step inside the timer)")
     return labels
 
 

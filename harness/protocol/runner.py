@@ -72,7 +72,8 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
 def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSettings:
     return DecodeSettings(cfg.max_new_tokens, limit, stops, cfg.temperature, cfg.top_k, cfg.top_p,
                           cfg.draft_temperature, cfg.draft_noise, cfg.compat_reference,
-                          scripted_accept=cfg.scripted_accept, use_graph=cfg.use_graph)
+                          scripted_accept=cfg.scripted_accept, use_graph=cfg.use_graph,
+                          record_gaps=cfg.record_logit_gaps)
 
 
 def label(cfg: RunConfig) -> str | None:
@@ -113,7 +114,8 @@ def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Genera
             "drafter_prefill_s": g.drafter_prefill_s, "decode_s": g.decode_s, "accept_lengths": g.accept_lengths,
             "accepted": g.accepted, "spec_steps": g.spec_steps, "ar_steps": g.ar_steps,
             "tail_steps": g.tail_steps, "extra_steps": g.extra_steps, "graph_captures": g.graph_captures,
-            "draft_temperature": cfg.draft_temperature, "stop_reason": g.stop_reason, "tokens": g.tokens}
+            "draft_temperature": cfg.draft_temperature, "stop_reason": g.stop_reason, "tokens": g.tokens,
+            **({"top2_gaps": g.top2_gaps} if g.top2_gaps is not None else {})}
 
 
 def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> list[dict]:
@@ -196,6 +198,8 @@ def _run(cfg: RunConfig, out, watch) -> dict:
         stops = model_stop_ids(target.model, tokenizer, accounting_for(cfg.compat_reference))  # REFERENCE: eos only
         arms = build_arms(cfg, prep, target, watch)
     pick_kernels(target, cfg, [a.drafter for a in arms], [a.refiner for a in arms])
+    if cfg.fp32_logits:
+        target.use_fp32_logits()
     if prep.spyre is not None:  # fixed-shape compiled graphs (harness.decode.spyre)
         from harness.decode.spyre import compile_for
         compile_for(target, [a.drafter for a in arms])

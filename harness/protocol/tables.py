@@ -69,7 +69,7 @@ def _notes(summary: dict) -> list[str]:
                      f"prefill {_num(_ms(s['drafter_prefill_s']), '.1f')} ms; stop reasons {s['stop_reasons']}")
         tm = s.get("token_match")
         if tm:
-            div = ", ".join(f"q{d['question_id']}:{'-' if d['position'] is None else d['position']}"
+            div = ", ".join(f"q{d['question_id']}:{'-' if d['position'] is None else d['position']}" + _gaps(d)
                             for d in tm["first_divergence"])
             lines.append(f"{name} vs {tm['ref']}: token match {_num(tm['token_match_rate'], '.4f')}, "
                          f"{tm['rows_identical']}/{tm['rows_compared']} outputs identical; first divergence per "
@@ -84,6 +84,13 @@ def _notes(summary: dict) -> list[str]:
     if summary.get("reference_arm") is None:
         lines.append("no AR arm in this run: no speedup")
     return lines
+
+
+def _gaps(d: dict) -> str:
+    """' (gap 0.031/0.012)': the target's top-2 logit gap at the divergence in the arm's and the reference's run."""
+    if d.get("gap_arm") is None and d.get("gap_ref") is None:
+        return ""
+    return f" (gap {_num(d.get('gap_arm'), '.3g')}/{_num(d.get('gap_ref'), '.3g')})"
 
 
 def _chosen(on: str) -> str:
