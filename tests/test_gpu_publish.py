@@ -54,9 +54,8 @@ def divergences(target, drafter, b, fp32: bool):
             sp = generate(target, prompt, s, b, drafter=drafter)
             d = next((k for k, (x, y) in enumerate(zip(ar.tokens, sp.tokens)) if x != y), None)
             if d is not None:
-                with torch.no_grad():  # the top logit's magnitude at the divergence (float32 forward of AR's prefix)
-                    z = target.model.float()(torch.tensor([prompt + ar.tokens[:d]], device="cuda")).logits[0, -1]
-                    target.model.to(torch.bfloat16)
+                with torch.no_grad():  # the top logit's magnitude at the divergence (HF's forward of AR's prefix)
+                    z = target.model(torch.tensor([prompt + ar.tokens[:d]], device="cuda")).logits[0, -1].float()
                 found.append((i, d, ar.top2_gaps[d], sp.top2_gaps[d], float(z.max())))
     finally:
         target._lm_fp32 = None
