@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
     a("--compat-reference", action="store_true",
       help="reproduce the reference harness's quirks: one global random stream, an extra step after an EOS "
-           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted")
+           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted, "
+           "stops on the tokenizer's eos only")
     a("--drafter-only", action="store_true", help="speculative arm uses the drafter's own draft (no refiner, K=0)")
     a("--ar-only", action="store_true", help="run only the autoregressive baseline (block 1)")
     a("--skip-ar", action="store_true", help="run only the speculative arm")
