@@ -139,3 +139,9 @@ def test_each_first_divergence_comes_with_the_logit_gaps_of_both_runs():
     q1 = tm["first_divergence"][1]
     assert (q1["position"], q1["round"], q1["gap_arm"], q1["gap_ref"]) == (3, 3, 0.004, 0.002)
     assert "q1:3 (gap 0.004/0.002)" in report.format_console_table(report.summarize(rows, n_boot=50), "toy")
+
+
+def test_rows_timed_with_a_step_callback_label_the_run():
+    rows = [dict(r, timed=r["arm"] != "AR") for r in example()]
+    assert report.UNTIMED_LABEL in tables.run_labels(report.summarize(rows, n_boot=50))
+    assert report.UNTIMED_LABEL not in tables.run_labels(report.summarize(example(), n_boot=50))

@@ -28,7 +28,8 @@ from harness.protocol.tables import (format_console_table, format_conventions, f
 __all__ = ["summarize", "conventions", "write_results", "format_console_table", "format_markdown_table",
            "format_csv", "format_multi_dataset_table", "main"]
 
-GREEDY_T = 1e-5  # below this temperature decoding is greedy, as the reference
+GREEDY_T = 1e-5
+UNTIMED_LABEL = "timing NOT a measurement (a per-step callback ran inside the timer)"  # below this temperature decoding is greedy, as the reference
 SCHEMA = "xpress-bench/summary/1"
 _METHOD_ORDER = {"ar": 0, "drafter-only": 1, "markov": 2, "xpress": 3}
 _REPO = Path(__file__).resolve().parents[2]
@@ -191,7 +192,8 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
                    "measured": [x for x in all_rounds if x not in warm_rounds]},
         "prompts": len(prompts), "reference_arm": ar, "drafter_only_arm": base,
         "incomplete_rounds": incomplete, "duplicate_rows_dropped": duplicates,
-        "arms": out_arms, "optimal": optimal, "ar_rounds_off_median": ar_flags, "labels": list(labels or []),
+        "arms": out_arms, "optimal": optimal, "ar_rounds_off_median": ar_flags,
+        "labels": list(labels or []) + ([UNTIMED_LABEL] if any(r.get("timed") is False for r in measured) else []),
         "conventions": conventions(),
     })
 
