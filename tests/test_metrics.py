@@ -58,7 +58,9 @@ def test_pooled_tok_per_s_is_a_ratio_of_sums_over_samples_with_tokens():
 def test_per_sample_tok_per_s_is_the_harmonic_convention():
     # s/token: 1/100 and 1/10 -> mean 0.055 -> 18.18 tok/s; the arithmetic mean of rates would be 55
     assert m.per_sample_tok_per_s([100, 10], [1.0, 1.0]) == pytest.approx(1 / 0.055)
-    assert m.per_sample_tok_per_s([0], [2.0]) == pytest.approx(0.5)  # max(1, tokens) guards zero tokens
+    # a sample with no decode token has no rate: it is left out (the reference's max(1, n) would count 2 s/token)
+    assert m.per_sample_tok_per_s([100, 0], [1.0, 2.0]) == pytest.approx(100.0)
+    assert math.isnan(m.per_sample_tok_per_s([0], [2.0]))
     assert "1/mean(s/token)" in m.CONVENTIONS["per_sample_tok_per_s"]
 
 

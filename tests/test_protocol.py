@@ -146,12 +146,21 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
 def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
             "--max-new-tokens", "17", "--scripted-accept", "3", "--fair-interleave", "--fair-k-list", "1,2",
-            "--results-dir", str(tmp_path), "--run-id", "rw"]
+            "--results-dir", str(tmp_path), "--run-id", "rw", "--trace", str(tmp_path / "trace.jsonl")]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "[random weights / scripted acceptance]" in out
+    labels = ["random weights / scripted acceptance", "traced (steps replayed untimed)"]
+    assert f"[{'; '.join(labels)}]" in out
     summary = json.loads((tmp_path / "rw" / "summary.json").read_text())
-    assert summary["label"] == "random weights / scripted acceptance"
+    assert summary["labels"] == labels
+    # labels wherever a reader looks: the table's title line, a column of every CSV row, the folder's README
+    title = (tmp_path / "rw" / "table.md").read_text().splitlines()[0]
+    assert title.startswith(f"**RESULT  [{'; '.join(labels)}]")
+    csv_rows = (tmp_path / "rw" / "table.csv").read_text().splitlines()
+    assert csv_rows[0].endswith(",labels") and all(r.endswith("; traced (steps replayed untimed)")
+                                                     for r in csv_rows[1:])
+    assert "Conventions" in (tmp_path / "rw" / "README.md").read_text() and "\n  tau_per_step:" not in out
+    assert (tmp_path / "trace.jsonl").read_text().count("\n") > 0
     config = json.loads((tmp_path / "rw" / "config.json").read_text())
     assert config["resolved"]["label"] == "random weights / scripted acceptance"
     assert config["resolved"]["kernels"] == "torch"  # auto: the Triton kernels only on CUDA

@@ -79,11 +79,14 @@ def test_speedup_is_the_mean_of_per_round_ratios(summary):
     assert sp["values"] == pytest.approx([r2, r3]) and sp["n"] == 2 and sp["ref"] == "AR"
     assert sp["median"] == pytest.approx(mean_of_ratios)
     assert sp["std"] == pytest.approx(abs(r3 - r2) / math.sqrt(2))
-    # the CI is over prompts of the speedup pooled over rounds: (320 / 1.44) / (320 / 4.9)
-    assert sp["ci_point"] == pytest.approx(4.9 / 1.44) and sp["ci_prompts"] == 3
+    # the primary statistic is the median of the per-round ratios, and its CI brackets it
+    assert sp["value"] == pytest.approx(sp["median"]) and sp["ci_prompts"] == 3
     lo, hi = sp["ci95"]
-    assert lo <= sp["ci_point"] <= hi
-    assert summary["arms"]["AR"]["speedup"]["mean"] == 1.0
+    assert lo <= sp["value"] <= hi
+    # kept beside it: the speedup pooled over rounds, (320 / 1.44) / (320 / 4.9), with its CI over prompts
+    assert sp["pooled"]["value"] == pytest.approx(4.9 / 1.44)
+    assert sp["pooled"]["ci95"][0] <= sp["pooled"]["value"] <= sp["pooled"]["ci95"][1]
+    assert summary["arms"]["AR"]["speedup"] is None
     assert summary["arms"]["xPress(K=6)"]["speedup_per_sample"]["values"] == pytest.approx([200 / 75, 250 / 50])
     assert summary["arms"]["xPress(K=6)"]["gain"] is None and summary["drafter_only_arm"] is None
 
@@ -112,7 +115,8 @@ def test_token_match_and_first_divergence(summary):
     # 3 rounds x (3 turn-0 rows + 1 turn-1 row) compared; one output diverges at position 3 of 5
     assert (tm["rows_compared"], tm["rows_identical"]) == (12, 11)
     assert tm["token_match_rate"] == pytest.approx(58 / 60)
-    assert tm["first_divergence"] == [{"question_id": 0, "position": None}, {"question_id": 1, "position": 3},
+    assert tm["first_divergence"] == [{"question_id": 0, "position": None},
+                                      {"question_id": 1, "position": 3, "round": 3},
                                       {"question_id": 2, "position": None}]
     assert summary["arms"]["AR"]["token_match"] is None
     text = report.format_console_table(summary, "toy")
@@ -132,9 +136,11 @@ def test_gain_over_drafter_only_and_throughput_optimal_k():
     assert s["arms"]["xPress(K=6)"]["gain"]["ref"] == "drafter-only"
     assert s["arms"]["Markov"]["gain"]["mean"] == pytest.approx(4 / 3)
     assert s["arms"]["drafter-only"]["speedup"]["mean"] == pytest.approx(3.0)
-    assert s["optimal"]["xpress"] == {"arm": "xPress(K=6)", "K": 6, "pooled_tok_s": pytest.approx(550.0)}
+    o = s["optimal"]["xpress"]
+    assert (o["arm"], o["K"], o["pooled_tok_s"]) == ("xPress(K=6)", 6, pytest.approx(550.0))
+    assert o["selected_on"].startswith("warmup rounds") and o["selection_tok_s"] == pytest.approx(500.0)
     assert s["optimal"]["markov"]["arm"] == "Markov" and s["optimal"]["ar"]["arm"] == "AR"
-    text = report.format_console_table(s, "toy")
+    text = report.format_console_table(s, "toy", explain=True)
     for column in tables._HEADER:
         assert column in text
     assert "1.000 (ref)" in text and "throughput-optimal xpress: xPress(K=6) (K=6)" in text
@@ -237,11 +243,12 @@ def test_environment_has_the_provenance_fields():
 # ------------------------------------------------------------------------------------------ multi-dataset table
 
 def arm(name, method, k, sp, tau, pooled, gain=None):
-    return {"arm": name, "method": method, "K": k, "tau_per_step": tau, "speedup": {"mean": sp},
-            "gain": None if gain is None else {"mean": gain}, "pooled_tok_s": {"mean": pooled}}
+    return {"arm": name, "method": method, "K": k, "tau_per_step": tau,
+            "speedup": {"value": sp, "ci95": [sp - 0.5, sp + 0.5]},
+            "gain": None if gain is None else {"value": gain}, "pooled_tok_s": {"mean": pooled}}
 
 
-def fake_folder(root, name, dataset, d, m, xs, best):
+def fake_folder(root, name, dataset, d, m, xs, best, labels=()):
     """d, m = (Sp., tau) of drafter-only and Markov; xs = {K: (Sp., tau, gain)}; best = the optimal K."""
     arms = [arm("drafter-only", "drafter-only", None, *d, 100.0), arm("Markov", "markov", None, *m, 150.0)]
     arms += [arm(f"xPress(K={k})", "xpress", k, sp, tau, 200.0 if k == best else 180.0, gain)
@@ -250,7 +257,8 @@ def fake_folder(root, name, dataset, d, m, xs, best):
                "xpress": {"arm": f"xPress(K={best})", "K": best}}
     folder = root / name
     folder.mkdir()
-    (folder / "summary.json").write_text(json.dumps({"dataset": dataset, "temperature": 0.0,
+    (folder / "summary.json").write_text(json.dumps({"dataset": dataset, "temperature": 0.0, "prompts": 12,
+                                                     "rounds": {"measured": [2, 3, 4]}, "labels": labels,
                                                      "arms": {a["arm"]: a for a in arms}, "optimal": optimal}))
     (folder / "config.json").write_text(json.dumps({"dataset": dataset}))
     return str(folder)
@@ -264,11 +272,13 @@ def test_merge_cli_builds_the_table_and_recomputes_the_average(tmp_path, capsys)
     text = capsys.readouterr().out
     assert text == out.read_text(encoding="utf-8")
     lines = text.splitlines()
-    assert lines[0] == ("| benchmark | T | drafter-only Sp. / τ | Markov Sp. / τ | xPress Sp. / τ | xPress K "
-                        "| × Gain |")
-    assert lines[2] == "| gsm8k | 0 | 4.00× / 6.00 | 6.00× / 8.00 | 7.00× / 9.00 | 6 | 1.70× |"
-    assert lines[3] == "| math500 | 0 | 5.00× / 7.00 | 5.50× / 8.50 | 6.00× / 9.50 | 7 | 1.20× |"
-    assert lines[4] == "| **Avg.** |  | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |"
+    assert lines[0] == ("| benchmark | T | drafter-only Sp. [95% CI] / τ | Markov Sp. [95% CI] / τ | xPress Sp. "
+                        "[95% CI] / τ | xPress K | × Gain | prompts | rounds | labels |")
+    assert lines[2] == ("| gsm8k | 0 | 4.00× [3.50, 4.50] / 6.00 | 6.00× [5.50, 6.50] / 8.00 | 7.00× [6.50, 7.50] "
+                        "/ 9.00 | 6 | 1.70× | 12 | 3 | - |")
+    assert lines[3] == ("| math500 | 0 | 5.00× [4.50, 5.50] / 7.00 | 5.50× [5.00, 6.00] / 8.50 | 6.00× [5.50, 6.50] "
+                        "/ 9.50 | 7 | 1.20× | 12 | 3 | - |")
+    assert lines[4] == "| **Avg.** |  | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |  |  |  |"
     assert "recomputed" in text and "throughput-optimal K" in text
 
 
@@ -277,8 +287,9 @@ def test_merge_cli_on_a_real_results_folder(tmp_path, summary, capsys):
     capsys.readouterr()
     assert report.main([str(tmp_path / "toy")]) == 0
     line = capsys.readouterr().out.splitlines()[2]
-    sp = summary["arms"]["xPress(K=6)"]["speedup"]["mean"]
-    assert line == f"| toy | 0 | - | - | {sp:.2f}× / {16 / 6:.2f} | 6 | - |"
+    sp = summary["arms"]["xPress(K=6)"]["speedup"]
+    lo, hi = sp["ci95"]
+    assert line == f"| toy | 0 | - | - | {sp['value']:.2f}× [{lo:.2f}, {hi:.2f}] / {16 / 6:.2f} | 6 | - | 3 | 2 | - |"
 
 
 def test_merge_cli_error_exits_on_a_folder_without_summary(tmp_path, capsys):

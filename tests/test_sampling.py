@@ -86,8 +86,14 @@ SETTINGS = {"T1": dict(temperature=1.0), "T0.7": dict(temperature=0.7), "topk": 
 N = 1200
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("method", ["ar", "drafter-only", "markov", "xpress1", "xpress4"])
+# Every method at T=1; the filters (temperature, top-k, top-p) on p through AR and on p and q through xPress.
+# Row by row (bonus, rows >= 2, after a rollback, Td != T, Td = 0, top-C) with stated power: test_verify.py and
+# test_sampling_rows.py.
+GRID = ([(m, "T1") for m in ("ar", "drafter-only", "markov", "xpress1", "xpress4")]
+        + [(m, s) for m in ("ar", "xpress4") for s in ("T0.7", "topk", "topp")])
+
+
+@pytest.mark.parametrize("method, setting", GRID)
 def test_first_tokens_follow_the_target_distribution(model, method, setting):
     t, drafter = model
     settings = DecodeSettings(N_TOKENS, 64, (), **SETTINGS[setting])

@@ -143,7 +143,7 @@ class StepGraphs:
         """Replay (capturing first if needed) the step of `stepper`'s arm at this shape; returns its StepOut."""
         layout = self._layout(stepper)
         key = (id(stepper.drafter), id(stepper.refiner), id(stepper.sampler), id(stepper.stops),
-               stepper.params, stepper.scripted, speculative, width, length)
+               stepper.params, stepper.scripted, getattr(stepper, "gaps", None) is not None, speculative, width, length)
         entry = self.entries.get(key)
         if entry is None or entry.layout != layout:
             # a cache or the output buffer was reallocated: graphs reading the old ones are useless

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from drafters.base import Drafter, Proposal
+from harness.decode.accounting import REFERENCE, STANDARD, Accounting, accounting_for
 from harness.decode.devices import Backend
 from harness.errors import UsageError
 from harness.decode.sampling import DraftSampler, SamplingParams, sample_rows
@@ -40,8 +41,7 @@ class DecodeSettings:
     top_p: float = 1.0
     draft_temperature: float | None = None   # None: the target temperature (the reference's convention)
     draft_noise: str = "gumbel"
-    # The reference harness's loop quirks: tau entries not clipped at EOS or the budget, one extra draft+verify
-    # step after an EOS correction/bonus token, and the decode timer started after the first block's drafting.
+    # The reference harness's accounting (harness.decode.accounting.REFERENCE): see that module.
     compat_reference: bool = False
     # Timing mode: force min(N, W-1) accepted drafts per verify (the target still verifies the whole block and the
     # next token is its choice at row N), so step times at any tau can be measured. Results made this way are
@@ -51,10 +51,17 @@ class DecodeSettings:
     # (attention reads the bucket, masked); 0 attends over the whole cache capacity with one graph per width.
     use_graph: bool = False
     graph_bucket: int = 256
+    # Record the target's top-2 logit gap of every emitted token (one top-2 per step, inside the timer: off unless
+    # asked, and labelled), so a divergence from AR can be shown to sit on a near-tie.
+    record_gaps: bool = False
 
     @property
     def target_params(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def accounting(self) -> Accounting:
+        return accounting_for(self.compat_reference)
 
     @property
     def draft_params(self) -> SamplingParams:
@@ -67,8 +74,8 @@ class DecodeSettings:
 @dataclass
 class Generation:
     tokens: list[int]
-    accept_lengths: list[int]          # per step: tokens the step added to the output (accepted + 1, clipped)
-    accepted: list[int]                # per step: drafts accepted by verification (before clipping)
+    accept_lengths: list[int]          # per verify step of the arm: its tau entry (accounting.tau_entry)
+    accepted: list[int]                # per verify step of the arm: drafts accepted by verification (before clipping)
     stop_reason: str                   # eos | max_new_tokens | max_model_len
     prompt_len: int
     ttft_s: float = 0.0                # prefill + first token
@@ -76,16 +83,25 @@ class Generation:
     decode_s: float = 0.0              # every step after that
     spec_steps: int = 0
     ar_steps: int = 0
+    tail_steps: int = 0                # a speculative arm's plain target steps near the context limit (no tau entry)
+    extra_steps: int = 0               # the accounting's steps after an EOS (the reference's; emit nothing)
     host_syncs: int = 0
-    compat_reference: bool = False
+    accounting: Accounting = STANDARD
+    timed: bool = True                 # False when a per-step callback ran inside the timer: decode_s is no measurement
     graph_steps: int = 0               # steps replayed from a whole-step CUDA graph
+    graph_captures: int = 0            # whole-step graphs captured during this generation (inside its decode_s)
     graph_note: str = ""               # why steps ran eagerly although use_graph was set ("" when none did)
+    top2_gaps: list[float] | None = None  # per token: the target's top-2 logit gap (settings.record_gaps)
+
+    @property
+    def compat_reference(self) -> bool:
+        return self.accounting is REFERENCE
 
     @property
     def decode_tokens(self) -> int:
         """Tokens the decode timer is divided by: all but the prefill's first token (whose time is TTFT); the
-        reference (compat mode) counts that token too."""
-        return len(self.tokens) if self.compat_reference else max(0, len(self.tokens) - 1)
+        reference's accounting counts that token too."""
+        return self.accounting.decode_tokens(len(self.tokens))
 
 
 class PromptTooLong(UsageError):
@@ -129,6 +145,7 @@ class Stepper:
         width = drafter.block_size if drafter is not None else 1
         self.offsets = torch.arange(width, device=out.device)
         self.scripted = settings.scripted_accept
+        self.gaps: torch.Tensor | None = None  # [len(out)] float32 when settings.record_gaps (see top2_gap)
         self.forced = {} if self.scripted is None else {
             w: torch.full((), min(self.scripted, w - 1), dtype=torch.long, device=out.device) for w in {1, width}}
 
@@ -159,6 +176,8 @@ class Stepper:
         candidates = torch.cat((drafts, nxt.view(1)))
         emitted = torch.where(idx < n, candidates, nxt)
         self.out.index_copy_(0, t.pos + 1 + idx, emitted)
+        if self.gaps is not None:
+            self.gaps.index_copy_(0, t.pos + 1 + idx, top2_gap(logits))
         hits = (emitted.unsqueeze(1) == self.stops).any(1) & (idx <= n)
         first_stop = torch.where(hits.any(), hits.long().argmax(), width)
         t.commit(n + 1)
@@ -180,6 +199,13 @@ class Stepper:
         return n, sample_rows(logits.index_select(0, n.view(1)), self.params, self.generator)[0]
 
 
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """Per row: the largest logit minus the second largest (float32). A greedy choice is a near-tie where this is
+    within the rounding of the logits' dtype."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1]
+
+
 def _check(settings: DecodeSettings, backend: Backend) -> None:
     s = settings.scripted_accept
     if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
@@ -192,141 +218,179 @@ def _check(settings: DecodeSettings, backend: Backend) -> None:
         raise UsageError(f"graph bucket must be an integer >= 0 (0 = the whole cache), got {b!r}")
 
 
+class _Decode:
+    """One generation's setup and state: checks, cache sizes, buffers, the sampler, graphs and the stepper."""
+
+    def __init__(self, target, prompt, settings: DecodeSettings, backend: Backend, drafter, refiner, generator):
+        p, m, limit = len(prompt), settings.max_new_tokens, settings.max_model_len
+        if p == 0:
+            raise UsageError("empty prompt: the chat template produced no tokens")
+        if p >= limit:
+            raise PromptTooLong(f"prompt has {p} tokens but --max-model-len is {limit}; raise --max-model-len "
+                                "or drop the prompt")
+        _check(settings, backend)
+        self.target, self.drafter, self.settings, self.backend = target, drafter, settings, backend
+        self.policy = settings.accounting
+        self.graphs = None
+        if settings.use_graph:
+            from harness.decode.graphs import step_graphs
+            self.graphs = step_graphs(target)
+        self.width = width = drafter.block_size if drafter is not None else 1
+        refiner = refiner or _IDENTITY
+        need = min(limit, p + m + width)
+        if self.graphs is not None:
+            need = self.graphs.capacity_for(need, settings.graph_bucket)
+        target.ensure_capacity(need)
+        if drafter is not None:
+            drafter.ensure_capacity(need)
+        target.reset()
+        dev = backend.device
+        if self.graphs is not None:  # buffers a captured graph reads by address: persistent across generations
+            self.out = self.graphs.out_buffer(target.capacity + width + 1)
+            stops = self.graphs.stop_ids(settings.stop_ids)
+        else:
+            self.out = torch.full((p + m + width + 1,), -1, dtype=torch.long, device=dev)
+            stops = torch.tensor(sorted(settings.stop_ids) or [-2], dtype=torch.long, device=dev)
+        self.out[:p] = torch.tensor(prompt, dtype=torch.long)
+        self.gen = Generation(tokens=[], accept_lengths=[], accepted=[], stop_reason="", prompt_len=p,
+                              accounting=self.policy)
+        draft_params = settings.draft_params
+        self.sampler = None
+        if drafter is not None and not draft_params.greedy:
+            self.sampler = DraftSampler.kept_in(target.samplers, draft_params, settings.draft_noise, width - 1,
+                                                target.vocab_size, dev)
+        self.generator, self.rng = generator, generator
+        if self.graphs is not None and (self.sampler is not None or not settings.target_params.greedy):
+            if self.graphs.adopt_rng(generator):
+                self.rng = self.graphs.rng  # a graph reads the generator it was captured with: the state moves
+            else:
+                self.gen.graph_note = self.graphs.rng_unsupported
+                self.graphs = None
+        self.stepper = Stepper(target, drafter, refiner, settings, self.out, stops, self.sampler, self.rng)
+        if settings.record_gaps:  # persistent like `out`: a captured graph writes it by address
+            gaps = getattr(target, "gap_buffer", None)
+            if gaps is None or gaps.numel() < self.out.numel():
+                gaps = target.gap_buffer = torch.zeros(self.out.numel(), dtype=torch.float32, device=dev)
+            self.stepper.gaps = gaps
+        self.captures0 = self.graphs.captures if self.graphs is not None else 0
+        self.clock = 0.0
+
+    def prefill(self) -> int:
+        """Prefill and first token (TTFT), then the drafter's pass over the prompt; starts the decode clock."""
+        t, b, p, gen = self.target, self.backend, self.gen.prompt_len, self.gen
+        t0 = b.now()
+        logits, feats = t.prefill(self.out[:p], want_features=self.drafter is not None)
+        first = sample_rows(logits, self.settings.target_params, self.generator)
+        self.out[p] = first
+        if self.stepper.gaps is not None:
+            self.stepper.gaps[p] = top2_gap(logits)
+        first_id = int(first)  # host read of the prefill's token: part of TTFT, not of any step
+        t1 = b.now()
+        gen.ttft_s = t1 - t0
+        if self.drafter is not None:
+            self.drafter.begin(feats)
+            t2 = b.now()
+            gen.drafter_prefill_s, t1 = t2 - t1, t2
+        self.clock = t1
+        return first_id
+
+    def _first_draft_mark(self, stage: str) -> None:
+        if stage == "refine":  # the reference starts its decode timer here (its drafter "prefill")
+            now = self.backend.now()
+            self.gen.drafter_prefill_s += now - self.clock
+            self.clock = now
+
+    def step(self, speculative: bool, w: int, pos: int, mark) -> StepOut:
+        # the reference's timer starts inside the first speculative step, so that step runs eagerly
+        first_draft = self.policy.timer_after_first_draft and speculative and self.gen.spec_steps == 0
+        if self.graphs is not None and not first_draft:
+            length = self.graphs.length(pos + w, self.settings.graph_bucket, self.target.capacity)
+            if mark is not None:
+                mark("begin")
+            res = self.graphs.run(self.stepper, speculative, w, length)
+            self.gen.graph_steps += 1
+        else:
+            res = self.stepper.step(speculative, w, pos + w, self._first_draft_mark if first_draft
+                                    else (mark or _no_mark))
+        if mark is not None:
+            mark("end")
+        return res
+
+    def finish(self, produced: int, stop: str) -> Generation:
+        gen = self.gen
+        gen.decode_s = self.backend.now() - self.clock
+        if self.graphs is not None:
+            gen.graph_captures = self.graphs.captures - self.captures0
+            if self.rng is not self.generator:
+                self.graphs.return_rng(self.generator)
+        p = gen.prompt_len
+        gen.tokens = self.out[p: p + produced].tolist()
+        if self.stepper.gaps is not None:  # read after the timer stopped
+            gen.top2_gaps = [round(x, 5) for x in self.stepper.gaps[p: p + produced].tolist()]
+        gen.stop_reason = stop
+        return gen
+
+
+def _trace(on_step, res: StepOut, **fields) -> None:
+    if on_step is not None:
+        on_step({"block": res.block, "logits": res.logits, "proposal": res.proposal, "next_token": res.next_token,
+                 **fields})
+
+
 @torch.no_grad()
 def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backend,
              drafter: Drafter | None = None, refiner: Refiner | None = None,
              generator: torch.Generator | None = None,
              on_step: Callable[[dict], None] | None = None, mark: Callable[[str], None] | None = None) -> Generation:
-    """Decode one prompt. `on_step`, when given, sees each step's device tensors after the step's sync
-    (tests and traces); it is None on timed runs, so it costs nothing there. `mark(name)`, for CUDA-event timing
-    (harness.decode.timing.StageTimer), is called at "begin" and "end" of every step and, on eager steps, after each
-    stage (Stepper.STAGES)."""
-    dev = backend.device
-    m, limit = settings.max_new_tokens, settings.max_model_len
-    p = len(prompt)
-    if p == 0:
-        raise UsageError("empty prompt: the chat template produced no tokens")
-    if p >= limit:
-        raise PromptTooLong(f"prompt has {p} tokens but --max-model-len is {limit}; raise --max-model-len "
-                           "or drop the prompt")
-    _check(settings, backend)
-    graphs = None
-    if settings.use_graph:
-        from harness.decode.graphs import step_graphs
-        graphs = step_graphs(target)
-    width = drafter.block_size if drafter is not None else 1
-    refiner = refiner or _IDENTITY
-    need = min(limit, p + m + width)
-    if graphs is not None:
-        need = graphs.capacity_for(need, settings.graph_bucket)
-    target.ensure_capacity(need)
-    if drafter is not None:
-        drafter.ensure_capacity(need)
-    target.reset()
+    """Decode one prompt. How it is counted is `settings.accounting` (harness.decode.accounting), chosen once.
 
-    if graphs is not None:  # buffers a captured graph reads by address: persistent across generations
-        out = graphs.out_buffer(target.capacity + width + 1)
-        stops = graphs.stop_ids(settings.stop_ids)
-    else:
-        out = torch.full((p + m + width + 1,), -1, dtype=torch.long, device=dev)
-        stops = torch.tensor(sorted(settings.stop_ids) or [-2], dtype=torch.long, device=dev)
-    out[:p] = torch.tensor(prompt, dtype=torch.long)
-    compat = settings.compat_reference
-    gen = Generation(tokens=[], accept_lengths=[], accepted=[], stop_reason="", prompt_len=p, compat_reference=compat)
-    target_params, draft_params = settings.target_params, settings.draft_params
-    sampler = None
-    if drafter is not None and not draft_params.greedy:
-        sampler = DraftSampler.kept_in(target.samplers, draft_params, settings.draft_noise, width - 1,
-                                       target.vocab_size, dev)
-
-    t0 = backend.now()
-    logits, feats = target.prefill(out[:p], want_features=drafter is not None)
-    first = sample_rows(logits, target_params, generator)
-    out[p] = first
-    first_id = int(first)  # host read of the prefill's token: part of TTFT, not of any step
-    t1 = backend.now()
-    gen.ttft_s = t1 - t0
-    if drafter is not None:
-        drafter.begin(feats)
-        t2 = backend.now()
-        gen.drafter_prefill_s = t2 - t1
-        t1 = t2
-
-    rng = generator
-    random_steps = sampler is not None or not target_params.greedy
-    if graphs is not None and random_steps:
-        if graphs.adopt_rng(generator):
-            rng = graphs.rng  # a graph reads the generator it was captured with: the state moves, not the object
-        else:
-            gen.graph_note = graphs.rng_unsupported
-            graphs = None
-    stepper = Stepper(target, drafter, refiner, settings, out, stops, sampler, rng)
-
+    `on_step`, when given, sees each step's device tensors after the step's sync (tests and traces). It runs
+    inside the decode timer, so a generation given one has `timed = False`: its decode_s is not a measurement
+    (harness.protocol.trace replays a timed decode untimed instead). `mark(name)`, for CUDA-event timing
+    (harness.decode.timing.StageTimer), is called at "begin" and "end" of every step and, on eager steps, after
+    each stage (Stepper.STAGES)."""
+    run = _Decode(target, prompt, settings, backend, drafter, refiner, generator)
+    gen, policy, width = run.gen, run.policy, run.width
+    m, limit, p = settings.max_new_tokens, settings.max_model_len, len(prompt)
+    gen.timed = on_step is None
+    first_id = run.prefill()
     pos, produced = p, 1
-    stop = ""
-    if first_id in settings.stop_ids:
-        stop = "eos"
-    elif produced >= m:
-        stop = "max_new_tokens"
-    elif pos + 1 >= limit:
-        stop = "max_model_len"
-
-    clock = [t1]
-
-    def compat_mark(stage: str) -> None:
-        if stage == "refine":  # the reference starts its decode timer here (its drafter "prefill")
-            t2 = backend.now()
-            gen.drafter_prefill_s += t2 - clock[0]
-            clock[0] = t2
-
-    extra_step = False  # compat: the step the reference runs with an EOS anchor, counted but emitting nothing
-    while not stop or extra_step:
+    stop = ("eos" if first_id in settings.stop_ids else "max_new_tokens" if produced >= m
+            else "max_model_len" if pos + 1 >= limit else "")
+    extra = False  # the policy's step after an EOS: counted, emitting nothing
+    while not stop or extra:
         speculative = drafter is not None and pos + width < limit
         w = width if speculative else 1
-        first_compat = compat and speculative and gen.spec_steps == 0
-        if graphs is not None and not first_compat:
-            length = graphs.length(pos + w, settings.graph_bucket, target.capacity)
-            if mark is not None:
-                mark("begin")
-            res = graphs.run(stepper, speculative, w, length)
-            gen.graph_steps += 1
-        else:
-            res = stepper.step(speculative, w, pos + w, compat_mark if first_compat else (mark or _no_mark))
-        if mark is not None:
-            mark("end")
-
+        res = run.step(speculative, w, pos, mark)
         accepted, stop_at = res.packed.tolist()  # the one host sync per step
         gen.host_syncs += 1
         gen.spec_steps += speculative
         gen.ar_steps += not speculative
-        if extra_step:
+        if extra:
+            gen.extra_steps += 1
             gen.accept_lengths.append(accepted + 1)
             gen.accepted.append(accepted)
+            _trace(on_step, res, position=pos, speculative=speculative, accepted=accepted, emitted=0,
+                   produced=produced, stop=stop, extra_step=True)
             break
         emit = accepted + 1
         if stop_at < w:
             emit, stop = stop_at + 1, "eos"
-            # the reference checks stops before the token it just wrote: an EOS correction/bonus costs a step
-            extra_step = (compat and stop_at == accepted and pos + accepted + 1 < p + m
-                          and pos + accepted + 2 < limit)
+            extra = policy.wants_extra_step(stop_at, accepted, pos + accepted + 1 < p + m,
+                                            pos + accepted + 2 < limit)
         if produced + emit >= m:
             if produced + emit > m or not stop:
                 stop = "max_new_tokens"
             emit = m - produced
-        if on_step is not None:
-            on_step({"position": pos, "speculative": speculative, "block": res.block, "logits": res.logits,
-                     "proposal": res.proposal, "accepted": accepted, "emitted": emit,
-                     "next_token": res.next_token, "produced": produced + emit, "stop": stop})
+        _trace(on_step, res, position=pos, speculative=speculative, accepted=accepted, emitted=emit,
+               produced=produced + emit, stop=stop, extra_step=False)
         produced += emit
         pos += accepted + 1
-        gen.accept_lengths.append(accepted + 1 if compat else emit)
-        gen.accepted.append(accepted)
+        if speculative or drafter is None:
+            gen.accept_lengths.append(policy.tau_entry(accepted, emit))
+            gen.accepted.append(accepted)
+        else:  # a speculative arm's plain target step near the context limit: not a tau = 1 entry
+            gen.tail_steps += 1
         if not stop and pos + 1 >= limit:
             stop = "max_model_len"
-
-    gen.decode_s = backend.now() - clock[0]
-    if rng is not generator and graphs is not None:
-        graphs.return_rng(generator)
-    gen.tokens = out[p: p + produced].tolist()
-    gen.stop_reason = stop
-    return gen
+    return run.finish(produced, stop)

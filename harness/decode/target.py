@@ -60,6 +60,13 @@ class Target:
         self.samplers: dict = {}  # DraftSampler per configuration: their noise buffers outlive one generation
         self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
         self.ops = ops or TorchOps()
+        self._lm_fp32 = None  # float32 copy of the lm_head weight when use_fp32_logits() (--fp32-logits)
+
+    def use_fp32_logits(self) -> None:
+        """Logits in float32 from the (normed) last hidden state: bf16 logits round at 2^-8 relative, so two
+        computations of the same step can flip a near-tie; this keeps one float32 copy of the lm_head weight."""
+        self.step_graphs = None
+        self._lm_fp32 = self.lm_head.weight.detach().float()
 
     def use_ops(self, ops: Ops) -> None:
         """Other ops from now on (the lab compares them in one process); captured step graphs are dropped."""
@@ -129,11 +136,19 @@ class Target:
                 tapped[i] = h
         last = self.n_layers - 1
         w = self.lm_head.weight
-        if want_features and last in tapped:
+        tap_last = want_features and last in tapped
+        if tap_last or self._lm_fp32 is not None:
             # HF's last hidden_state is taken after the final norm; drafters were trained on that tensor, and the
             # lm_head reads it too
-            out = tapped[last] = ops.rms_norm(h, self.norm.weight, eps_of(self.norm))
-            logits = ops.linear(out[-1:] if last_only else out, w, bias=self.lm_head.bias)
+            out = ops.rms_norm(h, self.norm.weight, eps_of(self.norm))
+            if tap_last:
+                tapped[last] = out
+            rows = out[-1:] if last_only else out
+            if self._lm_fp32 is None:
+                logits = ops.linear(rows, w, bias=self.lm_head.bias)
+            else:
+                bias = None if self.lm_head.bias is None else self.lm_head.bias.float()
+                logits = torch.nn.functional.linear(rows.float(), self._lm_fp32, bias)
         else:  # the final norm rides in the lm_head matmul where the ops can fold it
             logits = ops.linear(h[-1:] if last_only else h, w, bias=self.lm_head.bias, norm=self.norm.weight,
                                 eps=eps_of(self.norm))

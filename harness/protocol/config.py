@@ -58,6 +58,9 @@ class RunConfig:
     random_weights: str | None = None
     scripted_accept: int | None = None
     compile_all: bool = False
+    explain: bool = False                   # print the conventions block after the table (always in the folder's README)
+    fp32_logits: bool = False               # verify/lm_head logits in float32 (ties of bf16 logits; costs a wider matmul)
+    record_logit_gaps: bool = False         # top-2 logit gap of every token in the rows (a top-2 per step, timed)
     kernels: str = "auto"
     compile_backend: str = "inductor"
     refine_numerics: str = "standard"         # standard | spyre (refiners.spyre_numerics)
@@ -107,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
     a("--compat-reference", action="store_true",
       help="reproduce the reference harness's quirks: one global random stream, an extra step after an EOS "
-           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted")
+           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted, "
+           "stops on the tokenizer's eos only")
     a("--drafter-only", action="store_true", help="speculative arm uses the drafter's own draft (no refiner, K=0)")
     a("--ar-only", action="store_true", help="run only the autoregressive baseline (block 1)")
     a("--skip-ar", action="store_true", help="run only the speculative arm")
@@ -169,6 +173,15 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--run-id", help="name of the run folder (default: dataset, temperature and a timestamp)")
     f.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in this folder")
     f.add_argument("--first-turn-only", action="store_true", help="skip later turns (only turn 1 is measured)")
+    f.add_argument("--explain", action="store_true",
+                   help="print the conventions of every number after the table (they are always in the results "
+                        "folder's README.md)")
+    r.add_argument("--record-logit-gaps", action="store_true",
+                   help="store the target's top-2 logit gap of every token, so each divergence from AR is reported "
+                        "with its gap in both runs (one top-2 per step inside the timer: the run is labelled)")
+    r.add_argument("--fp32-logits", action="store_true",
+                   help="compute the target's lm_head logits in float32 (bf16 logits tie where the top-2 gap is "
+                        "below their rounding; costs a float32 lm_head matmul per step)")
     return p
 
 

@@ -93,16 +93,18 @@ def pooled_tok_per_s(tokens: Sequence[int], seconds: Sequence[float]) -> float:
 
 
 @_metric("per-sample tok/s = 1/mean(s/token): inverse of the mean per-sample seconds per token, a harmonic mean "
-         "of rates (pairs with tau/sample)")
+         "of rates (pairs with tau/sample); samples with no decode token are left out")
 def per_sample_tok_per_s(tokens: Sequence[int], seconds: Sequence[float]) -> float:
-    """1 / mean_i(seconds_i / max(1, tokens_i)), the reference's convention.
+    """1 / mean_i(seconds_i / tokens_i) over samples with tokens_i > 0 (the reference divides by max(1, n), which
+    turns a sample with no decode token into a bogus rate).
 
     The reference's comments call it a mean of rates; it is the harmonic mean, which weighs slow samples more.
     """
     _check_paired(tokens, seconds, "per_sample_tok_per_s")
-    if not len(tokens):
+    per_tok = [s / n for n, s in zip(tokens, seconds) if n > 0]  # no decode token: no rate (the reference's s/1)
+    if not per_tok:
         return _NAN
-    mean_s_per_tok = float(np.mean([s / max(1, n) for n, s in zip(tokens, seconds)]))
+    mean_s_per_tok = float(np.mean(per_tok))
     return 1.0 / mean_s_per_tok if mean_s_per_tok > 0 else _NAN
 
 
@@ -233,6 +235,77 @@ def pooled_speedup_ci_over_prompts(spec_tokens: Sequence[int], spec_seconds: Seq
         return _pooled_rate(st[idx], ss[idx]) / ref if ref > 0 else _NAN
 
     return _percentile_bootstrap(st.size, stat, n_boot, alpha, seed)
+
+
+_PRIMARY = ("Sp. = median over measured rounds of the per-round paired speedup (the arm's POOLED tok/s over the "
+            "round's prompts / AR's over the same prompts in the same round); CI = paired bootstrap that resamples "
+            "prompts and rounds together (timing noise between rounds is inside the interval)")
+
+
+def _round_rates(tokens: np.ndarray, seconds: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """POOLED tok/s per (draw, round) over prompts weighted by counts [D, Q]; tokens, seconds [R, Q]."""
+    secs = np.where(tokens > 0, seconds, 0.0)  # a prompt with no decode token adds no time either
+    tok, sec = counts @ tokens.T, counts @ secs.T
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(sec > 0, tok / np.where(sec > 0, sec, 1.0), np.nan)
+
+
+def _matrices(*arrays) -> list[np.ndarray]:
+    out = [np.asarray(a, dtype=np.float64) for a in arrays]
+    if any(a.ndim != 2 or a.shape != out[0].shape for a in out):
+        raise ValueError(f"round x prompt matrices of one shape expected, got {[a.shape for a in out]}")
+    return out
+
+
+def round_speedups(spec_tokens, spec_seconds, ref_tokens, ref_seconds) -> np.ndarray:
+    """Per-round paired speedups from [rounds, prompts] matrices of decode tokens and seconds."""
+    st, ss, rt, rs = _matrices(spec_tokens, spec_seconds, ref_tokens, ref_seconds)
+    ones = np.ones((1, st.shape[1]))
+    return (_round_rates(st, ss, ones) / _round_rates(rt, rs, ones))[0]
+
+
+@_metric(_PRIMARY)
+def median_round_speedup(spec_tokens, spec_seconds, ref_tokens, ref_seconds) -> float:
+    """The primary speedup: one slow round moves a median of three or more rounds by at most one rank."""
+    r = round_speedups(spec_tokens, spec_seconds, ref_tokens, ref_seconds)
+    return float(np.median(r)) if r.size and np.isfinite(r).all() else _NAN
+
+
+@_metric(_PRIMARY)
+def median_round_speedup_ci(spec_tokens, spec_seconds, ref_tokens, ref_seconds, n_boot: int = 2000,
+                            alpha: float = 0.05, seed: int = 0) -> tuple[float, float]:
+    """(lo, hi) percentile bootstrap of median_round_speedup. Each draw resamples prompts (one index set for every
+    round and both arms, so pairs are kept) and, independently, rounds (the same rounds for both arms); the
+    statistic is recomputed on the draw. Vectorised: a draw is a [prompts] count vector and a [rounds] index."""
+    st, ss, rt, rs = _matrices(spec_tokens, spec_seconds, ref_tokens, ref_seconds)
+    if n_boot < 1 or not 0.0 < alpha < 1.0:
+        raise ValueError(f"n_boot must be >= 1 and alpha in (0, 1), got {n_boot}, {alpha}")
+    n_rounds, n_prompts = st.shape
+    if not st.size:
+        return _NAN, _NAN
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, n_prompts, size=(n_boot, n_prompts))
+    counts = np.zeros((n_boot, n_prompts))
+    np.add.at(counts, (np.arange(n_boot)[:, None], picks), 1.0)
+    ratio = _round_rates(st, ss, counts) / _round_rates(rt, rs, counts)          # [D, R]
+    rounds = rng.integers(0, n_rounds, size=(n_boot, n_rounds))
+    stats = np.median(np.take_along_axis(ratio, rounds, axis=1), axis=1)
+    stats = stats[np.isfinite(stats)]
+    if not stats.size:
+        return _NAN, _NAN
+    lo, hi = np.quantile(stats, [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
+
+
+@_metric("flagged round = a measured round whose AR POOLED tok/s is more than 10% from the median over rounds")
+def off_median_rounds(values: Sequence[float], tolerance: float = 0.10) -> list[tuple[int, float]]:
+    """(index, relative distance from the median) of every value more than `tolerance` from the median."""
+    v = np.asarray(values, dtype=np.float64)
+    if not v.size:
+        return []
+    med = float(np.median(v))
+    off = np.abs(v / med - 1.0) if med > 0 else np.zeros_like(v)
+    return [(int(i), float(off[i])) for i in np.flatnonzero(off > tolerance)]
 
 
 @_metric("first divergence = index of the first generated token where a method's output differs from the "

@@ -24,7 +24,9 @@ def write_plots(folder: str | os.PathLike, summary: dict, dataset: str, out=None
     sweep = sorted((s for s in arms.values() if s["method"] == "xpress" and s["K"] is not None),
                    key=lambda s: s["K"])
     refs = [s for s in arms.values() if s["method"] in ("markov", "drafter-only")]
-    title = f"{dataset}, T={summary['temperature']:g}"
+    from harness.protocol.tables import run_labels
+    labels = run_labels(summary)
+    title = f"{dataset}, T={summary['temperature']:g}" + (f"\n[{'; '.join(labels)}]" if labels else "")
     written = []
 
     def save(fig, name: str) -> None:

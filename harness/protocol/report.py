@@ -9,7 +9,6 @@ measured (non-warmup) rounds only; ratios are paired within a round (harness.pro
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -18,17 +17,19 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.protocol import metrics
+from harness.protocol import comparisons, metrics
 from harness.errors import UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.results_io import atomic_write
 from harness.protocol.rounds import paired_ratios
-from harness.protocol.tables import format_console_table, format_csv, format_markdown_table, format_multi_dataset_table
+from harness.protocol.tables import (format_console_table, format_conventions, format_csv, format_markdown_table,
+                                     format_multi_dataset_table, run_labels)
 
 __all__ = ["summarize", "conventions", "write_results", "format_console_table", "format_markdown_table",
            "format_csv", "format_multi_dataset_table", "main"]
 
-GREEDY_T = 1e-5  # below this temperature decoding is greedy, as the reference
+GREEDY_T = 1e-5
+UNTIMED_LABEL = "timing NOT a measurement (a per-step callback ran inside the timer)"  # below this temperature decoding is greedy, as the reference
 SCHEMA = "xpress-bench/summary/1"
 _METHOD_ORDER = {"ar": 0, "drafter-only": 1, "markov": 2, "xpress": 3}
 _REPO = Path(__file__).resolve().parents[2]
@@ -78,29 +79,11 @@ def _round_metrics(rows: list[dict], block: int) -> dict:
             "per_sample": metrics.per_sample_tok_per_s(tokens, seconds)}
 
 
-def _stats(s: metrics.RatioStats, values: list[float]) -> dict:
-    return {**dataclasses.asdict(s), "values": list(values)}
+_stats = comparisons.stats_dict
 
 
-def _paired(arm: str, ref: str, ratios: dict[str, list[float]], by: dict[str, dict[int, dict]],
-            rounds_used: dict[str, list[int]], n_boot: int, seed: int) -> dict:
-    """Mean of per-round paired ratios, plus a bootstrap CI over prompts of the speedup pooled over rounds."""
-    common = sorted(set(rounds_used[arm]) & set(rounds_used[ref]))
-    prompts = sorted({q for r in common for q in by[arm][r]} & {q for r in common for q in by[ref][r]})
-    sums = {a: {q: [0.0, 0.0] for q in prompts} for a in (arm, ref)}
-    for a in (arm, ref):
-        for r in common:
-            for q, row in by[a][r].items():
-                if q in sums[a]:
-                    sums[a][q][0] += row["decode_tokens"]
-                    sums[a][q][1] += row["decode_s"]
-    cols = [[sums[a][q][i] for q in prompts] for a in (arm, ref) for i in (0, 1)]
-    ci = metrics.pooled_speedup_ci_over_prompts(*cols, n_boot=n_boot, seed=seed)
-    return {**_stats(metrics.paired_ratio_stats(ratios[arm]), ratios[arm]), "ref": ref,
-            "ci95": list(ci), "ci_point": metrics.pooled_speedup(*cols), "ci_prompts": len(prompts)}
-
-
-def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warmup: bool = False) -> dict:
+def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warmup: bool = False,
+              labels: list[str] | None = None) -> dict:
     """The run's summary, JSON-ready (undefined numbers are None).
 
     Top level: schema, dataset, temperature, greedy, block_size, rounds {all, warmup, measured}, prompts,
@@ -123,6 +106,9 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
     temperature = float(_one(rows, "temperature", "temperatures"))
     dataset = _one(rows, "dataset", "datasets")
     greedy = temperature < GREEDY_T
+    # drafting at Td > 0 samples even when the target is greedy: then tau varies between rounds
+    td = {r.get("draft_temperature") for r in rows}
+    deterministic = greedy and all(t is None or t < GREEDY_T for t in td)
     arms = _arms(rows)
     all_rounds = sorted({r["round"] for r in rows})
     warm_rounds = sorted({r["round"] for r in rows if r["warmup"]})
@@ -153,7 +139,7 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
              "prompts": len(prompts)}
         taus = [m["tau_per_step"] for m in pr]
         keys = ("tau_per_step", "tau_per_sample", "histogram", "per_position")
-        if greedy:  # REFERENCE 11.2 item 8: the reference takes the warmup round; we take the first measured one
+        if deterministic:  # REFERENCE 11.2 item 8: the reference takes the warmup round; we take the first measured one
             agree = len(set(taus)) <= 1
             s["tau_source"] = (f"first measured round (round {used[a][0]}); greedy, so assumed identical across "
                                f"rounds: {'it is' if agree else 'IT IS NOT, see tau_per_step_by_round'}"
@@ -166,7 +152,8 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
                 s.update({k: first[k] for k in keys})
                 s["tau_source"] = f"warmup round {warm_rounds[0]} (--compat-reference, as the reference)"
         else:
-            s["tau_source"] = f"mean over {len(pr)} measured rounds (sampling, T={temperature:g})"
+            why = f"T={temperature:g}" if not greedy else f"T=0 but drafts sampled at Td={sorted(td, key=str)}"
+            s["tau_source"] = f"mean over {len(pr)} measured rounds (sampling, {why})"
             s["tau_rounds_agree"] = None
             s.update({k: np.mean([m[k] for m in pr], axis=0).tolist() if pr else math.nan for k in keys})
         s["tau_per_step_by_round"] = taus
@@ -183,23 +170,21 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
         out_arms[a] = s
 
     for ref, key in ((ar, "speedup"), (base, "gain")):
-        ratios = paired_ratios(pooled, ref) if ref and any(ref in v for v in pooled.values()) else {}
-        ps_ratios = paired_ratios(per_sample, ref) if key == "speedup" and ratios else {}
+        ratios = paired_ratios(per_sample, ref) if ref and any(ref in v for v in per_sample.values()) else {}
         for a in arms:
-            out_arms[a][key] = _paired(a, ref, ratios, by, used, n_boot, seed) if a in ratios else None
+            out_arms[a][key] = comparisons.paired(a, ref, by, used, n_boot, seed) if ref and a != ref else None
             if key == "speedup":
-                out_arms[a]["speedup_per_sample"] = (_stats(metrics.paired_ratio_stats(ps_ratios[a]), ps_ratios[a])
-                                                     if a in ps_ratios else None)
+                out_arms[a]["speedup_per_sample"] = (_stats(metrics.paired_ratio_stats(ratios[a]), ratios[a])
+                                                     if a in ratios and a != ref else None)
     for a in arms:
-        out_arms[a]["token_match"] = _token_match(rows, a, ar) if ar and a != ar else None
+        out_arms[a]["token_match"] = comparisons.token_match(rows, a, ar) if ar and a != ar else None
 
-    optimal = {}
-    for method in dict.fromkeys(i["method"] for i in arms.values()):
-        cands = [(out_arms[a]["pooled_tok_s"]["mean"], a) for a, i in arms.items()
-                 if i["method"] == method and math.isfinite(out_arms[a]["pooled_tok_s"]["mean"])]
-        if cands:
-            best = max(cands)[1]
-            optimal[method] = {"arm": best, "K": arms[best]["K"], "pooled_tok_s": max(cands)[0]}
+    optimal = comparisons.optimal(arms, out_arms, rows, prompts)
+    ar_flags = []
+    if ar and ar in out_arms:
+        vals = out_arms[ar]["pooled_tok_s"]["values"]
+        ar_flags = [{"round": used[ar][i], "pooled_tok_s": vals[i], "off_median": off}
+                    for i, off in metrics.off_median_rounds(vals)]
     return _clean({
         "schema": SCHEMA, "dataset": dataset, "temperature": temperature, "greedy": greedy,
         "block_size": max(i["block_size"] for i in arms.values()),
@@ -207,44 +192,32 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
                    "measured": [x for x in all_rounds if x not in warm_rounds]},
         "prompts": len(prompts), "reference_arm": ar, "drafter_only_arm": base,
         "incomplete_rounds": incomplete, "duplicate_rows_dropped": duplicates,
-        "arms": out_arms, "optimal": optimal, "conventions": conventions(),
+        "arms": out_arms, "optimal": optimal, "ar_rounds_off_median": ar_flags,
+        "labels": list(labels or []) + ([UNTIMED_LABEL] if any(r.get("timed") is False for r in measured) else []),
+        "conventions": conventions(),
     })
-
-
-def _token_match(rows: list[dict], arm: str, ar: str) -> dict | None:
-    """Every (prompt, turn, round) both arms ran, warmup included: a correctness check, not a throughput number."""
-    ref = {(r["question_id"], r["turn"], r["round"]): r.get("tokens") for r in rows if r["arm"] == ar}
-    mine = {(r["question_id"], r["turn"], r["round"]): r.get("tokens") for r in rows if r["arm"] == arm}
-    keys = sorted(k for k in mine.keys() & ref.keys() if mine[k] is not None and ref[k] is not None)
-    if not keys:
-        return None
-    first: dict = {}
-    for q, turn, rnd in keys:
-        d = metrics.first_divergence(mine[q, turn, rnd], ref[q, turn, rnd])
-        if turn == 0:
-            old = first.get(q)
-            first[q] = d if old is None else (old if d is None else min(old, d))
-    identical = sum(metrics.first_divergence(mine[k], ref[k]) is None for k in keys)
-    return {"ref": ar, "rows_compared": len(keys), "rows_identical": identical,
-            "token_match_rate": metrics.token_match_rate([(mine[k], ref[k]) for k in keys]),
-            "first_divergence": [{"question_id": q, "position": first[q]} for q in sorted(first)]}
 
 
 def conventions() -> dict[str, str]:
     c = {k: metrics.CONVENTIONS[k] for k in (
         "tau_per_step", "tau_per_sample", "acceptance_histogram", "per_position_acceptance", "pooled_tok_per_s",
-        "per_sample_tok_per_s", "round_stats", "paired_ratio_stats", "pooled_speedup_ci_over_prompts",
-        "token_match_rate", "first_divergence", "mean_latency_s")}
+        "per_sample_tok_per_s", "round_stats", "median_round_speedup", "off_median_rounds", "paired_ratio_stats",
+        "pooled_speedup_ci_over_prompts", "token_match_rate", "first_divergence", "mean_latency_s")}
     c["scope"] = ("throughput and tau use turn 0 of the measured rounds (warmup rounds excluded); tok/s counts decode "
                   "tokens (new tokens minus the prefill's first token) over decode seconds")
-    c["tau_source"] = ("tau at T=0: from the first MEASURED round (greedy: identical every round, checked); at T>0: "
-                       "mean of the per-round values over the measured rounds")
-    c["speedup"] = ("Sp. = mean over measured rounds of the per-round paired ratio POOLED tok/s (arm) / POOLED tok/s "
-                    "(AR) in the same round: a mean of ratios, not a ratio of means; +- sample std (n-1)")
-    c["gain"] = "x gain = the same paired ratio against the drafter-only arm"
-    c["ci95"] = ("[lo, hi] = 95% percentile bootstrap over prompts of the pooled speedup (each prompt's tokens and "
-                 "seconds summed over the measured rounds; its point value is ci_point)")
-    c["optimal"] = "throughput-optimal K = the arm of a method with the highest mean POOLED tok/s; tau at that arm"
+    c["tau_source"] = ("tau of a deterministic run (T=0 and greedy drafts): from the first MEASURED round (identical "
+                       "every round, checked); when anything is sampled (T>0, or a draft temperature > 0): the mean "
+                       "of the per-round values over the measured rounds. A speculative arm's plain target steps "
+                       "near the context limit are counted apart (tail_steps), not as tau entries")
+    c["speedup"] = ("Sp. = the primary statistic: median over measured rounds of the per-round paired speedup, with "
+                    "its own 95% CI (paired bootstrap over prompts and rounds); summary.json keeps the mean +- std "
+                    "of the same per-round ratios and the pooled speedup with its bootstrap over prompts (pooled)")
+    c["gain"] = "x gain = the same statistic against the drafter-only arm"
+    c["optimal"] = ("throughput-optimal K = the arm of a method with the highest POOLED tok/s on the warmup rounds "
+                    "(held out: never reported), reported from the measured rounds; a run without a complete warmup "
+                    "round selects on the measured rounds and says so (selected_on: biased upward)")
+    c["labels"] = ("random weights / scripted acceptance (timing only), traced (steps replayed untimed), compat "
+                   "(the reference's accounting) are on every table title, in table.csv and in every plot title")
     return c
 
 
@@ -277,7 +250,7 @@ def write_results(folder: str | os.PathLike, config: dict, env: dict, rows: list
     files = {"config.json": _json(config), "env.json": _json(env),
              "samples.jsonl": "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
              "summary.json": _json(summary), "table.md": format_markdown_table(summary, dataset),
-             "table.csv": format_csv(summary)}
+             "table.csv": format_csv(summary), "README.md": format_conventions(summary, dataset)}
     for name, text in files.items():
         atomic_write(folder / name, text)
     return [str(folder / n) for n in files] + write_plots(folder, summary, dataset, out)
@@ -304,7 +277,56 @@ def _load_folder(folder: str) -> dict:
             raise UsageError(f"{folder}/summary.json: optimal[{method!r}] names no arm of the summary")
     config = loaded["config.json"]
     dataset = s.get("dataset") or (config.get("dataset") if isinstance(config, dict) else None) or path.name
-    return {"folder": folder, "dataset": dataset, "temperature": s.get("temperature"), "summary": s}
+    return {"folder": folder, "dataset": dataset, "temperature": s.get("temperature"), "summary": s, "config": config}
+
+
+def config_labels(config: dict) -> list[str]:
+    """The labels of a run from its config (config.json or the RunConfig as a dict)."""
+    from harness.protocol.presets import RANDOM_LABEL
+    from harness.protocol.trace import TRACED_LABEL
+    labels = []
+    if config.get("random_weights") or config.get("scripted_accept") is not None:
+        labels.append(RANDOM_LABEL)
+    if config.get("trace"):
+        labels.append(TRACED_LABEL)
+    if config.get("compat_reference"):
+        labels.append("compat (the reference's accounting)")
+    if config.get("record_logit_gaps"):
+        labels.append("logit gaps recorded (a top-2 per step inside the timer)")
+    return labels
+
+
+def rebuild(folder: str) -> dict:
+    """Recompute summary.json, table.md, table.csv and README.md of a results folder from its samples.jsonl and
+    config.json (e.g. after the report's conventions changed); the rows themselves are not touched."""
+    from harness.protocol.results_io import read_rows
+    path = Path(folder)
+    config = _load_folder(folder)["config"]
+    old = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    summary = summarize(read_rows(str(path / "samples.jsonl")), tau_from_warmup=bool(config.get("compat_reference")),
+                        labels=config_labels(config))
+    for key in ("compile",):  # what the runner adds beside the rows' statistics
+        if key in old:
+            summary[key] = old[key]
+    dataset = summary["dataset"]
+    for name, text in (("summary.json", _json(summary)), ("table.md", format_markdown_table(summary, dataset)),
+                       ("table.csv", format_csv(summary)), ("README.md", format_conventions(summary, dataset))):
+        atomic_write(path / name, text)
+    return summary
+
+
+def _distinct(entries: list[dict]) -> list[dict]:
+    """Rows of the merged table are datasets: two runs of one dataset at one temperature would be averaged as two
+    datasets, so they are refused."""
+    seen: dict = {}
+    for e in entries:
+        key = (e["dataset"], e["temperature"])
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {e['folder']} are both {e['dataset']} at T={e['temperature']:g}; the "
+                             "Avg. row would count that dataset twice: pass one folder per dataset (or one run "
+                             "with more rounds)")
+        seen[key] = e["folder"]
+    return entries
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,10 +334,16 @@ def main(argv: list[str] | None = None) -> int:
                                 description="One table over several results folders (rows = datasets).")
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json")
     p.add_argument("--out", help="also write the table to this markdown file")
+    p.add_argument("--rebuild", action="store_true",
+                   help="first recompute each folder's summary.json, table.md, table.csv and README.md from its "
+                        "samples.jsonl and config.json")
     ns = p.parse_args(argv)
 
     def work():
-        text = format_multi_dataset_table([_load_folder(f) for f in ns.folders])
+        if ns.rebuild:
+            for f in ns.folders:
+                rebuild(f)
+        text = format_multi_dataset_table(_distinct([_load_folder(f) for f in ns.folders]))
         if ns.out:
             atomic_write(ns.out, text)
         sys.stdout.write(text)

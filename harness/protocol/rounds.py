@@ -68,3 +68,15 @@ def paired_ratios(tput: Mapping[int, Mapping[str, float]], ref: str) -> dict[str
         for a in arms:
             out[a].append(values[a] / values[ref])
     return out
+
+
+def refuse_captures(rows: list[dict], rows_path: str) -> None:
+    """A whole-step CUDA graph captured inside a measured decode puts its warmup and capture into decode_s: the
+    run ends there (as --compile-all ends on a recompile), with the rows measured so far kept."""
+    bad = [r for r in rows if not r["warmup"] and r.get("graph_captures")]
+    if bad:
+        r = bad[0]
+        raise UsageError(f"--use-graph: {r['graph_captures']} CUDA graph(s) captured inside measured round "
+                         f"{r['round']} ({r['arm']}, prompt {r['question_id']}, turn {r['turn']}), after the "
+                         "pre-capture of every shape; a cache grew (a later turn longer than the first turns "
+                         f"presized for?); the rows so far stay in {rows_path}")

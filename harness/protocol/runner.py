@@ -21,13 +21,16 @@ from harness.protocol.data import dataset_provenance, load_samples, render_promp
 from harness.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
-from harness.protocol.rounds import rotation
+from harness.protocol.rounds import refuse_captures, rotation
+from harness.decode.accounting import accounting_for, model_stop_ids
+from harness.decode.capture_plan import capture_every_shape
 from harness.decode.hf_overrides import parse_overrides
-from harness.decode.loading import load_target, load_tokenizer, stop_token_ids
-from harness.protocol.trace import StepTracer
+from harness.decode.loading import load_target, load_tokenizer
+from harness.protocol.trace import StepTracer, timed_then_traced
 
 # Flags that may differ between an interrupted run and its --resume.
-RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "given")  # given: which flags were typed
+RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain",
+               "given")  # given: which flags were typed
 
 
 def stream_seed(seed: int, row: int, turn: int, round_: int = 1) -> int:
@@ -68,7 +71,8 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
 def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSettings:
     return DecodeSettings(cfg.max_new_tokens, limit, stops, cfg.temperature, cfg.top_k, cfg.top_p,
                           cfg.draft_temperature, cfg.draft_noise, cfg.compat_reference,
-                          scripted_accept=cfg.scripted_accept, use_graph=cfg.use_graph)
+                          scripted_accept=cfg.scripted_accept, use_graph=cfg.use_graph,
+                          record_gaps=cfg.record_logit_gaps)
 
 
 def label(cfg: RunConfig) -> str | None:
@@ -94,8 +98,11 @@ def warmup(arms: list[Arm], target, samples, tokenizer, settings: DecodeSettings
     short = dataclasses.replace(settings, max_new_tokens=min(32, settings.max_new_tokens))
     for arm in arms:
         arm.activate()
-        generate(target, prompt, short, backend, drafter=arm.drafter, refiner=arm.refiner,
-                 generator=backend.generator(0))
+        decode = lambda tokens, s: generate(target, tokens, s, backend, drafter=arm.drafter, refiner=arm.refiner,
+                                            generator=backend.generator(0))
+        decode(prompt, short)
+        if settings.use_graph:  # every step graph before the first measured round (harness.decode.capture_plan)
+            capture_every_shape(decode, prompt, settings, target.capacity, arm.block_size)
 
 
 def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Generation) -> dict:
@@ -105,7 +112,10 @@ def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Genera
             "new_tokens": len(g.tokens), "decode_tokens": g.decode_tokens, "ttft_s": g.ttft_s,
             "drafter_prefill_s": g.drafter_prefill_s, "decode_s": g.decode_s, "accept_lengths": g.accept_lengths,
             "accepted": g.accepted, "spec_steps": g.spec_steps, "ar_steps": g.ar_steps,
-            "stop_reason": g.stop_reason, "tokens": g.tokens}
+            "tail_steps": g.tail_steps, "extra_steps": g.extra_steps, "graph_captures": g.graph_captures,
+            "draft_temperature": cfg.draft_temperature, "timed": g.timed, "stop_reason": g.stop_reason,
+            "tokens": g.tokens,
+            **({"top2_gaps": g.top2_gaps} if g.top2_gaps is not None else {})}
 
 
 def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> list[dict]:
@@ -119,8 +129,9 @@ def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> l
         if ctx["tracer"]:
             ctx["tracer"].set_context(arm=arm.name, round=round_, question_id=qid, dataset_row=sample.row, turn=turn)
         rng = ctx["global_rng"] or ctx["backend"].generator(stream_seed(cfg.seed, sample.row, turn, round_))
-        g = generate(ctx["target"], prompt, ctx["settings"], ctx["backend"], drafter=arm.drafter,
-                     refiner=arm.refiner, generator=rng, on_step=ctx["tracer"])
+        g = timed_then_traced(lambda gen, on_step: generate(  # the tracer never runs inside the timer
+            ctx["target"], prompt, ctx["settings"], ctx["backend"], drafter=arm.drafter, refiner=arm.refiner,
+            generator=gen, on_step=on_step), rng, ctx["tracer"])
         rows.append(sample_row(ctx["run_id"], cfg, arm, qid, sample, turn, round_, warm, g))
         messages.append({"role": "assistant", "content": tokenizer.decode(g.tokens, skip_special_tokens=True)})
     return rows
@@ -185,8 +196,10 @@ def _run(cfg: RunConfig, out, watch) -> dict:
                                         attn_impl=cfg.attn_implementation, tokenizer=tokenizer,
                                         overrides=parse_overrides(cfg.hf_overrides), ops=ops)
         target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
-        stops = tuple(stop_token_ids(target.model, tokenizer))
+        stops = model_stop_ids(target.model, tokenizer, accounting_for(cfg.compat_reference))  # REFERENCE: eos only
         arms = build_arms(cfg, prep, target, watch)
+    if cfg.fp32_logits:
+        target.use_fp32_logits()
     if prep.spyre is not None:  # fixed-shape compiled graphs (harness.decode.spyre)
         from harness.decode.spyre import compile_for
         compile_for(target, [a.drafter for a in arms])
@@ -246,7 +259,9 @@ def _run(cfg: RunConfig, out, watch) -> dict:
                 for qid, sample in enumerate(samples):
                     if (r, name, qid) in done:
                         continue
-                    append_rows(rows_path, decode_sample(ctx, arm, qid, sample, r, warm))
+                    rows = decode_sample(ctx, arm, qid, sample, r, warm)
+                    append_rows(rows_path, rows)
+                    refuse_captures(rows, rows_path)
                     if bar:
                         bar.update()
     except recompiled as e:
@@ -260,13 +275,13 @@ def _run(cfg: RunConfig, out, watch) -> dict:
             ctx["tracer"].close()
 
     rows = read_rows(rows_path)
-    summary = report.summarize(rows, tau_from_warmup=cfg.compat_reference)
+    summary = report.summarize(rows, tau_from_warmup=cfg.compat_reference,
+                               labels=report.config_labels(dataclasses.asdict(cfg)))
     if watch is not None:
         summary["compile"] = watch.stats()
-    if label(cfg):
-        summary["label"] = label(cfg)
-        print(f"[{label(cfg)}]", file=out)
-    print(report.format_console_table(summary, cfg.dataset), file=out)
+    if summary["labels"]:
+        print(f"[{'; '.join(summary['labels'])}]", file=out)
+    print(report.format_console_table(summary, cfg.dataset, explain=cfg.explain), file=out)
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
     report.write_results(folder, saved_config, environment(), rows, summary, out)
     print(f"[results] {folder}", file=out)

@@ -14,26 +14,43 @@ def _num(x, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
+def run_labels(summary: dict) -> list[str]:
+    """What a reader must know before reading any number of the run: random weights, scripted acceptance,
+    tracing, the reference's accounting. Shown on every table's title line, in table.csv and in every plot title."""
+    labels = list(summary.get("labels") or [])
+    legacy = summary.get("label")  # summaries written before the labels list
+    if legacy and legacy not in labels:
+        labels.insert(0, legacy)
+    return labels
+
+
+def _spread(p: dict, fmt: str) -> str:
+    """mean+-std over rounds, or the one value and "(1 round)" when one round was measured."""
+    if p.get("n") == 1:
+        return f"{_num(p['mean'], fmt)} (1 round)"
+    return f"{_num(p['mean'], fmt)}+-{_num(p['std'], fmt)}"
+
+
 def _ratio_cell(p: dict | None, name: str, ref: str | None, ci: bool) -> str:
+    """The primary statistic (median over rounds of the paired per-round ratio) with ITS OWN CI."""
     if name == ref:
         return "1.000 (ref)"
     if not p or not p.get("n"):
         return "-"
-    cell = f"{_num(p['mean'], '.3f')}+-{_num(p['std'], '.3f')}"
+    cell = _num(p.get("value"), ".3f") + (" (1 round)" if p["n"] == 1 else "")
     return cell + (f" [{_num(p['ci95'][0], '.2f')}, {_num(p['ci95'][1], '.2f')}]" if ci else "")
 
 
-_HEADER = ["method", "POOLED tok/s", "Sp. (paired) [95% CI]", "tau/step", "per-sample tok/s", "tau/sample",
-           "x gain"]
+_HEADER = ["method", "POOLED tok/s", "Sp. (median of rounds) [95% CI]", "tau/step", "per-sample tok/s",
+           "tau/sample", "x gain (median)"]
 
 
 def _table_rows(summary: dict) -> list[list[str]]:
     out = []
     for name, s in summary["arms"].items():
         p, q = s["pooled_tok_s"], s["per_sample_tok_s"]
-        out.append([name, f"{_num(p['mean'], '.1f')}+-{_num(p['std'], '.1f')}",
-                    _ratio_cell(s.get("speedup"), name, summary.get("reference_arm"), True),
-                    _num(s["tau_per_step"], ".2f"), f"{_num(q['mean'], '.1f')}+-{_num(q['std'], '.1f')}",
+        out.append([name, _spread(p, ".1f"), _ratio_cell(s.get("speedup"), name, summary.get("reference_arm"), True),
+                    _num(s["tau_per_step"], ".2f"), _spread(q, ".1f"),
                     _num(s["tau_per_sample"], ".2f"),
                     _ratio_cell(s.get("gain"), name, summary.get("drafter_only_arm"), False)])
     return out
@@ -45,17 +62,21 @@ def _notes(summary: dict) -> list[str]:
         if method not in ("xpress", "markov"):  # one arm each: nothing was swept
             continue
         k = f" (K={o['K']})" if o.get("K") is not None else ""
-        lines.append(f"throughput-optimal {method}: {o['arm']}{k} at {_num(o['pooled_tok_s'], '.1f')} POOLED tok/s")
+        lines.append(f"throughput-optimal {method}: {o['arm']}{k} at {_num(o['pooled_tok_s'], '.1f')} POOLED tok/s "
+                     f"over the measured rounds; " + _chosen(o.get("selected_on", "the measured rounds")))
     for name, s in summary["arms"].items():
         lines.append(f"{name}: tau from {s.get('tau_source')}; TTFT {_num(_ms(s['ttft_s']), '.1f')} ms, drafter "
                      f"prefill {_num(_ms(s['drafter_prefill_s']), '.1f')} ms; stop reasons {s['stop_reasons']}")
         tm = s.get("token_match")
         if tm:
-            div = ", ".join(f"q{d['question_id']}:{'-' if d['position'] is None else d['position']}"
+            div = ", ".join(f"q{d['question_id']}:{'-' if d['position'] is None else d['position']}" + _gaps(d)
                             for d in tm["first_divergence"])
             lines.append(f"{name} vs {tm['ref']}: token match {_num(tm['token_match_rate'], '.4f')}, "
                          f"{tm['rows_identical']}/{tm['rows_compared']} outputs identical; first divergence per "
                          f"prompt (turn 0, earliest over rounds; - = none): {div}")
+    for f in summary.get("ar_rounds_off_median", []):
+        lines.append(f"FLAGGED: AR round {f['round']} ran at {_num(f['pooled_tok_s'], '.1f')} POOLED tok/s, "
+                     f"{100 * f['off_median']:.0f}% from the median over rounds (timing noise; Sp. is a median)")
     for arm, rnd, n, total in summary.get("incomplete_rounds", []):
         lines.append(f"left out: {arm} round {rnd} has {n} of {total} prompts (incomplete)")
     if summary.get("duplicate_rows_dropped"):
@@ -65,24 +86,42 @@ def _notes(summary: dict) -> list[str]:
     return lines
 
 
+def _gaps(d: dict) -> str:
+    """' (gap 0.031/0.012)': the target's top-2 logit gap at the divergence in the arm's and the reference's run."""
+    if d.get("gap_arm") is None and d.get("gap_ref") is None:
+        return ""
+    return f" (gap {_num(d.get('gap_arm'), '.3g')}/{_num(d.get('gap_ref'), '.3g')})"
+
+
+def _chosen(on: str) -> str:
+    return on if on.startswith("no choice") else f"chosen on {on}"
+
+
 def _ms(x):
     return None if x is None else 1000 * x
 
 
 def _title(summary: dict, dataset: str) -> str:
     r = summary["rounds"]
-    return (f"RESULT  dataset={dataset}  T={summary['temperature']:g}  block={summary['block_size']}  "
+    labels = run_labels(summary)
+    tag = f"[{'; '.join(labels)}]  " if labels else ""
+    return (f"RESULT  {tag}dataset={dataset}  T={summary['temperature']:g}  block={summary['block_size']}  "
             f"rounds={len(r['all'])} (warmup {r['warmup']} excluded -> measured {r['measured']})  "
             f"prompts={summary['prompts']}")
 
 
-def format_console_table(summary: dict, dataset: str) -> str:
+def format_console_table(summary: dict, dataset: str, explain: bool = False) -> str:
+    """The table and its notes; the conventions block follows only with `explain` (--explain). It is always
+    in the results folder's README.md (format_conventions)."""
     rows = [_HEADER] + _table_rows(summary)
     widths = [max(len(r[i]) for r in rows) + 2 for i in range(len(_HEADER))]
     body = ["".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     rule = "=" * max(96, max(len(b) for b in body))
-    lines = [rule, _title(summary, dataset), rule, *body, rule, *_notes(summary), "conventions:"]
-    lines += [f"  {k}: {v}" for k, v in summary["conventions"].items()]
+    lines = [rule, _title(summary, dataset), rule, *body, rule, *_notes(summary)]
+    if explain:
+        lines += ["conventions:", *[f"  {k}: {v}" for k, v in summary["conventions"].items()]]
+    else:
+        lines.append("(conventions: README.md of the results folder, or --explain)")
     return "\n".join(lines)
 
 
@@ -90,63 +129,95 @@ def format_markdown_table(summary: dict, dataset: str) -> str:
     lines = [f"**{_title(summary, dataset)}**", "", "| " + " | ".join(_HEADER) + " |",
              "|" + "---|" * len(_HEADER)]
     lines += ["| " + " | ".join(r) + " |" for r in _table_rows(summary)]
-    lines += ["", *[f"- {n}" for n in _notes(summary)], "", "Conventions:", ""]
-    lines += [f"- {k}: {v}" for k, v in summary["conventions"].items()]
+    lines += ["", *[f"- {n}" for n in _notes(summary)], "", "Conventions: README.md in this folder."]
     return "\n".join(lines) + "\n"
 
 
-_CSV = ["arm", "method", "K", "block_size", "samples", "pooled_tok_s_mean", "pooled_tok_s_std", "speedup_mean",
-        "speedup_std", "speedup_median", "speedup_n", "speedup_ci_lo", "speedup_ci_hi", "tau_per_step",
-        "per_sample_tok_s_mean", "per_sample_tok_s_std", "tau_per_sample", "gain_mean", "gain_std", "gain_n",
-        "ttft_s", "drafter_prefill_s", "token_match_rate"]
+def format_conventions(summary: dict, dataset: str) -> str:
+    """The results folder's README.md: what the run is and what every number in its tables means."""
+    labels = run_labels(summary)
+    lines = [f"# {dataset} at T={summary['temperature']:g}" + (f" ({'; '.join(labels)})" if labels else ""), "",
+             "Files: table.md / table.csv (the tables), summary.json (every statistic), samples.jsonl (one row per "
+             "arm, round, prompt and turn: everything above recomputes from it), config.json, env.json.", "",
+             "## Conventions", ""]
+    lines += [f"- **{k}**: {v}" for k, v in summary["conventions"].items()]
+    return "\n".join(lines) + "\n"
+
+
+_CSV = ["arm", "method", "K", "block_size", "samples", "rounds", "pooled_tok_s_mean", "pooled_tok_s_std",
+        "speedup", "speedup_ci_lo", "speedup_ci_hi", "speedup_mean", "speedup_std", "speedup_median", "speedup_n",
+        "speedup_pooled", "speedup_pooled_ci_lo", "speedup_pooled_ci_hi", "tau_per_step", "per_sample_tok_s_mean",
+        "per_sample_tok_s_std", "tau_per_sample", "gain", "gain_mean", "gain_std", "gain_n", "ttft_s",
+        "drafter_prefill_s", "token_match_rate", "labels"]
 
 
 def format_csv(summary: dict) -> str:
+    """One row per arm. speedup / speedup_ci_* are the primary statistic and its own CI; labels (random weights,
+    scripted acceptance, traced, compat) are in every row, "; "-separated."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(_CSV)
+    labels = "; ".join(run_labels(summary))
     for name, s in summary["arms"].items():
         sp, g, tm = s.get("speedup") or {}, s.get("gain") or {}, s.get("token_match") or {}
         ci = sp.get("ci95") or [None, None]
+        pooled = sp.get("pooled") or {}
+        pci = pooled.get("ci95") or [None, None]
         w.writerow(["" if v is None else v for v in (
-            name, s["method"], s["K"], s["block_size"], s["samples"], s["pooled_tok_s"]["mean"],
-            s["pooled_tok_s"]["std"], sp.get("mean"), sp.get("std"), sp.get("median"), sp.get("n"), ci[0], ci[1],
+            name, s["method"], s["K"], s["block_size"], s["samples"], len(s.get("rounds") or []),
+            s["pooled_tok_s"]["mean"], s["pooled_tok_s"]["std"], sp.get("value"), ci[0], ci[1], sp.get("mean"),
+            sp.get("std"), sp.get("median"), sp.get("n"), pooled.get("value"), pci[0], pci[1],
             s["tau_per_step"], s["per_sample_tok_s"]["mean"], s["per_sample_tok_s"]["std"], s["tau_per_sample"],
-            g.get("mean"), g.get("std"), g.get("n"), s["ttft_s"], s["drafter_prefill_s"],
-            tm.get("token_match_rate"))])
+            g.get("value"), g.get("mean"), g.get("std"), g.get("n"), s["ttft_s"], s["drafter_prefill_s"],
+            tm.get("token_match_rate"), labels)])
     return buf.getvalue()
 
 
-def _cell_values(entry: dict, method: str) -> tuple[float | None, float | None, str | None]:
+def _cell_values(entry: dict, method: str) -> tuple[dict, float | None, str | None]:
     s = entry["summary"]
     arm = (s["optimal"].get(method) or {}).get("arm")
     if arm is None:
-        return None, None, None
+        return {}, None, None
     a = s["arms"][arm]
-    return (a.get("speedup") or {}).get("mean"), a.get("tau_per_step"), arm
+    return a.get("speedup") or {}, a.get("tau_per_step"), arm
+
+
+def _sp_cell(sp: dict, tau) -> str:
+    ci = sp.get("ci95") or [None, None]
+    bracket = f" [{_num(ci[0], '.2f')}, {_num(ci[1], '.2f')}]" if ci[0] is not None else ""
+    return f"{_num(sp.get('value'), '.2f')}×{bracket} / {_num(tau, '.2f')}"
 
 
 _COLS = (("drafter-only", "drafter-only"), ("markov", "Markov"), ("xpress", "xPress"))
 
 
 def format_multi_dataset_table(entries: list[dict]) -> str:
-    """Rows = datasets; per method 'Sp. / tau', xPress at its throughput-optimal K, x Gain; Avg. recomputed."""
-    head = ["benchmark", "T"] + [f"{label} Sp. / τ" for _, label in _COLS] + ["xPress K", "× Gain"]
+    """Rows = datasets; per method 'Sp. [95% CI] / tau' at its throughput-optimal K, x Gain, prompts, measured
+    rounds and labels; Avg. recomputed (of the point values: the CIs of different datasets do not average)."""
+    head = (["benchmark", "T"] + [f"{label} Sp. [95% CI] / τ" for _, label in _COLS]
+            + ["xPress K", "× Gain", "prompts", "rounds", "labels"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     cols: dict[str, list] = {f"{m}.{k}": [] for m, _ in _COLS for k in ("sp", "tau")}
     cols["gain"] = []
+    all_labels = []
     for e in entries:
+        s = e["summary"]
         cells = [e["dataset"], _num(e["temperature"], "g")]
         for method, _ in _COLS:
             sp, tau, _arm = _cell_values(e, method)
-            cols[f"{method}.sp"].append(sp)
+            cols[f"{method}.sp"].append(sp.get("value"))
             cols[f"{method}.tau"].append(tau)
-            cells.append(f"{_num(sp, '.2f')}× / {_num(tau, '.2f')}" if _arm else "-")
-        xs = e["summary"]["optimal"].get("xpress") or {}
-        gain = ((e["summary"]["arms"][xs["arm"]].get("gain") or {}).get("mean")) if xs else None
+            cells.append(_sp_cell(sp, tau) if _arm else "-")
+        xs = s["optimal"].get("xpress") or {}
+        gain = ((s["arms"][xs["arm"]].get("gain") or {}).get("value")) if xs else None
         cols["gain"].append(gain)
         cells.append(str(xs["K"]) if xs.get("K") is not None else "-")
         cells.append("-" if gain is None else f"{gain:.2f}×")
+        labels = run_labels(s)
+        all_labels += [x for x in labels if x not in all_labels]
+        measured = (s.get("rounds") or {}).get("measured")
+        cells += [str(s.get("prompts", "-")), "-" if measured is None else str(len(measured)),
+                  "; ".join(labels) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
 
     partial = []
@@ -162,17 +233,21 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
         sp, tau = avg(f"{method}.sp"), avg(f"{method}.tau")
         cells.append("-" if sp is None and tau is None else f"{_num(sp, '.2f')}× / {_num(tau, '.2f')}")
     gain = avg("gain")
-    cells += ["", "-" if gain is None else f"{gain:.2f}×"]
+    cells += ["", "-" if gain is None else f"{gain:.2f}×", "", "", ""]
     lines.append("| " + " | ".join(cells) + " |")
     temps = sorted({e["temperature"] for e in entries}, key=str)
     c = metrics.CONVENTIONS
-    notes = ["", "Sp. = mean over measured rounds of the per-round paired POOLED tok/s ratio against the AR arm of the "
-             "same run (a mean of ratios). " + c["paired_ratio_stats"],
-             "τ = " + c["tau_per_step"] + "; at T=0 from the first measured round, at T>0 the mean over measured "
-             "rounds.",
-             "Each method at its throughput-optimal K (highest mean POOLED tok/s in that run); τ at that same arm.",
-             "× Gain = the same paired POOLED ratio of xPress (at its K) over the drafter-only arm of the same run.",
-             "Avg. = arithmetic mean of the rows above, recomputed here from the per-dataset numbers."]
+    notes = [""]
+    if all_labels:
+        notes.append(f"**Labelled: {'; '.join(all_labels)}** (see the labels column: not a measurement of a "
+                     "real model's decoding where it says random weights / scripted acceptance).")
+    notes += [c["median_round_speedup"] + ".",
+              "τ = " + c["tau_per_step"] + "; deterministic runs (T=0, greedy drafts) from the first measured "
+              "round, sampled ones the mean over measured rounds.",
+              "Each method at its throughput-optimal K, chosen on held-out (warmup) rounds where the run has them "
+              "and reported from the measured rounds; τ at that same arm.",
+              "× Gain = the same statistic of xPress (at its K) over the drafter-only arm of the same run.",
+              "Avg. = arithmetic mean of the rows above, recomputed here from the per-dataset numbers."]
     if partial:
         notes.append("Avg. over the datasets that have the value only: " + ", ".join(partial) + ".")
     if len(temps) > 1:

@@ -1,0 +1,91 @@
+"""Every step graph is captured before the measured rounds (harness.decode.capture_plan), captures are counted per
+generation, and a capture inside a measured round fails the run. On CPU through a fake graph layer that keys,
+counts and runs steps exactly as harness.decode.graphs.StepGraphs does, minus the CUDA capture itself."""
+import pytest
+import torch
+
+from harness.decode import capture_plan, graphs, loop
+from harness.decode.graphs import StepGraphs
+from harness.decode.loop import DecodeSettings, generate
+from harness.errors import UsageError
+from harness.protocol.rounds import refuse_captures
+from tiny import CPU32, tiny_drafter, tiny_target
+
+
+class FakeGraphs:
+    """StepGraphs' interface on CPU: a new key is a capture; a step runs eagerly at the graph's bucket length."""
+    rng_unsupported = StepGraphs.rng_unsupported
+    capacity_for, length = staticmethod(StepGraphs.capacity_for), staticmethod(StepGraphs.length)
+
+    def __init__(self):
+        self.keys, self.captures, self.out, self._stops = set(), 0, None, {}
+
+    def out_buffer(self, n):
+        if self.out is None or self.out.numel() < n:
+            self.out = torch.full((n,), -1, dtype=torch.long)
+        return self.out
+
+    def stop_ids(self, ids):
+        return self._stops.setdefault(tuple(sorted(ids)), torch.tensor(sorted(ids) or [-2]))
+
+    def adopt_rng(self, generator):
+        return False
+
+    def run(self, stepper, speculative, width, length):
+        key = (id(stepper.drafter), speculative, width, length)
+        if key not in self.keys:
+            self.keys.add(key)
+            self.captures += 1
+        return stepper.step(speculative, width, length)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    g = FakeGraphs()
+    monkeypatch.setattr(loop, "_check", lambda settings, backend: None)  # --use-graph is CUDA-only otherwise
+    monkeypatch.setattr(graphs, "step_graphs", lambda target: g)
+    return g
+
+
+def test_shapes_cover_every_position():
+    got = capture_plan.shapes(limit=90, capacity=96, bucket=16, width=4)
+    assert (True, 4, 16) in got and (True, 4, 96) in got and (False, 1, 96) in got  # the tail near the limit
+    assert all(length % 16 == 0 for _, _, length in got)
+    assert capture_plan.shapes(limit=100, capacity=96, bucket=0, width=1) == [(False, 1, 96)]
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_after_the_pre_capture_no_generation_captures(fake, compat):
+    t = tiny_target("qwen3", capacity=128)
+    d = tiny_drafter(t, block=4)
+    s = DecodeSettings(40, 120, (), use_graph=True, graph_bucket=16, compat_reference=compat)
+    t.ensure_capacity(128)
+    d.ensure_capacity(128)
+    for drafter, width in ((None, 1), (d, 4)):
+        decode = lambda tokens, st: generate(t, tokens, st, CPU32, drafter=drafter, generator=CPU32.generator(0))
+        before = fake.captures
+        assert capture_plan.capture_every_shape(decode, [9, 10, 11], s, t.capacity, width) == fake.captures - before
+    keys = set(fake.keys)
+    for n in (1, 7, 30, 60, 75, 100):  # prompts of every length, to the context limit
+        for drafter in (None, d):
+            g = generate(t, list(range(8, 8 + n)), s, CPU32, drafter=drafter, generator=CPU32.generator(1))
+            assert g.graph_captures == 0, (n, drafter is not None)
+            assert g.graph_steps > 0
+    assert fake.keys == keys and t.capacity == 128
+
+
+def test_a_generation_counts_its_captures(fake):
+    t = tiny_target("qwen3", capacity=128)
+    s = DecodeSettings(30, 120, (), use_graph=True, graph_bucket=16)
+    first = generate(t, [9, 10, 11], s, CPU32)
+    assert first.graph_captures == 2 == fake.captures  # buckets 16 and 32 (positions 3..32)
+    assert generate(t, [9, 10, 11], s, CPU32).graph_captures == 0
+
+
+def test_a_capture_in_a_measured_round_fails_the_run():
+    rows = [{"warmup": True, "graph_captures": 3, "round": 1, "arm": "AR", "question_id": 0, "turn": 0},
+            {"warmup": False, "graph_captures": 0, "round": 2, "arm": "AR", "question_id": 0, "turn": 0}]
+    refuse_captures(rows, "samples.jsonl")  # captures in a warmup round are fine
+    rows[1]["graph_captures"] = 1
+    with pytest.raises(UsageError, match="measured round 2"):
+        refuse_captures(rows, "samples.jsonl")
