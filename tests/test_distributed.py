@@ -188,3 +188,18 @@ def test_killed_rank_loses_only_its_prompt_and_resumes_without_duplicates(data, 
         assert len(keys(rows)) == len(set(keys(rows)))  # nothing decoded twice
     assert json.loads((folder / "summary.json").read_text())["duplicate_rows_dropped"] == 0
     assert_same_run(folder, single["1"])
+    check_compare(folder, single["1"])
+
+
+def check_compare(multi: Path, single: Path):
+    """harness.lab.scaleout_compare on CPU folders: the numbers it prints are the summaries' (CPU timings are
+    noise, so only the arithmetic and the verdicts' consistency are checked, not PASS)."""
+    from harness.lab.scaleout_compare import compare
+    text, data, ok = compare(str(multi), str(single), 10.0, 25.0)
+    ranks = json.loads((multi / "summary.json").read_text())["ranks"]["ranks"]
+    steps = [r["ar_step_ms"] for r in ranks]
+    assert data["ar_step_ms"] == steps and data["spread"] == pytest.approx(max(steps) / min(steps) - 1)
+    ar = json.loads((single / "summary.json").read_text())["arms"]["AR"]["pooled_tok_s"]["mean"]
+    assert data["ar_step_ms_one_gpu"] == pytest.approx(1000 / ar)  # a plain single-process run has no ranks
+    assert ok == (data["spread"] <= 0.03 and all(abs(v) <= 0.03 for v in data["vs_one_gpu"]))
+    assert "ratio 2.50x" in text and text.count("| 2 GPUs |") == 2
