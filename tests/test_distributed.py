@@ -181,7 +181,10 @@ def test_killed_rank_loses_only_its_prompt_and_resumes_without_duplicates(data, 
     # a resume needs the launcher and process count the run started with
     assert cli.main(args(data, tmp_path, "1", "--resume", str(folder))) == 2
     assert "started by 2 processes" in capsys.readouterr().err
-    assert fork_ranks(args(data, tmp_path, "1", "--resume", str(folder))) == [0, 0]
+    trace = tmp_path / "trace.jsonl"
+    assert fork_ranks(args(data, tmp_path, "1", "--resume", str(folder), "--trace", str(trace))) == [0, 0]
+    assert (tmp_path / "trace.rank0.jsonl").stat().st_size and (tmp_path / "trace.rank1.jsonl").stat().st_size
+    assert not trace.exists()  # one trace per rank, never two ranks in one file
     after = [read_rows(folder / f"samples.rank{r}.jsonl") for r in (0, 1)]
     assert after[1][:len(before)] == before  # what was written stays as written
     for rows in after:
@@ -203,3 +206,12 @@ def check_compare(multi: Path, single: Path):
     assert data["ar_step_ms_one_gpu"] == pytest.approx(1000 / ar)  # a plain single-process run has no ranks
     assert ok == (data["spread"] <= 0.03 and all(abs(v) <= 0.03 for v in data["vs_one_gpu"]))
     assert "ratio 2.50x" in text and text.count("| 2 GPUs |") == 2
+
+
+def test_an_error_of_rank_0_reaches_every_rank(data, tmp_path, capfd):
+    """Rank 0 picks the folder; when it refuses (the run id is taken), every rank exits with its line, none hangs."""
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text("{}")
+    assert fork_ranks(args(data, tmp_path), timeout=120) == [2, 2]
+    err = capfd.readouterr().err
+    assert err.count("already holds a run") == 2, err[-2000:]

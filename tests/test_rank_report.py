@@ -107,3 +107,14 @@ def test_no_ar_arm_says_so():
     s = rank_report.rank_summary(rows, [{"rank": 0}])
     assert s["ar_arm"] is None and s["flagged"] == []
     assert "no AR arm" in rank_report.format_ranks({"ranks": s})
+
+
+@pytest.mark.gpu
+def test_gpu_state_of_a_real_gpu():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    s = rank_report.gpu_state(torch.device("cuda", 0))
+    assert s["name"] == torch.cuda.get_device_name(0) and s["uuid"]
+    assert s["smi"] is not None, "nvidia-smi has no row with this GPU's UUID"
+    assert s["smi"]["name"] == s["name"] and s["smi"]["clocks.sm [MHz]"] > 0 and s["smi"]["driver_version"]
