@@ -129,9 +129,9 @@ def test_accelerate_launch_two_processes_at_t1(data, single, tmp_path):
 
 # ------------------------------------------------------------------- forked ranks: a rank killed mid-prompt
 
-def _rank(rank, world, port, argv, die):
+def _rank(rank, world, port, argv, die, env):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), **env)
     torch.set_num_threads(1)
     if die is not None and die[0] == rank:
         real, calls = runner.decode_sample, [0]
@@ -146,11 +146,11 @@ def _rank(rank, world, port, argv, die):
     os._exit(cli.main(argv))
 
 
-def fork_ranks(argv, world=2, die=None, timeout=300):
+def fork_ranks(argv, world=2, die=None, timeout=300, env=None):
     """Forked ranks with the launcher's variables; like torchrun, the others are stopped when one fails."""
     ctx = multiprocessing.get_context("fork")
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, argv, die)) for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, argv, die, env or {})) for r in range(world)]
     for p in procs:
         p.start()
     end = time.monotonic() + timeout
@@ -171,7 +171,8 @@ def keys(rows):
     return [(r["round"], r["arm"], r["question_id"], r["turn"]) for r in rows]
 
 
-def test_killed_rank_loses_only_its_prompt_and_resumes_without_duplicates(data, single, tmp_path, capsys):
+@pytest.mark.parametrize("how", ["--resume", "torchrun restart"])
+def test_killed_rank_loses_only_its_prompt_and_resumes_without_duplicates(data, single, tmp_path, capsys, how):
     codes = fork_ranks(args(data, tmp_path, "1"), die=(1, 2))
     assert codes[1] == 9 and codes[0] != 0  # rank 1 died; rank 0 was stopped as torchrun stops it
     folder = tmp_path / "r"
@@ -182,9 +183,12 @@ def test_killed_rank_loses_only_its_prompt_and_resumes_without_duplicates(data, 
     assert cli.main(args(data, tmp_path, "1", "--resume", str(folder))) == 2
     assert "started by 2 processes" in capsys.readouterr().err
     trace = tmp_path / "trace.jsonl"
-    assert fork_ranks(args(data, tmp_path, "1", "--resume", str(folder), "--trace", str(trace))) == [0, 0]
-    assert (tmp_path / "trace.rank0.jsonl").stat().st_size and (tmp_path / "trace.rank1.jsonl").stat().st_size
-    assert not trace.exists()  # one trace per rank, never two ranks in one file
+    if how == "--resume":
+        assert fork_ranks(args(data, tmp_path, "1", "--resume", str(folder), "--trace", str(trace))) == [0, 0]
+        assert (tmp_path / "trace.rank0.jsonl").stat().st_size and (tmp_path / "trace.rank1.jsonl").stat().st_size
+        assert not trace.exists()  # one trace per rank, never two ranks in one file
+    else:  # torchrun --max-restarts relaunches the same command: the --run-id folder is continued, not refused
+        assert fork_ranks(args(data, tmp_path, "1"), env={"TORCHELASTIC_RESTART_COUNT": "1"}) == [0, 0]
     after = [read_rows(folder / f"samples.rank{r}.jsonl") for r in (0, 1)]
     assert after[1][:len(before)] == before  # what was written stays as written
     for rows in after:

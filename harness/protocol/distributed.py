@@ -12,7 +12,8 @@ nothing here changes.
   the rotation are those of the whole run, so the rows are the rows a single process would write.
 - Rank r appends to samples.rank{r}.jsonl in the one results folder: --resume continues each rank from its own
   file, and a rank that dies loses only the prompt it was decoding. A run resumes with the launcher and the
-  number of processes it started with (the shards depend on it).
+  number of processes it started with (the shards depend on it); under torchrun --max-restarts a restarted group
+  continues its --run-id folder by itself.
 - Rank 0 chooses the folder and writes config.json; at the end it gathers every rank's rows, environment and
   GPU state (harness.protocol.rank_report) and writes the merged samples.jsonl, summary, tables and env.json as a
   single-process run does. The rows travel through the process group, so ranks on other nodes need no shared
@@ -119,6 +120,19 @@ class Shard:
             raise UsageError(f"--resume {folder}: the run was started by {before.get('world_size')} processes "
                              f"(torchrun / accelerate launch), this is {self.world if self.launched else 'one'}; "
                              "resume it with the same number of processes")
+
+    def restarted(self, cfg):
+        """torchrun --max-restarts: a group restarted after a failure continues its --run-id folder as --resume
+        would (rank 0 decides for every rank). A first attempt, or a run without --run-id, starts as asked."""
+        def pick():
+            folder = os.path.join(cfg.results_dir, cfg.run_id or "")
+            again = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
+            found = again and cfg.run_id and not cfg.resume and os.path.isfile(os.path.join(folder, "config.json"))
+            return folder if found else None
+        if not self.launched:
+            return cfg
+        folder = self.agree(pick)
+        return cfg if folder is None else dataclasses.replace(cfg, resume=folder)
 
     def done(self, rows_path: str, resume: bool) -> list[dict]:
         """Rows this rank already wrote (--resume); a rank that died before its first row has none."""

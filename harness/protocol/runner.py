@@ -170,6 +170,7 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     prep = prepare(shard.rank_config(cfg))
     cfg = prep.config or cfg  # --device spyre: K and C as the Spyre contract resolved them
     out = out if shard.main else open(os.devnull, "w")  # rank 0 speaks for the run; errors reach every stderr
+    cfg = shard.restarted(cfg)  # torchrun --max-restarts: a restarted group resumes its --run-id folder
     folder = shard.agree(lambda: run_folder(cfg, shard))  # rank 0 picks (and checks a resumed) folder for all
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
