@@ -121,18 +121,24 @@ class Shard:
                              f"(torchrun / accelerate launch), this is {self.world if self.launched else 'one'}; "
                              "resume it with the same number of processes")
 
-    def restarted(self, cfg):
-        """torchrun --max-restarts: a group restarted after a failure continues its --run-id folder as --resume
-        would (rank 0 decides for every rank). A first attempt, or a run without --run-id, starts as asked."""
+    def pick_folder(self, cfg, run_folder, check_resume):
+        """(cfg, folder): rank 0 picks the results folder (runner.run_folder) and checks a resumed one (runner.
+        check_resume, and the process count here); every rank gets its answer. Under torchrun --max-restarts a
+        group restarted after a failure continues its --run-id folder as --resume would; a first attempt, or a run
+        without --run-id, starts as asked."""
         def pick():
+            again = self.launched and int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
             folder = os.path.join(cfg.results_dir, cfg.run_id or "")
-            again = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
-            found = again and cfg.run_id and not cfg.resume and os.path.isfile(os.path.join(folder, "config.json"))
-            return folder if found else None
-        if not self.launched:
-            return cfg
-        folder = self.agree(pick)
-        return cfg if folder is None else dataclasses.replace(cfg, resume=folder)
+            c = cfg
+            if again and cfg.run_id and not cfg.resume and os.path.isfile(os.path.join(folder, "config.json")):
+                c = dataclasses.replace(cfg, resume=folder)
+            folder = run_folder(c)
+            if c.resume:
+                check_resume(c, folder)
+                self.check_resume(folder)
+            return c.resume, folder
+        resume, folder = self.agree(pick)
+        return dataclasses.replace(cfg, resume=resume), folder
 
     def done(self, rows_path: str, resume: bool) -> list[dict]:
         """Rows this rank already wrote (--resume); a rank that died before its first row has none."""

@@ -36,11 +36,8 @@ def stream_seed(seed: int, row: int, turn: int, round_: int = 1) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def run_folder(cfg: RunConfig, shard=None) -> str:
+def run_folder(cfg: RunConfig) -> str:
     if cfg.resume:
-        check_resume(cfg, cfg.resume)
-        if shard is not None:
-            shard.check_resume(cfg.resume)
         return cfg.resume
     taken = lambda f: os.path.exists(os.path.join(f, "samples.jsonl")) or os.path.exists(os.path.join(f, "config.json"))
     if cfg.run_id:
@@ -170,8 +167,7 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     prep = prepare(shard.rank_config(cfg))
     cfg = prep.config or cfg  # --device spyre: K and C as the Spyre contract resolved them
     out = out if shard.main else open(os.devnull, "w")  # rank 0 speaks for the run; errors reach every stderr
-    cfg = shard.restarted(cfg)  # torchrun --max-restarts: a restarted group resumes its --run-id folder
-    folder = shard.agree(lambda: run_folder(cfg, shard))  # rank 0 picks (and checks a resumed) folder for all
+    cfg, folder = shard.pick_folder(cfg, run_folder, check_resume)  # on rank 0, for every rank
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
     ops = choose_ops(cfg, prep)
