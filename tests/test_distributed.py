@@ -219,3 +219,13 @@ def test_an_error_of_rank_0_reaches_every_rank(data, tmp_path, capfd):
     assert fork_ranks(args(data, tmp_path), timeout=120) == [2, 2]
     err = capfd.readouterr().err
     assert err.count("already holds a run") == 2, err[-2000:]
+
+
+def test_the_training_pipeline_refuses_several_processes(monkeypatch, capsys):
+    """Its distributed mode is not wired: N ranks would each train the same models into the same files."""
+    from training.__main__ import main
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    assert main(["train", "--config", "tiny-cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: python -m training runs in one process") and "2 processes" in err

@@ -218,3 +218,15 @@ def from_env(environ=None) -> Shard:
         raise UsageError(f"launcher environment: RANK={rank} WORLD_SIZE={world} LOCAL_RANK={local}; need "
                          "0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0")
     return Shard(rank, world, local, launched=True)
+
+
+def refuse_launcher(program: str) -> None:
+    """For a program that runs in one process only: under torchrun with N > 1 processes every rank would repeat
+    the whole job into the same files. (The training pipeline until speculators' distributed mode is wired: its
+    trainer turns it on with speculators.train.distributed.maybe_setup_distributed(), which 0.9.0 runs only on an
+    accelerator, and then needs its DistributedCheckpointer rather than a single-GPU one.)"""
+    shard = from_env()
+    if shard.world > 1:
+        raise UsageError(f"{program} runs in one process; it was launched as {shard.world} processes (torchrun / "
+                         "accelerate launch), which would each repeat the whole job into the same files; run it "
+                         "without the launcher")
