@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
 
     def work():
+        from harness.protocol.distributed import refuse_launcher
+        refuse_launcher("python -m training")  # until speculators' FSDP mode is wired (docs: harness.protocol.distributed)
         from training.config import load_config
         from training.pipeline import Pipeline
         cfg = load_config(args.config, args.overrides, args.workdir)

@@ -20,6 +20,7 @@ import numpy as np
 from harness.protocol import comparisons, metrics
 from harness.errors import UsageError, cli_exit
 from harness.protocol.plots import write_plots
+from harness.protocol.rank_report import format_ranks
 from harness.protocol.results_io import atomic_write
 from harness.protocol.rounds import paired_ratios
 from harness.protocol.tables import (format_console_table, format_conventions, format_csv, format_markdown_table,
@@ -249,7 +250,8 @@ def write_results(folder: str | os.PathLike, config: dict, env: dict, rows: list
     dataset = summary.get("dataset") or config.get("dataset") or "?"
     files = {"config.json": _json(config), "env.json": _json(env),
              "samples.jsonl": "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-             "summary.json": _json(summary), "table.md": format_markdown_table(summary, dataset),
+             "summary.json": _json(summary),
+             "table.md": format_markdown_table(summary, dataset) + format_ranks(summary, markdown=True),
              "table.csv": format_csv(summary), "README.md": format_conventions(summary, dataset)}
     for name, text in files.items():
         atomic_write(folder / name, text)

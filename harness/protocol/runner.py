@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-from harness.protocol import report
+from harness.protocol import distributed, rank_report, report
 from harness.protocol.build import Arm, build_arms, build_random_arms, prepare
 from harness.protocol.config import RunConfig
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
@@ -161,26 +161,28 @@ def progress(total: int, done: int):
 def run(cfg: RunConfig, out=None) -> dict:
     """One paired run (see the module docstring). --compile-refiner / --compile-all change global torch._dynamo
     settings for the run's duration (harness.decode.compiling.CompileWatch); they are put back however the run ends."""
+    shard = distributed.from_env()  # torchrun / accelerate launch: this process is one rank (checked first)
     watch = None
     if cfg.compile_all or cfg.compile_refiner:
         from harness.decode.compiling import CompileWatch
         watch = CompileWatch(cfg.compile_backend)
     try:
-        return _run(cfg, out or sys.stdout, watch)
+        return _run(cfg, out or sys.stdout, watch, shard)
     finally:
         if watch is not None:
             watch.release()
+        shard.close()
 
 
-def _run(cfg: RunConfig, out, watch) -> dict:
-    prep = prepare(cfg)
+def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
+    prep = prepare(shard.rank_config(cfg))
     cfg = prep.config or cfg  # --device spyre: K and C as the Spyre contract resolved them
-    folder = run_folder(cfg)
-    if cfg.resume:
-        check_resume(cfg, folder)
+    out = out if shard.main else open(os.devnull, "w")  # rank 0 speaks for the run; errors reach every stderr
+    cfg, folder = shard.pick_folder(cfg, run_folder, check_resume)  # on rank 0, for every rank
     backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
     ops = choose_ops(cfg, prep)
+    mine = shard.mine(samples)
     if cfg.random_weights:
         from harness.protocol.presets import ByteTokenizer, build_random
         tokenizer = ByteTokenizer(prep.target_config.vocab_size)
@@ -208,9 +210,10 @@ def _run(cfg: RunConfig, out, watch) -> dict:
     by_name = {a.name: a for a in arms}
     order = rotation([a.name for a in arms], prep.rounds)
     describe(cfg, prep, arms, settings, samples, stops, folder, out, target.kernels)
+    shard.announce(out, mine)
 
     os.makedirs(folder, exist_ok=True)
-    rows_path = os.path.join(folder, "samples.jsonl")
+    rows_path = shard.rows_path(folder)
     config = {**dataclasses.asdict(cfg), "resolved": {
         "block_size": prep.block_size, "max_model_len": prep.max_model_len, "stop_ids": list(stops),
         "rounds": prep.rounds, "warmup_rounds": prep.warmup_rounds, "arms": [a.name for a in arms],
@@ -219,9 +222,10 @@ def _run(cfg: RunConfig, out, watch) -> dict:
                           "variant": c.variant}
                      for k, c in prep.refiners.items()},
         "label": label(cfg), "kernels": target.kernels}}
-    if not cfg.resume:
+    shard.annotate(config)
+    if not cfg.resume and shard.main:
         atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
-    done = {(r["round"], r["arm"], r["question_id"]) for r in read_rows(rows_path)} if cfg.resume else set()
+    done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(cfg.resume))}
 
     warmup(arms, target, samples, tokenizer, settings, backend)
     if watch is not None:
@@ -238,15 +242,16 @@ def _run(cfg: RunConfig, out, watch) -> dict:
         print(f"[compile] {watch.stats()}", file=out)
     ctx = {"cfg": cfg, "tokenizer": tokenizer, "target": target, "backend": backend, "settings": settings,
            "run_id": os.path.basename(os.path.normpath(folder)),
-           "tracer": StepTracer(cfg.trace) if cfg.trace else None,
+           "tracer": StepTracer(shard.per_rank(cfg.trace)) if cfg.trace else None,
            # Common random numbers: every arm replays the same stream for a (prompt, turn, round); the reference
            # instead draws everything from one stream seeded once (--compat-reference).
            "global_rng": backend.generator(cfg.seed) if cfg.compat_reference else None}
-    bar = progress(prep.rounds * len(arms) * len(samples), len(done))
+    bar = progress(prep.rounds * len(arms) * len(mine), len(done)) if shard.main else None
     recompiled = ()
     if watch is not None and watch.guarded:
         from harness.decode.compiling import recompile_error_types
         recompiled = recompile_error_types()
+    rank_report.before_rounds(shard, backend.device)
     try:
         for r, names in enumerate(order, start=1):
             warm = r <= prep.warmup_rounds
@@ -256,10 +261,10 @@ def _run(cfg: RunConfig, out, watch) -> dict:
             for name in names:
                 arm = by_name[name]
                 arm.activate()
-                for qid, sample in enumerate(samples):
+                for qid, sample in mine:
                     if (r, name, qid) in done:
                         continue
-                    rows = decode_sample(ctx, arm, qid, sample, r, warm)
+                    rows = shard.tag(decode_sample(ctx, arm, qid, sample, r, warm))
                     append_rows(rows_path, rows)
                     refuse_captures(rows, rows_path)
                     if bar:
@@ -274,16 +279,20 @@ def _run(cfg: RunConfig, out, watch) -> dict:
         if ctx["tracer"]:
             ctx["tracer"].close()
 
-    rows = read_rows(rows_path)
-    summary = report.summarize(rows, tau_from_warmup=cfg.compat_reference,
-                               labels=report.config_labels(dataclasses.asdict(cfg)))
+    rank_report.after_rounds(shard, backend.device, len(mine))
+    rows = shard.merge(read_rows(rows_path), order)  # every rank's rows on rank 0; the other ranks are done
+    if rows is None:
+        return None
+    summary = rank_report.annotate(report.summarize(rows, tau_from_warmup=cfg.compat_reference,
+                                                    labels=report.config_labels(dataclasses.asdict(cfg))), rows, shard)
     if watch is not None:
         summary["compile"] = watch.stats()
     if summary["labels"]:
         print(f"[{'; '.join(summary['labels'])}]", file=out)
-    print(report.format_console_table(summary, cfg.dataset, explain=cfg.explain), file=out)
+    print(report.format_console_table(summary, cfg.dataset, explain=cfg.explain) + rank_report.format_ranks(summary),
+          file=out)
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
-    report.write_results(folder, saved_config, environment(), rows, summary, out)
+    report.write_results(folder, saved_config, rank_report.environment(environment(), shard), rows, summary, out)
     print(f"[results] {folder}", file=out)
     if getattr(target, "step_graphs", None) is not None:
         print(f"[graphs] whole-step CUDA graphs: {target.step_graphs.stats()}", file=out)
