@@ -17,6 +17,8 @@ both set to each value; CPU fp32, torch 2.13.0):
 so drafter tau > 2 holds with > 2.3 to spare and xPress leads drafter-only by >= 0.71 (K=1) and >= 1.35 (K=3).
 (A vanilla Markov head, tried on the same drafter at 4 epochs, gained only 0 to 0.2 tau here: not asserted, and
 left out of the toy config to keep this test near 25 s of one core.)
+Power: the taus are deterministic for fixed seeds, so the checks are exact comparisons. A head that changes
+nothing gives exactly drafter-only tau and fails the strict `>`; an untrained drafter gives tau ~1 and fails > 2.
 """
 import json
 
@@ -40,12 +42,38 @@ def toy(tmp_path_factory):
     return root, info
 
 
+def test_toy_language():
+    from training.toy import CYCLES, LETTERS, answer, permutation, toy_tokenizer
+    nxt = permutation(0)
+    assert sorted(nxt) == sorted(nxt.values()) == sorted(LETTERS)  # a permutation of the letters
+    lengths = []
+    for start in LETTERS:
+        n, c = 1, nxt[start]
+        while c != start:
+            n, c = n + 1, nxt[c]
+        lengths.append(n)
+    assert sorted(lengths) == sorted(n for n in CYCLES for _ in range(n))  # each letter on a cycle of 3, 5 or 8
+    walk, c = "", "a"
+    for _ in range(4):
+        c = nxt[c]
+        walk += c
+    assert answer("xa", nxt, 4) == walk  # from the prompt's last letter
+    assert permutation(1) != nxt
+    tok = toy_tokenizer()
+    text = tok.apply_chat_template([{"role": "user", "content": "abc"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|user|>abc<eot><|assistant|>"
+    assert tok.decode(tok("abc", add_special_tokens=False)["input_ids"]) == "abc"
+    assert tok.convert_tokens_to_ids("<mask>") == len(tok) - 1  # the drafter's mask id: never text
+
+
 def final_eval(root, name: str) -> dict:
     return json.loads((root / "work" / "train" / name / "manifest.json").read_text())["evals"][-1]
 
 
 def test_held_out_acceptance_during_training(toy):
     root, _ = toy
+    manifest = json.loads((root / "work" / "prompts" / "manifest.json").read_text())
+    assert manifest["eval_files"] == ["toy_eval.jsonl"] and manifest["heldout"] == 8  # overlap checked against it
     drafter = final_eval(root, "drafter")["tau_drafter"]
     xpress = final_eval(root, "xpress")
     print(f"held-out tau: drafter {drafter:.3f}, " + ", ".join(f"{k} {v:.3f}" for k, v in xpress.items()
