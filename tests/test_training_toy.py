@@ -88,7 +88,7 @@ def test_exported_heads_on_the_benchmark_prompts(toy):
     """The exported files in the harness, on the eval prompts (never trained on): the target speaks its language,
     greedy decoding equals AR for both arms, and the taus order as in training."""
     from harness.decode.loop import DecodeSettings, generate
-    from harness.decode.target import load_tokenizer, stop_token_ids
+    from harness.decode.loading import load_tokenizer, stop_token_ids
     from harness.protocol.metrics import tau_per_step
     from refiners.formats import load_refiner_checkpoint
     from refiners.xpress import XPressRefiner, xpress_head_from_state
