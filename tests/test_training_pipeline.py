@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from training_fixtures import run_cli, tiny_models, write_config
+from training_fixtures import harness_from_export, run_cli, tiny_models, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -55,25 +55,13 @@ def test_hidden_states_are_the_targets_own(run_dir):
     assert torch.allclose(model.model.norm(hs["hidden_states"][:, 3]), out[-1][0], atol=1e-5)
 
 
-def _harness(run_dir):
-    from harness.decode.devices import Backend
-    from harness.decode.loading import load_target
-    from drafters.dflash import DFlashDrafter, load_dflash, read_dflash_config
-    backend = Backend(torch.device("cpu"), torch.float32)
-    e = run_dir / "work" / "export"
-    dcfg = read_dflash_config(e / "drafter")
-    target, tok = load_target(str(run_dir / "target"), backend, taps=dcfg.target_layer_ids)
-    dcfg.check_target(target.config)
-    drafter = DFlashDrafter(load_dflash(e / "drafter", dcfg, backend), target.embed, target.lm_head, backend)
-    return backend, target, drafter, e
-
-
 def test_exports_load_in_the_harness_and_greedy_equals_ar(run_dir):
     from harness.decode.loop import DecodeSettings, generate
     from refiners.formats import load_refiner_checkpoint, validate_against
     from refiners.markov import MarkovRefiner, markov_head_from_state
     from refiners.xpress import XPressRefiner, xpress_head_from_state
-    backend, target, drafter, e = _harness(run_dir)
+    e = run_dir / "work" / "export"
+    backend, target, drafter = harness_from_export(run_dir / "target", e)
     s = DecodeSettings(max_new_tokens=20, max_model_len=256, stop_ids=(3, 5))
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(8, 100, (int(n),), generator=g).tolist() for n in (5, 9, 14)]

@@ -50,3 +50,17 @@ def write_config(root: Path, models: dict | None = None, **sections) -> Path:
 def run_cli(*args) -> int:
     from training.__main__ import main
     return main([str(a) for a in args])
+
+
+def harness_from_export(target_dir: Path, export_dir: Path):
+    """(backend, harness Target, DFlashDrafter) from a target directory and an export stage's output, on CPU fp32."""
+    import torch
+    from drafters.dflash import DFlashDrafter, load_dflash, read_dflash_config
+    from harness.decode.devices import Backend
+    from harness.decode.loading import load_target
+    backend = Backend(torch.device("cpu"), torch.float32)
+    dcfg = read_dflash_config(export_dir / "drafter")
+    target, _ = load_target(str(target_dir), backend, taps=dcfg.target_layer_ids)
+    dcfg.check_target(target.config)
+    drafter = DFlashDrafter(load_dflash(export_dir / "drafter", dcfg, backend), target.embed, target.lm_head, backend)
+    return backend, target, drafter
