@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """xpress-bench entry point: AR and speculative decoding of a benchmark with an HF target and a dFlash drafter.
 
+    python benchmark_compile_all.py            # the embedded default (SmolLM2-135M, shipped weights, data/eval)
     python benchmark_compile_all.py --model-name-or-path TARGET --draft-name-or-path DRAFTER \
-        --dataset gsm8k --data-dir ../shared/data/eval --max-samples 8 --max-new-tokens 256
+        --dataset gsm8k --data-dir data/eval --max-samples 8 --max-new-tokens 256
+
+The arguments are parsed before anything heavy is imported, so --help and argument errors come at once.
 """
 from __future__ import annotations
 
@@ -13,9 +16,10 @@ def main(argv: list[str] | None = None) -> int:
     from harness.errors import cli_exit
 
     def work():
-        from harness.protocol.config import parse_args
-        from harness.protocol.runner import run
-        run(parse_args(argv))
+        from harness.protocol.flags import parse_args
+        cfg = parse_args(argv)
+        from harness.protocol.runner import run  # torch and transformers: only once the arguments are good
+        run(cfg)
     return cli_exit(work)
 
 

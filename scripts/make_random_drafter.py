@@ -1,6 +1,6 @@
 """Write a random-weights dFlash drafter (z-lab layout) that fits a given target, for examples and timing.
 
-    python -m scripts.make_random_drafter --target TARGET --out DIR [--layers 2] [--block-size 16]
+    python -m scripts.make_random_drafter --target TARGET --out DIR [--layers 2] [--block-size 16] [--force]
 
 A random drafter proposes badly (tau near 1) but exercises the whole speculative path at the target's shapes.
 """
@@ -23,10 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--mask-token-id", type=int, help="default: the last row of the target's embedding")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite a checkpoint already in --out")
     a = p.parse_args(argv)
     try:
-        if os.path.exists(os.path.join(a.out, "config.json")):
-            raise UsageError(f"--out {a.out} already holds a checkpoint; choose a new directory")
+        if os.path.exists(os.path.join(a.out, "config.json")) and not a.force:
+            raise UsageError(f"--out {a.out} already holds a checkpoint; pass --force to overwrite it, or choose a "
+                             "new directory")
         if a.layers < 1 or a.block_size < 2:
             raise UsageError("--layers must be >= 1 and --block-size >= 2")
         tcfg = load_target_config(a.target)

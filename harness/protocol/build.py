@@ -88,6 +88,10 @@ def prepare(cfg: RunConfig) -> Prepared:
         dcfg = read_dflash_config(draft_path)
         dcfg.check_target(tcfg, f"drafter {cfg.draft_name_or_path}")
         check_dflash_checkpoint(draft_path, dcfg)
+        if cfg.block_size and cfg.block_size > dcfg.block_size:
+            raise UsageError(f"--block-size {cfg.block_size}: the drafter {cfg.draft_name_or_path} was trained with "
+                             f"block {dcfg.block_size}, and it never learned the slots past it; use --block-size "
+                             f"{dcfg.block_size} or smaller")
         block = cfg.block_size or dcfg.block_size
         ckpts = _refiner_checkpoints(cfg, dcfg, tcfg, block)
     plan = None

@@ -1,10 +1,10 @@
-"""The run configuration: argparse <-> a frozen dataclass, with every check that needs no model.
+"""The run configuration: a frozen dataclass, and every check that needs no model.
 
-Flag names follow the reference harness where it has them (REFERENCE.md section 1.1).
+The flags that fill it are in harness.protocol.flags (names follow the reference harness where it has them,
+REFERENCE.md section 1.1); `parse_args` is re-exported from there.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -67,6 +67,8 @@ class RunConfig:
     max_num_batched_tokens: int | None = None  # Spyre token budget per step (default 64)
     hf_overrides: str | None = None           # JSON merged into the target config (harness.decode.hf_overrides)
     given: tuple[str, ...] = ()               # the flags set on the command line (explicit beats checkpoint)
+    preset: str | None = None                 # the setup that filled untyped settings (harness.protocol.setups)
+    quiet: bool = False
 
     @property
     def fair(self) -> bool:
@@ -90,110 +92,6 @@ class RunConfig:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="benchmark_compile_all.py",
-                                description="Speculative-decoding benchmark: HF target + dFlash drafter.")
-    a = p.add_argument
-    a("--model-name-or-path", help="target: HF repo id, local directory, or local .gguf file")
-    a("--draft-name-or-path", help="dFlash drafter directory (config.json + *.safetensors); not needed with --ar-only")
-    a("--dataset", required=True, help="benchmark name, or NAME of DIR/NAME.jsonl with --data-dir")
-    a("--data-dir", help="directory of JSONL files with a 'turns' list per row (e.g. shared/data/eval)")
-    a("--block-size", type=int, help="block B = anchor + B-1 drafts; default: the drafter's block_size")
-    a("--max-samples", type=int, help="subset: shuffle(seed=0) then the first N when the dataset is larger")
-    a("--max-new-tokens", type=int, default=16384, help="generation budget per turn")
-    a("--max-model-len", type=int, help="context limit in tokens; default: the target's max_position_embeddings")
-    a("--temperature", type=float, default=0.0, help="target sampling temperature; < 1e-5 is greedy")
-    a("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off); applied to p and to q")
-    a("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off); applied to p and to q")
-    a("--draft-temperature", type=float, help="temperature of the drafts (default: --temperature)")
-    a("--draft-noise", default="gumbel", choices=["gumbel", "uniform"],
-      help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
-    a("--compat-reference", action="store_true",
-      help="reproduce the reference harness's quirks: one global random stream, an extra step after an EOS "
-           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted, "
-           "stops on the tokenizer's eos only")
-    a("--drafter-only", action="store_true", help="speculative arm uses the drafter's own draft (no refiner, K=0)")
-    a("--ar-only", action="store_true", help="run only the autoregressive baseline (block 1)")
-    a("--skip-ar", action="store_true", help="run only the speculative arm")
-    a("--answer-file", help="write per-sample JSONL results here")
-    a("--no-answer-timing", action="store_true",
-      help="leave timings and timestamps out of the answer file, so seeded runs can be compared byte for byte")
-    a("--attn-implementation", default="sdpa", help="attention kernel: sdpa (default) or eager")
-    a("--device", help="cpu, cuda, cuda:N or spyre (IBM Spyre through torch-spyre; default: cuda if available)")
-    a("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
-    a("--seed", type=int, default=0, help="seed of the per-(prompt, turn) random streams")
-    r = p.add_argument_group("refiners")
-    r.add_argument("--xpress-refiner-path", help="xPress checkpoint: co-training .pt, serving directory, HF id "
-                   "user/repo or user/repo:file (default: env XPRESS_CKPT)")
-    r.add_argument("--markov-refiner-path", help="Markov-head checkpoint, same forms (default: env MK_CKPT)")
-    r.add_argument("--xpress-refine-passes", type=int, default=3, help="K Jacobi passes; 0 = drafter-only")
-    r.add_argument("--xpress-topc", type=int, default=0,
-                   help="score only each slot's top-C base candidates (1..min(1024, V)); 0 = full vocabulary")
-    r.add_argument("--refine-numerics", choices=("standard", "spyre"), default="standard",
-                   help="spyre: the xPress shortlist refinement as Spyre runs it (CPU top-k of the base logits, FP16 "
-                        "per-pass scores on the device, first-position ties, candidate embeddings cached per block); "
-                        "plain torch, any device")
-    r.add_argument("--max-num-batched-tokens", type=int,
-                   help="Spyre: token slots per scheduler step (default 64); a request needs >= 31 at block 16")
-    r.add_argument("--hf-overrides", metavar="JSON",
-                   help='JSON merged into the target config before loading, e.g. \'{"text_config": {...}}\' or '
-                        '\'{"text_only": true}\' (Gemma 4: load the text backbone only, the default)')
-    r.add_argument("--xpress-prev-anchor", action="store_true",
-                   help="slot 0's predecessor is the anchor itself (vLLM/Spyre convention), not the true token")
-    r.add_argument("--no-fold-mixer", action="store_true", help="keep the xPress mixer unfolded (L*tril, + I)")
-    r.add_argument("--trust-pickle", action="store_true",
-                   help="load a .pt checkpoint with full pickle (only for files you trust)")
-    r.add_argument("--trace", help="write one JSON line per decode step (draft, seed, accepted, next token)")
-    r.add_argument("--use-graph", action="store_true",
-                   help="CUDA: capture every decode step (draft, refine, verify, accept) as one CUDA graph per "
-                        "arm, width and 256-slot KV bucket, replayed with one host read per step")
-    r.add_argument("--compile-refiner", action="store_true", help="torch.compile the refinement step")
-    r.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
-                   help="target decode steps on harness.decode.kernels' Triton kernels (triton) or torch ops; auto: "
-                        "triton on CUDA in bf16/fp16 where Triton is installed and the target fits")
-    r.add_argument("--compile-all", action="store_true",
-                   help="torch.compile what still runs as small torch ops where that measured faster (the xPress "
-                        "refinement; target and drafter layers run on harness.decode.kernels); reports compile seconds and "
-                        "graph count, fails on any recompile after warmup")
-    r.add_argument("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
-                   help="torch.compile backend for --compile-refiner/--compile-all")
-    t = p.add_argument_group("timing at real shapes")
-    t.add_argument("--random-weights", metavar="PRESET",
-                   help="random target, drafter and heads at real shapes (qwen3-8b, smollm2-135m, tiny); prompts "
-                        "are byte-tokenised, no stop ids; results are labelled random weights / scripted acceptance")
-    t.add_argument("--scripted-accept", type=int, metavar="N",
-                   help="force N accepted drafts per step (compute unchanged) to time steps at any tau")
-    f = p.add_argument_group("paired protocol and results")
-    f.add_argument("--fair-interleave", type=int, nargs="?", const=0, metavar="ROUNDS",
-                   help="paired rounds over every arm (AR, drafter-only, Markov, xPress per K), rotated each round; "
-                        "ROUNDS defaults to warmup + number of arms")
-    f.add_argument("--fair-k-list", help="xPress K values as one arm each, e.g. 4,5,6,7 (default: --xpress-refine-passes)")
-    f.add_argument("--fair-warmup-rounds", type=int, default=1, help="rounds run but excluded from statistics")
-    f.add_argument("--results-dir", default="results", help="run folders are written under this directory")
-    f.add_argument("--run-id", help="name of the run folder (default: dataset, temperature and a timestamp)")
-    f.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run in this folder")
-    f.add_argument("--first-turn-only", action="store_true", help="skip later turns (only turn 1 is measured)")
-    f.add_argument("--explain", action="store_true",
-                   help="print the conventions of every number after the table (they are always in the results "
-                        "folder's README.md)")
-    r.add_argument("--record-logit-gaps", action="store_true",
-                   help="store the target's top-2 logit gap of every token, so each divergence from AR is reported "
-                        "with its gap in both runs (one top-2 per step inside the timer: the run is labelled)")
-    r.add_argument("--fp32-logits", action="store_true",
-                   help="compute the target's lm_head logits in float32 (bf16 logits tie where the top-2 gap is "
-                        "below their rounding; costs a float32 lm_head matmul per step)")
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> RunConfig:
-    ns = build_parser().parse_args(argv)
-    from harness.protocol.spyre_contract import given_flags
-    ns.given = given_flags(build_parser, argv)
-    cfg = RunConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(RunConfig)})
-    validate(cfg)
-    return cfg
-
-
 def validate(c: RunConfig) -> None:
     """Everything that can be wrong without reading a model."""
     if c.ar_only and c.skip_ar:
@@ -205,9 +103,16 @@ def validate(c: RunConfig) -> None:
             raise UsageError("--random-weights builds every model itself; drop the model and checkpoint paths")
     else:
         if not c.model_name_or_path:
-            raise UsageError("--model-name-or-path is required (or --random-weights PRESET for timing)")
+            raise UsageError("--model-name-or-path is required with the other model flags (or give no model flag "
+                             "for the embedded default, or --random-weights PRESET for timing)")
         if not c.ar_only and not c.draft_name_or_path:
             raise UsageError("--draft-name-or-path is required unless --ar-only is given")
+        check_model_path("--model-name-or-path", c.model_name_or_path)
+        if c.run_spec:
+            check_model_path("--draft-name-or-path", c.draft_name_or_path)
+    if not c.dataset:
+        raise UsageError("--dataset is required when models are named (e.g. --dataset gsm8k); "
+                         "python benchmark_compile_all.py --help lists the hub datasets")
     if c.scripted_accept is not None and c.scripted_accept < 0:
         raise UsageError(f"--scripted-accept {c.scripted_accept}: must be >= 0")
     from harness.protocol.spyre_contract import check_run, is_spyre
@@ -286,8 +191,32 @@ def check_results_dir(path: str, must_exist: bool) -> None:
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+    if not os.path.isdir(probe) or not _can_write(probe):
         raise UsageError(f"results folder {path}: {probe} is not a writable directory; pass --results-dir")
+
+
+def _can_write(folder: str) -> bool:
+    """A real write, not os.access: root passes every permission check, and read-only mounts or pseudo file
+    systems (/proc) refuse the write anyway; that must be found before the models load, not after."""
+    import tempfile
+    try:
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".xpress-bench-probe-")
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(name)
+    return True
+
+
+def looks_local(spec: str) -> bool:
+    """A path, not a hub id (`user/repo` or a bare name): starts with / . ~, ends in .gguf, or has two slashes."""
+    return spec.startswith(("/", ".", "~")) or spec.endswith(".gguf") or spec.count("/") > 1 or "\\" in spec
+
+
+def check_model_path(flag: str, spec: str) -> None:
+    if looks_local(spec) and not os.path.exists(os.path.expanduser(spec)):
+        raise UsageError(f"{flag} {spec}: no such path (a local directory or .gguf file must exist; a hub id "
+                         "has the form user/repo)")
 
 
 def check_writable(path: str) -> None:
@@ -297,3 +226,8 @@ def check_writable(path: str) -> None:
     if not os.access(folder, os.W_OK):
         raise UsageError(f"{path}: folder {folder} is not writable")
 
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    from harness.protocol.flags import parse_args as parse
+    return parse(argv)

@@ -119,8 +119,25 @@ def _version(package: str) -> str | None:
         return None
 
 
-def environment() -> dict:
-    """Where the numbers came from: GPUs and driver, library versions, the repo's git SHA and dirty flag."""
+def _pathspec(repo: Path, exclude) -> list[str]:
+    """git pathspecs that leave out each excluded folder lying inside the repository (the run's own output)."""
+    specs = []
+    for folder in exclude:
+        try:
+            rel = Path(folder).resolve().relative_to(repo.resolve())
+        except ValueError:  # outside the source tree: git does not see it anyway
+            continue
+        if rel.parts:
+            specs.append(f":(exclude){rel.as_posix()}")
+    return ["--", "."] + specs if specs else []
+
+
+def environment(exclude=(), repo: Path | None = None) -> dict:
+    """Where the numbers came from: GPUs and driver, library versions, the repo's git SHA and dirty flag.
+
+    `exclude`: folders whose files do not make the tree dirty (the run's own results folder, which is new and
+    untracked while the run writes it, and would otherwise mark every run under results/ as dirty)."""
+    repo = repo or _REPO
     env = {"python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
            "time_unix": time.time(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "torch": _version("torch"), "transformers": _version("transformers"), "numpy": _version("numpy"),
@@ -137,8 +154,9 @@ def environment() -> dict:
     if env["gpus"]:
         smi = _cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
         env["driver"] = smi.splitlines()[0].strip() if smi else None
-    sha = _cmd(["git", "rev-parse", "HEAD"], cwd=_REPO)
-    status = _cmd(["git", "status", "--porcelain"], cwd=_REPO) if sha else None  # untracked code counts too
+    sha = _cmd(["git", "rev-parse", "HEAD"], cwd=repo)
+    # untracked code counts too; the run's own output does not
+    status = _cmd(["git", "status", "--porcelain", *_pathspec(repo, exclude)], cwd=repo) if sha else None
     env["git_sha"] = sha
     env["git_dirty"] = None if status is None else bool(status)
     return env

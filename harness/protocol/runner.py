@@ -30,7 +30,7 @@ from harness.protocol.trace import StepTracer, timed_then_traced
 
 # Flags that may differ between an interrupted run and its --resume.
 RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain",
-               "given")  # given: which flags were typed
+               "given", "quiet")  # given: which flags were typed
 
 
 def stream_seed(seed: int, row: int, turn: int, round_: int = 1) -> int:
@@ -150,12 +150,36 @@ def check_prompt_lengths(samples, tokenizer, limit: int) -> int:
     return longest
 
 
-def progress(total: int, done: int):
+def on_terminal() -> bool:
+    """Progress goes to a person watching: both streams must be terminals (a log file gets none)."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def progress(total: int, done: int, quiet: bool = False):
+    """One bar over every (round, arm, prompt) decode, with the ETA; None with --quiet or off a terminal."""
+    if quiet or not on_terminal():
+        return None
     try:
         from tqdm import tqdm
-        return tqdm(total=total, initial=done, unit="prompt", desc="decode", file=sys.stderr, disable=None)
     except ImportError:
         return None
+    return tqdm(total=total, initial=done, unit="decode", desc="decode", file=sys.stderr, dynamic_ncols=True,
+                smoothing=0.1)
+
+
+def show_progress(bar, r: int, rounds: int, arm: str, qid: int, n: int, rows: list[dict]) -> None:
+    """Called between decodes, never inside a timed generation: the finished prompt's decode tok/s."""
+    secs = sum(x["decode_s"] for x in rows)
+    rate = f"{sum(x['decode_tokens'] for x in rows) / secs:.1f} tok/s" if secs > 0 else "- tok/s"
+    bar.set_postfix_str(f"round {r}/{rounds} {arm} prompt {qid + 1}/{n} {rate}", refresh=False)
+    bar.update()
+
+
+def resume_command(folder: str) -> str:
+    import shlex
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith("benchmark_compile_all.py") else \
+        "benchmark_compile_all.py"
+    return f"python3 {shlex.quote(script)} --resume {shlex.quote(folder)}"
 
 
 def run(cfg: RunConfig, out=None) -> dict:
@@ -207,7 +231,6 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         compile_for(target, [a.drafter for a in arms])
     settings = settings_for(cfg, prep.max_model_len, stops)
     presize(target, arms, longest, settings, prep.block_size)
-    by_name = {a.name: a for a in arms}
     order = rotation([a.name for a in arms], prep.rounds)
     describe(cfg, prep, arms, settings, samples, stops, folder, out, target.kernels)
     shard.announce(out, mine)
@@ -221,12 +244,28 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                           "variant": c.variant}
                      for k, c in prep.refiners.items()},
-        "label": label(cfg), "kernels": target.kernels}}
+        "label": label(cfg), "kernels": target.kernels,
+        "trained_block_size": prep.draft_config.block_size if prep.draft_config else None}}
     shard.annotate(config)
     if not cfg.resume and shard.main:
         atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
     done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(cfg.resume))}
+    total = prep.rounds * len(arms) * len(mine)
+    if cfg.resume:
+        print(f"[resume] {folder}: reusing {len(done)} of {total} (round, arm, prompt) decodes from samples.jsonl; "
+              f"{total - len(done)} to run", file=out)
+    try:
+        return _measure(cfg, out, watch, prep, folder, rows_path, samples, tokenizer, target, arms, settings,
+                        backend, order, done, total, shard, mine)
+    except KeyboardInterrupt:
+        print(f"[resume] interrupted; the finished decodes are saved in {rows_path}. Continue with:\n"
+              f"  {resume_command(folder)}", file=sys.stderr)
+        raise
 
+
+def _measure(cfg, out, watch, prep, folder, rows_path, samples, tokenizer, target, arms, settings, backend, order,
+             done, total, shard, mine) -> dict | None:
+    by_name = {a.name: a for a in arms}
     warmup(arms, target, samples, tokenizer, settings, backend)
     if watch is not None:
         if cfg.compile_all:
@@ -246,7 +285,7 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
            # Common random numbers: every arm replays the same stream for a (prompt, turn, round); the reference
            # instead draws everything from one stream seeded once (--compat-reference).
            "global_rng": backend.generator(cfg.seed) if cfg.compat_reference else None}
-    bar = progress(prep.rounds * len(arms) * len(mine), len(done)) if shard.main else None
+    bar = progress(total, len(done), cfg.quiet) if shard.main else None
     recompiled = ()
     if watch is not None and watch.guarded:
         from harness.decode.compiling import recompile_error_types
@@ -256,8 +295,8 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         for r, names in enumerate(order, start=1):
             warm = r <= prep.warmup_rounds
             if prep.rounds > 1:
-                print(f">>> round {r}/{prep.rounds}: {' -> '.join(names)}{'   [warmup - EXCLUDED]' if warm else ''}",
-                      file=out)
+                line = f">>> round {r}/{prep.rounds}: {' -> '.join(names)}{'   [warmup - EXCLUDED]' if warm else ''}"
+                (bar.write if bar else print)(line, file=out)  # tqdm.write keeps the bar below the line
             for name in names:
                 arm = by_name[name]
                 arm.activate()
@@ -268,7 +307,7 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
                     append_rows(rows_path, rows)
                     refuse_captures(rows, rows_path)
                     if bar:
-                        bar.update()
+                        show_progress(bar, r, prep.rounds, name, qid, len(samples), rows)
     except recompiled as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--compile-all: a compiled stage recompiled after warmup ({first}); the rows measured "
@@ -292,7 +331,8 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     print(report.format_console_table(summary, cfg.dataset, explain=cfg.explain) + rank_report.format_ranks(summary),
           file=out)
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
-    report.write_results(folder, saved_config, rank_report.environment(environment(), shard), rows, summary, out)
+    report.write_results(folder, saved_config, rank_report.environment(environment(exclude=[folder]), shard), rows,
+                         summary, out)
     print(f"[results] {folder}", file=out)
     if getattr(target, "step_graphs", None) is not None:
         print(f"[graphs] whole-step CUDA graphs: {target.step_graphs.stats()}", file=out)
@@ -321,6 +361,11 @@ def describe(cfg, prep, arms, settings, samples, stops, folder, out, target_kern
           f"(first {prep.warmup_rounds} excluded) folder={folder}", file=out)
     if prep.rotation_note:
         print(f"[rounds] {prep.rotation_note}", file=out)
+    trained = prep.draft_config.block_size if prep.draft_config else None
+    if trained and prep.block_size < trained:
+        print(f"[note] block {prep.block_size} is smaller than the drafter's trained block {trained}: allowed (the "
+              f"drafter fills only the first {prep.block_size - 1} of its {trained - 1} draft slots), but tau is "
+              "not the drafter's published setting", file=out)
     for ck in prep.refiners.values():
         mixer = (f" mixer={ck.mixer} (fold={'no' if cfg.no_fold_mixer else 'after cast to ' + str(backend.dtype)})"
                  if ck.kind == "xpress" else "")

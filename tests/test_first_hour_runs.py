@@ -1,0 +1,193 @@
+"""A new user's first hour (issue 16) on tiny runs: progress, resume, provenance, plots and bench_fair_fast.sh."""
+import json
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import benchmark_compile_all as cli
+import harness.protocol.runner as runner
+from harness.protocol import plots, results_io
+from harness.protocol.results_io import read_rows
+from tiny import write_run_fixture
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    rows = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour."]}]
+    return write_run_fixture(tmp_path_factory.mktemp("fh_runs"), rows, xpress_std=0.02, markov_std=0.02)
+
+
+def fair(files, results, *extra, refiners=True):
+    heads = ["--xpress-refiner-path", str(files / "xpress.pt"), "--markov-refiner-path", str(files / "markov.pt")]
+    return ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
+            *(heads if refiners else []), "--dataset", "mini", "--data-dir", str(files / "data"),
+            "--max-new-tokens", "6", "--device", "cpu", "--fair-interleave", "--fair-k-list", "1,2",
+            "--results-dir", str(results), *extra]
+
+
+def test_progress_shows_arm_prompt_rate_and_stays_between_decodes(files, tmp_path, monkeypatch, capsys):
+    events = []
+    real_generate, real_show = runner.generate, runner.show_progress
+
+    def generate(*a, **k):
+        events.append("start")
+        g = real_generate(*a, **k)
+        events.append("end")
+        return g
+
+    def show(bar, *a):
+        events.append("progress")
+        return real_show(bar, *a)
+
+    monkeypatch.setattr(runner, "generate", generate)
+    monkeypatch.setattr(runner, "show_progress", show)
+    monkeypatch.setattr(runner, "on_terminal", lambda: True)
+    assert cli.main(fair(files, tmp_path, "--run-id", "p")) == 0
+    err = capsys.readouterr().err
+    assert "tok/s" in err and "prompt 2/2" in err and "round 6/6" in err and "xPress(K=2)" in err
+    assert events.count("progress") == 6 * 5 * 2  # rounds x arms x prompts: one update per finished decode
+    inside = False
+    for e in events:  # never while a (timed) generation runs
+        inside = {"start": True, "end": False}.get(e, inside)
+        assert not (e == "progress" and inside)
+    events.clear()
+    assert cli.main(fair(files, tmp_path, "--run-id", "q", "--quiet")) == 0
+    assert "progress" not in events and "tok/s" not in capsys.readouterr().err
+    monkeypatch.setattr(runner, "on_terminal", lambda: False)
+    assert cli.main(fair(files, tmp_path, "--run-id", "r")) == 0
+    assert "progress" not in events and "tok/s" not in capsys.readouterr().err
+
+
+def test_ctrl_c_prints_the_resume_command_and_resume_dir_alone_finishes(files, tmp_path, monkeypatch, capsys):
+    calls = {"n": 0}
+    real = runner.generate
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 17:  # 5 warmup generations, round 1 (10 decodes), then part of round 2
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(runner, "generate", flaky)
+    assert cli.main(fair(files, tmp_path, "--run-id", "c")) == 130
+    err = capsys.readouterr().err
+    line = next(x.strip() for x in err.splitlines() if "--resume" in x)
+    argv = shlex.split(line)
+    folder = str(tmp_path / "c")
+    assert argv[:2] == ["python3", "benchmark_compile_all.py"] and argv[2:] == ["--resume", folder]
+    saved = len(read_rows(Path(folder) / "samples.jsonl"))
+    monkeypatch.setattr(runner, "generate", real)
+    assert cli.main(argv[2:]) == 0  # --resume DIR and nothing else: config.json has every setting
+    out = capsys.readouterr().out
+    assert f"reusing {saved} of 60 (round, arm, prompt) decodes" in out
+    assert len(read_rows(Path(folder) / "samples.jsonl")) == 60
+
+
+def git(repo, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                   capture_output=True)
+
+
+def test_git_dirty_ignores_the_runs_own_output(tmp_path):
+    repo = tmp_path / "repo"
+    (repo / "results").mkdir(parents=True)
+    (repo / "code.py").write_text("x = 1\n")
+    git(repo, "init", "-q")
+    git(repo, "add", "code.py")
+    git(repo, "commit", "-q", "-m", "c")
+    run = repo / "results" / "run1"
+    run.mkdir()
+    (run / "samples.jsonl").write_text("{}\n")
+    assert results_io.environment(repo=repo)["git_dirty"] is True  # as before: any untracked file counts
+    assert results_io.environment(exclude=[run], repo=repo)["git_dirty"] is False
+    (repo / "results" / "other.txt").write_text("stray\n")
+    assert results_io.environment(exclude=[run], repo=repo)["git_dirty"] is True
+    assert results_io.environment(exclude=[tmp_path / "elsewhere"], repo=repo)["git_dirty"] is True
+
+
+def _figures(monkeypatch):
+    from matplotlib.figure import Figure
+    seen = []
+    real = Figure.savefig
+
+    def savefig(self, *a, **k):
+        seen.append(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return seen
+
+
+def test_plots_colour_per_method_ar_line_titles_and_no_empty_k_plots(files, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+    seen = _figures(monkeypatch)
+    assert cli.main(fair(files, tmp_path, "--run-id", "full", "--quiet")) == 0
+    names = {p.name for p in (tmp_path / "full").glob("*.png")}
+    assert names == {"summary_by_arm.png", "tau_vs_K.png", "speedup_vs_K.png", "acceptance_per_position.png"}
+    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    colors = plots.arm_colors(summary["arms"])
+    assert to_hex(colors["Markov"]) == plots.COLORS["markov"] and to_hex(colors["xPress(K=2)"]) == plots.COLORS["xpress"]
+    by_arm, tau_k, speed_k, per_pos = seen
+    for fig in seen:
+        title = fig.axes[0].get_title()
+        assert "target" in title and "mini" in title and "T=0" in title and "2 prompts x 5 measured rounds" in title
+    for ax in (by_arm.axes[0], by_arm.axes[1], tau_k.axes[0], speed_k.axes[0]):
+        ones = [ln for ln in ax.get_lines() if ln.get_label() == "AR = 1" and list(ln.get_ydata()) == [1.0, 1.0]]
+        assert ones and to_hex(ones[0].get_color()) == plots.COLORS["ar"]
+        lo, hi = ax.get_ylim()
+        assert lo < 1 < hi
+    bars = {p.get_x(): to_hex(p.get_facecolor()) for p in by_arm.axes[0].patches}
+    assert list(bars.values())[0] == plots.COLORS["ar"] and list(bars.values())[2] == plots.COLORS["markov"]
+    refs = {ln.get_label().split(" (")[0]: to_hex(ln.get_color()) for ln in speed_k.axes[0].get_lines()}
+    assert refs["drafter-only"] == plots.COLORS["drafter-only"] and refs["Markov"] == plots.COLORS["markov"]
+    pos = {ln.get_label(): to_hex(ln.get_color()) for ln in per_pos.axes[0].get_lines()}
+    assert pos["Markov"] == plots.COLORS["markov"] and pos["drafter-only"] == plots.COLORS["drafter-only"]
+    seen.clear()
+    assert cli.main(fair(files, tmp_path, "--run-id", "plain", "--quiet", refiners=False)) == 0
+    assert {p.name for p in (tmp_path / "plain").glob("*.png")} == {"summary_by_arm.png",
+                                                                      "acceptance_per_position.png"}
+
+
+def test_speedup_error_bars_are_the_ci(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    seen = _figures(monkeypatch)
+    arm = lambda name, method, K, sp: {"arm": name, "method": method, "K": K, "tau_per_step": 2.0, "per_position": [],
+                                       "speedup": sp}
+    summary = {"temperature": 0.0, "prompts": 3, "rounds": {"measured": [2]}, "reference_arm": "AR",
+               "label": "random weights", "arms": {"AR": arm("AR", "ar", None, {"mean": 1.0, "ci95": [1.0, 1.0]}),
+                        "xPress(K=4)": arm("xPress(K=4)", "xpress", 4, {"mean": 1.5, "ci95": [1.2, 1.9]})}}
+    plots.write_plots(tmp_path, summary, "gsm8k")
+    speed = seen[2].axes[0]
+    assert "[random weights]" in speed.get_title() and "1 measured round" in speed.get_title()
+    (bars,) = [c for c in speed.collections if c.get_segments() and len(c.get_segments()) == 1]
+    ((x0, y0), (x1, y1)) = bars.get_segments()[0]
+    assert (x0, x1) == (4, 4) and (round(y0, 9), round(y1, 9)) == (1.2, 1.9)
+
+
+def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "USE_GRAPH", "TARGET", "PRESET")}
+    env.update(EXTRA_ARGS="--random-weights tiny --quiet", MAX_SAMPLES="1", MAX_NEW_TOKENS="4", K_LIST="1",
+               OUTDIR=str(tmp_path / "rw"))
+    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "random weights" in proc.stdout and "use-graph" not in proc.stderr  # CPU: no CUDA graphs asked for
+    (folder,) = (tmp_path / "rw").iterdir()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["preset"] == "smollm2-135m" and config["use_graph"] is False and config["dataset"] == "gsm8k"
+    assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=1)"]
+    env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "USE_GRAPH", "PRESET", "EXTRA_ARGS")}
+    env.update(TARGET=str(files / "target"), DRAFT=str(files / "drafter"), XPRESS_CKPT="",
+               MK_CKPT=str(files / "markov.pt"), DATA_DIR=str(files / "data"), MAX_SAMPLES="1", MAX_NEW_TOKENS="4",
+               OUTDIR=str(tmp_path / "drop"), ROUNDS="2")
+    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), "mini"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (folder,) = (tmp_path / "drop").iterdir()
+    assert json.loads((folder / "config.json").read_text())["resolved"]["arms"] == ["AR", "drafter-only", "Markov"]
