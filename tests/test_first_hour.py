@@ -184,3 +184,32 @@ def test_shipped_prompts_are_whole_small_and_licensed():
     assert len(load_samples("gsm8k", str(folder), 128)) == 128
     assert all(p.stat().st_size < 500_000 for p in folder.iterdir())
     assert os.access(folder / "gsm8k.jsonl", os.R_OK)
+
+
+def make_weights(target: str, out: Path, block: int = 4, rank: int = 8) -> Path:
+    from scripts import make_random_drafter, make_random_refiners
+    assert make_random_drafter.main(["--target", target, "--out", str(out / "drafter"), "--block-size",
+                                     str(block)]) == 0
+    assert make_random_refiners.main(["--target", target, "--drafter", str(out / "drafter"), "--out", str(out),
+                                      "--rank", str(rank)]) == 0
+    return out
+
+
+def test_no_model_flags_run_the_embedded_default_with_script_made_weights(target_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    weights = make_weights(str(target_dir / "target"), tmp_path / "w")
+    monkeypatch.setenv(setups.WEIGHTS_ENV, str(weights))
+    monkeypatch.setattr(setups, "embedded_target", lambda: str(target_dir / "target"))  # instead of the GGUF
+    for var in ("XPRESS_CKPT", "MK_CKPT"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "mini.jsonl").write_text('{"turns": ["Add 2 and 3."]}\n{"turns": ["Count to 4."]}\n')
+    assert cli.main(["--dataset", "mini", "--data-dir", str(tmp_path), "--max-new-tokens", "5",
+                     "--results-dir", str(tmp_path / "r"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "tau/step" in out and "Sp. (paired)" in out
+    (folder,) = (tmp_path / "r").iterdir()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["preset"] == "smollm2-135m" and config["fair_k_list"] == setups.EMBEDDED_CPU["fair_k_list"]
+    assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=2)", "xPress(K=4)"]
+    assert config["resolved"]["rounds"] == setups.EMBEDDED_CPU["fair_interleave"]
+
