@@ -86,6 +86,10 @@ def test_ctrl_c_prints_the_resume_command_and_resume_dir_alone_finishes(files, t
     out = capsys.readouterr().out
     assert f"reusing {saved} of 60 (round, arm, prompt) decodes" in out
     assert len(read_rows(Path(folder) / "samples.jsonl")) == 60
+    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh")], env={**os.environ, "RESUME": folder},
+                          capture_output=True, text=True, timeout=600)  # the same through the script
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "reusing 60 of 60 (round, arm, prompt) decodes" in proc.stdout
 
 
 def git(repo, *args):
