@@ -107,9 +107,6 @@ def validate(c: RunConfig) -> None:
                              "for the embedded default, or --random-weights PRESET for timing)")
         if not c.ar_only and not c.draft_name_or_path:
             raise UsageError("--draft-name-or-path is required unless --ar-only is given")
-        check_model_path("--model-name-or-path", c.model_name_or_path)
-        if c.run_spec:
-            check_model_path("--draft-name-or-path", c.draft_name_or_path)
     if not c.dataset:
         raise UsageError("--dataset is required when models are named (e.g. --dataset gsm8k); "
                          "python benchmark_compile_all.py --help lists the hub datasets")
@@ -118,6 +115,10 @@ def validate(c: RunConfig) -> None:
     from harness.protocol.spyre_contract import check_run, is_spyre
     if is_spyre(c.device):
         check_run(c)
+    if not c.random_weights:  # after the Spyre contract, which refuses a GGUF whether or not it exists
+        check_model_path("--model-name-or-path", c.model_name_or_path)
+        if c.run_spec:
+            check_model_path("--draft-name-or-path", c.draft_name_or_path)
     if c.hf_overrides is not None:
         from harness.decode.hf_overrides import parse_overrides
         parse_overrides(c.hf_overrides)
