@@ -13,6 +13,7 @@ import sys
 from drafters.dflash import config_for_target, random_dflash, save_dflash
 from harness.errors import UsageError
 from harness.decode.loading import load_target_config
+from scripts.random_mark import mark
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_for_target(tcfg, a.layers, a.block_size, mask)
         cfg.check_target(tcfg)
         save_dflash(random_dflash(cfg, seed=a.seed), a.out)
+        mark(a.out)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 
 from harness.errors import UsageError, cli_exit
+from scripts.random_mark import mark
 
 
 def write_heads(target: str, drafter: str, out: str | Path, rank: int = 64, seed: int = 0,
                 force: bool = False) -> list[Path]:
     from drafters.dflash import read_dflash_config
     from harness.checkpoints import write_safetensors_dir
-    from harness.decode.target import load_target_config
+    from harness.decode.loading import load_target_config
     from refiners.convert import serving_config, serving_tensors
     from refiners.formats import MARKOV, XPRESS, RefinerCheckpoint
     from refiners.markov import random_markov_head
@@ -47,6 +48,7 @@ def write_heads(target: str, drafter: str, out: str | Path, rank: int = 64, seed
         if force and dirs[kind].exists():
             shutil.rmtree(dirs[kind])
         write_safetensors_dir(dirs[kind], serving_config(base, ck, num_passes=4), serving_tensors(ck))
+        mark(dirs[kind])
     return list(dirs.values())
 
 

@@ -169,6 +169,8 @@ def test_random_scripts_refuse_to_overwrite_without_force(target_dir, tmp_path, 
     assert [a.name for a in prep.arms] == ["AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=2)"]
     assert prep.refiners["xpress"].rank == prep.refiners["markov"].rank == 8
     assert prep.refiners["xpress"].draft_state is None  # heads only: the arms run with the drafter's own weights
+    from scripts.random_mark import NAME
+    assert NAME == runner.RANDOM_MARK and all((Path(p) / NAME).is_file() for p in (d, tmp_path / "xpress"))
 
 
 def test_shipped_prompts_are_whole_small_and_licensed():
@@ -207,7 +209,9 @@ def test_no_model_flags_run_the_embedded_default_with_script_made_weights(target
                      "--results-dir", str(tmp_path / "r"), "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "tau/step" in out and "Sp. (paired)" in out
+    assert "[random drafter/heads (scripts/make_random_*)]" in out  # script-made weights are labelled
     (folder,) = (tmp_path / "r").iterdir()
+    assert json.loads((folder / "summary.json").read_text())["label"].startswith("random drafter/heads")
     config = json.loads((folder / "config.json").read_text())
     assert config["preset"] == "smollm2-135m" and config["fair_k_list"] == setups.EMBEDDED_CPU["fair_k_list"]
     assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=2)", "xPress(K=4)"]

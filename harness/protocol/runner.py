@@ -75,10 +75,19 @@ def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSe
                           record_gaps=cfg.record_logit_gaps)
 
 
+RANDOM_MARK = "RANDOM_WEIGHTS.txt"  # written by scripts/make_random_drafter.py and make_random_refiners.py
+
+
 def label(cfg: RunConfig) -> str | None:
-    """Numbers from random weights or scripted acceptance say so wherever they appear."""
+    """Numbers from random weights or scripted acceptance say so wherever they appear; so do runs of a real target
+    with a drafter or heads that the random-weights scripts made."""
     from harness.protocol.presets import RANDOM_LABEL
-    return RANDOM_LABEL if cfg.random_weights or cfg.scripted_accept is not None else None
+    if cfg.random_weights or cfg.scripted_accept is not None:
+        return RANDOM_LABEL
+    paths = (cfg.draft_name_or_path, cfg.xpress_refiner_path, cfg.markov_refiner_path)
+    if any(p and os.path.isfile(os.path.join(p, RANDOM_MARK)) for p in paths):
+        return "random drafter/heads (scripts/make_random_*)"
+    return None
 
 
 def presize(target, arms, longest: int, settings: DecodeSettings, block: int) -> None:
