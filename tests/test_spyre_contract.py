@@ -7,7 +7,7 @@ import torch
 import benchmark_compile_all as cli
 from harness.errors import UsageError
 from harness.protocol import spyre_contract as sc
-from harness.protocol.config import parse_args
+from harness.protocol.flags import parse_args
 from refiners.formats import RefinerCheckpoint
 
 

@@ -1,7 +1,7 @@
 """The run configuration: a frozen dataclass, and every check that needs no model.
 
-The flags that fill it are in harness.protocol.flags (names follow the reference harness where it has them,
-REFERENCE.md section 1.1); `parse_args` is re-exported from there.
+The flags that fill it, and `parse_args`, are in harness.protocol.flags (names follow the reference harness where it
+has them, REFERENCE.md section 1.1).
 """
 from __future__ import annotations
 
@@ -226,9 +226,3 @@ def check_writable(path: str) -> None:
         raise UsageError(f"{path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise UsageError(f"{path}: folder {folder} is not writable")
-
-
-
-def parse_args(argv: list[str] | None = None) -> RunConfig:
-    from harness.protocol.flags import parse_args as parse
-    return parse(argv)
