@@ -217,3 +217,8 @@ def test_no_model_flags_run_the_embedded_default_with_script_made_weights(target
     assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=2)", "xPress(K=4)"]
     assert config["resolved"]["rounds"] == setups.EMBEDDED_CPU["fair_interleave"]
 
+
+
+def test_every_setting_has_a_flag():
+    dests = {a.dest for a in flags.build_parser()._actions} - {"help"}
+    assert set(flags.FIELDS) - dests == {"given"} and dests <= set(flags.FIELDS)

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     c("--draft-noise", default="gumbel", choices=["gumbel", "uniform"],
       help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
     c("--seed", type=int, default=0, help="seed of the per-(prompt, turn) random streams")
+    c("--fp32-logits", action="store_true",
+      help="compute the target's lm_head logits in float32 (bf16 logits tie where the top-2 gap is below their "
+           "rounding; costs a float32 lm_head matmul per step)")
     a = p.add_argument_group("arms").add_argument
     a("--ar-only", action="store_true", help="run only the autoregressive baseline (block 1)")
     a("--skip-ar", action="store_true", help="run only the speculative arm")
@@ -120,12 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
                                           "every setting not typed")
     f("--compat-reference", action="store_true",
       help="reproduce the reference harness's quirks: one global random stream, an extra step after an EOS "
-           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted")
+           "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted, "
+           "stops on the tokenizer's eos only")
     o = p.add_argument_group("outputs").add_argument
     o("--answer-file", help="write per-sample JSONL results here (the reference's schema)")
     o("--no-answer-timing", action="store_true",
       help="leave timings and timestamps out of the answer file, so seeded runs can be compared byte for byte")
     o("--trace", help="write one JSON line per decode step (draft, seed, accepted, next token)")
+    o("--explain", action="store_true",
+      help="print the conventions of every number after the table (they are always in the results folder's "
+           "README.md)")
+    o("--record-logit-gaps", action="store_true",
+      help="store the target's top-2 logit gap of every token, so each divergence from AR is reported with its gap "
+           "in both runs (one top-2 per step inside the timer: the run is labelled)")
     o("--quiet", action="store_true", help="no progress bar (it is off anyway when the output is not a terminal)")
     u = p.add_argument_group("CUDA").add_argument
     u("--use-graph", action=argparse.BooleanOptionalAction, default=False,
