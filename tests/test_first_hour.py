@@ -208,10 +208,10 @@ def test_no_model_flags_run_the_embedded_default_with_script_made_weights(target
     assert cli.main(["--dataset", "mini", "--data-dir", str(tmp_path), "--max-new-tokens", "5",
                      "--results-dir", str(tmp_path / "r"), "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "tau/step" in out and "Sp. (paired)" in out
+    assert "tau/step" in out and "POOLED tok/s" in out and "Sp. (" in out
     assert "[random drafter/heads (scripts/make_random_*)]" in out  # script-made weights are labelled
     (folder,) = (tmp_path / "r").iterdir()
-    assert json.loads((folder / "summary.json").read_text())["label"].startswith("random drafter/heads")
+    assert "random drafter/heads (scripts/make_random_*)" in json.loads((folder / "summary.json").read_text())["labels"]
     config = json.loads((folder / "config.json").read_text())
     assert config["preset"] == "smollm2-135m" and config["fair_k_list"] == setups.EMBEDDED_CPU["fair_k_list"]
     assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=2)", "xPress(K=4)"]

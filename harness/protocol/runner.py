@@ -331,8 +331,11 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, tokenizer, targe
     rows = shard.merge(read_rows(rows_path), order)  # every rank's rows on rank 0; the other ranks are done
     if rows is None:
         return None
-    summary = rank_report.annotate(report.summarize(rows, tau_from_warmup=cfg.compat_reference,
-                                                    labels=report.config_labels(dataclasses.asdict(cfg))), rows, shard)
+    labels = report.config_labels(dataclasses.asdict(cfg))
+    if label(cfg) and label(cfg) not in labels:  # a real target with script-made random drafter/heads
+        labels.append(label(cfg))
+    summary = rank_report.annotate(report.summarize(rows, tau_from_warmup=cfg.compat_reference, labels=labels),
+                                   rows, shard)
     if watch is not None:
         summary["compile"] = watch.stats()
     if summary["labels"]:
