@@ -5,7 +5,7 @@ import pytest
 
 from harness.errors import UsageError
 from harness.protocol import rank_report
-from harness.protocol.config import parse_args
+from harness.protocol.flags import parse_args
 from harness.protocol.distributed import Shard, from_env
 
 LAUNCH = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
