@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
+
 from tiny import save_tiny_checkpoint
+
+# The training tests need speculators (pip install --no-deps -r requirements-speculators.txt, then
+# requirements-training.txt). Without it they skip, except under CI (CI=true), where .ci/run installs it and a
+# missing install must fail rather than skip.
+if not os.environ.get("CI"):
+    pytest.importorskip("speculators", reason="training tests need speculators: pip install --no-deps -r "
+                        "requirements-speculators.txt && pip install -r requirements-training.txt")
 
 EVAL_ROW = "Write a python function to find the volume of a triangular prism."
 
