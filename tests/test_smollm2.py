@@ -41,3 +41,17 @@ def test_drafter_only_equals_ar_on_smollm2(smollm2):
         with torch.no_grad():
             logits = target.model(torch.tensor([prompt + ar.tokens])).logits[0, len(prompt) - 1:-1]
         assert logits.argmax(-1).tolist() == ar.tokens
+
+
+def test_training_saves_the_gguf_target_as_a_plain_hf_directory(smollm2, tmp_path):
+    """speculators reads the verifier from safetensors, so the training pipeline saves a GGUF target once as an HF
+    directory; transformers refuses save_pretrained on a GGUF-loaded model unless its quantizer marks are dropped."""
+    from transformers import AutoModelForCausalLM
+    from training.target import verifier_dir
+    target, _ = smollm2
+    d = verifier_dir(str(fetch_smollm2_gguf()), tmp_path)
+    saved = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert getattr(saved.config, "quantization_config", None) is None
+    ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30]])
+    with torch.no_grad():  # the same weights through the same HF module: the same logits, bit for bit
+        torch.testing.assert_close(saved(ids).logits, target.model(ids).logits, atol=0, rtol=0)

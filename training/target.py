@@ -70,6 +70,12 @@ def verifier_dir(spec: str, workdir: Path) -> str:
         return str(out)
     model, tokenizer = load_hf(spec, torch.device("cpu"))
     tmp = workdir / "target_hf.tmp"
+    # transformers 5.17-5.19: save_pretrained refuses a model loaded from a GGUF file ("quantized with
+    # QuantizationMethod.GGUF and is not serializable"), though its weights are already dequantized to `dtype`:
+    # drop the quantizer's marks so it saves as a plain model
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "source.json").write_text(json.dumps({"spec": resolved}))
