@@ -22,7 +22,7 @@ PRESET=${PRESET:-qwen3-8b}        # PRESET=tiny DEVICE=cpu: a CPU smoke run of t
 DEVICE=${DEVICE:-cuda}
 OUT=${OUT:-results/perf}
 if [[ -z "${DATA_DIR:-}" ]]; then
-  for d in data/eval shared/data/eval ../shared/data/eval .assets/eval; do
+  for d in data/eval .assets/eval; do
     [[ -f "$d/gsm8k.jsonl" ]] && DATA_DIR=$d && break
   done
 fi

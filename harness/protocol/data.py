@@ -201,7 +201,7 @@ def _check_hub(dataset: str) -> None:
     if not _datasets_installed():
         raise DatasetSourceError(f"loading {dataset!r} from the HF hub needs the datasets package "
                                  f"(pip install 'datasets>=3'); or pass --data-dir DIR with DIR/{dataset}.jsonl "
-                                 f"(e.g. --data-dir ../shared/data/eval)")
+                                 f"(e.g. --data-dir data/eval, shipped with the repository)")
 
 
 def validate_dataset_args(dataset: str, data_dir: str | None, max_samples: int | None) -> None:
@@ -263,7 +263,7 @@ def _hub_commit(dataset: str, src: HubSource) -> str | None:
     except Exception as e:  # any failure here means "cannot read this dataset now"; say why in one line
         raise DatasetSourceError(
             f"could not reach {src.repo} (revision {src.revision or 'main'}) on the HF hub for {dataset!r} "
-            f"({_one_line(e)}); pass --data-dir DIR with DIR/{dataset}.jsonl (e.g. --data-dir ../shared/data/eval), "
+            f"({_one_line(e)}); pass --data-dir DIR with DIR/{dataset}.jsonl (e.g. --data-dir data/eval, shipped with the repository), "
             f"or set HF_HUB_OFFLINE=1 to read the HF cache") from None
     return info.sha or src.revision
 
@@ -295,7 +295,7 @@ def _read_hub(dataset: str) -> tuple[list[tuple[str, ...]], str]:
         raw = _hub_raw_rows(src, commit)
     except OSError as e:  # connection, missing file or revision, read-only cache: all OSError in datasets/hf_hub
         raise DatasetSourceError(f"could not load {dataset!r} from {src.repo} on the HF hub ({_one_line(e)}); "
-                                 f"pass --data-dir DIR with DIR/{dataset}.jsonl (e.g. --data-dir ../shared/data/eval)"
+                                 f"pass --data-dir DIR with DIR/{dataset}.jsonl (e.g. --data-dir data/eval, shipped with the repository)"
                                  ) from None
     where = _describe_hub(src, commit)
     rows = [_parse_turns({"turns": list(src.build(r))}, f"{where} row {i}") for i, r in enumerate(raw)]
