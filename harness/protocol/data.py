@@ -3,7 +3,8 @@
 Two sources, one function each: a local JSONL file (`--data-dir DIR`, any NAME from DIR/NAME.jsonl) and the HF
 hub (the eight protocol datasets, without --data-dir). Hub rows become prompt strings through one small pure
 function per dataset (`build_turns_<name>`), written from the templates of REFERENCE.md section 8, so the
-prompts match the reference byte for byte (the tests check this against ../shared/data/eval). The subset rule
+prompts match the reference byte for byte (the tests check this against the
+local eval files). The subset rule
 and the chat rendering follow the reference harness as well.
 """
 from __future__ import annotations
@@ -99,7 +100,7 @@ def build_turns_mt_bench(row: Mapping) -> tuple[str, ...]:
 # that changes upstream (LiveCodeBench gains files) silently changes N, the seed-0 subset and the prompts. Pin
 # each dataset by writing the full 40-hex commit SHA of its hub repository into PINNED_REVISIONS (look it up on
 # the repository's "History" page, or `huggingface_hub.HfApi().dataset_info(repo).sha`, and check that the
-# prompts still equal ../shared/data/eval byte for byte: tests/test_data.py::test_hub_prompts_equal_local_files).
+# prompts still equal the local eval files byte for byte: tests/test_data.py::test_hub_prompts_equal_local_files).
 # While a value is None the loader still works from main; it records revision "unpinned" together with the
 # commit it resolved, and loads exactly that commit.
 
