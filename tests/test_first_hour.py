@@ -11,7 +11,7 @@ import pytest
 import benchmark_compile_all as cli
 import harness.protocol.runner as runner
 from harness.errors import UsageError
-from harness.protocol import flags, setups
+from harness.protocol import flags, report, setups
 from tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def test_random_scripts_refuse_to_overwrite_without_force(target_dir, tmp_path, 
     assert prep.refiners["xpress"].rank == prep.refiners["markov"].rank == 8
     assert prep.refiners["xpress"].draft_state is None  # heads only: the arms run with the drafter's own weights
     from scripts.random_mark import NAME
-    assert NAME == runner.RANDOM_MARK and all((Path(p) / NAME).is_file() for p in (d, tmp_path / "xpress"))
+    assert NAME == report.RANDOM_MARK and all((Path(p) / NAME).is_file() for p in (d, tmp_path / "xpress"))
 
 
 def test_shipped_prompts_are_whole_small_and_licensed():

@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from harness.protocol.tables import run_labels
+
 TOLERANCE = 0.03
 
 
@@ -52,7 +54,7 @@ def compare(multi: str, single: str, wall_multi: float, wall_single: float) -> t
                   abs(v) <= TOLERANCE for v in vs_one)}
     env_ranks = {e["rank"]: e for e in em.get("ranks", [])}
     lines = [f"# Scale-out: {len(ranks)} GPUs against one", "",
-             f"{sm.get('label') or 'measured weights'}; {sm['prompts']} prompts, arms {list(sm['arms'])}, rounds "
+             f"{'; '.join(run_labels(sm)) or 'measured weights'}; {sm['prompts']} prompts, arms {list(sm['arms'])}, rounds "
              f"{sm['rounds']['all']} (warmup {sm['rounds']['warmup']} excluded); folders `{multi}` and `{single}`.",
              "", "| run | rank | GPU | prompts | AR step ms | vs one GPU | loop s | SM clock before -> after |",
              "|---|---|---|---|---|---|---|---|"]

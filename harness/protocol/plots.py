@@ -42,11 +42,8 @@ def arm_colors(arms: dict) -> dict[str, object]:
 
 def labels(summary: dict) -> list[str]:
     """What a reader must know about the numbers (random weights, scripted acceptance, compat mode, ...)."""
-    try:
-        from harness.protocol.tables import run_labels  # the table's labels, where that helper exists
-        return list(run_labels(summary))
-    except ImportError:
-        return [summary["label"]] if summary.get("label") else []
+    from harness.protocol.tables import run_labels
+    return list(run_labels(summary))
 
 
 def plot_title(summary: dict, dataset: str, model: str | None) -> str:

@@ -282,13 +282,27 @@ def _load_folder(folder: str) -> dict:
     return {"folder": folder, "dataset": dataset, "temperature": s.get("temperature"), "summary": s, "config": config}
 
 
+RANDOM_MARK = "RANDOM_WEIGHTS.txt"  # written by scripts/make_random_drafter.py and make_random_refiners.py
+
+
+def weights_label(config: dict) -> str | None:
+    """Numbers from random weights or scripted acceptance say so wherever they appear; so do runs of a real target
+    with a drafter or heads that the random-weights scripts made. `config`: config.json or the RunConfig as a dict."""
+    from harness.protocol.presets import RANDOM_LABEL
+    if config.get("random_weights") or config.get("scripted_accept") is not None:
+        return RANDOM_LABEL
+    paths = (config.get("draft_name_or_path"), config.get("xpress_refiner_path"), config.get("markov_refiner_path"))
+    if any(p and os.path.isfile(os.path.join(p, RANDOM_MARK)) for p in paths):
+        return "random drafter/heads (scripts/make_random_*)"
+    return None
+
+
 def config_labels(config: dict) -> list[str]:
     """The labels of a run from its config (config.json or the RunConfig as a dict)."""
-    from harness.protocol.presets import RANDOM_LABEL
     from harness.protocol.trace import TRACED_LABEL
     labels = []
-    if config.get("random_weights") or config.get("scripted_accept") is not None:
-        labels.append(RANDOM_LABEL)
+    if weights_label(config):
+        labels.append(weights_label(config))
     if config.get("trace"):
         labels.append(TRACED_LABEL)
     if config.get("compat_reference"):

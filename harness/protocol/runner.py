@@ -75,19 +75,9 @@ def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSe
                           record_gaps=cfg.record_logit_gaps)
 
 
-RANDOM_MARK = "RANDOM_WEIGHTS.txt"  # written by scripts/make_random_drafter.py and make_random_refiners.py
-
-
 def label(cfg: RunConfig) -> str | None:
-    """Numbers from random weights or scripted acceptance say so wherever they appear; so do runs of a real target
-    with a drafter or heads that the random-weights scripts made."""
-    from harness.protocol.presets import RANDOM_LABEL
-    if cfg.random_weights or cfg.scripted_accept is not None:
-        return RANDOM_LABEL
-    paths = (cfg.draft_name_or_path, cfg.xpress_refiner_path, cfg.markov_refiner_path)
-    if any(p and os.path.isfile(os.path.join(p, RANDOM_MARK)) for p in paths):
-        return "random drafter/heads (scripts/make_random_*)"
-    return None
+    """The run's weights label (harness.protocol.report.weights_label), for config.json and the console."""
+    return report.weights_label(dataclasses.asdict(cfg))
 
 
 def presize(target, arms, longest: int, settings: DecodeSettings, block: int) -> None:
@@ -332,8 +322,6 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, tokenizer, targe
     if rows is None:
         return None
     labels = report.config_labels(dataclasses.asdict(cfg))
-    if label(cfg) and label(cfg) not in labels:  # a real target with script-made random drafter/heads
-        labels.append(label(cfg))
     summary = rank_report.annotate(report.summarize(rows, tau_from_warmup=cfg.compat_reference, labels=labels),
                                    rows, shard)
     if watch is not None:
