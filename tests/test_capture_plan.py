@@ -89,3 +89,35 @@ def test_a_capture_in_a_measured_round_fails_the_run():
     rows[1]["graph_captures"] = 1
     with pytest.raises(UsageError, match="measured round 2"):
         refuse_captures(rows, "samples.jsonl")
+
+
+class RngFakeGraphs(FakeGraphs):
+    """FakeGraphs with StepGraphs' randomness: the generation's generator state moves into one graph generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.rng = torch.Generator()
+
+    adopt_rng, return_rng, _source = StepGraphs.adopt_rng, StepGraphs.return_rng, StepGraphs._source
+    supports_rng = staticmethod(lambda: True)
+
+
+def test_sampled_tokens_with_graphs_equal_eager(monkeypatch):
+    """T > 0 with graphs: the prefill's draw and the steps' draws come from one stream (the adopted generator), so
+    the tokens and the generator's final state equal the eager run's (the prefill drew from the caller's generator
+    while the steps drew from a copy of its earlier state, so the first step repeated the prefill's numbers)."""
+    g = RngFakeGraphs()
+    monkeypatch.setattr(loop, "_check", lambda settings, backend: None)
+    monkeypatch.setattr(graphs, "step_graphs", lambda target: g)
+    t = tiny_target("qwen3", capacity=128)
+    d = tiny_drafter(t, block=4)
+    s = DecodeSettings(24, 120, (), temperature=1.0)
+    for drafter in (None, d):
+        for seed in range(3):
+            ge, gg = CPU32.generator(seed), CPU32.generator(seed)
+            eager = generate(t, [9, 10, 11], s, CPU32, drafter=drafter, generator=ge)
+            graphed = generate(t, [9, 10, 11], DecodeSettings(24, 120, (), temperature=1.0, use_graph=True),
+                               CPU32, drafter=drafter, generator=gg)
+            assert graphed.graph_steps > 0
+            assert graphed.tokens == eager.tokens, (drafter is not None, seed)
+            assert torch.equal(ge.get_state(), gg.get_state())

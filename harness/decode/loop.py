@@ -280,7 +280,8 @@ class _Decode:
         t, b, p, gen = self.target, self.backend, self.gen.prompt_len, self.gen
         t0 = b.now()
         logits, feats = t.prefill(self.out[:p], want_features=self.drafter is not None)
-        first = sample_rows(logits, self.settings.target_params, self.generator)
+        # self.rng: the graphs' generator once it adopted this one's state, so the steps continue after this draw
+        first = sample_rows(logits, self.settings.target_params, self.rng)
         self.out[p] = first
         if self.stepper.gaps is not None:
             self.stepper.gaps[p] = top2_gap(logits)
