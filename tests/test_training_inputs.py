@@ -92,3 +92,24 @@ def test_resume_from_another_configs_checkpoint_is_refused(resumed, capsys):
     assert len(err) == 1 and "holds checkpoints of another config" in err[0]
     assert sorted(p.name for p in (root / "b" / "train" / "drafter").iterdir()) == [n for n in before
                                                                                    if n != "manifest.json"]
+
+
+def test_time_boxed_run_finishes_at_the_deadline(tmp_path):
+    """train.on_deadline=finish: the checkpoint reached at max_minutes is final (marked truncated) and exports;
+    the default (stop) leaves the model unfinished for a resume."""
+    cfg = write_config(tmp_path, tiny_models(heads=False), train={"epochs": 3, "eval_prompts": 0})
+    box = ["--set", "train.max_minutes=1e-6"]  # out of time after the first step
+    assert _train(cfg, tmp_path / "stop", *box) == 0
+    assert not (tmp_path / "stop" / "train" / "drafter" / "manifest.json").exists()
+    assert not (tmp_path / "stop" / "export").exists()
+    assert _train(cfg, tmp_path / "fin", *box, "--set", "train.on_deadline=finish") == 0
+    m = json.loads((tmp_path / "fin" / "train" / "drafter" / "manifest.json").read_text())
+    assert m["complete"] and m["truncated"] and 1 <= m["global_step"] < m["planned_steps"]
+    assert (tmp_path / "fin" / "export" / "drafter" / "config.json").is_file()
+
+
+def test_on_deadline_must_be_stop_or_finish(tmp_path, capsys):
+    cfg = write_config(tmp_path, tiny_models(heads=False))
+    capsys.readouterr()
+    assert _train(cfg, tmp_path / "w", "--set", "train.on_deadline=later") == 2
+    assert "train.on_deadline must be stop" in capsys.readouterr().err

@@ -33,7 +33,7 @@ DEFAULTS = {
     "train": {"device": "auto", "attn_impl": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
               "weight_decay": 0.0, "scheduler": "cosine", "warmup_ratio": 0.04, "save_every": 0,
               "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
-              "num_workers": 0, "stop_after_step": 0, "max_minutes": 0, "mask_token_id": None,
+              "num_workers": 0, "stop_after_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
               "eval_k": [1]},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     "models": {},
@@ -139,6 +139,9 @@ def validate(cfg: dict) -> None:
                 if cfg["models"][src][key] != m[key]:
                     raise UsageError(f"{where}: {key}={m[key]} differs from its init_from model {src!r} "
                                      f"({cfg['models'][src][key]})")
+    if cfg["train"]["on_deadline"] not in ("stop", "finish"):
+        raise UsageError("config train.on_deadline must be stop (checkpoint; the same command resumes) or finish "
+                         "(the checkpoint reached at train.max_minutes is the final model)")
     if cfg["train"]["device"] not in ("auto", "cpu", "cuda"):
         raise UsageError("config train.device must be auto, cpu or cuda")
 
@@ -170,6 +173,6 @@ def model_fingerprint(cfg: dict, name: str) -> str:
     target and the data's fingerprint. A resume with another fingerprint is refused."""
     train = {k: v for k, v in cfg["train"].items() if k not in ("stop_after_step", "eval_every", "eval_prompts", "eval_k",
                                                                  "eval_max_new_tokens", "num_workers", "device",
-                                                                 "max_minutes")}
+                                                                 "max_minutes", "on_deadline")}
     return fingerprint({"model": cfg["models"][name], "train": train, "target": cfg["target"], "seed": cfg["seed"],
                         "hidden": cfg["hidden"]})

@@ -155,15 +155,19 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
     try:
         trainer.run_training()
     except StopRequested as stop:
-        print(f"train {name}: stopped after step {stop.args[0]} with a checkpoint; run again to resume")
-        return None
+        if not (trainer.deadline_hit and tc["on_deadline"] == "finish"):
+            print(f"train {name}: stopped after step {stop.args[0]} with a checkpoint; run again to resume")
+            return None
+        print(f"train {name}: train.max_minutes reached at step {stop.args[0]} of {total}; that checkpoint is the "
+              "final model (train.on_deadline=finish)")
     finally:
         mlog.removeHandler(handler)
     last = max(int(p.name) for p in out.iterdir() if p.is_dir() and p.name.isdigit())
     if held_out is not None:
         trainer.log_eval()
     write_json(out / "manifest.json", {"key": key, "complete": True, "final": str(last),
-                                       "global_step": trainer.global_step, "evals": trainer.evals})
+                                       "global_step": trainer.global_step, "planned_steps": total,
+                                       "truncated": trainer.deadline_hit, "evals": trainer.evals})
     return out / str(last)
 
 
@@ -185,7 +189,7 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
             print(f"train: out of time (train.max_minutes={cfg['train']['max_minutes']}); run again to continue "
                   f"with {n}")
             break
-        done[n] = train_one(cfg, n, verifier, held, max(left, 1.0) if budget else 0.0)
+        done[n] = train_one(cfg, n, verifier, held, max(left, 1e-3) if budget else 0.0)
         if done[n] is None:
             break
     return done

@@ -70,6 +70,7 @@ class PipelineTrainer(Trainer):
                  max_seconds: float = 0.0):
         self._device, self._seed = device, seed
         self._deadline = time.monotonic() + max_seconds if max_seconds else None
+        self.deadline_hit = False
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
@@ -89,6 +90,7 @@ class PipelineTrainer(Trainer):
         self._reseed()
         if self._deadline is not None and time.monotonic() > self._deadline:  # out of time: checkpoint and stop
             epoch, g0, l0 = self._epoch_start
+            self.deadline_hit = True
             self._stop_after = self.global_step
             self.maybe_save_checkpoint(epoch, local_step=l0 + self.global_step - g0)
         if self._eval_fn is not None and self._eval_every and self.global_step % self._eval_every == 0:

@@ -9,12 +9,13 @@
 #   bash harness/lab/gpu_check.sh compare               # step times side by side, from the two JSON files
 #
 # Files go to $OUT (default results/perf/gpu_check). Numbers are random weights / scripted acceptance.
+# PRESET picks the bench_step preset (default qwen3-8b; smollm2-135m is the launch-bound case and takes a minute).
 set -euo pipefail
 OUT=${OUT:-results/perf/gpu_check}
 OUT=$(mkdir -p "$OUT" && cd "$OUT" && pwd)
 # the qwen3-8b preset, the arms NOTES.md compares (AR, drafter-only, Markov, xPress K=6 with and without C=128),
 # one tau, the split-attention comparison after a 2048-token prompt; a few minutes per run on one H200
-BENCH=(--preset qwen3-8b --device cuda --dtype bfloat16 --reps 10 --skip-hf --ks 6 --topc 0,128 --taus 4
+BENCH=(--preset "${PRESET:-qwen3-8b}" --device cuda --dtype bfloat16 --reps 10 --skip-hf --ks 6 --topc 0,128 --taus 4
        --sweep-arms "xPress(K=6)" --long-prompt 2048)
 
 case "${1:-}" in

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M embedded default on one CUDA GPU (issue 15): train its drafter and heads, ship them, measure.
+# Run from the repository root; each step is resumable (training stages skip what is done, a results folder that
+# already has its summary is skipped).
+#
+#   bash harness/lab/smollm2_gpu.sh train        # python -m training stages; drafters, then every head, in parallel
+#   bash harness/lab/smollm2_gpu.sh weights      # weights/smollm2-135m/{drafter,xpress,markov} + manifest.json
+#   bash harness/lab/smollm2_gpu.sh tables T...  # results/smollm2-135m/<dataset>_t<T>/ for each dataset and T
+#   bash harness/lab/smollm2_gpu.sh lossless     # fp32, 8 gsm8k prompts, every arm: output must equal AR's
+#
+# DEADLINE (epoch seconds) makes `tables` skip a cell that would not finish in time (CELL_S: the estimate).
+# The tables are the embedded default's own CUDA run (32 prompts, 96 new tokens, one warmup round and two measured
+# rounds, K 1,2,4,6,8, whole-step CUDA graphs); mt-bench measures its first turn only.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export TOKENIZERS_PARALLELISM=false
+CONFIG=${CONFIG:-smollm2-gpu}
+WORK=${WORK:-runs/smollm2-gpu}
+RES=${RES:-results/smollm2-135m}
+DATASETS=${DATASETS:-gsm8k math500 humaneval mbpp mt-bench}
+DRAFTERS=${DRAFTERS:-drafter}
+HEADS=${HEADS:-xpress markov_vanilla markov_gated}
+# time boxes in minutes (0: none); the shipped weights were trained with DRAFTER_MIN=2 HEAD_MIN=1.2 (the
+# session's device time), a warm torch.compile cache and the data stages already done: see weights/smollm2-135m
+DRAFTER_MIN=${DRAFTER_MIN:-0}
+HEAD_MIN=${HEAD_MIN:-0}
+CELL_S=${CELL_S:-75}
+
+stage() { python3 -m training "$@" --config "$CONFIG" --workdir "$WORK"; }
+
+parallel_train() {  # parallel_train MINUTES MODEL...: one process per model, each time-boxed; fails if any fails
+  local minutes=$1; shift
+  local pids=() m
+  for m in "$@"; do
+    stage train --models "$m" --set train.max_minutes="$minutes" >"$WORK/train_$m.log" 2>&1 &
+    pids+=($!)
+  done
+  local rc=0 p
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  for m in "$@"; do grep -E "held-out|train $m" "$WORK/train_$m.log" || true; done
+  return $rc
+}
+
+case "${1:-}" in
+  train)
+    mkdir -p "$WORK"
+    stage prompts && stage responses && stage hidden
+    # shellcheck disable=SC2086
+    parallel_train "$DRAFTER_MIN" $DRAFTERS
+    # shellcheck disable=SC2086
+    parallel_train "$HEAD_MIN" $HEADS
+    stage export
+    ;;
+  weights)
+    python3 -m training.ship --workdir "$WORK" --out weights/smollm2-135m
+    ;;
+  tables)
+    shift
+    mkdir -p "$RES"
+    for T in "${@:-0}"; do
+      for ds in $DATASETS; do
+        id="${ds}_t${T}"
+        if [[ -f "$RES/$id/summary.json" ]]; then echo "$id: done"; continue; fi
+        if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) + CELL_S > DEADLINE )); then echo "$id: skipped (deadline)"; continue; fi
+        extra="--run-id $id"
+        [[ $ds == mt-bench ]] && extra+=" --first-turn-only"
+        rm -rf "${RES:?}/$id"
+        OUTDIR=$RES EXTRA_ARGS=$extra ./bench_fair_fast.sh "$ds" "$T" >"$RES/$id.log" 2>&1 || echo "$id: failed (see $RES/$id.log)"
+        [[ -f "$RES/$id/table.md" ]] && { echo "== $id"; cat "$RES/$id/table.md"; }
+      done
+    done
+    ;;
+  lossless)
+    python3 benchmark_compile_all.py --dtype float32 --max-samples 8 --max-new-tokens 96 --temperature 0 \
+      --fair-interleave 1 --fair-warmup-rounds 0 --results-dir "$RES" --run-id lossless_fp32_gsm8k
+    ;;
+  *)
+    sed -n 2,13p "$0"
+    exit 2
+    ;;
+esac

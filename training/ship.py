@@ -1,0 +1,104 @@
+"""The shipped weights of one finished pipeline run: the drafter, the xPress head and the best Markov head.
+
+    python -m training.ship --workdir runs/smollm2-gpu --out weights/smollm2-135m [--max-mb 60]
+
+Reads the export stage's folders and every trained model's manifest (held-out τ, steps). The Markov head shipped
+is the variant with the highest held-out τ (ties: the first in the config's order) unless --markov names one.
+Writes OUT/{drafter,xpress,markov}/ and OUT/manifest.json (what was shipped, and the held-out τ, steps and size of
+every model tried), staged and renamed into place; refuses a total over --max-mb or a file over 16 MiB (the most a
+file may be to travel back from the GPU machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from harness.errors import UsageError, cli_exit
+from training.store import staged, write_json
+
+FILE_LIMIT = 16 * 2**20
+
+
+def _manifest(work: Path, name: str) -> dict:
+    f = work / "train" / name / "manifest.json"
+    if not f.is_file():
+        raise UsageError(f"ship: {name} has no finished training in {work} (run python -m training train)")
+    return json.loads(f.read_text())
+
+
+def tried(work: Path) -> dict:
+    """name -> what the export manifest and the training manifest say of each model."""
+    export = work / "export" / "manifest.json"
+    if not export.is_file():
+        raise UsageError(f"ship: {export} is missing; run `python -m training export` first")
+    em = json.loads(export.read_text())
+    out = {}
+    for name, spec in em["models"].items():
+        tm = _manifest(work, name)
+        final_eval = tm["evals"][-1] if tm.get("evals") else {}
+        out[name] = {"type": spec["type"], "num_layers": spec["num_layers"], "block_size": spec["block_size"],
+                     "xpress_rank": spec.get("xpress_rank"), "markov_rank": spec.get("markov_rank"),
+                     "markov_head_type": spec.get("markov_head_type"), "init_from": spec.get("init_from"),
+                     "global_step": tm.get("global_step"), "planned_steps": tm.get("planned_steps"),
+                     "truncated": tm.get("truncated", False), "held_out": final_eval,
+                     "bytes": sum(em["files"][name].values())}
+    return out
+
+
+def choose_markov(models: dict, named: str | None) -> str:
+    markov = [n for n, m in models.items() if m["type"] == "dspark"]
+    if named:
+        if named not in markov:
+            raise UsageError(f"ship: --markov {named}: not a trained Markov model (have: {', '.join(markov)})")
+        return named
+    if not markov:
+        raise UsageError("ship: the run has no Markov (dspark) model")
+    return max(markov, key=lambda n: (models[n]["held_out"].get("tau_markov", 0.0), -markov.index(n)))
+
+
+def ship(work: Path, out: Path, drafter="drafter", xpress="xpress", markov: str | None = None,
+         max_mb: float = 60.0) -> dict:
+    models = tried(work)
+    for role, name in (("drafter", drafter), ("xpress", xpress)):
+        if name not in models:
+            raise UsageError(f"ship: --{role} {name}: no such exported model (have: {', '.join(models)})")
+    chosen = {"drafter": drafter, "xpress": xpress, "markov": choose_markov(models, markov)}
+    files = {role: sorted((work / "export" / name).iterdir()) for role, name in chosen.items()}
+    big = [f for fs in files.values() for f in fs if f.stat().st_size > FILE_LIMIT]
+    if big:
+        raise UsageError(f"ship: {big[0]} is over 16 MiB; lower export.max_shard_mib and export again")
+    total = sum(f.stat().st_size for fs in files.values() for f in fs)
+    if total > max_mb * 1e6:
+        raise UsageError(f"ship: the shipped weights are {total / 1e6:.1f} MB, over --max-mb {max_mb}; shrink the "
+                         "models (num_layers, ranks)")
+    with staged(out) as tmp:
+        for role, fs in files.items():
+            (tmp / role).mkdir()
+            for f in fs:
+                shutil.copy2(f, tmp / role / f.name)
+        manifest = {"shipped": chosen, "total_bytes": total,
+                    "markov_choice": "the dspark variant with the highest held-out tau_markov",
+                    "models": models}
+        write_json(tmp / "manifest.json", manifest)
+    print(f"ship: {', '.join(f'{r}={n}' for r, n in chosen.items())}, {total / 1e6:.1f} MB -> {out}")
+    return manifest
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m training.ship", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", required=True, help="the pipeline's workdir (holds export/ and train/)")
+    p.add_argument("--out", required=True, help="the folder to write (replaced as a whole)")
+    p.add_argument("--drafter", default="drafter")
+    p.add_argument("--xpress", default="xpress")
+    p.add_argument("--markov", default=None, help="ship this Markov model (default: best held-out tau)")
+    p.add_argument("--max-mb", type=float, default=60.0)
+    args = p.parse_args(argv)
+    return cli_exit(lambda: ship(Path(args.workdir), Path(args.out), args.drafter, args.xpress, args.markov,
+                                 args.max_mb))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
