@@ -55,3 +55,33 @@ def test_training_saves_the_gguf_target_as_a_plain_hf_directory(smollm2, tmp_pat
     ids = torch.tensor([[1, 504, 3458, 314, 253, 1345, 30]])
     with torch.no_grad():  # the same weights through the same HF module: the same logits, bit for bit
         torch.testing.assert_close(saved(ids).logits, target.model(ids).logits, atol=0, rtol=0)
+
+
+def test_the_shipped_weights_fit_their_budget():
+    """weights/smollm2-135m: drafter, xPress and Markov folders, <= 60 MB together, every file under 16 MiB."""
+    import json
+    from harness.protocol.setups import REPO
+    w = REPO / "weights" / "smollm2-135m"
+    files = [f for f in w.rglob("*") if f.is_file()]
+    assert {f.parent.name for f in files if f.suffix == ".safetensors"} == {"drafter", "xpress", "markov"}
+    assert sum(f.stat().st_size for f in files if f.suffix == ".safetensors") <= 60e6
+    assert max(f.stat().st_size for f in files) < 16 * 2**20
+    shipped = json.loads((w / "manifest.json").read_text())["shipped"]
+    assert shipped["markov"] in ("markov_vanilla", "markov_gated", "markov_rnn")
+
+
+def test_the_embedded_default_is_lossless_and_accepts_with_the_shipped_weights(smollm2, tmp_path):
+    """The main job's models on CPU fp32 (2 gsm8k prompts, 32 tokens): every arm's output equals AR's, and the
+    trained drafter accepts (random weights give tau ~1.0; the shipped drafter's held-out tau is about 2)."""
+    import json
+    import benchmark_compile_all as cli
+    rc = cli.main(["--device", "cpu", "--max-samples", "2", "--max-new-tokens", "32", "--fair-k-list", "2",
+                   "--fair-interleave", "1", "--fair-warmup-rounds", "0", "--results-dir", str(tmp_path),
+                   "--run-id", "shipped", "--quiet"])
+    assert rc == 0
+    arms = json.loads((tmp_path / "shipped" / "summary.json").read_text())["arms"]
+    assert set(arms) == {"AR", "drafter-only", "Markov", "xPress(K=2)"}
+    for name, a in arms.items():
+        if name != "AR":
+            assert a["token_match"]["token_match_rate"] == 1.0, name
+    assert arms["drafter-only"]["tau_per_step"] > 1.5

@@ -40,7 +40,7 @@ setups (they fill every setting you do not type):
     with the drafter and heads shipped in weights/{s.EMBEDDED}/ (${s.WEIGHTS_ENV} overrides), prompts from
     data/eval/, the paired protocol (AR, drafter-only, Markov, xPress per K).
     CPU: {cpu['max_samples']} prompts, {cpu['max_new_tokens']} new tokens, K {cpu['fair_k_list']}, {cpu['fair_interleave']} measured rounds and no warmup round.
-    CUDA: {gpu['max_samples']} prompts, {gpu['max_new_tokens']} new tokens, K {gpu['fair_k_list']}, warmup + one round per arm, --use-graph.
+    CUDA: {gpu['max_samples']} prompts, {gpu['max_new_tokens']} new tokens, K {gpu['fair_k_list']}, one warmup round and {gpu['fair_interleave']} measured rounds, --use-graph.
   --preset paper: Qwen3-8B, z-lab/Qwen3-8B-DFlash-b16, UIUC-SSAIL/Qwen3-8B-{{XPress,Markov}}-b16, hub datasets,
     128 prompts, 2048 new tokens, block 16, K 4,5,6,7 at T=0 (6,7,8 otherwise); needs the HF hub or its cache.
 
