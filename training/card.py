@@ -31,8 +31,14 @@ def read_rows(d: Path) -> list[dict]:
 
 
 def curves(rows: list[dict]) -> dict:
-    train = [(r["global_step"], r["train"]["loss"]) for r in rows if "train" in r]
-    val = [(r.get("epoch"), r["val"]["loss_epoch"]) for r in rows if "val" in r and "loss_epoch" in r["val"]]
+    """(step, loss) of every train row; (step, loss) of every validation row, at the last step trained before it."""
+    train, val, step = [], [], 0
+    for r in rows:
+        if "train" in r:
+            step = r["global_step"]
+            train.append((step, r["train"]["loss"]))
+        elif "val" in r and "loss_epoch" in r["val"]:
+            val.append((step, r["val"]["loss_epoch"]))
     step_ms = [r["profile"]["step_ms"] for r in rows if "train" in r and "profile" in r]
     return {"train": train, "val": val, "step_ms": step_ms}
 
@@ -57,7 +63,7 @@ def summarise(name: str, c: dict, manifest: dict) -> dict:
             "held_out": (manifest.get("evals") or [{}])[-1]}
 
 
-def plot(named: dict, out: Path) -> None:
+def plot(named: dict, out: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -66,15 +72,14 @@ def plot(named: dict, out: Path) -> None:
         xs, ys = [x for x, _ in c["train"]], [y for _, y in c["train"]]
         ax.plot(xs, ys, color="0.8", lw=0.6, label="train (per step)")
         ax.plot(xs, running_mean(ys, WINDOW), color="C0", lw=1.4, label=f"train ({WINDOW}-step mean)")
-        if c["val"] and xs:
-            per_epoch = max(1, round(len(xs) / max(1, len(c["val"]))))
-            ax.plot([per_epoch * (i + 1) for i in range(len(c["val"]))], [v for _, v in c["val"]], "o-",
-                    color="C3", label="validation (per epoch)")
+        if c["val"]:
+            ax.plot([x for x, _ in c["val"]], [v for _, v in c["val"]], "o-", color="C3",
+                    label="validation (per epoch)")
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")
         ax.legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M-Instruct drafter and heads: speculators losses (trained weights)", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -94,7 +99,7 @@ def build(train_dir: Path, out: Path) -> dict:
             (out / f"{d.name}.metrics.jsonl.gz").write_bytes(
                 gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), mtime=0))
             (out / f"{d.name}.manifest.json").write_text((d / "manifest.json").read_text())
-    plot(named, out / "loss_curves.png")
+    plot(named, out / "loss_curves.png", f"{train_dir.resolve().parent.name}: speculators training losses")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return {"models": summary}
 
