@@ -20,6 +20,11 @@ def test_bench_runs_on_cpu_and_counts_expert_unions(tmp_path):
     unions = [r["rows"][b]["expert_union"] for b in ("2", "4", "8")]
     assert r["rows"]["AR"]["expert_union"] == 4 and 4 < unions[0] <= unions[1] <= unions[2] <= 16
     assert all(r["rows"][b]["verify_ms"] > 0 and r["rows"][b]["spec_step_ms"] > 0 for b in ("2", "4", "8"))
+    # the spec step's own verifies check the random drafter's blocks, which repeat a few tokens: their union is
+    # measured apart (the verify alone routes the prompt's distinct ids), and it is what the spec step's time read
+    spec = [r["rows"][b]["spec_expert_union"] for b in ("2", "4", "8")]
+    assert all(4 <= u <= 16 for u in spec) and spec[2] < unions[2]
+    assert "expert union / layer (spec step)" in out.with_suffix(".md").read_text()
     assert set(r["best_block_at_tau"].values()) <= {2, 4, 8}
 
 
