@@ -13,7 +13,9 @@ from tiny import CPU32, tiny_drafter, tiny_target
 
 
 class FakeGraphs:
-    """StepGraphs' interface on CPU: a new key is a capture; a step runs eagerly at the graph's bucket length."""
+    """StepGraphs' interface on CPU: a new key is a capture; a step runs eagerly at the graph's bucket length. As in
+    StepGraphs, a graph reads the output buffer by address: when the buffer is reallocated, the graphs captured
+    with the old one are dropped."""
     rng_unsupported = StepGraphs.rng_unsupported
     capacity_for, length = staticmethod(StepGraphs.capacity_for), staticmethod(StepGraphs.length)
 
@@ -32,7 +34,8 @@ class FakeGraphs:
         return False
 
     def run(self, stepper, speculative, width, length):
-        key = (id(stepper.drafter), speculative, width, length)
+        key = (id(stepper.drafter), speculative, width, length, self.out.data_ptr())
+        self.keys = {k for k in self.keys if k[-1] == key[-1]}
         if key not in self.keys:
             self.keys.add(key)
             self.captures += 1
@@ -61,6 +64,7 @@ def test_after_the_pre_capture_no_generation_captures(fake, compat):
     s = DecodeSettings(40, 120, (), use_graph=True, graph_bucket=16, compat_reference=compat)
     t.ensure_capacity(128)
     d.ensure_capacity(128)
+    capture_plan.reserve_output(t, 4)  # the widest arm's block (the runner's presize does this)
     for drafter, width in ((None, 1), (d, 4)):
         decode = lambda tokens, st: generate(t, tokens, st, CPU32, drafter=drafter, generator=CPU32.generator(0))
         before = fake.captures
@@ -72,6 +76,29 @@ def test_after_the_pre_capture_no_generation_captures(fake, compat):
             assert g.graph_captures == 0, (n, drafter is not None)
             assert g.graph_steps > 0
     assert fake.keys == keys and t.capacity == 128
+
+
+def test_a_wider_arm_growing_the_output_buffer_drops_the_graphs_before(fake):
+    """Why the output buffer is reserved: AR's graphs, captured first, are dropped when a block arm grows the buffer,
+    so AR captures again in its next (measured) generation; the runner's presize reserves it for the widest arm."""
+    t = tiny_target("qwen3", capacity=128)
+    d = tiny_drafter(t, block=4)
+    s = DecodeSettings(20, 120, (), use_graph=True, graph_bucket=16)
+    for reserve in (False, True):
+        fake.__init__()
+        if reserve:
+            capture_plan.reserve_output(t, 4)
+        generate(t, [9, 10, 11], s, CPU32)                 # AR first (the rotation's first arm)
+        generate(t, [9, 10, 11], s, CPU32, drafter=d)      # then a block arm
+        again = generate(t, [9, 10, 11], s, CPU32).graph_captures
+        assert again == (0 if reserve else 2), reserve  # buckets 16 and 32
+
+
+def test_runner_presize_reserves_the_output_for_the_widest_arm(fake):
+    from harness.protocol.runner import presize
+    t = tiny_target("qwen3", capacity=64)
+    presize(t, [], longest=10, settings=DecodeSettings(20, 120, (), use_graph=True, graph_bucket=16), block=16)
+    assert fake.out is not None and fake.out.numel() >= t.capacity + 16 + 1
 
 
 def test_a_generation_counts_its_captures(fake):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from harness.decode import graphs
 from harness.decode.graphs import StepGraphs
 
 
@@ -46,10 +47,18 @@ def prompt_for(shape, limit: int, capacity: int, bucket: int, width: int, steps:
     return -1
 
 
+def reserve_output(target, widest: int) -> None:
+    """Size the step graphs' shared output buffer for the widest arm, once, before any capture. A generate asks for
+    the cache's capacity + its block width + 1; a buffer grown later by a wider arm is a new address, and every graph
+    captured before it is dropped (measured on the H200: AR's graphs, captured first, were captured again inside
+    the first round)."""
+    graphs.step_graphs(target).out_buffer(target.capacity + widest + 1)
+
+
 def capture_every_shape(decode: Callable, prompt: list[int], settings, capacity: int, width: int) -> int:
     """Run `decode(tokens, settings)` (an untimed generate of one arm) once per shape; returns the graphs
     captured. `prompt` is tiled to the lengths needed; `capacity` is the presized cache, which no capture
-    generation outgrows (a growth would drop the graphs)."""
+    generation outgrows (a growth would drop the graphs); the output buffer must be reserved (`reserve_output`)."""
     limit, bucket = settings.max_model_len, settings.graph_bucket
     eager_first = settings.accounting.timer_after_first_draft
     steps = 2 * width + 1 if eager_first else 2  # one graph step after the prefill (after the eager one)

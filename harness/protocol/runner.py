@@ -23,6 +23,7 @@ from harness.decode.loop import DecodeSettings, Generation, generate
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
 from harness.protocol.rounds import refuse_captures, rotation
 from harness.decode.accounting import accounting_for, model_stop_ids
+from harness.decode import capture_plan
 from harness.decode.capture_plan import capture_every_shape
 from harness.decode.hf_overrides import parse_overrides
 from harness.decode.loading import load_target, load_tokenizer
@@ -89,6 +90,8 @@ def presize(target, arms, longest: int, settings: DecodeSettings, block: int) ->
     for arm in arms:
         if arm.drafter is not None:
             arm.drafter.ensure_capacity(need)
+    if settings.use_graph:
+        capture_plan.reserve_output(target, block)
 
 
 def warmup(arms: list[Arm], target, samples, tokenizer, settings: DecodeSettings, backend) -> None:
