@@ -95,6 +95,18 @@ def test_untyped_settings_come_from_the_setup_and_typed_ones_win(monkeypatch, tm
     assert named.get("preset") is None and named["draft_name_or_path"] is None and named["dataset"] == "gsm8k"
 
 
+def test_embedded_sizes_measure_two_rounds_and_help_says_so(capsys):
+    # the tables need >= 2 measured rounds; fair_interleave counts the warmup round too (the CUDA size was
+    # once 2 rounds with 1 warmup: one measured round while the help said two)
+    for setup in (setups.EMBEDDED_CPU, setups.EMBEDDED_CUDA):
+        assert setup["fair_interleave"] - setup["fair_warmup_rounds"] >= 2
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    gpu = setups.EMBEDDED_CUDA
+    assert f"{gpu['fair_interleave'] - gpu['fair_warmup_rounds']} measured rounds after 1 warmup round" in text
+
+
 def test_missing_shipped_weights_give_one_clear_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(setups.WEIGHTS_ENV, str(tmp_path / "none"))
     monkeypatch.setattr(setups, "embedded_target", lambda: pytest.fail("fetched before the weights were checked"))

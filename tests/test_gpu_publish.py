@@ -1,5 +1,7 @@
 """CUDA, bf16, the Triton kernels (skipped without a GPU): every divergence of drafter-only from AR at T=0 sits on
-a near-tie of the target's logits, so "lossless up to ties" is shown, not assumed; --fp32-logits removes most.
+a near-tie of the target's logits, so "lossless up to ties" is shown, not assumed; --fp32-logits adds none. (It
+does not remove most either: on the real model and the shipped drafter it took 14 of 32 gsm8k rows equal to AR's to
+18 of 32, results/smollm2-135m/README.md; the divergences come from the bf16 hidden states, not the logits.)
 
 The target is SmolLM2-135M-Instruct when its GGUF is cached (harness.protocol.assets), else random weights at its
 shapes. BOUND: two computations of one logit z in bf16 (the AR step, one row, norm folded into the matmul; the
@@ -75,7 +77,7 @@ def test_every_divergence_is_a_bf16_near_tie(pair):
           f"top logit): {found}")
 
 
-def test_fp32_logits_remove_most_divergences(pair):
+def test_fp32_logits_add_no_divergence(pair):
     target, drafter, b = pair
     bf16 = divergences(target, drafter, b, fp32=False)
     fp32 = divergences(target, drafter, b, fp32=True)

