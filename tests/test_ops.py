@@ -2,6 +2,7 @@
 generations, the fallbacks, and the split-attention counters each cache owns. CPU through Triton's interpreter."""
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernel_env import DEV, pytestmark, tol  # noqa: F401  (sets TRITON_INTERPRET first)
 from drafters.base import Proposal
@@ -68,6 +69,66 @@ def test_norms_fold_into_the_one_row_matmuls_after_them(monkeypatch):
     d.ops = t.ops
     d.begin(torch.randn(6, len(d.target_layer_ids) * t.config.hidden_size, device=DEV))
     assert len(direct) == 1
+
+
+class LayerWork(TorchDispatchMode):
+    """Per decoder layer of a Target: the Triton launches (kernel names) and the ATen ops that would be device
+    kernels (not views or allocations; the interpreter's own copies inside a launch left out)."""
+
+    ALLOC = ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided")
+
+    def __init__(self, monkeypatch, target):
+        super().__init__()
+        self.layers, self._cur, self._in_launch = [], None, 0
+        kind = type(kernels.matmul._linear_kernel)  # InterpretedFunction on the CPU, JITFunction compiled
+        real_run, real_layer, work = kind.run, target._layer, self
+
+        def run(fn, *a, **k):
+            if work._cur is not None and not work._in_launch and not k.get("warmup"):
+                work._cur["triton"].append(fn.fn.__name__)
+            work._in_launch += 1
+            try:
+                return real_run(fn, *a, **k)
+            finally:
+                work._in_launch -= 1
+
+        def layer(*a, **k):
+            work._cur = {"triton": [], "aten": []}
+            try:
+                return real_layer(*a, **k)
+            finally:
+                work.layers.append(work._cur)
+                work._cur = None
+        monkeypatch.setattr(kind, "run", run)
+        monkeypatch.setattr(target, "_layer", layer)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self._cur is not None and not self._in_launch and not func.is_view and \
+                func.overloadpacket.__name__ not in self.ALLOC:
+            self._cur["aten"].append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_decoder_layer_launch_budget(monkeypatch, family):
+    """A decode step is launch-bound (a ~5 us launch against ~1 us of weights per small matmul), so what one layer
+    launches is its cost: at one row five Triton launches (q/k/v with the norm folded, attention, o_proj with the
+    residual, gate/up with the norm folded, down_proj with silu*up and the residual), for a block of rows eight
+    (the two norms and the activation their own launches), and no torch op in between. An op the Triton ops
+    hand to the torch ops (a fallback) shows here: transformers' SiLUActivation module as the MLP's act_fn
+    once sent down_proj to torch (silu, mul, mm, add: +0.15 ms per AR step of SmolLM2-135M on the H200)."""
+    t = fast_target(family, capacity=32, layers=2)
+    t.prefill(torch.randint(8, 100, (5,), generator=torch.Generator().manual_seed(0)).to(DEV), want_features=False)
+    lin, attn, norm, act = "_linear_kernel", "_attention_kernel", "_rmsnorm_kernel", "_silu_mul_kernel"
+    budget = {1: [lin, attn, lin, lin, lin], 3: [norm, lin, attn, lin, norm, lin, act, lin]}
+    work = LayerWork(monkeypatch, t)
+    for rows, want in budget.items():
+        work.layers.clear()
+        with work:
+            t.verify(torch.arange(9, 9 + rows, device=DEV), 16, want_features=False)
+        assert len(work.layers) == t.n_layers
+        for i, got in enumerate(work.layers):
+            assert got == {"triton": want, "aten": []}, f"{rows} row(s), layer {i}"
 
 
 @pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
