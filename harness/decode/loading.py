@@ -23,11 +23,24 @@ def split_model_path(spec: str) -> tuple[str, dict]:
     return spec, {}
 
 
+def _load_path(spec: str, convert: bool) -> tuple[str, dict]:
+    """split_model_path, except that a .gguf file is read from its converted HF directory when there is one
+    (harness.decode.gguf_cache; `convert`: make it now if missing). The config check never converts, so nothing
+    heavier than a config is read before the checks are done."""
+    path, extra = split_model_path(spec)
+    if extra:
+        from harness.decode import gguf_cache
+        converted = gguf_cache.ensure(spec) if convert else gguf_cache.cached(spec)
+        if converted:
+            return converted, {}
+    return path, extra
+
+
 def load_target_config(spec: str, overrides: dict | None = None):
     """Read only the config (cheap) so that compatibility can be checked before any weights are loaded.
     `overrides`: --hf-overrides (harness.decode.hf_overrides), e.g. the text backbone of a multimodal model."""
     from transformers import AutoConfig
-    path, extra = split_model_path(spec)
+    path, extra = _load_path(spec, convert=False)
     try:
         config = AutoConfig.from_pretrained(path, **extra)
     except (OSError, ValueError) as e:
@@ -53,7 +66,7 @@ def check_family(config) -> None:
 
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
-    path, extra = split_model_path(spec)
+    path, extra = _load_path(spec, convert=True)
     return AutoTokenizer.from_pretrained(path, **extra)
 
 
@@ -63,8 +76,8 @@ def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[in
     --hf-overrides (the config is read and overridden first, then the weights load into it); `ops`: the decode
     math (harness.decode.ops, default torch ops)."""
     from transformers import AutoModelForCausalLM
-    path, extra = split_model_path(spec)
     tokenizer = tokenizer or load_tokenizer(spec)
+    path, extra = _load_path(spec, convert=True)
     if overrides:
         extra = {**extra, "config": load_target_config(spec, overrides), **load_kwargs(overrides)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)

@@ -125,9 +125,15 @@ def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> l
     cfg, tokenizer = ctx["cfg"], ctx["tokenizer"]
     turns = sample.turns[:1] if cfg.first_turn_only else sample.turns
     messages, rows = [], []
+    firsts = ctx.setdefault("first_turn_prompts", {})  # qid -> tokens: a first turn is the same for every arm and round
     for turn, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
-        prompt = render_prompt(tokenizer, messages)
+        if turn == 0 and qid in firsts:
+            prompt = list(firsts[qid])
+        else:
+            prompt = render_prompt(tokenizer, messages)
+            if turn == 0:
+                firsts[qid] = tuple(prompt)
         if ctx["tracer"]:
             ctx["tracer"].set_context(arm=arm.name, round=round_, question_id=qid, dataset_row=sample.row, turn=turn)
         rng = ctx["global_rng"] or ctx["backend"].generator(stream_seed(cfg.seed, sample.row, turn, round_))

