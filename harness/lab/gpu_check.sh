@@ -20,7 +20,7 @@ BENCH=(--preset "${PRESET:-qwen3-8b}" --device cuda --dtype bfloat16 --reps 10 -
 
 case "${1:-}" in
   tests)
-    python -m pytest -q tests/test_kernels.py tests/test_ops.py tests/test_counters.py tests/test_gpu.py \
+    python -m pytest -q --durations=20 tests/test_kernels.py tests/test_ops.py tests/test_counters.py tests/test_gpu.py \
       2>&1 | tee "$OUT/gpu_tests.log"
     ;;
   bench)
