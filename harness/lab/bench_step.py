@@ -216,7 +216,7 @@ def measure(a, path: str | None = None) -> dict:
                   ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, None)]
         if a.kernels == "triton":
             from harness.decode import kernels
-            levers += [("fused projections, harness.decode.kernels (6 launches/layer: the q/k/v norm folded at one row), "
+            levers += [("fused projections, harness.decode.kernels (5 launches/layer: both norms folded at one row), "
                         "no PDL", True, _ops(a, backend.device, pdl=False)),
                        ("the same, attention in one program per K/V head", True,
                         _ops(a, backend.device, pdl=False, attention_splits=1))]
