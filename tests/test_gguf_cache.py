@@ -26,6 +26,15 @@ def _blank_keeping_size_and_mtime(path):
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
 
 
+def _no_gguf_reads(monkeypatch):
+    """Every GGUF parse goes through gguf.GGUFReader (transformers' GGUF loader uses it): make any parse fail."""
+    import gguf
+
+    def refuse(*a, **k):
+        raise AssertionError("the GGUF itself was read")
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", refuse)
+
+
 @pytest.mark.network
 def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_path, monkeypatch):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -50,7 +59,7 @@ def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_pa
     folder = gguf_cache.cached(str(gguf))
     assert folder and folder.startswith(str(tmp_path / "cache"))
     assert not [p for p in os.listdir(os.path.dirname(folder)) if p.endswith(".part")]
-    _blank_keeping_size_and_mtime(gguf)  # from here on, any read of the GGUF itself fails
+    _no_gguf_reads(monkeypatch)  # from here on, any parse of the GGUF itself fails
 
     config = load_target_config(str(gguf)).to_dict()
     want = ref_config.to_dict()
@@ -101,8 +110,7 @@ def test_the_converted_directory_is_used_only_while_it_matches_its_gguf(tmp_path
     assert gguf_cache.cached(str(path)) is None and gguf_cache.ensure(str(path)) is None
     monkeypatch.delenv(gguf_cache.ENV)
     assert gguf_cache.cached(str(tmp_path / "model_dir")) is None  # not a .gguf file: nothing to convert
-    st = path.stat()
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the file changed: another key, not converted
+    _blank_keeping_size_and_mtime(path)  # rewritten with the same size and mtime: another file, not converted
     assert gguf_cache.cached(str(path)) is None and gguf_cache.directory_for(path.resolve()) != d
 
 

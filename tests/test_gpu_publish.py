@@ -1,7 +1,8 @@
 """CUDA, bf16, the Triton kernels (skipped without a GPU): every divergence of drafter-only from AR at T=0 sits on
-a near-tie of the target's logits, so "lossless up to ties" is shown, not assumed; --fp32-logits adds none. (It
-does not remove most either: on the real model and the shipped drafter it took 14 of 32 gsm8k rows equal to AR's to
-18 of 32, results/smollm2-135m/README.md; the divergences come from the bf16 hidden states, not the logits.)
+a near-tie of the target's logits, so "lossless up to ties" is shown, not assumed, with bf16 logits and with
+--fp32-logits. (The flag does not remove most divergences: on the real model and the shipped drafter it took 14 of 32
+gsm8k rows equal to AR's to 18 of 32, removing some and adding others, results/smollm2-135m/README.md; the hidden
+states still round in bf16.)
 
 The target is SmolLM2-135M-Instruct when its GGUF is cached (harness.protocol.assets), else random weights at its
 shapes. BOUND: two computations of one logit z in bf16 (the AR step, one row, norm folded into the matmul; the
@@ -67,19 +68,26 @@ def divergences(target, drafter, b, fp32: bool):
     return found
 
 
-def test_every_divergence_is_a_bf16_near_tie(pair):
-    target, drafter, b = pair
-    found = divergences(target, drafter, b, fp32=False)
+def _all_near_ties(found):
     for i, d, gap_ar, gap_sp, z in found:
         bound = TIE_ULPS * bf16_ulp(z)
         assert min(gap_ar, gap_sp) <= bound, (i, d, gap_ar, gap_sp, z, bound)
+
+
+def test_every_divergence_is_a_bf16_near_tie(pair):
+    target, drafter, b = pair
+    found = divergences(target, drafter, b, fp32=False)
+    _all_near_ties(found)
     print(f"\n[ties] bf16 logits: {len(found)} of {PROMPTS} prompts diverge; (prompt, position, gap AR, gap spec, "
           f"top logit): {found}")
 
 
-def test_fp32_logits_add_no_divergence(pair):
+def test_fp32_logits_divergences_are_near_ties_too(pair):
+    """fp32 logits change which near-ties flip (on the real model they removed some divergences and added others),
+    but the hidden states still round in bf16: every divergence left is a near-tie as well."""
     target, drafter, b = pair
     bf16 = divergences(target, drafter, b, fp32=False)
     fp32 = divergences(target, drafter, b, fp32=True)
-    print(f"\n[ties] divergent prompts: bf16 logits {len(bf16)}, fp32 logits {len(fp32)} of {PROMPTS}")
-    assert len(fp32) <= len(bf16)
+    _all_near_ties(fp32)
+    print(f"\n[ties] divergent prompts: bf16 logits {sorted(i for i, *_ in bf16)}, fp32 logits "
+          f"{sorted(i for i, *_ in fp32)} of {PROMPTS}")

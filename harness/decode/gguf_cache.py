@@ -9,8 +9,8 @@ directory ($XPRESS_BENCH_CACHE or ~/.cache/xpress-bench, in hf/), and every late
 
 Loading the directory at a dtype gives the same tensors, bit for bit, as loading the GGUF at that dtype (the GGUF
 loader de-quantizes to float32 and casts; so does this), the same tokenizer and the same config
-(tests/test_gguf_cache.py). The directory's name is keyed by the file (its resolved path, size and mtime) and by the
-versions of transformers, gguf and torch, so a changed file or library converts again; a directory is renamed
+(tests/test_gguf_cache.py). The directory's name is keyed by the file (its resolved path and sha256) and by the
+versions of transformers, tokenizers, gguf and torch, so a changed file or library converts again; a directory is renamed
 into place only when complete. XPRESS_BENCH_GGUF_CACHE=0 reads the GGUF itself every time, as before. The run's
 config.json still names the .gguf file: the directory is only a faster way to read it.
 """
@@ -47,11 +47,26 @@ def _version(package: str) -> str | None:
         return None
 
 
-def source(gguf: Path) -> dict:
-    """What the converted directory was made from; any change makes another directory."""
+_SHA: dict = {}  # (path, size, mtime_ns, ctime_ns, inode) -> sha256: each file hashed once per process
+
+
+def _sha256(gguf: Path) -> str:
     st = gguf.stat()
-    return {"format": FORMAT, "gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "transformers": _version("transformers"), "gguf_reader": _version("gguf"), "torch": _version("torch")}
+    key = (str(gguf), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    if key not in _SHA:
+        h = hashlib.sha256()
+        with open(gguf, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        _SHA[key] = h.hexdigest()
+    return _SHA[key]
+
+
+def source(gguf: Path) -> dict:
+    """What the converted directory was made from: the file's content (sha256; a file rewritten with the same size
+    and mtime is another file) and the library versions; any change makes another directory."""
+    return {"format": FORMAT, "gguf": str(gguf), "sha256": _sha256(gguf), "transformers": _version("transformers"),
+            "tokenizers": _version("tokenizers"), "gguf_reader": _version("gguf"), "torch": _version("torch")}
 
 
 def directory_for(gguf: Path) -> Path:

@@ -66,14 +66,17 @@ def step_ms(target, prompt, backend, steps: int, drafter=None, accept: int = 0) 
 
 def spec_expert_union(target, prompt, backend, steps: int, drafter, block: int) -> float:
     """Mean over MoE layers and verify calls of the experts that the speculative step's own verifies route to: an
-    untimed replay of step_ms's generation, the prefill's routing left out (it routes the whole prompt)."""
+    untimed replay of step_ms's generation, the prefill's routing left out (it routes the whole prompt; --context
+    is larger than every block, so no prefill has a block's row count)."""
     target.route_log = []
     try:
         generate(target, prompt, _settings(target, steps, drafter, block - 1), backend, drafter=drafter)
         sizes = [int(torch.unique(ids).numel()) for ids in target.route_log if ids.shape[0] == block]
     finally:
         target.route_log = None
-    return sum(sizes) / max(len(sizes), 1)
+    if not sizes:
+        raise RuntimeError(f"bench_moe: the speculative generation logged no verify of {block} rows")
+    return sum(sizes) / len(sizes)
 
 
 def measure(preset: str, device: str | None, blocks: list[int], context: int, steps: int, reps: int,
