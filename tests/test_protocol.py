@@ -218,3 +218,18 @@ def test_one_ops_object_reaches_target_drafter_and_every_refiner():
     m = build_random("tiny", CPU32, block_size=4, ops=ops)
     assert m.target.ops is ops and m.drafter.ops is ops
     assert m.refiner("xpress", 2).ops is ops and m.refiner("markov").ops is ops
+
+
+def test_first_turns_are_rendered_once_per_prompt_not_per_arm_and_round(files, tmp_path, monkeypatch):
+    # a first turn is the same for every arm and round: the runner renders it once per prompt (later turns depend
+    # on each arm's own replies and are rendered each time)
+    calls = []
+    real = runner.render_prompt
+    monkeypatch.setattr(runner, "render_prompt", lambda tok, messages: calls.append(len(messages)) or real(tok, messages))
+    assert cli.main(fair_args(files, tmp_path, "--run-id", "once")) == 0
+    rows = read_rows(tmp_path / "once" / "samples.jsonl")
+    arms, rounds = {r["arm"] for r in rows}, {r["round"] for r in rows}
+    firsts = sum(1 for n in calls if n == 1)
+    assert len(arms) == 5 and len(rounds) >= 2
+    assert firsts <= 3 * 2 + 1  # presize's length check and one render each for 3 prompts, the warmup's prompt
+    assert sum(1 for n in calls if n == 3) == len(arms) * len(rounds)  # the second prompt's second turn, every time
