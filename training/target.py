@@ -43,9 +43,9 @@ def fix_special_tokens(tokenizer, model) -> None:
 def load_hf(spec: str, device: torch.device, dtype=torch.float32):
     """(model, tokenizer) on `device`, eval mode."""
     from transformers import AutoModelForCausalLM
-    from harness.decode.loading import load_tokenizer, split_model_path
-    path, extra = split_model_path(resolve_spec(spec))
+    from harness.decode.loading import load_path, load_tokenizer
     tokenizer = load_tokenizer(resolve_spec(spec))
+    path, extra = load_path(resolve_spec(spec), convert=True)  # a GGUF: its converted directory, as load_target
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa", **extra)
     fix_special_tokens(tokenizer, model)
     return model.to(device).eval(), tokenizer
@@ -68,16 +68,10 @@ def verifier_dir(spec: str, workdir: Path) -> str:
     stamp = out / "source.json"
     if stamp.is_file() and json.loads(stamp.read_text()).get("spec") == resolved:
         return str(out)
+    from harness.decode.gguf_cache import save_plain
     model, tokenizer = load_hf(spec, torch.device("cpu"))
     tmp = workdir / "target_hf.tmp"
-    # transformers 5.17-5.19: save_pretrained refuses a model loaded from a GGUF file ("quantized with
-    # QuantizationMethod.GGUF and is not serializable"), though its weights are already dequantized to `dtype`:
-    # drop the quantizer's marks so it saves as a plain model
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    save_plain(model, tokenizer, tmp)
     (tmp / "source.json").write_text(json.dumps({"spec": resolved}))
     if out.exists():
         import shutil

@@ -69,9 +69,10 @@ def source(gguf: Path) -> dict:
             "tokenizers": _version("tokenizers"), "gguf_reader": _version("gguf"), "torch": _version("torch")}
 
 
-def directory_for(gguf: Path) -> Path:
+def directory_for(gguf: Path, src: dict | None = None) -> Path:
+    """The converted directory's path for `gguf` (src: its `source`, when the caller has it already)."""
     from harness.protocol.assets import default_cache_dir
-    key = hashlib.sha256(json.dumps(source(gguf), sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps(src or source(gguf), sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "hf" / f"{gguf.stem}-{key}"
 
 
@@ -80,12 +81,13 @@ def cached(spec: str) -> str | None:
     gguf = _gguf(spec) if enabled() else None
     if gguf is None:
         return None
-    d = directory_for(gguf)
+    src = source(gguf)
+    d = directory_for(gguf, src)
     try:
         stamp = json.loads((d / STAMP).read_text())
     except (OSError, ValueError):
         return None
-    return str(d) if stamp == source(gguf) else None
+    return str(d) if stamp == src else None
 
 
 def ensure(spec: str) -> str | None:
@@ -120,25 +122,31 @@ def _fsync_tree(folder: Path) -> None:
                 os.fsync(fh.fileno())
 
 
+def save_plain(model, tokenizer, folder) -> None:
+    """A model loaded from a GGUF file (its weights already de-quantized) and its tokenizer, saved as a plain HF
+    directory. transformers 5.17-5.19: save_pretrained refuses such a model ("quantized with QuantizationMethod.GGUF
+    and is not serializable"), so the quantizer's marks are dropped first."""
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
 def convert(gguf: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    final = directory_for(gguf)
+    src = source(gguf)
+    final = directory_for(gguf, src)
     final.parent.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     _plain(model)
-    # save_pretrained refuses a model loaded from a GGUF file although its weights are de-quantized already: drop
-    # the quantizer's marks (as training.target.verifier_dir does)
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".part"))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / STAMP).write_text(json.dumps(source(gguf), indent=2) + "\n")
+        save_plain(model, tokenizer, tmp)
+        (tmp / STAMP).write_text(json.dumps(src, indent=2) + "\n")
         _fsync_tree(tmp)
         if final.exists() and cached(str(gguf)) is None:
             shutil.rmtree(final)  # an incomplete or foreign directory under this name

@@ -23,7 +23,7 @@ def split_model_path(spec: str) -> tuple[str, dict]:
     return spec, {}
 
 
-def _load_path(spec: str, convert: bool) -> tuple[str, dict]:
+def load_path(spec: str, convert: bool) -> tuple[str, dict]:
     """split_model_path, except that a .gguf file is read from its converted HF directory when there is one
     (harness.decode.gguf_cache; `convert`: make it now if missing). The config check never converts, so nothing
     heavier than a config is read before the checks are done."""
@@ -40,7 +40,7 @@ def load_target_config(spec: str, overrides: dict | None = None):
     """Read only the config (cheap) so that compatibility can be checked before any weights are loaded.
     `overrides`: --hf-overrides (harness.decode.hf_overrides), e.g. the text backbone of a multimodal model."""
     from transformers import AutoConfig
-    path, extra = _load_path(spec, convert=False)
+    path, extra = load_path(spec, convert=False)
     try:
         config = AutoConfig.from_pretrained(path, **extra)
     except (OSError, ValueError) as e:
@@ -66,7 +66,7 @@ def check_family(config) -> None:
 
 def load_tokenizer(spec: str):
     from transformers import AutoTokenizer
-    path, extra = _load_path(spec, convert=True)
+    path, extra = load_path(spec, convert=True)
     return AutoTokenizer.from_pretrained(path, **extra)
 
 
@@ -77,7 +77,7 @@ def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[in
     math (harness.decode.ops, default torch ops)."""
     from transformers import AutoModelForCausalLM
     tokenizer = tokenizer or load_tokenizer(spec)
-    path, extra = _load_path(spec, convert=True)
+    path, extra = load_path(spec, convert=True)
     if overrides:
         extra = {**extra, "config": load_target_config(spec, overrides), **load_kwargs(overrides)}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)

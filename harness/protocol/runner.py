@@ -94,9 +94,9 @@ def presize(target, arms, longest: int, settings: DecodeSettings, block: int) ->
         capture_plan.reserve_output(target, block)
 
 
-def warmup(arms: list[Arm], target, samples, tokenizer, settings: DecodeSettings, backend) -> None:
-    """Untimed generations before any measurement: lazy initialisation, compilation and graph capture."""
-    prompt = render_prompt(tokenizer, [{"role": "user", "content": samples[0].turns[0]}])
+def warmup(arms: list[Arm], target, prompt: list[int], settings: DecodeSettings, backend) -> None:
+    """Untimed generations (of the first prompt's first turn) before any measurement: lazy initialisation,
+    compilation and graph capture."""
     short = dataclasses.replace(settings, max_new_tokens=min(32, settings.max_new_tokens))
     for arm in arms:
         arm.activate()
@@ -125,15 +125,10 @@ def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> l
     cfg, tokenizer = ctx["cfg"], ctx["tokenizer"]
     turns = sample.turns[:1] if cfg.first_turn_only else sample.turns
     messages, rows = [], []
-    firsts = ctx.setdefault("first_turn_prompts", {})  # qid -> tokens: a first turn is the same for every arm and round
     for turn, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
-        if turn == 0 and qid in firsts:
-            prompt = list(firsts[qid])
-        else:
-            prompt = render_prompt(tokenizer, messages)
-            if turn == 0:
-                firsts[qid] = tuple(prompt)
+        # a first turn is the same for every arm and round: rendered once, by first_turns
+        prompt = list(ctx["first_turns"][qid]) if turn == 0 else render_prompt(tokenizer, messages)
         if ctx["tracer"]:
             ctx["tracer"].set_context(arm=arm.name, round=round_, question_id=qid, dataset_row=sample.row, turn=turn)
         rng = ctx["global_rng"] or ctx["backend"].generator(stream_seed(cfg.seed, sample.row, turn, round_))
@@ -145,17 +140,16 @@ def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> l
     return rows
 
 
-def check_prompt_lengths(samples, tokenizer, limit: int) -> int:
-    """First turns must leave room for at least one new token; later turns depend on replies (checked then).
-    Returns the longest first turn, in tokens."""
-    longest = 0
+def first_turns(samples, tokenizer, limit: int) -> list[tuple[int, ...]]:
+    """Every sample's first turn, rendered once (the same for every arm and round). First turns must leave room
+    for at least one new token; later turns depend on replies (checked then)."""
+    firsts = []
     for qid, s in enumerate(samples):
-        n = len(render_prompt(tokenizer, [{"role": "user", "content": s.turns[0]}]))
-        if n >= limit:
-            raise UsageError(f"prompt {qid} (dataset row {s.row}) has {n} tokens, not below --max-model-len {limit}; "
-                             "raise --max-model-len or lower --max-samples")
-        longest = max(longest, n)
-    return longest
+        firsts.append(tuple(render_prompt(tokenizer, [{"role": "user", "content": s.turns[0]}])))
+        if len(firsts[-1]) >= limit:
+            raise UsageError(f"prompt {qid} (dataset row {s.row}) has {len(firsts[-1])} tokens, not below "
+                             f"--max-model-len {limit}; raise --max-model-len or lower --max-samples")
+    return firsts
 
 
 def on_terminal() -> bool:
@@ -218,13 +212,13 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     if cfg.random_weights:
         from harness.protocol.presets import ByteTokenizer, build_random
         tokenizer = ByteTokenizer(prep.target_config.vocab_size)
-        longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
+        firsts = first_turns(samples, tokenizer, prep.max_model_len)
         models = build_random(cfg.random_weights, backend, block_size=prep.block_size, seed=cfg.seed, ops=ops)
         target, stops = models.target, ()  # random models: no stop ids, every prompt runs its full budget
         arms = build_random_arms(cfg, prep, models, watch)
     else:
         tokenizer = load_tokenizer(cfg.model_name_or_path)
-        longest = check_prompt_lengths(samples, tokenizer, prep.max_model_len)
+        firsts = first_turns(samples, tokenizer, prep.max_model_len)
         taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
         target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps,
                                         attn_impl=cfg.attn_implementation, tokenizer=tokenizer,
@@ -238,7 +232,7 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         from harness.decode.spyre import compile_for
         compile_for(target, [a.drafter for a in arms])
     settings = settings_for(cfg, prep.max_model_len, stops)
-    presize(target, arms, longest, settings, prep.block_size)
+    presize(target, arms, max(map(len, firsts)), settings, prep.block_size)
     order = rotation([a.name for a in arms], prep.rounds)
     describe(cfg, prep, arms, settings, samples, stops, folder, out, target.kernels)
     shard.announce(out, mine)
@@ -263,18 +257,18 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         print(f"[resume] {folder}: reusing {len(done)} of {total} (round, arm, prompt) decodes from samples.jsonl; "
               f"{total - len(done)} to run", file=out)
     try:
-        return _measure(cfg, out, watch, prep, folder, rows_path, samples, tokenizer, target, arms, settings,
-                        backend, order, done, total, shard, mine)
+        return _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenizer, target, arms,
+                        settings, backend, order, done, total, shard, mine)
     except KeyboardInterrupt:
         print(f"[resume] interrupted; the finished decodes are saved in {rows_path}. Continue with:\n"
               f"  {resume_command(folder)}", file=sys.stderr)
         raise
 
 
-def _measure(cfg, out, watch, prep, folder, rows_path, samples, tokenizer, target, arms, settings, backend, order,
-             done, total, shard, mine) -> dict | None:
+def _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenizer, target, arms, settings, backend,
+             order, done, total, shard, mine) -> dict | None:
     by_name = {a.name: a for a in arms}
-    warmup(arms, target, samples, tokenizer, settings, backend)
+    warmup(arms, target, list(firsts[0]), settings, backend)
     if watch is not None:
         if cfg.compile_all:
             cold = [a.name for a in arms if getattr(a.refiner, "compile", False) and not a.refiner.fns]
@@ -288,6 +282,7 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, tokenizer, targe
             watch.freeze()  # a recompile from here on ends the run (see the except below)
         print(f"[compile] {watch.stats()}", file=out)
     ctx = {"cfg": cfg, "tokenizer": tokenizer, "target": target, "backend": backend, "settings": settings,
+           "first_turns": firsts,
            "run_id": os.path.basename(os.path.normpath(folder)),
            "tracer": StepTracer(shard.per_rank(cfg.trace)) if cfg.trace else None,
            # Common random numbers: every arm replays the same stream for a (prompt, turn, round); the reference
