@@ -248,7 +248,7 @@ def arm(name, method, k, sp, tau, pooled, gain=None):
             "gain": None if gain is None else {"value": gain}, "pooled_tok_s": {"mean": pooled}}
 
 
-def fake_folder(root, name, dataset, d, m, xs, best, labels=()):
+def fake_folder(root, name, dataset, d, m, xs, best, labels=(), temperature=0.0):
     """d, m = (Sp., tau) of drafter-only and Markov; xs = {K: (Sp., tau, gain)}; best = the optimal K."""
     arms = [arm("drafter-only", "drafter-only", None, *d, 100.0), arm("Markov", "markov", None, *m, 150.0)]
     arms += [arm(f"xPress(K={k})", "xpress", k, sp, tau, 200.0 if k == best else 180.0, gain)
@@ -257,7 +257,7 @@ def fake_folder(root, name, dataset, d, m, xs, best, labels=()):
                "xpress": {"arm": f"xPress(K={best})", "K": best}}
     folder = root / name
     folder.mkdir()
-    (folder / "summary.json").write_text(json.dumps({"dataset": dataset, "temperature": 0.0, "prompts": 12,
+    (folder / "summary.json").write_text(json.dumps({"dataset": dataset, "temperature": temperature, "prompts": 12,
                                                      "rounds": {"measured": [2, 3, 4]}, "labels": labels,
                                                      "arms": {a["arm"]: a for a in arms}, "optimal": optimal}))
     (folder / "config.json").write_text(json.dumps({"dataset": dataset}))
@@ -280,6 +280,19 @@ def test_merge_cli_builds_the_table_and_recomputes_the_average(tmp_path, capsys)
                         "/ 9.50 | 7 | 1.20× | 12 | 3 | - |")
     assert lines[4] == "| **Avg.** |  | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |  |  |  |"
     assert "recomputed" in text and "throughput-optimal K" in text
+
+
+def test_merge_cli_averages_each_temperature_on_its_own(tmp_path, capsys):
+    """T=0 and T=1 folders in one table: one Avg. row per temperature, never a mean over both."""
+    a0 = fake_folder(tmp_path, "a0", "gsm8k", (4.0, 6.0), (6.0, 8.0), {6: (7.0, 9.0, 1.7)}, 6)
+    b0 = fake_folder(tmp_path, "b0", "math500", (5.0, 7.0), (5.5, 8.5), {7: (6.0, 9.5, 1.2)}, 7)
+    a1 = fake_folder(tmp_path, "a1", "gsm8k", (2.0, 3.0), (3.0, 4.0), {6: (3.0, 5.0, 1.1)}, 6, temperature=1.0)
+    assert report.main([a0, a1, b0]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split(" | ")[1] for ln in lines[2:5]] == ["0", "1", "0"]  # rows in the order given
+    assert lines[5] == "| **Avg. T=0** | 0 | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |  |  |  |"
+    assert lines[6] == "| **Avg. T=1** | 1 | 2.00× / 3.00 | 3.00× / 4.00 | 3.00× / 5.00 |  | 1.10× |  |  |  |"
+    assert not any(ln.startswith("| **Avg.** |") for ln in lines)
 
 
 def test_merge_cli_on_a_real_results_folder(tmp_path, summary, capsys):

@@ -193,26 +193,26 @@ _COLS = (("drafter-only", "drafter-only"), ("markov", "Markov"), ("xpress", "xPr
 
 def format_multi_dataset_table(entries: list[dict]) -> str:
     """Rows = datasets; per method 'Sp. [95% CI] / tau' at its throughput-optimal K, x Gain, prompts, measured
-    rounds and labels; Avg. recomputed (of the point values: the CIs of different datasets do not average)."""
+    rounds and labels; Avg. recomputed (of the point values: the CIs of different datasets do not average), one Avg.
+    row per temperature when the folders hold more than one (a mean over temperatures would mean nothing)."""
     head = (["benchmark", "T"] + [f"{label} Sp. [95% CI] / τ" for _, label in _COLS]
             + ["xPress K", "× Gain", "prompts", "rounds", "labels"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    cols: dict[str, list] = {f"{m}.{k}": [] for m, _ in _COLS for k in ("sp", "tau")}
-    cols["gain"] = []
+    values: list[dict] = []  # per entry: the point values the Avg. rows average
     all_labels = []
     for e in entries:
         s = e["summary"]
         cells = [e["dataset"], _num(e["temperature"], "g")]
+        v = {"T": e["temperature"]}
         for method, _ in _COLS:
             sp, tau, _arm = _cell_values(e, method)
-            cols[f"{method}.sp"].append(sp.get("value"))
-            cols[f"{method}.tau"].append(tau)
+            v[f"{method}.sp"], v[f"{method}.tau"] = sp.get("value"), tau
             cells.append(_sp_cell(sp, tau) if _arm else "-")
         xs = s["optimal"].get("xpress") or {}
-        gain = ((s["arms"][xs["arm"]].get("gain") or {}).get("value")) if xs else None
-        cols["gain"].append(gain)
+        v["gain"] = ((s["arms"][xs["arm"]].get("gain") or {}).get("value")) if xs else None
+        values.append(v)
         cells.append(str(xs["K"]) if xs.get("K") is not None else "-")
-        cells.append("-" if gain is None else f"{gain:.2f}×")
+        cells.append("-" if v["gain"] is None else f"{v['gain']:.2f}×")
         labels = run_labels(s)
         all_labels += [x for x in labels if x not in all_labels]
         measured = (s.get("rounds") or {}).get("measured")
@@ -220,22 +220,25 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
                   "; ".join(labels) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
 
-    partial = []
-
-    def avg(key: str) -> float | None:
-        vals = [v for v in cols[key] if v is not None]
-        if vals and len(vals) < len(cols[key]):
-            partial.append(f"{key} ({len(vals)} of {len(cols[key])})")
-        return float(np.mean(vals)) if vals else None
-
-    cells = ["**Avg.**", ""]
-    for method, _ in _COLS:
-        sp, tau = avg(f"{method}.sp"), avg(f"{method}.tau")
-        cells.append("-" if sp is None and tau is None else f"{_num(sp, '.2f')}× / {_num(tau, '.2f')}")
-    gain = avg("gain")
-    cells += ["", "-" if gain is None else f"{gain:.2f}×", "", "", ""]
-    lines.append("| " + " | ".join(cells) + " |")
     temps = sorted({e["temperature"] for e in entries}, key=str)
+    partial = []
+    for t in temps:
+        group = [v for v in values if v["T"] == t]
+        title = "**Avg.**" if len(temps) == 1 else f"**Avg. T={_num(t, 'g')}**"
+
+        def avg(key: str) -> float | None:
+            vals = [v[key] for v in group if v[key] is not None]
+            if vals and len(vals) < len(group):
+                partial.append(f"{key}{'' if len(temps) == 1 else f' at T={t:g}'} ({len(vals)} of {len(group)})")
+            return float(np.mean(vals)) if vals else None
+
+        cells = [title, "" if len(temps) == 1 else _num(t, "g")]
+        for method, _ in _COLS:
+            sp, tau = avg(f"{method}.sp"), avg(f"{method}.tau")
+            cells.append("-" if sp is None and tau is None else f"{_num(sp, '.2f')}× / {_num(tau, '.2f')}")
+        gain = avg("gain")
+        cells += ["", "-" if gain is None else f"{gain:.2f}×", "", "", ""]
+        lines.append("| " + " | ".join(cells) + " |")
     c = metrics.CONVENTIONS
     notes = [""]
     if all_labels:
@@ -247,10 +250,9 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
               "Each method at its throughput-optimal K, chosen on held-out (warmup) rounds where the run has them "
               "and reported from the measured rounds; τ at that same arm.",
               "× Gain = the same statistic of xPress (at its K) over the drafter-only arm of the same run.",
-              "Avg. = arithmetic mean of the rows above, recomputed here from the per-dataset numbers."]
+              "Avg. = arithmetic mean of the rows above, recomputed here from the per-dataset numbers"
+              + ("." if len(temps) == 1 else ", one row per temperature (each over the rows at that T).")]
     if partial:
         notes.append("Avg. over the datasets that have the value only: " + ", ".join(partial) + ".")
-    if len(temps) > 1:
-        notes.append(f"Note: the folders mix temperatures {temps}; the Avg. row mixes them too.")
     notes.append("Sources: " + ", ".join(f"{e['folder']} ({e['dataset']})" for e in entries) + ".")
     return "\n".join(lines + notes) + "\n"
