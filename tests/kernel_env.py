@@ -18,7 +18,9 @@ def numpy_breaks_interpreter() -> bool:
     return tuple(int(x) for x in numpy.__version__.split(".")[:2]) >= (2, 4)
 
 
-pytestmark = [pytest.mark.skipif(not kernels.available(), reason="triton is not installed"),
+# `device`: these run on CUDA where there is one (harness/lab/gpu_check.sh selects -m "gpu or device")
+pytestmark = [pytest.mark.device,
+              pytest.mark.skipif(not kernels.available(), reason="triton is not installed"),
               pytest.mark.skipif(kernels.available() and kernels.interpreted() and numpy_breaks_interpreter(),
                                  reason="Triton's CPU interpreter needs numpy < 2.4")]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -134,3 +134,20 @@ def test_the_decode_core_knows_no_algorithm():
     bad = {m: sorted(i for i in imports(p, set(mods)) if i.startswith(("drafters", "refiners")) and i not in allowed)
            for m, p in mods.items() if m.startswith("harness.decode")}
     assert {m: v for m, v in bad.items() if v} == {}
+
+
+def test_the_gpu_check_runs_the_kernel_tests_on_cuda_too():
+    """The kernel tests are not marked gpu (they run on the CPU interpreter too), so `-m gpu` alone skipped them on
+    the H200: every module on kernel_env carries the `device` mark, and gpu_check.sh selects it."""
+    import kernel_env
+    assert "device" in {m.name for m in kernel_env.pytestmark}
+    on_kernel_env = {}  # module -> what it imports from kernel_env at its top level
+    for p in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(p.read_text(encoding="utf-8"))
+        for n in tree.body:
+            if isinstance(n, ast.ImportFrom) and n.module == "kernel_env":
+                on_kernel_env.setdefault(p.name, set()).update(a.name for a in n.names)
+    assert {"test_kernels.py", "test_ops.py", "test_counters.py"} <= set(on_kernel_env)
+    for name, names in on_kernel_env.items():
+        assert "pytestmark" in names, f"{name} imports kernel_env without its pytestmark (the device mark)"
+    assert '-m "gpu or device"' in (ROOT / "harness" / "lab" / "gpu_check.sh").read_text(encoding="utf-8")
