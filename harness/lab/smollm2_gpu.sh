@@ -10,7 +10,7 @@
 #
 # DEADLINE (epoch seconds) makes `tables` skip a cell that would not finish in time (CELL_S: the estimate).
 # The tables are the embedded default's own CUDA run (32 prompts, 96 new tokens, one warmup round and two measured
-# rounds, K 1,2,4,6,8, whole-step CUDA graphs; an estimated 130-150 s a cell on an H200); mt-bench measures its first turn only.
+# rounds, K 1,2,4,6,8, whole-step CUDA graphs; 91-125 s a cell on an H200, measured); mt-bench measures its first turn only.
 # Run nothing else on the GPU meanwhile: a gsm8k cell beside another table process ran AR at 393 tok/s, against
 # 858 alone (seen on the H200, not committed).
 set -euo pipefail
