@@ -259,7 +259,7 @@ class DFlashModel(nn.Module):
                               c.head_dim ** -0.5, a.q_norm.weight, a.k_norm.weight, a.q_norm.eps)
             h = ops.linear(o, a.o_proj.weight, residual=h)
             gate_up = ops.linear(h, gate_up_w, norm=ln2.weight, eps=ln2.eps)
-            h = ops.linear(gate_up, layer.mlp.down_proj.weight, act=nn.functional.silu, residual=h)
+            h = ops.linear(gate_up, layer.mlp.down_proj.weight, act="silu", residual=h)
         return ops.rms_norm(h, self.norm.weight, self.norm.eps)  # the proposal's hidden rows are the normed ones
 
 

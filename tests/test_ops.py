@@ -115,8 +115,9 @@ def test_decoder_layer_launch_budget(monkeypatch, family):
     launches is its cost: at one row five Triton launches (q/k/v with the norm folded, attention, o_proj with the
     residual, gate/up with the norm folded, down_proj with silu*up and the residual), for a block of rows eight
     (the two norms and the activation their own launches), and no torch op in between. An op the Triton ops
-    hand to the torch ops (a fallback) shows here: transformers' SiLUActivation module as the MLP's act_fn
-    once sent down_proj to torch (silu, mul, mm, add: +0.15 ms per AR step of SmolLM2-135M on the H200)."""
+    hand to the torch ops (a fallback) shows here: when the activation was passed as a function, transformers'
+    SiLUActivation module (HF's act_fn) sent down_proj to torch (silu, mul, mm, add: +0.15 ms per AR step of
+    SmolLM2-135M on the H200); the ops now take its name."""
     t = fast_target(family, capacity=32, layers=2)
     t.prefill(torch.randint(8, 100, (5,), generator=torch.Generator().manual_seed(0)).to(DEV), want_features=False)
     lin, attn, norm, act = "_linear_kernel", "_attention_kernel", "_rmsnorm_kernel", "_silu_mul_kernel"

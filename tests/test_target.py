@@ -72,3 +72,30 @@ def test_qwen2_with_biases_and_fused_projections_match_hf():
             ref = family_model(prompt.unsqueeze(0)).logits[0, -1]
         logits, _ = t.prefill(prompt, want_features=False)
         assert_close(logits, ref, steps=t.n_layers)
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "relu"])
+def test_fused_layers_with_another_activation_match_hf(act):
+    """The MLP's activation reaches the ops by its config name: a fused layer of a non-silu target applies that
+    activation (transformers' ACT2FN, as the HF module does), not silu."""
+    t = tiny_target("llama", hidden_act=act)
+    assert t.fuse_projections()
+    prompt = torch.tensor([9, 14, 33, 60, 21, 70, 11])
+    with torch.no_grad():
+        ref = t.model(prompt.unsqueeze(0)).logits[0, -1]
+    logits, _ = t.prefill(prompt, want_features=False)
+    assert_close(logits, ref, steps=t.n_layers)
+
+
+def test_the_torch_ops_apply_an_activation_by_its_config_name():
+    from transformers.activations import ACT2FN
+    from harness.decode.ops import TorchOps
+    from harness.errors import UsageError
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 16, generator=g), torch.randn(5, 8, generator=g)
+    gate, up = x.chunk(2, dim=-1)
+    for name in ("silu", "swish", "gelu_pytorch_tanh", "relu"):
+        want = torch.nn.functional.linear(ACT2FN[name](gate) * up, w)
+        assert torch.equal(TorchOps().linear(x, w, act=name), want), name
+    with pytest.raises(UsageError, match="'no_such_act' is not one transformers knows"):
+        TorchOps().linear(x, w, act="no_such_act")

@@ -12,12 +12,14 @@ VOCAB = 128
 MASK_ID = VOCAB - 1  # never produced as text by the tests' tokenizer, like Qwen3's 151669
 
 
-def tiny_config(family: str = "qwen3", vocab: int = VOCAB, layers: int = 6, max_pos: int = 512):
+def tiny_config(family: str = "qwen3", vocab: int = VOCAB, layers: int = 6, max_pos: int = 512, **extra):
+    """extra: other config fields (hidden_act=...), over the defaults below."""
     from transformers import LlamaConfig, Qwen3Config
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
                   tie_word_embeddings=False, eos_token_id=[3, 5], bos_token_id=1, pad_token_id=0,
                   initializer_range=0.3)  # wide init: random models then babble instead of looping on one token
+    common.update(extra)
     if family == "qwen3":
         return Qwen3Config(head_dim=16, rms_norm_eps=1e-6, **common)
     if family == "llama":

@@ -61,10 +61,7 @@ class Target:
         self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
         self.ops = ops or TorchOps()
         self._lm_fp32 = None  # float32 copy of the lm_head weight when use_fp32_logits() (--fp32-logits)
-        # the MLP's activation as the ops see it: F.silu itself for a silu config, so that TritonOps fuses it into
-        # down_proj (HF's act_fn is transformers' own SiLUActivation module, which the ops do not recognise and
-        # would run on torch ops: silu, mul, mm and add instead of one launch); else the module's own
-        self._silu = getattr(cfg, "hidden_act", "silu") in ("silu", "swish")
+        self._act = getattr(cfg, "hidden_act", "silu")  # the MLP's activation, by name (the ops' interface)
 
     def use_fp32_logits(self) -> None:
         """Logits in float32 from the (normed) last hidden state: bf16 logits round at 2^-8 relative, so two
@@ -178,8 +175,7 @@ class Target:
         if fused is None:
             return h + mlp(ops.rms_norm(h, ln2.weight, eps_of(ln2)))
         gate_up = ops.linear(h, fused[2], norm=ln2.weight, eps=eps_of(ln2))
-        act = torch.nn.functional.silu if self._silu else mlp.act_fn
-        return ops.linear(gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, act=act, residual=h)
+        return ops.linear(gate_up, mlp.down_proj.weight, bias=mlp.down_proj.bias, act=self._act, residual=h)
 
     def prefill(self, prompt: torch.Tensor, want_features: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the prompt at positions 0..P-1 and commits it. Returns last-position logits [V], features [P, F]."""

@@ -12,7 +12,6 @@ harness.decode.cache.StaticKV at the rows' positions before it attends.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -68,11 +67,13 @@ class Ops:
         return self
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, *, bias: torch.Tensor | None = None,
-               norm: torch.Tensor | None = None, eps: float = 0.0, act: Callable | None = None,
+               norm: torch.Tensor | None = None, eps: float = 0.0, act: str | None = None,
                residual: torch.Tensor | None = None, argmax: bool = False):
         """y = act_glu(rms_norm(x)) W^T + bias + residual, in the residual's dtype (else w's).
         norm: an RMSNorm weight [K] applied to x first (HF's roundings, eps); act: x holds gate | up [T, 2K] and
-        the input is act(gate) * up; residual [T, N]: added to the product, rounded once. argmax: also each row's
+        the input is act(gate) * up, act named as an HF config's hidden_act names it ("silu", "gelu_pytorch_tanh",
+        ...: a name, so that no backend has to recognise a function object); residual [T, N]: added to the
+        product, rounded once. argmax: also each row's
         argmax [T] (lowest column among equal maxima): returns (y, ids)."""
         raise NotImplementedError
 

@@ -1,6 +1,8 @@
 """The decode math in torch ops: the reference numerics (HF's modules step by step) and differentiable."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,24 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, weight.shape, None, eps)
 
 
+SILU = ("silu", "swish")  # the names HF configs give silu
+
+
+@functools.lru_cache(maxsize=None)
+def activation(name: str):
+    """The function a gated MLP applies to its gate, by its hidden_act name: F.silu for silu, else transformers'
+    own (ACT2FN, which is what the HF modules are built from)."""
+    if name in SILU:
+        return F.silu
+    from transformers.activations import ACT2FN
+    try:
+        return ACT2FN[name]
+    except KeyError:
+        from harness.errors import UsageError
+        raise UsageError(f"activation {name!r} is not one transformers knows (transformers.activations.ACT2FN); "
+                         "use one of its names") from None
+
+
 class TorchOps(Ops):
     name = "torch"
 
@@ -22,7 +42,7 @@ class TorchOps(Ops):
             x = rms(x, norm, eps)
         if act is not None:
             gate, up = x.chunk(2, dim=-1)
-            x = act(gate) * up
+            x = activation(act)(gate) * up
         y = F.linear(x, w, bias)
         if residual is not None:
             y = torch.add(residual, y).to(residual.dtype)

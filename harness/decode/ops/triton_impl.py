@@ -8,15 +8,10 @@ compiler, wrapped on first use so that importing this module does not import tor
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from harness.decode import kernels
 from harness.decode.ops.base import Ops
-from harness.decode.ops.torch_impl import TorchOps
-
-
-def _is_silu(act) -> bool:
-    return act is F.silu or isinstance(act, torch.nn.SiLU)
+from harness.decode.ops.torch_impl import SILU, TorchOps
 
 
 def unsupported_reason(config) -> str | None:
@@ -25,7 +20,7 @@ def unsupported_reason(config) -> str | None:
         return "triton is not installed"
     if getattr(config, "model_type", None) == "gemma4_text":
         return "Gemma 4 layers run on torch ops (sandwich norms, GeGLU, experts)"
-    if getattr(config, "hidden_act", "silu") != "silu":
+    if getattr(config, "hidden_act", "silu") not in SILU:
         return f"activation {config.hidden_act!r} (the kernels fuse silu)"
     heads = config.num_attention_heads
     d = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -61,7 +56,7 @@ class TritonOps(Ops):
         return self._outside[name]
 
     def linear(self, x, w, *, bias=None, norm=None, eps=0.0, act=None, residual=None, argmax=False):
-        fits = bias is None and x.shape[0] <= kernels.MAX_ROWS and (act is None or _is_silu(act)) and \
+        fits = bias is None and x.shape[0] <= kernels.MAX_ROWS and (act is None or act in SILU) and \
             x.dtype == w.dtype and (residual is None or (residual.dtype == w.dtype and residual.dim() == 2))
         if not fits:
             return self.torch.linear(x, w, bias=bias, norm=norm, eps=eps, act=act, residual=residual, argmax=argmax)
