@@ -132,6 +132,33 @@ def test_decoder_layer_launch_budget(monkeypatch, family):
             assert got == {"triton": want, "aten": []}, f"{rows} row(s), layer {i}"
 
 
+def test_decode_sized_calls_the_kernels_cannot_take_are_counted():
+    from harness.decode.ops.triton_impl import fallback_note
+    ops = triton_ops(DEV)
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(*s, generator=g).to(DEV) for s in ((2, 16), (8, 16)))
+    ops.linear(x, w)  # the kernel takes it
+    ops.linear(torch.randn(kernels.MAX_ROWS + 1, 16, generator=g).to(DEV), w)  # a prompt's rows: by design
+    assert not ops.fallbacks and fallback_note(ops) is None
+    ops.linear(x, w, bias=torch.zeros(8, device=DEV))
+    ops.linear(x, w, bias=torch.zeros(8, device=DEV))
+    ops.linear(torch.randn(2, 32, generator=g).to(DEV), torch.randn(8, 16, generator=g).to(DEV), act="relu")
+    assert ops.fallbacks == {("linear", "a bias"): 2, ("linear", "activation 'relu'"): 1}
+    assert fallback_note(ops).endswith("linear (a bias) x2, linear (activation 'relu') x1")
+
+
+def test_a_decode_with_refiners_hands_nothing_to_the_torch_ops():
+    """Every decode-sized call of a fused target, the drafter and both refiners reaches a kernel."""
+    from tiny import VOCAB
+    t = fast_target(capacity=64)
+    d = tiny_drafter(t, block=4, backend=F32)
+    d.ops = t.ops
+    for r in (None, XPressRefiner(random_xpress_head(VOCAB, 64, 16, 4, seed=7, std=0.3), 2, ops=t.ops),
+              MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 16, seed=2, std=0.3), ops=t.ops)):
+        generate(t, list(range(10, 30)), DecodeSettings(8, 512, ()), F32, drafter=d, refiner=r)
+    assert not t.ops.fallbacks, dict(t.ops.fallbacks)
+
+
 @pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
 @pytest.mark.parametrize("drafter", [False, True])
 def test_greedy_tokens_same_on_both_ops(drafter, graph):

@@ -209,6 +209,31 @@ def test_kernels_auto_keeps_torch_ops_for_reference_numerics(monkeypatch, extra,
     assert runner.choose_ops(cfg, prep).name == expect
 
 
+def test_a_run_reports_the_calls_its_kernels_handed_to_torch_ops(files, tmp_path, capsys, monkeypatch):
+    """Decode-sized calls the Triton ops did not take (a slower step than the kernels') are printed after the
+    table and kept in summary.json, never silent."""
+    from collections import Counter
+
+    from harness.decode.ops import TorchOps
+
+    class Leaky(TorchOps):  # stands in for TritonOps after some calls fell back
+        fallbacks = Counter({("linear", "a bias"): 3})
+
+    monkeypatch.setattr(runner, "choose_ops", lambda cfg, prep: Leaky())
+    argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
+            "--max-new-tokens", "6", "--fair-k-list", "1", "--results-dir", str(tmp_path), "--run-id", "fb"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[kernels] decode-sized calls the Triton kernels do not take ran on torch ops" in out
+    assert "linear (a bias) x3" in out
+    summary = json.loads((tmp_path / "fb" / "summary.json").read_text())
+    assert summary["kernel_fallbacks"] == {"linear: a bias": 3}
+    monkeypatch.setattr(runner, "choose_ops", lambda cfg, prep: TorchOps())  # none: no line, no key
+    assert cli.main(argv[:-1] + ["fb2"]) == 0
+    assert "[kernels]" not in capsys.readouterr().out
+    assert "kernel_fallbacks" not in json.loads((tmp_path / "fb2" / "summary.json").read_text())
+
+
 def test_one_ops_object_reaches_target_drafter_and_every_refiner():
     """The ops chosen once are the ones every model of the run holds (construction-time injection)."""
     from harness.decode.ops import TorchOps

@@ -7,6 +7,8 @@ compiler, wrapped on first use so that importing this module does not import tor
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from harness.decode import kernels
@@ -33,7 +35,9 @@ def unsupported_reason(config) -> str | None:
 
 
 class TritonOps(Ops):
-    """debug: check the cache's split-attention counters before each eager attention launch (a host sync)."""
+    """debug: check the cache's split-attention counters before each eager attention launch (a host sync).
+    fallbacks: (op, why) -> how many decode-sized calls (rows a kernel takes) ran on the torch ops instead; a
+    captured graph's replays do not call these, so a graphed step counts once per capture."""
     name = "triton"
 
     def __init__(self, device: torch.device, launch: kernels.Launch = kernels.Launch(pdl=None), debug: bool = False,
@@ -43,6 +47,7 @@ class TritonOps(Ops):
         self.debug = debug
         self.torch = torch_ops or TorchOps()
         self._outside: dict = {}
+        self.fallbacks: Counter = Counter()
 
     def sized(self, rows, groups, prefill=False):
         return self.torch if prefill or not kernels.fits(rows, groups) else self
@@ -56,9 +61,10 @@ class TritonOps(Ops):
         return self._outside[name]
 
     def linear(self, x, w, *, bias=None, norm=None, eps=0.0, act=None, residual=None, argmax=False):
-        fits = bias is None and x.shape[0] <= kernels.MAX_ROWS and (act is None or act in SILU) and \
-            x.dtype == w.dtype and (residual is None or (residual.dtype == w.dtype and residual.dim() == 2))
-        if not fits:
+        why = _linear_misfit(x, w, bias, act, residual)
+        if why is not None:
+            if x.shape[0] <= kernels.MAX_ROWS:
+                self.fallbacks["linear", why] += 1
             return self.torch.linear(x, w, bias=bias, norm=norm, eps=eps, act=act, residual=residual, argmax=argmax)
         if norm is not None and act is not None:
             x, norm = self.rms_norm(x, norm, eps), None
@@ -67,6 +73,8 @@ class TritonOps(Ops):
 
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
+            if x.dim() != 2:
+                self.fallbacks["rms_norm", f"{x.dim()}-d rows"] += 1
             return self.torch.rms_norm(x, weight, eps)
         return kernels.rms_norm(x, weight, eps, self.launch)
 
@@ -82,6 +90,31 @@ class TritonOps(Ops):
         if rows.shape[0] > kernels.MAX_ROWS:
             return self.torch.write_kv(rows, kv, layer, positions, cos, sin, k_norm, eps)
         kernels.write_kv(rows, k_norm, eps, cos, sin, positions, kv.k[layer, 0], kv.v[layer, 0], self.launch)
+
+
+def _linear_misfit(x, w, bias, act, residual) -> str | None:
+    """Why kernels.linear cannot take this call (None: it can)."""
+    if x.shape[0] > kernels.MAX_ROWS:
+        return f"{x.shape[0]} rows"
+    if bias is not None:
+        return "a bias"
+    if act is not None and act not in SILU:
+        return f"activation {act!r}"
+    if x.dtype != w.dtype or (residual is not None and residual.dtype != w.dtype):
+        return "mixed dtypes"
+    if residual is not None and residual.dim() != 2:
+        return "a residual that is not 2-d"
+    return None
+
+
+def fallback_note(ops) -> str | None:
+    """One line on the decode-sized calls the Triton ops handed to the torch ops (None: none, or not TritonOps)."""
+    found = getattr(ops, "fallbacks", None)
+    if not found:
+        return None
+    parts = ", ".join(f"{op} ({why}) x{n}" for (op, why), n in sorted(found.items()))
+    return (f"decode-sized calls the Triton kernels do not take ran on torch ops, at their speed (a graphed step "
+            f"counts once per capture): {parts}")
 
 
 def _kernel_linear(*args, **kw):
