@@ -20,7 +20,8 @@ BENCH=(--preset "${PRESET:-qwen3-8b}" --device cuda --dtype bfloat16 --reps 10 -
 
 case "${1:-}" in
   tests)
-    # the tests marked gpu (15; the two publish tests take about 5 and 3 minutes: 373 s with -n 8 on one H200) and
+    # the tests marked gpu (15; 373 s with -n 8 on one H200, of which the publish tests took 324 s and 159 s before
+    # the fp32 one stopped repeating the bf16 decode, about 165 s each now, not yet measured) and
     # the kernel tests, which run on CUDA when it is present (marked device), in parallel where pytest-xdist is
     # installed: they are correctness checks, not timings
     par=(); python -c "import xdist" 2>/dev/null && par=(-n 8)
