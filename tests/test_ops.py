@@ -145,6 +145,15 @@ def test_decode_sized_calls_the_kernels_cannot_take_are_counted():
     ops.linear(torch.randn(2, 32, generator=g).to(DEV), torch.randn(8, 16, generator=g).to(DEV), act="relu")
     assert ops.fallbacks == {("linear", "a bias"): 2, ("linear", "activation 'relu'"): 1}
     assert fallback_note(ops).endswith("linear (a bias) x2, linear (activation 'relu') x1")
+    ops.fallbacks.clear()
+    assert ops.sized(16, 4) is ops and ops.sized(4096, 4, prefill=True) is ops.torch and not ops.fallbacks
+    assert ops.sized(40, 4) is ops.torch  # a block of 40 rows with 4 query heads per K/V head: no one program
+    assert ops.sized(kernels.MAX_ROWS + 1, 1) is ops.torch  # wider than any kernel takes: by design, not counted
+    assert ops.for_heads(24, 4, 2) is ops.torch  # a head size the kernels do not take: the whole model
+    ops.rms_norm(torch.ones(1, 3, 8, device=DEV), torch.ones(8, device=DEV), 1e-6)
+    ops.rms_norm(torch.ones(1, kernels.MAX_ROWS + 1, 8, device=DEV), torch.ones(8, device=DEV), 1e-6)  # not counted
+    assert ops.fallbacks == {("forward", "40 rows x 4 query heads per K/V head"): 1,
+                             ("model", "heads of 24 (4 query, 2 K/V)"): 1, ("rms_norm", "3-d rows"): 1}
 
 
 def test_a_decode_with_refiners_hands_nothing_to_the_torch_ops():

@@ -224,7 +224,8 @@ def test_a_run_reports_the_calls_its_kernels_handed_to_torch_ops(files, tmp_path
             "--max-new-tokens", "6", "--fair-k-list", "1", "--results-dir", str(tmp_path), "--run-id", "fb"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "[kernels] decode-sized calls the Triton kernels do not take ran on torch ops" in out
+    note = "[kernels] decode-sized calls the Triton kernels do not take ran on torch ops"
+    assert note in out and out.index("RESULT") < out.index(note)  # after the table
     assert "linear (a bias) x3" in out
     summary = json.loads((tmp_path / "fb" / "summary.json").read_text())
     assert summary["kernel_fallbacks"] == {"linear: a bias": 3}

@@ -131,6 +131,18 @@ def test_rebuild_labels_a_folder_from_its_samples(tmp_path, capsys):
     assert "| random weights / scripted acceptance |" in capsys.readouterr().out
 
 
+def test_rebuild_keeps_what_the_runner_added_beside_the_rows(tmp_path, capsys):
+    """compile stats and kernel fallbacks cannot be recomputed from samples.jsonl: --rebuild carries them over."""
+    folder = tmp_path / "run"
+    extra = {"compile": {"recompiles": 0}, "kernel_fallbacks": {"linear: a bias": 3}}
+    report.write_results(folder, {"dataset": "toy"}, {}, example(), {**report.summarize(example(), n_boot=50),
+                                                                     **extra})
+    assert report.main(["--rebuild", str(folder)]) == 0
+    capsys.readouterr()
+    summary = json.loads((folder / "summary.json").read_text())
+    assert {k: summary[k] for k in extra} == extra
+
+
 def test_each_first_divergence_comes_with_the_logit_gaps_of_both_runs():
     rows = example()
     for r in rows:

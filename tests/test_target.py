@@ -99,3 +99,22 @@ def test_the_torch_ops_apply_an_activation_by_its_config_name():
         assert torch.equal(TorchOps().linear(x, w, act=name), want), name
     with pytest.raises(UsageError, match="'no_such_act' is not one transformers knows"):
         TorchOps().linear(x, w, act="no_such_act")
+
+
+def test_a_trained_activation_keeps_its_weights():
+    """prelu carries a trained weight that a name cannot: such a layer is not fused, so HF's module (with the
+    checkpoint's weight) runs it, and asking the ops for it by name is refused."""
+    from harness.decode.ops import TorchOps
+    from harness.errors import UsageError
+    t = tiny_target("llama", hidden_act="prelu")
+    with torch.no_grad():
+        for layer in t.layers:
+            layer.mlp.act_fn.weight.fill_(-0.7)  # not the default 0.25: a fresh ACT2FN instance would differ
+    assert not t.fuse_projections()
+    prompt = torch.tensor([9, 14, 33, 60, 21, 70, 11])
+    with torch.no_grad():
+        ref = t.model(prompt.unsqueeze(0)).logits[0, -1]
+    logits, _ = t.prefill(prompt, want_features=False)
+    assert_close(logits, ref, steps=t.n_layers)
+    with pytest.raises(UsageError, match="'prelu' has trained parameters"):
+        TorchOps().linear(torch.ones(1, 8), torch.ones(2, 4), act="prelu")

@@ -99,6 +99,8 @@ class Target:
         projs = (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)
         if any(getattr(m, "bias", None) is not None for m in projs) or not hasattr(mlp, "act_fn"):
             return None
+        if any(True for _ in getattr(mlp.act_fn, "parameters", lambda: ())()):
+            return None  # a trained activation (prelu, xielu): the HF module keeps its weights; the ops take names
         fused = [fuse_rows((a.q_proj, a.k_proj, a.v_proj)), fuse_rows((mlp.gate_proj, mlp.up_proj))]
         sizes = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]
         return fused[0], sizes, fused[1]

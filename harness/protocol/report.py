@@ -321,7 +321,7 @@ def rebuild(folder: str) -> dict:
     old = json.loads((path / "summary.json").read_text(encoding="utf-8"))
     summary = summarize(read_rows(str(path / "samples.jsonl")), tau_from_warmup=bool(config.get("compat_reference")),
                         labels=config_labels(config))
-    for key in ("compile",):  # what the runner adds beside the rows' statistics
+    for key in ("compile", "kernel_fallbacks"):  # what the runner adds beside the rows' statistics
         if key in old:
             summary[key] = old[key]
     dataset = summary["dataset"]

@@ -332,13 +332,14 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenize
         summary["compile"] = watch.stats()
     fallbacks = getattr(target.ops, "fallbacks", None)
     if fallbacks:  # TritonOps: decode-sized calls its kernels did not take (a slower step than the kernels')
-        from harness.decode.ops.triton_impl import fallback_note
         summary["kernel_fallbacks"] = {f"{op}: {why}": n for (op, why), n in sorted(fallbacks.items())}
-        print(f"[kernels] {fallback_note(target.ops)}", file=out)
     if summary["labels"]:
         print(f"[{'; '.join(summary['labels'])}]", file=out)
     print(report.format_console_table(summary, cfg.dataset, explain=cfg.explain) + rank_report.format_ranks(summary),
           file=out)
+    if fallbacks:
+        from harness.decode.ops.triton_impl import fallback_note
+        print(f"[kernels] {fallback_note(target.ops)}", file=out)
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
     report.write_results(folder, saved_config, rank_report.environment(environment(exclude=[folder]), shard), rows,
                          summary, out)

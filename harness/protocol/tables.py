@@ -229,7 +229,8 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
         def avg(key: str) -> float | None:
             vals = [v[key] for v in group if v[key] is not None]
             if vals and len(vals) < len(group):
-                partial.append(f"{key}{'' if len(temps) == 1 else f' at T={t:g}'} ({len(vals)} of {len(group)})")
+                at = "" if len(temps) == 1 else " at T=" + _num(t, "g")
+                partial.append(f"{key}{at} ({len(vals)} of {len(group)})")
             return float(np.mean(vals)) if vals else None
 
         cells = [title, "" if len(temps) == 1 else _num(t, "g")]

@@ -26,12 +26,17 @@ def activation(name: str):
     if name in SILU:
         return F.silu
     from transformers.activations import ACT2FN
+
+    from harness.errors import UsageError
     try:
-        return ACT2FN[name]
+        fn = ACT2FN[name]
     except KeyError:
-        from harness.errors import UsageError
         raise UsageError(f"activation {name!r} is not one transformers knows (transformers.activations.ACT2FN); "
                          "use one of its names") from None
+    if any(True for _ in getattr(fn, "parameters", lambda: ())()):  # e.g. prelu, xielu in transformers 5.19
+        raise UsageError(f"activation {name!r} has trained parameters, which a name cannot carry: run that MLP "
+                         "through its own module (the Target does not fuse such layers)")
+    return fn
 
 
 class TorchOps(Ops):

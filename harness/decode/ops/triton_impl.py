@@ -37,7 +37,8 @@ def unsupported_reason(config) -> str | None:
 class TritonOps(Ops):
     """debug: check the cache's split-attention counters before each eager attention launch (a host sync).
     fallbacks: (op, why) -> how many decode-sized calls (rows a kernel takes) ran on the torch ops instead; a
-    captured graph's replays do not call these, so a graphed step counts once per capture."""
+    captured graph's replays do not call these, so a graphed step counts once per capture; this process's calls
+    only (in a multi-process run, rank 0's)."""
     name = "triton"
 
     def __init__(self, device: torch.device, launch: kernels.Launch = kernels.Launch(pdl=None), debug: bool = False,
@@ -50,10 +51,20 @@ class TritonOps(Ops):
         self.fallbacks: Counter = Counter()
 
     def sized(self, rows, groups, prefill=False):
-        return self.torch if prefill or not kernels.fits(rows, groups) else self
+        if prefill:
+            return self.torch
+        if not kernels.fits(rows, groups):
+            if rows <= kernels.MAX_ROWS:
+                self.fallbacks["forward", f"{rows} rows x {groups} query heads per K/V head"] += 1
+            return self.torch
+        return self
 
     def for_heads(self, head_dim, n_q, n_kv, windows=False):
-        return self if kernels.heads_fit(head_dim, n_q, n_kv) and not windows else self.torch
+        if kernels.heads_fit(head_dim, n_q, n_kv) and not windows:
+            return self
+        why = "sliding windows" if windows else f"heads of {head_dim} ({n_q} query, {n_kv} K/V)"
+        self.fallbacks["model", why] += 1  # counted once: the model runs every step on the torch ops
+        return self.torch
 
     def _uncompiled(self, name: str, fn):
         if name not in self._outside:
@@ -73,13 +84,16 @@ class TritonOps(Ops):
 
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
-            if x.dim() != 2:
+            if x.dim() != 2 and x.numel() // x.shape[-1] <= kernels.MAX_ROWS:
                 self.fallbacks["rms_norm", f"{x.dim()}-d rows"] += 1
             return self.torch.rms_norm(x, weight, eps)
         return kernels.rms_norm(x, weight, eps, self.launch)
 
     def attention(self, qkv, kv, layer, span, cos, sin, n_q, scale, q_norm=None, k_norm=None, eps=0.0):
         if span.window is not None or not kernels.fits(qkv.shape[0], n_q // kv.n_kv_heads):
+            if qkv.shape[0] <= kernels.MAX_ROWS:
+                self.fallbacks["attention", "a sliding window" if span.window is not None else
+                               f"{qkv.shape[0]} rows x {n_q // kv.n_kv_heads} query heads per K/V head"] += 1
             return self.torch.attention(qkv, kv, layer, span, cos, sin, n_q, scale, q_norm, k_norm, eps)
         if self.debug and not _capturing(qkv.device):
             kv.check_counters()
