@@ -11,6 +11,7 @@ import torch
 from harness.decode.cache import StaticKV
 from harness.decode.devices import Backend
 from harness.decode.ops import Ops, Span, TorchOps, eps_of, fuse_rows
+from harness.decode.ops.torch_impl import trained
 from harness.errors import UsageError
 
 PLAIN_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # what this layer loop runs (Gemma 4: harness.decode.gemma4)
@@ -99,7 +100,7 @@ class Target:
         projs = (a.q_proj, a.k_proj, a.v_proj, mlp.gate_proj, mlp.up_proj)
         if any(getattr(m, "bias", None) is not None for m in projs) or not hasattr(mlp, "act_fn"):
             return None
-        if any(True for _ in getattr(mlp.act_fn, "parameters", lambda: ())()):
+        if trained(mlp.act_fn):
             return None  # a trained activation (prelu, xielu): the HF module keeps its weights; the ops take names
         fused = [fuse_rows((a.q_proj, a.k_proj, a.v_proj)), fuse_rows((mlp.gate_proj, mlp.up_proj))]
         sizes = [a.q_proj.weight.shape[0], a.k_proj.weight.shape[0], a.v_proj.weight.shape[0]]

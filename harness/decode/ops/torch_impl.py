@@ -19,6 +19,11 @@ def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 SILU = ("silu", "swish")  # the names HF configs give silu
 
 
+def trained(fn) -> bool:
+    """Whether an activation (a module or a function) carries parameters, which a name cannot."""
+    return any(True for _ in getattr(fn, "parameters", lambda: ())())
+
+
 @functools.lru_cache(maxsize=None)
 def activation(name: str):
     """The function a gated MLP applies to its gate, by its hidden_act name: F.silu for silu, else transformers'
@@ -33,7 +38,7 @@ def activation(name: str):
     except KeyError:
         raise UsageError(f"activation {name!r} is not one transformers knows (transformers.activations.ACT2FN); "
                          "use one of its names") from None
-    if any(True for _ in getattr(fn, "parameters", lambda: ())()):  # e.g. prelu, xielu in transformers 5.19
+    if trained(fn):  # e.g. prelu, xielu in transformers 5.19
         raise UsageError(f"activation {name!r} has trained parameters, which a name cannot carry: run that MLP "
                          "through its own module (the Target does not fuse such layers)")
     return fn
