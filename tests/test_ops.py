@@ -162,8 +162,8 @@ def test_a_decode_with_refiners_hands_nothing_to_the_torch_ops():
     t = fast_target(capacity=64)
     d = tiny_drafter(t, block=4, backend=F32)
     d.ops = t.ops
-    for r in (None, XPressRefiner(random_xpress_head(VOCAB, 64, 16, 4, seed=7, std=0.3), 2, ops=t.ops),
-              MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 16, seed=2, std=0.3), ops=t.ops)):
+    for r in (None, XPressRefiner(random_xpress_head(VOCAB, 64, 16, 4, seed=7, std=0.3).to(DEV), 2, ops=t.ops),
+              MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 16, seed=2, std=0.3).to(DEV), ops=t.ops)):
         g = generate(t, list(range(10, 30)), DecodeSettings(3, 512, ()), F32, drafter=d, refiner=r)
         assert len(g.accepted) >= 1  # at least one speculative step: draft, refine, verify
     assert not t.ops.fallbacks, dict(t.ops.fallbacks)
