@@ -20,10 +20,9 @@ BENCH=(--preset "${PRESET:-qwen3-8b}" --device cuda --dtype bfloat16 --reps 10 -
 
 case "${1:-}" in
   tests)
-    # the tests marked gpu (15; 373 s with -n 8 on one H200, of which the publish tests took 324 s and 159 s before
-    # the fp32 one stopped repeating the bf16 decode, about 165 s each now, not yet measured) and
-    # the kernel tests, which run on CUDA when it is present (marked device), in parallel where pytest-xdist is
-    # installed: they are correctness checks, not timings
+    # the tests marked gpu (15) and the kernel tests, which run on CUDA when it is present (marked device): 77, in
+    # parallel where pytest-xdist is installed (226 s with -n 8 on one H200, results/perf/NOTES.md); they are
+    # correctness checks, not timings
     par=(); python -c "import xdist" 2>/dev/null && par=(-n 8)
     python -m pytest -v "${par[@]}" --durations=20 -m "gpu or device" tests 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
