@@ -7,6 +7,7 @@
 #   bash harness/lab/smollm2_gpu.sh weights      # weights/smollm2-135m/{drafter,xpress,markov} + manifest.json
 #   bash harness/lab/smollm2_gpu.sh tables T...  # results/smollm2-135m/<dataset>_t<T>/ for each dataset and T
 #   bash harness/lab/smollm2_gpu.sh lossless     # fp32, 8 gsm8k prompts, every arm: output must equal AR's
+#                                                # (KERNELS=triton: the same on the Triton kernels)
 #
 # DEADLINE (epoch seconds) makes `tables` skip a cell that would not finish in time (CELL_S: the estimate).
 # The tables are the embedded default's own CUDA run (32 prompts, 96 new tokens, one warmup round and two measured
@@ -73,9 +74,12 @@ case "${1:-}" in
     done
     ;;
   lossless)
-    # a warmup round and a measured one: every output of both is compared with AR's
+    # a warmup round and a measured one: every output of both is compared with AR's. --kernels auto takes the torch
+    # ops in fp32; KERNELS=triton runs the same check on the Triton kernels (run id lossless_fp32_triton_gsm8k)
+    k=${KERNELS:-auto}; id=lossless_fp32_gsm8k
+    [[ $k == auto ]] || id=lossless_fp32_${k}_gsm8k
     python3 benchmark_compile_all.py --dtype float32 --max-samples 8 --max-new-tokens 96 --temperature 0 \
-      --fair-interleave 2 --fair-warmup-rounds 1 --results-dir "$RES" --run-id lossless_fp32_gsm8k
+      --fair-interleave 2 --fair-warmup-rounds 1 --kernels "$k" --results-dir "$RES" --run-id "$id"
     ;;
   *)
     sed -n 2,13p "$0"
