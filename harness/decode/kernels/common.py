@@ -82,6 +82,23 @@ def launch_opts(launch: Launch, device: torch.device, rows: int) -> dict:
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 
+@lru_cache(maxsize=None)
+def _shared_bytes(index: int) -> int | None:
+    try:  # Triton's own figure, the one its out-of-resources error names (driver utils, Triton 3.5-3.6)
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except (AttributeError, KeyError, TypeError):
+        return getattr(torch.cuda.get_device_properties(index), "shared_memory_per_block_optin", None)
+
+
+def shared_memory_limit(device: torch.device) -> int | None:
+    """Bytes of shared memory one program may take on `device`; None where there is no such limit (the CPU
+    interpreter) or it cannot be read."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreted() or triton is None:
+        return None
+    return _shared_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def pow2_at_least(n: int, lo: int) -> int:
     p = lo
     while p < n:
