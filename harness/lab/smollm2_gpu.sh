@@ -82,7 +82,7 @@ case "${1:-}" in
       --fair-interleave 2 --fair-warmup-rounds 1 --kernels "$k" --results-dir "$RES" --run-id "$id"
     ;;
   *)
-    sed -n 2,13p "$0"
+    sed -n 2,14p "$0"
     exit 2
     ;;
 esac

@@ -20,6 +20,7 @@ from harness.decode.kernels.common import MAX_ROWS, Launch, after_previous, laun
 from harness.decode.kernels.rows import argmax_reduce, rms_norm, silu_mul
 
 PREFETCH_TILES = 1    # weight tiles a tensor-core program prefetches under PDL
+SHARED_SPARE = 8192   # bytes of shared memory fit_shared leaves free
 
 
 @dataclass(frozen=True)
@@ -146,12 +147,15 @@ def fit_shared(cfg: LinearConfig, block_m: int, block_k: int, elem: int, limit: 
     """(block_k, stages) for a tensor-core launch whose pipelined tiles fit `limit` bytes of shared memory. Triton
     buffers stages - 1 tiles of x [block_m, block_k] and of w [block_n, block_k] (what its out-of-resources error
     reported for an fp32 16-row down_proj on an H200: 3 x (16 + 32) x 512 x 4 = 294912 > 232448). The tiles were
-    chosen for bf16 at up to 16 rows; fp32, or more rows, halves block_k (not below 16), then the stages."""
-    bk, stages = block_k, cfg.stages
+    chosen for bf16 at up to 16 rows; fp32, or more rows, halves block_k (not below 16), then the stages. The count
+    is calibrated on that one case: SHARED_SPARE bytes stay free for what it did not show (epilogue scratch)."""
+    if limit is None:
+        return block_k, cfg.stages
+    bk, stages, room = block_k, cfg.stages, limit - SHARED_SPARE
     need = lambda: max(stages - 1, 1) * (block_m + cfg.block_n) * bk * elem  # noqa: E731
-    while limit is not None and need() > limit and bk > 16:
+    while need() > room and bk > 16:
         bk //= 2
-    while limit is not None and need() > limit and stages > 1:
+    while need() > room and stages > 2:  # one stage buffers as much as two in this count
         stages -= 1
     return bk, stages
 
