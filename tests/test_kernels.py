@@ -83,6 +83,21 @@ def test_tiles_fit_the_shared_memory_they_are_given():
         assert shared_memory_limit(DEV) is None
 
 
+def test_linear_launches_the_fitted_tiles(monkeypatch):
+    """linear hands fit_shared the launch's padded rows, element size and the device's limit, and computes right on
+    the smaller tile it gets back (the interpreter has no limit of its own: one is given here)."""
+    from harness.decode.kernels import matmul
+    seen = []
+    real = matmul.fit_shared
+    monkeypatch.setattr(matmul, "shared_memory_limit", lambda device: 40000)
+    monkeypatch.setattr(matmul, "fit_shared", lambda *a: seen.append((a[1:], real(*a))) or seen[-1][1])
+    w, x = rnd(40, 256, scale=0.1, seed=1), rnd(5, 256, seed=2)
+    torch.testing.assert_close(kernels.linear(x, w), torch.nn.functional.linear(x, w), **tol(torch.float32))
+    assert seen == [((16, 256, 4, 40000), (32, 4))]  # 3 x (16 + 32) x 32 x 4 bytes fit in 40000 - 8192
+    kernels.linear(x[:1], w)  # one row, no tensor cores: nothing to fit
+    assert len(seen) == 1
+
+
 @pytest.mark.skipif(DEV.type != "cuda", reason="the interpreter has no shared-memory limit")
 @pytest.mark.parametrize("m", [16, 64])
 def test_fp32_blocks_at_real_shapes_run(m):
