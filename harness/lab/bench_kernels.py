@@ -18,6 +18,7 @@ import time
 import torch
 
 from harness.decode import kernels
+from harness.decode.kernels.common import shared_memory_limit
 
 AUTO = kernels.Launch(pdl=None)  # PDL where the GPU has it (resolved per call)
 from harness.protocol.presets import PRESETS, hf_config, preset
@@ -95,7 +96,9 @@ def sweep(name: str, rows: list[int], dtype, budget_bytes: int = 1 << 31, full: 
             ms = graph_ms([lambda w=w: torch.nn.functional.linear(xin, w, out=ys) for w in ws]) / copies
             row = {"N": n, "K": k, "rows": m, "weight_MB": wbytes / 1e6, "cublas_ms": ms,
                    "cublas_GBps": wbytes / ms / 1e6, "configs": []}
-            cfgs = grid(m) if full else [kernels.choose_linear(m, n, k)]
+            # what linear picks for this dtype on this device (the measured tiles, fitted to its shared memory)
+            chosen = kernels.choose_linear(m, n, k, torch.finfo(dtype).bits // 8, shared_memory_limit(dev))
+            cfgs = grid(m) if full else [chosen]
             best = None
             for cfg in cfgs:
                 try:
@@ -107,7 +110,6 @@ def sweep(name: str, rows: list[int], dtype, budget_bytes: int = 1 << 31, full: 
                 row["configs"].append({"config": cfg.__dict__, "ms": t, "GBps": wbytes / t / 1e6})
                 if best is None or t < best[1]:
                     best = (cfg, t)
-            chosen = kernels.choose_linear(m, n, k)
             tc = graph_ms([lambda w=w: kernels.linear(x, w, gated=gated, out=ys, launch=AUTO) for w in ws]) / copies
             row.update(best_config=best[0].__dict__, best_ms=best[1], best_GBps=wbytes / best[1] / 1e6,
                        chosen_config=chosen.__dict__, chosen_ms=tc, chosen_GBps=wbytes / tc / 1e6)

@@ -6,12 +6,12 @@ Contract: x [M, K] (or [M, 2K] gate | up with gated=True), w [N, K] row-major, M
 with the rows padded to 16, the norm and the activation as launches of their own (harness.decode.kernels.rows).
 Epilogues: the residual add (rounded as `h + linear(x)` rounds) and each row's argmax (each program its columns'
 best, one reduction launch after). Tiles come from `choose_linear` (a sweep on one H200,
-results/perf/kernels_h200_16gb.json). With PDL, tensor-core programs ask their first weight tile into L2 before
+results/perf/kernels_h200_16gb.json, fitted to the device's shared memory). With PDL, tensor-core programs ask their first weight tile into L2 before
 they wait for the launch before (one tile: the setting results/perf/NOTES.md kept).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,11 +39,21 @@ def _largest_pow2_dividing(k: int, cap: int) -> int:
     return b
 
 
-def choose_linear(m: int, n: int, k: int) -> LinearConfig:
+def choose_linear(m: int, n: int, k: int, elem: int = 2, limit: int | None = None) -> LinearConfig:
+    """The tiles for an [m, k] x [k, n] launch of `elem`-byte values: the measured ones (_measured_tiles), a
+    tensor-core launch's fitted to `limit` bytes of shared memory (fit_shared; None: as measured)."""
+    cfg = _measured_tiles(m, n, k)
+    if not cfg.dot:
+        return cfg
+    block_k, stages = fit_shared(cfg, pow2_at_least(m, 16), cfg.block_k, elem, limit)
+    return replace(cfg, block_k=block_k, stages=stages)
+
+
+def _measured_tiles(m: int, n: int, k: int) -> LinearConfig:
     """Tiles by shape, from the sweep over a whole step's worth of weight copies (16 GB, so that address
-    translation misses are the model's) on one H200: results/perf/kernels_h200_16gb.json. One row: long row reads
-    with the broadcast-multiply kernel for the narrow matrices, tensor-core dots for the wide ones. Several rows:
-    dots, wider tiles for wider outputs."""
+    translation misses are the model's) on one H200, bf16: results/perf/kernels_h200_16gb.json. One row: long row
+    reads with the broadcast-multiply kernel for the narrow matrices, tensor-core dots for the wide ones. Several
+    rows: dots, wider tiles for wider outputs."""
     bk = _largest_pow2_dividing
     if m == 1:
         if k >= 8192:   # down_proj (12288 -> 4096): 3.76 TB/s
@@ -184,7 +194,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         residual = residual.contiguous()  # the epilogue reads whole rows
     if x.shape[1] != (2 * k if gated else k) or w.stride(1) != 1:
         raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w not row-major)")
-    cfg = config or choose_linear(m, n, k)
+    cfg = config or choose_linear(m, n, k, w.element_size(), shared_memory_limit(w.device))
     dot = cfg.dot or m > 1
     if norm is not None and gated:
         raise ValueError("kernels.linear: norm and gated do not combine")
@@ -195,10 +205,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         x, gated = silu_mul(x, launch), False
     y = out if out is not None else torch.empty((m, n), dtype=w.dtype, device=w.device)
     r = residual if residual is not None else y
-    block_k, stages = min(cfg.block_k, pow2_at_least(k, 16)), cfg.stages
-    if dot and config is None:  # an explicit config (the benches' sweep) runs as given
-        block_k, stages = fit_shared(cfg, pow2_at_least(m, 16), block_k, w.element_size(),
-                                     shared_memory_limit(w.device))
+    block_k = min(cfg.block_k, pow2_at_least(k, 16))  # an explicit config (the benches' sweep) runs as given
     grid = (triton.cdiv(n, cfg.block_n),)
     opts = launch_opts(launch, w.device, m)
     line = max(128 // w.element_size(), 1)  # elements per 128-byte line
@@ -214,7 +221,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
                          RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
                          PREC=prec(w.dtype), BLOCK_M=pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n,
                          BLOCK_K=block_k, ARGMAX=argmax, PF_COLS=pf_cols, LINE=line, num_warps=cfg.warps,
-                         num_stages=stages, **opts)
+                         num_stages=cfg.stages, **opts)
     if not argmax:
         return y
     return y, argmax_reduce(pv, pi, launch)
