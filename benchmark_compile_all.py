@@ -13,7 +13,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from harness.errors import cli_exit
+    from core.errors import cli_exit
 
     def work():
         from harness.protocol.flags import parse_args

@@ -13,20 +13,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafters.base import Proposal
+from core.cache import StaticKV
+from core.checkpoints import DRAFTER_IGNORED_KEYS as IGNORED_KEYS
+from core.checkpoints import check_state, read_config, read_tensors, shard_files, tensor_shapes, write_safetensors_dir
+from core.devices import Backend
+from core.errors import UsageError
+from core.ops import Ops, TorchOps, fuse_rows
+from core.protocols import Proposal
 from drafters.layer_kinds import block_spans
 from drafters.rope import cos_sin, inv_frequencies, rope_settings
-from harness.decode.cache import StaticKV
-from harness.decode.ops import Ops, TorchOps, fuse_rows
-from harness.checkpoints import check_state, read_config, read_tensors, shard_files, tensor_shapes, \
-    write_safetensors_dir
-from harness.decode.devices import Backend
-from harness.errors import UsageError
 
 LAYER_KINDS = ("full_attention", "sliding_attention")  # masks: drafters.layer_kinds
 
-# Present in some exports, never used: the drafter borrows the target's embedding and head.
-IGNORED_KEYS = ("embed_tokens.", "lm_head.", "rotary_emb.", "mask_embedding", "t2d", "d2t", "confidence_head.")
 
 
 def default_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
@@ -59,7 +57,7 @@ class DFlashConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "drafter config") -> "DFlashConfig":
-        from refiners.speculators_layout import is_speculators, zlab_config
+        from core.speculators_layout import is_speculators, zlab_config
         if is_speculators(d):  # the speculators/vLLM layout: read as the equivalent z-lab config
             d = zlab_config(d, where)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.decode.ops import Span
+from core.ops import Span
 
 
 def block_spans(config, positions: torch.Tensor, limit: torch.Tensor, length: int) -> dict[str, Span]:

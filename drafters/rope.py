@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 SUPPORTED = ("default", "linear", "llama3")
 
@@ -45,7 +45,7 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
 
 
 def cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, head_dim] tables for absolute positions, in the half-split layout of `harness.decode.cache.rotate`."""
+    """[T, head_dim] tables for absolute positions, in the half-split layout of `core.cache.rotate`."""
     angles = positions.float().unsqueeze(-1) * inv_freq.to(positions.device)
     emb = torch.cat((angles, angles), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 XPRESS, MARKOV = "xpress", "markov"
 KINDS = (XPRESS, MARKOV)

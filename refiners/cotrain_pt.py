@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from refiners.checkpoint import (DEFAULT_MLP_RATIO, DEFAULT_RANK, MARKOV_HEAD_KEYS, XPRESS, XPRESS_DROPPED_KEYS,
                                  XPRESS_EXPECTED_ARGS, RefinerCheckpoint, _check_kind, _detect_kind_from_keys,
                                  _first_line, head_dims)

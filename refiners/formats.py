@@ -23,8 +23,8 @@ import os
 import re
 from pathlib import Path
 
-from harness.checkpoints import check_state, read_config, read_tensors, shard_files, tensor_shapes
-from harness.errors import UsageError
+from core.checkpoints import check_state, read_config, read_tensors, shard_files, tensor_shapes
+from core.errors import UsageError
 from refiners.checkpoint import (  # noqa: F401  (re-exported: the checkpoint vocabulary)
     XPRESS, MARKOV, KINDS, KIND_NAMES, KIND_FLAGS, ENV_VARS, ARCHITECTURES, DEFAULT_HUB_FILENAME,
     SERVING_PATTERNS, XPRESS_HEAD_KEYS, MARKOV_HEAD_KEYS, HEAD_KEYS, XPRESS_ONLY_KEYS, XPRESS_DROPPED_KEYS,
@@ -220,7 +220,7 @@ def validate_against(ckpt: RefinerCheckpoint, vocab_size: int, hidden_size: int,
                      draft_expected_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
     """Compatibility with the run: target vocab, drafter/target hidden, the run's block (xPress), and the co-trained
     drafter's key set and shapes. Every failure is a one-line UsageError."""
-    from drafters.dflash import IGNORED_KEYS
+    from core.checkpoints import DRAFTER_IGNORED_KEYS as IGNORED_KEYS
     where = ckpt.source or "refiner checkpoint"
     dims = head_dims(ckpt.kind, ckpt.head_state, where, ckpt.variant)
     label = f"{ckpt.name} head in {where}"

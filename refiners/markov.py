@@ -20,9 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from drafters.base import Proposal
-from harness.decode.ops import Ops, TorchOps
-from refiners.base import RefineContext
+from core.protocols import Proposal, RefineContext
+from core.ops import Ops, TorchOps
 
 VARIANTS = ("vanilla", "gated", "rnn")
 

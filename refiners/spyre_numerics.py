@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from drafters.base import Proposal
-from refiners.base import RefineContext
+from core.protocols import Proposal, RefineContext
 from refiners.xpress import XPressHead, check_geometry, validate_topc
 
 SCORE_DTYPE = torch.float16

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafters.base import Proposal
-from harness.decode.ops import Ops, TorchOps
-from refiners.base import RefineContext
+from core.protocols import Proposal, RefineContext
+from core.ops import Ops, TorchOps
 
 MAX_TOPC = 1024
 

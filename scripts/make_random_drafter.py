@@ -11,7 +11,7 @@ import os
 import sys
 
 from drafters.dflash import config_for_target, random_dflash, save_dflash
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.decode.loading import load_target_config
 from scripts.random_mark import mark
 

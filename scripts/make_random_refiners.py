@@ -15,16 +15,16 @@ import shutil
 import sys
 from pathlib import Path
 
-from harness.errors import UsageError, cli_exit
+from core.errors import UsageError, cli_exit
 from scripts.random_mark import mark
 
 
 def write_heads(target: str, drafter: str, out: str | Path, rank: int = 64, seed: int = 0,
                 force: bool = False) -> list[Path]:
     from drafters.dflash import read_dflash_config
-    from harness.checkpoints import write_safetensors_dir
+    from core.checkpoints import write_safetensors_dir
     from harness.decode.loading import load_target_config
-    from refiners.convert import serving_config, serving_tensors
+    from scripts.convert_refiner import serving_config, serving_tensors
     from refiners.formats import MARKOV, XPRESS, RefinerCheckpoint
     from refiners.markov import random_markov_head
     from refiners.xpress import random_xpress_head

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from drafters.base import Proposal
+from core.protocols import Proposal
 
 
 class ScriptedDrafter:

@@ -1,4 +1,4 @@
-"""What the kernel tests share: Triton's CPU interpreter where there is no GPU (chosen before harness.decode.kernels
+"""What the kernel tests share: Triton's CPU interpreter where there is no GPU (chosen before core.kernels
 is imported), the skip marks, the device, dtypes, random inputs and the tolerance."""
 import os
 
@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from harness.decode import kernels  # noqa: E402
+from core import kernels  # noqa: E402
 from tolerance import tol as eps_tol  # noqa: E402
 
 

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from harness.decode.devices import Backend
+from core.devices import Backend
 from harness.lab import bench_moe
 from harness.protocol.presets import build_random
 

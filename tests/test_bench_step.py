@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness.lab import bench_step
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.decode.graphs import StepGraphs
 from harness.decode.loop import DecodeSettings, generate
 from harness.decode.timing import StageTimer

@@ -7,7 +7,7 @@ import torch
 from harness.decode import capture_plan, graphs, loop
 from harness.decode.graphs import StepGraphs
 from harness.decode.loop import DecodeSettings, generate
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.protocol.rounds import refuse_captures
 from tiny import CPU32, tiny_drafter, tiny_target
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from kernel_env import DEV, pytestmark, rnd, tol  # noqa: F401  (sets TRITON_INTERPRET first)
-from harness.decode import kernels
-from harness.decode.cache import StaticKV
-from harness.decode.ops import Span, TorchOps, triton_ops
+from core import kernels
+from core.cache import StaticKV
+from core.ops import Span, TorchOps, triton_ops
 
 N_KV, GROUPS, D, CAP = 2, 2, 16, 512
 

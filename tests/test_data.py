@@ -14,7 +14,7 @@ from harness.protocol.data import (HUB_SOURCES, KNOWN_DATASETS, PINNED_REVISIONS
                                    build_turns_aime24, build_turns_aime25, build_turns_gsm8k, build_turns_humaneval,
                                    build_turns_livecodebench, build_turns_math500, build_turns_mbpp,
                                    build_turns_mt_bench, load_samples, subset_rows, validate_dataset_args)
-from harness.errors import UsageError
+from core.errors import UsageError
 
 from eval_files import EVAL_DIR, needs_eval  # noqa: E402
 from data_templates import EXPECTED_ROWS, RAW_FROM_LOCAL, _lcb_raw, _local_turns, _write  # noqa: F401

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 import harness.protocol.data as data_mod
 from harness.protocol.data import (HUB_SOURCES, KNOWN_DATASETS, DatasetSourceError, dataset_provenance, hub_offline,
                                    load_samples, render_prompt, subset_rows)
-from harness.errors import UsageError
+from core.errors import UsageError
 
 from eval_files import EVAL_DIR, needs_eval
 from data_templates import SUFFIX, EXPECTED_ROWS, _lcb_raw, _local_turns, _write  # noqa: F401

@@ -7,7 +7,7 @@ from safetensors.torch import load_file, save_file
 
 from drafters.dflash import (DFlashConfig, DFlashDrafter, check_dflash_checkpoint, default_layer_ids, load_dflash,
                              read_dflash_config, save_dflash)
-from harness.errors import UsageError
+from core.errors import UsageError
 from tiny import CPU32, tiny_drafter, tiny_target
 
 ZLAB_KEYS_LAYER0 = {f"layers.0.{k}.weight" for k in (
@@ -130,7 +130,7 @@ def test_config_parses_transformers5_rope_style():
 
 def test_rotary_frequencies_stay_fp32_in_a_bf16_drafter(saved):
     t, d, path = saved
-    from harness.decode.devices import Backend
+    from core.devices import Backend
     bf16 = Backend(torch.device("cpu"), torch.bfloat16)
     model = load_dflash(path, read_dflash_config(path), bf16)
     assert model.fc.weight.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32
@@ -139,7 +139,7 @@ def test_rotary_frequencies_stay_fp32_in_a_bf16_drafter(saved):
 
 def test_drafter_hub_ids_resolve_or_fail_in_one_line(tmp_path, monkeypatch):
     import huggingface_hub
-    from harness.checkpoints import local_model_dir
+    from core.checkpoints import local_model_dir
     assert local_model_dir(str(tmp_path), "--draft-name-or-path") == str(tmp_path)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: f"/cache/{repo}")
     assert local_model_dir("z-lab/Qwen3-8B-DFlash-b16", "--draft-name-or-path") == "/cache/z-lab/Qwen3-8B-DFlash-b16"

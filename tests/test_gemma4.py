@@ -114,7 +114,7 @@ def test_text_backbone_of_a_multimodal_checkpoint(tmp_path):
 
     from harness.decode.hf_overrides import parse_overrides
     from harness.decode.loading import load_target, load_target_config
-    from harness.errors import UsageError
+    from core.errors import UsageError
     from tiny import tiny_tokenizer
     torch.manual_seed(0)
     text = gemma_hf_model().config

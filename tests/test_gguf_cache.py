@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from harness.decode import gguf_cache
-from harness.decode.devices import Backend
+from core.devices import Backend
 from harness.decode.loading import load_target, load_target_config, load_tokenizer, stop_token_ids
 from harness.protocol.data import render_prompt
 from harness.protocol.setups import REPO

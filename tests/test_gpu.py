@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 
-from harness.decode.devices import Backend
+from core.devices import Backend
 from harness.decode.loop import DecodeSettings, generate
 from tiny import tiny_drafter, tiny_target
 

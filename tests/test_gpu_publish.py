@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from drafters.dflash import DFlashDrafter, config_for_target, random_dflash
-from harness.decode.devices import Backend
+from core.devices import Backend
 from harness.decode.loop import DecodeSettings, generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -29,7 +29,7 @@ def bf16_ulp(z: float) -> float:
 
 @pytest.fixture(scope="module")
 def pair():
-    from harness.decode.ops import make_ops
+    from core.ops import make_ops
     b = Backend(torch.device("cuda"), torch.bfloat16)
     try:
         from harness.protocol.assets import fetch_smollm2_gguf

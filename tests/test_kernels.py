@@ -1,4 +1,4 @@
-"""harness.decode.kernels against the torch ops, kernel by kernel: on CUDA compiled, on CPU through Triton's
+"""core.kernels against the torch ops, kernel by kernel: on CUDA compiled, on CPU through Triton's
 interpreter (skipped where Triton is not installed). tests/test_ops.py runs the models on them."""
 import dataclasses
 import os
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kernel_env import DEV, DTYPES, pytestmark, rnd, tol  # noqa: F401  (sets TRITON_INTERPRET first)
-from harness.decode import kernels  # noqa: E402
-from harness.decode.cache import attend, causal_mask, rotate  # noqa: E402
-from harness.decode.kernels.common import launch_opts  # noqa: E402
+from core import kernels  # noqa: E402
+from core.cache import attend, causal_mask, rotate  # noqa: E402
+from core.kernels.common import launch_opts  # noqa: E402
 
 
 def _numpy_breaks_interpreter() -> bool:
@@ -56,8 +56,8 @@ def test_linear_one_row_without_dot_and_bad_shapes():
 def test_tiles_fit_the_shared_memory_they_are_given():
     """The tiles were chosen for bf16 at up to 16 rows. fp32 (or more rows) must not ask for more shared memory
     than the device has: an fp32 16-row down_proj at SmolLM2-135M's shapes asked an H200 for 294912 bytes."""
-    from harness.decode.kernels.common import pow2_at_least, shared_memory_limit
-    from harness.decode.kernels.matmul import SHARED_SPARE, fit_shared
+    from core.kernels.common import pow2_at_least, shared_memory_limit
+    from core.kernels.matmul import SHARED_SPARE, fit_shared
     h200, small = 232448, 101376  # an H200's per-program limit; an sm_86/89 card's
     cfg = kernels.choose_linear(16, 576, 1536)
     assert fit_shared(cfg, 16, 512, 4, h200) == (256, cfg.stages)  # fp32: block_k halved
@@ -86,7 +86,7 @@ def test_tiles_fit_the_shared_memory_they_are_given():
 def test_linear_launches_the_fitted_tiles(monkeypatch):
     """linear hands fit_shared the launch's padded rows, element size and the device's limit, and computes right on
     the smaller tile it gets back (the interpreter has no limit of its own: one is given here)."""
-    from harness.decode.kernels import matmul
+    from core.kernels import matmul
     seen = []
     real = matmul.fit_shared
     monkeypatch.setattr(matmul, "shared_memory_limit", lambda device: 40000)
@@ -145,7 +145,7 @@ def test_linear_argmax_matches_torch_with_ties(dtype, m, n, cfg):
 
 
 def torch_attention(qkv, qn, kn, eps, cos, sin, positions, kc, vc, n_q, scale):
-    """The torch path's steps (harness.decode.target / harness.decode.cache), on one layer's cache slice."""
+    """The torch path's steps (harness.decode.target / core.cache), on one layer's cache slice."""
     t, n_kv, d = qkv.shape[0], kc.shape[0], kc.shape[-1]
     q, k, v = qkv.split([n_q * d, n_kv * d, n_kv * d], dim=-1)
     q, k, v = q.view(t, n_q, d), k.view(t, n_kv, d), v.view(t, n_kv, d)

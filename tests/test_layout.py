@@ -1,10 +1,11 @@
-"""The shape of the code base (docs/DESIGN.md): no import cycle, no file over 400 lines, algorithms free of
-backend checks, the decode core free of algorithms."""
+"""The shape of the code base (docs/DESIGN.md): packages in layers (core <- drafters, refiners <- harness.decode <-
+harness.protocol <- harness.lab <- scripts <- training; nothing imports training), no import cycle, no file over
+400 lines, algorithms free of backend checks."""
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("harness", "drafters", "refiners", "training")
+PACKAGES = ("core", "harness", "drafters", "refiners", "training", "scripts")
 SKIP = {".git", ".venv", "venv", "__pycache__", "node_modules", "shared"}
 MAX_LINES = 400
 
@@ -109,7 +110,7 @@ def backend_checks(p: Path) -> list[str]:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             found += [f"{p.name}:{node.lineno} imports {m}" for m in mods
-                      if m.startswith(("triton", "harness.decode.kernels", "harness.decode.ops.triton_impl"))]
+                      if m.startswith(("triton", "core.kernels", "core.ops.triton_impl"))]
     return found
 
 
@@ -126,14 +127,59 @@ def test_algorithm_modules_contain_no_backend_checks():
     assert [c for p in ALGORITHMS for c in backend_checks(p)] == []
 
 
-def test_the_decode_core_knows_no_algorithm():
-    """harness/decode imports only the Drafter/Refiner protocols and the identity refiner (the drafter-only
-    arm): algorithms are named in harness/protocol (build.py, presets.py)."""
+# The layers, bottom first: a module imports its own package and the layers below it, never one above.
+LAYERS = (("core",), ("drafters", "refiners"), ("harness.decode",), ("harness.protocol",), ("harness.lab",),
+          ("scripts",), ("training",))
+ALGORITHMS_MODULE = "harness.protocol.algorithms"  # the one module of harness/ that names algorithms
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, package) of a project module (the empty package `harness` itself sits under its layers)."""
+    if module == "harness":
+        return 2, "harness.decode"
+    for i, packages in enumerate(LAYERS):
+        for pkg in packages:
+            if module == pkg or module.startswith(pkg + "."):
+                return i, pkg
+    raise AssertionError(f"{module} is in no layer of tests/test_layout.py's LAYERS")
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for m, deps in sorted(graph.items()):
+        lm, pm = layer_of(m)
+        for d in sorted(deps):
+            ld, pd = layer_of(d)
+            if pd == pm:
+                continue
+            if ld > lm or (ld == lm and pd != pm):
+                bad.append(f"{m} imports {d} (layer {pd} is not below {pm})")
+            elif pd in ("drafters", "refiners") and m.startswith("harness.") and m != ALGORITHMS_MODULE:
+                bad.append(f"{m} imports the algorithm {d}; harness/ takes algorithms from {ALGORITHMS_MODULE}")
+    return bad
+
+
+def test_layer_checker_sees_an_upward_and_a_sideways_import():
+    graph = {"core.cache": {"harness.decode.loop"}, "drafters.dflash": {"refiners.xpress"},
+             "harness.decode.loop": {"drafters.dflash", "core.cache"}, "harness.protocol.algorithms": {"refiners.x"},
+             "refiners.x": set(), "refiners.xpress": set(), "training.a": {"harness.lab.b"}, "harness.lab.b": set()}
+    assert layer_violations(graph) == [
+        "core.cache imports harness.decode.loop (layer harness.decode is not below core)",
+        "drafters.dflash imports refiners.xpress (layer refiners is not below drafters)",
+        "harness.decode.loop imports the algorithm drafters.dflash; harness/ takes algorithms from "
+        "harness.protocol.algorithms"]
+
+
+def test_packages_import_in_layers():
     mods = project_modules()
-    allowed = {"drafters.base", "refiners.base", "refiners.identity"}
-    bad = {m: sorted(i for i in imports(p, set(mods)) if i.startswith(("drafters", "refiners")) and i not in allowed)
-           for m, p in mods.items() if m.startswith("harness.decode")}
-    assert {m: v for m, v in bad.items() if v} == {}
+    graph = {m: imports(p, set(mods)) for m, p in mods.items()}
+    assert layer_violations(graph) == []
+
+
+def test_nothing_outside_training_imports_training():
+    mods = project_modules()
+    for top in ("benchmark_compile_all.py",):
+        assert not any(i.startswith("training") for i in imports(ROOT / top, set(mods)))
 
 
 def test_the_gpu_check_runs_the_kernel_tests_on_cuda_too():

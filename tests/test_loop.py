@@ -257,7 +257,7 @@ def test_bf16_on_cpu_runs_both_arms():
     """--dtype bfloat16 --device cpu: the loop runs; near-ties between 1- and B-token forwards may change a token,
     so only the shape of the result is asserted here (fp32 equality is tested above)."""
     import torch as th
-    from harness.decode.devices import Backend
+    from core.devices import Backend
     b = Backend(th.device("cpu"), th.bfloat16)
     t = tiny_target("qwen3", backend=b)
     d = tiny_drafter(t, block=4, backend=b)

@@ -2,9 +2,8 @@
 import pytest
 import torch
 
-from drafters.base import Proposal
+from core.protocols import Proposal, RefineContext
 from harness.decode.loop import DecodeSettings, generate
-from refiners.base import RefineContext
 from refiners.markov import VARIANTS, MarkovHead, MarkovRefiner, markov_head_from_state, random_markov_head
 from tiny import CPU32, VOCAB, tiny_drafter, tiny_target
 from tolerance import assert_close
@@ -63,7 +62,7 @@ def test_each_variant_equals_the_loop_by_hand(variant):
         assert torch.equal(out.tokens, tokens), seed
         assert_close(out.logits, rows, steps=2)
         assert torch.equal(out.logits.argmax(-1), out.tokens)  # q is the distribution each token came from
-        assert torch.equal(out.seed, p.tokens) and out.hidden is p.hidden
+        assert torch.equal(out.drafted, p.tokens) and out.hidden is p.hidden
         changed += int((out.tokens != p.tokens).sum())
     assert changed > 0, "the head never changed a token: the test would prove nothing"
 
@@ -142,7 +141,7 @@ def test_greedy_markov_is_lossless():
     refs = [generate(t, pr, s, CPU32).tokens for pr in prompts(6)]
     for variant in VARIANTS:
         seen = []
-        log = lambda st: seen.append(bool((st["proposal"].tokens != st["proposal"].seed).any())) \
+        log = lambda st: seen.append(bool((st["proposal"].tokens != st["proposal"].drafted).any())) \
             if st["proposal"] is not None else None
         ref = MarkovRefiner(random_markov_head(variant, VOCAB, 64, 16, seed=5, std=0.5))
         for i, pr in enumerate(prompts(6)):

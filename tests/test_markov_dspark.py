@@ -5,7 +5,7 @@ import argparse
 import pytest
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from refiner_fixtures import H, R, V, base_dir, drafter, save_pt, write_serving  # noqa: F401
 from refiners.formats import load_refiner_checkpoint, validate_against
 from refiners.markov import markov_head_from_state

@@ -1,17 +1,16 @@
-"""The models on the Triton ops against the torch ops (harness.decode.ops): target, drafter, refiners, whole
+"""The models on the Triton ops against the torch ops (core.ops): target, drafter, refiners, whole
 generations, the fallbacks, and the split-attention counters each cache owns. CPU through Triton's interpreter."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernel_env import DEV, pytestmark, tol  # noqa: F401  (sets TRITON_INTERPRET first)
-from drafters.base import Proposal
-from harness.decode import kernels
-from harness.decode.devices import Backend
+from core.protocols import Proposal, RefineContext
+from core import kernels
+from core.devices import Backend
 from harness.decode.loop import DecodeSettings, generate
-from harness.decode.ops import TorchOps, make_ops, triton_ops
-from harness.errors import UsageError
-from refiners.base import RefineContext
+from core.ops import TorchOps, make_ops, triton_ops
+from core.errors import UsageError
 from refiners.markov import MarkovRefiner, random_markov_head
 from refiners.xpress import XPressRefiner, random_xpress_head
 from tiny import tiny_config, tiny_drafter, tiny_target
@@ -133,7 +132,7 @@ def test_decoder_layer_launch_budget(monkeypatch, family):
 
 
 def test_decode_sized_calls_the_kernels_cannot_take_are_counted():
-    from harness.decode.ops.triton_impl import fallback_note
+    from core.ops.triton_impl import fallback_note
     ops = triton_ops(DEV)
     g = torch.Generator().manual_seed(0)
     x, w = (torch.randn(*s, generator=g).to(DEV) for s in ((2, 16), (8, 16)))

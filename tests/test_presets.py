@@ -3,8 +3,8 @@ on the meta device (no memory)."""
 import pytest
 import torch
 
-from harness.decode.devices import Backend
-from harness.errors import UsageError
+from core.devices import Backend
+from core.errors import UsageError
 from harness.decode.loop import DecodeSettings, generate
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random
 

@@ -198,7 +198,7 @@ def test_kernels_auto_keeps_torch_ops_for_reference_numerics(monkeypatch, extra,
 
     import torch
 
-    from harness.decode import kernels
+    from core import kernels
     from harness.protocol import runner
     from harness.protocol.config import RunConfig
     from tiny import tiny_config
@@ -214,7 +214,7 @@ def test_a_run_reports_the_calls_its_kernels_handed_to_torch_ops(files, tmp_path
     table and kept in summary.json, never silent."""
     from collections import Counter
 
-    from harness.decode.ops import TorchOps
+    from core.ops import TorchOps
 
     class Leaky(TorchOps):  # stands in for TritonOps after some calls fell back
         fallbacks = Counter({("linear", "a bias"): 3})
@@ -237,7 +237,7 @@ def test_a_run_reports_the_calls_its_kernels_handed_to_torch_ops(files, tmp_path
 
 def test_one_ops_object_reaches_target_drafter_and_every_refiner():
     """The ops chosen once are the ones every model of the run holds (construction-time injection)."""
-    from harness.decode.ops import TorchOps
+    from core.ops import TorchOps
     from harness.protocol.presets import build_random
     from tiny import CPU32
     ops = TorchOps()

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.protocol import rank_report
 from harness.protocol.flags import parse_args
 from harness.protocol.distributed import Shard, from_env

@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import refiners.convert as convert
+import scripts.convert_refiner as convert
 from drafters.dflash import IGNORED_KEYS
-from harness.errors import UsageError
+from core.errors import UsageError
 from refiners.formats import RefinerCheckpoint, load_refiner_checkpoint, validate_against
 from refiner_fixtures import (B, H, M, R, V, TaggedDict, assert_same_tensors, base_dir, drafter, listing,
                               markov_head, one_line, save_pt, write_serving, xpress_args, xpress_head)

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-import refiners.convert as convert
-from harness.errors import UsageError
+import scripts.convert_refiner as convert
+from core.errors import UsageError
 from refiners.formats import resolve_refiner_path
 from refiner_fixtures import ROOT, V, base_dir, drafter, listing, one_line, save_pt, xpress_args, xpress_head
 
@@ -113,7 +113,7 @@ def test_converter_refuses_existing_output_and_leaves_nothing_on_failure(tmp_pat
     assert listing(tmp_path) == before
 
     # A failure in the middle of writing removes the partial output.
-    import harness.checkpoints as hc
+    import core.checkpoints as hc
     real = hc.write_safetensors_dir
 
     def half_then_fail(directory, config, tensors):
@@ -141,7 +141,7 @@ def test_converter_refuses_existing_output_and_leaves_nothing_on_failure(tmp_pat
 def test_cli_subprocess_exit_code_and_no_traceback(tmp_path, drafter, base_dir):
     pt = save_pt(tmp_path / "in.pt", drafter, args=xpress_args(no_mixer=True))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "refiners.convert", "pt-to-serving", "--ckpt", str(pt),
+    proc = subprocess.run([sys.executable, "-m", "scripts.convert_refiner", "pt-to-serving", "--ckpt", str(pt),
                            "--base-config", str(base_dir), "--out", str(tmp_path / "out")],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.protocol import report, results_io, tables
-from harness.errors import UsageError
+from core.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = [100, 10, 50]  # decode tokens of prompts q0, q1, q2 (greedy: the same for both arms)

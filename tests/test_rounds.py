@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.protocol.rounds import default_rounds, paired_ratios, rotation, validate_rounds
 
 ARMS = ["AR", "drafter-only", "Markov", "xPress(K=4)", "xPress(K=6)"]

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import benchmark_compile_all as cli
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.protocol import spyre_contract as sc
 from harness.protocol.flags import parse_args
 from refiners.formats import RefinerCheckpoint
@@ -70,8 +70,8 @@ def test_missing_torch_spyre_names_the_package_and_its_source(files, capsys, mon
 
 
 def test_torch_spyre_is_imported_only_for_spyre():
-    from harness.decode.devices import resolve_backend
-    from harness.decode.spyre import spyre_backend
+    from core.devices import resolve_backend
+    from core.spyre import spyre_backend
     asked = []
     with pytest.raises(UsageError, match="did not register"):
         spyre_backend("spyre", None, importer=lambda name: asked.append(name))  # imports, but no device type

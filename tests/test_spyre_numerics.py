@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import benchmark_compile_all as cli
-from refiners.base import RefineContext
+from core.protocols import Proposal, RefineContext
 from refiners.spyre_numerics import SpyreXPressRefiner, candidate_order, first_best
 from refiners.xpress import XPressRefiner, random_xpress_head
-from drafters.base import Proposal
 from test_xpress import B, V, case
 
 pytestmark = pytest.mark.usefixtures("one_thread")

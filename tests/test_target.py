@@ -49,7 +49,7 @@ def test_ar_loop_matches_hf_generate(family):
 
 def test_unsupported_family_is_refused():
     from transformers import GPT2Config
-    from harness.errors import UsageError
+    from core.errors import UsageError
     from harness.decode.loading import check_family
     with pytest.raises(UsageError, match="not supported"):
         check_family(GPT2Config())
@@ -89,8 +89,8 @@ def test_fused_layers_with_another_activation_match_hf(act):
 
 def test_the_torch_ops_apply_an_activation_by_its_config_name():
     from transformers.activations import ACT2FN
-    from harness.decode.ops import TorchOps
-    from harness.errors import UsageError
+    from core.ops import TorchOps
+    from core.errors import UsageError
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(3, 16, generator=g), torch.randn(5, 8, generator=g)
     gate, up = x.chunk(2, dim=-1)
@@ -104,8 +104,8 @@ def test_the_torch_ops_apply_an_activation_by_its_config_name():
 def test_a_trained_activation_keeps_its_weights():
     """prelu carries a trained weight that a name cannot: such a layer is not fused, so HF's module (with the
     checkpoint's weight) runs it, and asking the ops for it by name is refused."""
-    from harness.decode.ops import TorchOps
-    from harness.errors import UsageError
+    from core.ops import TorchOps
+    from core.errors import UsageError
     t = tiny_target("llama", hidden_act="prelu")
     with torch.no_grad():
         for layer in t.layers:

@@ -4,9 +4,8 @@ import copy
 import pytest
 import torch
 
-from drafters.base import Proposal
+from core.protocols import Proposal, RefineContext
 from harness.decode.loop import DecodeSettings, generate
-from refiners.base import RefineContext
 from refiners.xpress import (MAX_TOPC, XPressHead, XPressRefiner, random_xpress_head, sequential_decode, shortlist,
                              xpress_head_from_state)
 from tiny import CPU32, VOCAB, tiny_drafter, tiny_target
@@ -68,7 +67,7 @@ def test_each_pass_feeds_the_previous_pass_tokens():
     out = refine(head, p, ctx, 3)
     assert torch.equal(out.tokens, t)
     assert_close(out.logits, refined, steps=4)
-    assert torch.equal(out.seed, p.tokens)
+    assert torch.equal(out.drafted, p.tokens)
 
 
 def test_hoisted_pass_equals_the_training_form():
@@ -316,7 +315,7 @@ def changed_log():
     seen = []
     def log(step):
         if step["proposal"] is not None:
-            seen.append(bool((step["proposal"].tokens != step["proposal"].seed).any()))
+            seen.append(bool((step["proposal"].tokens != step["proposal"].drafted).any()))
     return seen, log
 
 

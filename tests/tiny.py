@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from drafters.dflash import DFlashDrafter, config_for_target, random_dflash
-from harness.decode.devices import Backend
+from core.devices import Backend
 from harness.decode.target import Target
 
 CPU32 = Backend(torch.device("cpu"), torch.float32)

@@ -66,7 +66,7 @@ def harness_from_export(target_dir: Path, export_dir: Path):
     """(backend, harness Target, DFlashDrafter) from a target directory and an export stage's output, on CPU fp32."""
     import torch
     from drafters.dflash import DFlashDrafter, load_dflash, read_dflash_config
-    from harness.decode.devices import Backend
+    from core.devices import Backend
     from harness.decode.loading import load_target
     backend = Backend(torch.device("cpu"), torch.float32)
     dcfg = read_dflash_config(export_dir / "drafter")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.errors import cli_exit
+from core.errors import cli_exit
 
 STAGES = ("prompts", "responses", "hidden", "train", "export")
 

@@ -9,12 +9,12 @@ import json
 import torch
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel
-from harness.decode.devices import Backend
+from core.devices import Backend
 from harness.decode.loop import DecodeSettings, generate
 from harness.decode.target import Target
 from harness.protocol.metrics import tau_per_step
 from refiners.markov import MarkovRefiner, markov_head_from_state
-from refiners.speculators_layout import split_tensors, zlab_config
+from core.speculators_layout import split_tensors, zlab_config
 from refiners.xpress import XPressRefiner, xpress_head_from_state
 
 

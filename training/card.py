@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness.errors import UsageError, cli_exit
+from core.errors import UsageError, cli_exit
 
 WINDOW = 25
 

@@ -11,7 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -1,6 +1,6 @@
 """Stage 5, export: the trained checkpoints in the speculators layout the harness loads as they are, in bf16,
 sharded into files under `export.max_shard_mib` (with model.safetensors.index.json when there is more than one),
-and each refiner also as the co-training .pt the reference harness reads (refiners.convert.cotrain_dict).
+and each refiner also as the co-training .pt the reference harness reads (scripts.convert_refiner.cotrain_dict).
 
 A head trained on a frozen drafter (`freeze_backbone`) ships its head tensors only: its backbone is bit-identical
 to the drafter it was initialised from, which ships once; the harness then runs every arm on that drafter.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from training.store import staged, write_json
 from training.train import final_dir
 
@@ -70,8 +70,8 @@ def write_dir(d: Path, config: dict, tensors: dict, limit_bytes: int) -> None:
 
 def cotrain_pt(d: Path, drafter_dir: Path | None, out: Path) -> None:
     """The reference harness's co-training checkpoint of one exported refiner directory."""
-    from harness.checkpoints import read_tensors, shard_files
-    from refiners.convert import cotrain_dict
+    from core.checkpoints import read_tensors, shard_files
+    from scripts.convert_refiner import cotrain_dict
     from refiners.formats import load_refiner_checkpoint
     ck = load_refiner_checkpoint(d, None)
     if ck.draft_state is None and drafter_dir is not None:

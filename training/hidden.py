@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from training.config import fingerprint
 from training.responses import out_dir as responses_dir
 from training.responses import read_rows

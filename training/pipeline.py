@@ -36,7 +36,7 @@ class Pipeline:
                 train.check_resume(self.cfg, n)
 
     def held_out(self):
-        from harness.decode.devices import Backend
+        from core.devices import Backend
         from training.acceptance import HeldOut
         from training.gen import stop_ids
         from training.responses import chat_ids

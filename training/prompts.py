@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from training.config import REPO_ROOT, fingerprint
 from training.overlap import NgramIndex, eval_index, prompt_texts, read_jsonl
 from training.store import is_done, staged, write_json, write_jsonl

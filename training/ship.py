@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from harness.errors import UsageError, cli_exit
+from core.errors import UsageError, cli_exit
 from training.store import staged, write_json
 
 FILE_LIMIT = 16 * 2**20

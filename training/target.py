@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 SMOLLM2 = "smollm2"
 

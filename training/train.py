@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from training.config import model_fingerprint, train_order
 from training.hidden import out_dir as hidden_dir
 from training.store import read_manifest, write_json

@@ -1,6 +1,6 @@
 """--compile-all: torch.compile where it still helps, its cost reported, and recompiles after warmup refused.
 
-With the target's and the drafter's layers on harness.decode.kernels, the stages left as chains of small torch ops are
+With the target's and the drafter's layers on core.kernels, the stages left as chains of small torch ops are
 the refinements (xPress's latent and scoring passes, the Markov head's sequential steps). Measured inside the
 H200 step graph (results/perf/h200_qwen3-8b_compiled.md), compiling cut xPress K=6 from 0.92 to 0.61 ms and made
 the Markov head slower (0.56 -> 0.97 ms), so --compile-all compiles refiners that do not declare

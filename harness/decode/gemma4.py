@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from harness.decode.cache import StaticKV, attend, causal_mask, rotate
-from harness.decode.ops import TorchOps
+from core.cache import StaticKV, attend, causal_mask, rotate
+from core.ops import TorchOps
 from harness.decode.target import Target
-from harness.decode.windows import window_mask
-from harness.errors import UsageError
+from core.windows import window_mask
+from core.errors import UsageError
 
 FAMILY = "gemma4_text"
 

@@ -62,6 +62,17 @@ def _sha256(gguf: Path) -> str:
     return _SHA[key]
 
 
+CACHE_ENV = "XPRESS_BENCH_CACHE"
+DEFAULT_CACHE_DIR = Path("~/.cache/xpress-bench")
+
+
+def default_cache_dir() -> Path:
+    """``$XPRESS_BENCH_CACHE`` if set and non-empty, else ``~/.cache/xpress-bench`` (fetched assets and converted
+    GGUF directories)."""
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else DEFAULT_CACHE_DIR.expanduser()
+
+
 def source(gguf: Path) -> dict:
     """What the converted directory was made from: the file's content (sha256; a file rewritten with the same size
     and mtime is another file) and the library versions; any change makes another directory."""
@@ -71,7 +82,6 @@ def source(gguf: Path) -> dict:
 
 def directory_for(gguf: Path, src: dict | None = None) -> Path:
     """The converted directory's path for `gguf` (src: its `source`, when the caller has it already)."""
-    from harness.protocol.assets import default_cache_dir
     key = hashlib.sha256(json.dumps(src or source(gguf), sort_keys=True).encode()).hexdigest()[:16]
     return default_cache_dir() / "hf" / f"{gguf.stem}-{key}"
 

@@ -21,9 +21,8 @@ from typing import Callable
 
 import torch
 
-from drafters.base import Proposal
-from harness.errors import UsageError
-from refiners.base import RefineContext
+from core.protocols import Proposal, RefineContext
+from core.errors import UsageError
 
 
 def refine_tensors(refiner, sampler=None) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 # text architecture -> the prefix of its tensors inside the multimodal checkpoint
 TEXT_BACKBONES = {"Gemma4ForCausalLM": "model.language_model."}

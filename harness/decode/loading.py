@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 
-from harness.decode.devices import Backend
+from core.devices import Backend
 from harness.decode.gemma4 import FAMILY as GEMMA4, Gemma4Target, check_gemma4
 from harness.decode.hf_overrides import apply_overrides, load_kwargs, multimodal_hint
-from harness.decode.ops import Ops
+from core.ops import Ops
 from harness.decode.target import PLAIN_FAMILIES, Target, check_plain_family
-from harness.errors import UsageError
+from core.errors import UsageError
 
 SUPPORTED_FAMILIES = PLAIN_FAMILIES + (GEMMA4,)
 
@@ -74,7 +74,7 @@ def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[in
                 attn_impl: str = "sdpa", tokenizer=None, overrides: dict | None = None, ops: Ops | None = None):
     """Returns (Target, tokenizer). `spec` is a hub id, a local directory or a local .gguf file; `overrides`:
     --hf-overrides (the config is read and overridden first, then the weights load into it); `ops`: the decode
-    math (harness.decode.ops, default torch ops)."""
+    math (core.ops, default torch ops)."""
     from transformers import AutoModelForCausalLM
     tokenizer = tokenizer or load_tokenizer(spec)
     path, extra = load_path(spec, convert=True)

@@ -21,14 +21,12 @@ from typing import Callable
 
 import torch
 
-from drafters.base import Drafter, Proposal
+from core.protocols import Drafter, IdentityRefiner, Proposal, RefineContext, Refiner
 from harness.decode.accounting import REFERENCE, STANDARD, Accounting, accounting_for
-from harness.decode.devices import Backend
-from harness.errors import UsageError
+from core.devices import Backend
+from core.errors import UsageError
 from harness.decode.sampling import DraftSampler, SamplingParams, sample_rows
 from harness.decode.verify import exact_match, rejection
-from refiners.base import RefineContext, Refiner
-from refiners.identity import IdentityRefiner
 
 
 @dataclass(frozen=True)

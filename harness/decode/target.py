@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from harness.decode.cache import StaticKV
-from harness.decode.devices import Backend
-from harness.decode.ops import Ops, Span, TorchOps, eps_of, fuse_rows
-from harness.decode.ops.torch_impl import trained
-from harness.errors import UsageError
+from core.cache import StaticKV
+from core.devices import Backend
+from core.ops import Ops, Span, TorchOps, eps_of, fuse_rows
+from core.ops.torch_impl import trained
+from core.errors import UsageError
 
 PLAIN_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")  # what this layer loop runs (Gemma 4: harness.decode.gemma4)
 
@@ -31,7 +31,7 @@ def check_plain_family(config) -> None:
 class Target:
     """prefill / verify / commit / reset over a static cache; `pos` is the committed length, on the device.
 
-    `ops` (harness.decode.ops, default torch ops) runs the decode math: decode steps (AR steps and verify blocks
+    `ops` (core.ops, default torch ops) runs the decode math: decode steps (AR steps and verify blocks
     within the ops' limits) on them, the prompt on the ops' prefill choice."""
 
     def __init__(self, model, backend: Backend, capacity: int, taps: tuple[int, ...] = (), attn_impl: str = "sdpa",

@@ -4,12 +4,12 @@ what fusing them away could save. Random weights / scripted acceptance; CUDA onl
 
     PYTHONPATH=. python harness/lab/ablate_launches.py
 
-The ablations are Ops subclasses (harness.decode.ops): the models run whatever ops they are given. Its numbers in
+The ablations are Ops subclasses (core.ops): the models run whatever ops they are given. Its numbers in
 NOTES.md were measured at f0e3d68, when PDL also applied to one-row launches."""
-from harness.decode.devices import resolve_backend
-from harness.decode.kernels import Launch
+from core.devices import resolve_backend
+from core.kernels import Launch
 from harness.decode.loop import DecodeSettings
-from harness.decode.ops.triton_impl import TritonOps
+from core.ops.triton_impl import TritonOps
 from harness.decode.timing import StageTimer
 from harness.lab.bench_step import _gen, _prompt
 from harness.protocol.presets import build_random

@@ -1,10 +1,10 @@
 """Weight-streaming rate of the skinny matmuls: python -m harness.lab.bench_kernels --preset qwen3-8b
 
 For each weight shape of a preset's target layer and lm_head, at 1 row (an AR step) and at the verify width,
-times cuBLAS (torch.nn.functional.linear) and harness.decode.kernels.linear over a grid of tile configurations, each
+times cuBLAS (torch.nn.functional.linear) and core.kernels.linear over a grid of tile configurations, each
 as a CUDA graph of calls over enough weight copies that nothing is served from L2. Reports GB/s of weight bytes
 against two ceilings measured in the same run: the device-to-device copy (read + write bytes) and a read-only
-reduction (torch.sum). The best configurations feed harness.decode.kernels.choose_linear.
+reduction (torch.sum). The best configurations feed core.kernels.choose_linear.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from harness.decode import kernels
-from harness.decode.kernels.common import shared_memory_limit
+from core import kernels
+from core.kernels.common import shared_memory_limit
 
 AUTO = kernels.Launch(pdl=None)  # PDL where the GPU has it (resolved per call)
 from harness.protocol.presets import PRESETS, hf_config, preset

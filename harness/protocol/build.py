@@ -11,21 +11,21 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
-from drafters.dflash import DFlashConfig, DFlashDrafter, check_dflash_checkpoint, load_dflash, read_dflash_config
-from harness.checkpoints import local_model_dir
+from harness.protocol.algorithms import (DFlashConfig, DFlashDrafter, ENV_VARS, MARKOV, MarkovRefiner,
+                                         RefinerCheckpoint, SpyreXPressRefiner, XPRESS, XPressRefiner,
+                                         check_dflash_checkpoint, load_dflash, load_refiner_checkpoint,
+                                         markov_head_from_state, read_dflash_config, resolve_refiner_path,
+                                         validate_against, validate_topc, xpress_head_from_state)
+from core.checkpoints import local_model_dir
 from harness.protocol.config import RunConfig
 from harness.protocol.data import validate_dataset_args
-from harness.decode.devices import Backend, resolve_backend
-from harness.errors import UsageError
+from core.devices import Backend, resolve_backend
+from core.errors import UsageError
 from harness.decode.graphs import CompiledRefiner
 from harness.protocol.rounds import default_rounds, validate_rounds
 from harness.decode.hf_overrides import parse_overrides
 from harness.decode.loading import load_target_config
 from harness.protocol.spyre_contract import check_models, is_spyre
-from refiners.formats import (ENV_VARS, MARKOV, XPRESS, RefinerCheckpoint, load_refiner_checkpoint,
-                              resolve_refiner_path, validate_against)
-from refiners.markov import MarkovRefiner, markov_head_from_state
-from refiners.xpress import XPressRefiner, validate_topc, xpress_head_from_state
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,6 @@ def build_random_arms(cfg: RunConfig, prep: Prepared, models, watch=None) -> lis
 
 def _spyre_refiner(head, k: int, cfg: RunConfig):
     """--refine-numerics spyre: the xPress refinement as the Spyre card runs it (refiners.spyre_numerics)."""
-    from refiners.spyre_numerics import SpyreXPressRefiner
     return SpyreXPressRefiner(head, k, topc=cfg.xpress_topc, prev_anchor=cfg.xpress_prev_anchor)
 
 

@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -129,8 +129,8 @@ def validate(c: RunConfig) -> None:
     if c.refine_numerics == "spyre" and c.xpress_topc == 0 and not is_spyre(c.device):
         raise UsageError("--refine-numerics spyre scores a shortlist; pass --xpress-topc 1..1024 (Spyre uses 512)")
     if c.kernels == "triton":
-        from harness.decode import kernels
-        if not kernels.available():
+        from core.ops import triton_installed
+        if not triton_installed():
             raise UsageError("--kernels triton: Triton is not installed; install triton or use --kernels torch")
         if c.device is not None and not c.device.startswith("cuda"):
             raise UsageError(f"--kernels triton runs on CUDA only, not --device {c.device}; use --kernels torch")

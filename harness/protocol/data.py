@@ -18,7 +18,7 @@ from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 # The reference's protocol datasets (REFERENCE.md section 8); only these are known without --data-dir.
 KNOWN_DATASETS: tuple[str, ...] = (

@@ -28,7 +28,7 @@ import json
 import os
 from datetime import timedelta
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # The final gather waits for the slowest rank: shards of a long benchmark may finish hours apart. A rank that dies

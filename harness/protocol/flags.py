@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.protocol.config import RunConfig, validate
 
 # The reference's protocol datasets (kept equal to harness.protocol.data.KNOWN_DATASETS by a test; data imports
@@ -148,7 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="capture every decode step (draft, refine, verify, accept) as one CUDA graph per arm, width and 256-slot "
            "KV bucket, replayed with one host read per step")
     u("--kernels", choices=("auto", "triton", "torch"), default="auto",
-      help="decode steps on harness.decode.kernels' Triton kernels (triton) or torch ops; auto: triton on CUDA in "
+      help="decode steps on core.kernels' Triton kernels (triton) or torch ops; auto: triton on CUDA in "
            "bf16/fp16 where Triton is installed and the target fits")
     u("--compile-refiner", action="store_true", help="torch.compile the refinement step")
     u("--compile-all", action="store_true",

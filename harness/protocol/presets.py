@@ -14,15 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel, config_for_target
-from drafters.rope import inv_frequencies
-from harness.decode.devices import Backend
-from harness.decode.ops import Ops, TorchOps
-from harness.errors import UsageError
+from harness.protocol.algorithms import (DFlashConfig, DFlashDrafter, DFlashModel, MarkovHead, MarkovRefiner,
+                                         XPressHead, XPressRefiner, config_for_target, inv_frequencies)
+from core.devices import Backend
+from core.ops import Ops, TorchOps
+from core.errors import UsageError
 from harness.decode.loading import make_target
 from harness.decode.target import Target
-from refiners.markov import MarkovHead, MarkovRefiner
-from refiners.xpress import XPressHead, XPressRefiner
 
 RANDOM_LABEL = "random weights / scripted acceptance"
 
@@ -138,7 +136,7 @@ class RandomModels:
     markov_head: MarkovHead
     label: str = RANDOM_LABEL
     refiners: dict = field(default_factory=dict)
-    ops: Ops = field(default_factory=TorchOps)  # harness.decode.ops, given to every refiner made here
+    ops: Ops = field(default_factory=TorchOps)  # core.ops, given to every refiner made here
 
     def use_ops(self, ops: Ops) -> None:
         """The target, the drafter (where its heads fit) and every refiner, now and later, on `ops` (the lab
@@ -213,7 +211,7 @@ def build_random(name: str, backend: Backend, block_size: int = 16, capacity: in
     """Random target + drafter + xPress head + vanilla Markov head at preset `name`'s shapes on `backend`.
 
     A meta-device backend gives shapes without memory (for checks); otherwise weights are made on the device.
-    `fuse`: Target.fuse_projections (one q/k/v and one gate/up matmul per layer). `ops`: harness.decode.ops for
+    `fuse`: Target.fuse_projections (one q/k/v and one gate/up matmul per layer). `ops`: core.ops for
     every model (default torch ops).
     """
     ops = ops or TorchOps()

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.protocol import comparisons, metrics
-from harness.errors import UsageError, cli_exit
+from core.errors import UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
 from harness.protocol.results_io import atomic_write

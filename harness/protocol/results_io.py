@@ -12,7 +12,7 @@ import time
 import uuid
 from pathlib import Path
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 _REPO = Path(__file__).resolve().parents[2]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Mapping
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 
 def default_rounds(n_arms: int, warmup: int) -> int:

@@ -18,7 +18,7 @@ from harness.protocol import distributed, rank_report, report
 from harness.protocol.build import Arm, build_arms, build_random_arms, prepare
 from harness.protocol.config import RunConfig
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
-from harness.errors import UsageError
+from core.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
 from harness.protocol.rounds import refuse_captures, rotation
@@ -228,8 +228,8 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         arms = build_arms(cfg, prep, target, watch)
     if cfg.fp32_logits:
         target.use_fp32_logits()
-    if prep.spyre is not None:  # fixed-shape compiled graphs (harness.decode.spyre)
-        from harness.decode.spyre import compile_for
+    if prep.spyre is not None:  # fixed-shape compiled graphs (core.spyre)
+        from core.spyre import compile_for
         compile_for(target, [a.drafter for a in arms])
     settings = settings_for(cfg, prep.max_model_len, stops)
     presize(target, arms, max(map(len, firsts)), settings, prep.block_size)
@@ -338,7 +338,7 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenize
     print(report.format_console_table(summary, cfg.dataset, explain=cfg.explain) + rank_report.format_ranks(summary),
           file=out)
     if fallbacks:
-        from harness.decode.ops.triton_impl import fallback_note
+        from core.ops.triton_impl import fallback_note
         print(f"[kernels] {fallback_note(target.ops)}", file=out)
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
     report.write_results(folder, saved_config, rank_report.environment(environment(exclude=[folder]), shard), rows,
@@ -355,8 +355,8 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenize
 
 def choose_ops(cfg, prep):
     """--kernels, decided once from the run's settings and the target's config, before any weights load (see
-    harness.decode.ops.make_ops); the target, the drafter and the refiners are all built on the result."""
-    from harness.decode.ops import make_ops
+    core.ops.make_ops); the target, the drafter and the refiners are all built on the result."""
+    from core.ops import make_ops
     b = prep.backend
     return make_ops(cfg.kernels, b.device, b.dtype, prep.target_config, compat=cfg.compat_reference,
                     attn_impl=cfg.attn_implementation)

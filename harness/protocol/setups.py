@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
 EMBEDDED, PAPER = "smollm2-135m", "paper"

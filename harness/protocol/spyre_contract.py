@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 BLOCK = 16                 # anchor + 15 drafts
 MAX_SHORTLIST = 1024

@@ -28,7 +28,7 @@ class StepTracer:
         block = rec["block"].tolist()
         row = {**self.context, "position": rec["position"], "speculative": rec["speculative"],
                "anchor": block[0], "draft": block[1:],
-               "seed_draft": (proposal.seed.tolist() if proposal is not None and proposal.seed is not None
+               "seed_draft": (proposal.drafted.tolist() if proposal is not None and proposal.drafted is not None
                               else block[1:]),
                "accepted": rec["accepted"], "next_token": int(rec["next_token"]), "emitted": rec["emitted"],
                "stop": rec["stop"] or None, "extra_step": bool(rec.get("extra_step"))}

@@ -3,7 +3,7 @@
 Contract: x [M, K] (or [M, 2K] gate | up with gated=True), w [N, K] row-major, M in 1..MAX_ROWS, fp32/bf16/fp16
 (x and w one dtype; a residual [M, N] of w's dtype). At one row, narrow outputs use a broadcast-multiply loop
 (no tensor cores), where the RMSNorm before the matmul folds into the loop; several rows use tensor-core dots
-with the rows padded to 16, the norm and the activation as launches of their own (harness.decode.kernels.rows).
+with the rows padded to 16, the norm and the activation as launches of their own (core.kernels.rows).
 Epilogues: the residual add (rounded as `h + linear(x)` rounds) and each row's argmax (each program its columns'
 best, one reduction launch after). Tiles come from `choose_linear` (a sweep on one H200,
 results/perf/kernels_h200_16gb.json, fitted to the device's shared memory). With PDL, tensor-core programs ask their first weight tile into L2 before
@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from harness.decode.kernels.common import MAX_ROWS, Launch, after_previous, launch_opts, pow2_at_least, prec, \
+from core.kernels.common import MAX_ROWS, Launch, after_previous, launch_opts, pow2_at_least, prec, \
     shared_memory_limit, triton, tl
-from harness.decode.kernels.rows import argmax_reduce, rms_norm, silu_mul
+from core.kernels.rows import argmax_reduce, rms_norm, silu_mul
 
 PREFETCH_TILES = 1    # weight tiles a tensor-core program prefetches under PDL
 SHARED_SPARE = 8192   # bytes of shared memory fit_shared leaves free

@@ -1,4 +1,4 @@
-"""The decode math on harness.decode.kernels (Triton); what the kernels do not take runs on a TorchOps.
+"""The decode math on core.kernels (Triton); what the kernels do not take runs on a TorchOps.
 
 The kernels take up to kernels.MAX_ROWS rows without biases, silu as the only gated activation, one dtype, and
 attention heads that `kernels.heads_fit`; a prompt (prefill) stays on torch ops, whose cuBLAS/SDPA suit long
@@ -11,9 +11,9 @@ from collections import Counter
 
 import torch
 
-from harness.decode import kernels
-from harness.decode.ops.base import Ops
-from harness.decode.ops.torch_impl import SILU, TorchOps
+from core import kernels
+from core.ops.base import Ops
+from core.ops.torch_impl import SILU, TorchOps
 
 
 def unsupported_reason(config) -> str | None:

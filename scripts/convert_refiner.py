@@ -1,7 +1,7 @@
 """Convert refiner checkpoints between the co-training `.pt` and the serving directory.
 
-    python -m refiners.convert pt-to-serving --ckpt refiner_cotrain.pt --base-config DRAFTER_DIR --out OUT_DIR
-    python -m refiners.convert serving-to-pt --src SERVING_DIR --out refiner_cotrain.pt
+    python -m scripts.convert_refiner pt-to-serving --ckpt refiner_cotrain.pt --base-config DRAFTER_DIR --out OUT_DIR
+    python -m scripts.convert_refiner serving-to-pt --src SERVING_DIR --out refiner_cotrain.pt
 
 pt-to-serving writes config.json (the base dFlash config plus the head fields the vLLM integration reads) and
 model.safetensors (the co-trained drafter tensors under their own names, the head under `xpress_head.` with the raw
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import UsageError, cli_exit
+from core.errors import UsageError, cli_exit
 from refiners.formats import (ARCHITECTURES, MARKOV_PREFIX, MARKOV_SERVING_NAMES, XPRESS, XPRESS_PREFIX,
                               RefinerCheckpoint, load_refiner_checkpoint, validate_against)
 
@@ -91,7 +91,7 @@ def serving_tensors(ckpt: RefinerCheckpoint) -> dict[str, torch.Tensor]:
 
 def pt_to_serving(ckpt_path: str, base_config: str, out: str, num_passes: int = 6, trust_pickle: bool = False) -> Path:
     from drafters.dflash import DFlashConfig
-    from harness.checkpoints import write_safetensors_dir
+    from core.checkpoints import write_safetensors_dir
     dest = Path(out).expanduser()
     _check_new_output(dest)
     if num_passes < 0:
@@ -159,7 +159,7 @@ def serving_to_pt(src: str, out: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m refiners.convert",
+    parser = argparse.ArgumentParser(prog="python -m scripts.convert_refiner",
                                      description="Convert refiner checkpoints (co-training .pt <-> serving dir).")
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("pt-to-serving", help="co-training .pt -> config.json + model.safetensors")

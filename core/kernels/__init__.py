@@ -8,13 +8,13 @@ one launch), `rows.rms_norm` where a norm cannot fold. `common` holds the launch
 Rounding follows HF's modules step by step (each elementwise op in fp32, rounded to the model's dtype where HF's
 op would round); only the matmul and softmax summation orders differ from the torch ops, and a folded norm,
 which skips one rounding of the normed row. Each module's docstring states its contract. Nothing here knows a
-model: harness.decode.ops.TritonOps is the one user, and chooses when a shape fits.
+model: core.ops.TritonOps is the one user, and chooses when a shape fits.
 With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
 """
-from harness.decode.kernels.attention import MAX_ATTN_ROWS, attention, fits, heads_fit, write_kv
-from harness.decode.kernels.common import HAS_GDC, MAX_SPLITS, Launch, available, interpreted, pdl_supported, triton
-from harness.decode.kernels.matmul import MAX_ROWS, LinearConfig, choose_linear, linear
-from harness.decode.kernels.rows import rms_norm, silu_mul
+from core.kernels.attention import MAX_ATTN_ROWS, attention, fits, heads_fit, write_kv
+from core.kernels.common import HAS_GDC, MAX_SPLITS, Launch, available, interpreted, pdl_supported, triton
+from core.kernels.matmul import MAX_ROWS, LinearConfig, choose_linear, linear
+from core.kernels.rows import rms_norm, silu_mul
 
 __all__ = ["MAX_ATTN_ROWS", "MAX_ROWS", "MAX_SPLITS", "HAS_GDC", "Launch", "LinearConfig", "attention",
            "available", "choose_linear", "fits", "heads_fit", "interpreted", "linear", "pdl_supported", "rms_norm",

@@ -2,24 +2,40 @@
 (`TritonOps`). `make_ops` chooses once, from the run's setting and the target's config, before weights load."""
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
 
-from harness.decode.ops.base import Ops, Span, eps_of, fuse_rows
-from harness.decode.ops.torch_impl import TorchOps
-from harness.errors import UsageError
+from core.ops.base import Ops, Span, eps_of, fuse_rows
+from core.ops.torch_impl import TorchOps
+from core.errors import UsageError
 
 KINDS = ("auto", "triton", "torch")
 
-__all__ = ["KINDS", "Ops", "Span", "TorchOps", "eps_of", "fuse_rows", "make_ops", "triton_ops"]
+__all__ = ["KINDS", "Ops", "Span", "TorchOps", "eps_of", "fuse_rows", "make_ops", "triton_installed", "triton_ops"]
+
+
+def triton_installed() -> bool:
+    """Whether `import triton` works, asked without importing the kernels (the CPU torch wheel brings no Triton,
+    and nothing of core.kernels may be imported where it cannot run)."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def interpreted() -> bool:
+    """TRITON_INTERPRET=1: the kernels run on CPU tensors (the tests' way), given Triton is installed."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and triton_installed()
 
 
 def triton_ops(device, launch=None, debug: bool | None = None) -> Ops:
     """TritonOps on `device` (launch: a kernels.Launch, default PDL where supported; debug: the counter check,
     default from XPRESS_BENCH_DEBUG=1)."""
-    from harness.decode import kernels
-    from harness.decode.ops.triton_impl import TritonOps
+    from core import kernels
+    from core.ops.triton_impl import TritonOps
     if debug is None:
         debug = os.environ.get("XPRESS_BENCH_DEBUG", "0") not in ("", "0")
     return TritonOps(device, launch or kernels.Launch(pdl=None), debug=debug)
@@ -34,15 +50,17 @@ def make_ops(kind: str, device: torch.device, dtype: torch.dtype, config=None, c
         raise UsageError(f"--kernels {kind!r}: use one of {', '.join(KINDS)}")
     if kind == "torch":
         return TorchOps()
-    from harness.decode import kernels
-    from harness.decode.ops.triton_impl import unsupported_reason
     device = torch.device(device)
-    why = unsupported_reason(config) if config is not None else (None if kernels.available() else
-                                                                 "triton is not installed")
-    if why is None and device.type != "cuda" and not kernels.interpreted():
+    why = None
+    if device.type != "cuda" and not interpreted():
         why = "they need a CUDA device"
-    if why is None and attn_impl != "sdpa":
+    elif not triton_installed():
+        why = "triton is not installed"
+    elif attn_impl != "sdpa":
         why = f"--attn-implementation {attn_impl} (the kernels have one attention)"
+    elif config is not None:  # only now the kernels are imported: Triton is there and the device can run them
+        from core.ops.triton_impl import unsupported_reason
+        why = unsupported_reason(config)
     if kind == "triton":
         if why is not None:
             raise UsageError(f"--kernels triton: not available for this target: {why}; use --kernels torch")

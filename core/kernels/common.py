@@ -1,6 +1,6 @@
 """What every kernel family shares: the Triton import, the launch settings and programmatic dependent launch.
 
-Contract for all of harness.decode.kernels: tensors on one CUDA device (or CPU tensors under TRITON_INTERPRET=1,
+Contract for all of core.kernels: tensors on one CUDA device (or CPU tensors under TRITON_INTERPRET=1,
 the tests' way to run them), row-major rows, fp32/bf16/fp16; launches of one forward are queued on one stream, in
 order (PDL lets a launch start early, but each waits on the device for the one before it before reading its
 inputs).
@@ -16,7 +16,7 @@ import torch
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the torch ops are used instead (harness.decode.ops.make_ops checks `available()`)
+except ImportError:  # the torch ops are used instead (core.ops.make_ops checks `available()`)
     triton = None
     tl = None
 try:  # grid dependency control (programmatic dependent launch): Triton releases from 2025 on
@@ -111,6 +111,7 @@ def prec(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+after_previous = None  # without Triton: every module here still imports (its kernels are never launched)
 if triton is not None:
     @triton.jit
     def after_previous(PDL: tl.constexpr):

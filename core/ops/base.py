@@ -1,13 +1,13 @@
 """The decode math's one interface: what a target layer, the drafter and the refiners ask of a backend.
 
-Callers hold an `Ops` object, chosen once before the weights load (`harness.decode.ops.make_ops`) and passed to
+Callers hold an `Ops` object, chosen once before the weights load (`core.ops.make_ops`) and passed to
 their constructors; they never ask which implementation it is. Two implement it: `TorchOps` (torch ops, the
-reference numerics, differentiable: the one training runs through) and `TritonOps` (harness.decode.kernels, the
+reference numerics, differentiable: the one training runs through) and `TritonOps` (core.kernels, the
 fast decode path, which hands what its kernels do not take to a TorchOps).
 
 Shapes are rows: x [T, K] for T tokens, weights [N, K] (nn.Linear's layout). Attention works on the fused
 projection qkv [T, (n_q + 2 n_kv) d] (q heads, then k, then v) and writes the new keys and values into a
-harness.decode.cache.StaticKV at the rows' positions before it attends.
+core.cache.StaticKV at the rows' positions before it attends.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from harness.decode.cache import StaticKV, causal_mask, prefix_mask
-from harness.decode.windows import window_mask
+from core.cache import StaticKV, causal_mask, prefix_mask
+from core.windows import window_mask
 
 
 @dataclass

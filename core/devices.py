@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -29,7 +29,7 @@ class Backend:
         """Wait for queued device work, so that a host timestamp means what it says."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        elif self.device.type == "spyre":  # torch-spyre's device (harness.decode.spyre)
+        elif self.device.type == "spyre":  # torch-spyre's device (core.spyre)
             torch.accelerator.synchronize(self.device)
 
     def now(self) -> float:
@@ -46,7 +46,7 @@ def resolve_backend(device: str | None, dtype: str | None) -> Backend:
     """Turn the --device/--dtype strings into a Backend, failing early with a usable message."""
     name = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if name.split(":")[0] == "spyre":
-        from harness.decode.spyre import spyre_backend
+        from core.spyre import spyre_backend
         return Backend(*spyre_backend(name, dtype))
     try:
         dev = torch.device(name)

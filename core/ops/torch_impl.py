@@ -6,8 +6,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from harness.decode.cache import StaticKV, attend, rotate
-from harness.decode.ops.base import Ops, Span
+from core.cache import StaticKV, attend, rotate
+from core.ops.base import Ops, Span
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,7 +32,7 @@ def activation(name: str):
         return F.silu
     from transformers.activations import ACT2FN
 
-    from harness.errors import UsageError
+    from core.errors import UsageError
     try:
         fn = ACT2FN[name]
     except KeyError:

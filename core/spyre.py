@@ -15,7 +15,7 @@ import importlib
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
 
 PACKAGE = "torch_spyre"
 MISSING = ("--device spyre needs torch-spyre (import torch_spyre), the PyTorch backend of IBM Spyre. It is not on "
@@ -32,7 +32,7 @@ def import_torch_spyre(importer=importlib.import_module):
 
 
 def spyre_backend(name: str, dtype: str | None, importer=importlib.import_module) -> tuple[torch.device, torch.dtype]:
-    """The device and dtype for --device spyre[:N] (harness.decode.devices makes the Backend): FP16 only (the
+    """The device and dtype for --device spyre[:N] (core.devices makes the Backend): FP16 only (the
     contract), torch-spyre imported here and nowhere else."""
     if dtype not in (None, "float16", "fp16"):
         raise UsageError(f"--device spyre serves FP16 weights only, not --dtype {dtype}; use --dtype float16")

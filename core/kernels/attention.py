@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.decode.kernels.common import MAX_ROWS, MAX_SPLITS, Launch, after_previous, launch_opts, \
+from core.kernels.common import MAX_ROWS, MAX_SPLITS, Launch, after_previous, launch_opts, \
     pow2_at_least, prec, triton, tl
 
 MAX_ATTN_ROWS = 128   # query rows (tokens x query heads per K/V head) one attention program keeps in registers

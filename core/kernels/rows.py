@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.decode.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, triton, tl
+from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, triton, tl
 
 if triton is not None:
     @triton.jit

@@ -16,7 +16,7 @@ class StaticKV:
         self.dtype, self.device = dtype, device
         self.capacity = 0
         self.k = self.v = torch.empty(0)
-        # split attention's arrival counters, one row per layer (harness.decode.kernels.attention): this cache's
+        # split attention's arrival counters, one row per layer (core.kernels.attention): this cache's
         # own, so that no other cache or stream shares them; 0 between launches, never reallocated
         self.counters = torch.zeros((n_layers, max(n_kv_heads, 1)), dtype=torch.int32, device=device)
         self.ensure(capacity)

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import UsageError
+from core.errors import UsageError
+
+# Tensors a drafter export may hold that no drafter loads (it borrows the target's embedding and head); read by
+# the drafter and by the refiner checkpoints that carry a co-trained drafter.
+DRAFTER_IGNORED_KEYS = ("embed_tokens.", "lm_head.", "rotary_emb.", "mask_embedding", "t2d", "d2t",
+                        "confidence_head.")
 
 
 def local_model_dir(spec: str, what: str) -> str:

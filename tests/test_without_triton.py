@@ -1,0 +1,103 @@
+"""The README's CPU path has no Triton (the CPU torch wheel brings none): every module of the project imports, and
+the main job's decode of every arm runs, in a process where `import triton` fails; `--kernels auto` on the CPU
+never imports the kernels, with Triton or without."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("core", "harness", "drafters", "refiners", "scripts", "training")
+# Imported before anything else in the child: `import triton` (and any triton.*) raises ImportError, as it does
+# where Triton is not installed.
+BLOCKER = """
+import importlib.abc, sys
+class _NoTriton(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r} (blocked: the CPU wheel brings no Triton)")
+        return None
+sys.meta_path.insert(0, _NoTriton())
+"""
+# Training's own extras (requirements-speculators.txt, requirements-training.txt): a module that needs one of these
+# is not on the main job's path; a user who runs training installs them.
+TRAINING_EXTRAS = ("speculators", "hs_connectors", "loguru", "pydantic_settings")
+
+
+def modules() -> list[str]:
+    out = []
+    for p in sorted(ROOT.rglob("*.py")):
+        rel = p.relative_to(ROOT)
+        if rel.parts[0] in PACKAGES and "__pycache__" not in rel.parts:
+            parts = list(rel.with_suffix("").parts)
+            out.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return out
+
+
+def run_child(code: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCKER + code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_the_blocker_blocks_triton():
+    proc = run_child("import triton\n")
+    assert proc.returncode != 0 and "blocked: the CPU wheel brings no Triton" in proc.stderr
+
+
+def test_every_module_imports_without_triton():
+    code = f"""
+import importlib, json
+failed = {{}}
+for m in {modules()!r}:
+    try:
+        importlib.import_module(m)
+    except ModuleNotFoundError as e:
+        if e.name is None or e.name.split(".")[0] not in {TRAINING_EXTRAS!r}:
+            failed[m] = repr(e)
+    except Exception as e:
+        failed[m] = repr(e)
+print(json.dumps(failed))
+"""
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {}
+
+
+def test_every_arm_decodes_without_triton_and_auto_never_imports_the_kernels(tmp_path):
+    """The main job's shape (the embedded default's arms: AR, drafter-only, Markov, xPress) on the tiny random
+    preset, through the CLI, with --kernels auto on the CPU."""
+    argv = ["benchmark_compile_all.py", "--random-weights", "tiny", "--max-samples", "1", "--max-new-tokens", "4",
+            "--fair-interleave", "1", "--fair-k-list", "1,2", "--device", "cpu", "--quiet",
+            "--results-dir", str(tmp_path), "--run-id", "no_triton"]
+    code = f"""
+import runpy, sys
+sys.argv = {argv!r}
+try:
+    runpy.run_path("benchmark_compile_all.py", run_name="__main__")
+except SystemExit as e:
+    if e.code not in (0, None):
+        raise
+print("KERNELS_IMPORTED", any(m == "core.kernels" or m.startswith("core.kernels.") for m in sys.modules))
+"""
+    proc = run_child(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "KERNELS_IMPORTED False" in proc.stdout
+    config = json.loads((tmp_path / "no_triton" / "config.json").read_text())
+    assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=2)"]
+    rows = [json.loads(x) for x in (tmp_path / "no_triton" / "samples.jsonl").read_text().splitlines()]
+    assert {r["arm"] for r in rows} == set(config["resolved"]["arms"])
+
+
+def test_auto_on_the_cpu_leaves_the_kernels_unimported_with_triton_present():
+    """Without the blocker (Triton may be installed, as in CI): --kernels auto on the CPU picks the torch ops and
+    imports neither the kernels nor Triton."""
+    code = """
+import sys, torch
+from core.ops import make_ops, TorchOps
+ops = make_ops("auto", torch.device("cpu"), torch.float32)
+print(type(ops).__name__, any(m.startswith(("core.kernels", "triton")) for m in sys.modules))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["TorchOps", "False"]
