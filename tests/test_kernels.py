@@ -217,7 +217,7 @@ def test_a_triton_without_grid_dependency_control_keeps_the_kernels_and_drops_pd
         "stub = types.ModuleType(c.__name__)\n"
         "stub.__dict__.update({k: v for k, v in vars(c).items() if not k.startswith('gdc')})\n"
         "sys.modules[c.__name__] = stub\n"
-        "from harness.decode import kernels\n"
+        "from core import kernels\n"
         "assert kernels.available() and not kernels.HAS_GDC\n"
         "w, x = torch.randn(40, 32), torch.randn(2, 32)\n"
         "torch.testing.assert_close(kernels.linear(x, w), x @ w.t(), atol=1e-4, rtol=1e-4)\n"
