@@ -113,3 +113,41 @@ def test_on_deadline_must_be_stop_or_finish(tmp_path, capsys):
     capsys.readouterr()
     assert _train(cfg, tmp_path / "w", "--set", "train.on_deadline=later") == 2
     assert "train.on_deadline must be stop" in capsys.readouterr().err
+
+
+def test_the_overlap_filter_catches_a_template_twin(tmp_path):
+    """A training question equal to a benchmark question but for the benchmark's instruction template ("Please
+    reason step by step...") scored 3-gram Jaccard 0.41-0.44 with the template's words counted, under the 0.5 filter;
+    with each benchmark file's template stripped it scores 1.0 and is caught. The template is found from the file
+    (the lines most of its turns share), so a file without one is indexed as it is."""
+    from training.overlap import eval_index, template_of
+    tail = "Please reason step by step, and put your final answer within \\\\boxed{}."
+    questions = ["A train travels 270 miles in 3 hours. At the same rate, how many additional hours would it take "
+                 "to travel an additional 180 miles?", "Tom has 3 apples and buys 5 more. How many apples now?",
+                 "A baker makes 12 loaves a day for a week. How many loaves is that?"]
+    (tmp_path / "gsm8k.jsonl").write_text("".join(json.dumps({"turns": [q + "\n" + tail]}) + "\n" for q in questions))
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"turns": ["Write a haiku about autumn rain."]}) + "\n")
+    assert template_of([q + "\n" + tail for q in questions]) == ([], [tail])
+    index, files = eval_index(tmp_path, 3)
+    assert files == ["chat.jsonl", "gsm8k.jsonl"]
+    label, j = index.best(questions[1])
+    assert label == "gsm8k.jsonl:2" and j == 1.0
+    assert index.best("Write a haiku about autumn rain.") == ("chat.jsonl:1", 1.0)
+    from training.overlap import NgramIndex  # the old behaviour: the whole turn, template included, misses it
+    whole = NgramIndex(3)
+    whole.add(questions[1] + "\n" + tail, "gsm8k.jsonl:2")
+    assert whole.best(questions[1])[1] < 0.5
+
+
+def test_the_shipped_gsm8k_questions_clear_the_overlap_filter():
+    """training/data/gsm8k_train_questions.jsonl is the GSM8K train split less the questions the filter drops
+    (python -m training.overlap): none of its rows reaches the smollm2-gpu config's threshold against data/eval."""
+    from pathlib import Path
+    from training.overlap import eval_index, read_jsonl
+    root = Path(__file__).resolve().parents[1]
+    cfg = json.loads((root / "training" / "configs" / "smollm2-gpu.json").read_text())
+    threshold = cfg["prompts"].get("overlap_jaccard", 0.5)
+    index, _ = eval_index(root / "data" / "eval", 3)
+    rows = read_jsonl(root / "training" / "data" / "gsm8k_train_questions.jsonl")
+    assert len(rows) == 7470  # 7,473 questions, 3 dropped as template twins of gsm8k test rows
+    assert max(index.best(r["question"])[1] for r in rows) < threshold
