@@ -67,7 +67,7 @@ def test_every_arm_decodes_without_triton_and_auto_never_imports_the_kernels(tmp
     """The main job's shape (the embedded default's arms: AR, drafter-only, Markov, xPress) on the tiny random
     preset, through the CLI, with --kernels auto on the CPU."""
     argv = ["benchmark_compile_all.py", "--random-weights", "tiny", "--max-samples", "1", "--max-new-tokens", "4",
-            "--fair-interleave", "1", "--fair-k-list", "1,2", "--device", "cpu", "--quiet",
+            "--fair-interleave", "1", "--fair-warmup-rounds", "0", "--fair-k-list", "1,2", "--device", "cpu", "--quiet",
             "--results-dir", str(tmp_path), "--run-id", "no_triton"]
     code = f"""
 import runpy, sys
