@@ -1,6 +1,7 @@
 """The decode's own state (harness.decode.state) apart from the target: graphs, samplers and buffers live in a
 DecodeState and its slots, a change to what a step launches drops its graphs, both target families share their
-fields through one code path. CPU only: graphs through a fake that counts captures."""
+fields through one code path, and the settings refuse what the runner would divide by. CPU only: graphs through a
+fake that counts captures."""
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ from core.errors import UsageError
 from core.ops import TorchOps
 from gemma_tiny import gemma_target
 from harness.decode import loop, state
-from harness.decode.graphs import StepGraphs
+from harness.decode.graphs import StepGraphs, check_use_graph
 from harness.decode.loop import DecodeSettings, generate
 from harness.decode.state import DecodeState, graph_stats
 from tiny import CPU32, tiny_drafter, tiny_target
@@ -101,3 +102,27 @@ def test_both_target_families_have_the_same_decode_fields():
     for name in ("pos", "kv", "ops", "version", "_lm_fp32", "_fused", "backend", "taps", "vocab_size"):
         assert name in plain and name in gemma, name
 
+
+def test_graph_bucket_below_one_is_refused_where_the_settings_are_made():
+    """Guards the runner's presize, which divides by graph_bucket: 0 (or less) was accepted by the loop's check,
+    then divided by; now DecodeSettings refuses it with one line."""
+    for bad in (0, -16, True, 2.5):
+        with pytest.raises(UsageError, match="graph bucket must be an integer >= 1") as e:
+            DecodeSettings(10, 100, (), use_graph=True, graph_bucket=bad)
+        assert "\n" not in str(e.value)
+    assert DecodeSettings(10, 100, (), graph_bucket=1).graph_bucket == 1
+
+
+def test_one_cuda_check_for_use_graph():
+    """Guards the three copies of "--use-graph needs CUDA" (loop, StepGraphs, the run's preparation) drifting: the
+    loop and StepGraphs refuse through graphs.check_use_graph, with its one message."""
+    with pytest.raises(UsageError) as want:
+        check_use_graph(True, "cpu")
+    check_use_graph(False, "cpu")
+    check_use_graph(True, "cuda")
+    with pytest.raises(UsageError) as by_loop:
+        generate(tiny_target("qwen3"), [9, 10], DecodeSettings(4, 100, (), use_graph=True), CPU32)
+    with pytest.raises(UsageError) as by_graphs:
+        StepGraphs(torch.device("cpu"))
+    assert str(by_loop.value) == str(by_graphs.value) == str(want.value)
+    assert "--device cuda" in str(want.value) and "cpu" in str(want.value)

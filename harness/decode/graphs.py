@@ -59,6 +59,13 @@ class CompiledRefiner:
         return proposal.with_tokens(tokens, logits)
 
 
+def check_use_graph(use_graph: bool, device_kind: str) -> None:
+    """THE check that --use-graph runs on CUDA (the decode loop and StepGraphs call it; so should a run's
+    preparation, before any model loads)."""
+    if use_graph and device_kind != "cuda":
+        raise UsageError(f"--use-graph captures CUDA graphs and needs --device cuda; drop it on {device_kind}")
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -84,8 +91,7 @@ class StepGraphs:
                        "graph cannot draw from a per-(prompt, turn) generator")
 
     def __init__(self, device: torch.device):
-        if device.type != "cuda":
-            raise UsageError("--use-graph captures CUDA graphs and needs --device cuda")
+        check_use_graph(True, device.type)
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
         self.entries: dict = {}

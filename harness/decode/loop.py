@@ -25,6 +25,7 @@ from core.protocols import Drafter, IdentityRefiner, Proposal, RefineContext, Re
 from harness.decode.accounting import REFERENCE, STANDARD, Accounting, accounting_for
 from core.devices import Backend
 from core.errors import UsageError
+from harness.decode.graphs import check_use_graph
 from harness.decode.sampling import DraftSampler, SamplingParams, sample_rows
 from harness.decode.state import DecodeState
 from harness.decode.verify import exact_match, rejection
@@ -47,12 +48,17 @@ class DecodeSettings:
     # labelled "random weights / scripted acceptance".
     scripted_accept: int | None = None
     # One CUDA graph per (arm, width, KV bucket) for the whole step (CUDA only). graph_bucket: KV slots per bucket
-    # (attention reads the bucket, masked); 0 attends over the whole cache capacity with one graph per width.
+    # (attention reads the bucket, masked), >= 1; a bucket as large as the cache attends over all of it.
     use_graph: bool = False
     graph_bucket: int = 256
     # Record the target's top-2 logit gap of every emitted token (one top-2 per step, inside the timer: off unless
     # asked, and labelled), so a divergence from AR can be shown to sit on a near-tie.
     record_gaps: bool = False
+
+    def __post_init__(self):
+        b = self.graph_bucket  # refused here, before anything sizes a cache by it (the runner's presize divides)
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise UsageError(f"graph bucket must be an integer >= 1 (KV slots per step graph), got {b!r}")
 
     @property
     def target_params(self) -> SamplingParams:
@@ -207,12 +213,7 @@ def _check(settings: DecodeSettings, backend: Backend) -> None:
     s = settings.scripted_accept
     if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
         raise UsageError(f"--scripted-accept must be an integer >= 0, got {s!r}")
-    if settings.use_graph and backend.kind != "cuda":
-        raise UsageError("--use-graph captures CUDA graphs and needs --device cuda; drop it on "
-                         f"{backend.kind}")
-    b = settings.graph_bucket
-    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-        raise UsageError(f"graph bucket must be an integer >= 0 (0 = the whole cache), got {b!r}")
+    check_use_graph(settings.use_graph, backend.kind)
 
 
 class _Decode:

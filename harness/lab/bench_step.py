@@ -270,7 +270,9 @@ def measure(a, path: str | None = None) -> dict:
                 _save(res, path)
         for arm in (("AR", "ar", 0, 0), ("xPress(K=6)", "xpress", 6, 0)):
             got = {}
-            for label, bucket in ((f"bucket {a.bucket}", a.bucket), (f"whole cache {a.full_capacity}", 0)):
+            # a bucket of the whole cache (graph_bucket >= 1): every step attends over all of it
+            for label, bucket in ((f"bucket {a.bucket}", a.bucket),
+                                  (f"whole cache {a.full_capacity}", a.full_capacity)):
                 m.target.ensure_capacity(a.full_capacity)
                 m.drafter.ensure_capacity(a.full_capacity)
                 s = dataclasses.replace(base, use_graph=True, graph_bucket=bucket)
