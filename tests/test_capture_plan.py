@@ -4,9 +4,10 @@ counts and runs steps exactly as harness.decode.graphs.StepGraphs does, minus th
 import pytest
 import torch
 
-from harness.decode import capture_plan, graphs, loop
+from harness.decode import capture_plan, loop, state
 from harness.decode.graphs import StepGraphs
 from harness.decode.loop import DecodeSettings, generate
+from harness.decode.state import DecodeState
 from core.errors import UsageError
 from harness.protocol.rounds import refuse_captures
 from tiny import CPU32, tiny_drafter, tiny_target
@@ -14,27 +15,19 @@ from tiny import CPU32, tiny_drafter, tiny_target
 
 class FakeGraphs:
     """StepGraphs' interface on CPU: a new key is a capture; a step runs eagerly at the graph's bucket length. As in
-    StepGraphs, a graph reads the output buffer by address: when the buffer is reallocated, the graphs captured
-    with the old one are dropped."""
+    StepGraphs, a graph reads the output buffer (the decode state's) by address: when the buffer is reallocated,
+    the graphs captured with the old one are dropped."""
     rng_unsupported = StepGraphs.rng_unsupported
     capacity_for, length = staticmethod(StepGraphs.capacity_for), staticmethod(StepGraphs.length)
 
     def __init__(self):
-        self.keys, self.captures, self.out, self._stops = set(), 0, None, {}
-
-    def out_buffer(self, n):
-        if self.out is None or self.out.numel() < n:
-            self.out = torch.full((n,), -1, dtype=torch.long)
-        return self.out
-
-    def stop_ids(self, ids):
-        return self._stops.setdefault(tuple(sorted(ids)), torch.tensor(sorted(ids) or [-2]))
+        self.keys, self.captures = set(), 0
 
     def adopt_rng(self, generator):
         return False
 
     def run(self, stepper, speculative, width, length):
-        key = (id(stepper.drafter), speculative, width, length, self.out.data_ptr())
+        key = (id(stepper.drafter), speculative, width, length, stepper.out.data_ptr())
         self.keys = {k for k in self.keys if k[-1] == key[-1]}
         if key not in self.keys:
             self.keys.add(key)
@@ -46,7 +39,7 @@ class FakeGraphs:
 def fake(monkeypatch):
     g = FakeGraphs()
     monkeypatch.setattr(loop, "_check", lambda settings, backend: None)  # --use-graph is CUDA-only otherwise
-    monkeypatch.setattr(graphs, "step_graphs", lambda target: g)
+    monkeypatch.setattr(state, "StepGraphs", lambda device: g)  # what a DecodeState makes
     return g
 
 
@@ -81,10 +74,10 @@ def test_after_the_pre_capture_no_generation_captures(fake, compat):
 def test_a_wider_arm_growing_the_output_buffer_drops_the_graphs_before(fake):
     """Why the output buffer is reserved: AR's graphs, captured first, are dropped when a block arm grows the buffer,
     so AR captures again in its next (measured) generation; the runner's presize reserves it for the widest arm."""
-    t = tiny_target("qwen3", capacity=128)
-    d = tiny_drafter(t, block=4)
     s = DecodeSettings(20, 120, (), use_graph=True, graph_bucket=16)
     for reserve in (False, True):
+        t = tiny_target("qwen3", capacity=128)  # a fresh target: a fresh decode state, output buffer and graphs
+        d = tiny_drafter(t, block=4)
         fake.__init__()
         if reserve:
             capture_plan.reserve_output(t, 4)
@@ -98,7 +91,8 @@ def test_runner_presize_reserves_the_output_for_the_widest_arm(fake):
     from harness.protocol.runner import presize
     t = tiny_target("qwen3", capacity=64)
     presize(t, [], longest=10, settings=DecodeSettings(20, 120, (), use_graph=True, graph_bucket=16), block=16)
-    assert fake.out is not None and fake.out.numel() >= t.capacity + 16 + 1
+    out = DecodeState.of(t).slot.out
+    assert out is not None and out.numel() >= t.capacity + 16 + 1
 
 
 def test_a_generation_counts_its_captures(fake):
@@ -135,7 +129,7 @@ def test_sampled_tokens_with_graphs_equal_eager(monkeypatch):
     while the steps drew from a copy of its earlier state, so the first step repeated the prefill's numbers)."""
     g = RngFakeGraphs()
     monkeypatch.setattr(loop, "_check", lambda settings, backend: None)
-    monkeypatch.setattr(graphs, "step_graphs", lambda target: g)
+    monkeypatch.setattr(state, "StepGraphs", lambda device: g)
     t = tiny_target("qwen3", capacity=128)
     d = tiny_drafter(t, block=4)
     s = DecodeSettings(24, 120, (), temperature=1.0)

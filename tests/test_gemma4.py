@@ -132,3 +132,25 @@ def test_text_backbone_of_a_multimodal_checkpoint(tmp_path):
     torch.testing.assert_close(t.forward(ids, torch.arange(10), 10, False)[0], ref[0], rtol=0, atol=1e-5)
     with pytest.raises(UsageError, match="not valid JSON"):
         parse_overrides("{architectures")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma4"])
+def test_fp32_logits_are_honoured_by_both_targets(family):
+    """Guards --fp32-logits on Gemma 4, whose forward never read the float32 head that use_fp32_logits set (the
+    run was labelled fp32 logits on bf16 ones): in bf16, both targets' logits become float32, off the bf16 grid,
+    within bf16 rounding of the bf16 logits, and Gemma's stay soft-capped."""
+    from core.devices import Backend
+    from tiny import tiny_target
+    bf16 = Backend(torch.device("cpu"), torch.bfloat16)
+    t = gemma_target(cap=3.0, backend=bf16) if family == "gemma4" else tiny_target("qwen3", backend=bf16)
+    ids = torch.randint(8, 100, (12,), generator=torch.Generator().manual_seed(2))
+    low, _ = t.forward(ids, torch.arange(12), 12, False)
+    t.use_fp32_logits()
+    t.reset()
+    high, _ = t.forward(ids, torch.arange(12), 12, False)
+    assert low.dtype == torch.bfloat16 and high.dtype == torch.float32
+    assert not torch.equal(high, high.bfloat16().float())  # computed in float32, not a widened bf16 result
+    scale = float(low.float().abs().max())
+    torch.testing.assert_close(high, low.float(), rtol=0, atol=4 * 2 ** -8 * scale)
+    if family == "gemma4":
+        assert float(high.abs().max()) <= 3.0

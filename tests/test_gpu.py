@@ -7,6 +7,7 @@ import torch
 
 from core.devices import Backend
 from harness.decode.loop import DecodeSettings, generate
+from harness.decode.state import DecodeState
 from tiny import tiny_drafter, tiny_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -116,7 +117,7 @@ def _arms(t, block=8):
             "xpress-K6-wrapped": (d, CapturedRefiner(XPressRefiner(xp, 6)))}
 
 
-@pytest.mark.parametrize("bucket", [16, 0])
+@pytest.mark.parametrize("bucket", [16, 512])  # 512: one bucket over the whole cache (graph_bucket >= 1)
 def test_step_graphs_give_the_eager_tokens(bucket):
     b = backend(torch.float32)
     t = tiny_target("qwen3", backend=b)
@@ -129,7 +130,7 @@ def test_step_graphs_give_the_eager_tokens(bucket):
             assert g.tokens == eager.tokens, f"{name}, prompt {i}, bucket {bucket}"
             assert g.accepted == eager.accepted and g.stop_reason == eager.stop_reason
             assert g.graph_steps == len(g.accepted) and g.graph_note == ""
-    print("graph stats", t.step_graphs.stats())
+    print("graph stats", DecodeState.of(t).graphs.stats())
 
 
 def test_step_graphs_near_the_context_limit_and_scripted():
@@ -154,10 +155,10 @@ def test_step_graphs_capture_once_and_sync_once_per_step():
     d = tiny_drafter(t, block=4, backend=b)
     s = DecodeSettings(24, 512, (), use_graph=True)
     generate(t, [9, 10, 11], s, b, drafter=d)  # warm: captures
-    before = t.step_graphs.captures
+    before = DecodeState.of(t).graphs.captures
     g, syncs = count_syncs(lambda: generate(t, [9, 10, 11], s, b, drafter=d))
     print(f"graphed: implicit syncs {syncs} for {g.host_syncs} steps")
-    assert t.step_graphs.captures == before, "a warm generation must not capture again"
+    assert DecodeState.of(t).graphs.captures == before, "a warm generation must not capture again"
     assert syncs <= g.host_syncs + 4
 
 

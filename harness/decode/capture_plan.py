@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from harness.decode import graphs
 from harness.decode.graphs import StepGraphs
+from harness.decode.state import DecodeState
 
 
 def shape_at(pos: int, limit: int, capacity: int, bucket: int, width: int) -> tuple[bool, int, int]:
@@ -47,12 +47,12 @@ def prompt_for(shape, limit: int, capacity: int, bucket: int, width: int, steps:
     return -1
 
 
-def reserve_output(target, widest: int) -> None:
-    """Size the step graphs' shared output buffer for the widest arm, once, before any capture. A generate asks for
-    the cache's capacity + its block width + 1; a buffer grown later by a wider arm is a new address, and every graph
-    captured before it is dropped (measured on the H200: AR's graphs, captured first, were captured again inside
-    the first round)."""
-    graphs.step_graphs(target).out_buffer(target.capacity + widest + 1)
+def reserve_output(target, widest: int, state: DecodeState | None = None) -> None:
+    """Size the output buffer that every arm's step graphs share (the slot's of `state`, default the target's
+    DecodeState) for the widest arm, once, before any capture. A generate asks for the cache's capacity + its block
+    width + 1; a buffer grown later by a wider arm is a new address, and every graph captured before it is dropped
+    (measured on the H200: AR's graphs, captured first, were captured again inside the first round)."""
+    (state or DecodeState.of(target)).slot.reserve_output(target.capacity + widest + 1)
 
 
 def capture_every_shape(decode: Callable, prompt: list[int], settings, capacity: int, width: int) -> int:

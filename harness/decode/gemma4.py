@@ -93,31 +93,18 @@ class Gemma4Target(Target):
     def __init__(self, model, backend, capacity: int, taps: tuple[int, ...] = (), attn_impl: str = "sdpa"):
         cfg = model.config
         check_gemma4(cfg)
-        if attn_impl not in ("sdpa", "eager"):
-            raise UsageError(f"--attn-implementation {attn_impl!r} is not supported here; use sdpa or eager")
-        self.model, self.backend, self.attn_impl, self.config = model, backend, attn_impl, cfg
-        inner = model.model
-        self.layers, self.norm, self.rotary = inner.layers, inner.norm, inner.rotary_emb
-        self.embed = RawEmbedding(inner.embed_tokens)  # shared with the drafter: no sqrt(hidden) factor
-        self.lm_head = model.lm_head                   # shared with the drafter: no soft-cap
+        # its layers are its own torch code (make_ops refuses the kernels for Gemma 4); the embedding shared with
+        # the drafter has no sqrt(hidden) factor, and `lm_head` (shared too) no soft-cap
+        self._bind(model, backend, attn_impl, TorchOps(), RawEmbedding(model.model.embed_tokens))
         self.embed_scale = float(cfg.hidden_size) ** 0.5
         self.cap = getattr(cfg, "final_logit_softcapping", None)
         self.kinds = list(cfg.layer_types)
         self.window = int(cfg.sliding_window)
-        self.n_layers = len(self.layers)
-        self.hidden_size = cfg.hidden_size
-        self.vocab_size = self.lm_head.weight.shape[0]
-        self.head_dim = self.layers[0].self_attn.head_dim
         a0 = self.layers[0].self_attn
+        self.head_dim = a0.head_dim
         self.n_kv_heads = a0.k_proj.out_features // a0.head_dim  # the first layer's (per-layer values differ)
-        self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.set_taps(taps)
         self.kv = LayerKV(self.layers, self.kinds, capacity, backend.dtype, backend.device)
-        self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
-        self.step_graphs = None
-        self.samplers: dict = {}
-        self._fused = None
-        self.ops = TorchOps()  # its layers are its own torch code (make_ops refuses the kernels for Gemma 4)
         self.route_log: list | None = None  # set to a list to record each MoE layer's expert ids (untimed use)
 
     def fuse_projections(self, on: bool = True) -> bool:
@@ -144,7 +131,9 @@ class Gemma4Target(Target):
         if want_features and self.n_layers - 1 in tapped:
             tapped[self.n_layers - 1] = out  # HF's last hidden state is the normed one (see Target.forward)
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
-        logits = softcap(self.lm_head(out[-1:] if last_only else out), self.cap)
+        rows = out[-1:] if last_only else out
+        # --fp32-logits: the head in float32 (Target.use_fp32_logits), soft-capped in float32 too
+        logits = softcap(self.lm_head(rows) if self._lm_fp32 is None else self._fp32_logits(rows), self.cap)
         return logits, features
 
     def _layer(self, i, layer, h, positions, cos, sin, mask, length):

@@ -10,8 +10,9 @@ Two granularities:
 - `StepGraphs`: the whole decode step (draft, refine, verify, accept, commit, observe) of harness.decode.loop.Stepper,
   one graph per (arm, width, KV-length bucket), all sharing one memory pool. The graphs read persistent state by
   address (output buffer, target.pos, drafter.ctx, KV caches, sampler noise, one generator), so those buffers
-  live here or on their owners and are never reallocated while a graph uses them; when a cache grows, the
-  graphs that read it are dropped and captured again.
+  live in the decode's state (harness.decode.state: output, stop ids, noise, gaps), here (the generator) or on
+  their owners (caches, pos, ctx) and are never reallocated while a graph uses them; when a cache or the output
+  buffer is reallocated, the graphs that read it are dropped and captured again.
 """
 from __future__ import annotations
 
@@ -58,6 +59,13 @@ class CompiledRefiner:
         return proposal.with_tokens(tokens, logits)
 
 
+def check_use_graph(use_graph: bool, device_kind: str) -> None:
+    """THE check that --use-graph runs on CUDA (the decode loop and StepGraphs call it; so should a run's
+    preparation, before any model loads)."""
+    if use_graph and device_kind != "cuda":
+        raise UsageError(f"--use-graph captures CUDA graphs and needs --device cuda; drop it on {device_kind}")
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -76,24 +84,22 @@ class _Entry:
 
 
 class StepGraphs:
-    """Whole-step CUDA graphs of one target, captured lazily, replayed by harness.decode.loop.generate(use_graph=True)."""
+    """Whole-step CUDA graphs of one target, captured lazily, replayed by harness.decode.loop.generate(use_graph=True);
+    held by the decode's state (harness.decode.state.DecodeState.step_graphs)."""
 
     rng_unsupported = ("T>0 steps ran eagerly: this torch's CUDAGraph has no register_generator_state, so a "
                        "graph cannot draw from a per-(prompt, turn) generator")
 
     def __init__(self, device: torch.device):
-        if device.type != "cuda":
-            raise UsageError("--use-graph captures CUDA graphs and needs --device cuda")
+        check_use_graph(True, device.type)
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
         self.entries: dict = {}
-        self.out: torch.Tensor | None = None
-        self._stops: dict = {}
         self.rng = torch.Generator(device=device)
         self.captures = 0          # graphs captured so far (recaptures after a cache grew included)
         self.capture_s = 0.0       # host seconds spent warming up and capturing
 
-    # --- persistent buffers ------------------------------------------------------------------------------------
+    # --- sizes -----------------------------------------------------------------------------------------------------
     @staticmethod
     def capacity_for(need: int, bucket: int) -> int:
         """Round a cache size up to whole buckets, so the last bucket never reads past the cache."""
@@ -103,17 +109,6 @@ class StepGraphs:
     def length(needed: int, bucket: int, capacity: int) -> int:
         """KV slots a step attends over (masked beyond its positions): a bucket boundary, or the whole cache."""
         return min(_round_up(needed, bucket), capacity) if bucket else capacity
-
-    def out_buffer(self, n: int) -> torch.Tensor:
-        if self.out is None or self.out.numel() < n:
-            self.out = torch.full((n,), -1, dtype=torch.long, device=self.device)
-        return self.out
-
-    def stop_ids(self, ids: tuple[int, ...]) -> torch.Tensor:
-        key = tuple(sorted(ids))
-        if key not in self._stops:
-            self._stops[key] = torch.tensor(list(key) or [-2], dtype=torch.long, device=self.device)
-        return self._stops[key]
 
     # --- randomness --------------------------------------------------------------------------------------------
     @staticmethod
@@ -136,7 +131,7 @@ class StepGraphs:
 
     # --- capture and replay ------------------------------------------------------------------------------------
     def _layout(self, stepper) -> tuple:
-        return (self.out.data_ptr() if self.out is not None else None, _ptr(stepper.target), _ptr(stepper.drafter))
+        return (stepper.out.data_ptr(), _ptr(stepper.target), _ptr(stepper.drafter))
 
     def run(self, stepper, speculative: bool, width: int, length: int):
         """Replay (capturing first if needed) the step of `stepper`'s arm at this shape; returns its StepOut."""
@@ -194,11 +189,3 @@ class StepGraphs:
     def stats(self) -> dict:
         return {"graphs": len(self.entries), "captures": self.captures, "capture_s": round(self.capture_s, 3)}
 
-
-def step_graphs(target) -> StepGraphs:
-    """The target's StepGraphs (one per target: every arm shares its output buffer and memory pool)."""
-    graphs = getattr(target, "step_graphs", None)
-    if graphs is None:
-        graphs = StepGraphs(target.backend.device)
-        target.step_graphs = graphs
-    return graphs

@@ -25,7 +25,9 @@ from core.protocols import Drafter, IdentityRefiner, Proposal, RefineContext, Re
 from harness.decode.accounting import REFERENCE, STANDARD, Accounting, accounting_for
 from core.devices import Backend
 from core.errors import UsageError
+from harness.decode.graphs import check_use_graph
 from harness.decode.sampling import DraftSampler, SamplingParams, sample_rows
+from harness.decode.state import DecodeState
 from harness.decode.verify import exact_match, rejection
 
 
@@ -46,12 +48,17 @@ class DecodeSettings:
     # labelled "random weights / scripted acceptance".
     scripted_accept: int | None = None
     # One CUDA graph per (arm, width, KV bucket) for the whole step (CUDA only). graph_bucket: KV slots per bucket
-    # (attention reads the bucket, masked); 0 attends over the whole cache capacity with one graph per width.
+    # (attention reads the bucket, masked), >= 1; a bucket as large as the cache attends over all of it.
     use_graph: bool = False
     graph_bucket: int = 256
     # Record the target's top-2 logit gap of every emitted token (one top-2 per step, inside the timer: off unless
     # asked, and labelled), so a divergence from AR can be shown to sit on a near-tie.
     record_gaps: bool = False
+
+    def __post_init__(self):
+        b = self.graph_bucket  # refused here, before anything sizes a cache by it (the runner's presize divides)
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise UsageError(f"graph bucket must be an integer >= 1 (KV slots per step graph), got {b!r}")
 
     @property
     def target_params(self) -> SamplingParams:
@@ -65,8 +72,6 @@ class DecodeSettings:
     def draft_params(self) -> SamplingParams:
         t = self.temperature if self.draft_temperature is None else self.draft_temperature
         return SamplingParams(t, self.top_k, self.top_p)
-
-
 
 
 @dataclass
@@ -208,18 +213,16 @@ def _check(settings: DecodeSettings, backend: Backend) -> None:
     s = settings.scripted_accept
     if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
         raise UsageError(f"--scripted-accept must be an integer >= 0, got {s!r}")
-    if settings.use_graph and backend.kind != "cuda":
-        raise UsageError("--use-graph captures CUDA graphs and needs --device cuda; drop it on "
-                         f"{backend.kind}")
-    b = settings.graph_bucket
-    if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-        raise UsageError(f"graph bucket must be an integer >= 0 (0 = the whole cache), got {b!r}")
+    check_use_graph(settings.use_graph, backend.kind)
 
 
 class _Decode:
-    """One generation's setup and state: checks, cache sizes, buffers, the sampler, graphs and the stepper."""
+    """One generation's setup: checks, cache sizes, the slot's buffers and sampler, graphs and the stepper. What
+    outlives the generation (graphs, persistent buffers, noise) is the DecodeState's; its request fields are
+    the slot's `request`."""
 
-    def __init__(self, target, prompt, settings: DecodeSettings, backend: Backend, drafter, refiner, generator):
+    def __init__(self, target, prompt, settings: DecodeSettings, backend: Backend, drafter, refiner, generator,
+                 state: DecodeState | None):
         p, m, limit = len(prompt), settings.max_new_tokens, settings.max_model_len
         if p == 0:
             raise UsageError("empty prompt: the chat template produced no tokens")
@@ -229,10 +232,9 @@ class _Decode:
         _check(settings, backend)
         self.target, self.drafter, self.settings, self.backend = target, drafter, settings, backend
         self.policy = settings.accounting
-        self.graphs = None
-        if settings.use_graph:
-            from harness.decode.graphs import step_graphs
-            self.graphs = step_graphs(target)
+        state = state if state is not None else DecodeState.of(target)
+        slot = state.slot
+        self.graphs = state.step_graphs() if settings.use_graph else None
         self.width = width = drafter.block_size if drafter is not None else 1
         refiner = refiner or _IDENTITY
         need = min(limit, p + m + width)
@@ -242,21 +244,16 @@ class _Decode:
         if drafter is not None:
             drafter.ensure_capacity(need)
         target.reset()
-        dev = backend.device
-        if self.graphs is not None:  # buffers a captured graph reads by address: persistent across generations
-            self.out = self.graphs.out_buffer(target.capacity + width + 1)
-            stops = self.graphs.stop_ids(settings.stop_ids)
-        else:
-            self.out = torch.full((p + m + width + 1,), -1, dtype=torch.long, device=dev)
-            stops = torch.tensor(sorted(settings.stop_ids) or [-2], dtype=torch.long, device=dev)
+        graphed = self.graphs is not None  # buffers a captured graph reads by address: persistent in the slot
+        self.out = slot.output(target.capacity + width + 1 if graphed else p + m + width + 1, persistent=graphed)
         self.out[:p] = torch.tensor(prompt, dtype=torch.long)
+        self.request = slot.begin(p, m, limit)
         self.gen = Generation(tokens=[], accept_lengths=[], accepted=[], stop_reason="", prompt_len=p,
                               accounting=self.policy)
         draft_params = settings.draft_params
         self.sampler = None
         if drafter is not None and not draft_params.greedy:
-            self.sampler = DraftSampler.kept_in(target.samplers, draft_params, settings.draft_noise, width - 1,
-                                                target.vocab_size, dev)
+            self.sampler = slot.sampler(draft_params, settings.draft_noise, width - 1, target.vocab_size)
         self.generator, self.rng = generator, generator
         if self.graphs is not None and (self.sampler is not None or not settings.target_params.greedy):
             if self.graphs.adopt_rng(generator):
@@ -264,12 +261,10 @@ class _Decode:
             else:
                 self.gen.graph_note = self.graphs.rng_unsupported
                 self.graphs = None
-        self.stepper = Stepper(target, drafter, refiner, settings, self.out, stops, self.sampler, self.rng)
+        self.stepper = Stepper(target, drafter, refiner, settings, self.out, slot.stop_ids(settings.stop_ids),
+                               self.sampler, self.rng)
         if settings.record_gaps:  # persistent like `out`: a captured graph writes it by address
-            gaps = getattr(target, "gap_buffer", None)
-            if gaps is None or gaps.numel() < self.out.numel():
-                gaps = target.gap_buffer = torch.zeros(self.out.numel(), dtype=torch.float32, device=dev)
-            self.stepper.gaps = gaps
+            self.stepper.gaps = slot.gap_buffer(self.out.numel())
         self.captures0 = self.graphs.captures if self.graphs is not None else 0
         self.clock = 0.0
 
@@ -340,56 +335,58 @@ def _trace(on_step, res: StepOut, **fields) -> None:
 def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backend,
              drafter: Drafter | None = None, refiner: Refiner | None = None,
              generator: torch.Generator | None = None,
-             on_step: Callable[[dict], None] | None = None, mark: Callable[[str], None] | None = None) -> Generation:
+             on_step: Callable[[dict], None] | None = None, mark: Callable[[str], None] | None = None,
+             state: DecodeState | None = None) -> Generation:
     """Decode one prompt. How it is counted is `settings.accounting` (harness.decode.accounting), chosen once.
 
     `on_step`, when given, sees each step's device tensors after the step's sync (tests and traces). It runs
     inside the decode timer, so a generation given one has `timed = False`: its decode_s is not a measurement
     (harness.protocol.trace replays a timed decode untimed instead). `mark(name)`, for CUDA-event timing
     (harness.decode.timing.StageTimer), is called at "begin" and "end" of every step and, on eager steps, after
-    each stage (Stepper.STAGES)."""
-    run = _Decode(target, prompt, settings, backend, drafter, refiner, generator)
-    gen, policy, width = run.gen, run.policy, run.width
-    m, limit, p = settings.max_new_tokens, settings.max_model_len, len(prompt)
+    each stage (Stepper.STAGES). `state`: the DecodeState whose graphs and buffers it uses (default: the target's,
+    DecodeState.of); its slot's `request` holds the bookkeeping below."""
+    run = _Decode(target, prompt, settings, backend, drafter, refiner, generator, state)
+    gen, policy, width, r = run.gen, run.policy, run.width, run.request
+    m, limit, p = r.max_new_tokens, r.max_model_len, r.prompt_len
     gen.timed = on_step is None
     first_id = run.prefill()
-    pos, produced = p, 1
-    stop = ("eos" if first_id in settings.stop_ids else "max_new_tokens" if produced >= m
-            else "max_model_len" if pos + 1 >= limit else "")
-    extra = False  # the policy's step after an EOS: counted, emitting nothing
-    while not stop or extra:
-        speculative = drafter is not None and pos + width < limit
+    r.produced = 1
+    r.stop = ("eos" if first_id in settings.stop_ids else "max_new_tokens" if r.produced >= m
+              else "max_model_len" if r.pos + 1 >= limit else "")
+    while not r.stop or r.extra:  # r.extra: the policy's step after an EOS, counted, emitting nothing
+        speculative = drafter is not None and r.pos + width < limit
         w = width if speculative else 1
-        res = run.step(speculative, w, pos, mark)
+        res = run.step(speculative, w, r.pos, mark)
         accepted, stop_at = res.packed.tolist()  # the one host sync per step
         gen.host_syncs += 1
         gen.spec_steps += speculative
         gen.ar_steps += not speculative
-        if extra:
+        if r.extra:
             gen.extra_steps += 1
             gen.accept_lengths.append(accepted + 1)
             gen.accepted.append(accepted)
-            _trace(on_step, res, position=pos, speculative=speculative, accepted=accepted, emitted=0,
-                   produced=produced, stop=stop, extra_step=True)
+            _trace(on_step, res, position=r.pos, speculative=speculative, accepted=accepted, emitted=0,
+                   produced=r.produced, stop=r.stop, extra_step=True)
+            r.extra = False
             break
         emit = accepted + 1
         if stop_at < w:
-            emit, stop = stop_at + 1, "eos"
-            extra = policy.wants_extra_step(stop_at, accepted, pos + accepted + 1 < p + m,
-                                            pos + accepted + 2 < limit)
-        if produced + emit >= m:
-            if produced + emit > m or not stop:
-                stop = "max_new_tokens"
-            emit = m - produced
-        _trace(on_step, res, position=pos, speculative=speculative, accepted=accepted, emitted=emit,
-               produced=produced + emit, stop=stop, extra_step=False)
-        produced += emit
-        pos += accepted + 1
+            emit, r.stop = stop_at + 1, "eos"
+            r.extra = policy.wants_extra_step(stop_at, accepted, r.pos + accepted + 1 < p + m,
+                                              r.pos + accepted + 2 < limit)
+        if r.produced + emit >= m:
+            if r.produced + emit > m or not r.stop:
+                r.stop = "max_new_tokens"
+            emit = m - r.produced
+        _trace(on_step, res, position=r.pos, speculative=speculative, accepted=accepted, emitted=emit,
+               produced=r.produced + emit, stop=r.stop, extra_step=False)
+        r.produced += emit
+        r.pos += accepted + 1
         if speculative or drafter is None:
             gen.accept_lengths.append(policy.tau_entry(accepted, emit))
             gen.accepted.append(accepted)
         else:  # a speculative arm's plain target step near the context limit: not a tau = 1 entry
             gen.tail_steps += 1
-        if not stop and pos + 1 >= limit:
-            stop = "max_model_len"
-    return run.finish(produced, stop)
+        if not r.stop and r.pos + 1 >= limit:
+            r.stop = "max_model_len"
+    return run.finish(r.produced, r.stop)

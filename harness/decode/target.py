@@ -37,42 +37,53 @@ class Target:
     def __init__(self, model, backend: Backend, capacity: int, taps: tuple[int, ...] = (), attn_impl: str = "sdpa",
                  ops: Ops | None = None):
         check_plain_family(model.config)
-        if attn_impl not in ("sdpa", "eager"):
-            raise UsageError(f"--attn-implementation {attn_impl!r} is not supported here; use sdpa or eager")
-        self.model, self.backend, self.attn_impl = model, backend, attn_impl
-        inner = model.model
-        self.embed, self.layers, self.norm, self.rotary = inner.embed_tokens, inner.layers, inner.norm, inner.rotary_emb
-        self.lm_head = model.lm_head
-        cfg = model.config
-        self.config = cfg
-        self.n_layers = len(self.layers)
-        self.hidden_size = cfg.hidden_size
-        self.vocab_size = self.lm_head.weight.shape[0]
+        self._bind(model, backend, attn_impl, ops or TorchOps(), model.model.embed_tokens)
+        cfg = self.config
         attn0 = self.layers[0].self_attn
         self.head_dim = getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
         self.groups = cfg.num_attention_heads // self.n_kv_heads
         self.scale = getattr(attn0, "scaling", self.head_dim ** -0.5)
-        self.max_position = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.set_taps(taps)
         self.kv = StaticKV(self.n_layers, self.n_kv_heads, self.head_dim, capacity, backend.dtype, backend.device)
-        self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
-        self.step_graphs = None  # harness.decode.graphs.StepGraphs, created by the first use_graph generation
-        self.samplers: dict = {}  # DraftSampler per configuration: their noise buffers outlive one generation
-        self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
-        self.ops = ops or TorchOps()
-        self._lm_fp32 = None  # float32 copy of the lm_head weight when use_fp32_logits() (--fp32-logits)
         self._act = getattr(cfg, "hidden_act", "silu")  # the MLP's activation, by name (the ops' interface)
+
+    def _bind(self, model, backend: Backend, attn_impl: str, ops: Ops, embed) -> None:
+        """The fields every target has, Gemma4Target's included: one code path, so that the families cannot drift
+        apart. What a generation needs beyond weights and the cache (step graphs, samplers, output and gap
+        buffers, per-request fields) is not here: it is the decode's (harness.decode.state.DecodeState)."""
+        if attn_impl not in ("sdpa", "eager"):
+            raise UsageError(f"--attn-implementation {attn_impl!r} is not supported here; use sdpa or eager")
+        self.model, self.backend, self.attn_impl, self.config = model, backend, attn_impl, model.config
+        inner = model.model
+        self.embed, self.layers, self.norm, self.rotary = embed, inner.layers, inner.norm, inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.n_layers = len(self.layers)
+        self.hidden_size = self.config.hidden_size
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.max_position = int(getattr(self.config, "max_position_embeddings", 0) or 0)
+        self.pos = torch.zeros((), dtype=torch.long, device=backend.device)
+        self._fused: list | None = None  # per layer: (qkv weight, q/k/v row counts, gate+up weight) or None
+        self.ops = ops
+        self._lm_fp32 = None  # float32 copy of the lm_head weight when use_fp32_logits() (--fp32-logits)
+        # Bumped by every change to what a decode step launches (ops, fused projections, fp32 logits): a
+        # DecodeState drops the step graphs it captured at an older version.
+        self.version = 0
 
     def use_fp32_logits(self) -> None:
         """Logits in float32 from the (normed) last hidden state: bf16 logits round at 2^-8 relative, so two
         computations of the same step can flip a near-tie; this keeps one float32 copy of the lm_head weight."""
-        self.step_graphs = None
+        self.version += 1
         self._lm_fp32 = self.lm_head.weight.detach().float()
+
+    def _fp32_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """Logits [T, V] in float32 from normed rows, through the float32 copy of the head (use_fp32_logits)."""
+        bias = None if self.lm_head.bias is None else self.lm_head.bias.float()
+        return torch.nn.functional.linear(rows.float(), self._lm_fp32, bias)
 
     def use_ops(self, ops: Ops) -> None:
         """Other ops from now on (the lab compares them in one process); captured step graphs are dropped."""
-        self.step_graphs = None
+        self.version += 1
         self.ops = ops
 
     @property
@@ -86,7 +97,7 @@ class Target:
         small matmuls run far below copy bandwidth). The fused matrix is built once and the HF modules' weights
         become views into it, so no memory is added and the HF forward still works. Layers with projection
         biases keep the separate path. Captured step graphs are dropped (they hold the old launches)."""
-        self.step_graphs = None
+        self.version += 1
         if not on:
             self._fused = None
             return False
@@ -151,8 +162,7 @@ class Target:
             if self._lm_fp32 is None:
                 logits = ops.linear(rows, w, bias=self.lm_head.bias)
             else:
-                bias = None if self.lm_head.bias is None else self.lm_head.bias.float()
-                logits = torch.nn.functional.linear(rows.float(), self._lm_fp32, bias)
+                logits = self._fp32_logits(rows)
         else:  # the final norm rides in the lm_head matmul where the ops can fold it
             logits = ops.linear(h[-1:] if last_only else h, w, bias=self.lm_head.bias, norm=self.norm.weight,
                                 eps=eps_of(self.norm))

@@ -29,6 +29,7 @@ from core.ops import TorchOps, triton_ops
 from harness.lab.step_markdown import markdown
 from core.errors import UsageError
 from harness.decode.graphs import StepGraphs
+from harness.decode.state import graph_stats
 from harness.decode.loop import DecodeSettings, Stepper, generate
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random
 from core.protocols import IdentityRefiner
@@ -269,14 +270,16 @@ def measure(a, path: str | None = None) -> dict:
                 _save(res, path)
         for arm in (("AR", "ar", 0, 0), ("xPress(K=6)", "xpress", 6, 0)):
             got = {}
-            for label, bucket in ((f"bucket {a.bucket}", a.bucket), (f"whole cache {a.full_capacity}", 0)):
+            # a bucket of the whole cache (graph_bucket >= 1): every step attends over all of it
+            for label, bucket in ((f"bucket {a.bucket}", a.bucket),
+                                  (f"whole cache {a.full_capacity}", a.full_capacity)):
                 m.target.ensure_capacity(a.full_capacity)
                 m.drafter.ensure_capacity(a.full_capacity)
                 s = dataclasses.replace(base, use_graph=True, graph_bucket=bucket)
                 got[label] = _timed(m, *arm[1:], prompt, s)[1].summary()["step"]
             res["attention"][arm[0]] = got
             _save(res, path)
-        res["graph_stats"] = m.target.step_graphs.stats() if m.target.step_graphs else {}
+        res["graph_stats"] = graph_stats(m.target)
         n_long = long_prompt_len(a.long_prompt, limit, a.new_tokens, a.block_size)
         if a.kernels == "triton" and n_long > a.prompt_len:  # recaptures: after the graph statistics
             res["long_prompt"] = long_prompt_attention(m, a, base, n_long)

@@ -344,8 +344,9 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenize
     report.write_results(folder, saved_config, rank_report.environment(environment(exclude=[folder]), shard), rows,
                          summary, out)
     print(f"[results] {folder}", file=out)
-    if getattr(target, "step_graphs", None) is not None:
-        print(f"[graphs] whole-step CUDA graphs: {target.step_graphs.stats()}", file=out)
+    from harness.decode.state import graph_stats
+    if graph_stats(target):
+        print(f"[graphs] whole-step CUDA graphs: {graph_stats(target)}", file=out)
     if cfg.answer_file:
         from harness.protocol.answers import write_answer_files
         for path, n in write_answer_files(cfg, rows, samples, tokenizer, arms):
