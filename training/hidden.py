@@ -93,6 +93,15 @@ def hidden_states(model, seqs: list[list[int]], ids: list[int]) -> list[torch.Te
         cap.close()
 
 
+def target_in_dtype(hf_model, dtype: torch.dtype):
+    """The target that computes hidden states (hidden.target_dtype): the pipeline's model itself when it is in
+    `dtype`, else a copy (the pipeline's fp32 model keeps serving generation and held-out acceptance)."""
+    import copy
+    if next(hf_model.parameters()).dtype == dtype:
+        return hf_model
+    return copy.deepcopy(hf_model).to(dtype)
+
+
 def write_dataset(out: Path, rows: list[dict]) -> None:
     import datasets
     ids = [r["prompt"] + r["response"] for r in rows]
@@ -110,7 +119,6 @@ def manifest(cfg: dict, key: str, rows: list[dict], ids: list[int], tcfg) -> dic
 
 def run(cfg: dict, load, force: bool = False) -> Path:
     from safetensors.torch import save_file
-    from training.online import target_in_dtype
     from training.target import target_config
     out = out_dir(cfg)
     key = stage_key(cfg)

@@ -85,11 +85,3 @@ class OnlineTaps:
     def close(self):
         self.capture.close()
 
-
-def target_in_dtype(hf_model, dtype: torch.dtype):
-    """The target for the training step in `dtype`: the pipeline's model itself when it already is, else a copy
-    (the pipeline's fp32 model keeps serving held-out acceptance)."""
-    import copy
-    if next(hf_model.parameters()).dtype == dtype:
-        return hf_model
-    return copy.deepcopy(hf_model).to(dtype)

@@ -217,8 +217,8 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
 
 def online_taps(cfg: dict, load):
     """The forward pre-hook that computes the hidden states in the step (hidden.mode=online), else None."""
-    from training.hidden import DTYPES
-    from training.online import OnlineTaps, target_in_dtype
+    from training.hidden import DTYPES, target_in_dtype
+    from training.online import OnlineTaps
     hm = read_manifest(hidden_dir(cfg))
     if hm.get("mode") != "online":
         return None
@@ -251,7 +251,7 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
                   f"with {n}")
             break
         done[n] = train_one(cfg, n, verifier, held, max(left, 1e-3) if budget else 0.0, taps,
-                            started if n == todo[0] else None)
+                            started if todo and n == todo[0] else None)
         if done[n] is None:
             break
     if taps is not None:
