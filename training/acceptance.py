@@ -1,10 +1,12 @@
 """Held-out acceptance with the harness's own decode loop (harness.decode.loop.generate): a speculators model in
 memory is turned into the harness's drafter and refiner (the same name mapping the checkpoint loaders use), and
 greedy tau (tau/step, harness.protocol.metrics) is measured on held-out prompts for drafter-only and, when the
-model has one, its Markov or xPress head."""
+model has one, its Markov or xPress head. With `max_seconds` the drafter-only arm decodes prompts in order until its
+share of the cap (1 / number of arms) is spent (one prompt at least), and every arm then uses those prompts."""
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -54,22 +56,35 @@ class HeldOut:
         self.k_list = tuple(k_list)
         self.target = Target(hf_model, backend, capacity=self.settings.max_model_len)
 
-    def _tau(self, drafter, refiner=None) -> float:
-        lengths = [generate(self.target, p, self.settings, self.backend, drafter=drafter, refiner=refiner)
-                   .accept_lengths for p in self.prompts]
-        return tau_per_step(lengths)
+    def _lengths(self, prompt, drafter, refiner=None):
+        return generate(self.target, prompt, self.settings, self.backend, drafter=drafter,
+                        refiner=refiner).accept_lengths
+
+    def _tau(self, prompts, drafter, refiner=None) -> float:
+        return tau_per_step([self._lengths(p, drafter, refiner) for p in prompts])
+
+    def _first_arm(self, drafter, seconds: float) -> tuple[float, int]:
+        """Drafter-only tau over as many prompts (in order) as `seconds` allows (0: all), and how many."""
+        deadline, lengths = time.perf_counter() + seconds, []
+        for p in self.prompts:
+            lengths.append(self._lengths(p, drafter))
+            if seconds and time.perf_counter() > deadline:
+                break
+        return tau_per_step(lengths), len(lengths)
 
     @torch.no_grad()
-    def __call__(self, model) -> dict:
+    def __call__(self, model, max_seconds: float = 0.0) -> dict:
         cfg = speculators_config_dict(model)
         state = {k: v.detach() for k, v in model.state_dict().items()}
         dmodel, make, kind = harness_models(cfg, state, self.backend, self.hf.config.num_hidden_layers)
         self.target.set_taps(dmodel.config.target_layer_ids)
         drafter = DFlashDrafter(dmodel, self.target.embed, self.target.lm_head, self.backend)
-        out = {"tau_drafter": self._tau(drafter)}
+        arms = 1 + (kind == "markov") + (len(self.k_list) if kind == "xpress" else 0)
+        tau, n = self._first_arm(drafter, max_seconds / arms)
+        out = {"tau_drafter": tau, "prompts": n}
         if kind == "markov":
-            out["tau_markov"] = self._tau(drafter, make(0))
+            out["tau_markov"] = self._tau(self.prompts[:n], drafter, make(0))
         elif kind == "xpress":
             for k in self.k_list:
-                out[f"tau_xpress_K{k}"] = self._tau(drafter, make(k))
+                out[f"tau_xpress_K{k}"] = self._tau(self.prompts[:n], drafter, make(k))
         return out

@@ -29,12 +29,14 @@ DEFAULTS = {
                 "eval_dir": "data/eval", "heldout": 8},
     "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
                   "max_prompt_tokens": 512},
-    "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0},
+    "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0, "mode": "offline",
+               "target_dtype": "float32"},
     "train": {"device": "auto", "attn_impl": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
               "weight_decay": 0.0, "scheduler": "cosine", "warmup_ratio": 0.04, "save_every": 0,
               "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
               "num_workers": 0, "stop_after_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
-              "eval_k": [1]},
+              "eval_k": [1], "val_batches": 16, "eval_max_seconds": 60, "eval_share": 0.05, "log_every": 1,
+              "warm_start": None},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     "models": {},
 }
@@ -144,6 +146,33 @@ def validate(cfg: dict) -> None:
                          "(the checkpoint reached at train.max_minutes is the final model)")
     if cfg["train"]["device"] not in ("auto", "cpu", "cuda"):
         raise UsageError("config train.device must be auto, cpu or cuda")
+    validate_steps(cfg)
+
+
+HIDDEN_MODES = ("online", "offline")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+
+def validate_steps(cfg: dict) -> None:
+    """hidden.mode/target_dtype, the step size and the bounds on validation, held-out evaluation and logging."""
+    h, t = cfg["hidden"], cfg["train"]
+    if h["mode"] not in HIDDEN_MODES:
+        raise UsageError(f"config hidden.mode {h['mode']!r}: use online (the training step runs the target) or "
+                         "offline (hidden_states/ files, speculators' layout)")
+    for key in ("dtype", "target_dtype"):
+        if h[key] not in DTYPE_NAMES:
+            raise UsageError(f"config hidden.{key} {h[key]!r} is not one of {', '.join(DTYPE_NAMES)}")
+    for key, low in (("total_seq_len", 1), ("val_batches", 0), ("log_every", 1)):
+        if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < low:
+            raise UsageError(f"config train.{key} must be an integer >= {low} (got {t[key]!r})")
+    if not isinstance(t["eval_max_seconds"], (int, float)) or t["eval_max_seconds"] < 0:
+        raise UsageError("config train.eval_max_seconds must be a number of seconds >= 0 (0: no cap)")
+    if not isinstance(t["eval_share"], (int, float)) or not 0 <= t["eval_share"] <= 1:
+        raise UsageError("config train.eval_share must be a fraction in [0, 1] (1: no cap on periodic evaluations)")
+    ws = t["warm_start"]
+    if ws is not None and not (Path(ws) / "manifest.json").is_file():
+        raise UsageError(f"config train.warm_start {ws}: not an export folder (no manifest.json); give the export "
+                         "stage's output, e.g. runs/<config>/export")
 
 
 def train_order(cfg: dict) -> list[str]:
@@ -168,11 +197,13 @@ def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+RUN_CONTROL = ("stop_after_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens", "num_workers",
+               "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every")
+
+
 def model_fingerprint(cfg: dict, name: str) -> str:
     """What a checkpoint was trained with: its model spec, the train section (minus run-control fields), the
     target and the data's fingerprint. A resume with another fingerprint is refused."""
-    train = {k: v for k, v in cfg["train"].items() if k not in ("stop_after_step", "eval_every", "eval_prompts", "eval_k",
-                                                                 "eval_max_new_tokens", "num_workers", "device",
-                                                                 "max_minutes", "on_deadline")}
+    train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL}
     return fingerprint({"model": cfg["models"][name], "train": train, "target": cfg["target"], "seed": cfg["seed"],
                         "hidden": cfg["hidden"]})

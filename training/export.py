@@ -2,19 +2,24 @@
 sharded into files under `export.max_shard_mib` (with model.safetensors.index.json when there is more than one),
 and each refiner also as the co-training .pt the reference harness reads (scripts.convert_refiner.cotrain_dict).
 
+Each model folder also holds train_state.json (the global step it was trained to, the planned steps, whether the
+time box cut it short): what `train.warm_start` continues from (training/warm.py). The export's time per model is
+added to that model's train/<model>/box.json.
+
 A head trained on a frozen drafter (`freeze_backbone`) ships its head tensors only: its backbone is bit-identical
 to the drafter it was initialised from, which ships once; the harness then runs every arm on that drafter.
 """
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
 
 from core.errors import UsageError
 from training.store import staged, write_json
-from training.train import final_dir
+from training.train import final_dir, model_dir
 
 HEAD_PREFIXES = ("refiner_head.", "markov_head.", "confidence_head.")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -80,10 +85,23 @@ def cotrain_pt(d: Path, drafter_dir: Path | None, out: Path) -> None:
     torch.save(content, out)
 
 
+def train_state(cfg: dict, name: str) -> dict:
+    m = json.loads((model_dir(cfg, name) / "manifest.json").read_text())
+    return {"global_step": m["global_step"], "planned_steps": m["planned_steps"], "truncated": m["truncated"],
+            "key": m["key"]}
+
+
 def run(cfg: dict, num_target_layers: int) -> Path:
+    from training.box import FILE, add_export
+    from training.warm import STATE
     ec = cfg["export"]
     limit = int(ec["max_shard_mib"] * 2**20)
-    planned = {n: shipped_tensors(cfg, n) for n in cfg["models"]}
+    seconds = dict.fromkeys(cfg["models"], 0.0)
+    planned = {}
+    for n in cfg["models"]:
+        t = time.perf_counter()
+        planned[n] = shipped_tensors(cfg, n)
+        seconds[n] += time.perf_counter() - t
     total = sum(t.numel() * t.element_size() for _, ts in planned.values() for t in ts.values())
     if ec["max_total_mb"] and total > ec["max_total_mb"] * 1e6:
         sizes = ", ".join(f"{n} {sum(t.numel() * t.element_size() for t in ts.values()) / 1e6:.1f} MB"
@@ -94,15 +112,22 @@ def run(cfg: dict, num_target_layers: int) -> Path:
     with staged(out) as tmp:
         files = {}
         for n, (spec, tensors) in planned.items():
+            t = time.perf_counter()
             spec = {**spec, "num_target_layers": num_target_layers, "dtype": ec["dtype"]}
             write_dir(tmp / n, spec, tensors, limit)
+            write_json(tmp / n / STATE, train_state(cfg, n))
             files[n] = {f.name: f.stat().st_size for f in sorted((tmp / n).iterdir())}
+            seconds[n] += time.perf_counter() - t
         (tmp / "pt").mkdir()
         for n, m in cfg["models"].items():
             if m["type"] != "dflash":
+                t = time.perf_counter()
                 src = m["init_from"] if m["freeze_backbone"] else None
                 cotrain_pt(tmp / n, tmp / src if src else None, tmp / "pt" / f"{n}_refiner_cotrain.pt")
+                seconds[n] += time.perf_counter() - t
         write_json(tmp / "manifest.json", {"models": {n: cfg["models"][n] for n in cfg["models"]}, "files": files,
                                            "total_bytes": total, "dtype": ec["dtype"]})
     print(f"export: {total / 1e6:.1f} MB in {sum(len(f) for f in files.values())} files -> {out}")
+    for n in cfg["models"]:
+        add_export(model_dir(cfg, n) / FILE, seconds[n], n)
     return out

@@ -7,6 +7,10 @@
                              the target's last layer before its final norm (speculators splits that one off as
                              `verifier_last_hidden_states` and applies the verifier norm and lm_head itself)
 
+With `hidden.mode=online` only the arrow dataset is written (no hidden_states/: 4.4 KB a token for SmolLM2's
+3 taps + last in bf16) and the training step computes the same tensors from the token ids (training/online.py).
+`hidden.target_dtype` is the dtype the target runs in for them (both modes; float32 by default).
+
 Layer ids follow speculators: id i is the input of decoder layer i (0 = the embedding output), i.e. the output of
 layer i - 1. The harness's (z-lab) taps are these ids minus one. They are captured with forward hooks, not HF's
 `hidden_states` tuple, whose last entry is already normed.
@@ -89,6 +93,15 @@ def hidden_states(model, seqs: list[list[int]], ids: list[int]) -> list[torch.Te
         cap.close()
 
 
+def target_in_dtype(hf_model, dtype: torch.dtype):
+    """The target that computes hidden states (hidden.target_dtype): the pipeline's model itself when it is in
+    `dtype`, else a copy (the pipeline's fp32 model keeps serving generation and held-out acceptance)."""
+    import copy
+    if next(hf_model.parameters()).dtype == dtype:
+        return hf_model
+    return copy.deepcopy(hf_model).to(dtype)
+
+
 def write_dataset(out: Path, rows: list[dict]) -> None:
     import datasets
     ids = [r["prompt"] + r["response"] for r in rows]
@@ -98,21 +111,33 @@ def write_dataset(out: Path, rows: list[dict]) -> None:
     ds.save_to_disk(str(out))
 
 
+def manifest(cfg: dict, key: str, rows: list[dict], ids: list[int], tcfg) -> dict:
+    return {"key": key, "complete": True, "mode": cfg["hidden"]["mode"], "sequences": len(rows), "layer_ids": ids,
+            "num_layers": tcfg.num_hidden_layers, "hidden_size": tcfg.hidden_size, "dtype": cfg["hidden"]["dtype"],
+            "tokens": sum(len(r["prompt"]) + len(r["response"]) for r in rows)}
+
+
 def run(cfg: dict, load, force: bool = False) -> Path:
     from safetensors.torch import save_file
+    from training.target import target_config
     out = out_dir(cfg)
     key = stage_key(cfg)
     state = resumable(out, key, force, "hidden")
     if state == "done":
         return out
-    model, _ = load()
-    ids = layer_ids(cfg, model.config.num_hidden_layers)
+    tcfg = target_config(cfg["target"])
+    ids = layer_ids(cfg, tcfg.num_hidden_layers)
     rows = read_rows(cfg)
     import random
     random.Random(cfg["seed"]).shuffle(rows)  # the trainer's val split is the dataset's tail
     if state == "fresh":
         write_dataset(out, rows)
         write_json(out / "manifest.json", {"key": key, "complete": False})
+    if cfg["hidden"]["mode"] == "online":  # the training step computes them (training/online.py)
+        write_json(out / "manifest.json", manifest(cfg, key, rows, ids, tcfg))
+        print(f"hidden: {len(rows)} sequences (token ids only; hidden.mode=online) -> {out}")
+        return out
+    model = target_in_dtype(load()[0], DTYPES[cfg["hidden"]["target_dtype"]])
     hs_dir = out / "hidden_states"
     hs_dir.mkdir(exist_ok=True)
     dtype = DTYPES[cfg["hidden"]["dtype"]]
@@ -126,9 +151,6 @@ def run(cfg: dict, load, force: bool = False) -> Path:
             tmp = hs_dir / f"hs_{i}.tmp"
             save_file({"hidden_states": h.to(dtype).cpu().contiguous(), "token_ids": torch.tensor(s)}, str(tmp))
             tmp.rename(hs_dir / f"hs_{i}.safetensors")
-    write_json(out / "manifest.json", {"key": key, "complete": True, "sequences": len(rows), "layer_ids": ids,
-                                       "num_layers": model.config.num_hidden_layers,
-                                       "hidden_size": model.config.hidden_size, "dtype": cfg["hidden"]["dtype"],
-                                       "tokens": sum(len(r["prompt"]) + len(r["response"]) for r in rows)})
+    write_json(out / "manifest.json", manifest(cfg, key, rows, ids, tcfg))
     print(f"hidden: {len(rows)} sequences, layers {ids} + last -> {out}")
     return out

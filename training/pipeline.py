@@ -57,7 +57,7 @@ class Pipeline:
             hidden.run(cfg, self.load, self.force)
         elif stage == "train":
             vdir = verifier_dir(cfg["target"], Path(cfg["workdir"]))
-            done = train.run(cfg, vdir, self.held_out if cfg["train"]["eval_prompts"] else None, only)
+            done = train.run(cfg, vdir, self.held_out if cfg["train"]["eval_prompts"] else None, only, load=self.load)
             wanted = [n for n in cfg["models"] if not only or n in only]
             self.stopped = any(done.get(n) is None for n in wanted)  # cut short: later stages wait for the rerun
         elif stage == "export":

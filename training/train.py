@@ -108,15 +108,33 @@ def trainer_kwargs(m: dict) -> dict:
     return base
 
 
-def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float = 0.0) -> Path | None:
-    from speculators.model import SpeculatorModel
+def make_loaders(cfg: dict, verifier: str, hm: dict, dtype: torch.dtype):
+    """speculators' train/val loaders over the hidden stage's output; online: token ids only (training/online.py).
+    Validation is bounded to train.val_batches packed batches (0: the whole val split)."""
     from speculators.train.dataloader import create_train_val_loaders
+    from training.online import IdsOnly
+    tc = cfg["train"]
+    data = str(hidden_dir(cfg))
+    transfer = IdsOnly(data, len(hm["layer_ids"])) if hm.get("mode") == "online" else None
+    train_loader, val_loader = create_train_val_loaders(
+        data_path=data, total_seq_len=tc["total_seq_len"], hidden_states_dtype=dtype, transfer=transfer,
+        vllm_endpoint="http://unused", on_missing="raise", verifier_name_or_path=verifier, request_timeout=None,
+        max_retries=0, generation_validation_retries=0, max_consecutive_generation_failures=1,
+        hidden_size=hm["hidden_size"], num_target_layers=len(hm["layer_ids"]), num_workers=tc["num_workers"],
+        prefetch_factor=2, preprocess=None, train_data_ratio=tc["train_ratio"], seed=cfg["seed"])
+    val_loader.batch_sampler.max_batches = tc["val_batches"] or None  # speculators 0.9.0's sampler bound
+    return train_loader, val_loader
+
+
+def train_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, box, taps):
+    from speculators.model import SpeculatorModel
     from speculators.train.trainer import TrainerConfig
+    from training import warm
     m, tc = cfg["models"][name], cfg["train"]
-    key = model_fingerprint(cfg, name)
-    if final_dir(cfg, name) is not None:
-        print(f"train {name}: up to date ({final_dir(cfg, name)})")
-        return final_dir(cfg, name)
     check_resume(cfg, name)
     device = device_of(cfg)
     attn = tc["attn_impl"] if tc["attn_impl"] != "auto" else ("simple_flex_attention" if device.type == "cuda"
@@ -124,34 +142,56 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
     hm = read_manifest(hidden_dir(cfg))
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg, name, verifier, hm["layer_ids"], attn)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    train_loader, val_loader = create_train_val_loaders(
-        data_path=str(hidden_dir(cfg)), total_seq_len=tc["total_seq_len"], hidden_states_dtype=dtype, transfer=None,
-        vllm_endpoint="http://unused", on_missing="raise", verifier_name_or_path=verifier, request_timeout=None,
-        max_retries=0, generation_validation_retries=0, max_consecutive_generation_failures=1,
-        hidden_size=hm["hidden_size"], num_target_layers=len(hm["layer_ids"]), num_workers=tc["num_workers"],
-        prefetch_factor=2, preprocess=None, train_data_ratio=tc["train_ratio"], seed=cfg["seed"])
+    src = warm.source(cfg, name)
+    warm_step = warm.load(model, src, name) if src is not None else 0
+    if taps is not None:
+        model.register_forward_pre_hook(taps, with_kwargs=True)
+    dtype = train_dtype(device)
+    train_loader, val_loader = make_loaders(cfg, verifier, hm, dtype)
     cls = SpeculatorModel.registry[m["type"]]
     train_kw, val_kw = cls.get_trainer_kwargs(**trainer_kwargs(m))
     steps_per_epoch = len(train_loader)
     epochs = m["epochs"] or tc["epochs"]
     total = m["max_steps"] or epochs * steps_per_epoch
+    if warm_step >= total:
+        raise UsageError(f"train.warm_start: {src} is at step {warm_step}, the end of this run's {total} steps; "
+                         "nothing is left to train (raise train.epochs or train from scratch)")
     save_every = tc["save_every"]
     out = model_dir(cfg, name)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / FINGERPRINT, {"key": key})
+    write_json(out / FINGERPRINT, {"key": model_fingerprint(cfg, name)})
     tconf = TrainerConfig(lr=m["lr"] or tc["lr"], num_epochs=epochs, save_path=str(out), resume_from_checkpoint=True,
                           train_call_kwargs=train_kw, val_call_kwargs=val_kw, weight_decay=tc["weight_decay"],
                           scheduler_type=tc["scheduler"], scheduler_warmup_ratio=tc["warmup_ratio"],
                           scheduler_total_steps=total, checkpoint_freq=min(1.0, save_every / steps_per_epoch)
-                          if save_every else 1, hidden_states_dtype=dtype, log_freq=1, max_steps=m["max_steps"])
+                          if save_every else 1, hidden_states_dtype=dtype, log_freq=tc["log_every"],
+                          max_steps=m["max_steps"])
+    trainer = PipelineTrainer(model, tconf, train_loader, val_loader, device=device, seed=cfg["seed"],
+                              eval_fn=held_out, eval_every=tc["eval_every"], stop_after_step=tc["stop_after_step"],
+                              metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
+                              eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
+                              warm_step=warm_step)
+    if trainer.warm_started:
+        print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer)")
+    return trainer, total, out
+
+
+def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float = 0.0, taps=None,
+              started: float | None = None) -> Path | None:
+    from training.box import FILE, Box, write
+    tc = cfg["train"]
+    key = model_fingerprint(cfg, name)
+    if final_dir(cfg, name) is not None:
+        print(f"train {name}: up to date ({final_dir(cfg, name)})")
+        return final_dir(cfg, name)
+    box = Box(device_of(cfg), started)
+    with box.timed("startup"):
+        trainer, total, out = _setup(cfg, name, verifier, held_out, max_seconds, box, taps)
     handler = MetricsFile(out / "metrics.jsonl")
     mlog = logging.getLogger("speculators.metrics")
     mlog.addHandler(handler)
     mlog.setLevel(logging.INFO)
-    trainer = PipelineTrainer(model, tconf, train_loader, val_loader, device=device, seed=cfg["seed"],
-                              eval_fn=held_out, eval_every=tc["eval_every"], stop_after_step=tc["stop_after_step"],
-                              metrics_file=out / "metrics.jsonl", max_seconds=max_seconds)
+    start_step = trainer.global_step
     try:
         trainer.run_training()
     except StopRequested as stop:
@@ -162,17 +202,36 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
               "final model (train.on_deadline=finish)")
     finally:
         mlog.removeHandler(handler)
-    last = max(int(p.name) for p in out.iterdir() if p.is_dir() and p.name.isdigit())
     if held_out is not None:
         trainer.log_eval()
-    write_json(out / "manifest.json", {"key": key, "complete": True, "final": str(last),
-                                       "global_step": trainer.global_step, "planned_steps": total,
-                                       "truncated": trainer.deadline_hit, "evals": trainer.evals})
+    with box.timed("finish"):
+        last = max(int(p.name) for p in out.iterdir() if p.is_dir() and p.name.isdigit())
+        write_json(out / "manifest.json", {"key": key, "complete": True, "final": str(last),
+                                           "global_step": trainer.global_step, "planned_steps": total,
+                                           "truncated": trainer.deadline_hit, "evals": trainer.evals})
+    write(out / FILE, box.record({"first_step": start_step, "last_step": trainer.global_step,
+                                  "box_s": max_seconds or None, "hidden_mode": cfg["hidden"]["mode"],
+                                  "total_seq_len": tc["total_seq_len"]}), name)
     return out / str(last)
 
 
-def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None = None) -> dict:
+def online_taps(cfg: dict, load):
+    """The forward pre-hook that computes the hidden states in the step (hidden.mode=online), else None."""
+    from training.hidden import DTYPES, target_in_dtype
+    from training.online import OnlineTaps
+    hm = read_manifest(hidden_dir(cfg))
+    if hm.get("mode") != "online":
+        return None
+    if load is None:
+        raise UsageError("train: hidden.mode=online needs the target model (run through the pipeline)")
+    target = target_in_dtype(load()[0], DTYPES[cfg["hidden"]["target_dtype"]])
+    return OnlineTaps(target, hm["layer_ids"], DTYPES[cfg["hidden"]["dtype"]], train_dtype(device_of(cfg)))
+
+
+def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None = None, load=None) -> dict:
+    """`load`: the pipeline's target loader (hidden.mode=online runs the target in the training step)."""
     from training.target import target_config
+    started = time.perf_counter()  # the stage's shared set-up counts in the first trained model's box
     tcfg = target_config(cfg["target"])
     names = [n for n in train_order(cfg) if not only or n in only]
     for n in names:  # every config and resume check before any training starts
@@ -180,6 +239,8 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
         if final_dir(cfg, n) is None:
             check_resume(cfg, n)
     held = held_out_factory() if held_out_factory else None
+    todo = [n for n in names if final_dir(cfg, n) is None]
+    taps = online_taps(cfg, load) if todo else None
     budget = cfg["train"]["max_minutes"] * 60
     deadline = time.monotonic() + budget
     done = {}
@@ -189,7 +250,10 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
             print(f"train: out of time (train.max_minutes={cfg['train']['max_minutes']}); run again to continue "
                   f"with {n}")
             break
-        done[n] = train_one(cfg, n, verifier, held, max(left, 1e-3) if budget else 0.0)
+        done[n] = train_one(cfg, n, verifier, held, max(left, 1e-3) if budget else 0.0, taps,
+                            started if todo and n == todo[0] else None)
         if done[n] is None:
             break
+    if taps is not None:
+        taps.close()
     return done

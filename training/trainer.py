@@ -14,12 +14,20 @@
 * hooks: `run_training` passes no step callback; `train_epoch` is called with one here (held-out acceptance every
   `eval_every` steps). `stop_after_step` ends a run right after a checkpoint, and `max_seconds` checkpoints and
   ends it once the time is up (a long run split across calls resumes from there).
+* box accounting (training/box.py): `val_epoch`, `maybe_save_checkpoint` and the held-out evaluation are timed
+  around speculators' own methods, the steps between the step callbacks; a forward pre-hook counts each training
+  batch's tokens. Held-out evaluation is capped at `eval_max_seconds` each, and a periodic one is skipped while
+  held-out time exceeds `eval_share` of the elapsed box (the final one always runs).
+* warm start (training/warm.py): with `warm_step` and no checkpoint, the Trainer starts at that global step: the
+  epoch and in-epoch position the uninterrupted run had there (speculators' own mid-epoch resume skip) and the LR
+  schedulers stepped to it; the optimizer is fresh (Adam's moments and step counts start from zero).
 """
 from __future__ import annotations
 
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -67,8 +75,14 @@ class Fp32Checkpointer(SingleGPUCheckpointer):
 class PipelineTrainer(Trainer):
     def __init__(self, model, config, train_loader, val_loader, *, device: torch.device, seed: int,
                  eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
-                 max_seconds: float = 0.0):
+                 max_seconds: float = 0.0, box=None, eval_max_seconds: float = 0.0, eval_share: float = 1.0,
+                 warm_step: int = 0):
+        from training.box import Box
         self._device, self._seed = device, seed
+        self.box = box or Box(device)
+        self._eval_cap, self._eval_share, self._warm_step = eval_max_seconds, eval_share, warm_step
+        self.warm_started = False
+        model.register_forward_pre_hook(self._count, with_kwargs=True)
         self._deadline = time.monotonic() + max_seconds if max_seconds else None
         self.deadline_hit = False
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
@@ -82,11 +96,30 @@ class PipelineTrainer(Trainer):
         self.local_rank = self._device  # noqa: speculators 0.9.0 uses an int (CUDA) here
         self.checkpointer = Fp32Checkpointer(self.config.save_path, self._device)
         super().setup_trainer()
+        if self._warm_step and self.checkpointer.previous_epoch == -1:  # warm start: where the run had got to
+            per_epoch = len(self.train_loader)
+            self.current_epoch, self._resume_local_step = divmod(self._warm_step, per_epoch)
+            self._resume_global_step = self.global_step = self._warm_step
+            self.warm_started = True
+
+    def setup_optimizer(self):
+        super().setup_optimizer()
+        if self.warm_started:  # the schedule at the warm step (LambdaLR: lr = base * lambda(last_epoch))
+            for sched in self.schedulers:
+                sched.last_epoch = self._warm_step - 1
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()": on purpose
+                    sched.step()
+
+    def _count(self, module, args, kwargs):
+        if module.training and "document_ids" in kwargs:
+            self.box.count(kwargs["document_ids"], kwargs["loss_mask"])
 
     def _reseed(self):
         torch.manual_seed(self._seed * 1_000_003 + self.global_step)
 
     def _after_step(self):
+        self.box.step_done()
         self._reseed()
         if self._deadline is not None and time.monotonic() > self._deadline:  # out of time: checkpoint and stop
             epoch, g0, l0 = self._epoch_start
@@ -94,12 +127,22 @@ class PipelineTrainer(Trainer):
             self._stop_after = self.global_step
             self.maybe_save_checkpoint(epoch, local_step=l0 + self.global_step - g0)
         if self._eval_fn is not None and self._eval_every and self.global_step % self._eval_every == 0:
-            self.log_eval()
+            elapsed = self.box.now() - self.box.t0
+            if self.box.parts["held_out"] <= self._eval_share * elapsed:
+                self.log_eval()
+
+    def val_epoch(self, epoch):
+        with self.box.timed("validation"):
+            return super().val_epoch(epoch)
 
     def log_eval(self):
+        with self.box.timed("held_out"):
+            self._log_eval()
+
+    def _log_eval(self):
         raw = getattr(self.model, "module", self.model)
         was = raw.training
-        result = {"global_step": self.global_step, **self._eval_fn(raw)}
+        result = {"global_step": self.global_step, **self._eval_fn(raw, max_seconds=self._eval_cap)}
         raw.train(was)
         self.evals.append(result)
         logging.getLogger("speculators").info(f"held-out acceptance: {result}")
@@ -117,13 +160,16 @@ class PipelineTrainer(Trainer):
         original = trainer_module._StepTimer
         if swap:
             trainer_module._StepTimer = _HostTimer
+        self.box.start_steps()
         try:
             return super().train_epoch(epoch, step_callback=self._after_step)
         finally:
+            self.box.stop_steps()
             trainer_module._StepTimer = original
 
     def maybe_save_checkpoint(self, epoch, local_step: int = 0):
-        super().maybe_save_checkpoint(epoch, local_step=local_step)
+        with self.box.timed("checkpoints"):
+            super().maybe_save_checkpoint(epoch, local_step=local_step)
         if self._stop_after and self.global_step >= self._stop_after and isinstance(epoch, int):
             raise StopRequested(self.global_step)
 

@@ -1,0 +1,98 @@
+"""Box accounting (train/<model>/box.json) on a time-boxed run, and the warm start from an exported drafter."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from training_fixtures import run_cli, tiny_models, write_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BOX_MINUTES = 0.05  # 3 s
+
+
+def test_box_accounting_sums_to_the_box(tmp_path):
+    """A 3-second time-boxed run with checkpoints, validation each epoch and held-out evaluation every 2 steps:
+    box.json's parts, each timed on its own, add up to its wall time (the gaps between them under 2% + 0.15 s), the
+    steps fill most of it, and the rates follow from the counts. Without the accounting there is no box.json."""
+    cfg = write_config(tmp_path, tiny_models(heads=False),
+                       train={"epochs": 200, "save_every": 3, "eval_every": 2, "eval_share": 0.1,
+                              "max_minutes": BOX_MINUTES, "on_deadline": "finish"})
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
+    parts = box["parts_s"]
+    assert set(parts) == {"startup", "steps", "validation", "held_out", "checkpoints", "finish", "export"}
+    assert all(v > 0 for k, v in parts.items() if k != "finish"), parts
+    assert abs(box["wall_s"] - sum(parts.values())) <= 0.02 * box["wall_s"] + 0.15, box
+    assert box["wall_s"] == pytest.approx(box["train_wall_s"] + parts["export"], abs=1e-3)
+    assert box["train_wall_s"] >= BOX_MINUTES * 60 and box["box_s"] == pytest.approx(BOX_MINUTES * 60)
+    manifest = json.loads((tmp_path / "w" / "train" / "drafter" / "manifest.json").read_text())
+    assert manifest["truncated"] and box["steps"] == manifest["global_step"] > 2
+    assert box["steps_share"] == pytest.approx(parts["steps"] / box["wall_s"], abs=1e-3) and box["steps_share"] > 0.4
+    assert box["tokens_per_s"] == pytest.approx(box["packed_tokens"] / parts["steps"], rel=1e-3)
+    assert 0 < box["loss_tokens"] < box["packed_tokens"]
+    # held-out evaluations are capped by eval_share: far fewer than one every 2 steps would be, but the final one runs
+    assert 1 <= len(manifest["evals"]) < box["steps"] // 2
+
+
+def _rows(work, name="drafter"):
+    text = (work / "train" / name / "metrics.jsonl").read_text()
+    return [r for r in map(json.loads, text.splitlines()) if "train" in r]
+
+
+def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
+    """A run cut short by its box (on_deadline=finish) exports bf16 weights and the step it reached; a new run with
+    train.warm_start = that export starts from those weights and at that step: the LR at every step after the warm
+    start equals the uninterrupted run's LR at that step (warm-up + cosine), and it ends at the same step. (The
+    optimizer is fresh, so the losses are not asserted equal.) Before warm starts the key was unknown."""
+    from training.config import load_config
+    from training.train import build_model
+    from training.warm import load
+    cfg = write_config(tmp_path, tiny_models(heads=False),
+                       train={"epochs": 3, "warmup_ratio": 0.3, "eval_prompts": 0})
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "full") == 0
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "cut", "--set", "train.max_minutes=1e-6",
+                   "--set", "train.on_deadline=finish") == 0
+    export = tmp_path / "cut" / "export"
+    state = json.loads((export / "drafter" / "train_state.json").read_text())
+    assert state["truncated"] and state["global_step"] == 1
+    for stage in ("prompts", "responses", "hidden"):  # the same data as the session before
+        shutil.copytree(tmp_path / "cut" / stage, tmp_path / "warm" / stage)
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "warm", "--set",
+                   f"train.warm_start={export}") == 0
+    full = {r["global_step"]: r["lr"] for r in _rows(tmp_path / "full")}
+    warm = {r["global_step"]: r["lr"] for r in _rows(tmp_path / "warm")}
+    assert min(warm) == state["global_step"] and max(warm) == max(full) == state["planned_steps"] - 1
+    assert len(set(full.values())) > 3  # the schedule moves
+    assert warm == {g: full[g] for g in warm}
+    # the warm start's weights are the exported ones (bf16 -> fp32 exactly), i.e. the cut run's up to bf16 rounding
+    c = load_config(str(cfg), [f"train.warm_start={export}"], str(tmp_path / "warm"))
+    model = build_model(c, "drafter", str(tmp_path / "target"), [1, 3, 5], "eager")
+    assert load(model, export / "drafter", "drafter") == 1
+    from core.checkpoints import read_tensors, shard_files
+    from safetensors.torch import load_file
+    exported = read_tensors(shard_files(export / "drafter", "drafter"))
+    m = json.loads((tmp_path / "cut" / "train" / "drafter" / "manifest.json").read_text())
+    cut = load_file(str(tmp_path / "cut" / "train" / "drafter" / m["final"] / "model.safetensors"))
+    own = model.state_dict()
+    assert exported and all(torch.equal(own[k], v.float()) for k, v in exported.items())
+    for k, v in exported.items():
+        assert torch.allclose(v.float(), cut[k], rtol=2 ** -8, atol=0), k
+
+
+@pytest.mark.parametrize("item, message", [
+    ("hidden.mode=ram", "hidden.mode 'ram': use online"),
+    ("hidden.target_dtype=fp8", "hidden.target_dtype 'fp8' is not one of"),
+    ("train.total_seq_len=0", "train.total_seq_len must be an integer >= 1"),
+    ("train.val_batches=-1", "train.val_batches must be an integer >= 0"),
+    ("train.eval_share=2", "train.eval_share must be a fraction in [0, 1]"),
+    ("train.warm_start=/no/such/export", "not an export folder"),
+])
+def test_bad_step_and_hidden_settings_are_refused(tmp_path, capsys, item, message):
+    """The new keys are checked before any model loads: one error line, exit 2, nothing written."""
+    cfg = write_config(tmp_path, tiny_models(heads=False))
+    capsys.readouterr()
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w", "--set", item) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "w").exists()

@@ -1,0 +1,108 @@
+"""hidden.mode=online (training/online.py): the training step computes the tapped target layers from the token ids;
+it must hand speculators the very tensors the offline files would, so the loss is the offline loss. Both runs use
+steps of 8192 tokens (total_seq_len > 4096), each row packing many sequences."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from training_fixtures import run_cli, tiny_models, write_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+WIDE = 8192
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """One offline and one online run of the same config (the online one reuses the prompts and responses)."""
+    root = tmp_path_factory.mktemp("online")
+    words = "apples pears plums figs limes dates kiwis melons".split()
+    (root / "train.jsonl").write_text("".join(json.dumps({"question": (
+        f"Sam has {a} {w} and buys {b} more every day for {a + b} days; then he gives {b} of them to each of his "
+        f"{a} friends. How many {w} does Sam have left at the end?")}) + "\n" for a in range(3, 9) for b in range(1, 7)
+        for w in words[a - 3:a - 2]))
+    cfg = write_config(root, tiny_models(heads=False),
+                       train={"total_seq_len": WIDE, "epochs": 3, "eval_prompts": 0, "train_ratio": 0.8})
+    assert run_cli("all", "--config", cfg, "--workdir", root / "off") == 0
+    for stage in ("prompts", "responses"):
+        shutil.copytree(root / "off" / stage, root / "on" / stage)
+    assert run_cli("all", "--config", cfg, "--workdir", root / "on", "--set", "hidden.mode=online") == 0
+    return root, cfg
+
+
+def _losses(work):
+    rows = [json.loads(line) for line in (work / "train" / "drafter" / "metrics.jsonl").read_text().splitlines()]
+    return [r["train"]["loss"] for r in rows if "train" in r], [r["val"]["loss_epoch"] for r in rows if "val" in r]
+
+
+def test_online_hidden_stage_writes_token_ids_only(pair):
+    root, _ = pair
+    m = json.loads((root / "on" / "hidden" / "manifest.json").read_text())
+    assert m["complete"] and m["mode"] == "online" and m["layer_ids"] == [1, 3, 5]
+    assert not (root / "on" / "hidden" / "hidden_states").exists()
+    assert (root / "off" / "hidden" / "hidden_states").is_dir()
+
+
+def _first_batches(cfg_path, work):
+    from training.config import load_config
+    from training.hidden import out_dir
+    from training.store import read_manifest
+    from training.train import make_loaders
+    cfg = load_config(str(cfg_path), workdir=str(work))
+    hm = read_manifest(out_dir(cfg))
+    assert hm["mode"] == "offline"
+    off = next(iter(make_loaders(cfg, str(cfg_path.parent / "target"), hm, torch.float32)[0]))
+    on = next(iter(make_loaders(cfg, str(cfg_path.parent / "target"), {**hm, "mode": "online"}, torch.float32)[0]))
+    return cfg, hm, off, on
+
+
+def test_online_and_offline_give_the_same_loss_on_the_same_batch(pair):
+    """One packed 8192-token batch, offline (hidden_states/ files) and online (ids only + the target in the step):
+    same ids and masks, the same hidden states to fp32 rounding, and the same loss for the same anchors. Power: the
+    target run over the packed row as one sequence (positions not restarting, attention across sequences) gives
+    hidden states far outside the tolerance."""
+    from training.online import OnlineTaps
+    from training.target import load_hf
+    from training.train import build_model, trainer_kwargs
+    from speculators.model import SpeculatorModel
+    root, cfg_path = pair
+    cfg, hm, off, on = _first_batches(cfg_path, root / "off")
+    for k in ("input_ids", "loss_mask", "document_ids", "position_ids"):
+        assert torch.equal(off[k], on[k]), k
+    assert off["input_ids"].shape == (1, WIDE) and on["hidden_states"].shape == (1, WIDE, 0)
+    real = int((off["document_ids"] >= 0).sum())
+    assert real > 4096 and int(off["document_ids"].max()) >= 10  # > 4096 real tokens from many sequences
+    target, _ = load_hf(cfg["target"], torch.device("cpu"))
+    taps = OnlineTaps(target, hm["layer_ids"], torch.float32, torch.float32)
+    hs, last = taps.compute(on["input_ids"], on["position_ids"], on["document_ids"])
+    scale = off["hidden_states"].abs().max()
+    tol = 64 * torch.finfo(torch.float32).eps * scale
+    assert (hs - off["hidden_states"]).abs().max() <= tol
+    assert (last - off["verifier_last_hidden_states"]).abs().max() <= tol
+    one = torch.where(on["document_ids"] >= 0, 0, -1)  # the row as one sequence: attention across sequences
+    naive, _ = taps.compute(on["input_ids"], on["position_ids"], one)
+    assert (naive - off["hidden_states"]).abs().max() > 1000 * tol
+    m = cfg["models"]["drafter"]
+    model = build_model(cfg, "drafter", str(cfg_path.parent / "target"), hm["layer_ids"], "eager")
+    model.register_forward_pre_hook(taps, with_kwargs=True)
+    kwargs, _ = SpeculatorModel.registry["dflash"].get_trainer_kwargs(**trainer_kwargs(m))
+    losses = []
+    for batch in (off, on):
+        torch.manual_seed(7)  # the anchors
+        with torch.no_grad():
+            losses.append(model(**batch, **kwargs)[1])
+    taps.close()
+    assert torch.isfinite(losses[0]) and losses[0] > 0
+    assert torch.allclose(losses[0], losses[1], rtol=1e-5, atol=0), losses
+
+
+def test_online_run_trains_as_the_offline_run(pair):
+    """Every logged step's loss and each epoch's validation loss of the two whole runs agree (fp32, CPU)."""
+    root, _ = pair
+    (t_off, v_off), (t_on, v_on) = _losses(root / "off"), _losses(root / "on")
+    assert len(t_off) == len(t_on) >= 3 and len(v_off) == len(v_on) == 3
+    assert t_on == pytest.approx(t_off, rel=1e-4) and v_on == pytest.approx(v_off, rel=1e-4)
+    box = json.loads((root / "on" / "train" / "drafter" / "box.json").read_text())
+    assert box["total_seq_len"] == WIDE and box["hidden_mode"] == "online"
+    assert box["packed_tokens"] / box["steps"] > 4096  # steps of more than 4096 tokens

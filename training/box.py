@@ -1,0 +1,113 @@
+"""Where a training run's wall time went: train/<model>/box.json (and one printed line).
+
+Parts, each timed on its own (on CUDA the device is synchronised at each part's edges, not inside the steps):
+    startup      model build, data loaders, the target for hidden.mode=online and the held-out prompts (the stage's
+                 shared set-up counts in its first model), the Trainer's set-up (a resume's checkpoint load)
+    steps        the training steps: batch fetch, the online target forward, forward, backward, optimizer, logging
+    validation   speculators' val_epoch (train.val_batches batches at the end of each epoch)
+    held_out     held-out acceptance (train.eval_every, train.eval_max_seconds, train.eval_share)
+    checkpoints  speculators' checkpoint saves
+    finish       the manifest after training
+    export       this model's share of the export stage (added by it)
+`train_wall_s` runs from the start of the model's set-up (for the stage's first model: the stage's start) to its
+box being written; `wall_s` = train_wall_s + export (its export part, timed in the export stage, which runs after
+every model has trained); `unaccounted_s` = wall_s - the parts (the gaps between them). Tokens: `packed_tokens` are the real tokens of the packed rows the steps
+trained on (`document_ids != -1`, padding excluded; what speculators' profile calls num_tokens) and `loss_tokens`
+those with loss_mask 1; tokens_per_s = packed_tokens / steps_s.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+PARTS = ("startup", "steps", "validation", "held_out", "checkpoints", "finish", "export")
+FILE = "box.json"
+
+
+class Box:
+    def __init__(self, device: torch.device, started: float | None = None):
+        self.t0 = started if started is not None else time.perf_counter()
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.parts = dict.fromkeys(PARTS, 0.0)
+        self.parts["startup"] = self.now() - self.t0  # the stage's shared set-up before this model's own
+        self._mark = None  # while the step clock runs: when the current step began
+        self._packed = self._loss = None
+        self.steps = 0
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    @contextlib.contextmanager
+    def timed(self, part: str):
+        """Time `part`; a step in progress is closed first and a new one starts after."""
+        self.sync()
+        t = self.now()
+        if self._mark is not None:
+            self.parts["steps"] += t - self._mark
+        try:
+            yield
+        finally:
+            self.sync()
+            end = self.now()
+            self.parts[part] += end - t
+            if self._mark is not None:
+                self._mark = end
+
+    def start_steps(self) -> None:
+        self._mark = self.now()
+
+    def step_done(self) -> None:
+        t = self.now()
+        self.parts["steps"] += t - self._mark
+        self._mark = t
+        self.steps += 1
+
+    def stop_steps(self) -> None:
+        if self._mark is not None:
+            self.sync()
+            self.parts["steps"] += self.now() - self._mark
+            self._mark = None
+
+    def count(self, document_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        """Tokens of one training batch, summed on its device (no synchronisation per step)."""
+        packed, loss = (document_ids >= 0).sum(), loss_mask.sum()
+        self._packed = packed if self._packed is None else self._packed + packed
+        self._loss = loss if self._loss is None else self._loss + loss
+
+    def record(self, extra: dict | None = None) -> dict:
+        wall = self.now() - self.t0
+        steps_s = self.parts["steps"]
+        packed = int(self._packed.item()) if self._packed is not None else 0
+        loss = int(self._loss.item()) if self._loss is not None else 0
+        return {"wall_s": round(wall, 4), "train_wall_s": round(wall, 4), "parts_s": {k: round(v, 4) for k, v in self.parts.items()},
+                "unaccounted_s": round(wall - sum(self.parts.values()), 4),
+                "steps_share": round(steps_s / wall, 4) if wall else 0.0, "steps": self.steps,
+                "steps_per_s": round(self.steps / steps_s, 3) if steps_s else 0.0, "packed_tokens": packed,
+                "loss_tokens": loss, "tokens_per_s": round(packed / steps_s, 1) if steps_s else 0.0,
+                "loss_tokens_per_s": round(loss / steps_s, 1) if steps_s else 0.0, **(extra or {})}
+
+
+def write(path: Path, rec: dict, name: str) -> None:
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    print(f"box {name}: {rec['wall_s']:.1f} s, {100 * rec['steps_share']:.1f}% steps ({rec['steps']} steps, "
+          f"{rec['tokens_per_s']:.0f} packed tokens/s, {rec['loss_tokens_per_s']:.0f} loss tokens/s); " +
+          ", ".join(f"{k} {v:.1f} s" for k, v in rec["parts_s"].items() if k != "steps") +
+          f"; unaccounted {rec['unaccounted_s']:.2f} s", flush=True)
+
+
+def add_export(path: Path, seconds: float, name: str) -> None:
+    """The export stage's time for this model into its box: wall_s = train_wall_s + export (a re-export replaces
+    the earlier export time)."""
+    if not path.is_file():
+        return
+    rec = json.loads(path.read_text())
+    rec["parts_s"]["export"] = round(seconds, 4)
+    rec["wall_s"] = round(rec["train_wall_s"] + seconds, 4)
+    rec["unaccounted_s"] = round(rec["wall_s"] - sum(rec["parts_s"].values()), 4)
+    steps_s = rec["parts_s"]["steps"]
+    rec["steps_share"] = round(steps_s / rec["wall_s"], 4) if rec["wall_s"] else 0.0
+    write(path, rec, name)

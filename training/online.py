@@ -1,0 +1,87 @@
+"""Hidden states online (`hidden.mode=online`): the hidden stage writes only the arrow dataset (token ids, loss
+masks, lengths) and every training step runs the frozen target over the batch's token ids to make the tensors the
+offline files would hold. Glue around speculators 0.9.0, nothing of it copied:
+
+* `IdsOnly` stands in for its `hs_connectors` transfer: `ArrowDataset` gets each sample's token ids and an empty
+  `[T, L + 1, 0]` hidden-state tensor, so speculators' dataset, packing sampler and collate run as they are and
+  carry no hidden states (the collated `hidden_states` / `verifier_last_hidden_states` are `[1, T, 0]`).
+* `OnlineTaps` is a forward pre-hook on the speculators model: a batch whose hidden states are empty gets them
+  from the target before the model's forward (training and validation alike).
+
+Packing: the collate packs several sequences into one row of `total_seq_len` tokens (`document_ids` 0, 1, ... and
+-1 on padding; the last sequence may be cut short). The offline stage ran the target on each sequence alone, in
+right-padded batches with an attention mask; here the row is unpacked into such a batch (one row per sequence,
+positions from 0, no attention across sequences), run through the target's base model (no lm_head), and the
+tapped rows are packed back; padding rows are zero, as in the collate's zero-filled buffer. (A packed row with
+restarting position ids would give the same numbers through a dense T x T mask: O(T^2) attention per step.)
+Dtypes follow the offline path: computed in the target's dtype (autocast off), rounded to `hidden.dtype` (what the
+files would store), then cast to the training dtype (what the collate's buffer would hold).
+"""
+from __future__ import annotations
+
+import torch
+from hs_connectors import HiddenStatesTransfer
+
+from training.hidden import Capture
+
+
+class IdsOnly(HiddenStatesTransfer):
+    """The token ids of sample `file_idx` of the arrow dataset at `data_path`, with no hidden states."""
+
+    def __init__(self, data_path: str, n_taps: int):
+        self.data_path, self.n_taps = data_path, n_taps
+        self._data = None  # opened lazily: the loader's spawned workers get the path, not the table
+
+    def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
+        if self._data is None:
+            from datasets import load_from_disk
+            self._data = load_from_disk(self.data_path)
+            self._data.set_format("torch")
+        ids = self._data[file_idx]["input_ids"]
+        return {"token_ids": ids, "hidden_states": torch.empty(len(ids), self.n_taps + 1, 0)}
+
+    def get_generated(self, hs_transfer_params):
+        raise RuntimeError("hidden.mode=online computes hidden states in the training step; nothing is generated")
+
+    def __getstate__(self):
+        return {"data_path": self.data_path, "n_taps": self.n_taps, "_data": None}
+
+
+class OnlineTaps:
+    """Forward pre-hook (`register_forward_pre_hook(..., with_kwargs=True)`) that fills empty hidden states."""
+
+    def __init__(self, target, layer_ids: list[int], store_dtype: torch.dtype, train_dtype: torch.dtype):
+        self.target = target.eval().requires_grad_(False)
+        self.capture = Capture(target, layer_ids)
+        self.store_dtype, self.train_dtype = store_dtype, train_dtype
+
+    @torch.no_grad()
+    def compute(self, input_ids, position_ids, document_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """([1, T, L*H], [1, T, H]) for one packed row, as ArrowDataset would read them from the offline files.
+        `position_ids` are the collate's (each sequence from 0); the target gets them through its own padding."""
+        dev = next(self.target.parameters()).device
+        doc = document_ids[0].to(dev)
+        n = int((doc >= 0).sum())
+        lengths = torch.bincount(doc[:n]).tolist()  # the collate packs sequences 0, 1, ... in order, padding last
+        seqs = input_ids[0, :n].to(dev).split(lengths)
+        x = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
+        mask = torch.arange(x.shape[1], device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        with torch.autocast(dev.type, enabled=False):
+            self.target.model(input_ids=x, attention_mask=mask.long(), use_cache=False)
+        full = self.capture.stacked()  # [B, Lmax, L+1, H]
+        self.capture.store.clear()
+        out = full.new_zeros((doc.shape[0], *full.shape[2:]))
+        out[:n] = full[mask]  # row-major: sequence 0's tokens, then sequence 1's ...
+        out = out.to(self.store_dtype).to(self.train_dtype)
+        return out[:, :-1].flatten(1)[None], out[:, -1][None]
+
+    def __call__(self, module, args, kwargs):
+        hs = kwargs.get("hidden_states")
+        if hs is None or hs.shape[-1] != 0:
+            return None
+        h, last = self.compute(kwargs["input_ids"], kwargs["position_ids"], kwargs["document_ids"])
+        return args, {**kwargs, "hidden_states": h.to(hs.device), "verifier_last_hidden_states": last.to(hs.device)}
+
+    def close(self):
+        self.capture.close()
+

@@ -1,0 +1,51 @@
+"""Warm start (`train.warm_start` = an export folder, e.g. what a time-boxed session brought back): each model with
+a folder there starts from its exported weights (bf16, sharded) and continues the LR schedule from the global step
+the export recorded in `<model>/train_state.json` (written by the export stage from the train manifest).
+
+What a warm restart loses against resuming a checkpoint: the optimizer state (AdamW's first and second moments and
+their step counts: the new optimizer starts them at zero, so its first updates are bias-corrected as a fresh
+Adam's are), the fp32 master weights (the weights are the bf16 export's, rounded to 2^-9 relative), and the
+metrics history and best-validation record of the earlier session. Kept: the weights, the step, and so the LR
+schedule, the data position (epoch and in-epoch step follow from the step and the same data) and the anchor draws
+(reseeded from the seed and the step).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from core.errors import UsageError
+
+STATE = "train_state.json"
+
+
+def source(cfg: dict, name: str) -> Path | None:
+    root = cfg["train"]["warm_start"]
+    d = Path(root) / name if root else None
+    return d if d is not None and (d / "config.json").is_file() else None
+
+
+def train_state(d: Path) -> dict:
+    f = d / STATE
+    if not f.is_file():
+        raise UsageError(f"train.warm_start: {d} has no {STATE} (an export from before warm starts existed); "
+                         "re-export it or train from scratch")
+    return json.loads(f.read_text())
+
+
+def load(model, d: Path, name: str) -> int:
+    """The exported tensors into `model` (each must be one of its own, same shape); returns the recorded step."""
+    from core.checkpoints import read_tensors, shard_files
+    step = int(train_state(d)["global_step"])
+    tensors = read_tensors(shard_files(d, f"train.warm_start {name}"))
+    own = model.state_dict()
+    for k, v in tensors.items():
+        if k not in own or own[k].shape != v.shape:
+            raise UsageError(f"train.warm_start: {d}'s tensor {k} {tuple(v.shape)} does not fit models.{name} "
+                             f"({tuple(own[k].shape) if k in own else 'no such tensor'})")
+    with torch.no_grad():
+        for k, v in tensors.items():
+            own[k].copy_(v.to(own[k].dtype))
+    return step
