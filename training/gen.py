@@ -1,13 +1,45 @@
-"""Batched generation with HF transformers `generate` (left padding), returning each row's new token ids cut at
-its first stop token. Used for Magpie prompts and for the target's own responses."""
+"""Batched generation, returning each row's new token ids cut at its first stop token (kept when keep_stop).
+
+Two engines: `generate_batch`, HF transformers `generate` (left padding; Magpie prompts, and the responses stage
+with responses.engine=hf), and `generate_fast`, harness.decode.batched_gen.BatchedGenerator (the responses
+stage's default: a static KV cache, continuous batching, CUDA graphs and bf16 on CUDA)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+ENGINES = ("fast", "hf")
+_FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {rows: BatchedGenerator}
 
 
 def stop_ids(model, tokenizer) -> list[int]:
     from harness.decode.loading import stop_token_ids
     return stop_token_ids(model, tokenizer)
+
+
+def fast_dtype(model) -> torch.dtype:
+    """bf16 on CUDA (whatever the loaded weights are), the model's own dtype elsewhere."""
+    return torch.bfloat16 if model.device.type == "cuda" else next(model.parameters()).dtype
+
+
+def fast_generator(model, rows: int):
+    """One BatchedGenerator per (model, rows), kept while the model lives: its graphs and cache are reused."""
+    from harness.decode.batched_gen import BatchedGenerator
+    per_model = _FAST.setdefault(model, {})
+    if rows not in per_model:
+        per_model.clear()  # one at a time: each holds a cache of its own
+        per_model[rows] = BatchedGenerator(model, rows, dtype=fast_dtype(model))
+    return per_model[rows]
+
+
+def generate_fast(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], sample: bool,
+                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, keep_stop: bool = True,
+                  rows: int = 256) -> list[list[int]]:
+    """generate_batch's answers from the fast engine, `rows` prompts decoding at a time."""
+    gen = fast_generator(model, max(1, min(rows, len(prompts))))
+    return gen.generate(prompts, max_new_tokens, stops, sample=sample, temperature=temperature, top_p=top_p,
+                        seed=seed, keep_stop=keep_stop)
 
 
 @torch.no_grad()
