@@ -112,3 +112,31 @@ def test_responses_stage_fast_equals_hf(tmp_path):
     assert [r for r in got if r["mode"] == "greedy"] == [r for r in want if r["mode"] == "greedy"]
     assert [(r["prompt"], r["mode"]) for r in got] == [(r["prompt"], r["mode"]) for r in want]
     assert run_cli("responses", "--config", cfg, "--workdir", hf, "--set", "responses.engine=vllm") == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_steps_equal_hf_and_replay_the_seed():
+    """On CUDA (fp32, graphs on): greedy equals HF generate row for row with refills, and a sampled generation
+    replays exactly from its seed (the generator's state is registered with every captured graph)."""
+    model = tiny_hf_model("qwen3").cuda()
+    prompts = _prompts((3, 9, 1, 12, 5, 7, 2))
+    stop = _hf(model, prompts[:1], [])[0][2]
+    want = [_hf(model, [p], [stop])[0] for p in prompts]
+    gen = BatchedGenerator(model, rows=3, bucket=16, check_every=3)
+    assert gen.use_graph and gen.generate(prompts, NEW, [stop]) == want and gen.stats["captures"] > 0
+    kw = dict(sample=True, temperature=1.0, top_p=0.9)
+    a = gen.generate(prompts, NEW, [stop], seed=3, **kw)
+    assert gen.generate(prompts, NEW, [stop], seed=3, **kw) == a != gen.generate(prompts, NEW, [stop], seed=4, **kw)
+
+
+def test_bench_generate_runs_on_random_weights(tmp_path):
+    """harness.lab.bench_generate on the tiny random preset (CPU): both engines timed on the same prompts, the
+    fast engine's greedy rows equal HF's, the output says random weights, and a bad argument is one error line."""
+    from harness.lab.bench_generate import main
+    out = tmp_path / "g.json"
+    assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "3", "--batch", "2",
+                 "--max-new-tokens", "3", "--bucket", "32", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["label"].startswith("random weights") and r["fast"]["tokens"] == r["hf"]["tokens"] == 9
+    assert r["greedy_rows_equal"] == 1.0 and r["fast"]["prefill_rows"] == 3 and r["ratio"] > 0
+    assert main(["--random-weights", "nope", "--prompts", "2"]) == 2

@@ -33,6 +33,11 @@ def fast_generator(model, rows: int):
     return per_model[rows]
 
 
+def release_fast(model) -> None:
+    """Drop the model's fast generators (their KV cache and graphs) once a stage is done with them."""
+    _FAST.pop(model, None)
+
+
 def generate_fast(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], sample: bool,
                   temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, keep_stop: bool = True,
                   rows: int = 256) -> list[list[int]]:
@@ -42,30 +47,10 @@ def generate_fast(model, prompts: list[list[int]], max_new_tokens: int, stops: l
                         seed=seed, keep_stop=keep_stop)
 
 
-@torch.no_grad()
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
                    sample: bool, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                    keep_stop: bool = True) -> list[list[int]]:
-    device = model.device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                  eos_token_id=stops or None)
-    if sample:
-        torch.manual_seed(seed)
-        kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-    new = out[:, width:].tolist()
-    result = []
-    for row in new:
-        cut = next((j for j, t in enumerate(row) if t in stops), None)
-        if cut is not None:
-            row = row[:cut + 1] if keep_stop else row[:cut]
-        result.append(row)
-    return result
+    """HF generate (harness.decode.batched_gen.hf_generate): Magpie prompts, and responses with engine=hf."""
+    from harness.decode.batched_gen import hf_generate
+    return hf_generate(model, prompts, max_new_tokens, stops, pad_id, sample, temperature=temperature, top_p=top_p,
+                       seed=seed, keep_stop=keep_stop)

@@ -144,6 +144,9 @@ def run(cfg: dict, load, force: bool = False) -> Path:
                 write_jsonl(tmp, done[g])
                 tmp.rename(final)
                 bar.update(1)
+    if not hf:
+        from training.gen import release_fast
+        release_fast(model)
     rows = read_rows(cfg)
     write_json(out / "manifest.json", {"key": key, "complete": True, "sequences": len(rows),
                                        "response_tokens": sum(len(r["response"]) for r in rows),

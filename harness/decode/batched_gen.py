@@ -213,3 +213,32 @@ class BatchedGenerator:
         if row and row[-1] in stops and not keep_stop:
             return row[:-1]
         return row
+
+
+@torch.no_grad()
+def hf_generate(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
+                sample: bool, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
+                keep_stop: bool = True) -> list[list[int]]:
+    """The same answers from HF transformers `generate` in one left-padded batch (the reference engine)."""
+    device = model.device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
+                  eos_token_id=stops or None)
+    if sample:
+        torch.manual_seed(seed)
+        kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+    result = []
+    for row in out[:, width:].tolist():
+        cut = next((j for j, t in enumerate(row) if t in stops), None)
+        if cut is not None:
+            row = row[:cut + 1] if keep_stop else row[:cut]
+        result.append(row)
+    return result
