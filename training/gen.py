@@ -1,8 +1,16 @@
-"""Batched generation with HF transformers `generate` (left padding), returning each row's new token ids cut at
-its first stop token. Used for Magpie prompts and for the target's own responses."""
+"""Batched generation, returning each row's new token ids cut at its first stop token (kept when keep_stop).
+
+Two engines: `generate_batch`, HF transformers `generate` (left padding; Magpie prompts, and the responses stage
+with responses.engine=hf), and `generate_fast`, harness.decode.batched_gen.BatchedGenerator (the responses
+stage's default: a static KV cache, continuous batching, CUDA graphs and bf16 on CUDA)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
+
+ENGINES = ("fast", "hf")
+_FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {rows: BatchedGenerator}
 
 
 def stop_ids(model, tokenizer) -> list[int]:
@@ -10,30 +18,39 @@ def stop_ids(model, tokenizer) -> list[int]:
     return stop_token_ids(model, tokenizer)
 
 
-@torch.no_grad()
+def fast_dtype(model) -> torch.dtype:
+    """bf16 on CUDA (whatever the loaded weights are), the model's own dtype elsewhere."""
+    return torch.bfloat16 if model.device.type == "cuda" else next(model.parameters()).dtype
+
+
+def fast_generator(model, rows: int):
+    """One BatchedGenerator per (model, rows), kept while the model lives: its graphs and cache are reused."""
+    from harness.decode.batched_gen import BatchedGenerator
+    per_model = _FAST.setdefault(model, {})
+    if rows not in per_model:
+        per_model.clear()  # one at a time: each holds a cache of its own
+        per_model[rows] = BatchedGenerator(model, rows, dtype=fast_dtype(model))
+    return per_model[rows]
+
+
+def release_fast(model) -> None:
+    """Drop the model's fast generators (their KV cache and graphs) once a stage is done with them."""
+    _FAST.pop(model, None)
+
+
+def generate_fast(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], sample: bool,
+                  temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, keep_stop: bool = True,
+                  rows: int = 256) -> list[list[int]]:
+    """generate_batch's answers from the fast engine, `rows` prompts decoding at a time."""
+    gen = fast_generator(model, max(1, min(rows, len(prompts))))
+    return gen.generate(prompts, max_new_tokens, stops, sample=sample, temperature=temperature, top_p=top_p,
+                        seed=seed, keep_stop=keep_stop)
+
+
 def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
                    sample: bool, temperature: float = 1.0, top_p: float = 1.0, seed: int = 0,
                    keep_stop: bool = True) -> list[list[int]]:
-    device = model.device
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
-    kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, pad_token_id=pad_id,
-                  eos_token_id=stops or None)
-    if sample:
-        torch.manual_seed(seed)
-        kwargs.update(temperature=temperature, top_p=top_p, top_k=0)
-    else:
-        kwargs.update(temperature=None, top_p=None, top_k=None)
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-    new = out[:, width:].tolist()
-    result = []
-    for row in new:
-        cut = next((j for j, t in enumerate(row) if t in stops), None)
-        if cut is not None:
-            row = row[:cut + 1] if keep_stop else row[:cut]
-        result.append(row)
-    return result
+    """HF generate (harness.decode.batched_gen.hf_generate): Magpie prompts, and responses with engine=hf."""
+    from harness.decode.batched_gen import hf_generate
+    return hf_generate(model, prompts, max_new_tokens, stops, pad_id, sample, temperature=temperature, top_p=top_p,
+                       seed=seed, keep_stop=keep_stop)

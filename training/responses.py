@@ -1,7 +1,11 @@
 """Stage 2, responses: the target's own answers to the training prompts, greedy and sampled, through its chat
-template, batched with HF `generate`. Stored as token ids (parts/part_NNNN.jsonl, one row per sequence:
-prompt ids, response ids, mode, source) with a manifest. Parts are written one batch group at a time, so an
-interrupted run resumes where it stopped."""
+template. Stored as token ids (parts/part_NNNN.jsonl, one row per sequence: prompt ids, response ids, mode,
+source) with a manifest. Parts are written one batch group at a time, so an interrupted run resumes where it
+stopped.
+
+responses.engine: "fast" (default) generates with harness.decode.batched_gen (a static KV cache, continuous
+batching over responses.batch_size rows, CUDA graphs and bf16 on CUDA), several parts per call so that finished
+rows are refilled; "hf" runs HF `generate` batch by batch. Both write the same rows in the same order."""
 from __future__ import annotations
 
 import json
@@ -9,6 +13,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from core.errors import UsageError
 from training.config import fingerprint
 from training.prompts import out_dir as prompts_dir
 from training.store import read_manifest, resumable, write_json, write_jsonl
@@ -38,27 +43,83 @@ def read_rows(cfg: dict) -> list[dict]:
     return rows
 
 
-def _part(cfg, model, tokenizer, prompts: list[dict], part: int) -> list[dict]:
-    from training.gen import generate_batch, stop_ids
-    rc = cfg["responses"]
-    stops = stop_ids(model, tokenizer)
+def _encoded(cfg, tokenizer, prompts: list[dict]) -> list[tuple[dict, list[int]]]:
     encoded = [(p, chat_ids(tokenizer, p["text"])) for p in prompts]
-    encoded = [e for e in encoded if len(e[1]) <= rc["max_prompt_tokens"]]
+    encoded = [e for e in encoded if len(e[1]) <= cfg["responses"]["max_prompt_tokens"]]
     encoded.sort(key=lambda e: len(e[1]))
-    rows = []
-    modes = [("greedy", 0)] + [("sampled", k + 1) for k in range(rc["sampled"])]
-    for start in range(0, len(encoded), rc["batch_size"]):
-        chunk = encoded[start:start + rc["batch_size"]]
-        for mode, k in modes:
-            outs = generate_batch(model, [e[1] for e in chunk], rc["max_new_tokens"], stops, tokenizer.pad_token_id,
-                                  sample=mode == "sampled", temperature=rc["temperature"], top_p=rc["top_p"],
-                                  seed=cfg["seed"] * 1000003 + part * 7919 + start * 31 + k)
+    return encoded
+
+
+def _modes(cfg) -> list[tuple[str, int]]:
+    return [("greedy", 0)] + [("sampled", k + 1) for k in range(cfg["responses"]["sampled"])]
+
+
+def _rows(cfg, encoded, answer) -> list[dict]:
+    """The part's rows, batch by batch and mode by mode; answer(mode, k, start, chunk) -> the chunk's answers."""
+    rows, size = [], cfg["responses"]["batch_size"]
+    for start in range(0, len(encoded), size):
+        chunk = encoded[start:start + size]
+        for mode, k in _modes(cfg):
             rows += [{"prompt": e[1], "response": o, "mode": mode, "source": e[0]["source"]}
-                     for e, o in zip(chunk, outs) if o]
+                     for e, o in zip(chunk, answer(mode, k, start, chunk)) if o]
     return rows
 
 
+def _part(cfg, model, tokenizer, prompts: list[dict], part: int) -> list[dict]:
+    """HF generate, one batch at a time."""
+    from training.gen import generate_batch, stop_ids
+    rc = cfg["responses"]
+    stops = stop_ids(model, tokenizer)
+
+    def answer(mode, k, start, chunk):
+        return generate_batch(model, [e[1] for e in chunk], rc["max_new_tokens"], stops, tokenizer.pad_token_id,
+                              sample=mode == "sampled", temperature=rc["temperature"], top_p=rc["top_p"],
+                              seed=cfg["seed"] * 1000003 + part * 7919 + start * 31 + k)
+    return _rows(cfg, _encoded(cfg, tokenizer, prompts), answer)
+
+
+def _fast_parts(cfg, model, tokenizer, parts: list[tuple[int, list[dict]]]) -> dict[int, list[dict]]:
+    """The fast engine over several parts at once: one generation per mode over all their prompts."""
+    from training.gen import generate_fast, stop_ids
+    rc = cfg["responses"]
+    stops = stop_ids(model, tokenizer)
+    encoded = {g: _encoded(cfg, tokenizer, prompts) for g, prompts in parts}
+    flat = [e[1] for g, _ in parts for e in encoded[g]]
+    answers = {}
+    for mode, k in _modes(cfg):
+        outs = generate_fast(model, flat, rc["max_new_tokens"], stops, sample=mode == "sampled",
+                             temperature=rc["temperature"], top_p=rc["top_p"],
+                             seed=cfg["seed"] * 1000003 + parts[0][0] * 7919 + k, rows=rc["batch_size"])
+        at = 0
+        for g, _ in parts:
+            answers[g, mode, k] = outs[at:at + len(encoded[g])]
+            at += len(encoded[g])
+    return {g: _rows(cfg, encoded[g], lambda mode, k, start, chunk, g=g: answers[g, mode, k][start:start + len(chunk)])
+            for g, _ in parts}
+
+
+def parts_per_call(cfg) -> int:
+    """Parts the fast engine generates together: about 4 x batch_size prompts, so that rows are refilled."""
+    return max(1, -(-4 * cfg["responses"]["batch_size"] // PART_PROMPTS))
+
+
+def check_engine(cfg) -> None:
+    """Before any model loads: a known engine, and a target family the fast engine runs."""
+    from training.gen import ENGINES
+    engine = cfg["responses"]["engine"]
+    if engine not in ENGINES:
+        raise UsageError(f"config responses.engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "fast":
+        from harness.decode.target import PLAIN_FAMILIES
+        from training.target import target_config
+        family = getattr(target_config(cfg["target"]), "model_type", None)
+        if family not in PLAIN_FAMILIES:
+            raise UsageError(f"config responses.engine fast runs {', '.join(PLAIN_FAMILIES)} targets, not "
+                             f"{family!r}; set responses.engine=hf")
+
+
 def run(cfg: dict, load, force: bool = False) -> Path:
+    check_engine(cfg)
     out = out_dir(cfg)
     key = stage_key(cfg)
     if resumable(out, key, force, "responses") == "done":
@@ -69,13 +130,23 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     prompts = [json.loads(line) for line in (prompts_dir(cfg) / "train.jsonl").read_text().splitlines()]
     groups = [prompts[i:i + PART_PROMPTS] for i in range(0, len(prompts), PART_PROMPTS)]
     model, tokenizer = load()
-    for g, group in enumerate(tqdm(groups, desc="responses", unit="part")):
-        final = parts / f"part_{g:04d}.jsonl"
-        if final.exists():
-            continue
-        tmp = final.with_suffix(".tmp")
-        write_jsonl(tmp, _part(cfg, model, tokenizer, group, g))
-        tmp.rename(final)
+    todo = [(g, group) for g, group in enumerate(groups) if not (parts / f"part_{g:04d}.jsonl").exists()]
+    hf = cfg["responses"]["engine"] == "hf"
+    step = 1 if hf else parts_per_call(cfg)
+    with tqdm(total=len(todo), desc="responses", unit="part") as bar:
+        for at in range(0, len(todo), step):
+            batch = todo[at:at + step]
+            done = ({g: _part(cfg, model, tokenizer, group, g) for g, group in batch} if hf
+                    else _fast_parts(cfg, model, tokenizer, batch))
+            for g, _ in batch:
+                final = parts / f"part_{g:04d}.jsonl"
+                tmp = final.with_suffix(".tmp")
+                write_jsonl(tmp, done[g])
+                tmp.rename(final)
+                bar.update(1)
+    if not hf:
+        from training.gen import release_fast
+        release_fast(model)
     rows = read_rows(cfg)
     write_json(out / "manifest.json", {"key": key, "complete": True, "sequences": len(rows),
                                        "response_tokens": sum(len(r["response"]) for r in rows),

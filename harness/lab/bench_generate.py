@@ -1,0 +1,168 @@
+"""Response tokens/s of the batched generator against HF generate, on the same prompts:
+
+    python -m harness.lab.bench_generate --target smollm2 | --random-weights smollm2-135m --device cuda
+        --dtype bfloat16 --prompts 1024 --batch 1024 --max-new-tokens 256 [--sampled] [--out FILE.json]
+
+Prompts are GSM8K training questions (training/data/gsm8k_train_questions.jsonl): through the target's chat
+template with --target, UTF-8 bytes (harness.protocol.presets.ByteTokenizer) with --random-weights, whose every
+number is labelled as random weights (such a target never stops early, so every row runs to --max-new-tokens).
+The fast engine (harness.decode.batched_gen.BatchedGenerator, --batch rows, continuous batching) runs twice: cold
+(its CUDA graphs are captured inside) and warm; HF generate runs in left-padded batches of --batch prompts over the
+first --hf-prompts prompts (default all). Tokens are counted up to and including the stop. For greedy, the share
+of rows equal to HF's (and the mean share of each row's tokens before the first difference), over HF's prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from core.devices import resolve_backend
+from core.errors import UsageError
+from harness.decode.batched_gen import BatchedGenerator, hf_generate
+
+RANDOM = "random weights (timing only: answers are meaningless, and no row stops early)"
+QUESTIONS = Path(__file__).resolve().parents[2] / "training" / "data" / "gsm8k_train_questions.jsonl"
+
+
+def questions(n: int) -> list[str]:
+    lines = [line for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    if n > len(lines):
+        raise UsageError(f"--prompts {n}: {QUESTIONS.name} has {len(lines)} questions")
+    return [json.loads(line)["question"] for line in lines[:n]]
+
+
+def load_random(name: str, backend, texts: list[str]):
+    from harness.protocol.presets import ByteTokenizer, build_random, preset
+    m = build_random(name, backend, fuse=False)
+    tok = ByteTokenizer(m.target.vocab_size)
+    return m.target.model, [tok.encode(t) for t in texts], list(preset(name).stop_ids), 0, RANDOM
+
+
+def load_real(spec: str, backend, texts: list[str]):
+    from transformers import AutoModelForCausalLM
+    from harness.decode.loading import load_path, load_target_config, load_tokenizer, stop_token_ids
+    if spec == "smollm2":
+        from harness.protocol.assets import fetch_smollm2_gguf
+        spec = str(fetch_smollm2_gguf())
+    load_target_config(spec)  # the family check, before weights
+    tokenizer = load_tokenizer(spec)
+    path, extra = load_path(spec, convert=True)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=backend.dtype, attn_implementation="sdpa", **extra)
+    model = model.to(backend.device).eval()
+    prompts = []
+    for t in texts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=True,
+                                            add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return model, prompts, stop_token_ids(model, tokenizer), pad or 0, "real weights"
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(device, fn):
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def _rate(answers, seconds) -> dict:
+    tokens = sum(len(a) for a in answers)
+    return {"prompts": len(answers), "tokens": tokens, "seconds": round(seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1), "mean_answer": round(tokens / max(len(answers), 1), 1)}
+
+
+def _prefix_share(a: list[int], b: list[int]) -> float:
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return n / max(len(a), len(b), 1)
+
+
+def measure(a) -> dict:
+    backend = resolve_backend(a.device, a.dtype)
+    texts = questions(a.prompts)
+    load = (lambda: load_random(a.random_weights, backend, texts)) if a.random_weights else \
+        (lambda: load_real(a.target, backend, texts))
+    model, prompts, stops, pad, label = load()
+    kw = dict(sample=a.sampled, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
+    gen = BatchedGenerator(model, rows=a.batch, dtype=backend.dtype, device=backend.device,
+                           check_every=a.check_every, bucket=a.bucket)
+    run = lambda: gen.generate(prompts, a.max_new_tokens, stops, **kw)  # noqa: E731
+    _, cold = _timed(backend.device, run)
+    cold_stats, gen.stats = gen.stats, dict.fromkeys(gen.stats, 0)
+    fast, warm = _timed(backend.device, run)
+    result = {"label": label, "target": a.random_weights or a.target, "device": str(backend.device),
+              "gpu": torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu",
+              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch,
+              "max_new_tokens": a.max_new_tokens, "mode": "sampled" if a.sampled else "greedy",
+              "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
+              "fast": {**_rate(fast, warm), "cold_seconds": round(cold, 3), **gen.stats},
+              "fast_cold": cold_stats}
+    n = min(a.hf_prompts or len(prompts), len(prompts))
+    if n:
+        def hf():
+            out = []
+            for s in range(0, n, a.batch):
+                out += hf_generate(model, prompts[s:s + a.batch], a.max_new_tokens, stops, pad, **kw)
+            return out
+        ref, seconds = _timed(backend.device, hf)
+        result["hf"] = _rate(ref, seconds)
+        result["ratio"] = round(result["fast"]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
+        if n < len(prompts):
+            result["note"] = f"HF generate ran on the first {n} prompts only; the ratio compares the two rates"
+        if not a.sampled:
+            result["greedy_rows_equal"] = round(sum(x == y for x, y in zip(fast, ref)) / n, 4)
+            result["greedy_prefix_share"] = round(sum(_prefix_share(x, y) for x, y in zip(fast, ref)) / n, 4)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_generate", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--target", help="smollm2, a hub id, a model directory or a .gguf file")
+    src.add_argument("--random-weights", help="a preset of harness.protocol.presets (e.g. smollm2-135m)")
+    p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--prompts", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1024, help="rows decoding together (HF: prompts per batch)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--sampled", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hf-prompts", type=int, default=0, help="HF generate on the first N prompts (0: all)")
+    p.add_argument("--check-every", type=int, default=8, help="decode steps between host checks")
+    p.add_argument("--bucket", type=int, default=128, help="KV-length bucket of the captured steps")
+    p.add_argument("--out", help="JSON path (default: print only)")
+    a = p.parse_args(argv)
+    try:
+        if min(a.prompts, a.batch, a.max_new_tokens) < 1 or a.hf_prompts < 0:
+            raise UsageError("--prompts, --batch and --max-new-tokens must be >= 1, --hf-prompts >= 0")
+        if a.random_weights:
+            from harness.protocol.presets import preset
+            preset(a.random_weights)
+        result = measure(a)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    text = json.dumps({**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=2)
+    print(text)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        Path(a.out).write_text(text + "\n")
+        print(f"[bench_generate] wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

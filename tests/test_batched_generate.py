@@ -1,0 +1,142 @@
+"""harness.decode.batched_gen.BatchedGenerator (many rows over one static KV cache, each at its own position) against
+HF `generate`, on tiny fp32 models on CPU; and the responses stage with engine=fast against engine=hf."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from core.errors import UsageError
+from harness.decode.batched_gen import BatchedGenerator
+from tiny import tiny_hf_model
+from training.gen import generate_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+NEW = 10
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(8, 100, (n,), generator=g).tolist() for n in lengths]
+
+
+def _hf(model, prompts, stops, new=NEW):
+    return generate_batch(model, prompts, new, stops, 0, sample=False)
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def model(request):
+    return tiny_hf_model(request.param)
+
+
+def test_greedy_equals_hf_generate_row_for_row(model):
+    """Prompts of 1..12 tokens in one batch, a stop id that greedy emits (so some rows end early, some run to
+    max_new_tokens): every row equals HF generate's (left-padded, its own attention mask). Guards each row's
+    position (rotary and the slot its K/V go to), the key mask over its own prefix, and the per-row stop."""
+    prompts = _prompts((3, 9, 1, 12, 5))
+    free = _hf(model, prompts, [])
+    stop = free[1][3]
+    want = _hf(model, prompts, [stop])
+    assert any(len(w) < NEW for w in want) and any(len(w) == NEW for w in want)  # the test has both kinds
+    gen = BatchedGenerator(model, rows=len(prompts), bucket=16, check_every=3)
+    assert gen.generate(prompts, NEW, [stop]) == want
+    assert gen.generate(prompts, NEW, []) == free  # the same generator again: nothing left over from before
+    assert gen.generate(prompts, NEW, [stop], keep_stop=False) == [w[:-1] if w[-1] == stop else w for w in want]
+
+
+def test_refilled_rows_equal_their_own_single_row_answers(model):
+    """2 rows, 5 prompts: rows that finish (an early stop, or a smaller per-prompt limit) take the next waiting
+    prompt while the other row keeps decoding, over its own stale cache row; each answer equals HF generate of
+    that prompt alone. Guards the refill (a new prompt must not see its row's previous keys)."""
+    prompts = _prompts((7, 2, 11, 4, 6), seed=3)
+    stop = _hf(model, prompts[:1], [])[0][2]
+    limits = [NEW, 4, NEW, NEW, 6]
+    want = [_hf(model, [p], [stop], new=m)[0] for p, m in zip(prompts, limits)]
+    gen = BatchedGenerator(model, rows=2, bucket=16, check_every=2)
+    assert gen.generate(prompts, limits, [stop]) == want
+    assert gen.stats["prefill_rows"] == 5 and gen.stats["prefills"] >= 4  # rows were refilled one at a time
+    static = BatchedGenerator(model, rows=2, bucket=16, check_every=2)
+    assert static.generate(prompts, limits, [stop], refill=False) == want
+
+
+def test_sampling_is_seeded_and_per_row(model):
+    """Same seed -> same answers, another seed -> others; top_p tiny -> the greedy answers. Every sampled token
+    lies in the top-p nucleus of its own row's logits at that step (recomputed by the HF forward), and the two
+    prompts' first nuclei differ: a sampler that mixed rows' logits would pick tokens outside them."""
+    prompts = _prompts((5, 8), seed=7) * 4
+    gen = BatchedGenerator(model, rows=8, bucket=16, check_every=4)
+    kw = dict(sample=True, temperature=1.0, top_p=0.7)
+    a = gen.generate(prompts, NEW, [], seed=5, **kw)
+    assert gen.generate(prompts, NEW, [], seed=5, **kw) == a
+    assert gen.generate(prompts, NEW, [], seed=6, **kw) != a
+    assert gen.generate(prompts, NEW, [], sample=True, top_p=1e-6, seed=5) == _hf(model, prompts, [])
+    nuclei = []
+    for p, ans in zip(prompts, a):
+        with torch.no_grad():
+            probs = model(torch.tensor([p + ans])).logits[0, len(p) - 1:-1].softmax(-1)
+        sorted_p, order = probs.sort(-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p
+        for t, (row_order, row_before) in enumerate(zip(order, before)):
+            nucleus = set(row_order[row_before < 0.7].tolist())
+            assert ans[t] in nucleus
+            if t == 0:
+                nuclei.append(nucleus)
+    assert nuclei[0] != nuclei[1]
+    assert len({tuple(x) for x in a[0::2]}) > 1  # four copies of one prompt: not all the same answer
+
+
+def test_bad_requests_are_refused_before_decoding(model):
+    gen = BatchedGenerator(model, rows=2, bucket=16)
+    with pytest.raises(UsageError, match="max_new_tokens"):
+        gen.generate([[9, 10], []], NEW, [])
+    with pytest.raises(UsageError, match="positions"):
+        gen.generate([[9] * 500], 100, [])
+
+
+def test_responses_stage_fast_equals_hf(tmp_path):
+    """The responses stage with engine=fast (the default) writes the same rows as engine=hf, in the same order:
+    greedy rows identical, sampled rows for the same prompts. An unknown engine is one error line, exit 2."""
+    from training_fixtures import run_cli, write_config
+    cfg = write_config(tmp_path)
+    fast, hf = tmp_path / "fast", tmp_path / "hf"
+    assert run_cli("prompts", "--config", cfg, "--workdir", fast) == 0
+    shutil.copytree(fast / "prompts", hf / "prompts")
+    assert run_cli("responses", "--config", cfg, "--workdir", fast) == 0
+    assert run_cli("responses", "--config", cfg, "--workdir", hf, "--set", "responses.engine=hf") == 0
+
+    def rows(w):
+        return [json.loads(line) for f in sorted((w / "responses" / "parts").glob("*.jsonl"))
+                for line in f.read_text().splitlines()]
+    got, want = rows(fast), rows(hf)
+    assert len(got) == len(want) > 0
+    assert [r for r in got if r["mode"] == "greedy"] == [r for r in want if r["mode"] == "greedy"]
+    assert [(r["prompt"], r["mode"]) for r in got] == [(r["prompt"], r["mode"]) for r in want]
+    assert run_cli("responses", "--config", cfg, "--workdir", hf, "--set", "responses.engine=vllm") == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_steps_equal_hf_and_replay_the_seed():
+    """On CUDA (fp32, graphs on): greedy equals HF generate row for row with refills, and a sampled generation
+    replays exactly from its seed (the generator's state is registered with every captured graph)."""
+    model = tiny_hf_model("qwen3").cuda()
+    prompts = _prompts((3, 9, 1, 12, 5, 7, 2))
+    stop = _hf(model, prompts[:1], [])[0][2]
+    want = [_hf(model, [p], [stop])[0] for p in prompts]
+    gen = BatchedGenerator(model, rows=3, bucket=16, check_every=3)
+    assert gen.use_graph and gen.generate(prompts, NEW, [stop]) == want and gen.stats["captures"] > 0
+    kw = dict(sample=True, temperature=1.0, top_p=0.9)
+    a = gen.generate(prompts, NEW, [stop], seed=3, **kw)
+    assert gen.generate(prompts, NEW, [stop], seed=3, **kw) == a != gen.generate(prompts, NEW, [stop], seed=4, **kw)
+
+
+def test_bench_generate_runs_on_random_weights(tmp_path):
+    """harness.lab.bench_generate on the tiny random preset (CPU): both engines timed on the same prompts, the
+    fast engine's greedy rows equal HF's, the output says random weights, and a bad argument is one error line."""
+    from harness.lab.bench_generate import main
+    out = tmp_path / "g.json"
+    assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "3", "--batch", "2",
+                 "--max-new-tokens", "3", "--bucket", "32", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["label"].startswith("random weights") and r["fast"]["tokens"] == r["hf"]["tokens"] == 9
+    assert r["greedy_rows_equal"] == 1.0 and r["fast"]["prefill_rows"] == 3 and r["ratio"] > 0
+    assert main(["--random-weights", "nope", "--prompts", "2"]) == 2
