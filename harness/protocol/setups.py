@@ -29,12 +29,22 @@ MODEL_FLAGS = ("model_name_or_path", "draft_name_or_path", "xpress_refiner_path"
                "random_weights")
 
 # Embedded default sizes. CPU: two measured rounds without a warmup round (each arm still makes its untimed warmup
-# generation), sized to finish within 10 minutes on 2 cores even at tau = 1 (measured: 6 min 12 s of CPU time).
+# generation), sized to finish within 10 minutes on 2 cores even at tau = 1 (the timings: results/perf/NOTES.md).
 # CUDA: 32 prompts, one warmup round, then two measured rounds (fair_interleave counts every round, the warmup's
 # too; the committed results/smollm2-135m/*_t0 ran 2 rounds, one of them measured, before this was 3).
 EMBEDDED_CPU = dict(max_samples=4, max_new_tokens=48, fair_k_list="2,4", fair_interleave=2, fair_warmup_rounds=0)
 EMBEDDED_CUDA = dict(max_samples=32, max_new_tokens=96, fair_k_list="1,2,4,6,8", fair_interleave=3,
                      fair_warmup_rounds=1)
+
+# The CPU main job's wall time on the idle 2-core development machine (shipped weights, GGUF cached, model fetch
+# excluded; results/perf/NOTES.md): --help quotes it, and README.md must quote the same (tests/test_help_facts.py).
+CPU_MAIN_JOB_WALL_S = 154
+
+
+def wall_time(seconds: int) -> str:
+    """154 -> '2 min 34 s', as the README writes durations."""
+    m, s = divmod(int(seconds), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
 
 
 def weights_dir() -> Path:
