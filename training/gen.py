@@ -6,8 +6,8 @@ import torch
 
 
 def stop_ids(model, tokenizer) -> list[int]:
-    from harness.decode.loading import stop_token_ids
-    return stop_token_ids(model, tokenizer)
+    from harness.decode.accounting import STANDARD, model_stop_ids
+    return list(model_stop_ids(model, tokenizer, STANDARD))
 
 
 @torch.no_grad()

@@ -91,16 +91,3 @@ def make_target(model, backend: Backend, capacity: int = 256, taps: tuple[int, .
     if getattr(model.config, "model_type", None) == GEMMA4:
         return Gemma4Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl)
     return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl, ops=ops)
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """All of generation_config.eos_token_id (Qwen3 lists two), else the tokenizer's eos."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    ids = [ids] if isinstance(ids, int) else list(ids)
-    return sorted(set(int(i) for i in ids))
