@@ -2,9 +2,9 @@
 
 Two sources, one function each: a local JSONL file (`--data-dir DIR`, any NAME from DIR/NAME.jsonl) and the HF
 hub (the eight protocol datasets, without --data-dir). Hub rows become prompt strings through one small pure
-function per dataset (`build_turns_<name>`), written from the templates of REFERENCE.md section 8, so the
-prompts match the reference byte for byte (the tests check this against the
-local eval files). The subset rule
+function per dataset (`build_turns_<name>`), written from the reference harness's prompt templates, so the
+prompts match the reference byte for byte (tests/data_templates.py holds the templates as literal strings, and the
+tests check the prompts against the local eval files). The subset rule
 and the chat rendering follow the reference harness as well.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 
 from core.errors import UsageError
 
-# The reference's protocol datasets (REFERENCE.md section 8); only these are known without --data-dir.
+# The reference's protocol datasets (the hub sources below); only these are known without --data-dir.
 KNOWN_DATASETS: tuple[str, ...] = (
     "gsm8k", "math500", "humaneval", "mbpp", "aime24", "aime25", "livecodebench", "mt-bench",
 )
@@ -44,7 +44,7 @@ class DatasetSourceError(UsageError):
 
 
 # ------------------------------------------------------------------------------------------ prompt templates
-# REFERENCE.md section 8, character for character. Each builder takes one raw row (a mapping of the source's
+# The reference harness's templates, character for character. Each builder takes one raw row (a mapping of the source's
 # fields) and returns the user turns; they touch nothing else, so the tests run them offline.
 
 REASONING_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -96,7 +96,7 @@ def build_turns_mt_bench(row: Mapping) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ hub sources
-# PINNING. The reference loads every dataset at the hub's current main (REFERENCE.md 11.2 item 17): a dataset
+# PINNING. The reference loads every dataset at the hub's current main (no revision): a dataset
 # that changes upstream (LiveCodeBench gains files) silently changes N, the seed-0 subset and the prompts. Pin
 # each dataset by writing the full 40-hex commit SHA of its hub repository into PINNED_REVISIONS (look it up on
 # the repository's "History" page, or `huggingface_hub.HfApi().dataset_info(repo).sha`, and check that the
@@ -289,7 +289,7 @@ def _read_raw_jsonl(path: str) -> list[dict]:
 
 
 def _read_hub(dataset: str) -> tuple[list[tuple[str, ...]], str]:
-    """The dataset's prompts in hub row order, built with REFERENCE.md section 8's templates, and their source."""
+    """The dataset's prompts in hub row order, built with the reference's templates, and their source."""
     src = HUB_SOURCES[dataset]
     commit = _hub_commit(dataset, src)
     try:
