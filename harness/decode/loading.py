@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from core.attention import check_attn_impl
 from core.devices import Backend
 from harness.decode.gemma4 import FAMILY as GEMMA4, Gemma4Target, check_gemma4
 from harness.decode.hf_overrides import apply_overrides, load_kwargs, multimodal_hint
@@ -76,6 +77,7 @@ def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[in
     --hf-overrides (the config is read and overridden first, then the weights load into it); `ops`: the decode
     math (core.ops, default torch ops)."""
     from transformers import AutoModelForCausalLM
+    check_attn_impl(attn_impl)  # before the tokenizer and the weights
     tokenizer = tokenizer or load_tokenizer(spec)
     path, extra = load_path(spec, convert=True)
     if overrides:
