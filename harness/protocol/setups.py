@@ -8,8 +8,11 @@
 * `paper` (`--preset paper`, `PRESET=paper ./bench_fair_fast.sh`): the xPress paper's Qwen3-8B protocol, with the
   published checkpoints and the hub datasets (needs the HF hub or a filled HF cache).
 
-Typed flags always win; a refiner whose env variable (XPRESS_CKPT / MK_CKPT) is set is taken from there (an empty
-value drops that arm). Nothing here imports torch: the device is probed only when a setup is used.
+Typed flags always win, one piece at a time: `--draft-name-or-path`, `--xpress-refiner-path` or
+`--markov-refiner-path` alone replaces that piece of the embedded default and keeps the rest; only a typed target
+(`--model-name-or-path`) or `--random-weights` means the user names the models. A refiner whose env variable
+(XPRESS_CKPT / MK_CKPT) is set is taken from there (an empty value drops that arm). Nothing here imports torch: the
+device is probed only when a setup is used.
 """
 from __future__ import annotations
 
@@ -24,9 +27,12 @@ SETUPS = (EMBEDDED, PAPER)
 WEIGHTS_ENV = "XPRESS_BENCH_WEIGHTS"  # another folder holding drafter/, xpress/, markov/ (tests, new trainings)
 SHIPPED = {"draft_name_or_path": "drafter", "xpress_refiner_path": "xpress", "markov_refiner_path": "markov"}
 ENV_OF = {"xpress_refiner_path": "XPRESS_CKPT", "markov_refiner_path": "MK_CKPT"}
-# Any of these typed means: the user names the models, no setup fills them in.
+# The models a setup names (with --random-weights and a --preset, none of them are filled in).
 MODEL_FLAGS = ("model_name_or_path", "draft_name_or_path", "xpress_refiner_path", "markov_refiner_path",
                "random_weights")
+# Either of these typed means: the user names the models, and no setup is applied unless --preset is typed. A
+# drafter or refiner typed alone replaces that piece of the embedded default, as its env variable does.
+TARGET_FLAGS = ("model_name_or_path", "random_weights")
 
 # Embedded default sizes. CPU: two measured rounds without a warmup round (each arm still makes its untimed warmup
 # generation), sized to finish within 10 minutes on 2 cores even at tau = 1 (the timings: results/perf/NOTES.md).
@@ -53,10 +59,10 @@ def weights_dir() -> Path:
 
 
 def wanted(typed: set[str], preset: str | None) -> str | None:
-    """The setup to apply: the typed --preset, else the embedded default when no model flag was typed."""
+    """The setup to apply: the typed --preset, else the embedded default when no target was typed."""
     if preset:
         return preset
-    return None if typed & set(MODEL_FLAGS) else EMBEDDED
+    return None if typed & set(TARGET_FLAGS) else EMBEDDED
 
 
 def _on_cuda(device: str | None) -> bool:
@@ -105,7 +111,7 @@ def apply(values: dict, typed: set[str]) -> dict:
             continue  # typed flags win; a refiner set (or dropped, when empty) through its env variable too
         out[key] = value
     if name == EMBEDDED and not values.get("random_weights") and "model_name_or_path" not in typed:
-        check_shipped(out)
+        check_shipped({key: path for key, path in out.items() if key not in typed})
         from harness.protocol.config import check_results_dir
         check_results_dir(out["results_dir"], must_exist=False)  # before the download, as before any load
         out["model_name_or_path"] = embedded_target()
@@ -113,9 +119,10 @@ def apply(values: dict, typed: set[str]) -> dict:
 
 
 def check_shipped(values: dict) -> None:
-    """The shipped weights the embedded default reads must be there: one clear line if not."""
+    """The shipped weights the embedded default reads must be there: one clear line if not. A path the user typed
+    is left out of `values` (config.validate checks it under its own flag)."""
     for key, sub in SHIPPED.items():
-        path = values.get(key)  # None: taken from the refiner's env variable instead
+        path = values.get(key)  # None: typed, or taken from the refiner's env variable instead
         if path and not (Path(path) / "config.json").is_file():
             where = os.environ.get(WEIGHTS_ENV) and f"${WEIGHTS_ENV}={os.environ[WEIGHTS_ENV]}"
             raise UsageError(f"the embedded default needs the shipped weights, but {path}/config.json is missing "
