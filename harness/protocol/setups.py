@@ -22,6 +22,7 @@ from pathlib import Path
 from core.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
+DATA_DIR = REPO / "data" / "eval"  # the shipped prompts (data/eval/README.md)
 EMBEDDED, PAPER = "smollm2-135m", "paper"
 SETUPS = (EMBEDDED, PAPER)
 WEIGHTS_ENV = "XPRESS_BENCH_WEIGHTS"  # another folder holding drafter/, xpress/, markov/ (tests, new trainings)
@@ -51,6 +52,18 @@ def wall_time(seconds: int) -> str:
     """154 -> '2 min 34 s', as the README writes durations."""
     m, s = divmod(int(seconds), 60)
     return f"{m} min {s} s" if m else f"{s} s"
+
+
+def jsonl_names(folder) -> list[str]:
+    """The dataset names a --data-dir folder holds (its NAME.jsonl files), sorted."""
+    return sorted(p.stem for p in Path(folder).glob("*.jsonl"))
+
+
+def instead_of_hub(dataset: str) -> str:
+    """What to pass instead of the hub: the shipped folder where it has `dataset`, else a folder of one's own."""
+    if dataset in jsonl_names(DATA_DIR):
+        return "pass --data-dir data/eval (shipped with the repository)"
+    return f"pass --data-dir DIR with DIR/{dataset}.jsonl (data/eval/ does not ship {dataset})"
 
 
 def weights_dir() -> Path:
@@ -86,7 +99,7 @@ def defaults(name: str, device: str | None, temperature: float) -> dict:
         raise UsageError(f"--preset {name!r}: known are {', '.join(SETUPS)}")
     w = weights_dir()
     out = {flag: str(w / sub) for flag, sub in SHIPPED.items()}
-    out.update(dataset="gsm8k", data_dir=str(REPO / "data" / "eval"), use_graph=cuda,
+    out.update(dataset="gsm8k", data_dir=str(DATA_DIR), use_graph=cuda,
                **(EMBEDDED_CUDA if cuda else EMBEDDED_CPU))
     return out
 
@@ -99,13 +112,15 @@ def apply(values: dict, typed: set[str]) -> dict:
     name = wanted(typed, values.get("preset"))
     if name is None:
         if not typed & {"dataset", "data_dir"}:
-            return dict(values, dataset="gsm8k", data_dir=str(REPO / "data" / "eval"))
+            return dict(values, dataset="gsm8k", data_dir=str(DATA_DIR))
         return values
     fill = defaults(name, values.get("device"), values.get("temperature") or 0.0)
     if values.get("random_weights"):
         for key in MODEL_FLAGS:
             fill.pop(key, None)
     out = dict(values, preset=name)
+    if name == EMBEDDED and "dataset" in typed and values["dataset"] not in jsonl_names(DATA_DIR):
+        fill.pop("data_dir")  # not shipped: a hub dataset comes from the hub, an unknown name is refused as one
     for key, value in fill.items():
         if key in typed or (key in ENV_OF and ENV_OF[key] in os.environ):
             continue  # typed flags win; a refiner set (or dropped, when empty) through its env variable too
