@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 16) without running a model: install lines, --help, setups, input checks, scripts."""
+"""What a new user meets before a long run: the install lines, --help, setups, input checks and scripts."""
 import json
 import os
 import re
