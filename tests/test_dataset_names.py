@@ -7,6 +7,7 @@ import pytest
 import benchmark_compile_all as cli
 import harness.protocol.data as data
 from core.errors import UsageError
+from embedded_weights import fake_embedded
 from harness.protocol import flags, setups
 
 SHIPPED = ["aime24", "aime25", "gsm8k", "humaneval", "math500", "mbpp", "mt-bench"]
@@ -14,15 +15,8 @@ SHIPPED = ["aime24", "aime25", "gsm8k", "humaneval", "math500", "mbpp", "mt-benc
 
 @pytest.fixture()
 def embedded(monkeypatch, tmp_path):
-    gguf = tmp_path / "SmolLM2.gguf"
-    gguf.write_bytes(b"")
-    monkeypatch.setattr(setups, "embedded_target", lambda: str(gguf))
-    for sub in ("drafter", "xpress", "markov"):
-        (tmp_path / "w" / sub).mkdir(parents=True)
-        (tmp_path / "w" / sub / "config.json").write_text("{}")
-    monkeypatch.setenv(setups.WEIGHTS_ENV, str(tmp_path / "w"))
-    monkeypatch.delenv("XPRESS_CKPT", raising=False)
-    monkeypatch.delenv("MK_CKPT", raising=False)
+    (tmp_path / "SmolLM2.gguf").write_bytes(b"")
+    fake_embedded(monkeypatch, tmp_path, str(tmp_path / "SmolLM2.gguf"))
 
 
 def test_the_shipped_names_are_the_files_of_data_eval():

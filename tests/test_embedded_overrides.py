@@ -3,6 +3,7 @@ and MK_CKPT do (harness.protocol.setups). It used to drop the whole default: `--
 `--xpress-refiner-path X` alone was refused with "--model-name-or-path is required"."""
 import pytest
 
+from embedded_weights import fake_embedded
 from harness.protocol import flags, setups
 
 TARGET = "/fetched/SmolLM2.gguf"
@@ -10,15 +11,7 @@ TARGET = "/fetched/SmolLM2.gguf"
 
 @pytest.fixture()
 def shipped(monkeypatch, tmp_path):
-    monkeypatch.setattr(setups, "embedded_target", lambda: TARGET)
-    weights = tmp_path / "w"
-    for sub in ("drafter", "xpress", "markov"):
-        (weights / sub).mkdir(parents=True)
-        (weights / sub / "config.json").write_text("{}")
-    monkeypatch.setenv(setups.WEIGHTS_ENV, str(weights))
-    monkeypatch.delenv("XPRESS_CKPT", raising=False)
-    monkeypatch.delenv("MK_CKPT", raising=False)
-    return weights
+    return fake_embedded(monkeypatch, tmp_path, TARGET)
 
 
 def applied(argv):
@@ -42,12 +35,7 @@ def test_one_typed_piece_replaces_only_that_piece(shipped, tmp_path, flag, key):
 def test_the_typed_piece_need_not_look_like_the_shipped_one(monkeypatch, tmp_path):
     """The shipped-weights check reads only what the default fills in: a typed drafter folder is checked under
     its own flag later, and the shipped drafter may be absent when another is typed."""
-    monkeypatch.setattr(setups, "embedded_target", lambda: TARGET)
-    weights = tmp_path / "w"
-    for sub in ("xpress", "markov"):
-        (weights / sub).mkdir(parents=True)
-        (weights / sub / "config.json").write_text("{}")
-    monkeypatch.setenv(setups.WEIGHTS_ENV, str(weights))
+    fake_embedded(monkeypatch, tmp_path, TARGET, subs=("xpress", "markov"))
     got = applied(["--device", "cpu", "--draft-name-or-path", "z-lab/some-drafter"])
     assert got["draft_name_or_path"] == "z-lab/some-drafter" and got["model_name_or_path"] == TARGET
 
