@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -49,7 +50,11 @@ def shard_files(directory: str | Path, what: str) -> list[Path]:
     d = Path(directory)
     index = d / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{what} {index}: invalid JSON ({e.msg} at line {e.lineno}); the file is truncated or "
+                             "corrupt: download it again or re-export the checkpoint") from None
         files = sorted({d / f for f in weight_map.values()})
     else:
         files = sorted(d.glob("*.safetensors"))
@@ -61,11 +66,24 @@ def shard_files(directory: str | Path, what: str) -> list[Path]:
     return files
 
 
+@contextmanager
+def readable(f: Path):
+    """A safetensors file that cannot be parsed (a truncated download, an interrupted export, another format)
+    becomes one line naming the file and what to do, instead of safetensors' traceback that names no file."""
+    from safetensors import SafetensorError
+    try:
+        yield
+    except SafetensorError as e:
+        detail = str(e).removeprefix("Error while deserializing header: ")
+        raise UsageError(f"{f}: not a readable safetensors file ({detail}); it is truncated or corrupt: download "
+                         "it again or re-export it") from None
+
+
 def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
     shapes: dict[str, tuple[int, ...]] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
+        with readable(f), safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():
                 shapes[key] = tuple(fh.get_slice(key).get_shape())
     return shapes
@@ -75,7 +93,9 @@ def read_tensors(files: list[Path], keys: set[str] | None = None) -> dict[str, t
     from safetensors.torch import load_file
     out: dict[str, torch.Tensor] = {}
     for f in files:
-        for k, t in load_file(str(f)).items():
+        with readable(f):
+            tensors = load_file(str(f))
+        for k, t in tensors.items():
             if keys is None or k in keys:
                 out[k] = t
     return out

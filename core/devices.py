@@ -67,7 +67,3 @@ def resolve_backend(device: str | None, dtype: str | None) -> Backend:
     if dev.type == "cpu" and dt == torch.float16:
         raise UsageError("--dtype float16 is not supported on CPU; use float32 or bfloat16")
     return Backend(dev, dt)
-
-
-def dtype_name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")

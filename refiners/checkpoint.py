@@ -39,7 +39,7 @@ MARKOV_SERVING_NAMES = {"w1.weight": "markov_w1.weight", "w2.weight": "markov_w2
 MARKOV_VARIANTS = ("vanilla", "gated", "rnn")
 MARKOV_VARIANT_KEYS = {"vanilla": (), "gated": ("gate.weight", "gate.bias"), "rnn": ("cell.weight", "cell.bias")}
 
-# Training flags of the head variant the harness implements (REFERENCE 5.5 step 2); checked only when present.
+# Training flags of the one head variant the harness implements (xpress.py's pass); checked only when present.
 XPRESS_EXPECTED_ARGS = {
     "markov_only": False, "no_hidden": False, "no_perpos": False, "no_global": False, "no_residual": True,
     "no_mixer": False, "no_mlp": False, "input_mode": "concat", "no_sublayer_norm": True, "no_mix_out": True,

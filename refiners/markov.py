@@ -73,8 +73,7 @@ class MarkovRefiner:
     """
     name = "markov"
     passes = 0
-    # torch.compile made this refinement slower inside the H200 step graph (results/perf/NOTES.md), so
-    # --compile-all leaves it alone (--compile-refiner still compiles it)
+    # --compile-all leaves this refinement uncompiled (--compile-refiner still compiles it); why: results/perf/NOTES.md
     compile_helps = False
 
     def __init__(self, head: MarkovHead, low_precision_sampling: bool = False, ops: Ops | None = None):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from core.protocols import Proposal, RefineContext
-from refiners.xpress import XPressHead, check_geometry, validate_topc
+from refiners.xpress import XPressHead, check_geometry, validate_passes, validate_topc
 
 SCORE_DTYPE = torch.float16
 HOST = torch.device("cpu")
@@ -77,11 +77,9 @@ class SpyreXPressRefiner:
     compile_helps = False
 
     def __init__(self, head: XPressHead, passes: int, topc: int, prev_anchor: bool = False, record: bool = False):
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 0:
-            raise ValueError(f"xPress passes K must be an integer >= 0, got {passes!r}")
         if not topc:
             raise ValueError("Spyre numerics score a shortlist: top-C must be >= 1 (0 means full vocabulary)")
-        self.head, self.passes, self.prev_anchor = head, passes, prev_anchor
+        self.head, self.passes, self.prev_anchor = head, validate_passes(passes), prev_anchor
         self.topc = validate_topc(topc, head.vocab)
         self.counters: dict[str, int] = {}
         self.record, self.pass_scores = record, []  # record=True (tests): each pass's FP16 scores, last block

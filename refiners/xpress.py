@@ -160,6 +160,12 @@ def validate_topc(topc: int, vocab: int) -> int:
     return topc
 
 
+def validate_passes(passes: int) -> int:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 0:
+        raise ValueError(f"xPress passes K must be an integer >= 0, got {passes!r}")
+    return passes
+
+
 def shortlist(base: torch.Tensor, c: int) -> torch.Tensor:
     """The C largest logits of each row, ties broken toward the lowest token id; [n, V] -> ids [n, C] ascending.
 
@@ -203,7 +209,10 @@ class _Block:
         z = self.head.latent(self.cache, prev)
         if self.ids is None:
             out = self.ops.linear(z, self.head.w2.weight, residual=self.base, argmax=greedy)
-            return out[::-1] if greedy else out
+            if not greedy:
+                return out
+            logits, tokens = out  # ops.linear with argmax gives (logits, tokens)
+            return tokens, logits
         bias = torch.bmm(self.w2_c, z.unsqueeze(-1)).squeeze(-1)
         scores = torch.add(self.base_c, bias).to(self.base.dtype)
         return (argmax_select(scores, self.ids), scores) if greedy else scores
@@ -239,10 +248,8 @@ class XPressRefiner:
 
     def __init__(self, head: XPressHead, passes: int, prev_anchor: bool = False, topc: int = 0,
                  ops: Ops | None = None):
-        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 0:
-            raise ValueError(f"xPress passes K must be an integer >= 0, got {passes!r}")
         self.head = head
-        self.passes = passes
+        self.passes = validate_passes(passes)
         self.prev_anchor = prev_anchor
         self.topc = validate_topc(topc, head.vocab)
         self.ops = ops or TorchOps()

@@ -9,7 +9,8 @@ import torch
 
 from harness.decode import gguf_cache
 from core.devices import Backend
-from harness.decode.loading import load_target, load_target_config, load_tokenizer, stop_token_ids
+from harness.decode.accounting import STANDARD, model_stop_ids
+from harness.decode.loading import load_target, load_target_config, load_tokenizer
 from harness.protocol.data import render_prompt
 from harness.protocol.setups import REPO
 from tiny import CPU32
@@ -83,7 +84,7 @@ def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_pa
         for k in theirs:  # bit for bit, at the dtype asked for
             assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), k
         assert target.model.generation_config.to_dict() == ref[backend.dtype].generation_config.to_dict()
-        assert stop_token_ids(target.model, tok) == stop_token_ids(ref[backend.dtype], ref_tok) == [2]
+        assert model_stop_ids(target.model, tok, STANDARD) == model_stop_ids(ref[backend.dtype], ref_tok, STANDARD) == (2,)
 
 
 def _fake_gguf(tmp_path, monkeypatch):

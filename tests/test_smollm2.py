@@ -6,7 +6,8 @@ from drafters.dflash import DFlashDrafter, config_for_target, random_dflash
 from harness.protocol.assets import AssetUnavailable, fetch_smollm2_gguf
 from harness.protocol.data import render_prompt
 from harness.decode.loop import DecodeSettings, generate
-from harness.decode.loading import load_target, stop_token_ids
+from harness.decode.accounting import STANDARD, model_stop_ids
+from harness.decode.loading import load_target
 from tiny import CPU32
 
 pytestmark = pytest.mark.network
@@ -23,7 +24,7 @@ def smollm2():
 
 def test_drafter_only_equals_ar_on_smollm2(smollm2):
     target, tokenizer = smollm2
-    stops = tuple(stop_token_ids(target.model, tokenizer))
+    stops = model_stop_ids(target.model, tokenizer, STANDARD)
     assert stops == (2,)  # <|im_end|>, from generation_config (transformers 5.17's GGUF tokenizer mislabels eos)
     cfg = config_for_target(target.config, n_layers=2, block_size=8, mask_token_id=target.vocab_size - 1)
     target.set_taps(cfg.target_layer_ids)

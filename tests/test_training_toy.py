@@ -88,7 +88,8 @@ def test_exported_heads_on_the_benchmark_prompts(toy):
     """The exported files in the harness, on the eval prompts (never trained on): the target speaks its language,
     greedy decoding equals AR for both arms, and the taus order as in training."""
     from harness.decode.loop import DecodeSettings, generate
-    from harness.decode.loading import load_tokenizer, stop_token_ids
+    from harness.decode.accounting import STANDARD, model_stop_ids
+    from harness.decode.loading import load_tokenizer
     from harness.protocol.metrics import tau_per_step
     from refiners.formats import load_refiner_checkpoint
     from refiners.xpress import XPressRefiner, xpress_head_from_state
@@ -99,7 +100,7 @@ def test_exported_heads_on_the_benchmark_prompts(toy):
     tok = load_tokenizer(str(root / "target"))
     texts = [json.loads(line)["turns"][0] for line in (root / "eval" / "toy_eval.jsonl").read_text().splitlines()]
     prompts = [chat_ids(tok, t) for t in texts]
-    s = DecodeSettings(max_new_tokens=NEW_TOKENS, max_model_len=128, stop_ids=tuple(stop_token_ids(target.model, tok)))
+    s = DecodeSettings(max_new_tokens=NEW_TOKENS, max_model_len=128, stop_ids=model_stop_ids(target.model, tok, STANDARD))
     refs = [generate(target, p, s, backend).tokens for p in prompts]
     right = sum(tok.decode(r) == answer(t, info["next"], NEW_TOKENS) for r, t in zip(refs, texts))
     assert right == len(texts), f"the toy target answers {right}/{len(texts)} benchmark prompts in its language"

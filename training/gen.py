@@ -14,8 +14,8 @@ _FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {ro
 
 
 def stop_ids(model, tokenizer) -> list[int]:
-    from harness.decode.loading import stop_token_ids
-    return stop_token_ids(model, tokenizer)
+    from harness.decode.accounting import STANDARD, model_stop_ids
+    return list(model_stop_ids(model, tokenizer, STANDARD))
 
 
 def fast_dtype(model) -> torch.dtype:

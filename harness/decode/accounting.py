@@ -1,7 +1,7 @@
 """How a decode is counted: one policy object, chosen once at the start of generate(), instead of branches.
 
 Two policies exist. STANDARD is ours. REFERENCE (--compat-reference) reproduces the reference harness's loop
-quirks (/work/shared/REFERENCE.md section 11.2, items 5, 15 and 16) so that its numbers can be matched:
+quirks, each listed below, so that its numbers can be matched:
 
 - extra_step_after_eos: the reference checks for a stop before the token it just wrote, so a step whose
   correction/bonus token is the EOS is followed by one more draft+verify with the EOS as anchor. That step is

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from core.attention import check_attn_impl
 from core.devices import Backend
 from harness.decode.gemma4 import FAMILY as GEMMA4, Gemma4Target, check_gemma4
 from harness.decode.hf_overrides import apply_overrides, load_kwargs, multimodal_hint
@@ -76,6 +77,7 @@ def load_target(spec: str, backend: Backend, capacity: int = 256, taps: tuple[in
     --hf-overrides (the config is read and overridden first, then the weights load into it); `ops`: the decode
     math (core.ops, default torch ops)."""
     from transformers import AutoModelForCausalLM
+    check_attn_impl(attn_impl)  # before the tokenizer and the weights
     tokenizer = tokenizer or load_tokenizer(spec)
     path, extra = load_path(spec, convert=True)
     if overrides:
@@ -91,16 +93,3 @@ def make_target(model, backend: Backend, capacity: int = 256, taps: tuple[int, .
     if getattr(model.config, "model_type", None) == GEMMA4:
         return Gemma4Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl)
     return Target(model, backend, capacity=capacity, taps=taps, attn_impl=attn_impl, ops=ops)
-
-
-def stop_token_ids(model, tokenizer) -> list[int]:
-    """All of generation_config.eos_token_id (Qwen3 lists two), else the tokenizer's eos."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        ids = getattr(model.config, "eos_token_id", None)
-    if ids is None and tokenizer is not None:
-        ids = tokenizer.eos_token_id
-    if ids is None:
-        return []
-    ids = [ids] if isinstance(ids, int) else list(ids)
-    return sorted(set(int(i) for i in ids))

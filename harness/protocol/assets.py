@@ -188,32 +188,6 @@ def fetch_smollm2_gguf(
     return fetch_asset(SMOLLM2, cache_dir, timeout=timeout)
 
 
-def load_smollm2(cache_dir: Optional[PathLike] = None, dtype=None):
-    """Return ``(tokenizer, model)`` for the cached SmolLM2 GGUF, de-quantized to ``dtype``.
-
-    Needs ``transformers``, ``gguf`` and ``accelerate`` (transformers refuses GGUF
-    files without accelerate). ``dtype`` defaults to ``torch.float32``.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = fetch_smollm2_gguf(cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=dtype or torch.float32
-    )
-    model.eval()
-    # transformers 5.17's GGUF tokenizer converter reports <|im_start|> (id 1) as eos
-    # and no pad token (fixed by 5.24); the GGUF metadata, which the generation
-    # config follows in every version, says eos = pad = <|im_end|> (id 2).
-    eos_id = model.generation_config.eos_token_id
-    if isinstance(eos_id, int) and tokenizer.eos_token_id != eos_id:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos_id)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer, model
-
-
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m harness.protocol.assets",

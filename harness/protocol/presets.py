@@ -21,6 +21,7 @@ from core.ops import Ops, TorchOps
 from core.errors import UsageError
 from harness.decode.loading import make_target
 from harness.decode.target import Target
+from harness.protocol.preset_names import RANDOM_PRESETS
 
 RANDOM_LABEL = "random weights / scripted acceptance"
 
@@ -101,7 +102,8 @@ PRESETS = {
 
 def preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise UsageError(f"--random-weights {name!r}: unknown preset; choose one of {', '.join(sorted(PRESETS))}")
+        raise UsageError(f"--random-weights {name!r}: unknown preset; choose one of "
+                         f"{', '.join(sorted(RANDOM_PRESETS))}")
     return PRESETS[name]
 
 

@@ -8,8 +8,11 @@
 * `paper` (`--preset paper`, `PRESET=paper ./bench_fair_fast.sh`): the xPress paper's Qwen3-8B protocol, with the
   published checkpoints and the hub datasets (needs the HF hub or a filled HF cache).
 
-Typed flags always win; a refiner whose env variable (XPRESS_CKPT / MK_CKPT) is set is taken from there (an empty
-value drops that arm). Nothing here imports torch: the device is probed only when a setup is used.
+Typed flags always win, one piece at a time: `--draft-name-or-path`, `--xpress-refiner-path` or
+`--markov-refiner-path` alone replaces that piece of the embedded default and keeps the rest; only a typed target
+(`--model-name-or-path`) or `--random-weights` means the user names the models. A refiner whose env variable
+(XPRESS_CKPT / MK_CKPT) is set is taken from there (an empty value drops that arm). Nothing here imports torch: the
+device is probed only when a setup is used.
 """
 from __future__ import annotations
 
@@ -19,22 +22,48 @@ from pathlib import Path
 from core.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[2]
+DATA_DIR = REPO / "data" / "eval"  # the shipped prompts (data/eval/README.md)
 EMBEDDED, PAPER = "smollm2-135m", "paper"
 SETUPS = (EMBEDDED, PAPER)
 WEIGHTS_ENV = "XPRESS_BENCH_WEIGHTS"  # another folder holding drafter/, xpress/, markov/ (tests, new trainings)
 SHIPPED = {"draft_name_or_path": "drafter", "xpress_refiner_path": "xpress", "markov_refiner_path": "markov"}
 ENV_OF = {"xpress_refiner_path": "XPRESS_CKPT", "markov_refiner_path": "MK_CKPT"}
-# Any of these typed means: the user names the models, no setup fills them in.
+# The models a setup names (with --random-weights and a --preset, none of them are filled in).
 MODEL_FLAGS = ("model_name_or_path", "draft_name_or_path", "xpress_refiner_path", "markov_refiner_path",
                "random_weights")
+# Either of these typed means: the user names the models, and no setup is applied unless --preset is typed. A
+# drafter or refiner typed alone replaces that piece of the embedded default, as its env variable does.
+TARGET_FLAGS = ("model_name_or_path", "random_weights")
 
 # Embedded default sizes. CPU: two measured rounds without a warmup round (each arm still makes its untimed warmup
-# generation), sized to finish within 10 minutes on 2 cores even at tau = 1 (measured: 6 min 12 s of CPU time).
+# generation), sized to finish within 10 minutes on 2 cores even at tau = 1 (the timings: results/perf/NOTES.md).
 # CUDA: 32 prompts, one warmup round, then two measured rounds (fair_interleave counts every round, the warmup's
 # too; the committed results/smollm2-135m/*_t0 ran 2 rounds, one of them measured, before this was 3).
 EMBEDDED_CPU = dict(max_samples=4, max_new_tokens=48, fair_k_list="2,4", fair_interleave=2, fair_warmup_rounds=0)
 EMBEDDED_CUDA = dict(max_samples=32, max_new_tokens=96, fair_k_list="1,2,4,6,8", fair_interleave=3,
                      fair_warmup_rounds=1)
+
+# The CPU main job's wall time on the idle 2-core development machine (shipped weights, GGUF cached, model fetch
+# excluded; results/perf/NOTES.md): --help quotes it, and README.md must quote the same (tests/test_help_facts.py).
+CPU_MAIN_JOB_WALL_S = 154
+
+
+def wall_time(seconds: int) -> str:
+    """154 -> '2 min 34 s', as the README writes durations."""
+    m, s = divmod(int(seconds), 60)
+    return f"{m} min {s} s" if m else f"{s} s"
+
+
+def jsonl_names(folder) -> list[str]:
+    """The dataset names a --data-dir folder holds (its NAME.jsonl files), sorted."""
+    return sorted(p.stem for p in Path(folder).glob("*.jsonl"))
+
+
+def instead_of_hub(dataset: str) -> str:
+    """What to pass instead of the hub: the shipped folder where it has `dataset`, else a folder of one's own."""
+    if dataset in jsonl_names(DATA_DIR):
+        return "pass --data-dir data/eval (shipped with the repository)"
+    return f"pass --data-dir DIR with DIR/{dataset}.jsonl (data/eval/ does not ship {dataset})"
 
 
 def weights_dir() -> Path:
@@ -43,10 +72,10 @@ def weights_dir() -> Path:
 
 
 def wanted(typed: set[str], preset: str | None) -> str | None:
-    """The setup to apply: the typed --preset, else the embedded default when no model flag was typed."""
+    """The setup to apply: the typed --preset, else the embedded default when no target was typed."""
     if preset:
         return preset
-    return None if typed & set(MODEL_FLAGS) else EMBEDDED
+    return None if typed & set(TARGET_FLAGS) else EMBEDDED
 
 
 def _on_cuda(device: str | None) -> bool:
@@ -70,7 +99,7 @@ def defaults(name: str, device: str | None, temperature: float) -> dict:
         raise UsageError(f"--preset {name!r}: known are {', '.join(SETUPS)}")
     w = weights_dir()
     out = {flag: str(w / sub) for flag, sub in SHIPPED.items()}
-    out.update(dataset="gsm8k", data_dir=str(REPO / "data" / "eval"), use_graph=cuda,
+    out.update(dataset="gsm8k", data_dir=str(DATA_DIR), use_graph=cuda,
                **(EMBEDDED_CUDA if cuda else EMBEDDED_CPU))
     return out
 
@@ -83,19 +112,21 @@ def apply(values: dict, typed: set[str]) -> dict:
     name = wanted(typed, values.get("preset"))
     if name is None:
         if not typed & {"dataset", "data_dir"}:
-            return dict(values, dataset="gsm8k", data_dir=str(REPO / "data" / "eval"))
+            return dict(values, dataset="gsm8k", data_dir=str(DATA_DIR))
         return values
     fill = defaults(name, values.get("device"), values.get("temperature") or 0.0)
     if values.get("random_weights"):
         for key in MODEL_FLAGS:
             fill.pop(key, None)
     out = dict(values, preset=name)
+    if name == EMBEDDED and "dataset" in typed and values["dataset"] not in jsonl_names(DATA_DIR):
+        fill.pop("data_dir")  # not shipped: a hub dataset comes from the hub, an unknown name is refused as one
     for key, value in fill.items():
         if key in typed or (key in ENV_OF and ENV_OF[key] in os.environ):
             continue  # typed flags win; a refiner set (or dropped, when empty) through its env variable too
         out[key] = value
     if name == EMBEDDED and not values.get("random_weights") and "model_name_or_path" not in typed:
-        check_shipped(out)
+        check_shipped({key: path for key, path in out.items() if key not in typed})
         from harness.protocol.config import check_results_dir
         check_results_dir(out["results_dir"], must_exist=False)  # before the download, as before any load
         out["model_name_or_path"] = embedded_target()
@@ -103,9 +134,10 @@ def apply(values: dict, typed: set[str]) -> dict:
 
 
 def check_shipped(values: dict) -> None:
-    """The shipped weights the embedded default reads must be there: one clear line if not."""
+    """The shipped weights the embedded default reads must be there: one clear line if not. A path the user typed
+    is left out of `values` (config.validate checks it under its own flag)."""
     for key, sub in SHIPPED.items():
-        path = values.get(key)  # None: taken from the refiner's env variable instead
+        path = values.get(key)  # None: typed, or taken from the refiner's env variable instead
         if path and not (Path(path) / "config.json").is_file():
             where = os.environ.get(WEIGHTS_ENV) and f"${WEIGHTS_ENV}={os.environ[WEIGHTS_ENV]}"
             raise UsageError(f"the embedded default needs the shipped weights, but {path}/config.json is missing "

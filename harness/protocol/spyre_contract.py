@@ -115,13 +115,3 @@ def _resolve(cfg, field: str, checkpoint, default: int) -> int:
     if field in cfg.given:
         return getattr(cfg, field)
     return default if checkpoint is None else int(checkpoint)
-
-
-def given_flags(parser_factory, argv) -> tuple[str, ...]:
-    """The destinations the user set on the command line (not left at their defaults): parse again with every
-    default replaced by a marker."""
-    marker = object()
-    p = parser_factory()
-    p.set_defaults(**{a.dest: marker for a in p._actions if a.dest != "help"})
-    ns = p.parse_args(argv)
-    return tuple(sorted(k for k, v in vars(ns).items() if v is not marker))

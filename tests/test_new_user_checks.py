@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 16) without running a model: install lines, --help, setups, input checks, scripts."""
+"""What a new user meets before a long run: the install lines, --help, setups, input checks and scripts."""
 import json
 import os
 import re
@@ -102,7 +102,7 @@ def test_untyped_settings_come_from_the_setup_and_typed_ones_win(monkeypatch, tm
 
 
 def test_embedded_sizes_measure_two_rounds_and_help_says_so(capsys):
-    # the issue's tables need >= 2 measured rounds; fair_interleave counts the warmup round too (the CUDA size was
+    # the tables' spreads need >= 2 measured rounds; fair_interleave counts the warmup round too (the CUDA size was
     # once 2 rounds with 1 warmup: one measured round while the help said two)
     for setup in (setups.EMBEDDED_CPU, setups.EMBEDDED_CUDA):
         assert setup["fair_interleave"] - setup["fair_warmup_rounds"] >= 2

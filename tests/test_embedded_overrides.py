@@ -1,0 +1,57 @@
+"""A drafter or refiner typed alone replaces that piece of the embedded default and keeps the rest, as XPRESS_CKPT
+and MK_CKPT do (harness.protocol.setups). It used to drop the whole default: `--draft-name-or-path D` or
+`--xpress-refiner-path X` alone was refused with "--model-name-or-path is required"."""
+import pytest
+
+from embedded_weights import fake_embedded
+from harness.protocol import flags, setups
+
+TARGET = "/fetched/SmolLM2.gguf"
+
+
+@pytest.fixture()
+def shipped(monkeypatch, tmp_path):
+    return fake_embedded(monkeypatch, tmp_path, TARGET)
+
+
+def applied(argv):
+    return setups.apply(*flags.typed_values(argv)[:2])
+
+
+@pytest.mark.parametrize("flag,key", [("--draft-name-or-path", "draft_name_or_path"),
+                                      ("--xpress-refiner-path", "xpress_refiner_path"),
+                                      ("--markov-refiner-path", "markov_refiner_path")])
+def test_one_typed_piece_replaces_only_that_piece(shipped, tmp_path, flag, key):
+    mine = tmp_path / "mine"
+    got = applied(["--device", "cpu", flag, str(mine)])
+    assert got["preset"] == setups.EMBEDDED and got["model_name_or_path"] == TARGET
+    assert got[key] == str(mine)
+    for other, sub in setups.SHIPPED.items():
+        if other != key:
+            assert got[other] == str(shipped / sub)
+    assert got["max_new_tokens"] == setups.EMBEDDED_CPU["max_new_tokens"]
+
+
+def test_the_typed_piece_need_not_look_like_the_shipped_one(monkeypatch, tmp_path):
+    """The shipped-weights check reads only what the default fills in: a typed drafter folder is checked under
+    its own flag later, and the shipped drafter may be absent when another is typed."""
+    fake_embedded(monkeypatch, tmp_path, TARGET, subs=("xpress", "markov"))
+    got = applied(["--device", "cpu", "--draft-name-or-path", "z-lab/some-drafter"])
+    assert got["draft_name_or_path"] == "z-lab/some-drafter" and got["model_name_or_path"] == TARGET
+
+
+def test_the_full_parse_accepts_a_drafter_alone(shipped, tmp_path, monkeypatch):
+    target = tmp_path / "SmolLM2.gguf"
+    target.write_bytes(b"")
+    monkeypatch.setattr(setups, "embedded_target", lambda: str(target))
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    cfg = flags.parse_args(["--device", "cpu", "--draft-name-or-path", str(drafter),
+                            "--results-dir", str(tmp_path / "r")])
+    assert cfg.model_name_or_path == str(target) and cfg.draft_name_or_path == str(drafter)
+    assert cfg.xpress_refiner_path == str(shipped / "xpress") and cfg.dataset == "gsm8k"
+
+
+def test_a_typed_target_still_means_no_setup(shipped):
+    named = applied(["--model-name-or-path", "x/y", "--draft-name-or-path", "x/d"])
+    assert named.get("preset") is None and named["xpress_refiner_path"] is None

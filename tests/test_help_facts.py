@@ -1,0 +1,40 @@
+"""What --help states is derived from the code and the README states the same: the random-weights presets (the
+help once listed three of five, without gemma4-26b-a4b) and the CPU main job's wall time (the help once said
+"~4 min", the README 2 min 34 s)."""
+import re
+from pathlib import Path
+
+import pytest
+
+import benchmark_compile_all as cli
+from harness.protocol import setups
+from harness.protocol.preset_names import RANDOM_PRESETS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def flat_help(capsys) -> str:
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_the_torch_free_preset_names_are_the_presets():
+    from harness.protocol.presets import PRESETS
+    assert RANDOM_PRESETS == tuple(PRESETS)
+
+
+def test_help_lists_every_random_weights_preset(capsys):
+    assert f"at real shapes ({', '.join(RANDOM_PRESETS)})" in flat_help(capsys)
+
+
+def test_readme_and_help_quote_the_same_cpu_main_job_time(capsys):
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    quoted = re.search(r"on this 2-core machine it took (.+?) of wall time", readme)
+    assert quoted, "README.md no longer says 'on this 2-core machine it took X of wall time'"
+    assert quoted.group(1) == setups.wall_time(setups.CPU_MAIN_JOB_WALL_S)
+    assert f"tau and speedup table, {quoted.group(1)} on 2 CPU cores" in flat_help(capsys)
+
+
+def test_wall_time_reads_as_the_readme_writes_it():
+    assert [setups.wall_time(s) for s in (154, 60, 59)] == ["2 min 34 s", "1 min 0 s", "59 s"]
