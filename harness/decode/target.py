@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from core.attention import check_attn_impl
 from core.cache import StaticKV
 from core.devices import Backend
 from core.ops import Ops, Span, TorchOps, eps_of, fuse_rows
@@ -52,9 +53,8 @@ class Target:
         """The fields every target has, Gemma4Target's included: one code path, so that the families cannot drift
         apart. What a generation needs beyond weights and the cache (step graphs, samplers, output and gap
         buffers, per-request fields) is not here: it is the decode's (harness.decode.state.DecodeState)."""
-        if attn_impl not in ("sdpa", "eager"):
-            raise UsageError(f"--attn-implementation {attn_impl!r} is not supported here; use sdpa or eager")
-        self.model, self.backend, self.attn_impl, self.config = model, backend, attn_impl, model.config
+        self.model, self.backend, self.config = model, backend, model.config
+        self.attn_impl = check_attn_impl(attn_impl)
         inner = model.model
         self.embed, self.layers, self.norm, self.rotary = embed, inner.layers, inner.norm, inner.rotary_emb
         self.lm_head = model.lm_head
