@@ -191,8 +191,8 @@ def drafter_only_conflict(c: RunConfig) -> str:
     paths = [f"--{k.replace('_', '-')}" if k in given else f"${env}"
              for k, env in (("xpress_refiner_path", "XPRESS_CKPT"), ("markov_refiner_path", "MK_CKPT"))
              if getattr(c, k)]
-    return (f"--drafter-only compares AR with the drafter alone, but {' and '.join(paths)} add refiner arms to the "
-            f"paired rounds{'' if 'fair_interleave' in given else ' (the setup runs the paired protocol)'}; "
+    return (f"--drafter-only compares AR with the drafter alone, but {' and '.join(paths)} "
+            f"{'add' if len(paths) > 1 else 'adds'} refiner arms to the paired rounds{'' if 'fair_interleave' in given else ' (the setup runs the paired protocol)'}; "
             "drop the refiner (an empty env variable drops it) or drop --drafter-only to compare every arm")
 
 

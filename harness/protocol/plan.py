@@ -73,7 +73,7 @@ class RunPlan:
     def resolved(self) -> dict:
         """The plan's own values for config.json's "resolved" section (the runner adds what loading found)."""
         return {"block_size": self.block_size, "max_model_len": self.max_model_len, "rounds": self.rounds,
-                "warmup_rounds": self.warmup_rounds, "arms": self.arm_names, "device": self.device,
+                "warmup_rounds": self.warmup_rounds, "arms": self.arm_names, "device": str(self.backend.device),
                 "xpress_refine_passes": self.passes, "xpress_topc": self.topc,
                 "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                                  "variant": c.variant} for k, c in self.refiners.items()},

@@ -1,6 +1,7 @@
-"""Runs a RunConfig: checks, loads, decodes every prompt with every arm in paired rounds, reports, writes results.
+"""Runs a RunConfig: plans, loads, decodes every prompt with every arm in paired rounds, reports, writes results.
 
-Order matters: every check that reads only configs and file headers runs before any weights are loaded. One code
+Order matters: every check that reads only configs and file headers runs before any weights are loaded, and
+makes the run's one frozen plan (harness.protocol.plan.RunPlan) that everything after it reads. One code
 path serves a single run (one measured round) and the paired protocol (--fair-interleave: rounds rotated left by
 one, the first --fair-warmup-rounds excluded). Every finished (round, arm, prompt) is appended to
 results/<run_id>/samples.jsonl at once, which is what --resume continues from.
