@@ -19,7 +19,6 @@ in refiners.cotrain_pt; `load_refiner_checkpoint` picks the reader.
 """
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -51,8 +50,9 @@ def _is_remote_missing(e: BaseException) -> bool:
     return isinstance(e, errors.EntryNotFoundError) and not isinstance(e, local)
 
 
-def resolve_refiner_path(value: str | None, env_var: str) -> str | None:
-    """A local path for a refiner checkpoint given on the command line or in `env_var`; None when neither is set.
+def resolve_refiner_path(value: str | None) -> str | None:
+    """A local path for the refiner checkpoint `value`; None when it is None or empty (no such arm). The caller
+    (the command line) decides where the value comes from, flag or environment; nothing here reads either.
 
     Accepted forms:
     * an existing local file (a co-training `.pt`) or directory (the serving layout), used as is;
@@ -64,12 +64,8 @@ def resolve_refiner_path(value: str | None, env_var: str) -> str | None:
       a silent switch of format.
     The repo part must contain exactly one '/' and no spaces. Any failure is a one-line UsageError.
     """
-    source = ""
-    if value is None or value == "":
-        value = os.environ.get(env_var) or None
-        source = f" (from ${env_var})"
-        if value is None:
-            return None
+    if not value:
+        return None
     text = value.strip()
     local = Path(text).expanduser()
     if local.exists():
@@ -77,7 +73,7 @@ def resolve_refiner_path(value: str | None, env_var: str) -> str | None:
     repo, sep, filename = text.partition(":")
     if (not _HUB_REPO.fullmatch(repo) or (sep and not filename) or any(c.isspace() for c in text)
             or text.startswith(("/", ".", "~"))):
-        raise UsageError(f"refiner checkpoint {text!r}{source}: no such file or directory, and not a Hugging Face "
+        raise UsageError(f"refiner checkpoint {text!r}: no such file or directory, and not a Hugging Face "
                          "hub id; accepted forms: a local .pt file, a local serving directory (config.json + "
                          "*.safetensors), 'user/repo' or 'user/repo:file.pt'")
     import huggingface_hub
@@ -88,13 +84,13 @@ def resolve_refiner_path(value: str | None, env_var: str) -> str | None:
             return str(huggingface_hub.hf_hub_download(repo_id=repo, filename=name))
         except Exception as e:  # noqa: BLE001 - every hub failure becomes one line
             if filename or not _is_remote_missing(e):
-                raise UsageError(f"refiner checkpoint {text!r}{source}: not a local path, and downloading {name} "
+                raise UsageError(f"refiner checkpoint {text!r}: not a local path, and downloading {name} "
                                  f"from the hub repo {repo} failed ({_first_line(e)})") from None
     try:
         return str(huggingface_hub.snapshot_download(repo_id=repo, allow_patterns=list(SERVING_PATTERNS)))
     except Exception as e:  # noqa: BLE001
         why = "" if serving else f"it has no {DEFAULT_HUB_FILENAME}, and "
-        raise UsageError(f"refiner checkpoint {text!r}{source}: {why}downloading the serving layout "
+        raise UsageError(f"refiner checkpoint {text!r}: {why}downloading the serving layout "
                          f"(config.json + *.safetensors) from the hub repo {repo} failed ({_first_line(e)})") from None
 
 

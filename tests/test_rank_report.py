@@ -42,9 +42,9 @@ def test_more_processes_than_prompts_and_a_pinned_gpu_are_refused():
         Shard(0, 3, 0, launched=True).mine(["a", "b"])
     cfg = parse_args(["--random-weights", "tiny", "--dataset", "x", "--device", "cuda:1"])
     with pytest.raises(UsageError, match="every rank uses cuda:LOCAL_RANK"):
-        Shard(1, 2, 1, launched=True).rank_config(cfg)
+        Shard(1, 2, 1, launched=True).rank_device(cfg.device)
     cpu = parse_args(["--random-weights", "tiny", "--dataset", "x", "--device", "cpu"])
-    assert Shard(1, 2, 1, launched=True).rank_config(cpu).device == "cpu"
+    assert Shard(1, 2, 1, launched=True).rank_device(cpu.device) == "cpu"
 
 
 def test_resume_needs_the_process_count_it_started_with(tmp_path):

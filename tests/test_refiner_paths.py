@@ -43,18 +43,19 @@ def hub(monkeypatch):
     return fake
 
 
-def test_resolve_local_and_env(tmp_path, monkeypatch, hub):
-    monkeypatch.delenv("XPRESS_CKPT", raising=False)
-    assert resolve_refiner_path(None, "XPRESS_CKPT") is None
+def test_resolve_local_paths_and_never_the_environment(tmp_path, monkeypatch, hub):
+    """The library takes the path alone: XPRESS_CKPT / MK_CKPT are read by the command line (harness.protocol.
+    flags), so a set variable changes nothing here (the old resolver fell back to it for None or "")."""
     f = tmp_path / "r.pt"
     f.write_bytes(b"x")
-    assert resolve_refiner_path(str(f), "XPRESS_CKPT") == str(f)
-    assert resolve_refiner_path(str(tmp_path), "XPRESS_CKPT") == str(tmp_path)
     monkeypatch.setenv("MK_CKPT", str(f))
-    assert resolve_refiner_path(None, "MK_CKPT") == str(f)
-    assert resolve_refiner_path("", "MK_CKPT") == str(f)
+    monkeypatch.setenv("XPRESS_CKPT", str(f))
+    assert resolve_refiner_path(None) is None
+    assert resolve_refiner_path("") is None
+    assert resolve_refiner_path(str(f)) == str(f)
+    assert resolve_refiner_path(str(tmp_path)) == str(tmp_path)
     monkeypatch.chdir(tmp_path)
-    assert resolve_refiner_path("r.pt", "XPRESS_CKPT") == "r.pt"
+    assert resolve_refiner_path("r.pt") == "r.pt"
     assert hub.calls == []
 
 
@@ -62,17 +63,16 @@ def test_resolve_local_and_env(tmp_path, monkeypatch, hub):
                                  "user/repo:a b.pt"])
 def test_resolve_refuses_bad_strings(bad, hub):
     with pytest.raises(UsageError, match="accepted forms") as e:
-        resolve_refiner_path(bad, "XPRESS_CKPT")
+        resolve_refiner_path(bad)
     one_line(e)
     assert hub.calls == []
 
 
 def test_resolve_hub_ids(hub, monkeypatch):
-    assert resolve_refiner_path("user/repo", "XPRESS_CKPT") == "/cache/user/repo/refiner_cotrain.pt"
-    assert resolve_refiner_path("user/repo:file.pt", "XPRESS_CKPT") == "/cache/user/repo/file.pt"
-    monkeypatch.setenv("MK_CKPT", "org/Markov-b16:sub/x.pt")
-    assert resolve_refiner_path(None, "MK_CKPT") == "/cache/org/Markov-b16/sub/x.pt"
-    assert resolve_refiner_path("user/repo:config.json", "XPRESS_CKPT") == "/cache/user/repo/snapshot"
+    assert resolve_refiner_path("user/repo") == "/cache/user/repo/refiner_cotrain.pt"
+    assert resolve_refiner_path("user/repo:file.pt") == "/cache/user/repo/file.pt"
+    assert resolve_refiner_path("org/Markov-b16:sub/x.pt") == "/cache/org/Markov-b16/sub/x.pt"
+    assert resolve_refiner_path("user/repo:config.json") == "/cache/user/repo/snapshot"
     assert hub.calls == [("file", "user/repo", "refiner_cotrain.pt"), ("file", "user/repo", "file.pt"),
                          ("file", "org/Markov-b16", "sub/x.pt"),
                          ("snapshot", "user/repo", ("config.json", "*.safetensors"))]
@@ -80,12 +80,12 @@ def test_resolve_hub_ids(hub, monkeypatch):
 
 def test_resolve_hub_falls_back_to_serving_layout_only_when_the_file_is_absent(hub):
     hub.missing = {"refiner_cotrain.pt", "other.pt"}
-    assert resolve_refiner_path("user/repo", "XPRESS_CKPT") == "/cache/user/repo/snapshot"
+    assert resolve_refiner_path("user/repo") == "/cache/user/repo/snapshot"
     with pytest.raises(UsageError, match="downloading other.pt from the hub repo user/repo failed"):
-        resolve_refiner_path("user/repo:other.pt", "XPRESS_CKPT")  # an explicit file never falls back
+        resolve_refiner_path("user/repo:other.pt")  # an explicit file never falls back
     hub.fail, hub.calls = True, []
     with pytest.raises(UsageError, match="ConnectionError: Failed to resolve") as e:
-        resolve_refiner_path("user/repo", "XPRESS_CKPT")
+        resolve_refiner_path("user/repo")
     one_line(e)
     assert hub.calls == [("file", "user/repo", "refiner_cotrain.pt")]  # a network failure never switches format
 

@@ -344,3 +344,44 @@ def test_compat_greedy_tau_comes_from_the_warmup_round():
     steps = [x for r in warm for x in r["accept_lengths"]]
     assert xp["tau_per_step"] == pytest.approx(sum(steps) / len(steps)) and "warmup round 1" in xp["tau_source"]
     assert xp["pooled_tok_s"] == report.summarize(example())["arms"]["xPress(K=6)"]["pooled_tok_s"]  # only tau moves
+
+
+# ---------------------------------------------------------------------------------------------- summary schema
+
+def test_a_written_summary_matches_its_documented_schema(tmp_path, summary):
+    """Every key of summary.json (top level and per arm) is documented in summary_schema with its type, and a
+    written one carries schema_version: a key added, dropped or retyped without the schema fails here."""
+    from harness.protocol import summary_schema
+    assert summary["schema_version"] == summary_schema.SCHEMA_VERSION and summary["schema"] == summary_schema.SCHEMA
+    report.write_results(tmp_path / "run", {"dataset": "toy"}, {}, example(), summary)
+    written = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary_schema.problems(written) == []
+    assert set(written) == set(summary_schema.TOP) and all(set(a) == set(summary_schema.ARM)
+                                                           for a in written["arms"].values())
+    real = report.summarize(results_io.read_rows(ROOT / "results/smollm2-135m/gsm8k_t0/samples.jsonl"))
+    assert summary_schema.problems(real) == []  # a real run: every arm kind, nulls where undefined
+    broken = dict(written, extra=1, prompts="3")
+    del broken["labels"]
+    assert summary_schema.problems(broken) == ["summary: missing 'labels'", "summary: undocumented 'extra'",
+                                               "summary['prompts']: str is not <class 'int'>"]
+
+
+def test_rebuild_reads_a_folder_written_before_schema_versions(tmp_path, capsys):
+    """--rebuild on a committed folder whose summary.json is version 1 (no schema_version): the tables come out
+    byte-identical and the new summary is the current version; a summary from a newer version is refused."""
+    import shutil
+    src = ROOT / "results" / "smollm2-135m" / "gsm8k_t0"
+    folder = tmp_path / "gsm8k_t0"
+    shutil.copytree(src, folder)
+    assert "schema_version" not in json.loads((folder / "summary.json").read_text())
+    assert report.main(["--rebuild", str(folder)]) == 0
+    for name in ("table.md", "table.csv", "README.md"):
+        assert (folder / name).read_bytes() == (src / name).read_bytes(), name
+    new = json.loads((folder / "summary.json").read_text())
+    old = json.loads((src / "summary.json").read_text())
+    assert new.pop("schema_version") == 2 and new.pop("schema") == "xpress-bench/summary/2"
+    assert old.pop("schema") == "xpress-bench/summary/1" and new == old  # every number as before
+    (folder / "summary.json").write_text(json.dumps(dict(new, schema_version=99, optimal=new["optimal"])))
+    capsys.readouterr()
+    assert report.main([str(folder)]) == 2
+    assert "schema_version 99 is newer" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""From a RunConfig to checked configs and a plan of arms (no weights), then to runnable arms (weights loaded).
+"""From a RunConfig to the run plan (checked configs and arms, no weights), then to runnable arms (weights loaded).
 
 `prepare` does every check that needs only configs, file headers and refiner checkpoints, so that bad input fails
 before the target is loaded; `build_arms` loads drafter weights and refiner heads. Arms that need different
@@ -7,17 +7,16 @@ weights are swapped in place before each arm runs (`Arm.activate`).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-
-from harness.protocol.algorithms import (DFlashConfig, DFlashDrafter, ENV_VARS, MARKOV, MarkovRefiner,
+from harness.protocol.algorithms import (DFlashConfig, DFlashDrafter, MARKOV, MarkovRefiner,
                                          RefinerCheckpoint, SpyreXPressRefiner, XPRESS, XPressRefiner,
                                          check_dflash_checkpoint, load_dflash, load_refiner_checkpoint,
                                          markov_head_from_state, read_dflash_config, resolve_refiner_path,
                                          validate_against, validate_topc, xpress_head_from_state)
 from core.checkpoints import local_model_dir
 from harness.protocol.config import RunConfig
+from harness.protocol.plan import ArmSpec, RunPlan
 from harness.protocol.data import validate_dataset_args
 from core.devices import Backend, resolve_backend
 from core.errors import UsageError
@@ -28,14 +27,6 @@ from harness.decode.loading import load_target_config
 from harness.protocol.spyre_contract import check_models, is_spyre
 
 
-@dataclass(frozen=True)
-class ArmSpec:
-    name: str
-    method: str               # ar | drafter-only | markov | xpress
-    K: int | None = None
-    weights: str | None = None  # None: the base drafter; else the refiner kind whose co-trained drafter it uses
-
-
 @dataclass
 class Arm:
     spec: ArmSpec
@@ -43,7 +34,6 @@ class Arm:
     drafter: object | None = None
     refiner: object | None = None
     state: dict | None = None  # drafter weights to swap in before this arm runs (None: leave as is)
-    results: list = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -54,30 +44,20 @@ class Arm:
             self.drafter.model.load_state_dict(self.state, strict=True)
 
 
-@dataclass
-class Prepared:
-    backend: Backend
-    target_config: object
-    draft_config: DFlashConfig | None
-    block_size: int
-    max_model_len: int
-    refiners: dict[str, RefinerCheckpoint]
-    arms: list[ArmSpec]
-    rounds: int
-    warmup_rounds: int
-    rotation_note: str | None = None
-    draft_path: str | None = None  # the drafter's local directory (a hub id resolved to the HF cache)
-    config: RunConfig | None = None  # the run config with Spyre's resolved K and C (None: as given)
-    spyre: object | None = None      # harness.protocol.spyre_contract.SpyrePlan on --device spyre
-
-
-def prepare(cfg: RunConfig) -> Prepared:
+def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None,
+            resume: str | None = None) -> RunPlan:
+    """The run's plan (harness.protocol.plan), from configs, file headers and refiner checkpoints alone.
+    `device`: this rank's device (default --device); `folder` / `resume`: the results folder and the folder
+    continued (the runner picks them first; a plan made for a check has none)."""
+    device = cfg.device if device is None else device
     validate_dataset_args(cfg.dataset, cfg.data_dir, cfg.max_samples)
-    backend = resolve_backend(cfg.device, cfg.dtype)
+    backend = resolve_backend(device, cfg.dtype)
     if cfg.use_graph and backend.kind != "cuda":
+        # TODO(lead): call the decode check
         raise UsageError("--use-graph captures CUDA graphs; it needs --device cuda")
+    place = dict(device=device, folder=folder, resume=cfg.resume if resume is None else resume)
     if cfg.random_weights:
-        return _prepare_random(cfg, backend)
+        return _prepare_random(cfg, backend, place)
     tcfg = load_target_config(cfg.model_name_or_path, parse_overrides(cfg.hf_overrides))
     limit = cfg.max_model_len or int(getattr(tcfg, "max_position_embeddings", 0) or 0)
     if limit < 2:
@@ -94,13 +74,15 @@ def prepare(cfg: RunConfig) -> Prepared:
                              f"{dcfg.block_size} or smaller")
         block = cfg.block_size or dcfg.block_size
         ckpts = _refiner_checkpoints(cfg, dcfg, tcfg, block)
-    plan = None
-    if is_spyre(cfg.device):  # the serving contract, from configs and checkpoint headers: still nothing loaded
-        plan = check_models(cfg, tcfg, block, ckpts.get(XPRESS))
-        cfg = dataclasses.replace(cfg, xpress_refine_passes=plan.passes, xpress_topc=plan.shortlist)
-    arms = plan_arms(cfg, ckpts)
+    spyre, passes, topc = None, cfg.xpress_refine_passes, cfg.xpress_topc
+    if is_spyre(device):  # the serving contract, from configs and checkpoint headers: still nothing loaded
+        spyre = check_models(cfg, tcfg, block, ckpts.get(XPRESS))
+        passes, topc = spyre.passes, spyre.shortlist
+    k_list = cfg.k_list if cfg.fair_k_list is not None else [passes]
+    arms = plan_arms(cfg, ckpts, passes, topc, k_list)
     rounds, warmup, note = _rounds(cfg, len(arms))
-    return Prepared(backend, tcfg, dcfg, block, limit, ckpts, arms, rounds, warmup, note, draft_path, cfg, plan)
+    return RunPlan(cfg, backend, tcfg, dcfg, block, limit, ckpts, tuple(arms), rounds, warmup, passes, topc, note,
+                   draft_path, spyre, **place)
 
 
 def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
@@ -110,22 +92,25 @@ def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
     return rounds, warmup, note if cfg.fair else None  # one round: no rotation to balance
 
 
-def _prepare_random(cfg: RunConfig, backend: Backend) -> Prepared:
+def _prepare_random(cfg: RunConfig, backend: Backend, place: dict) -> RunPlan:
     """--random-weights: every arm from one preset's random models (no configs or checkpoints to check)."""
     from harness.protocol.presets import hf_config, preset
     tcfg = hf_config(preset(cfg.random_weights))
     limit = cfg.max_model_len or tcfg.max_position_embeddings
+    k = cfg.xpress_refine_passes
     if cfg.fair:
-        specs = [ArmSpec("AR", "ar"), ArmSpec("drafter-only", "drafter-only"), ArmSpec("Markov", "markov")]
-        specs += [ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k) for k in cfg.k_list]
+        specs = [ArmSpec("AR", "ar"), ArmSpec("drafter-only", "drafter-only")]
+        if not cfg.drafter_only:  # --drafter-only: AR against the drafter alone, in paired rounds
+            specs += [ArmSpec("Markov", "markov")]
+            specs += [ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k) for k in cfg.k_list]
     else:
         specs = [ArmSpec("AR", "ar")] if cfg.run_ar else []
         if cfg.run_spec:
-            k = cfg.xpress_refine_passes
             specs.append(ArmSpec("drafter-only", "drafter-only") if cfg.drafter_only or k == 0 else
                          ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k))
     rounds, warmup, note = _rounds(cfg, len(specs))
-    return Prepared(backend, tcfg, None, cfg.block_size or 16, limit, {}, specs, rounds, warmup, note)
+    return RunPlan(cfg, backend, tcfg, None, cfg.block_size or 16, limit, {}, tuple(specs), rounds, warmup, k,
+                   cfg.xpress_topc, note, **place)
 
 
 def _compiled(refiner, cfg: RunConfig, watch=None):
@@ -139,23 +124,24 @@ def _compiled(refiner, cfg: RunConfig, watch=None):
     return CompiledRefiner(refiner, watch=watch)
 
 
-def build_random_arms(cfg: RunConfig, prep: Prepared, models, watch=None) -> list[Arm]:
+def build_random_arms(plan: RunPlan, models, watch=None) -> list[Arm]:
+    cfg = plan.config
     def refiner(s):
         if s.method == "xpress" and cfg.refine_numerics == "spyre":
-            return _spyre_refiner(models.xpress_head, s.K, cfg)
-        return models.refiner(s.method, s.K or 0, cfg.xpress_topc)
-    return [Arm(s, 1 if s.method == "ar" else prep.block_size, None if s.method == "ar" else models.drafter,
-                _compiled(refiner(s), cfg, watch)) for s in prep.arms]
+            return _spyre_refiner(models.xpress_head, s.K, plan)
+        return models.refiner(s.method, s.K or 0, plan.topc)
+    return [Arm(s, 1 if s.method == "ar" else plan.block_size, None if s.method == "ar" else models.drafter,
+                _compiled(refiner(s), cfg, watch)) for s in plan.arms]
 
 
-def _spyre_refiner(head, k: int, cfg: RunConfig):
+def _spyre_refiner(head, k: int, plan: RunPlan):
     """--refine-numerics spyre: the xPress refinement as the Spyre card runs it (refiners.spyre_numerics)."""
-    return SpyreXPressRefiner(head, k, topc=cfg.xpress_topc, prev_anchor=cfg.xpress_prev_anchor)
+    return SpyreXPressRefiner(head, k, topc=plan.topc, prev_anchor=plan.config.xpress_prev_anchor)
 
 
 def _refiner_checkpoints(cfg: RunConfig, dcfg: DFlashConfig, tcfg, block: int) -> dict[str, RefinerCheckpoint]:
-    paths = {XPRESS: resolve_refiner_path(cfg.xpress_refiner_path, ENV_VARS[XPRESS]),
-             MARKOV: resolve_refiner_path(cfg.markov_refiner_path, ENV_VARS[MARKOV])}
+    paths = {XPRESS: resolve_refiner_path(cfg.xpress_refiner_path),  # an env variable was read by the CLI
+             MARKOV: resolve_refiner_path(cfg.markov_refiner_path)}
     if all(paths.values()) and not cfg.fair:
         raise UsageError("xPress and Markov checkpoints were both given; outside the paired protocol a run compares "
                          "one refiner with AR and drafter-only (add --fair-interleave, or pass only one path)")
@@ -178,7 +164,9 @@ def _xpress_name(k: int, topc: int) -> str:
     return f"xPress(K={k}, C={topc})" if topc else f"xPress(K={k})"  # --refine-numerics is in the run config
 
 
-def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint]) -> list[ArmSpec]:
+def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint], passes: int, topc: int,
+              k_list: list[int]) -> list[ArmSpec]:
+    """The arms of a run; `passes`, `topc`, `k_list`: K, C and the K values as resolved (Spyre's contract)."""
     arms = [ArmSpec("AR", "ar")] if cfg.run_ar else []
     if not cfg.run_spec:
         return arms
@@ -188,16 +176,15 @@ def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint]) -> list[ArmSp
         if mk:
             arms.append(ArmSpec("Markov", "markov", weights=MARKOV))
         if xp:
-            arms += [ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k, XPRESS) for k in cfg.k_list]
+            arms += [ArmSpec(_xpress_name(k, topc), "xpress", k, XPRESS) for k in k_list]
         return arms
     ck = xp or mk
     if ck is None:
         return arms + [ArmSpec("drafter-only", "drafter-only")]
-    if cfg.drafter_only or (ck is xp and cfg.xpress_refine_passes == 0):
+    if cfg.drafter_only or (ck is xp and passes == 0):
         return arms + [ArmSpec("drafter-only (co-trained)", "drafter-only", weights=ck.kind)]
     if ck is xp:
-        return arms + [ArmSpec(_xpress_name(cfg.xpress_refine_passes, cfg.xpress_topc), "xpress",
-                               cfg.xpress_refine_passes, XPRESS)]
+        return arms + [ArmSpec(_xpress_name(passes, topc), "xpress", passes, XPRESS)]
     return arms + [ArmSpec("Markov", "markov", weights=MARKOV)]
 
 
@@ -206,20 +193,20 @@ def _device_state(model, tensors: dict, backend: Backend) -> dict:
     return {k: tensors[k].to(device=backend.device, dtype=wanted[k].dtype) for k in wanted}
 
 
-def build_arms(cfg: RunConfig, prep: Prepared, target, watch=None) -> list[Arm]:
-    backend = prep.backend
-    specs = prep.arms
+def build_arms(plan: RunPlan, target, watch=None) -> list[Arm]:
+    cfg, backend = plan.config, plan.backend
+    specs = plan.arms
     if not any(s.method != "ar" for s in specs):
         return [Arm(s, 1) for s in specs]
-    model = load_dflash(prep.draft_path, prep.draft_config, backend)
-    drafter = DFlashDrafter(model, target.embed, target.lm_head, backend, block_size=prep.block_size,
+    model = load_dflash(plan.draft_path, plan.draft_config, backend)
+    drafter = DFlashDrafter(model, target.embed, target.lm_head, backend, block_size=plan.block_size,
                             ops=target.ops)
     def key(spec):  # the weight set an arm runs with: a refiner's co-trained drafter, or the base one (None)
-        ck = prep.refiners.get(spec.weights) if spec.weights else None
+        ck = plan.refiners.get(spec.weights) if spec.weights else None
         return spec.weights if ck is not None and ck.draft_state else None
 
     keys = {key(s) for s in specs if s.method != "ar"}
-    states = {k: (_device_state(model, prep.refiners[k].draft_state, backend) if k else
+    states = {k: (_device_state(model, plan.refiners[k].draft_state, backend) if k else
                   {n: t.clone() for n, t in model.state_dict().items()}) for k in keys}
     if len(keys) == 1:  # one set of weights for every arm: load it once, swap nothing
         only = keys.pop()
@@ -235,16 +222,16 @@ def build_arms(cfg: RunConfig, prep: Prepared, target, watch=None) -> list[Arm]:
         refiner = None
         if s.method == "xpress":
             if "xpress" not in heads:
-                ck = prep.refiners[XPRESS]
+                ck = plan.refiners[XPRESS]
                 heads["xpress"] = xpress_head_from_state(ck.head_state, mixer=ck.mixer, device=backend.device,
                                                          dtype=backend.dtype, fold=not cfg.no_fold_mixer)
-            refiner = (_spyre_refiner(heads["xpress"], s.K, cfg) if cfg.refine_numerics == "spyre" else
-                       XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=cfg.xpress_topc,
+            refiner = (_spyre_refiner(heads["xpress"], s.K, plan) if cfg.refine_numerics == "spyre" else
+                       XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=plan.topc,
                                      ops=target.ops))
         elif s.method == "markov":
-            ck = prep.refiners[MARKOV]  # a gated/rnn head (DSpark, speculators) carries its layer's tensors too
+            ck = plan.refiners[MARKOV]  # a gated/rnn head (DSpark, speculators) carries its layer's tensors too
             refiner = MarkovRefiner(markov_head_from_state(ck.head_state, ck.variant, device=backend.device,
                                                            dtype=backend.dtype),
                                     low_precision_sampling=cfg.compat_reference, ops=target.ops)
-        arms.append(Arm(s, prep.block_size, drafter, _compiled(refiner, cfg, watch), states.get(key(s))))
+        arms.append(Arm(s, plan.block_size, drafter, _compiled(refiner, cfg, watch), states.get(key(s))))
     return arms

@@ -5,8 +5,6 @@ has them, REFERENCE.md section 1.1).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 from dataclasses import dataclass
 
@@ -88,9 +86,6 @@ class RunConfig:
     def run_spec(self) -> bool:
         return not self.ar_only
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
-
 
 def validate(c: RunConfig) -> None:
     """Everything that can be wrong without reading a model."""
@@ -126,6 +121,9 @@ def validate(c: RunConfig) -> None:
                                          else c.temperature) >= 1e-5:
         raise UsageError("--refine-numerics spyre selects greedily (Spyre drafts are greedy); use "
                          "--draft-temperature 0 (the target may still sample)")
+    if c.refine_numerics == "spyre" and c.use_graph:
+        raise UsageError("--refine-numerics spyre copies to the host inside every step, which a CUDA graph cannot "
+                         "capture; add --no-use-graph")
     if c.refine_numerics == "spyre" and c.xpress_topc == 0 and not is_spyre(c.device):
         raise UsageError("--refine-numerics spyre scores a shortlist; pass --xpress-topc 1..1024 (Spyre uses 512)")
     if c.kernels == "triton":
@@ -171,8 +169,8 @@ def validate(c: RunConfig) -> None:
         if any(k < 1 for k in ks):
             raise UsageError(f"--fair-k-list {c.fair_k_list}: every K must be >= 1 (K=0 is the drafter-only arm, "
                              "which the protocol runs anyway)")
-    if c.fair and c.drafter_only:
-        raise UsageError("--drafter-only with --fair-interleave: the paired protocol already runs a drafter-only arm")
+    if c.fair and c.drafter_only and (c.xpress_refiner_path or c.markov_refiner_path):
+        raise UsageError(drafter_only_conflict(c))
     if c.fair and c.ar_only:
         raise UsageError("--ar-only with --fair-interleave: the protocol compares arms; drop one")
     if c.fair_warmup_rounds < 0:
@@ -182,18 +180,35 @@ def validate(c: RunConfig) -> None:
     for path in (c.answer_file, c.trace):
         if path:
             check_writable(path)
-    check_results_dir(c.resume or c.results_dir, must_exist=bool(c.resume))
+    check_results_dir(c.resume or c.results_dir, must_exist=bool(c.resume), flag="--resume" if c.resume else
+                      "--results-dir")
 
 
-def check_results_dir(path: str, must_exist: bool) -> None:
-    """The results folder (or the nearest existing parent) must be writable before anything runs."""
+def drafter_only_conflict(c: RunConfig) -> str:
+    """--drafter-only runs AR against the drafter alone; under the paired protocol a refiner's arms would run too.
+    The line names what the user typed and where the rest came from (a setup, the environment)."""
+    given = set(c.given)
+    paths = [f"--{k.replace('_', '-')}" if k in given else f"${env}"
+             for k, env in (("xpress_refiner_path", "XPRESS_CKPT"), ("markov_refiner_path", "MK_CKPT"))
+             if getattr(c, k)]
+    return (f"--drafter-only compares AR with the drafter alone, but {' and '.join(paths)} "
+            f"{'add' if len(paths) > 1 else 'adds'} refiner arms to the paired rounds{'' if 'fair_interleave' in given else ' (the setup runs the paired protocol)'}; "
+            "drop the refiner (an empty env variable drops it) or drop --drafter-only to compare every arm")
+
+
+def check_results_dir(path: str, must_exist: bool, flag: str = "--results-dir") -> None:
+    """The results folder (or the nearest existing parent) must be writable before anything runs; a failure says
+    what is wrong with the path given (`flag` names where it came from)."""
     if must_exist and not os.path.isdir(path):
         raise UsageError(f"--resume {path}: no such run folder")
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
-    if not os.path.isdir(probe) or not _can_write(probe):
-        raise UsageError(f"results folder {path}: {probe} is not a writable directory; pass --results-dir")
+    if not os.path.isdir(probe):
+        raise UsageError(f"{flag} {path}: {probe} is a file, not a folder; move it away or name another folder")
+    if not _can_write(probe):
+        raise UsageError(f"{flag} {path}: {probe} is not a writable directory (no permission, or a read-only file "
+                         "system); name a folder you can write to")
 
 
 def _can_write(folder: str) -> bool:

@@ -52,11 +52,11 @@ class Shard:
 
     # ---------------------------------------------------------------------------------- before any model loads
 
-    def rank_config(self, cfg):
-        """The config this rank runs with: CUDA runs on cuda:LOCAL_RANK (set as the current device too)."""
+    def rank_device(self, device: str | None) -> str | None:
+        """The device this rank runs on, from --device: CUDA runs on cuda:LOCAL_RANK (set as the current device
+        too); the run config keeps --device as given (config.json's resolved section records this one)."""
         if not self.launched:
-            return cfg
-        device = cfg.device
+            return device
         if device is not None and device.startswith("cuda:"):
             raise UsageError(f"--device {device}: under torchrun / accelerate launch every rank uses "
                              "cuda:LOCAL_RANK; pass --device cuda or leave it out (CUDA_VISIBLE_DEVICES picks GPUs)")
@@ -68,7 +68,7 @@ class Shard:
                                  f"GPU(s); launch at most {n} processes per node (--nproc-per-node)")
             torch.cuda.set_device(self.local_rank)  # kernels and graphs that use the current device follow
             device = f"cuda:{self.local_rank}"
-        return dataclasses.replace(cfg, device=device)
+        return device
 
     def mine(self, samples: list) -> list[tuple[int, object]]:
         """(question id, sample) pairs this rank decodes; question ids are positions in the whole run."""
@@ -122,23 +122,22 @@ class Shard:
                              "resume it with the same number of processes")
 
     def pick_folder(self, cfg, run_folder, check_resume):
-        """(cfg, folder): rank 0 picks the results folder (runner.run_folder) and checks a resumed one (runner.
+        """(resume, folder): rank 0 picks the results folder (runner.run_folder) and checks a resumed one (runner.
         check_resume, and the process count here); every rank gets its answer. Under torchrun --max-restarts a
         group restarted after a failure continues its --run-id folder as --resume would; a first attempt, or a run
         without --run-id, starts as asked."""
         def pick():
             again = self.launched and int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) > 0
             folder = os.path.join(cfg.results_dir, cfg.run_id or "")
-            c = cfg
-            if again and cfg.run_id and not cfg.resume and os.path.isfile(os.path.join(folder, "config.json")):
-                c = dataclasses.replace(cfg, resume=folder)
-            folder = run_folder(c)
-            if c.resume:
-                check_resume(c, folder)
+            resume = cfg.resume
+            if again and cfg.run_id and not resume and os.path.isfile(os.path.join(folder, "config.json")):
+                resume = folder
+            folder = run_folder(cfg, resume)
+            if resume:
+                check_resume(cfg, folder)
                 self.check_resume(folder)
-            return c.resume, folder
-        resume, folder = self.agree(pick)
-        return dataclasses.replace(cfg, resume=resume), folder
+            return resume, folder
+        return self.agree(pick)
 
     def done(self, rows_path: str, resume: bool) -> list[dict]:
         """Rows this rank already wrote (--resume); a rank that died before its first row has none."""

@@ -193,13 +193,34 @@ def from_saved(folder: str, values: dict, typed: set[str]) -> dict:
     return {k: values[k] if k in typed or k not in saved else saved[k] for k in FIELDS}
 
 
+def settle(values: dict, typed: set[str]) -> dict:
+    """What the command line decides beyond single flags, after the setup filled its settings (not on --resume,
+    whose config.json holds the settled values):
+    * --drafter-only compares AR with the drafter alone: a setup's refiner heads are left out;
+    * a refiner path not typed comes from its env variable (XPRESS_CKPT / MK_CKPT; empty: no such arm), read here
+      and nowhere else (not with --random-weights or --ar-only, which take no checkpoint);
+    * --refine-numerics spyre copies to the host inside the step, so a setup does not turn --use-graph on."""
+    from harness.protocol.setups import ENV_OF
+    out = dict(values)
+    for key, var in ENV_OF.items():
+        if key in typed and out[key]:
+            continue
+        if out["drafter_only"] and out.get("preset"):
+            out[key] = None
+        if not out[key] and var in os.environ and not (out["random_weights"] or out["ar_only"]):
+            out[key] = os.environ[var] or None
+    if out["refine_numerics"] == "spyre" and "use_graph" not in typed:
+        out["use_graph"] = False
+    return out
+
+
 def parse_args(argv: list[str] | None = None) -> RunConfig:
     values, typed, _ = typed_values(argv)
     if values["resume"]:
         values = from_saved(values["resume"], values, typed)
     else:
         from harness.protocol import setups
-        values = setups.apply(values, typed)
+        values = settle(setups.apply(values, typed), typed)
     # the flags typed now (and, on --resume, those typed when the run began): explicit beats a checkpoint's value
     values["given"] = tuple(sorted(set(values.get("given") or ()) | typed))
     cfg = RunConfig(**values)

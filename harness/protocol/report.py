@@ -13,6 +13,7 @@ import json
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from core.errors import UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
 from harness.protocol.results_io import atomic_write
+from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
 from harness.protocol.rounds import paired_ratios
 from harness.protocol.tables import (format_console_table, format_conventions, format_csv, format_markdown_table,
                                      format_multi_dataset_table, run_labels)
@@ -31,7 +33,6 @@ __all__ = ["summarize", "conventions", "write_results", "format_console_table", 
 
 GREEDY_T = 1e-5
 UNTIMED_LABEL = "timing NOT a measurement (a per-step callback ran inside the timer)"  # below this temperature decoding is greedy, as the reference
-SCHEMA = "xpress-bench/summary/1"
 _METHOD_ORDER = {"ar": 0, "drafter-only": 1, "markov": 2, "xpress": 3}
 _REPO = Path(__file__).resolve().parents[2]
 _REQUIRED = ("dataset", "question_id", "turn", "round", "warmup", "arm", "method", "block_size", "temperature",
@@ -81,22 +82,29 @@ def _round_metrics(rows: list[dict], block: int) -> dict:
 
 
 _stats = comparisons.stats_dict
+_TAU_KEYS = ("tau_per_step", "tau_per_sample", "histogram", "per_position")
 
 
-def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warmup: bool = False,
-              labels: list[str] | None = None) -> dict:
-    """The run's summary, JSON-ready (undefined numbers are None).
+@dataclass
+class _Rows:
+    """The sample rows of one run, grouped for the statistics (turn 0 of the measured rounds)."""
+    rows: list[dict]
+    dataset: str
+    temperature: float
+    greedy: bool
+    draft_temperatures: set
+    deterministic: bool                   # greedy target and greedy drafts: tau is the same every round
+    arms: dict[str, dict]                 # name -> {method, K, block_size}, in method order
+    all_rounds: list[int]
+    warm_rounds: list[int]
+    measured: list[dict]
+    prompts: list[int]
+    by: dict[str, dict[int, dict]]        # arm -> round -> question_id -> row
+    used: dict[str, list[int]]            # arm -> its complete measured rounds
+    per_round: dict[str, dict[int, dict]]  # arm -> round -> _round_metrics
 
-    Top level: schema, dataset, temperature, greedy, block_size, rounds {all, warmup, measured}, prompts,
-    reference_arm (AR), drafter_only_arm, incomplete_rounds [[arm, round, rows, prompts]], duplicate_rows_dropped,
-    optimal {method: {arm, K, pooled_tok_s}}, conventions {name: line}, and arms {name: per-arm dict}: arm, method,
-    K, block_size, rounds (complete measured rounds used), samples, prompts, tau_per_step, tau_per_sample,
-    tau_source, tau_rounds_agree, tau_per_step_by_round, histogram, per_position, pooled_tok_s and
-    per_sample_tok_s {n, mean, std, median, min, max, values (per round)}, ttft_s, drafter_prefill_s, new_tokens,
-    decode_tokens, stop_reasons, speedup and gain {n, mean, std, median, min, max, values (per-round ratios), ref,
-    ci95 [lo, hi], ci_point, ci_prompts} or None, speedup_per_sample {n, mean, ...} or None, token_match
-    {ref, rows_compared, rows_identical, token_match_rate, first_divergence [{question_id, position}]} or None.
-    """
+
+def _checked(rows: list[dict]) -> tuple[list[dict], int]:
     for i, r in enumerate(rows):
         missing = [k for k in _REQUIRED if k not in r]
         if missing:
@@ -104,122 +112,130 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
     rows, duplicates = _dedupe(rows)
     if not rows:
         raise UsageError("no sample rows to summarize; is samples.jsonl empty?")
+    return rows, duplicates
+
+
+def _group(rows: list[dict]) -> _Rows:
     temperature = float(_one(rows, "temperature", "temperatures"))
-    dataset = _one(rows, "dataset", "datasets")
     greedy = temperature < GREEDY_T
     # drafting at Td > 0 samples even when the target is greedy: then tau varies between rounds
     td = {r.get("draft_temperature") for r in rows}
-    deterministic = greedy and all(t is None or t < GREEDY_T for t in td)
     arms = _arms(rows)
     all_rounds = sorted({r["round"] for r in rows})
-    warm_rounds = sorted({r["round"] for r in rows if r["warmup"]})
     measured = [r for r in rows if not r["warmup"] and r["turn"] == 0]
     if not measured:
         raise UsageError("no measured rows (turn 0 of a non-warmup round): the run stopped during warmup; "
                          "rerun with --resume or more rounds")
     prompts = sorted({r["question_id"] for r in measured})
-    by: dict[str, dict[int, dict]] = {a: {} for a in arms}  # arm -> round -> question_id -> row
+    by: dict[str, dict[int, dict]] = {a: {} for a in arms}
     for r in measured:
         by[r["arm"]].setdefault(r["round"], {})[r["question_id"]] = r
-    # a round that misses prompts (a crash, a resume in progress) would bias tok/s; it is left out and listed
-    incomplete = [[a, rnd, len(qs), len(prompts)] for a in arms for rnd, qs in sorted(by[a].items())
-                  if len(qs) < len(prompts)]
     used = {a: [rnd for rnd, qs in sorted(by[a].items()) if len(qs) == len(prompts)] for a in arms}
     per_round = {a: {rnd: _round_metrics(list(by[a][rnd].values()), arms[a]["block_size"]) for rnd in used[a]}
                  for a in arms}
+    return _Rows(rows, _one(rows, "dataset", "datasets"), temperature, greedy, td,
+                 greedy and all(t is None or t < GREEDY_T for t in td), arms, all_rounds,
+                 sorted({r["round"] for r in rows if r["warmup"]}), measured, prompts, by, used, per_round)
 
-    ar = _pick(arms, "ar", "AR")
-    base = _pick(arms, "drafter-only", "drafter-only")
-    pooled = {rnd: {a: per_round[a][rnd]["pooled"] for a in arms if rnd in per_round[a]}
-              for rnd in sorted({x for a in arms for x in used[a]})}
-    per_sample = {rnd: {a: per_round[a][rnd]["per_sample"] for a in arms if rnd in per_round[a]} for rnd in pooled}
-    out_arms = {}
-    for a, info in arms.items():
-        pr = [per_round[a][rnd] for rnd in used[a]]
-        s = {"arm": a, **info, "rounds": used[a], "samples": sum(len(by[a][rnd]) for rnd in used[a]),
-             "prompts": len(prompts)}
-        taus = [m["tau_per_step"] for m in pr]
-        keys = ("tau_per_step", "tau_per_sample", "histogram", "per_position")
-        if deterministic:  # REFERENCE 11.2 item 8: the reference takes the warmup round; we take the first measured one
-            agree = len(set(taus)) <= 1
-            s["tau_source"] = (f"first measured round (round {used[a][0]}); greedy, so assumed identical across "
-                               f"rounds: {'it is' if agree else 'IT IS NOT, see tau_per_step_by_round'}"
-                               if pr else "no complete measured round")
-            s["tau_rounds_agree"] = agree if pr else None
-            s.update({k: pr[0][k] if pr else math.nan for k in keys})
-            warm = [r for r in rows if r["arm"] == a and r["turn"] == 0 and warm_rounds and r["round"] == warm_rounds[0]]
-            if tau_from_warmup and warm:  # --compat-reference: the reference keeps the first run's tau (its warmup)
-                first = _round_metrics(warm, info["block_size"])
-                s.update({k: first[k] for k in keys})
-                s["tau_source"] = f"warmup round {warm_rounds[0]} (--compat-reference, as the reference)"
-        else:
-            why = f"T={temperature:g}" if not greedy else f"T=0 but drafts sampled at Td={sorted(td, key=str)}"
-            s["tau_source"] = f"mean over {len(pr)} measured rounds (sampling, {why})"
-            s["tau_rounds_agree"] = None
-            s.update({k: np.mean([m[k] for m in pr], axis=0).tolist() if pr else math.nan for k in keys})
-        s["tau_per_step_by_round"] = taus
-        for k, name in (("pooled", "pooled_tok_s"), ("per_sample", "per_sample_tok_s")):
-            vals = [m[k] for m in pr]
-            s[name] = _stats(metrics.round_stats(vals), vals)
-        used_rows = [row for rnd in used[a] for row in by[a][rnd].values()]
-        s["ttft_s"] = metrics.mean_latency_s([r["ttft_s"] for r in used_rows])
-        s["drafter_prefill_s"] = metrics.mean_latency_s([r.get("drafter_prefill_s", 0.0) for r in used_rows])
-        s["new_tokens"] = sum(r["new_tokens"] for r in used_rows)
-        s["decode_tokens"] = sum(r["decode_tokens"] for r in used_rows)
-        reasons = [r.get("stop_reason") for r in used_rows]
-        s["stop_reasons"] = {str(x): reasons.count(x) for x in sorted(set(reasons), key=str)}
-        out_arms[a] = s
 
+def _incomplete(g: _Rows) -> list[list]:
+    """A round that misses prompts (a crash, a resume in progress) would bias tok/s; it is left out and listed."""
+    return [[a, rnd, len(qs), len(g.prompts)] for a in g.arms for rnd, qs in sorted(g.by[a].items())
+            if len(qs) < len(g.prompts)]
+
+
+def _tau(g: _Rows, a: str, tau_from_warmup: bool) -> dict:
+    """tau_source, tau_rounds_agree and the tau statistics of one arm."""
+    pr = [g.per_round[a][rnd] for rnd in g.used[a]]
+    if not g.deterministic:
+        why = f"T={g.temperature:g}" if not g.greedy else f"T=0 but drafts sampled at Td={sorted(g.draft_temperatures, key=str)}"
+        return {"tau_source": f"mean over {len(pr)} measured rounds (sampling, {why})", "tau_rounds_agree": None,
+                **{k: np.mean([m[k] for m in pr], axis=0).tolist() if pr else math.nan for k in _TAU_KEYS}}
+    # REFERENCE 11.2 item 8: the reference takes the warmup round; we take the first measured one
+    agree = len({m["tau_per_step"] for m in pr}) <= 1
+    s = {"tau_source": (f"first measured round (round {g.used[a][0]}); greedy, so assumed identical across "
+                        f"rounds: {'it is' if agree else 'IT IS NOT, see tau_per_step_by_round'}"
+                        if pr else "no complete measured round"),
+         "tau_rounds_agree": agree if pr else None, **{k: pr[0][k] if pr else math.nan for k in _TAU_KEYS}}
+    first_warm = g.warm_rounds[0] if g.warm_rounds else None
+    warm = [r for r in g.rows if r["arm"] == a and r["turn"] == 0 and r["round"] == first_warm]
+    if tau_from_warmup and warm:  # --compat-reference: the reference keeps the first run's tau (its warmup)
+        first = _round_metrics(warm, g.arms[a]["block_size"])
+        s.update({k: first[k] for k in _TAU_KEYS})
+        s["tau_source"] = f"warmup round {first_warm} (--compat-reference, as the reference)"
+    return s
+
+
+def _throughput(g: _Rows, a: str) -> dict:
+    """tok/s over the used rounds, latencies, token counts and stop reasons of one arm."""
+    pr = [g.per_round[a][rnd] for rnd in g.used[a]]
+    s = {}
+    for k, name in (("pooled", "pooled_tok_s"), ("per_sample", "per_sample_tok_s")):
+        vals = [m[k] for m in pr]
+        s[name] = _stats(metrics.round_stats(vals), vals)
+    used_rows = [row for rnd in g.used[a] for row in g.by[a][rnd].values()]
+    s["ttft_s"] = metrics.mean_latency_s([r["ttft_s"] for r in used_rows])
+    s["drafter_prefill_s"] = metrics.mean_latency_s([r.get("drafter_prefill_s", 0.0) for r in used_rows])
+    s["new_tokens"] = sum(r["new_tokens"] for r in used_rows)
+    s["decode_tokens"] = sum(r["decode_tokens"] for r in used_rows)
+    reasons = [r.get("stop_reason") for r in used_rows]
+    s["stop_reasons"] = {str(x): reasons.count(x) for x in sorted(set(reasons), key=str)}
+    return s
+
+
+def _arm(g: _Rows, a: str, tau_from_warmup: bool) -> dict:
+    tau = _tau(g, a, tau_from_warmup)
+    return {"arm": a, **g.arms[a], "rounds": g.used[a], "samples": sum(len(g.by[a][rnd]) for rnd in g.used[a]),
+            "prompts": len(g.prompts), **tau,
+            "tau_per_step_by_round": [g.per_round[a][rnd]["tau_per_step"] for rnd in g.used[a]],
+            **_throughput(g, a)}
+
+
+def _compare(g: _Rows, out_arms: dict, ar: str | None, base: str | None, n_boot: int, seed: int) -> None:
+    """speedup (+ speedup_per_sample) against AR, gain against drafter-only, token_match against AR."""
+    per_sample = {rnd: {a: g.per_round[a][rnd]["per_sample"] for a in g.arms if rnd in g.per_round[a]}
+                  for rnd in sorted({x for a in g.arms for x in g.used[a]})}
     for ref, key in ((ar, "speedup"), (base, "gain")):
         ratios = paired_ratios(per_sample, ref) if ref and any(ref in v for v in per_sample.values()) else {}
-        for a in arms:
-            out_arms[a][key] = comparisons.paired(a, ref, by, used, n_boot, seed) if ref and a != ref else None
+        for a in g.arms:
+            out_arms[a][key] = comparisons.paired(a, ref, g.by, g.used, n_boot, seed) if ref and a != ref else None
             if key == "speedup":
                 out_arms[a]["speedup_per_sample"] = (_stats(metrics.paired_ratio_stats(ratios[a]), ratios[a])
                                                      if a in ratios and a != ref else None)
-    for a in arms:
-        out_arms[a]["token_match"] = comparisons.token_match(rows, a, ar) if ar and a != ar else None
+    for a in g.arms:
+        out_arms[a]["token_match"] = comparisons.token_match(g.rows, a, ar) if ar and a != ar else None
 
-    optimal = comparisons.optimal(arms, out_arms, rows, prompts)
-    ar_flags = []
-    if ar and ar in out_arms:
-        vals = out_arms[ar]["pooled_tok_s"]["values"]
-        ar_flags = [{"round": used[ar][i], "pooled_tok_s": vals[i], "off_median": off}
-                    for i, off in metrics.off_median_rounds(vals)]
+
+def _ar_off_median(g: _Rows, out_arms: dict, ar: str | None) -> list[dict]:
+    if not (ar and ar in out_arms):
+        return []
+    vals = out_arms[ar]["pooled_tok_s"]["values"]
+    return [{"round": g.used[ar][i], "pooled_tok_s": vals[i], "off_median": off}
+            for i, off in metrics.off_median_rounds(vals)]
+
+
+def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warmup: bool = False,
+              labels: list[str] | None = None) -> dict:
+    """The run's summary, JSON-ready (undefined numbers are None): every key and its meaning are listed in
+    harness.protocol.summary_schema (TOP, ARM), which a test checks a written summary against."""
+    rows, duplicates = _checked(rows)
+    g = _group(rows)
+    ar = _pick(g.arms, "ar", "AR")
+    base = _pick(g.arms, "drafter-only", "drafter-only")
+    out_arms = {a: _arm(g, a, tau_from_warmup) for a in g.arms}
+    _compare(g, out_arms, ar, base, n_boot, seed)
+    untimed = [UNTIMED_LABEL] if any(r.get("timed") is False for r in g.measured) else []
     return _clean({
-        "schema": SCHEMA, "dataset": dataset, "temperature": temperature, "greedy": greedy,
-        "block_size": max(i["block_size"] for i in arms.values()),
-        "rounds": {"all": all_rounds, "warmup": warm_rounds,
-                   "measured": [x for x in all_rounds if x not in warm_rounds]},
-        "prompts": len(prompts), "reference_arm": ar, "drafter_only_arm": base,
-        "incomplete_rounds": incomplete, "duplicate_rows_dropped": duplicates,
-        "arms": out_arms, "optimal": optimal, "ar_rounds_off_median": ar_flags,
-        "labels": list(labels or []) + ([UNTIMED_LABEL] if any(r.get("timed") is False for r in measured) else []),
-        "conventions": conventions(),
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "dataset": g.dataset, "temperature": g.temperature,
+        "greedy": g.greedy, "block_size": max(i["block_size"] for i in g.arms.values()),
+        "rounds": {"all": g.all_rounds, "warmup": g.warm_rounds,
+                   "measured": [x for x in g.all_rounds if x not in g.warm_rounds]},
+        "prompts": len(g.prompts), "reference_arm": ar, "drafter_only_arm": base,
+        "incomplete_rounds": _incomplete(g), "duplicate_rows_dropped": duplicates,
+        "arms": out_arms, "optimal": comparisons.optimal(g.arms, out_arms, rows, g.prompts),
+        "ar_rounds_off_median": _ar_off_median(g, out_arms, ar),
+        "labels": list(labels or []) + untimed, "conventions": conventions(),
     })
-
-
-def conventions() -> dict[str, str]:
-    c = {k: metrics.CONVENTIONS[k] for k in (
-        "tau_per_step", "tau_per_sample", "acceptance_histogram", "per_position_acceptance", "pooled_tok_per_s",
-        "per_sample_tok_per_s", "round_stats", "median_round_speedup", "off_median_rounds", "paired_ratio_stats",
-        "pooled_speedup_ci_over_prompts", "token_match_rate", "first_divergence", "mean_latency_s")}
-    c["scope"] = ("throughput and tau use turn 0 of the measured rounds (warmup rounds excluded); tok/s counts decode "
-                  "tokens (new tokens minus the prefill's first token) over decode seconds")
-    c["tau_source"] = ("tau of a deterministic run (T=0 and greedy drafts): from the first MEASURED round (identical "
-                       "every round, checked); when anything is sampled (T>0, or a draft temperature > 0): the mean "
-                       "of the per-round values over the measured rounds. A speculative arm's plain target steps "
-                       "near the context limit are counted apart (tail_steps), not as tau entries")
-    c["speedup"] = ("Sp. = the primary statistic: median over measured rounds of the per-round paired speedup, with "
-                    "its own 95% CI (paired bootstrap over prompts and rounds); summary.json keeps the mean +- std "
-                    "of the same per-round ratios and the pooled speedup with its bootstrap over prompts (pooled)")
-    c["gain"] = "x gain = the same statistic against the drafter-only arm"
-    c["optimal"] = ("throughput-optimal K = the arm of a method with the highest POOLED tok/s on the warmup rounds "
-                    "(held out: never reported), reported from the measured rounds; a run without a complete warmup "
-                    "round selects on the measured rounds and says so (selected_on: biased upward)")
-    c["labels"] = ("random weights / scripted acceptance (timing only), traced (steps replayed untimed), compat "
-                   "(the reference's accounting) are on every table title, in table.csv and in every plot title")
-    return c
 
 
 def _clean(x):
@@ -274,6 +290,7 @@ def _load_folder(folder: str) -> dict:
     s = loaded["summary.json"]
     if not isinstance(s, dict) or not isinstance(s.get("arms"), dict) or "optimal" not in s:
         raise UsageError(f"{folder}/summary.json: not an xpress-bench summary (no 'arms' / 'optimal')")
+    version(s, f"{folder}/summary.json")  # 1 (written before schema_version) .. SCHEMA_VERSION: read alike
     for method, o in s["optimal"].items():
         if not isinstance(o, dict) or o.get("arm") not in s["arms"]:
             raise UsageError(f"{folder}/summary.json: optimal[{method!r}] names no arm of the summary")
@@ -314,11 +331,12 @@ def config_labels(config: dict) -> list[str]:
 
 def rebuild(folder: str) -> dict:
     """Recompute summary.json, table.md, table.csv and README.md of a results folder from its samples.jsonl and
-    config.json (e.g. after the report's conventions changed); the rows themselves are not touched."""
+    config.json (e.g. after the report's conventions changed); the rows themselves are not touched. The old
+    summary.json may be of any schema version up to this one (summary_schema); the new one is this version."""
     from harness.protocol.results_io import read_rows
     path = Path(folder)
-    config = _load_folder(folder)["config"]
-    old = json.loads((path / "summary.json").read_text(encoding="utf-8"))
+    loaded = _load_folder(folder)
+    config, old = loaded["config"], loaded["summary"]
     summary = summarize(read_rows(str(path / "samples.jsonl")), tau_from_warmup=bool(config.get("compat_reference")),
                         labels=config_labels(config))
     for key in ("compile", "kernel_fallbacks"):  # what the runner adds beside the rows' statistics

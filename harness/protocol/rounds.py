@@ -78,5 +78,5 @@ def refuse_captures(rows: list[dict], rows_path: str) -> None:
         r = bad[0]
         raise UsageError(f"--use-graph: {r['graph_captures']} CUDA graph(s) captured inside measured round "
                          f"{r['round']} ({r['arm']}, prompt {r['question_id']}, turn {r['turn']}), after the "
-                         "pre-capture of every shape; a cache grew (a later turn longer than the first turns "
-                         f"presized for?); the rows so far stay in {rows_path}")
+                         "pre-capture of every shape; a cache grew past the size presized for every turn (a reply that "
+                         f"re-tokenised longer than it decoded?); the rows so far stay in {rows_path}")

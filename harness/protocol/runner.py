@@ -1,6 +1,7 @@
-"""Runs a RunConfig: checks, loads, decodes every prompt with every arm in paired rounds, reports, writes results.
+"""Runs a RunConfig: plans, loads, decodes every prompt with every arm in paired rounds, reports, writes results.
 
-Order matters: every check that reads only configs and file headers runs before any weights are loaded. One code
+Order matters: every check that reads only configs and file headers runs before any weights are loaded, and
+makes the run's one frozen plan (harness.protocol.plan.RunPlan) that everything after it reads. One code
 path serves a single run (one measured round) and the paired protocol (--fair-interleave: rounds rotated left by
 one, the first --fair-warmup-rounds excluded). Every finished (round, arm, prompt) is appended to
 results/<run_id>/samples.jsonl at once, which is what --resume continues from.
@@ -12,11 +13,13 @@ import hashlib
 import json
 import os
 import sys
-import time
+from dataclasses import dataclass
 
 from harness.protocol import distributed, rank_report, report
 from harness.protocol.build import Arm, build_arms, build_random_arms, prepare
 from harness.protocol.config import RunConfig
+from harness.protocol.console import describe, label
+from harness.protocol.plan import RESUMES, RunPlan, check_resume, record_resume, run_folder
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
 from core.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
@@ -29,44 +32,10 @@ from harness.decode.hf_overrides import parse_overrides
 from harness.decode.loading import load_target, load_tokenizer
 from harness.protocol.trace import StepTracer, timed_then_traced
 
-# Flags that may differ between an interrupted run and its --resume.
-RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain",
-               "given", "quiet")  # given: which flags were typed
-
-
 def stream_seed(seed: int, row: int, turn: int, round_: int = 1) -> int:
     """Independent, reproducible stream per (seed, prompt, turn, round); every arm of a round replays it."""
     digest = hashlib.sha256(f"{seed}:{row}:{turn}:{round_}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def run_folder(cfg: RunConfig) -> str:
-    if cfg.resume:
-        return cfg.resume
-    taken = lambda f: os.path.exists(os.path.join(f, "samples.jsonl")) or os.path.exists(os.path.join(f, "config.json"))
-    if cfg.run_id:
-        folder = os.path.join(cfg.results_dir, cfg.run_id)
-        if taken(folder):
-            raise UsageError(f"{folder} already holds a run; pass --resume {folder} to continue it, or a new --run-id")
-        return folder
-    base = os.path.join(cfg.results_dir, f"{cfg.dataset}_T{cfg.temperature:g}_{time.strftime('%Y%m%d-%H%M%S')}")
-    folder, n = base, 1
-    while taken(folder):
-        n += 1
-        folder = f"{base}-{n}"
-    return folder
-
-
-def check_resume(cfg: RunConfig, folder: str) -> None:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise UsageError(f"--resume {folder}: config.json is missing; is this a run folder?")
-    saved = json.loads(open(path).read())
-    now = dataclasses.asdict(cfg)
-    diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k) != now[k])
-    if diff:
-        raise UsageError(f"--resume {folder}: the run was started with other settings ({', '.join(diff[:4])}); "
-                         "repeat the original command with --resume")
 
 
 def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSettings:
@@ -76,14 +45,10 @@ def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSe
                           record_gaps=cfg.record_logit_gaps)
 
 
-def label(cfg: RunConfig) -> str | None:
-    """The run's weights label (harness.protocol.report.weights_label), for config.json and the console."""
-    return report.weights_label(dataclasses.asdict(cfg))
-
-
 def presize(target, arms, longest: int, settings: DecodeSettings, block: int) -> None:
-    """Size the caches once, before warmup, for the longest first turn: a later growth would drop the captured
-    graphs and capture them again inside a timed generation."""
+    """Size the caches once, before warmup, for the longest context any turn can reach (`longest`: the largest
+    prompt_bound): a later growth would drop the captured graphs and capture them again inside a timed
+    generation."""
     need = min(settings.max_model_len, longest + settings.max_new_tokens + block + 1)
     need = -(-need // settings.graph_bucket) * settings.graph_bucket
     target.ensure_capacity(need)
@@ -92,6 +57,20 @@ def presize(target, arms, longest: int, settings: DecodeSettings, block: int) ->
             arm.drafter.ensure_capacity(need)
     if settings.use_graph:
         capture_plan.reserve_output(target, block)
+
+
+def prompt_bound(samples, firsts, tokenizer, max_new_tokens: int, first_turn_only: bool) -> int:
+    """The longest prompt any turn of the run can have: a first turn is known; a later turn's prompt holds the
+    conversation so far, whose replies are unknown before decoding but at most max_new_tokens each, so it is
+    bounded by the user turns rendered with empty replies plus max_new_tokens per earlier reply."""
+    longest = max(map(len, firsts))
+    for sample in samples:
+        turns = sample.turns[:1] if first_turn_only else sample.turns
+        if len(turns) > 1:
+            messages = [m for i, text in enumerate(turns) for m in
+                        ([{"role": "assistant", "content": ""}] if i else []) + [{"role": "user", "content": text}]]
+            longest = max(longest, len(render_prompt(tokenizer, messages)) + (len(turns) - 1) * max_new_tokens)
+    return longest
 
 
 def warmup(arms: list[Arm], target, prompt: list[int], settings: DecodeSettings, backend) -> None:
@@ -107,6 +86,37 @@ def warmup(arms: list[Arm], target, prompt: list[int], settings: DecodeSettings,
             capture_every_shape(decode, prompt, settings, target.capacity, arm.block_size)
 
 
+@dataclass
+class Models:
+    """What the run loaded on its plan: the target and its tokenizer, the arms, the stop ids, and every sample's
+    first turn rendered once."""
+    target: object
+    tokenizer: object
+    arms: list[Arm]
+    stops: tuple[int, ...]
+    firsts: list[tuple[int, ...]]
+
+
+@dataclass
+class Work:
+    """What this process decodes: its (question id, sample) pairs, where its rows go, and the decodes done."""
+    samples: list
+    mine: list[tuple[int, object]]
+    rows_path: str
+    done: set[tuple[int, str, int]]  # (round, arm, question id) already in rows_path (--resume)
+    total: int                       # rounds x arms x this process's prompts
+
+
+@dataclass
+class Decoding:
+    """What one (arm, prompt) decode reads besides the arm."""
+    plan: RunPlan
+    models: Models
+    settings: DecodeSettings
+    tracer: StepTracer | None = None
+    global_rng: object | None = None  # --compat-reference: one stream for the whole run
+
+
 def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Generation) -> dict:
     return {"run_id": run_id, "dataset": cfg.dataset, "question_id": qid, "dataset_row": sample.row, "turn": turn,
             "round": round_, "warmup": warm, "arm": arm.name, "method": arm.spec.method, "K": arm.spec.K,
@@ -120,22 +130,22 @@ def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Genera
             **({"top2_gaps": g.top2_gaps} if g.top2_gaps is not None else {})}
 
 
-def decode_sample(ctx, arm: Arm, qid: int, sample, round_: int, warm: bool) -> list[dict]:
+def decode_sample(d: Decoding, arm: Arm, qid: int, sample, round_: int, warm: bool) -> list[dict]:
     """Every turn of one prompt with one arm; each arm's later turns condition on its own earlier replies."""
-    cfg, tokenizer = ctx["cfg"], ctx["tokenizer"]
+    cfg, tokenizer, backend = d.plan.config, d.models.tokenizer, d.plan.backend
     turns = sample.turns[:1] if cfg.first_turn_only else sample.turns
     messages, rows = [], []
     for turn, text in enumerate(turns):
         messages.append({"role": "user", "content": text})
         # a first turn is the same for every arm and round: rendered once, by first_turns
-        prompt = list(ctx["first_turns"][qid]) if turn == 0 else render_prompt(tokenizer, messages)
-        if ctx["tracer"]:
-            ctx["tracer"].set_context(arm=arm.name, round=round_, question_id=qid, dataset_row=sample.row, turn=turn)
-        rng = ctx["global_rng"] or ctx["backend"].generator(stream_seed(cfg.seed, sample.row, turn, round_))
+        prompt = list(d.models.firsts[qid]) if turn == 0 else render_prompt(tokenizer, messages)
+        if d.tracer:
+            d.tracer.set_context(arm=arm.name, round=round_, question_id=qid, dataset_row=sample.row, turn=turn)
+        rng = d.global_rng or backend.generator(stream_seed(cfg.seed, sample.row, turn, round_))
         g = timed_then_traced(lambda gen, on_step: generate(  # the tracer never runs inside the timer
-            ctx["target"], prompt, ctx["settings"], ctx["backend"], drafter=arm.drafter, refiner=arm.refiner,
-            generator=gen, on_step=on_step), rng, ctx["tracer"])
-        rows.append(sample_row(ctx["run_id"], cfg, arm, qid, sample, turn, round_, warm, g))
+            d.models.target, prompt, d.settings, backend, drafter=arm.drafter, refiner=arm.refiner,
+            generator=gen, on_step=on_step), rng, d.tracer)
+        rows.append(sample_row(d.plan.run_id, cfg, arm, qid, sample, turn, round_, warm, g))
         messages.append({"role": "assistant", "content": tokenizer.decode(g.tokens, skip_special_tokens=True)})
     return rows
 
@@ -201,94 +211,98 @@ def run(cfg: RunConfig, out=None) -> dict:
 
 
 def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
-    prep = prepare(shard.rank_config(cfg))
-    cfg = prep.config or cfg  # --device spyre: K and C as the Spyre contract resolved them
+    device = shard.rank_device(cfg.device)
+    resume, folder = shard.pick_folder(cfg, run_folder, check_resume)  # on rank 0, for every rank
+    plan = prepare(cfg, device=device, folder=folder, resume=resume)  # the one plan every later step reads
     out = out if shard.main else open(os.devnull, "w")  # rank 0 speaks for the run; errors reach every stderr
-    cfg, folder = shard.pick_folder(cfg, run_folder, check_resume)  # on rank 0, for every rank
-    backend = prep.backend
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
-    ops = choose_ops(cfg, prep)
     mine = shard.mine(samples)
-    if cfg.random_weights:
-        from harness.protocol.presets import ByteTokenizer, build_random
-        tokenizer = ByteTokenizer(prep.target_config.vocab_size)
-        firsts = first_turns(samples, tokenizer, prep.max_model_len)
-        models = build_random(cfg.random_weights, backend, block_size=prep.block_size, seed=cfg.seed, ops=ops)
-        target, stops = models.target, ()  # random models: no stop ids, every prompt runs its full budget
-        arms = build_random_arms(cfg, prep, models, watch)
-    else:
-        tokenizer = load_tokenizer(cfg.model_name_or_path)
-        firsts = first_turns(samples, tokenizer, prep.max_model_len)
-        taps = prep.draft_config.target_layer_ids if prep.draft_config else ()
-        target, tokenizer = load_target(cfg.model_name_or_path, backend, taps=taps,
-                                        attn_impl=cfg.attn_implementation, tokenizer=tokenizer,
-                                        overrides=parse_overrides(cfg.hf_overrides), ops=ops)
-        target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
-        stops = model_stop_ids(target.model, tokenizer, accounting_for(cfg.compat_reference))  # REFERENCE: eos only
-        arms = build_arms(cfg, prep, target, watch)
+    models = load_models(plan, samples, choose_ops(plan), watch)
+    target = models.target
     if cfg.fp32_logits:
         target.use_fp32_logits()
-    if prep.spyre is not None:  # fixed-shape compiled graphs (core.spyre)
+    if plan.spyre is not None:  # fixed-shape compiled graphs (core.spyre)
         from core.spyre import compile_for
-        compile_for(target, [a.drafter for a in arms])
-    settings = settings_for(cfg, prep.max_model_len, stops)
-    presize(target, arms, max(map(len, firsts)), settings, prep.block_size)
-    order = rotation([a.name for a in arms], prep.rounds)
-    describe(cfg, prep, arms, settings, samples, stops, folder, out, target.kernels)
+        compile_for(target, [a.drafter for a in models.arms])
+    settings = settings_for(cfg, plan.max_model_len, models.stops)
+    presize(target, models.arms, prompt_bound(samples, models.firsts, models.tokenizer, cfg.max_new_tokens,
+                                              cfg.first_turn_only), settings, plan.block_size)
+    order = rotation(plan.arm_names, plan.rounds)
+    describe(plan, models, settings, samples, out)
     shard.announce(out, mine)
 
     os.makedirs(folder, exist_ok=True)
     rows_path = shard.rows_path(folder)
     config = {**dataclasses.asdict(cfg), "resolved": {
-        "block_size": prep.block_size, "max_model_len": prep.max_model_len, "stop_ids": list(stops),
-        "rounds": prep.rounds, "warmup_rounds": prep.warmup_rounds, "arms": [a.name for a in arms],
-        "rotation": order, "dataset": dataset_provenance(cfg.dataset, cfg.data_dir),
-        "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
-                          "variant": c.variant}
-                     for k, c in prep.refiners.items()},
-        "label": label(cfg), "kernels": target.kernels,
-        "trained_block_size": prep.draft_config.block_size if prep.draft_config else None}}
+        **plan.resolved(), "stop_ids": list(models.stops), "rotation": order,
+        "dataset": dataset_provenance(cfg.dataset, cfg.data_dir), "label": label(cfg), "kernels": target.kernels}}
     shard.annotate(config)
-    if not cfg.resume and shard.main:
+    if not plan.resume and shard.main:
         atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
-    done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(cfg.resume))}
-    total = prep.rounds * len(arms) * len(mine)
-    if cfg.resume:
-        print(f"[resume] {folder}: reusing {len(done)} of {total} (round, arm, prompt) decodes from samples.jsonl; "
-              f"{total - len(done)} to run", file=out)
+    done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(plan.resume))}
+    work = Work(samples, mine, rows_path, done, plan.rounds * len(models.arms) * len(mine))
+    if plan.resume:
+        record_resume(shard.per_rank(os.path.join(folder, RESUMES)), len(done), work.total)
+        print(f"[resume] {folder}: reusing {len(done)} of {work.total} (round, arm, prompt) decodes from "
+              f"samples.jsonl; {work.total - len(done)} to run (recorded in {RESUMES})", file=out)
     try:
-        return _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenizer, target, arms,
-                        settings, backend, order, done, total, shard, mine)
+        return _measure(plan, models, settings, work, order, shard, watch, out)
     except KeyboardInterrupt:
         print(f"[resume] interrupted; the finished decodes are saved in {rows_path}. Continue with:\n"
               f"  {resume_command(folder)}", file=sys.stderr)
         raise
 
 
-def _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenizer, target, arms, settings, backend,
-             order, done, total, shard, mine) -> dict | None:
+def load_models(plan: RunPlan, samples, ops, watch) -> Models:
+    """The tokenizer, the target and the arms on `ops`; every first turn is rendered (and checked against the
+    context limit) before the target's weights load."""
+    cfg = plan.config
+    if cfg.random_weights:
+        from harness.protocol.presets import ByteTokenizer, build_random
+        tokenizer = ByteTokenizer(plan.target_config.vocab_size)
+        firsts = first_turns(samples, tokenizer, plan.max_model_len)
+        models = build_random(cfg.random_weights, plan.backend, block_size=plan.block_size, seed=cfg.seed, ops=ops)
+        # random models: no stop ids, every prompt runs its full budget
+        return Models(models.target, tokenizer, build_random_arms(plan, models, watch), (), firsts)
+    tokenizer = load_tokenizer(cfg.model_name_or_path)
+    firsts = first_turns(samples, tokenizer, plan.max_model_len)
+    taps = plan.draft_config.target_layer_ids if plan.draft_config else ()
+    target, tokenizer = load_target(cfg.model_name_or_path, plan.backend, taps=taps,
+                                    attn_impl=cfg.attn_implementation, tokenizer=tokenizer,
+                                    overrides=parse_overrides(cfg.hf_overrides), ops=ops)
+    target.fuse_projections()  # one q/k/v and one gate/up matmul per layer (views of the same weights)
+    stops = model_stop_ids(target.model, tokenizer, accounting_for(cfg.compat_reference))  # REFERENCE: eos only
+    return Models(target, tokenizer, build_arms(plan, target, watch), stops, firsts)
+
+
+def _compile_gate(plan: RunPlan, arms: list[Arm], watch) -> None:
+    """--compile-all: the warmup must have compiled every refiner; from here on a recompile ends the run."""
+    if plan.config.compile_all:
+        cold = [a.name for a in arms if getattr(a.refiner, "compile", False) and not a.refiner.fns]
+        if cold:
+            folder = plan.folder
+            if not plan.resume and os.listdir(folder) == ["config.json"]:
+                os.remove(os.path.join(folder, "config.json"))  # nothing measured: leave nothing behind
+                os.rmdir(folder)
+            raise UsageError(f"--compile-all: the warmup generation ran no speculative step for "
+                             f"{', '.join(cold)}, so nothing was compiled before the timed rounds; give the "
+                             "first prompt more room (--max-new-tokens, --max-model-len) or use --compile-refiner")
+        watch.freeze()  # a recompile from here on ends the run (see _measure's except)
+
+
+def _measure(plan: RunPlan, models: Models, settings: DecodeSettings, work: Work, order: list[list[str]], shard,
+             watch, out) -> dict | None:
+    cfg, backend, arms = plan.config, plan.backend, models.arms
     by_name = {a.name: a for a in arms}
-    warmup(arms, target, list(firsts[0]), settings, backend)
+    warmup(arms, models.target, list(models.firsts[0]), settings, backend)
     if watch is not None:
-        if cfg.compile_all:
-            cold = [a.name for a in arms if getattr(a.refiner, "compile", False) and not a.refiner.fns]
-            if cold:
-                if not cfg.resume and os.listdir(folder) == ["config.json"]:
-                    os.remove(os.path.join(folder, "config.json"))  # nothing measured: leave nothing behind
-                    os.rmdir(folder)
-                raise UsageError(f"--compile-all: the warmup generation ran no speculative step for "
-                                 f"{', '.join(cold)}, so nothing was compiled before the timed rounds; give the "
-                                 "first prompt more room (--max-new-tokens, --max-model-len) or use --compile-refiner")
-            watch.freeze()  # a recompile from here on ends the run (see the except below)
+        _compile_gate(plan, arms, watch)
         print(f"[compile] {watch.stats()}", file=out)
-    ctx = {"cfg": cfg, "tokenizer": tokenizer, "target": target, "backend": backend, "settings": settings,
-           "first_turns": firsts,
-           "run_id": os.path.basename(os.path.normpath(folder)),
-           "tracer": StepTracer(shard.per_rank(cfg.trace)) if cfg.trace else None,
-           # Common random numbers: every arm replays the same stream for a (prompt, turn, round); the reference
-           # instead draws everything from one stream seeded once (--compat-reference).
-           "global_rng": backend.generator(cfg.seed) if cfg.compat_reference else None}
-    bar = progress(total, len(done), cfg.quiet) if shard.main else None
+    # Common random numbers: every arm replays the same stream for a (prompt, turn, round); the reference instead
+    # draws everything from one stream seeded once (--compat-reference).
+    d = Decoding(plan, models, settings, StepTracer(shard.per_rank(cfg.trace)) if cfg.trace else None,
+                 backend.generator(cfg.seed) if cfg.compat_reference else None)
+    bar = progress(work.total, len(work.done), cfg.quiet) if shard.main else None
     recompiled = ()
     if watch is not None and watch.guarded:
         from harness.decode.compiling import recompile_error_types
@@ -296,33 +310,38 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenize
     rank_report.before_rounds(shard, backend.device)
     try:
         for r, names in enumerate(order, start=1):
-            warm = r <= prep.warmup_rounds
-            if prep.rounds > 1:
-                line = f">>> round {r}/{prep.rounds}: {' -> '.join(names)}{'   [warmup - EXCLUDED]' if warm else ''}"
+            warm = r <= plan.warmup_rounds
+            if plan.rounds > 1:
+                line = f">>> round {r}/{plan.rounds}: {' -> '.join(names)}{'   [warmup - EXCLUDED]' if warm else ''}"
                 (bar.write if bar else print)(line, file=out)  # tqdm.write keeps the bar below the line
             for name in names:
                 arm = by_name[name]
                 arm.activate()
-                for qid, sample in mine:
-                    if (r, name, qid) in done:
+                for qid, sample in work.mine:
+                    if (r, name, qid) in work.done:
                         continue
-                    rows = shard.tag(decode_sample(ctx, arm, qid, sample, r, warm))
-                    append_rows(rows_path, rows)
-                    refuse_captures(rows, rows_path)
+                    rows = shard.tag(decode_sample(d, arm, qid, sample, r, warm))
+                    append_rows(work.rows_path, rows)
+                    refuse_captures(rows, work.rows_path)
                     if bar:
-                        show_progress(bar, r, prep.rounds, name, qid, len(samples), rows)
+                        show_progress(bar, r, plan.rounds, name, qid, len(work.samples), rows)
     except recompiled as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--compile-all: a compiled stage recompiled after warmup ({first}); the rows measured "
-                         f"so far stay in {rows_path}") from None
+                         f"so far stay in {work.rows_path}") from None
     finally:
         if bar:
             bar.close()
-        if ctx["tracer"]:
-            ctx["tracer"].close()
+        if d.tracer:
+            d.tracer.close()
+    return _report(plan, models, work, order, shard, watch, out)
 
-    rank_report.after_rounds(shard, backend.device, len(mine))
-    rows = shard.merge(read_rows(rows_path), order)  # every rank's rows on rank 0; the other ranks are done
+
+def _report(plan: RunPlan, models: Models, work: Work, order, shard, watch, out) -> dict | None:
+    """After the rounds: every rank's rows on rank 0, the summary, the console table and the results folder."""
+    cfg, target, folder = plan.config, models.target, plan.folder
+    rank_report.after_rounds(shard, plan.backend.device, len(work.mine))
+    rows = shard.merge(read_rows(work.rows_path), order)  # every rank's rows on rank 0; the other ranks are done
     if rows is None:
         return None
     labels = report.config_labels(dataclasses.asdict(cfg))
@@ -349,44 +368,15 @@ def _measure(cfg, out, watch, prep, folder, rows_path, samples, firsts, tokenize
         print(f"[graphs] whole-step CUDA graphs: {graph_stats(target)}", file=out)
     if cfg.answer_file:
         from harness.protocol.answers import write_answer_files
-        for path, n in write_answer_files(cfg, rows, samples, tokenizer, arms):
+        for path, n in write_answer_files(cfg, rows, work.samples, models.tokenizer, models.arms):
             print(f"Saved answer file with {n} samples to {path}", file=out)
     return summary
 
 
-def choose_ops(cfg, prep):
-    """--kernels, decided once from the run's settings and the target's config, before any weights load (see
+def choose_ops(plan: RunPlan):
+    """--kernels, decided once from the plan and the target's config, before any weights load (see
     core.ops.make_ops); the target, the drafter and the refiners are all built on the result."""
     from core.ops import make_ops
-    b = prep.backend
-    return make_ops(cfg.kernels, b.device, b.dtype, prep.target_config, compat=cfg.compat_reference,
+    cfg, b = plan.config, plan.backend
+    return make_ops(cfg.kernels, b.device, b.dtype, plan.target_config, compat=cfg.compat_reference,
                     attn_impl=cfg.attn_implementation)
-
-
-def describe(cfg, prep, arms, settings, samples, stops, folder, out, target_kernels="torch") -> None:
-    backend = prep.backend
-    if label(cfg):
-        print(f"[{label(cfg)}] preset={cfg.random_weights or '-'} scripted_accept={cfg.scripted_accept}", file=out)
-    print(f"[run] target={cfg.model_name_or_path or cfg.random_weights} device={backend.device} dtype={backend.dtype} "
-          f"kernels={target_kernels} block={prep.block_size} stop_ids={list(stops)} max_model_len={prep.max_model_len} "
-          f"samples={len(samples)} arms={[a.name for a in arms]} rounds={prep.rounds} "
-          f"(first {prep.warmup_rounds} excluded) folder={folder}", file=out)
-    if prep.rotation_note:
-        print(f"[rounds] {prep.rotation_note}", file=out)
-    trained = prep.draft_config.block_size if prep.draft_config else None
-    if trained and prep.block_size < trained:
-        print(f"[note] block {prep.block_size} is smaller than the drafter's trained block {trained}: allowed (the "
-              f"drafter fills only the first {prep.block_size - 1} of its {trained - 1} draft slots), but tau is "
-              "not the drafter's published setting", file=out)
-    for ck in prep.refiners.values():
-        mixer = (f" mixer={ck.mixer} (fold={'no' if cfg.no_fold_mixer else 'after cast to ' + str(backend.dtype)})"
-                 if ck.kind == "xpress" else "")
-        print(f"[refiner] {ck.kind} from {ck.source}: rank={ck.rank} step={ck.step}{mixer} "
-              f"co-trained drafter={'yes' if ck.draft_state else 'no'}", file=out)
-    tp, dp = settings.target_params, settings.draft_params
-    verification = ("greedy" if tp.greedy else "rejection sampling (q = the drafts' real distribution)"
-                    if not dp.greedy else "exact match against a sampled target")
-    print(f"[sampling] T={tp.temperature} Td={dp.temperature} top_k={tp.top_k or 'off'} "
-          f"top_p={tp.top_p if tp.top_p < 1 else 'off'} draft noise={settings.draft_noise if not dp.greedy else '-'} "
-          f"verification={verification} rng={'one global stream' if cfg.compat_reference else 'per (prompt, turn)'}",
-          file=out)

@@ -1,0 +1,123 @@
+"""The run plan: a RunConfig resolved once, before any weights load, into everything the run reads.
+
+`RunPlan` is frozen and made once (harness.protocol.build.prepare, called by the runner with this rank's device,
+the results folder and the resume folder): the backend, the checked configs and refiner checkpoints, K and C as
+the Spyre contract resolved them, the arms, the rounds, the block and the context limit. The runner, the arms'
+builders and the report read it; nothing replaces the run config afterwards (config.json keeps the settings as
+given at the top level and the plan's resolved values under "resolved").
+
+Also here: the results folder of a run (`run_folder`), the check that a resumed run keeps its settings
+(`check_resume`), and the record of every resume in the folder (`record_resume`, resumes.json).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+from core.errors import UsageError
+from harness.protocol.config import RunConfig
+from harness.protocol.results_io import atomic_write
+
+# Flags that may differ between an interrupted run and its --resume.
+RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain",
+               "given", "quiet")  # given: which flags were typed
+RESUMES = "resumes.json"
+
+
+@dataclass(frozen=True)
+class ArmSpec:
+    name: str
+    method: str               # ar | drafter-only | markov | xpress
+    K: int | None = None
+    weights: str | None = None  # None: the base drafter; else the refiner kind whose co-trained drafter it uses
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: RunConfig                 # the settings as given (typed, resumed or from a setup); never replaced
+    backend: object                   # core.devices.Backend: device and dtype
+    target_config: object
+    draft_config: object | None       # DFlashConfig (None: AR only, or random weights)
+    block_size: int
+    max_model_len: int
+    refiners: Mapping[str, object]    # kind -> RefinerCheckpoint
+    arms: tuple[ArmSpec, ...]
+    rounds: int
+    warmup_rounds: int
+    passes: int                       # K outside the paired protocol (--device spyre: as its contract resolved it)
+    topc: int                         # C, the xPress shortlist (--device spyre: min(C, V) as resolved)
+    rotation_note: str | None = None
+    draft_path: str | None = None     # the drafter's local directory (a hub id resolved to the HF cache)
+    spyre: object | None = None       # harness.protocol.spyre_contract.SpyrePlan on --device spyre
+    device: str | None = None         # this rank's --device (cuda:LOCAL_RANK under a launcher)
+    folder: str | None = None         # the results folder (None: a plan made without one, e.g. a check)
+    resume: str | None = None         # the folder this run continues (--resume, or a restarted torchrun group)
+
+    @property
+    def k_list(self) -> list[int]:
+        """xPress K values as arms: --fair-k-list, else the resolved K."""
+        return self.config.k_list if self.config.fair_k_list is not None else [self.passes]
+
+    @property
+    def arm_names(self) -> list[str]:
+        return [a.name for a in self.arms]
+
+    @property
+    def run_id(self) -> str:
+        return os.path.basename(os.path.normpath(self.folder))
+
+    def resolved(self) -> dict:
+        """The plan's own values for config.json's "resolved" section (the runner adds what loading found)."""
+        return {"block_size": self.block_size, "max_model_len": self.max_model_len, "rounds": self.rounds,
+                "warmup_rounds": self.warmup_rounds, "arms": self.arm_names, "device": str(self.backend.device),
+                "xpress_refine_passes": self.passes, "xpress_topc": self.topc,
+                "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
+                                 "variant": c.variant} for k, c in self.refiners.items()},
+                "trained_block_size": self.draft_config.block_size if self.draft_config else None}
+
+
+def run_folder(cfg: RunConfig, resume: str | None = None) -> str:
+    """The results folder: the resumed one, --run-id's, or a new dataset_T<temperature>_<time> one."""
+    if resume:
+        return resume
+    taken = lambda f: os.path.exists(os.path.join(f, "samples.jsonl")) or os.path.exists(os.path.join(f, "config.json"))
+    if cfg.run_id:
+        folder = os.path.join(cfg.results_dir, cfg.run_id)
+        if taken(folder):
+            raise UsageError(f"{folder} already holds a run; pass --resume {folder} to continue it, or a new --run-id")
+        return folder
+    base = os.path.join(cfg.results_dir, f"{cfg.dataset}_T{cfg.temperature:g}_{time.strftime('%Y%m%d-%H%M%S')}")
+    folder, n = base, 1
+    while taken(folder):
+        n += 1
+        folder = f"{base}-{n}"
+    return folder
+
+
+def check_resume(cfg: RunConfig, folder: str) -> None:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise UsageError(f"--resume {folder}: config.json is missing; is this a run folder?")
+    saved = json.loads(open(path).read())
+    now = dataclasses.asdict(cfg)
+    diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k) != now[k])
+    if diff:
+        raise UsageError(f"--resume {folder}: the run was started with other settings ({', '.join(diff[:4])}); "
+                         "repeat the original command with --resume")
+
+
+def record_resume(path: str, reused: int, total: int) -> dict:
+    """Append this resume to the folder's resumes.json (a list, oldest first): when, and how many of the
+    (round, arm, prompt) decodes it reused from the rows already written."""
+    entry = {"time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "time_unix": time.time(),
+             "reused_decodes": reused, "total_decodes": total}
+    try:
+        before = json.loads(open(path, encoding="utf-8").read())
+    except (FileNotFoundError, ValueError):
+        before = []
+    atomic_write(path, json.dumps((before if isinstance(before, list) else []) + [entry], indent=2) + "\n")
+    return entry

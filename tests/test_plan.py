@@ -1,0 +1,151 @@
+"""The run plan (harness.protocol.plan) and the command line's settled values: one frozen plan per run, the env
+variables read by the CLI alone, --drafter-only with the embedded default, --refine-numerics spyre without
+graphs, what a bad --results-dir says, the record of a resume, and presize's bound over every turn."""
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+import benchmark_compile_all as cli
+from core.errors import UsageError
+from harness.protocol import runner, setups
+from harness.protocol.build import prepare
+from harness.protocol.data import Sample, render_prompt
+from harness.protocol.flags import parse_args
+from harness.protocol.presets import ByteTokenizer
+
+RANDOM = ["--random-weights", "tiny", "--dataset", "mini", "--device", "cpu"]
+
+
+@pytest.fixture()
+def data(tmp_path):
+    (tmp_path / "mini.jsonl").write_text('{"turns": ["Add 2 and 3."]}\n{"turns": ["Name a colour.", "Another?"]}\n')
+    return tmp_path
+
+
+@pytest.fixture()
+def embedded(tmp_path, monkeypatch):
+    """The embedded default on stub weights (config.json only): enough for everything before a model loads."""
+    weights = tmp_path / "w"
+    for sub in ("drafter", "xpress", "markov"):
+        (weights / sub).mkdir(parents=True)
+        (weights / sub / "config.json").write_text("{}")
+    monkeypatch.setenv(setups.WEIGHTS_ENV, str(weights))
+    monkeypatch.setattr(setups, "embedded_target", lambda: str(weights / "drafter"))
+    for var in ("XPRESS_CKPT", "MK_CKPT"):
+        monkeypatch.delenv(var, raising=False)
+    return weights
+
+
+def test_the_plan_is_frozen_and_holds_the_rank_device_not_a_replaced_config(data, tmp_path):
+    """The rank's device, the folder and the resume folder live in the plan; the run config stays as given
+    (the old code replaced the RunConfig for the device, the resume and Spyre's K and C)."""
+    cfg = parse_args(["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(data),
+                      "--results-dir", str(tmp_path)])
+    plan = prepare(cfg, device="cpu", folder=str(tmp_path / "f"), resume=None)
+    assert plan.config is cfg and cfg.device is None and plan.device == "cpu" and plan.run_id == "f"
+    assert plan.passes == cfg.xpress_refine_passes and plan.k_list == cfg.k_list
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.block_size = 2
+
+
+def test_refiner_env_variables_are_read_by_the_command_line(data, tmp_path, monkeypatch):
+    """XPRESS_CKPT / MK_CKPT are the path flags' defaults, read in flags (refiners.formats takes a path only):
+    the run config holds the path; an empty variable leaves the arm out; --random-weights reads neither."""
+    ck = tmp_path / "x.pt"
+    ck.write_bytes(b"x")
+    named = ["--model-name-or-path", str(tmp_path), "--draft-name-or-path", str(tmp_path), "--dataset", "mini",
+             "--data-dir", str(data), "--results-dir", str(tmp_path)]
+    monkeypatch.setenv("XPRESS_CKPT", str(ck))
+    monkeypatch.setenv("MK_CKPT", "")
+    cfg = parse_args(named)
+    assert cfg.xpress_refiner_path == str(ck) and cfg.markov_refiner_path is None
+    assert parse_args(named + ["--xpress-refiner-path", str(tmp_path)]).xpress_refiner_path == str(tmp_path)
+    assert parse_args(RANDOM + ["--data-dir", str(data)]).xpress_refiner_path is None
+
+
+def test_drafter_only_with_the_embedded_default_runs_ar_against_the_drafter(embedded, tmp_path, monkeypatch):
+    """--drafter-only alone used to fail on --fair-interleave, a flag never typed (the embedded default's paired
+    protocol): now the setup's heads are left out and the paired rounds compare AR with the drafter alone."""
+    cfg = parse_args(["--drafter-only", "--device", "cpu", "--results-dir", str(tmp_path)])
+    assert cfg.drafter_only and cfg.fair and cfg.xpress_refiner_path is None and cfg.markov_refiner_path is None
+    rand = parse_args(["--drafter-only", "--preset", "smollm2-135m", "--random-weights", "tiny", "--device", "cpu",
+                       "--results-dir", str(tmp_path)])
+    assert [a.name for a in prepare(rand).arms] == ["AR", "drafter-only"]
+    monkeypatch.setenv("XPRESS_CKPT", str(embedded / "xpress"))  # a refiner the user asked for elsewhere
+    with pytest.raises(UsageError) as e:
+        parse_args(["--drafter-only", "--device", "cpu", "--results-dir", str(tmp_path)])
+    msg = str(e.value)
+    assert "--drafter-only" in msg and "$XPRESS_CKPT" in msg and "--fair-interleave" not in msg
+    assert "\n" not in msg
+
+
+def test_spyre_numerics_refuse_cuda_graphs_and_setups_leave_them_off(tmp_path):
+    """--refine-numerics spyre copies to the host inside the step: --use-graph is refused before any load, and
+    a CUDA setup (which turns graphs on) leaves them off."""
+    spyre = ["--refine-numerics", "spyre", "--xpress-topc", "4", "--results-dir", str(tmp_path)]
+    with pytest.raises(UsageError, match="--no-use-graph"):
+        parse_args(RANDOM + spyre + ["--use-graph"])
+    cfg = parse_args(["--preset", "paper", "--random-weights", "tiny", "--device", "cuda", *spyre])
+    assert cfg.use_graph is False
+    assert parse_args(["--preset", "paper", "--random-weights", "tiny", "--device", "cuda",
+                       "--results-dir", str(tmp_path)]).use_graph is True  # the setup's default otherwise
+
+
+def test_a_bad_results_dir_says_what_is_wrong_with_it(tmp_path):
+    """The old line said "pass --results-dir" to a user who had passed it."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UsageError) as e:
+        parse_args(RANDOM + ["--results-dir", str(tmp_path / "afile")])
+    assert "is a file, not a folder" in str(e.value) and "pass --results-dir" not in str(e.value)
+    with pytest.raises(UsageError) as e:
+        parse_args(RANDOM + ["--results-dir", "/proc/xpress-bench-results"])
+    assert "is not a writable directory" in str(e.value) and "pass --results-dir" not in str(e.value)
+
+
+def test_a_resume_is_recorded_in_the_folder(data, tmp_path, capsys):
+    """A resumed run appends to resumes.json when it resumed and how many finished decodes it reused (nothing
+    recorded it before); config.json keeps --device as given and the rank's device under resolved."""
+    argv = RANDOM + ["--data-dir", str(data), "--max-new-tokens", "4", "--results-dir", str(tmp_path),
+                     "--run-id", "r", "--quiet"]
+    assert cli.main(argv) == 0
+    folder = tmp_path / "r"
+    assert not (folder / "resumes.json").exists()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["device"] == "cpu" and config["resolved"]["device"] == "cpu"
+    lines = (folder / "samples.jsonl").read_text().splitlines()
+    kept = [json.loads(x) for x in lines[:2]]
+    (folder / "samples.jsonl").write_text("".join(x + "\n" for x in lines[:2]))
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 0
+    (entry,) = json.loads((folder / "resumes.json").read_text())
+    assert entry["reused_decodes"] == len({(r["round"], r["arm"], r["question_id"]) for r in kept})
+    assert entry["total_decodes"] == len(config["resolved"]["arms"]) * 2 and entry["time_utc"].endswith("Z")
+    assert "recorded in resumes.json" in capsys.readouterr().out
+
+
+def test_presize_sizes_the_caches_for_later_turns(data, tmp_path, monkeypatch):
+    """A two-turn prompt: presize asks for the second turn's bound (its user turns + max_new_tokens per earlier
+    reply + max_new_tokens), not the first turn's length (the old size: a longer later turn grew the cache and
+    recaptured the CUDA graphs inside a measured round)."""
+    tok = ByteTokenizer(512)
+    samples = [Sample("mini", 0, ("Add 2 and 3.",)), Sample("mini", 1, ("Name a colour.", "Another?"))]
+    firsts = [tuple(render_prompt(tok, [{"role": "user", "content": s.turns[0]}])) for s in samples]
+    bound = runner.prompt_bound(samples, firsts, tok, 7, first_turn_only=False)
+    second = render_prompt(tok, [{"role": "user", "content": "Name a colour."},
+                                 {"role": "assistant", "content": "x" * 7}, {"role": "user", "content": "Another?"}])
+    assert bound >= len(second) > max(map(len, firsts))
+    assert runner.prompt_bound(samples, firsts, tok, 7, first_turn_only=True) == max(map(len, firsts))
+    asked = []
+    target = SimpleNamespace(ensure_capacity=asked.append)
+    settings = SimpleNamespace(max_model_len=4096, max_new_tokens=7, graph_bucket=16, use_graph=False)
+    runner.presize(target, [], bound, settings, block=4)
+    assert asked == [-(-(bound + 7 + 4 + 1) // 16) * 16]
+    seen = []  # and a run hands presize that bound: every row's prompt fits below it
+    real = runner.presize
+    monkeypatch.setattr(runner, "presize", lambda t, arms, longest, s, b: seen.append(longest) or
+                        real(t, arms, longest, s, b))
+    assert cli.main(RANDOM + ["--data-dir", str(data), "--max-new-tokens", "4", "--ar-only", "--results-dir",
+                              str(tmp_path), "--run-id", "p", "--quiet"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "p" / "samples.jsonl").read_text().splitlines()]
+    assert max(r["prompt_tokens"] for r in rows if r["turn"] == 1) <= seen[0]
