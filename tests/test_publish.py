@@ -1,4 +1,4 @@
-"""Numbers you can publish (issue 13): the primary speedup and its own CI, flagged AR rounds, K chosen on held-out
+"""Numbers you can publish: the primary speedup and its own CI, flagged AR rounds, K chosen on held-out
 rounds, tau when drafts are sampled at T=0, labels wherever a reader looks, the merged table's refusals."""
 import json
 

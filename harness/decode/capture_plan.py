@@ -50,8 +50,8 @@ def prompt_for(shape, limit: int, capacity: int, bucket: int, width: int, steps:
 def reserve_output(target, widest: int, state: DecodeState | None = None) -> None:
     """Size the output buffer that every arm's step graphs share (the slot's of `state`, default the target's
     DecodeState) for the widest arm, once, before any capture. A generate asks for the cache's capacity + its block
-    width + 1; a buffer grown later by a wider arm is a new address, and every graph captured before it is dropped
-    (measured on the H200: AR's graphs, captured first, were captured again inside the first round)."""
+    width + 1; a buffer grown later by a wider arm is a new address, and every graph captured before it would be
+    dropped and captured again inside a measured round (results/perf/NOTES.md has the case seen on the H200)."""
     (state or DecodeState.of(target)).slot.reserve_output(target.capacity + widest + 1)
 
 

@@ -20,7 +20,7 @@ from harness.protocol.plan import ArmSpec, RunPlan
 from harness.protocol.data import validate_dataset_args
 from core.devices import Backend, resolve_backend
 from core.errors import UsageError
-from harness.decode.graphs import CompiledRefiner
+from harness.decode.graphs import CompiledRefiner, check_use_graph
 from harness.protocol.rounds import default_rounds, validate_rounds
 from harness.decode.hf_overrides import parse_overrides
 from harness.decode.loading import load_target_config
@@ -52,9 +52,7 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
     device = cfg.device if device is None else device
     validate_dataset_args(cfg.dataset, cfg.data_dir, cfg.max_samples)
     backend = resolve_backend(device, cfg.dtype)
-    if cfg.use_graph and backend.kind != "cuda":
-        # TODO(lead): call the decode check
-        raise UsageError("--use-graph captures CUDA graphs; it needs --device cuda")
+    check_use_graph(cfg.use_graph, backend.kind)
     place = dict(device=device, folder=folder, resume=cfg.resume if resume is None else resume)
     if cfg.random_weights:
         return _prepare_random(cfg, backend, place)

@@ -1,13 +1,14 @@
 """The run configuration: a frozen dataclass, and every check that needs no model.
 
-The flags that fill it, and `parse_args`, are in harness.protocol.flags (names follow the reference harness where it
-has them, REFERENCE.md section 1.1).
+The flags that fill it, and `parse_args`, are in harness.protocol.flags (names follow the xPress paper's reference
+harness where it has the flag: --model-name-or-path, --draft-name-or-path, --fair-interleave, ...).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 
+from core.attention import check_attn_impl
 from core.errors import UsageError
 
 
@@ -98,8 +99,8 @@ def validate(c: RunConfig) -> None:
             raise UsageError("--random-weights builds every model itself; drop the model and checkpoint paths")
     else:
         if not c.model_name_or_path:
-            raise UsageError("--model-name-or-path is required with the other model flags (or give no model flag "
-                             "for the embedded default, or --random-weights PRESET for timing)")
+            raise UsageError("--model-name-or-path is required here (leave it out with no --preset for the embedded "
+                             "default, or use --random-weights PRESET for timing)")
         if not c.ar_only and not c.draft_name_or_path:
             raise UsageError("--draft-name-or-path is required unless --ar-only is given")
     if not c.dataset:
@@ -150,9 +151,7 @@ def validate(c: RunConfig) -> None:
         raise UsageError(f"--top-k {c.top_k}: must be >= 0 (0 = off)")
     if not 0 < c.top_p <= 1:
         raise UsageError(f"--top-p {c.top_p}: must be in (0, 1] (1 = off)")
-    if c.attn_implementation not in ("sdpa", "eager"):
-        raise UsageError(f"--attn-implementation {c.attn_implementation!r}: use sdpa or eager "
-                         "(flash_attention_2 is not wired into the harness's own attention)")
+    check_attn_impl(c.attn_implementation)
     if c.xpress_refine_passes < 0:
         raise UsageError(f"--xpress-refine-passes {c.xpress_refine_passes}: must be >= 0 (0 = drafter-only)")
     if c.xpress_topc < 0 or c.xpress_topc > 1024:

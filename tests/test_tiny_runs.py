@@ -1,4 +1,4 @@
-"""A new user's first hour (issue 16) on tiny runs: progress, resume, provenance, plots and bench_fair_fast.sh."""
+"""Tiny end-to-end runs as a new user meets them: progress, resume, provenance, plots and bench_fair_fast.sh."""
 import json
 import os
 import shlex
