@@ -67,9 +67,10 @@ def test_cuda_syncs_are_only_the_named_ones():
     generate(t, [9, 10, 11], s, b, drafter=d)  # warm
     g, syncs = count_syncs(lambda: generate(t, [9, 10, 11], s, b, drafter=d))
     print(f"implicit syncs: {syncs} for {g.host_syncs} steps")
-    # exactly one per step, plus four outside the steps: prompt upload, stop-id upload, the prefill's first token
-    # and the final copy of the output (the H200 run gave 26 for 22 steps)
-    assert syncs == g.host_syncs + 4
+    # exactly one per step, plus three outside the steps: prompt upload, the prefill's first token and the final copy
+    # of the output. The stop ids are uploaded once per slot (harness.decode.state.Slot.stop_ids), by the warm run:
+    # the H200 run at 2c4f9db+merges gave 25 for 22 steps (26 before the slot kept them)
+    assert syncs == g.host_syncs + 3
 
 
 def _refiners(vocab=128, hidden=64, block=4):

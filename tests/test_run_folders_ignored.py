@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import harness.protocol.runner as runner
+import harness.protocol.plan as runner
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -46,7 +46,8 @@ def load_random(name: str, backend, texts: list[str]):
 
 def load_real(spec: str, backend, texts: list[str]):
     from transformers import AutoModelForCausalLM
-    from harness.decode.loading import load_path, load_target_config, load_tokenizer, stop_token_ids
+    from harness.decode.accounting import STANDARD, model_stop_ids
+    from harness.decode.loading import load_path, load_target_config, load_tokenizer
     if spec == "smollm2":
         from harness.protocol.assets import fetch_smollm2_gguf
         spec = str(fetch_smollm2_gguf())
@@ -61,7 +62,7 @@ def load_real(spec: str, backend, texts: list[str]):
                                             add_generation_prompt=True)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return model, prompts, stop_token_ids(model, tokenizer), pad or 0, "real weights"
+    return model, prompts, list(model_stop_ids(model, tokenizer, STANDARD)), pad or 0, "real weights"
 
 
 def _sync(device) -> None:
