@@ -53,7 +53,6 @@ def test_magpie_domains_on_the_tiny_target(tmp_path, monkeypatch):
     """prompts.run on the tiny target: 5 code + 3 math prompts generated (shares 5:3 of 8), each code prompt fed
     the chat template's system turn and user-turn prefix followed by a code seed, written by the target, and
     recorded as magpie:<domain>:i; the split is stratified over the JSONL file and both domains."""
-    pytest.importorskip("speculators")
     import training.gen
     from tiny import save_tiny_checkpoint
     from training import prompts
