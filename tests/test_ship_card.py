@@ -5,11 +5,13 @@ import json
 
 import pytest
 
+from core.errors import UsageError
 from training import card, ship
 
 
-def _workdir(root, taus, sizes=None):
-    """A pipeline workdir with export/ and train/ for a drafter, an xPress head and Markov heads of given tau."""
+def _workdir(root, taus, sizes=None, held=None):
+    """A pipeline workdir with export/ and train/ for a drafter, an xPress head and Markov heads of given
+    selection-set tau (`held`: their held-out tau, default the same)."""
     models = {"drafter": {"type": "dflash", "num_layers": 3, "block_size": 16},
               "xpress": {"type": "xpress", "num_layers": 3, "block_size": 16, "xpress_rank": 8, "init_from": "drafter"}}
     models.update({n: {"type": "dspark", "num_layers": 3, "block_size": 16, "markov_rank": 8, "init_from": "drafter",
@@ -23,23 +25,42 @@ def _workdir(root, taus, sizes=None):
         files[n] = {f.name: f.stat().st_size for f in d.iterdir()}
         t = root / "train" / n
         t.mkdir(parents=True)
-        evals = [{"global_step": 5, "tau_drafter": 1.5, **({"tau_markov": taus[n]} if n in taus else {})}]
+        evals = [{"global_step": 5, "set": "selection", "of": 4, "prompts": 2, "tau_drafter": 1.5,
+                  **({"tau_markov": (held or taus)[n]} if n in taus else {})}]  # where the old ship looked
         (t / "manifest.json").write_text(json.dumps({"complete": True, "final": "0", "global_step": 5,
                                                      "planned_steps": 9, "truncated": n == "markov_vanilla",
                                                      "evals": evals}))
+        acc = {s: {"set": s, "of": 4, "prompts": 4, "tau_drafter": 1.5,
+                   **({"tau_markov": (held or taus if s == "heldout" else taus)[n]} if n in taus else {})}
+               for s in ("selection", "heldout")}
+        (t / "acceptance.json").write_text(json.dumps({"key": "k", "final": "0", "global_step": 5, **acc}))
     (root / "export" / "manifest.json").write_text(json.dumps({"models": models, "files": files}))
     return root
 
 
-def test_ship_takes_the_markov_variant_with_the_best_held_out_tau(tmp_path):
+def test_ship_takes_the_markov_variant_with_the_best_selection_tau(tmp_path):
     work = _workdir(tmp_path / "w", {"markov_vanilla": 2.10, "markov_gated": 2.15, "markov_rnn": 2.12})
     m = ship.ship(work, tmp_path / "out")
     assert m["shipped"] == {"drafter": "drafter", "xpress": "xpress", "markov": "markov_gated"}
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["drafter", "manifest.json", "markov", "xpress"]
     written = json.loads((tmp_path / "out" / "manifest.json").read_text())
-    assert written["models"]["markov_vanilla"]["truncated"] and written["models"]["markov_rnn"]["held_out"][
-        "tau_markov"] == 2.12
+    assert written["models"]["markov_vanilla"]["truncated"] and written["models"]["markov_rnn"]["selection"][
+        "tau_markov"] == 2.12 and written["models"]["markov_rnn"]["heldout"]["set"] == "heldout"
     assert ship.ship(work, tmp_path / "o2", markov="markov_rnn")["shipped"]["markov"] == "markov_rnn"
+
+
+def test_ship_never_chooses_on_held_out_tau(tmp_path):
+    """Issue 27 item 8: gated has the better held-out tau but the worse selection tau: vanilla ships, and the
+    manifest gives both numbers under their set's name. (The old ship chose on the held-out number.)"""
+    work = _workdir(tmp_path / "w", {"markov_vanilla": 2.20, "markov_gated": 2.10},
+                    held={"markov_vanilla": 2.00, "markov_gated": 2.50})
+    m = ship.ship(work, tmp_path / "out")
+    assert m["shipped"]["markov"] == "markov_vanilla" and "selection-set" in m["markov_choice"]
+    assert m["models"]["markov_gated"]["heldout"]["tau_markov"] == 2.50
+    assert m["models"]["markov_gated"]["selection"]["tau_markov"] == 2.10
+    (work / "train" / "markov_gated" / "acceptance.json").unlink()
+    with pytest.raises(UsageError, match="no selection/held-out acceptance"):
+        ship.ship(work, tmp_path / "o2")
 
 
 def test_ship_refuses_over_budget_and_leaves_nothing(tmp_path, capsys):
@@ -63,9 +84,53 @@ def test_card_summarises_and_plots(tmp_path):
     (d / "manifest.json").write_text(json.dumps({"planned_steps": 60, "truncated": False,
                                                  "evals": [{"tau_drafter": 1.7}]}))
     out = card.build(tmp_path / "train", tmp_path / "card")["models"][0]
+    assert json.loads((tmp_path / "card" / "card.json").read_text())["models"][0]["box"] is None  # no box.json
     assert out["steps"] == 60 and out["first_step_s"] == 9.0 and out["median_step_ms"] == 30.0
-    assert out["val_loss_per_epoch"] == [1.5] and out["held_out"] == {"tau_drafter": 1.7}
+    assert out["val_loss_per_epoch"] == [1.5] and out["last_training_eval"] == {"tau_drafter": 1.7}
     assert out["last_loss_mean25"] == pytest.approx(2.0 - 0.01 * 47)  # the mean of steps 35..59
     assert (tmp_path / "card" / "loss_curves.png").stat().st_size > 1000
     back = gzip.decompress((tmp_path / "card" / "drafter.metrics.jsonl.gz").read_bytes()).decode().splitlines()
     assert [json.loads(x) for x in back] == rows
+
+
+def _numbers(obj):
+    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
+        return []
+    if isinstance(obj, (int, float)):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj
+    return [x for v in items for x in _numbers(v)]
+
+
+def test_card_markdown_gives_every_number_of_card_json():
+    """Every number in a constructed card.json appears in the generated Markdown exactly as written there (none
+    typed by hand into the card), each in its row."""
+    import re
+    from training.card_md import render
+    box = {"wall_s": 481.7, "train_wall_s": 470.2, "unaccounted_s": 0.3, "steps_share": 0.912, "steps_per_s": 3.41,
+           "packed_tokens": 1523311, "loss_tokens": 1200007, "tokens_per_s": 3482.6, "box_s": 480.0,
+           "parts_s": {"startup": 12.5, "steps": 438.9, "validation": 4.4, "held_out": 11.8, "checkpoints": 2.1,
+                       "finish": 0.2, "export": 11.5}}
+    tau = {"selection": {"of": 32, "prompts": 31, "tau_drafter": 2.054, "tau_markov": 2.135, "seconds": 17.2},
+           "heldout": {"of": 64, "prompts": 64, "tau_drafter": 2.061, "tau_markov": 2.142, "seconds": 33.9}}
+    rec = {"title": "SmolLM2-135M", "stages": {"prompts": {"seconds": 13.4}, "responses": {"seconds": 237.1},
+                                               "train": {"seconds": 612.8}},
+           "data": {"prompts": {"train": 2528, "selection": 32, "heldout": 64, "magpie_generated": 1024,
+                                "dropped": {"length": 7, "duplicate": 19, "benchmark_overlap_generated": 3},
+                                "sources": {"train": {"gsm8k.jsonl": 1539, "magpie:code": 291},
+                                            "selection": {"gsm8k.jsonl": 20, "magpie:code": 12},
+                                            "heldout": {"gsm8k.jsonl": 41, "magpie:code": 23}}},
+                    "responses": {"sequences": 5056, "response_tokens": 1012345, "prompt_tokens": 431234},
+                    "hidden": {"sequences": 5056, "tokens": 1443579, "mode": "online", "dtype": "bfloat16",
+                               "layer_ids": [2, 15, 27]}},
+           "models": [{"model": "markov_gated", "steps": 696, "planned_steps": 700, "truncated": True,
+                       "first_loss": 0.5710, "last_loss_mean25": 0.4419, "val_loss_per_epoch": [0.4618, 0.4587],
+                       "median_step_ms": 27.1, "box": box, **tau}],
+           "shipped": {"drafter": "drafter", "xpress": "xpress", "markov": "markov_gated", "total_mb": 55.2,
+                       "markov_choice": "best selection-set tau_markov"}}
+    text = render(rec)
+    for v in _numbers(rec):
+        assert re.search(rf"(?<![\d.]){re.escape(str(v))}(?![\d])", text), v
+    assert "| markov_gated | held-out | 64 | 64 | 33.9 | 2.061 | 2.142 |" in text
+    assert "| markov_gated | selection | 31 | 32 | 17.2 | 2.054 | 2.135 |" in text
+    assert "| magpie:code | 291 | 12 | 23 |" in text and "55.2 MB" in text

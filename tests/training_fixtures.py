@@ -43,7 +43,7 @@ def write_config(root: Path, models: dict | None = None, **sections) -> Path:
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = {"target": str(target), "seed": 0,
            "prompts": {"jsonl": [str(data)], "magpie": 2, "magpie_max_new_tokens": 12, "magpie_batch": 2,
-                       "min_chars": 4, "heldout": 2, "eval_dir": str(evals)},
+                       "min_chars": 4, "heldout": 2, "selection": 2, "eval_dir": str(evals)},
            "responses": {"max_new_tokens": 12, "batch_size": 8, "sampled": 1},
            "hidden": {"layer_ids": [1, 3, 5], "batch_size": 8, "dtype": "float32"},
            "train": {"device": "cpu", "total_seq_len": 128, "epochs": 1, "lr": 1e-3, "eval_prompts": 1,

@@ -2,7 +2,11 @@
 memory is turned into the harness's drafter and refiner (the same name mapping the checkpoint loaders use), and
 greedy tau (tau/step, harness.protocol.metrics) is measured on held-out prompts for drafter-only and, when the
 model has one, its Markov or xPress head. With `max_seconds` the drafter-only arm decodes prompts in order until its
-share of the cap (1 / number of arms) is spent (one prompt at least), and every arm then uses those prompts."""
+share of the cap (1 / number of arms) is spent (one prompt at least), and every arm then uses those prompts.
+
+Which prompts: during training (periodic and final evaluations), the first `train.eval_prompts` of the selection
+set (prompts/selection.jsonl); after training (training/evaluate.py), every final model on the whole selection set
+and the whole held-out set. Every result names its set."""
 from __future__ import annotations
 
 import json
@@ -63,10 +67,10 @@ class HeldOut:
     def _tau(self, prompts, drafter, refiner=None) -> float:
         return tau_per_step([self._lengths(p, drafter, refiner) for p in prompts])
 
-    def _first_arm(self, drafter, seconds: float) -> tuple[float, int]:
+    def _first_arm(self, prompts, drafter, seconds: float) -> tuple[float, int]:
         """Drafter-only tau over as many prompts (in order) as `seconds` allows (0: all), and how many."""
         deadline, lengths = time.perf_counter() + seconds, []
-        for p in self.prompts:
+        for p in prompts:
             lengths.append(self._lengths(p, drafter))
             if seconds and time.perf_counter() > deadline:
                 break
@@ -75,16 +79,32 @@ class HeldOut:
     @torch.no_grad()
     def __call__(self, model, max_seconds: float = 0.0) -> dict:
         cfg = speculators_config_dict(model)
-        state = {k: v.detach() for k, v in model.state_dict().items()}
+        return self.measure(cfg, {k: v.detach() for k, v in model.state_dict().items()}, max_seconds)
+
+    @torch.no_grad()
+    def measure(self, cfg: dict, state: dict, max_seconds: float = 0.0, prompts=None) -> dict:
+        """tau of a speculators config dict + state dict on `prompts` (default: the ones given at construction;
+        each must fit the capacity those set)."""
+        prompts = self.prompts if prompts is None else prompts
         dmodel, make, kind = harness_models(cfg, state, self.backend, self.hf.config.num_hidden_layers)
         self.target.set_taps(dmodel.config.target_layer_ids)
         drafter = DFlashDrafter(dmodel, self.target.embed, self.target.lm_head, self.backend)
         arms = 1 + (kind == "markov") + (len(self.k_list) if kind == "xpress" else 0)
-        tau, n = self._first_arm(drafter, max_seconds / arms)
+        tau, n = self._first_arm(prompts, drafter, max_seconds / arms)
         out = {"tau_drafter": tau, "prompts": n}
         if kind == "markov":
-            out["tau_markov"] = self._tau(self.prompts[:n], drafter, make(0))
+            out["tau_markov"] = self._tau(prompts[:n], drafter, make(0))
         elif kind == "xpress":
             for k in self.k_list:
-                out[f"tau_xpress_K{k}"] = self._tau(self.prompts[:n], drafter, make(k))
+                out[f"tau_xpress_K{k}"] = self._tau(prompts[:n], drafter, make(k))
         return out
+
+
+class SetEval:
+    """The trainer's evaluation (periodic and final): the first prompts of the selection set, tagged with it."""
+
+    def __init__(self, held: HeldOut, name: str, of: int):
+        self.held, self.name, self.of = held, name, of
+
+    def __call__(self, model, max_seconds: float = 0.0) -> dict:
+        return {"set": self.name, "of": self.of, **self.held(model, max_seconds)}

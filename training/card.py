@@ -1,10 +1,15 @@
-"""Training records for a model card: each model's loss curve and a summary table, from speculators' metrics.
+"""Training records for a model card: each model's loss curve and a summary table, from speculators' metrics,
+and card.json, every number the card gives, from which the card's Markdown is generated (training/card_md.py).
 
-    python -m training.card --train runs/smollm2-gpu/train --out results/smollm2-135m/training
+    python -m training.card --train runs/smollm2-gpu/train --out results/smollm2-135m/training \
+        [--ship weights/smollm2-135m] [--markdown weights/smollm2-135m/README.md]
+    python -m training.card --from-json results/smollm2-135m/training/card.json --markdown CARD.md
 
 Reads <train>/<model>/metrics.jsonl (or .jsonl.gz) and manifest.json for every model folder; writes OUT/loss_curves.png
 (train loss per step, a 25-step running mean over the raw points, and the validation loss after each epoch),
 OUT/summary.json and OUT/<model>.metrics.jsonl.gz (the records, compressed) unless OUT is where they came from.
+OUT/card.json (training/card_data.py) takes the rest from the run's workdir (the folder above --train): the prompt,
+response and hidden-state manifests, stages.json, each model's box.json and acceptance.json, and --ship's manifest.
 """
 from __future__ import annotations
 
@@ -60,7 +65,7 @@ def summarise(name: str, c: dict, manifest: dict) -> dict:
             "first_step_s": round(c["step_ms"][0] / 1000, 1) if c["step_ms"] else None,
             "median_step_ms": round(steady[len(steady) // 2], 1),
             "train_s_excluding_first_step": round(sum(c["step_ms"][1:]) / 1000, 1),
-            "held_out": (manifest.get("evals") or [{}])[-1]}
+            "last_training_eval": (manifest.get("evals") or [{}])[-1]}
 
 
 def plot(named: dict, out: Path, title: str) -> None:
@@ -85,7 +90,16 @@ def plot(named: dict, out: Path, title: str) -> None:
     plt.close(fig)
 
 
-def build(train_dir: Path, out: Path) -> dict:
+def build(train_dir: Path, out: Path, ship_dir: Path | None = None, markdown: Path | None = None,
+          title: str | None = None) -> dict:
+    from training.card_data import card_record, write_card
+    summary = records(train_dir, out)
+    rec = card_record(train_dir.parent, summary, ship_dir, title)
+    write_card(rec, out / "card.json", markdown)
+    return {"models": summary, "card": rec}
+
+
+def records(train_dir: Path, out: Path) -> list[dict]:
     models = sorted(d for d in train_dir.iterdir() if d.is_dir() and (d / "manifest.json").is_file())
     if not models:
         raise UsageError(f"card: no model folders with a manifest.json under {train_dir}")
@@ -101,15 +115,30 @@ def build(train_dir: Path, out: Path) -> dict:
             (out / f"{d.name}.manifest.json").write_text((d / "manifest.json").read_text())
     plot(named, out / "loss_curves.png", f"{train_dir.resolve().parent.name}: speculators training losses")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    return {"models": summary}
+    return summary
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.card", description=__doc__.split("\n\n")[0])
-    p.add_argument("--train", required=True, help="the train stage's folder (one sub-folder per model)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--train", help="the train stage's folder (one sub-folder per model)")
+    p.add_argument("--out", help="where the records and card.json go")
+    p.add_argument("--ship", default=None, help="the shipped folder (training.ship's --out): what was shipped")
+    p.add_argument("--markdown", default=None, help="write the card's Markdown here, generated from card.json")
+    p.add_argument("--title", default=None, help="the card's title (default: the workdir's name)")
+    p.add_argument("--from-json", default=None, help="only render this card.json to --markdown")
     args = p.parse_args(argv)
-    return cli_exit(lambda: build(Path(args.train), Path(args.out)))
+
+    def work():
+        from training.card_data import render_file
+        if args.from_json:
+            if not args.markdown:
+                raise UsageError("card: --from-json needs --markdown (where the card goes)")
+            return render_file(Path(args.from_json), Path(args.markdown))
+        if not (args.train and args.out):
+            raise UsageError("card: give --train and --out (or --from-json with --markdown)")
+        return build(Path(args.train), Path(args.out), Path(args.ship) if args.ship else None,
+                     Path(args.markdown) if args.markdown else None, args.title)
+    return cli_exit(work)
 
 
 if __name__ == "__main__":

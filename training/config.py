@@ -26,7 +26,7 @@ DEFAULTS = {
     "prompts": {"jsonl": [], "jsonl_limit": 0, "magpie": 0, "magpie_max_new_tokens": 64,
                 "magpie_temperature": 1.0, "magpie_top_p": 0.95, "magpie_batch": 16, "min_chars": 16,
                 "max_chars": 2000, "dedup_jaccard": 0.8, "overlap_jaccard": 0.5, "ngram": 3,
-                "eval_dir": "data/eval", "heldout": 8},
+                "eval_dir": "data/eval", "heldout": 8, "selection": 8, "magpie_domains": []},
     "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
                   "max_prompt_tokens": 512, "engine": "fast"},   # engine: fast (harness.decode.batched_gen) | hf
     "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0, "mode": "offline",
@@ -38,6 +38,8 @@ DEFAULTS = {
               "eval_k": [1], "val_batches": 16, "eval_max_seconds": 60, "eval_share": 0.05, "log_every": 1,
               "warm_start": None},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
+    # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
+    "acceptance": {"selection_max_seconds": 0, "heldout_max_seconds": 0},
     "models": {},
 }
 
@@ -147,6 +149,8 @@ def validate(cfg: dict) -> None:
     if cfg["train"]["device"] not in ("auto", "cpu", "cuda"):
         raise UsageError("config train.device must be auto, cpu or cuda")
     validate_steps(cfg)
+    from training.domains import validate_prompts
+    validate_prompts(cfg)
 
 
 HIDDEN_MODES = ("online", "offline")

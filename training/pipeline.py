@@ -1,5 +1,7 @@
 """The stages in order over one config: loads the target once (lazily: a stage that is up to date loads nothing)
-and checks what can be checked from configs alone before the first stage runs."""
+and checks what can be checked from configs alone before the first stage runs. After the train stage, every final
+model's selection and held-out tau (training/evaluate.py); each stage that did work records its wall time in
+<workdir>/stages.json (training/stages.py)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from training import export, hidden, prompts, responses, train
+from training import evaluate, export, hidden, prompts, responses, train
+from training.stages import stage_clock
 from training.target import load_hf, target_config, verifier_dir
 
 
@@ -35,19 +38,36 @@ class Pipeline:
             if "train" in stages and train.final_dir(self.cfg, n) is None:
                 train.check_resume(self.cfg, n)
 
-    def held_out(self):
+    def _held(self, ids: list[list[int]]):
         from core.devices import Backend
         from training.acceptance import HeldOut
         from training.gen import stop_ids
-        from training.responses import chat_ids
         model, tok = self.load()
         tc = self.cfg["train"]
-        rows = [json.loads(line) for line in (prompts.out_dir(self.cfg) / "heldout.jsonl").read_text().splitlines()]
-        ids = [chat_ids(tok, r["text"]) for r in rows[:tc["eval_prompts"]]]
         backend = Backend(model.device, torch.float32)
         return HeldOut(model, ids, stop_ids(model, tok), backend, tc["eval_max_new_tokens"], tc["eval_k"])
 
+    def _ids(self, rows: list[dict]) -> list[list[int]]:
+        from training.responses import chat_ids
+        return [chat_ids(self.load()[1], r["text"]) for r in rows]
+
+    def held_out(self):
+        """The trainer's evaluation: the first train.eval_prompts of the selection set (never the held-out set)."""
+        from training.acceptance import SetEval
+        from training.evaluate import read_set
+        rows = read_set(self.cfg, "selection")
+        return SetEval(self._held(self._ids(rows[:self.cfg["train"]["eval_prompts"]])), "selection", len(rows))
+
+    def sets_held(self, rows: dict):
+        """For training/evaluate.py: one HeldOut sized for every prompt of both sets, and each set's ids."""
+        ids = {s: self._ids(r) for s, r in rows.items()}
+        return self._held([p for v in ids.values() for p in v]), ids
+
     def run(self, stage: str, only=None) -> None:
+        with stage_clock(Path(self.cfg["workdir"]), stage):
+            self._run(stage, only)
+
+    def _run(self, stage: str, only=None) -> None:
         cfg = self.cfg
         if stage == "prompts":
             prompts.run(cfg, self.eval_dir, self.force, load=self.load)
@@ -60,5 +80,7 @@ class Pipeline:
             done = train.run(cfg, vdir, self.held_out if cfg["train"]["eval_prompts"] else None, only, load=self.load)
             wanted = [n for n in cfg["models"] if not only or n in only]
             self.stopped = any(done.get(n) is None for n in wanted)  # cut short: later stages wait for the rerun
+            if not self.stopped:
+                evaluate.run(cfg, wanted, self.sets_held)
         elif stage == "export":
             export.run(cfg, target_config(cfg["target"]).num_hidden_layers)

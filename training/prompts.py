@@ -1,16 +1,20 @@
 """Stage 1, prompts: user turns from JSONL files and Magpie-style from the target itself, filtered for length and
-duplicates, checked against the benchmark prompts, split into training and held-out prompts.
+duplicates, checked against the benchmark prompts, split three ways (training/domains.py): train, selection (what
+every choice reads: the Markov variant shipped, periodic evaluations) and held-out (reported only), the last two
+stratified over the prompt sources.
 
 Magpie: the target's chat template is rendered up to where the user's text would start, and the target samples
-from there; what it writes before its end-of-turn token is a user prompt in its own distribution.
+from there; what it writes before its end-of-turn token is a user prompt in its own distribution. With
+`prompts.magpie_domains` it is steered: each domain's share of the prompts starts from its seed words (and system
+prompt), e.g. "Write a Python function" for code, "Solve:" for math.
 """
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 from core.errors import UsageError
 from training.config import REPO_ROOT, fingerprint
+from training.domains import group_counts, magpie_plan, split
 from training.overlap import NgramIndex, eval_index, prompt_texts, read_jsonl
 from training.store import is_done, staged, write_json, write_jsonl
 
@@ -49,29 +53,39 @@ def jsonl_prompts(cfg: dict) -> list[dict]:
     return rows
 
 
-def user_turn_prefix(tokenizer) -> str:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": SENTINEL}], tokenize=False,
-                                         add_generation_prompt=False)
+def user_turn_prefix(tokenizer, system: str | None = None) -> str:
+    turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": SENTINEL}]
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=False)
     if SENTINEL not in text:
         raise UsageError("the target's chat template does not place the user text verbatim; Magpie needs it")
     return text[:text.index(SENTINEL)]
 
 
 def magpie_prompts(cfg: dict, model, tokenizer) -> list[dict]:
+    """Per domain (training/domains.py): the target continues its user-turn prefix (after the domain's system
+    prompt) from each row's seed words; the prompt is the seed plus what it wrote before its end of turn."""
+    from tqdm import tqdm
     from training.gen import generate_batch, stop_ids
     pc = cfg["prompts"]
-    prefix = tokenizer(user_turn_prefix(tokenizer), add_special_tokens=False)["input_ids"]
     stops = stop_ids(model, tokenizer)
-    rows, batch = [], max(1, pc["magpie_batch"])
-    from tqdm import tqdm
-    for start in tqdm(range(0, pc["magpie"], batch), desc="magpie prompts", unit="batch"):
-        n = min(batch, pc["magpie"] - start)
-        outs = generate_batch(model, [prefix] * n, pc["magpie_max_new_tokens"], stops, tokenizer.pad_token_id,
-                              sample=True, temperature=pc["magpie_temperature"], top_p=pc["magpie_top_p"],
-                              seed=cfg["seed"] * 100003 + start, keep_stop=False)
-        for j, ids in enumerate(outs):
-            rows.append({"text": tokenizer.decode(ids, skip_special_tokens=True).strip(),
-                         "source": f"magpie:{start + j}"})
+    rows, batch, offset = [], max(1, pc["magpie_batch"]), 0
+    for dom in magpie_plan(pc):
+        prefix = user_turn_prefix(tokenizer, dom["system"])
+        seeds = dom["seeds"]
+        ids = [tokenizer(prefix + s, add_special_tokens=False)["input_ids"] for s in seeds]
+        n_all = dom["count"]
+        for start in tqdm(range(0, n_all, batch), desc=f"magpie prompts{' ' + dom['name'] if dom['name'] else ''}",
+                          unit="batch"):
+            n = min(batch, n_all - start)
+            picks = [(start + j) % len(seeds) for j in range(n)]
+            outs = generate_batch(model, [ids[k] for k in picks], pc["magpie_max_new_tokens"], stops,
+                                  tokenizer.pad_token_id, sample=True, temperature=pc["magpie_temperature"],
+                                  top_p=pc["magpie_top_p"], seed=cfg["seed"] * 100003 + offset + start,
+                                  keep_stop=False)
+            for j, (k, out) in enumerate(zip(picks, outs)):
+                text = (seeds[k] + tokenizer.decode(out, skip_special_tokens=True)).strip()
+                rows.append({"text": text, "source": f"{dom['source']}:{start + j}"})
+        offset += n_all
     return rows
 
 
@@ -121,26 +135,25 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
     if not eval_files:
         print(f"note: no benchmark prompts under {edir}; the overlap check had nothing to compare against "
               "(pass --eval-dir)")
-    generated = 0
+    generated, magpie_counts = 0, {}
     if pc["magpie"]:
         model, tokenizer = load()
         magpie = magpie_prompts(cfg, model, tokenizer)
-        generated = len(magpie)
+        generated, magpie_counts = len(magpie), group_counts(magpie)
         rows += check_overlap(magpie, index, pc["overlap_jaccard"], refuse=False)
     kept, dropped = filter_rows(rows, cfg)
     dropped["benchmark_overlap_generated"] = generated - sum(r["source"].startswith("magpie:") for r in rows)
-    if len(kept) <= pc["heldout"]:
-        raise UsageError(f"prompts: only {len(kept)} prompts left after filtering, need more than prompts.heldout="
-                         f"{pc['heldout']}")
-    order = list(range(len(kept)))
-    random.Random(cfg["seed"]).shuffle(order)
-    held = sorted(order[:pc["heldout"]])
-    train = [kept[i] for i in sorted(order[pc["heldout"]:])]
+    train, selection, held = split(kept, pc["heldout"], pc["selection"], cfg["seed"])
     with staged(out) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
-        write_jsonl(tmp / "heldout.jsonl", [kept[i] for i in held])
-        write_json(tmp / "manifest.json", {"key": key, "train": len(train), "heldout": len(held),
-                                           "magpie_generated": generated, "dropped": dropped,
-                                           "eval_files": eval_files, "eval_dir": str(edir)})
-    print(f"prompts: {len(train)} train + {len(held)} held-out -> {out} (dropped {dropped})")
+        write_jsonl(tmp / "selection.jsonl", selection)
+        write_jsonl(tmp / "heldout.jsonl", held)
+        write_json(tmp / "manifest.json", {
+            "key": key, "train": len(train), "selection": len(selection), "heldout": len(held),
+            "sources": {"train": group_counts(train), "selection": group_counts(selection),
+                        "heldout": group_counts(held)},
+            "magpie_generated": generated, "magpie_domains": magpie_counts, "dropped": dropped,
+            "eval_files": eval_files, "eval_dir": str(edir)})
+    print(f"prompts: {len(train)} train + {len(selection)} selection + {len(held)} held-out -> {out} "
+          f"(dropped {dropped})")
     return out

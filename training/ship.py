@@ -2,10 +2,12 @@
 
     python -m training.ship --workdir runs/smollm2-gpu --out weights/smollm2-135m [--max-mb 60]
 
-Reads the export stage's folders and every trained model's manifest (held-out τ, steps). The Markov head shipped
-is the variant with the highest held-out τ (ties: the first in the config's order) unless --markov names one.
-Writes OUT/{drafter,xpress,markov}/ and OUT/manifest.json (what was shipped, and the held-out τ, steps and size of
-every model tried), staged and renamed into place; refuses a total over --max-mb or a file over 16 MiB (the most a
+Reads the export stage's folders, every trained model's manifest (steps) and its acceptance.json (training/
+evaluate.py: τ on the selection set and on the held-out set). The Markov head shipped is the variant with the
+highest SELECTION-set τ (ties: the first in the config's order) unless --markov names one; the held-out τ is
+reported and read by no choice. Writes OUT/{drafter,xpress,markov}/ and OUT/manifest.json (what was shipped, and
+the selection and held-out τ, steps and size of every model tried, each τ under the name of its set), staged and
+renamed into place; refuses a total over --max-mb or a file over 16 MiB (the most a
 file may be to travel back from the GPU machine).
 """
 from __future__ import annotations
@@ -22,10 +24,11 @@ from training.store import staged, write_json
 FILE_LIMIT = 16 * 2**20
 
 
-def _manifest(work: Path, name: str) -> dict:
-    f = work / "train" / name / "manifest.json"
+def _manifest(work: Path, name: str, file: str = "manifest.json") -> dict:
+    f = work / "train" / name / file
     if not f.is_file():
-        raise UsageError(f"ship: {name} has no finished training in {work} (run python -m training train)")
+        what = "finished training" if file == "manifest.json" else "selection/held-out acceptance (" + file + ")"
+        raise UsageError(f"ship: {name} has no {what} in {work} (run python -m training train)")
     return json.loads(f.read_text())
 
 
@@ -37,13 +40,13 @@ def tried(work: Path) -> dict:
     em = json.loads(export.read_text())
     out = {}
     for name, spec in em["models"].items():
-        tm = _manifest(work, name)
-        final_eval = tm["evals"][-1] if tm.get("evals") else {}
+        tm, acc = _manifest(work, name), _manifest(work, name, "acceptance.json")
         out[name] = {"type": spec["type"], "num_layers": spec["num_layers"], "block_size": spec["block_size"],
                      "xpress_rank": spec.get("xpress_rank"), "markov_rank": spec.get("markov_rank"),
                      "markov_head_type": spec.get("markov_head_type"), "init_from": spec.get("init_from"),
                      "global_step": tm.get("global_step"), "planned_steps": tm.get("planned_steps"),
-                     "truncated": tm.get("truncated", False), "held_out": final_eval,
+                     "truncated": tm.get("truncated", False), "selection": acc["selection"],
+                     "heldout": acc["heldout"], "acceptance_step": acc.get("global_step"),
                      "bytes": sum(em["files"][name].values())}
     return out
 
@@ -56,7 +59,7 @@ def choose_markov(models: dict, named: str | None) -> str:
         return named
     if not markov:
         raise UsageError("ship: the run has no Markov (dspark) model")
-    return max(markov, key=lambda n: (models[n]["held_out"].get("tau_markov", 0.0), -markov.index(n)))
+    return max(markov, key=lambda n: (models[n]["selection"].get("tau_markov", 0.0), -markov.index(n)))
 
 
 def ship(work: Path, out: Path, drafter="drafter", xpress="xpress", markov: str | None = None,
@@ -80,7 +83,9 @@ def ship(work: Path, out: Path, drafter="drafter", xpress="xpress", markov: str 
             for f in fs:
                 shutil.copy2(f, tmp / role / f.name)
         manifest = {"shipped": chosen, "total_bytes": total,
-                    "markov_choice": "the dspark variant with the highest held-out tau_markov",
+                    "markov_choice": ("given by --markov" if markov else "the dspark variant with the highest "
+                                      "selection-set tau_markov (prompts/selection.jsonl); held-out tau is "
+                                      "reported only"),
                     "models": models}
         write_json(tmp / "manifest.json", manifest)
     print(f"ship: {', '.join(f'{r}={n}' for r, n in chosen.items())}, {total / 1e6:.1f} MB -> {out}")
@@ -93,7 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="the folder to write (replaced as a whole)")
     p.add_argument("--drafter", default="drafter")
     p.add_argument("--xpress", default="xpress")
-    p.add_argument("--markov", default=None, help="ship this Markov model (default: best held-out tau)")
+    p.add_argument("--markov", default=None, help="ship this Markov model (default: best selection-set tau)")
     p.add_argument("--max-mb", type=float, default=60.0)
     args = p.parse_args(argv)
     return cli_exit(lambda: ship(Path(args.workdir), Path(args.out), args.drafter, args.xpress, args.markov,

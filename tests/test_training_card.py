@@ -1,0 +1,61 @@
+"""A tiny pipeline run (drafter only) then `python -m training.card` on it: the trainer's evaluations are on the
+selection set and say so, after training every final model is measured on the whole selection and the whole
+held-out set (acceptance.json, each result naming its set), stages.json has each stage's wall time, and card.json
+carries the data sizes, stage times, box accounting and both sets' tau, from which the card's Markdown is made.
+Guards issue 26 item 7 / issue 27 item 8: before, the card's numbers were typed by hand and no card.json existed."""
+import json
+
+import pytest
+
+from training_fixtures import run_cli, tiny_models, write_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("card")
+    cfg = write_config(root, tiny_models(heads=False))
+    assert run_cli("all", "--config", cfg, "--workdir", root / "work") == 0
+    return root
+
+
+def test_selection_and_held_out_are_measured_apart(run_dir):
+    w = run_dir / "work"
+    sel = (w / "prompts" / "selection.jsonl").read_text().splitlines()
+    held = (w / "prompts" / "heldout.jsonl").read_text().splitlines()
+    assert len(sel) == len(held) == 2 and not set(sel) & set(held)
+    evals = json.loads((w / "train" / "drafter" / "manifest.json").read_text())["evals"]
+    assert evals and all(e["set"] == "selection" and e["of"] == 2 for e in evals)  # never the held-out set
+    acc = json.loads((w / "train" / "drafter" / "acceptance.json").read_text())
+    for s in ("selection", "heldout"):
+        assert acc[s]["set"] == s and acc[s]["of"] == acc[s]["prompts"] == 2 and acc[s]["tau_drafter"] >= 1.0
+    stages = json.loads((w / "stages.json").read_text())
+    assert set(stages) == {"prompts", "responses", "hidden", "train", "export"}
+    assert all(v["seconds"] >= 0 for v in stages.values())
+
+
+def test_card_json_and_markdown_from_the_run(run_dir, tmp_path):
+    pytest.importorskip("matplotlib")
+    from training import card
+    w = run_dir / "work"
+    md = tmp_path / "README.md"
+    assert card.main(["--train", str(w / "train"), "--out", str(tmp_path / "rec"), "--markdown", str(md)]) == 0
+    rec = json.loads((tmp_path / "rec" / "card.json").read_text())
+    prompts = json.loads((w / "prompts" / "manifest.json").read_text())
+    responses = json.loads((w / "responses" / "manifest.json").read_text())
+    assert rec["data"]["prompts"]["train"] == prompts["train"] and rec["data"]["prompts"]["heldout"] == 2
+    assert rec["data"]["prompts"]["sources"] == prompts["sources"]
+    assert rec["data"]["responses"]["response_tokens"] == responses["response_tokens"]
+    assert rec["data"]["hidden"]["tokens"] > 0
+    assert set(rec["stages"]) == {"prompts", "responses", "hidden", "train", "export"}
+    (m,) = rec["models"]
+    box = json.loads((w / "train" / "drafter" / "box.json").read_text())
+    assert m["box"]["packed_tokens"] == box["packed_tokens"] and set(m["box"]["parts_s"]) == set(box["parts_s"])
+    acc = json.loads((w / "train" / "drafter" / "acceptance.json").read_text())
+    assert m["selection"]["tau_drafter"] == round(acc["selection"]["tau_drafter"], 3)
+    assert m["heldout"]["tau_drafter"] == round(acc["heldout"]["tau_drafter"], 3)
+    text = md.read_text()
+    assert f"| drafter | held-out | 2 | 2 | {m['heldout']['seconds']} | {m['heldout']['tau_drafter']} |" in text
+    assert card.main(["--from-json", str(tmp_path / "rec" / "card.json"), "--markdown", str(tmp_path / "b.md")]) == 0
+    assert (tmp_path / "b.md").read_text() == text

@@ -1,0 +1,97 @@
+"""Stage 1's three-way split (train / selection / held-out: disjoint, stratified over the sources) and Magpie
+steered by domains on the tiny target (each domain's share of the generated prompts, its seed words fed to the
+target, its name in every prompt's source). Guards issue 26 items 4 and 6 and issue 27 item 8: before, one
+held-out set of 16 both reported tau and chose, drawn unstratified, and Magpie used the bare user-turn prefix."""
+import json
+
+import pytest
+
+from core.errors import UsageError
+from training.domains import group_counts, largest_remainder, magpie_plan, split
+
+
+def _rows(sizes: dict) -> list[dict]:
+    return [{"text": f"{g} prompt {i}", "source": f"{g}:{i}"} for g, n in sizes.items() for i in range(n)]
+
+
+def test_split_is_disjoint_stratified_and_every_prefix_is_too():
+    rows = _rows({"gsm8k.jsonl": 60, "magpie:code": 30, "magpie:math": 10})
+    train, sel, held = split(rows, heldout=20, selection=10, seed=3)
+    texts = [[r["text"] for r in part] for part in (train, sel, held)]
+    assert sum(map(len, texts)) == len(rows) == len(set().union(*map(set, texts)))  # disjoint, nothing lost
+    assert group_counts(held) == {"gsm8k.jsonl": 12, "magpie:code": 6, "magpie:math": 2}  # 20 in proportion
+    assert group_counts(sel) == {"gsm8k.jsonl": 6, "magpie:code": 3, "magpie:math": 1}
+    assert [r["source"] for r in train] == [r["source"] for r in rows if r in train]  # train keeps file order
+    assert group_counts(held[:10]) == {"gsm8k.jsonl": 6, "magpie:code": 3, "magpie:math": 1}  # interleaved
+    assert split(rows, 20, 10, 3) == (train, sel, held) and split(rows, 20, 10, 4)[2] != held  # seeded
+    with pytest.raises(UsageError, match="need more than prompts.heldout"):
+        split(rows, 60, 40, 0)
+
+
+def test_domain_shares_and_validation(tmp_path):
+    from training.config import load_config
+    assert largest_remainder(10, [0.4, 0.3, 0.3]) == [4, 3, 3] and largest_remainder(7, [1, 1, 1]) == [3, 2, 2]
+    pc = {"magpie": 9, "magpie_domains": [{"name": "code", "share": 2, "seeds": ["Write"]},
+                                          {"name": "math", "share": 1}]}
+    assert [(d["name"], d["count"], d["source"]) for d in magpie_plan(pc)] == [("code", 6, "magpie:code"),
+                                                                                 ("math", 3, "magpie:math")]
+    assert magpie_plan({"magpie": 5, "magpie_domains": []})[0]["source"] == "magpie"  # unsteered: as before
+    gpu = load_config("smollm2-gpu")["prompts"]
+    assert gpu["heldout"] >= 64 and gpu["selection"] >= 32 and [d["name"] for d in gpu["magpie_domains"]] == \
+        ["chat", "code", "math"]
+    path = tmp_path / "c.json"
+    for bad, msg in (({"magpie_domains": [{"name": "a", "share": 0}]}, "share must be a number > 0"),
+                     ({"magpie_domains": [{"name": "a", "share": 1, "seed": "x"}]}, "expected an object"),
+                     ({"magpie_domains": [{"name": "a", "share": 1}, {"name": "a", "share": 1}]}, "unique"),
+                     ({"selection": 0}, "prompts.selection must be an integer >= 1")):
+        path.write_text(json.dumps({"target": "t", "models": {"d": {}}, "prompts": bad}))
+        with pytest.raises(UsageError, match=msg):
+            load_config(str(path))
+
+
+def test_magpie_domains_on_the_tiny_target(tmp_path, monkeypatch):
+    """prompts.run on the tiny target: 5 code + 3 math prompts generated (shares 5:3 of 8), each code prompt fed
+    the chat template's system turn and user-turn prefix followed by a code seed, written by the target, and
+    recorded as magpie:<domain>:i; the split is stratified over the JSONL file and both domains."""
+    import training.gen
+    from tiny import save_tiny_checkpoint
+    from training import prompts
+    from training.config import load_config
+    from training.target import load_hf
+    save_tiny_checkpoint(tmp_path / "target")
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} times {a + 3} plus seven?"}) + "\n"
+                            for a in range(12)))
+    (tmp_path / "eval").mkdir()
+    doms = [{"name": "code", "share": 5, "seeds": ["Write a Python function", "Implement"], "system": "CODE"},
+            {"name": "math", "share": 3, "seeds": ["Solve:"]}]
+    (tmp_path / "c.json").write_text(json.dumps({
+        "target": str(tmp_path / "target"), "models": {"d": {}},
+        "prompts": {"jsonl": [str(data)], "magpie": 8, "magpie_batch": 4, "magpie_max_new_tokens": 8,
+                    "min_chars": 4, "dedup_jaccard": 1.1, "heldout": 4, "selection": 4, "magpie_domains": doms,
+                    "eval_dir": str(tmp_path / "eval")}}))
+    cfg = load_config(str(tmp_path / "c.json"), workdir=str(tmp_path / "work"))
+    fed, real = [], training.gen.generate_batch
+    monkeypatch.setattr(training.gen, "generate_batch", lambda m, p, *a, **k: fed.extend(p) or real(m, p, *a, **k))
+    hf = load_hf(cfg["target"], __import__("torch").device("cpu"))
+    out = prompts.run(cfg, load=lambda: hf)
+    tok = hf[1]
+    seen = [tok.decode(p) for p in fed]
+    assert len(seen) == 8 and all(s.startswith("<|system|>CODE<eot><|user|>") for s in seen[:5])
+    assert [s.split("<|user|>")[1] for s in seen] == ["Write a Python function", "Implement"] * 2 + \
+        ["Write a Python function"] + ["Solve:"] * 3
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["magpie_generated"] == 8 and m["magpie_domains"] == {"magpie:code": 5, "magpie:math": 3}
+    rows = {s: [json.loads(x) for x in (out / f"{s}.jsonl").read_text().splitlines()]
+            for s in ("train", "selection", "heldout")}
+    magpie = [r for part in rows.values() for r in part if r["source"].startswith("magpie:")]
+    assert len(magpie) == 8 and all(r["text"].startswith(("Write a Python function", "Implement"))
+                                    for r in magpie if r["source"].startswith("magpie:code:"))
+    assert all(r["text"].startswith("Solve:") for r in magpie if r["source"].startswith("magpie:math:"))
+    # 20 prompts: 12 from the file, 5 code, 3 math; 4 held out (2/1/1) and 4 for selection, each group within 1
+    # of its proportional share
+    assert m["sources"]["heldout"] == {"q.jsonl": 2, "magpie:code": 1, "magpie:math": 1} == group_counts(rows["heldout"])
+    assert m["sources"]["selection"] == group_counts(rows["selection"])
+    for g, n in {"q.jsonl": 12, "magpie:code": 5, "magpie:math": 3}.items():
+        assert abs(m["sources"]["selection"].get(g, 0) - 4 * n / 20) < 1, g
+    assert not {r["text"] for r in rows["selection"]} & {r["text"] for r in rows["heldout"]}

@@ -1,0 +1,89 @@
+"""card.json: every number the model card gives, gathered from a pipeline run's files and rounded as the card shows
+it (τ to 3 decimals, seconds to 1, losses to 4), so that the card (training/card_md.py) prints them as they are.
+
+    {"title", "data": {"prompts": {train, selection, heldout, magpie_generated, dropped, sources}, "responses":
+     {sequences, response_tokens, prompt_tokens}, "hidden": {sequences, tokens, mode, dtype, layer_ids}},
+     "stages": {stage: {seconds}}, "models": [{model, steps, planned_steps, truncated, first_loss,
+     last_loss_mean25, val_loss_per_epoch, median_step_ms, box: {...}, selection: {...}, heldout: {...}}],
+     "shipped": {drafter, xpress, markov, total_mb, markov_choice} or null}
+A record the run lacks (a stage not run, a model without box.json or acceptance.json) is null, and the card says so.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from core.errors import UsageError
+
+BOX_KEYS = ("wall_s", "train_wall_s", "unaccounted_s", "steps_share", "steps_per_s", "packed_tokens", "loss_tokens",
+            "tokens_per_s", "box_s")
+
+
+def _json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _round(v, digits: int):
+    return round(v, digits) if isinstance(v, float) else v
+
+
+def _pick(rec: dict | None, keys, digits: int = 1) -> dict | None:
+    return None if rec is None else {k: _round(rec.get(k), digits) for k in keys}
+
+
+def _tau(rec: dict | None) -> dict | None:
+    if rec is None:
+        return None
+    return {k: _round(v, 3 if k.startswith("tau_") else 1) for k, v in rec.items() if k != "set"}
+
+
+def data_record(work: Path) -> dict:
+    pm = _json(work / "prompts" / "manifest.json")
+    rm = _json(work / "responses" / "manifest.json")
+    hm = _json(work / "hidden" / "manifest.json")
+    return {"prompts": None if pm is None else {k: pm.get(k) for k in ("train", "selection", "heldout",
+                                                                      "magpie_generated", "dropped", "sources")},
+            "responses": _pick(rm, ("sequences", "response_tokens", "prompt_tokens")),
+            "hidden": _pick(hm, ("sequences", "tokens", "mode", "dtype", "layer_ids"))}
+
+
+def model_record(d: Path, summary: dict) -> dict:
+    box = _json(d / "box.json")
+    acc = _json(d / "acceptance.json") or {}
+    out = {k: _round(summary.get(k), 4) for k in ("model", "steps", "planned_steps", "truncated", "first_loss",
+                                                   "last_loss_mean25", "val_loss_per_epoch", "median_step_ms")}
+    out["box"] = None if box is None else {**_pick(box, BOX_KEYS, 1),
+                                           "steps_share": _round(box.get("steps_share"), 3),
+                                           "parts_s": {k: _round(v, 1) for k, v in box["parts_s"].items()}}
+    out["selection"], out["heldout"] = _tau(acc.get("selection")), _tau(acc.get("heldout"))
+    return out
+
+
+def shipped_record(ship_dir: Path | None) -> dict | None:
+    if ship_dir is None:
+        return None
+    m = _json(ship_dir / "manifest.json")
+    if m is None:
+        raise UsageError(f"card: --ship {ship_dir} has no manifest.json (training.ship's --out folder)")
+    return {**m["shipped"], "total_mb": round(m["total_bytes"] / 1e6, 1), "markov_choice": m["markov_choice"]}
+
+
+def card_record(work: Path, summary: list[dict], ship_dir: Path | None = None, title: str | None = None) -> dict:
+    from training.stages import read
+    return {"title": title or work.resolve().name, "data": data_record(work), "stages": read(work),
+            "models": [model_record(work / "train" / s["model"], s) for s in summary],
+            "shipped": shipped_record(ship_dir)}
+
+
+def write_card(rec: dict, path: Path, markdown: Path | None = None) -> None:
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    if markdown is not None:
+        from training.card_md import render
+        markdown.write_text(render(rec))
+
+
+def render_file(card_json: Path, markdown: Path) -> None:
+    from training.card_md import render
+    if not card_json.is_file():
+        raise UsageError(f"card: --from-json {card_json}: no such file (python -m training.card --train ... writes it)")
+    markdown.write_text(render(json.loads(card_json.read_text())))

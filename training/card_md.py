@@ -1,0 +1,105 @@
+"""The model card's Markdown, generated from card.json (training/card_data.py): every number in it is one of
+card.json's, printed as it is there; a record the run lacks prints as "n/a"."""
+from __future__ import annotations
+
+PARTS = ("startup", "steps", "validation", "held_out", "checkpoints", "finish", "export")
+SET_NAMES = {"selection": "selection", "heldout": "held-out"}
+
+
+def fmt(v) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, list):
+        return ", ".join(fmt(x) for x in v) or "none"
+    if isinstance(v, dict):
+        return ", ".join(f"{k.replace('_', ' ')} {fmt(x)}" for k, x in v.items()) or "none"
+    return str(v)
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + \
+        ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows] + [""]
+
+
+def data_section(d: dict) -> list[str]:
+    out = ["## Data", ""]
+    p, r, h = d.get("prompts"), d.get("responses"), d.get("hidden")
+    if p is None:
+        out += ["- **Prompts**: n/a (no prompts stage in this run)"]
+    else:
+        out += [f"- **Prompts**: {fmt(p['train'])} train, {fmt(p['selection'])} selection (every choice reads "
+                f"these), {fmt(p['heldout'])} held-out (reported only). Magpie prompts generated: "
+                f"{fmt(p['magpie_generated'])}. Dropped by the filters: {fmt(p['dropped'])}.", ""]
+        sources = p.get("sources") or {}
+        names = sorted({g for part in sources.values() for g in part})
+        out += table(["source", "train", "selection", "held-out"],
+                     [[g] + [sources.get(s, {}).get(g, 0) for s in ("train", "selection", "heldout")]
+                      for g in names])
+    out += [f"- **Responses**: " + ("n/a" if r is None else
+                                    f"{fmt(r['sequences'])} sequences, {fmt(r['response_tokens'])} response tokens, "
+                                    f"{fmt(r['prompt_tokens'])} prompt tokens."),
+            f"- **Hidden states**: " + ("n/a" if h is None else
+                                        f"{fmt(h['sequences'])} sequences, {fmt(h['tokens'])} tokens, mode "
+                                        f"{fmt(h['mode'])}, {fmt(h['dtype'])}, target layers {fmt(h['layer_ids'])}."),
+            ""]
+    return out
+
+
+def training_section(models: list[dict]) -> list[str]:
+    out = ["## Training", "", "Loss curves: `loss_curves.png`; per-step records: `<model>.metrics.jsonl.gz`.", ""]
+    out += table(["model", "steps", "planned", "cut by the time box", "first loss", "last loss (25-step mean)",
+                  "validation loss per epoch", "median step ms"],
+                 [[m["model"], m["steps"], m["planned_steps"], m["truncated"], m["first_loss"],
+                   m["last_loss_mean25"], m["val_loss_per_epoch"], m["median_step_ms"]] for m in models])
+    return out
+
+
+def time_section(stages: dict, models: list[dict]) -> list[str]:
+    out = ["## GPU time", "", "Stages (wall seconds of the run that did the work):", ""]
+    out += table(["stage", "seconds"], [[s, v.get("seconds")] for s, v in stages.items()]) if stages else \
+        ["n/a (no stages.json)", ""]
+    out += ["Box accounting per model (train/<model>/box.json, seconds; training/box.py defines the parts):", ""]
+    rows = []
+    for m in models:
+        b = m.get("box") or {}
+        parts = b.get("parts_s") or {}
+        rows.append([m["model"], b.get("wall_s"), b.get("train_wall_s"), b.get("box_s")] +
+                    [parts.get(k) for k in PARTS] +
+                    [b.get(k) for k in ("unaccounted_s", "steps_share", "steps_per_s", "packed_tokens",
+                                        "loss_tokens", "tokens_per_s")])
+    out += table(["model", "wall", "train wall", "box"] + list(PARTS) +
+                 ["unaccounted", "steps share", "steps/s", "packed tokens", "loss tokens", "packed tokens/s"], rows)
+    return out
+
+
+def tau_section(models: list[dict], shipped: dict | None) -> list[str]:
+    keys = sorted({k for m in models for s in SET_NAMES for k in (m.get(s) or {}) if k.startswith("tau_")},
+                  key=lambda k: (k != "tau_drafter", k))
+    out = ["## Acceptance τ", "",
+           "Greedy, the harness's own decode loop (training/acceptance.py), on every final model after training "
+           "(training/evaluate.py). The selection set chooses (the Markov variant shipped); the held-out set is "
+           "reported only and read by no choice. τ = accepted tokens per verify step, the bonus token included.", ""]
+    rows = []
+    for m in models:
+        for s, label in SET_NAMES.items():
+            r = m.get(s)
+            rows.append([m["model"], label] + ([None] * (3 + len(keys)) if r is None else
+                                               [r.get("prompts"), r.get("of"), r.get("seconds")] +
+                                               [r.get(k) for k in keys]))
+    out += table(["model", "set", "prompts", "of", "seconds"] + [k[4:].replace("_", " ") for k in keys], rows)
+    if shipped:
+        out += [f"**Shipped**: drafter `{shipped['drafter']}`, xPress `{shipped['xpress']}`, Markov "
+                f"`{shipped['markov']}` ({shipped['markov_choice']}); {fmt(shipped['total_mb'])} MB in all.", ""]
+    return out
+
+
+def render(rec: dict) -> str:
+    lines = [f"# Model card: {rec['title']}", "",
+             "Generated by `python -m training.card` from `card.json` (every number below is one of its values).", ""]
+    lines += data_section(rec["data"])
+    lines += training_section(rec["models"])
+    lines += time_section(rec["stages"], rec["models"])
+    lines += tau_section(rec["models"], rec.get("shipped"))
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,79 @@
+"""After training: every finished model's greedy tau on the whole selection set and the whole held-out set, in
+train/<model>/acceptance.json (skipped when that file matches the model's final checkpoint, the prompts and the
+settings).
+
+    {"key": ..., "final": "3", "global_step": 120,
+     "selection": {"set": "selection", "of": 32, "prompts": 32, "tau_drafter": 2.1, "tau_markov": 2.2, "seconds": 9.1},
+     "heldout":   {"set": "heldout",   "of": 64, "prompts": 64, ...}}
+
+training/ship.py chooses on "selection" only; "heldout" is reported (the card, the ship manifest) and read by no
+choice. Caps: acceptance.selection_max_seconds / heldout_max_seconds (0: every prompt); `prompts` says how many
+were measured. train.eval_prompts=0 turns acceptance off here as during training.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from training.config import fingerprint, model_fingerprint
+from training.store import read_manifest, write_json
+
+FILE = "acceptance.json"
+SETS = ("selection", "heldout")
+
+
+def read_set(cfg: dict, name: str) -> list[dict]:
+    from training.prompts import out_dir
+    return [json.loads(line) for line in (out_dir(cfg) / f"{name}.jsonl").read_text().splitlines()]
+
+
+def eval_key(cfg: dict, name: str, final: Path) -> str:
+    from training.prompts import out_dir
+    tc = cfg["train"]
+    return fingerprint({"model": model_fingerprint(cfg, name), "final": final.name,
+                        "prompts": read_manifest(out_dir(cfg))["key"], "acceptance": cfg["acceptance"],
+                        "max_new_tokens": tc["eval_max_new_tokens"], "k": tc["eval_k"]})
+
+
+def measure(held, final: Path, ids: dict, caps: dict) -> dict:
+    from safetensors.torch import load_file
+    cfg_dict = json.loads((final / "config.json").read_text())
+    state = load_file(str(final / "model.safetensors"), device=str(held.backend.device))
+    out = {}
+    for s in SETS:
+        t = time.perf_counter()
+        r = held.measure(cfg_dict, state, caps[s], ids[s])
+        out[s] = {"set": s, "of": len(ids[s]), **r, "seconds": round(time.perf_counter() - t, 3)}
+    return out
+
+
+def run(cfg: dict, names: list[str], make_held) -> dict:
+    """`make_held(prompt_ids)`: a training.acceptance.HeldOut over every prompt given (built once, if needed)."""
+    from training.train import final_dir, model_dir
+    if not cfg["train"]["eval_prompts"]:
+        return {}
+    todo = {}
+    for n in names:
+        final = final_dir(cfg, n)
+        if final is None:
+            continue
+        f = model_dir(cfg, n) / FILE
+        key = eval_key(cfg, n, final)
+        if f.is_file() and json.loads(f.read_text()).get("key") == key:
+            continue
+        todo[n] = (final, key)
+    if not todo:
+        return {}
+    held, ids = make_held({s: read_set(cfg, s) for s in SETS})
+    caps = {s: cfg["acceptance"][f"{s}_max_seconds"] for s in SETS}
+    done = {}
+    for n, (final, key) in todo.items():
+        m = json.loads((model_dir(cfg, n) / "manifest.json").read_text())
+        rec = {"key": key, "final": final.name, "global_step": m.get("global_step"), **measure(held, final, ids, caps)}
+        write_json(model_dir(cfg, n) / FILE, rec)
+        done[n] = rec
+        print(f"acceptance {n}: " + "; ".join(
+            f"{s} ({rec[s]['prompts']} of {rec[s]['of']}) " +
+            ", ".join(f"{k}={v:.3f}" for k, v in rec[s].items() if k.startswith("tau_")) for s in SETS), flush=True)
+    return done

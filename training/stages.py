@@ -1,0 +1,38 @@
+"""Stage wall times: <workdir>/stages.json, {stage: {"seconds": s}}, for the model card (training/card.py).
+
+A stage's time is recorded when the call wrote its records (a stage that was up to date keeps the time of the run
+that did the work); a stage finished over several calls (an interrupted run resumed) records the call that
+finished it. The train stage's time includes the selection/held-out evaluation after training
+(training/evaluate.py); each model's own parts are in train/<model>/box.json.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+FILE = "stages.json"
+RECORDS = {"prompts": ("prompts/manifest.json",), "responses": ("responses/manifest.json",),
+           "hidden": ("hidden/manifest.json",), "export": ("export/manifest.json",),
+           "train": ("train/*/manifest.json", "train/*/box.json", "train/*/acceptance.json")}
+
+
+def _stamps(work: Path, stage: str) -> dict:
+    return {str(f): f.stat().st_mtime_ns for pattern in RECORDS.get(stage, ()) for f in work.glob(pattern)}
+
+
+def read(work: Path) -> dict:
+    f = work / FILE
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+@contextlib.contextmanager
+def stage_clock(work: Path, stage: str):
+    before, t = _stamps(work, stage), time.perf_counter()
+    yield
+    seconds = time.perf_counter() - t
+    if _stamps(work, stage) != before:
+        rec = read(work)
+        rec[stage] = {"seconds": round(seconds, 1)}
+        (work / FILE).write_text(json.dumps(rec, indent=1) + "\n")
