@@ -114,6 +114,7 @@ def test_responses_stage_fast_equals_hf(tmp_path):
     assert run_cli("responses", "--config", cfg, "--workdir", hf, "--set", "responses.engine=vllm") == 2
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_steps_equal_hf_and_replay_the_seed():
     """On CUDA (fp32, graphs on): greedy equals HF generate row for row with refills, and a sampled generation
