@@ -168,3 +168,32 @@ def test_added_metrics_state_a_one_line_convention():
                  "token_match_rate", "mean_latency_s"):
         line = m.CONVENTIONS[name]
         assert line and "\n" not in line and getattr(m, name).convention == line
+
+
+def test_tau_over_replicates_is_the_mean_of_each_replicates_pooled_tau():
+    """Guards (issue 27): tau at T>0 averages per-seed taus, each pooled over its prompts, not one pool of all."""
+    lengths = [[6, 2], [3, 3]]  # [replicate, prompt]: summed accept lengths
+    steps = [[2, 2], [3, 1]]
+    assert m.tau_over_replicates(lengths, steps) == pytest.approx((8 / 4 + 6 / 4) / 2)
+    assert math.isnan(m.tau_over_replicates(np.zeros((0, 2)), np.zeros((0, 2))))
+
+
+def test_paired_tau_ci_on_constructed_cases():
+    """Guards (issue 27): tau differences get a paired bootstrap over prompts x seeds. An arm that accepts exactly
+    one more token every step (ratio: twice the lengths) has diff 1 (ratio 2) in every draw, so a paired CI is that
+    point; an unpaired one, resampling the arms apart, would spread over the prompt-to-prompt variation."""
+    rng = np.random.default_rng(1)
+    steps = rng.integers(5, 30, size=(5, 12)).astype(float)        # 5 seeds x 12 prompts
+    ref = steps * rng.uniform(1.0, 3.0, size=steps.shape)          # very different prompts
+    out = m.paired_tau_ci(ref + steps, steps, ref, steps, n_boot=300)
+    assert out["diff"] == pytest.approx(1.0) and out["diff_ci95"] == pytest.approx([1.0, 1.0])
+    out = m.paired_tau_ci(2 * ref, steps, ref, steps, n_boot=300)
+    assert out["ratio"] == pytest.approx(2.0) and out["ratio_ci95"] == pytest.approx([2.0, 2.0])
+    # a noisy gain: the CI brackets the point and has width; deterministic for a seed
+    noisy = ref * rng.uniform(0.9, 1.3, size=ref.shape)
+    out = m.paired_tau_ci(noisy, steps, ref, steps, n_boot=500, seed=3)
+    lo, hi = out["ratio_ci95"]
+    assert lo < out["ratio"] < hi and hi - lo > 0.01
+    assert out == m.paired_tau_ci(noisy, steps, ref, steps, n_boot=500, seed=3)
+    with pytest.raises(ValueError, match="one shape"):
+        m.paired_tau_ci(ref[:2], steps, ref, steps)

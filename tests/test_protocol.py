@@ -52,6 +52,11 @@ def test_bench_fair_fast_script_end_to_end(files, tmp_path):
         assert {r[slot] for r in measured} == arms
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["arms"]["xPress(K=1)"]["speedup"]["n"] == 5
+    # issue 27: each row records its slot in the round and its replicate's seed; the design is a Latin square
+    for r in rows:
+        assert r["slot"] == order[r["round"] - 1].index(r["arm"]) + 1
+        assert r["stream_seed"] == runner.stream_seed(0, r["dataset_row"], r["turn"], r["round"])
+    assert summary["design"]["latin_square"] is True and summary["design"]["imbalance"] == 0
     for r in rows:  # greedy: every arm reproduces the AR tokens
         ar = next(x for x in rows if x["arm"] == "AR" and (x["question_id"], x["turn"], x["round"]) ==
                   (r["question_id"], r["turn"], r["round"]))

@@ -83,9 +83,10 @@ def test_throughput_optimal_k_is_chosen_on_held_out_rounds():
 
 
 def test_tau_at_t0_with_sampled_drafts_is_the_mean_over_rounds():
+    """Sampled drafts make every round a replicate, the warmup round included (issue 27)."""
     rows = [dict(r, draft_temperature=0.8) for r in example()]
     xp = report.summarize(rows, n_boot=50)["arms"]["xPress(K=6)"]
-    assert xp["tau_per_step"] == pytest.approx((16 / 6 + 1.0) / 2) and "Td=" in xp["tau_source"]
+    assert xp["tau_per_step"] == pytest.approx((4.0 + 16 / 6 + 1.0) / 3) and "Td=" in xp["tau_source"]
     # drafts greedy (or the field absent, as in older rows): from the first measured round
     rows = [dict(r, draft_temperature=0.0) for r in example()]
     assert report.summarize(rows, n_boot=50)["arms"]["xPress(K=6)"]["tau_per_step"] == pytest.approx(16 / 6)

@@ -103,11 +103,13 @@ def test_greedy_tau_comes_from_the_first_measured_round(summary):
     assert summary["greedy"] and summary["block_size"] == 4
 
 
-def test_sampled_tau_is_the_mean_over_measured_rounds():
+def test_sampled_tau_is_the_mean_over_every_round_warmup_included():
+    """Issue 27: at T>0 each round is a sampling replicate, the warmup's too (it was the 2 measured rounds only)."""
     xp = report.summarize(example(temperature=1.0), n_boot=50)["arms"]["xPress(K=6)"]
-    assert xp["tau_per_step"] == pytest.approx((16 / 6 + 1.0) / 2)
-    assert xp["per_position"] == pytest.approx([(5 / 6) / 2, (3 / 6) / 2, (2 / 6) / 2])
-    assert xp["tau_rounds_agree"] is None and "mean over 2 measured rounds" in xp["tau_source"]
+    assert xp["tau_per_step"] == pytest.approx((16 / 4 + 16 / 6 + 1.0) / 3)  # round 1: 4+4+4+4 over 4 steps
+    assert xp["per_position"] == pytest.approx([(1 + 5 / 6) / 3, (1 + 3 / 6) / 3, (1 + 2 / 6) / 3])
+    assert xp["tau_rounds_agree"] is None and "mean over 3 sampling replicates" in xp["tau_source"]
+    assert xp["tau_rounds"] == [1, 2, 3] and xp["tau_seeds"] == 3 and "FEWER THAN 5 SEEDS" in xp["tau_source"]
 
 
 def test_token_match_and_first_divergence(summary):
@@ -375,11 +377,22 @@ def test_rebuild_reads_a_folder_written_before_schema_versions(tmp_path, capsys)
     shutil.copytree(src, folder)
     assert "schema_version" not in json.loads((folder / "summary.json").read_text())
     assert report.main(["--rebuild", str(folder)]) == 0
-    for name in ("table.md", "table.csv", "README.md"):
+    for name in ("table.md", "table.csv"):
         assert (folder / name).read_bytes() == (src / name).read_bytes(), name
+    # README.md: the same but for the conventions that version 3 changed (scope, tau_source) or added
+    changed = ("scope", "tau_source", "tau_gain", "design")
+    kept = [x for x in (src / "README.md").read_text().splitlines()
+            if not x.lstrip("- *").startswith(changed)]
+    assert set(kept) <= set((folder / "README.md").read_text().splitlines())
     new = json.loads((folder / "summary.json").read_text())
     old = json.loads((src / "summary.json").read_text())
-    assert new.pop("schema_version") == 2 and new.pop("schema") == "xpress-bench/summary/2"
+    assert new.pop("schema_version") == 3 and new.pop("schema") == "xpress-bench/summary/3"
+    assert new.pop("design")["imbalance"] is None  # the rows of version 1 do not record their slots
+    for arm in new["arms"].values():  # version 3's tau keys; T=0: one replicate, the first measured round
+        assert arm.pop("tau_seeds") == 1 and arm.pop("tau_rounds") == arm["rounds"][:1]
+        arm.pop("tau_gain")
+    for c in changed:
+        new["conventions"].pop(c, None), old["conventions"].pop(c, None)
     assert old.pop("schema") == "xpress-bench/summary/1" and new == old  # every number as before
     (folder / "summary.json").write_text(json.dumps(dict(new, schema_version=99, optimal=new["optimal"])))
     capsys.readouterr()

@@ -69,3 +69,39 @@ def test_a_round_missing_any_arm_is_dropped_for_every_arm():
     assert paired_ratios({2: {"AR": 0.0, "X": 1.0}}, "AR") == {"AR": [], "X": []}
     with pytest.raises(KeyError, match="Markov"):
         paired_ratios(tput, "Markov")
+
+
+def test_an_unbalanced_schedule_is_detected_and_quantified():
+    """Guards (issue 27): 8 arms in 2 measured rounds (the old embedded CUDA size) ran AR in slots 8 and 7 with no
+    number saying how unbalanced that was."""
+    from harness.protocol.rounds import balance, balance_note, imbalance, slot_counts
+    arms = [f"a{i}" for i in range(8)]
+    measured = rotation(arms, 3)[1:]
+    assert slot_counts(measured)["a0"] == [0, 0, 0, 0, 0, 0, 1, 1]  # slots 7 and 8
+    assert imbalance(measured) == 1
+    design = balance(measured)
+    assert design["latin_square"] is False and "unbalanced by 1" in balance_note(design)
+    assert "unbalanced by 1" in validate_rounds(3, 1, 8)
+    doubled = [["a", "b"], ["a", "b"], ["a", "b"]]                   # a always first: 3 - 0
+    assert imbalance(doubled) == 3
+    full = rotation(arms, 17)[1:]                                     # two rotations: every slot twice
+    assert imbalance(full) == 0 and balance(full)["latin_square"] and balance_note(balance(full)) is None
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_default_schedules_are_balanced_latin_squares(temperature):
+    """Guards (issue 27): the embedded CUDA default and --preset paper measure a Latin square over their arms, and
+    at T>0 give tau >= 5 sampling replicates (every round, warmup included)."""
+    from harness.protocol import setups
+    from harness.protocol.config import RunConfig
+    from harness.protocol.rounds import MIN_SEEDS, imbalance
+    for name in (setups.EMBEDDED, setups.PAPER):
+        d = setups.defaults(name, "cuda", temperature) if name == setups.PAPER else dict(setups.EMBEDDED_CUDA)
+        k_list = [int(k) for k in d["fair_k_list"].split(",")]
+        n_arms = 3 + len(k_list)                                      # AR, drafter-only, Markov, xPress per K
+        warmup = d.get("fair_warmup_rounds", RunConfig.__dataclass_fields__["fair_warmup_rounds"].default)
+        rounds = d["fair_interleave"] or default_rounds(n_arms, warmup)
+        arms = [f"a{i}" for i in range(n_arms)]
+        assert validate_rounds(rounds, warmup, n_arms) is None, name
+        assert imbalance(rotation(arms, rounds)[warmup:]) == 0, name
+        assert rounds >= MIN_SEEDS, name

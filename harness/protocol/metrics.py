@@ -333,3 +333,52 @@ def token_match_rate(pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> fl
          "drafter's pass over the prompt), outside decode time")
 def mean_latency_s(seconds: Sequence[float]) -> float:
     return float(np.mean(seconds)) if len(seconds) else _NAN
+
+
+# ----------------------------------------------------------------------------------------- tau over sampling seeds
+
+def _replicate_taus(lengths: np.ndarray, steps: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """tau/step of each replicate [D, R]: the replicate's accepted lengths summed over prompts weighted by counts
+    [D, Q], over its steps; lengths and steps are [R, Q] (per replicate and prompt: sum of lengths, step count)."""
+    return _round_rates(lengths, steps, counts)
+
+
+@_metric("tau over seeds = mean over sampling replicates (every round with all prompts, warmup included; each "
+         "round its own seeded stream) of each replicate's tau/step pooled over its prompts")
+def tau_over_replicates(lengths, steps) -> float:
+    """From [replicates, prompts] matrices of summed accept lengths and step counts."""
+    la, sa = _matrices(lengths, steps)
+    if not la.size:
+        return _NAN
+    taus = _replicate_taus(la, sa, np.ones((1, la.shape[1])))[0]
+    return float(taus.mean()) if np.isfinite(taus).all() else _NAN
+
+
+@_metric("tau difference / ratio between two arms = tau over seeds of the arm minus (over) the reference's; CI = "
+         "paired bootstrap that resamples prompts and seeds together (one draw serves both arms, pairs kept)")
+def paired_tau_ci(spec_lengths, spec_steps, ref_lengths, ref_steps, n_boot: int = 2000, alpha: float = 0.05,
+                  seed: int = 0) -> dict:
+    """{diff, diff_ci95, ratio, ratio_ci95} of tau_over_replicates(spec) against tau_over_replicates(ref). Both
+    arms' [replicates, prompts] matrices must line up (the same seeds and prompts). Each draw resamples prompts
+    (one count vector for every replicate and both arms) and, independently, replicates (the same ones for both
+    arms), as median_round_speedup_ci does for timing."""
+    la, sa, lb, sb = _matrices(spec_lengths, spec_steps, ref_lengths, ref_steps)
+    if n_boot < 1 or not 0.0 < alpha < 1.0:
+        raise ValueError(f"n_boot must be >= 1 and alpha in (0, 1), got {n_boot}, {alpha}")
+    a, b = tau_over_replicates(la, sa), tau_over_replicates(lb, sb)
+    out = {"diff": a - b, "ratio": a / b if b > 0 else _NAN, "diff_ci95": [_NAN, _NAN], "ratio_ci95": [_NAN, _NAN]}
+    if not la.size:
+        return out
+    n_rep, n_prompts = la.shape
+    rng = np.random.default_rng(seed)
+    counts = np.zeros((n_boot, n_prompts))
+    np.add.at(counts, (np.arange(n_boot)[:, None], rng.integers(0, n_prompts, size=(n_boot, n_prompts))), 1.0)
+    reps = rng.integers(0, n_rep, size=(n_boot, n_rep))
+    ta = np.take_along_axis(_replicate_taus(la, sa, counts), reps, axis=1).mean(axis=1)
+    tb = np.take_along_axis(_replicate_taus(lb, sb, counts), reps, axis=1).mean(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for key, draws in (("diff", ta - tb), ("ratio", ta / tb)):
+            draws = draws[np.isfinite(draws)]
+            if draws.size:
+                out[f"{key}_ci95"] = [float(x) for x in np.quantile(draws, [alpha / 2, 1 - alpha / 2])]
+    return out

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.protocol import comparisons, metrics
+from harness.protocol import comparisons, metrics, replicates
 from core.errors import UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
@@ -146,23 +146,25 @@ def _incomplete(g: _Rows) -> list[list]:
 
 def _tau(g: _Rows, a: str, tau_from_warmup: bool) -> dict:
     """tau_source, tau_rounds_agree and the tau statistics of one arm."""
-    pr = [g.per_round[a][rnd] for rnd in g.used[a]]
+    pr = [g.per_round[a][rnd] for rnd in g.used[a]]  # sampled: every replicate round (harness.protocol.replicates)
     if not g.deterministic:
         why = f"T={g.temperature:g}" if not g.greedy else f"T=0 but drafts sampled at Td={sorted(g.draft_temperatures, key=str)}"
-        return {"tau_source": f"mean over {len(pr)} measured rounds (sampling, {why})", "tau_rounds_agree": None,
-                **{k: np.mean([m[k] for m in pr], axis=0).tolist() if pr else math.nan for k in _TAU_KEYS}}
+        return replicates.sampled_tau(g.rows, a, g.prompts, lambda rs: _round_metrics(rs, g.arms[a]["block_size"]),
+                                      _TAU_KEYS, why)
     # the reference harness reads greedy tau off its warmup round; we take the first measured one
     agree = len({m["tau_per_step"] for m in pr}) <= 1
     s = {"tau_source": (f"first measured round (round {g.used[a][0]}); greedy, so assumed identical across "
                         f"rounds: {'it is' if agree else 'IT IS NOT, see tau_per_step_by_round'}"
                         if pr else "no complete measured round"),
-         "tau_rounds_agree": agree if pr else None, **{k: pr[0][k] if pr else math.nan for k in _TAU_KEYS}}
+         "tau_rounds_agree": agree if pr else None, "tau_seeds": 1 if pr else 0, "tau_rounds": g.used[a][:1],
+         **{k: pr[0][k] if pr else math.nan for k in _TAU_KEYS}}
     first_warm = g.warm_rounds[0] if g.warm_rounds else None
     warm = [r for r in g.rows if r["arm"] == a and r["turn"] == 0 and r["round"] == first_warm]
     if tau_from_warmup and warm:  # --compat-reference: the reference keeps the first run's tau (its warmup)
         first = _round_metrics(warm, g.arms[a]["block_size"])
         s.update({k: first[k] for k in _TAU_KEYS})
         s["tau_source"] = f"warmup round {first_warm} (--compat-reference, as the reference)"
+        s["tau_rounds"] = [first_warm]
     return s
 
 
@@ -224,6 +226,8 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
     base = _pick(g.arms, "drafter-only", "drafter-only")
     out_arms = {a: _arm(g, a, tau_from_warmup) for a in g.arms}
     _compare(g, out_arms, ar, base, n_boot, seed)
+    replicates.add_tau_gains(g.rows, out_arms, base, g.prompts, n_boot, seed)
+    design = replicates.design(g.rows, g.warm_rounds)
     untimed = [UNTIMED_LABEL] if any(r.get("timed") is False for r in g.measured) else []
     return _clean({
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "dataset": g.dataset, "temperature": g.temperature,
@@ -234,7 +238,8 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
         "incomplete_rounds": _incomplete(g), "duplicate_rows_dropped": duplicates,
         "arms": out_arms, "optimal": comparisons.optimal(g.arms, out_arms, rows, g.prompts),
         "ar_rounds_off_median": _ar_off_median(g, out_arms, ar),
-        "labels": list(labels or []) + untimed, "conventions": conventions(),
+        "design": design, "labels": list(labels or []) + untimed + replicates.labels(out_arms, design, g.deterministic),
+        "conventions": conventions(),
     })
 
 

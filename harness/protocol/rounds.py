@@ -4,6 +4,14 @@
 Every arm runs the whole evaluation once per round. Round r (1-based) runs the arms rotated left by (r-1) mod n,
 so over n consecutive rounds every arm sits in every slot once, and slot effects (clock warm-up, thermal drift,
 allocator state left by the previous arm) cancel in the paired ratios. Rounds 1..warmup are run but not measured.
+
+Balance: the measured rounds form a Latin square over the arms (each arm takes each slot exactly once) when their
+count is one rotation (n rounds) or a whole number of them; otherwise the run says it is unbalanced and by how much
+(`imbalance`: max - min, over arms and slots, of the times an arm ran in a slot; 0 for a balanced design).
+
+Seeds: every round is one sampling replicate, the warmup rounds included: a (prompt, turn, round) decodes on its
+own stream (harness.protocol.runner.stream_seed of --seed, the dataset row, the turn and the round), which every
+arm of that round replays, and each row records it (`stream_seed`). At T>0 tau is the mean over these replicates.
 """
 from __future__ import annotations
 
@@ -30,8 +38,9 @@ def validate_rounds(rounds: int, warmup: int, n_arms: int) -> str | None:
                          "(warmup + one round per arm)")
     measured = rounds - warmup
     if measured % n_arms:
-        return (f"rotation unbalanced: {measured} measured round(s) is not a multiple of {n_arms} arms, so some arms "
-                f"run in some slots more often; use --fair-interleave "
+        spread = imbalance(rotation([f"a{i}" for i in range(n_arms)], rounds)[warmup:])
+        return (f"rotation unbalanced by {spread}: {measured} measured round(s) is not a multiple of {n_arms} arms, "
+                f"so some arms run in some slots {spread} more time(s) than others; use --fair-interleave "
                 f"{warmup + n_arms * math.ceil(measured / n_arms)}")
     return None
 
@@ -42,6 +51,45 @@ def rotation(arms: list[str], rounds: int) -> list[list[str]]:
     if not n:
         return [[] for _ in range(rounds)]
     return [arms[(r % n):] + arms[:(r % n)] for r in range(rounds)]
+
+
+MIN_SEEDS = 5  # the paper averages tau at T>0 over 5 sampling seeds
+
+
+def slot_counts(order: list[list[str]]) -> dict[str, list[int]]:
+    """arm -> how many of the given rounds ran it in slot 1, 2, ..., n (n = the most arms of any round)."""
+    width = max((len(r) for r in order), default=0)
+    out: dict[str, list[int]] = {}
+    for names in order:
+        for slot, arm in enumerate(names):
+            out.setdefault(arm, [0] * width)[slot] += 1
+    return out
+
+
+def imbalance(order: list[list[str]]) -> int:
+    """max - min, over every arm and slot, of the times the arm ran in that slot (0: each arm took each slot
+    equally often, a Latin square or a whole number of them; 0 too for no rounds)."""
+    counts = [c for per_slot in slot_counts(order).values() for c in per_slot]
+    return max(counts) - min(counts) if counts else 0
+
+
+def balance(order: list[list[str]]) -> dict:
+    """The design of the measured rounds `order`: {rounds, arms, latin_square, imbalance, slots (arm -> times in
+    each slot)}; latin_square means every slot count is equal (one rotation is one square)."""
+    counts = slot_counts(order)
+    spread = imbalance(order)
+    return {"rounds": len(order), "arms": len(counts), "latin_square": bool(counts) and spread == 0,
+            "imbalance": spread, "slots": counts}
+
+
+def balance_note(design: dict) -> str | None:
+    """The line an unbalanced run prints and puts on its tables; None when balanced."""
+    if design["latin_square"] or not design["arms"]:
+        return None
+    low = min(c for s in design["slots"].values() for c in s)
+    return (f"rotation unbalanced by {design['imbalance']}: over {design['rounds']} measured round(s) an arm ran "
+            f"{low}..{low + design['imbalance']} times in a slot (a Latin square needs a multiple of "
+            f"{design['arms']} measured rounds)")
 
 
 def _usable(x) -> bool:

@@ -314,13 +314,16 @@ def _measure(plan: RunPlan, models: Models, settings: DecodeSettings, work: Work
             if plan.rounds > 1:
                 line = f">>> round {r}/{plan.rounds}: {' -> '.join(names)}{'   [warmup - EXCLUDED]' if warm else ''}"
                 (bar.write if bar else print)(line, file=out)  # tqdm.write keeps the bar below the line
-            for name in names:
+            for slot, name in enumerate(names, start=1):
                 arm = by_name[name]
                 arm.activate()
                 for qid, sample in work.mine:
                     if (r, name, qid) in work.done:
                         continue
                     rows = shard.tag(decode_sample(d, arm, qid, sample, r, warm))
+                    for x in rows:  # the arm's slot in the round and the replicate's seed (harness.protocol.rounds)
+                        x.update(slot=slot, stream_seed=None if cfg.compat_reference else
+                                 stream_seed(cfg.seed, sample.row, x["turn"], r))
                     append_rows(work.rows_path, rows)
                     refuse_captures(rows, work.rows_path)
                     if bar:

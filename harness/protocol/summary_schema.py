@@ -7,13 +7,15 @@ lists where a summary departs from it (a test checks a written summary against i
 Versions (`schema_version`; readers accept every version up to SCHEMA_VERSION):
   1  no `schema_version` key, `schema` = "xpress-bench/summary/1"; otherwise the keys of version 2.
   2  `schema_version` = 2 and `schema` = "xpress-bench/summary/2" added; nothing else changed.
+  3  tau over sampling seeds: per arm `tau_seeds`, `tau_rounds` and `tau_gain`; at T>0 `tau_*` is the mean over
+     every replicate round, warmup included (was: the measured rounds); top-level `design` (the rounds' balance).
 """
 from __future__ import annotations
 
 from core.errors import UsageError
 from harness.protocol import metrics
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA = f"xpress-bench/summary/{SCHEMA_VERSION}"
 
 NUM = (int, float, type(None))      # a number, or null when undefined
@@ -35,6 +37,8 @@ TOP = {
     "arms": (dict, "arm name -> the per-arm dict (ARM), in method order (AR, drafter-only, Markov, xPress by K)"),
     "optimal": (dict, "method -> {arm, K, pooled_tok_s, selected_on, selection_tok_s}: the throughput-optimal K"),
     "ar_rounds_off_median": (list, "[{round, pooled_tok_s, off_median}]: AR rounds far from the AR median"),
+    "design": (dict, "{rounds, arms, latin_square, imbalance, slots, note}: the measured rounds' rotation; "
+                     "imbalance = max - min times an arm ran in a slot (0: balanced); slots: arm -> times per slot"),
     "labels": (list, "strings shown on every table title: random weights, traced, compat, untimed, ..."),
     "conventions": (dict, "name -> the one-line convention of each number"),
 }
@@ -56,6 +60,11 @@ ARM = {
     "samples": (int, "measured turn-0 rows used (prompts x rounds)"),
     "prompts": (int, "prompts of the run"),
     "tau_source": (str, "where tau comes from (first measured round, mean over rounds, warmup for compat)"),
+    "tau_seeds": (int, "sampling replicates tau is averaged over (1 for a deterministic run)"),
+    "tau_rounds": (list, "the rounds tau comes from (at T>0 every complete round, warmup included)"),
+    "tau_gain": ((dict, OPT), "tau against the drafter-only arm over the shared replicates: {ref, seeds, prompts, "
+                              "rounds, diff, diff_ci95, ratio, ratio_ci95} (paired bootstrap over prompts x seeds); "
+                              "null for it or without it"),
     "tau_rounds_agree": ((bool, OPT), "deterministic runs: tau equal in every round; null when sampling"),
     "tau_per_step": (NUM, "accepted tokens per speculative step (bonus included)"),
     "tau_per_sample": (NUM, "tau per prompt, averaged over prompts"),
@@ -120,12 +129,17 @@ def conventions() -> dict[str, str]:
         "tau_per_step", "tau_per_sample", "acceptance_histogram", "per_position_acceptance", "pooled_tok_per_s",
         "per_sample_tok_per_s", "round_stats", "median_round_speedup", "off_median_rounds", "paired_ratio_stats",
         "pooled_speedup_ci_over_prompts", "token_match_rate", "first_divergence", "mean_latency_s")}
-    c["scope"] = ("throughput and tau use turn 0 of the measured rounds (warmup rounds excluded); tok/s counts decode "
-                  "tokens (new tokens minus the prefill's first token) over decode seconds")
+    c["scope"] = ("throughput uses turn 0 of the measured rounds (warmup rounds excluded), tau at T>0 every round "
+                  "(tau_source); tok/s counts decode tokens (new tokens minus the prefill's first token) over decode "
+                  "seconds")
     c["tau_source"] = ("tau of a deterministic run (T=0 and greedy drafts): from the first MEASURED round (identical "
                        "every round, checked); when anything is sampled (T>0, or a draft temperature > 0): the mean "
-                       "of the per-round values over the measured rounds. A speculative arm's plain target steps "
-                       "near the context limit are counted apart (tail_steps), not as tau entries")
+                       "of the per-replicate values over every complete round, the warmup's included (each round "
+                       "decodes on its own seeded streams; fewer than 5 is labelled). A speculative arm's plain "
+                       "target steps near the context limit are counted apart (tail_steps), not as tau entries")
+    c["tau_gain"] = metrics.CONVENTIONS["paired_tau_ci"]
+    c["design"] = ("balanced = the measured rounds form a Latin square over the arms (each arm in each slot equally "
+                   "often); otherwise labelled with the imbalance, max - min times an arm ran in a slot")
     c["speedup"] = ("Sp. = the primary statistic: median over measured rounds of the per-round paired speedup, with "
                     "its own 95% CI (paired bootstrap over prompts and rounds); summary.json keeps the mean +- std "
                     "of the same per-round ratios and the pooled speedup with its bootstrap over prompts (pooled)")

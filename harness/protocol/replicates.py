@@ -1,0 +1,111 @@
+"""tau over sampling seeds, its paired comparison between arms, and the measured rounds' design, from the rows.
+
+A sampling replicate is one round (harness.protocol.rounds: each round decodes on its own seeded streams), the
+warmup rounds included: the warmup is excluded from timing, not from tau. A replicate counts for an arm when the arm
+has a turn-0 row for every prompt of the run in it. At T=0 with greedy drafts every round decodes the same text, so
+there is one replicate (the first measured round, as the report has always taken it).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from harness.protocol import metrics
+from harness.protocol.rounds import MIN_SEEDS, balance, balance_note
+
+
+def turn0(rows: list[dict], arm: str) -> dict[int, dict[int, dict]]:
+    """round -> question id -> the arm's turn-0 row, over every round (warmup included)."""
+    out: dict[int, dict[int, dict]] = {}
+    for r in rows:
+        if r["arm"] == arm and r["turn"] == 0:
+            out.setdefault(r["round"], {})[r["question_id"]] = r
+    return out
+
+
+def replicate_rounds(rows: list[dict], arm: str, prompts: list[int]) -> list[int]:
+    """The rounds, ascending and warmup included, in which `arm` decoded every prompt's first turn."""
+    want = set(prompts)
+    return [rnd for rnd, qs in sorted(turn0(rows, arm).items()) if want <= set(qs)]
+
+
+def seeds_short(n: int) -> str | None:
+    """The warning of a sampled run with fewer replicates than the paper's protocol; None when enough."""
+    return None if n >= MIN_SEEDS else f"FEWER THAN {MIN_SEEDS} SEEDS ({n}; the paper averages tau over {MIN_SEEDS})"
+
+
+def sampled_tau(rows: list[dict], arm: str, prompts: list[int], per_round, keys, why: str) -> dict:
+    """tau_source, tau_rounds_agree, tau_seeds, tau_rounds and the tau statistics (`keys` of per_round(rows)) of a
+    sampled run: the mean of the per-replicate values over every replicate round."""
+    by = turn0(rows, arm)
+    reps = replicate_rounds(rows, arm, prompts)
+    pr = [per_round([by[rnd][q] for q in prompts]) for rnd in reps]
+    short = seeds_short(len(reps))
+    source = (f"mean over {len(reps)} sampling replicates (rounds {', '.join(map(str, reps))}: warmup included, each "
+              f"round its own seeded stream; {why})" + (f"; {short}" if short else ""))
+    return {"tau_source": source, "tau_rounds_agree": None, "tau_seeds": len(reps), "tau_rounds": reps,
+            **{k: np.mean([m[k] for m in pr], axis=0).tolist() if pr else float("nan") for k in keys}}
+
+
+def _matrices(rows: list[dict], arm: str, rounds: list[int], prompts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    by = turn0(rows, arm)
+    lengths = [[sum(by[rnd][q]["accept_lengths"]) for q in prompts] for rnd in rounds]
+    steps = [[len(by[rnd][q]["accept_lengths"]) for q in prompts] for rnd in rounds]
+    return np.asarray(lengths, np.float64).reshape(len(rounds), len(prompts)), \
+        np.asarray(steps, np.float64).reshape(len(rounds), len(prompts))
+
+
+def tau_gain(rows: list[dict], arm: str, ref: str, rounds_of: dict[str, list[int]], prompts: list[int],
+             n_boot: int, seed: int) -> dict | None:
+    """tau of `arm` against `ref` over the replicates both have (rounds_of: arm -> its tau rounds): {ref, seeds,
+    prompts, rounds, diff, diff_ci95, ratio, ratio_ci95} (metrics.paired_tau_ci); None without a shared one."""
+    common = [r for r in rounds_of.get(arm, []) if r in set(rounds_of.get(ref, []))]
+    if not common or not prompts:
+        return None
+    ci = metrics.paired_tau_ci(*_matrices(rows, arm, common, prompts), *_matrices(rows, ref, common, prompts),
+                               n_boot=n_boot, seed=seed)
+    return {"ref": ref, "seeds": len(common), "prompts": len(prompts), "rounds": common, **ci}
+
+
+def measured_order(rows: list[dict], warm_rounds: list[int]) -> list[list[str]] | None:
+    """The arms of each measured round in the order they ran, from each row's `slot`; None when a measured row
+    does not record its slot (rows written before slots were recorded: their order is not known)."""
+    slots: dict[int, dict[str, int]] = {}
+    for r in rows:
+        if r["round"] in warm_rounds:
+            continue
+        if "slot" not in r:
+            return None
+        slots.setdefault(r["round"], {})[r["arm"]] = r["slot"]
+    return [sorted(arms, key=arms.get) for _, arms in sorted(slots.items())]
+
+
+def design(rows: list[dict], warm_rounds: list[int]) -> dict:
+    """rounds.balance of the measured rounds, with its note (None when balanced); latin_square and imbalance are
+    None when the rows do not record their slots."""
+    order = measured_order(rows, warm_rounds)
+    if order is None:
+        n = len({r["round"] for r in rows if r["round"] not in warm_rounds})
+        return {"rounds": n, "arms": len({r["arm"] for r in rows}), "latin_square": None, "imbalance": None,
+                "slots": {}, "note": "slots not recorded (rows written before they were): balance unknown"}
+    d = balance(order)
+    return {**d, "note": balance_note(d)}
+
+
+def add_tau_gains(rows: list[dict], out_arms: dict, ref: str | None, prompts: list[int], n_boot: int,
+                  seed: int) -> None:
+    """Every arm's `tau_gain` against `ref` (the drafter-only arm); None for it, or without it."""
+    rounds_of = {a: s.get("tau_rounds") or [] for a, s in out_arms.items()}
+    for a, s in out_arms.items():
+        s["tau_gain"] = tau_gain(rows, a, ref, rounds_of, prompts, n_boot, seed) if ref and a != ref else None
+
+
+def labels(out_arms: dict, design_: dict, deterministic: bool) -> list[str]:
+    """Table labels: a sampled run with fewer than MIN_SEEDS replicates, and an unbalanced rotation."""
+    out = []
+    if not deterministic:
+        n = min((s.get("tau_seeds") or 0 for s in out_arms.values()), default=0)
+        if seeds_short(n):
+            out.append(f"tau over {n} seed(s), fewer than {MIN_SEEDS}")
+    if design_.get("imbalance"):
+        out.append(f"rotation unbalanced by {design_['imbalance']}")
+    return out
