@@ -247,7 +247,7 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
                      "real model's decoding where it says random weights / scripted acceptance).")
     notes += [c["median_round_speedup"] + ".",
               "τ = " + c["tau_per_step"] + "; deterministic runs (T=0, greedy drafts) from the first measured "
-              "round, sampled ones the mean over measured rounds.",
+              "round, sampled ones the mean over sampling replicates (each folder's tau_source names its rounds).",
               "Each method at its throughput-optimal K, chosen on held-out (warmup) rounds where the run has them "
               "and reported from the measured rounds; τ at that same arm.",
               "× Gain = the same statistic of xPress (at its K) over the drafter-only arm of the same run.",
