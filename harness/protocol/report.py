@@ -145,9 +145,9 @@ def _incomplete(g: _Rows) -> list[list]:
 
 
 def _tau(g: _Rows, a: str, tau_from_warmup: bool) -> dict:
-    """tau_source, tau_rounds_agree and the tau statistics of one arm."""
-    pr = [g.per_round[a][rnd] for rnd in g.used[a]]  # sampled: every replicate round (harness.protocol.replicates)
-    if not g.deterministic:
+    """tau_source, tau_rounds_agree, tau_seeds, tau_rounds and the tau statistics of one arm."""
+    pr = [g.per_round[a][rnd] for rnd in g.used[a]]
+    if not g.deterministic:  # sampled: the mean over every replicate round, warmup's too (harness.protocol.replicates)
         why = f"T={g.temperature:g}" if not g.greedy else f"T=0 but drafts sampled at Td={sorted(g.draft_temperatures, key=str)}"
         return replicates.sampled_tau(g.rows, a, g.prompts, lambda rs: _round_metrics(rs, g.arms[a]["block_size"]),
                                       _TAU_KEYS, why)
