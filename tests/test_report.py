@@ -272,13 +272,15 @@ def test_merge_cli_builds_the_table_and_recomputes_the_average(tmp_path, capsys)
     text = capsys.readouterr().out
     assert text == out.read_text(encoding="utf-8")
     lines = text.splitlines()
-    assert lines[0] == ("| benchmark | T | drafter-only Sp. [95% CI] / τ | Markov Sp. [95% CI] / τ | xPress Sp. "
-                        "[95% CI] / τ | xPress K | × Gain | prompts | rounds | labels |")
+    assert lines[0] == ("| benchmark | T | drafter-only Sp. [95% CI] (E2E) / τ (b-e) | Markov Sp. [95% CI] (E2E) / τ "
+                        "(b-e) | xPress Sp. [95% CI] (E2E) / τ (b-e) | xPress K | × Gain | prompts | rounds | model | "
+                        "device | dtype | flags | labels |")
+    unknown = "unknown | unknown | unknown | - | - |"  # schema-1 summaries, config.json without the run's facts
     assert lines[2] == ("| gsm8k | 0 | 4.00× [3.50, 4.50] / 6.00 | 6.00× [5.50, 6.50] / 8.00 | 7.00× [6.50, 7.50] "
-                        "/ 9.00 | 6 | 1.70× | 12 | 3 | - |")
+                        "/ 9.00 | 6 | 1.70× | 12 | 3 | " + unknown)
     assert lines[3] == ("| math500 | 0 | 5.00× [4.50, 5.50] / 7.00 | 5.50× [5.00, 6.00] / 8.50 | 6.00× [5.50, 6.50] "
-                        "/ 9.50 | 7 | 1.20× | 12 | 3 | - |")
-    assert lines[4] == "| **Avg.** |  | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |  |  |  |"
+                        "/ 9.50 | 7 | 1.20× | 12 | 3 | " + unknown)
+    assert lines[4] == "| **Avg.** |  | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |" + "  |" * 7
     assert "recomputed" in text and "throughput-optimal K" in text
 
 
@@ -290,8 +292,8 @@ def test_merge_cli_averages_each_temperature_on_its_own(tmp_path, capsys):
     assert report.main([a0, a1, b0]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [ln.split(" | ")[1] for ln in lines[2:5]] == ["0", "1", "0"]  # rows in the order given
-    assert lines[5] == "| **Avg. T=0** | 0 | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |  |  |  |"
-    assert lines[6] == "| **Avg. T=1** | 1 | 2.00× / 3.00 | 3.00× / 4.00 | 3.00× / 5.00 |  | 1.10× |  |  |  |"
+    assert lines[5] == "| **Avg. T=0** | 0 | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |" + "  |" * 7
+    assert lines[6] == "| **Avg. T=1** | 1 | 2.00× / 3.00 | 3.00× / 4.00 | 3.00× / 5.00 |  | 1.10× |" + "  |" * 7
     assert not any(ln.startswith("| **Avg.** |") for ln in lines)
 
 
@@ -302,7 +304,10 @@ def test_merge_cli_on_a_real_results_folder(tmp_path, summary, capsys):
     line = capsys.readouterr().out.splitlines()[2]
     sp = summary["arms"]["xPress(K=6)"]["speedup"]
     lo, hi = sp["ci95"]
-    assert line == f"| toy | 0 | - | - | {sp['value']:.2f}× [{lo:.2f}, {hi:.2f}] / {16 / 6:.2f} | 6 | - | 3 | 2 | - |"
+    x = summary["arms"]["xPress(K=6)"]
+    e2e, be = x["speedup_e2e"]["value"], x["break_even_tau"]
+    assert line == (f"| toy | 0 | - | - | {sp['value']:.2f}× [{lo:.2f}, {hi:.2f}] (E2E {e2e:.2f}×) / {16 / 6:.2f} "
+                    f"(b-e {be:.2f}) | 6 | - | 3 | 2 | unknown | unknown | unknown | - | - |")
 
 
 def test_merge_cli_error_exits_on_a_folder_without_summary(tmp_path, capsys):

@@ -367,7 +367,8 @@ def _distinct(entries: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.protocol.report",
-                                description="One table over several results folders (rows = datasets).")
+                                description="One table over several results folders (rows = datasets), one per "
+                                            "target and protocol (harness.protocol.merge).")
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--rebuild", action="store_true",
@@ -379,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.rebuild:
             for f in ns.folders:
                 rebuild(f)
-        text = format_multi_dataset_table(_distinct([_load_folder(f) for f in ns.folders]))
+        from harness.protocol.merge import format_merged
+        text = format_merged([_load_folder(f) for f in ns.folders], _distinct)
         if ns.out:
             atomic_write(ns.out, text)
         sys.stdout.write(text)

@@ -210,10 +210,22 @@ def _cell_values(entry: dict, method: str) -> tuple[dict, float | None, str | No
     return a.get("speedup") or {}, a.get("tau_per_step"), arm
 
 
-def _sp_cell(sp: dict, tau) -> str:
+FLAG = "⚑"
+
+
+def _sp_cell(sp: dict, tau, arm: dict, flagged: bool) -> str:
+    """'2.03× [1.95, 2.12] (E2E 1.74×) / 2.15 (b-e 1.06)', ⚑ first when the run's AR rounds were flagged."""
     ci = sp.get("ci95") or [None, None]
     bracket = f" [{_num(ci[0], '.2f')}, {_num(ci[1], '.2f')}]" if ci[0] is not None else ""
-    return f"{_num(sp.get('value'), '.2f')}×{bracket} / {_num(tau, '.2f')}"
+    e2e = f" (E2E {_num((arm.get('speedup_e2e') or {}).get('value'), '.2f')}×)" if "speedup_e2e" in arm else ""
+    be = f" (b-e {_num(arm.get('break_even_tau'), '.2f')})" if "break_even_tau" in arm else ""
+    return f"{FLAG + ' ' if flagged else ''}{_num(sp.get('value'), '.2f')}×{bracket}{e2e} / {_num(tau, '.2f')}{be}"
+
+
+def _flags(e: dict) -> list[str]:
+    """The folder's FLAGGED noisy AR rounds, kept in the merged table."""
+    return [f"AR round {f['round']} {100 * f['off_median']:.0f}% off the median"
+            for f in e["summary"].get("ar_rounds_off_median") or []]
 
 
 _COLS = (("drafter-only", "drafter-only"), ("markov", "Markov"), ("xpress", "xPress"))
@@ -223,8 +235,8 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
     """Rows = datasets; per method 'Sp. [95% CI] / tau' at its throughput-optimal K, x Gain, prompts, measured
     rounds and labels; Avg. recomputed (of the point values: the CIs of different datasets do not average), one Avg.
     row per temperature when the folders hold more than one (a mean over temperatures would mean nothing)."""
-    head = (["benchmark", "T"] + [f"{label} Sp. [95% CI] / τ" for _, label in _COLS]
-            + ["xPress K", "× Gain", "prompts", "rounds", "labels"])
+    head = (["benchmark", "T"] + [f"{label} Sp. [95% CI] (E2E) / τ (b-e)" for _, label in _COLS]
+            + ["xPress K", "× Gain", "prompts", "rounds", "model", "device", "dtype", "flags", "labels"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     values: list[dict] = []  # per entry: the point values the Avg. rows average
     all_labels = []
@@ -232,10 +244,11 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
         s = e["summary"]
         cells = [e["dataset"], _num(e["temperature"], "g")]
         v = {"T": e["temperature"]}
+        flags = _flags(e)
         for method, _ in _COLS:
             sp, tau, _arm = _cell_values(e, method)
             v[f"{method}.sp"], v[f"{method}.tau"] = sp.get("value"), tau
-            cells.append(_sp_cell(sp, tau) if _arm else "-")
+            cells.append(_sp_cell(sp, tau, s["arms"][_arm], bool(flags)) if _arm else "-")
         xs = s["optimal"].get("xpress") or {}
         v["gain"] = ((s["arms"][xs["arm"]].get("gain") or {}).get("value")) if xs else None
         values.append(v)
@@ -244,8 +257,10 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
         labels = run_labels(s)
         all_labels += [x for x in labels if x not in all_labels]
         measured = (s.get("rounds") or {}).get("measured")
+        run = facts.of(s, e.get("config"))
         cells += [str(s.get("prompts", "-")), "-" if measured is None else str(len(measured)),
-                  "; ".join(labels) or "-"]
+                  *(str(run[k]) for k in ("model", "device", "dtype")),
+                  "FLAGGED: " + "; ".join(flags) if flags else "-", "; ".join(labels) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
 
     temps = sorted({e["temperature"] for e in entries}, key=str)
@@ -266,7 +281,7 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
             sp, tau = avg(f"{method}.sp"), avg(f"{method}.tau")
             cells.append("-" if sp is None and tau is None else f"{_num(sp, '.2f')}× / {_num(tau, '.2f')}")
         gain = avg("gain")
-        cells += ["", "-" if gain is None else f"{gain:.2f}×", "", "", ""]
+        cells += ["", "-" if gain is None else f"{gain:.2f}×"] + [""] * 7
         lines.append("| " + " | ".join(cells) + " |")
     c = metrics.CONVENTIONS
     notes = [""]
@@ -281,6 +296,11 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
               "× Gain = the same statistic of xPress (at its K) over the drafter-only arm of the same run.",
               "Avg. = arithmetic mean of the rows above, recomputed here from the per-dataset numbers"
               + ("." if len(temps) == 1 else ", one row per temperature (each over the rows at that T).")]
+    if any(_flags(e) for e in entries):
+        notes.append(f"{FLAG} = a cell of a run whose AR rounds were FLAGGED (a round far from the AR median: timing "
+                     "noise; Sp. is a median over rounds, see the flags column and that folder's table.md).")
+    notes.append("E2E = the same statistic over TTFT + drafter prefill + decode; b-e = break-even τ (the arm's step "
+                 "cost over AR's: the arm wins iff τ exceeds it).")
     if partial:
         notes.append("Avg. over the datasets that have the value only: " + ", ".join(partial) + ".")
     notes.append("Sources: " + ", ".join(f"{e['folder']} ({e['dataset']})" for e in entries) + ".")
