@@ -306,8 +306,11 @@ def test_merge_cli_on_a_real_results_folder(tmp_path, summary, capsys):
     lo, hi = sp["ci95"]
     x = summary["arms"]["xPress(K=6)"]
     e2e, be = x["speedup_e2e"]["value"], x["break_even_tau"]
-    assert line == (f"| toy | 0 | - | - | {sp['value']:.2f}× [{lo:.2f}, {hi:.2f}] (E2E {e2e:.2f}×) / {16 / 6:.2f} "
-                    f"(b-e {be:.2f}) | 6 | - | 3 | 2 | unknown | unknown | unknown | - | - |")
+    flags = "; ".join(f"AR round {f['round']} {100 * f['off_median']:.0f}% off the median"
+                      for f in summary["ar_rounds_off_median"])
+    assert flags  # the toy rows time AR unevenly: the merged row keeps the flags and marks the cell
+    assert line == (f"| toy | 0 | - | - | ⚑ {sp['value']:.2f}× [{lo:.2f}, {hi:.2f}] (E2E {e2e:.2f}×) / {16 / 6:.2f} "
+                    f"(b-e {be:.2f}) | 6 | - | 3 | 2 | unknown | unknown | unknown | FLAGGED: {flags} | - |")
 
 
 def test_merge_cli_error_exits_on_a_folder_without_summary(tmp_path, capsys):
