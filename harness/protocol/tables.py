@@ -98,10 +98,12 @@ def _why(summary: dict) -> list[str]:
         if be is None or name == summary.get("reference_arm") or not n:
             continue
         per_step = s["decode_tokens"] / n
+        ar_per_step = ar["decode_tokens"] / ar["steps"] if ar.get("steps") else 1.0  # 1 on real AR rows
         out.append(f"why: {name} steps cost {be:.2f}x AR's ({_num(_ms(s.get('step_s')), '.2f')} vs "
                    f"{_num(_ms(ar.get('step_s')), '.2f')} ms): break-even tau {be:.2f}, its steps return "
                    f"{per_step:.2f} decode tokens (tau/step {_num(s['tau_per_step'], '.2f')}), so it "
-                   f"{'WINS' if per_step > be else 'LOSES'} on decode (pooled Sp. = {per_step / be:.3f})")
+                   f"{'WINS' if per_step > be * ar_per_step else 'LOSES'} on decode "
+                   f"(pooled Sp. = {per_step / ar_per_step / be:.3f})")
     return out
 
 
