@@ -170,8 +170,8 @@ _CSV = ["arm", "method", "K", "block_size", "samples", "rounds", "pooled_tok_s_m
         "speedup", "speedup_ci_lo", "speedup_ci_hi", "speedup_mean", "speedup_std", "speedup_median", "speedup_n",
         "speedup_pooled", "speedup_pooled_ci_lo", "speedup_pooled_ci_hi", "tau_per_step", "per_sample_tok_s_mean",
         "per_sample_tok_s_std", "tau_per_sample", "gain", "gain_mean", "gain_std", "gain_n", "ttft_s",
-        "drafter_prefill_s", "token_match_rate", "labels", "speedup_e2e", "speedup_e2e_ci_lo", "speedup_e2e_ci_hi",
-        "step_s", "break_even_tau", "model", "quantization", "device", "dtype", "kernels"]
+        "drafter_prefill_s", "token_match_rate", "speedup_e2e", "speedup_e2e_ci_lo", "speedup_e2e_ci_hi", "step_s",
+        "break_even_tau", "model", "quantization", "device", "dtype", "kernels", "labels"]
 
 
 def format_csv(summary: dict) -> str:
@@ -194,7 +194,7 @@ def format_csv(summary: dict) -> str:
             sp.get("std"), sp.get("median"), sp.get("n"), pooled.get("value"), pci[0], pci[1],
             s["tau_per_step"], s["per_sample_tok_s"]["mean"], s["per_sample_tok_s"]["std"], s["tau_per_sample"],
             g.get("value"), g.get("mean"), g.get("std"), g.get("n"), s["ttft_s"], s["drafter_prefill_s"],
-            tm.get("token_match_rate"), labels, *_e2e(s), s.get("step_s"), s.get("break_even_tau"), *run.values())])
+            tm.get("token_match_rate"), *_e2e(s), s.get("step_s"), s.get("break_even_tau"), *run.values(), labels)])
     return buf.getvalue()
 
 
