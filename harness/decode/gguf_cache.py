@@ -170,3 +170,22 @@ def convert(gguf: Path) -> str:
     print(f"[gguf] converted {gguf.name} once into {final} (later runs load it without the GGUF reader)",
           file=sys.stderr)
     return str(final)
+
+
+def quantization(spec: str) -> str | None:
+    """The quantization a .gguf target was stored in, from its header (`general.file_type`, e.g. "Q4_1" for
+    MOSTLY_Q4_1), else the most common tensor type; None for a target that is not a local .gguf file. The run
+    de-quantizes it (to float32, then the run dtype): config.json records both."""
+    gguf = _gguf(spec)
+    if gguf is None:
+        return None
+    try:
+        from gguf import GGUFReader, LlamaFileType
+        reader = GGUFReader(str(gguf))
+        field = reader.fields.get("general.file_type")
+        if field is not None:
+            return LlamaFileType(int(field.parts[field.data[0]][0])).name.removeprefix("MOSTLY_")
+        kinds = [t.tensor_type.name for t in reader.tensors]
+        return max(set(kinds), key=kinds.count) if kinds else "unknown"
+    except Exception as e:  # the header is a label: an unreadable one must not stop the run
+        return f"unknown ({type(e).__name__})"

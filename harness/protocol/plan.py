@@ -74,10 +74,20 @@ class RunPlan:
         """The plan's own values for config.json's "resolved" section (the runner adds what loading found)."""
         return {"block_size": self.block_size, "max_model_len": self.max_model_len, "rounds": self.rounds,
                 "warmup_rounds": self.warmup_rounds, "arms": self.arm_names, "device": str(self.backend.device),
+                "dtype": str(self.backend.dtype).removeprefix("torch."), "target": target_source(self.config),
                 "xpress_refine_passes": self.passes, "xpress_topc": self.topc,
                 "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                                  "variant": c.variant} for k, c in self.refiners.items()},
                 "trained_block_size": self.draft_config.block_size if self.draft_config else None}
+
+
+def target_source(cfg: RunConfig) -> dict:
+    """Where the target's weights come from: the path or hub id, and the quantization a .gguf file stored them in
+    (de-quantized to the run dtype on load); random weights name their config."""
+    if cfg.random_weights:
+        return {"source": f"random {cfg.random_weights}", "quantization": None}
+    from harness.decode.gguf_cache import quantization
+    return {"source": cfg.model_name_or_path, "quantization": quantization(cfg.model_name_or_path)}
 
 
 def run_folder(cfg: RunConfig, resume: str | None = None) -> str:

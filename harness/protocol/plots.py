@@ -47,9 +47,16 @@ def labels(summary: dict) -> list[str]:
 
 
 def plot_title(summary: dict, dataset: str, model: str | None) -> str:
+    """Model, dataset, T, prompts x measured rounds; then the run's facts (quantization, device, dtype, kernels,
+    seed: harness.protocol.facts, "unknown" for a summary older than schema 3) and labels."""
+    from harness.protocol import facts
+    run = summary.get("run") or {}
     rounds = len((summary.get("rounds") or {}).get("measured") or [])
-    head = f"{model or 'model ?'} | {dataset} | T={summary['temperature']:g} | {summary.get('prompts', '?')} " \
+    name = model or (run.get("model") if run.get("model") not in (None, facts.UNKNOWN) else None)
+    head = f"{name or 'model ?'} | {dataset} | T={summary['temperature']:g} | {summary.get('prompts', '?')} " \
            f"prompts x {rounds} measured round{'s' if rounds != 1 else ''}"
+    head += "\n" + "  ".join(f"{k}={run.get(k, facts.UNKNOWN)}" for k in ("quantization", "device", "dtype", "kernels",
+                                                                         "seed"))
     marks = labels(summary)
     return head + (f"\n[{'; '.join(marks)}]" if marks else "")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.protocol import comparisons, metrics, replicates
+from harness.protocol import comparisons, costs, facts, metrics, replicates
 from core.errors import UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
@@ -217,9 +217,10 @@ def _ar_off_median(g: _Rows, out_arms: dict, ar: str | None) -> list[dict]:
 
 
 def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warmup: bool = False,
-              labels: list[str] | None = None) -> dict:
+              labels: list[str] | None = None, run: dict | None = None) -> dict:
     """The run's summary, JSON-ready (undefined numbers are None): every key and its meaning are listed in
-    harness.protocol.summary_schema (TOP, ARM), which a test checks a written summary against."""
+    harness.protocol.summary_schema (TOP, ARM), which a test checks a written summary against. `run`: the run's
+    facts (harness.protocol.facts.run_facts of config.json; "unknown" everywhere without it)."""
     rows, duplicates = _checked(rows)
     g = _group(rows)
     ar = _pick(g.arms, "ar", "AR")
@@ -228,9 +229,10 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
     _compare(g, out_arms, ar, base, n_boot, seed)
     replicates.add_tau_gains(g.rows, out_arms, base, g.prompts, n_boot, seed)
     design = replicates.design(g.rows, g.warm_rounds)
+    costs.add(out_arms, g.by, g.used, ar, n_boot, seed)
     untimed = [UNTIMED_LABEL] if any(r.get("timed") is False for r in g.measured) else []
     return _clean({
-        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "dataset": g.dataset, "temperature": g.temperature,
+        "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "run": run or facts.run_facts(None), "dataset": g.dataset, "temperature": g.temperature,
         "greedy": g.greedy, "block_size": max(i["block_size"] for i in g.arms.values()),
         "rounds": {"all": g.all_rounds, "warmup": g.warm_rounds,
                    "measured": [x for x in g.all_rounds if x not in g.warm_rounds]},
@@ -343,7 +345,7 @@ def rebuild(folder: str) -> dict:
     loaded = _load_folder(folder)
     config, old = loaded["config"], loaded["summary"]
     summary = summarize(read_rows(str(path / "samples.jsonl")), tau_from_warmup=bool(config.get("compat_reference")),
-                        labels=config_labels(config))
+                        labels=config_labels(config), run=facts.run_facts(config))
     for key in ("compile", "kernel_fallbacks"):  # what the runner adds beside the rows' statistics
         if key in old:
             summary[key] = old[key]
@@ -370,7 +372,8 @@ def _distinct(entries: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.protocol.report",
-                                description="One table over several results folders (rows = datasets).")
+                                description="One table over several results folders (rows = datasets), one per "
+                                            "target and protocol (harness.protocol.merge).")
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--rebuild", action="store_true",
@@ -382,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         if ns.rebuild:
             for f in ns.folders:
                 rebuild(f)
-        text = format_multi_dataset_table(_distinct([_load_folder(f) for f in ns.folders]))
+        from harness.protocol.merge import format_merged
+        text = format_merged([_load_folder(f) for f in ns.folders], _distinct)
         if ns.out:
             atomic_write(ns.out, text)
         sys.stdout.write(text)

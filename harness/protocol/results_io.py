@@ -132,8 +132,20 @@ def _pathspec(repo: Path, exclude) -> list[str]:
     return ["--", "."] + specs if specs else []
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's model name (Linux: /proc/cpuinfo's "model name"), else platform.processor(), else None."""
+    try:
+        for line in Path(cpuinfo).read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def environment(exclude=(), repo: Path | None = None) -> dict:
-    """Where the numbers came from: GPUs and driver, library versions, the repo's git SHA and dirty flag.
+    """Where the numbers came from: GPUs and driver, the CPU's model and thread counts, library versions, the repo's git SHA and dirty flag.
 
     `exclude`: folders whose files do not make the tree dirty (the run's own results folder, which is new and
     untracked while the run writes it, and would otherwise mark every run under results/ as dirty)."""
@@ -142,10 +154,12 @@ def environment(exclude=(), repo: Path | None = None) -> dict:
            "time_unix": time.time(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "torch": _version("torch"), "transformers": _version("transformers"), "numpy": _version("numpy"),
            "triton": _version("triton"),
-           "cuda": None, "gpus": [], "driver": None}
+           "cuda": None, "gpus": [], "driver": None, "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+           "torch_threads": None}
     if env["torch"]:
         try:
             import torch
+            env["torch_threads"] = torch.get_num_threads()  # intra-op threads: what a CPU run's step time rides on
             env["cuda"] = torch.version.cuda
             if torch.cuda.is_available():
                 env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

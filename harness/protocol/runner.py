@@ -348,8 +348,9 @@ def _report(plan: RunPlan, models: Models, work: Work, order, shard, watch, out)
     if rows is None:
         return None
     labels = report.config_labels(dataclasses.asdict(cfg))
-    summary = rank_report.annotate(report.summarize(rows, tau_from_warmup=cfg.compat_reference, labels=labels),
-                                   rows, shard)
+    saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
+    summary = rank_report.annotate(report.summarize(rows, tau_from_warmup=cfg.compat_reference, labels=labels,
+                                                    run=report.facts.run_facts(saved_config)), rows, shard)
     if watch is not None:
         summary["compile"] = watch.stats()
     fallbacks = getattr(target.ops, "fallbacks", None)
@@ -362,7 +363,6 @@ def _report(plan: RunPlan, models: Models, work: Work, order, shard, watch, out)
     if fallbacks:
         from core.ops.triton_impl import fallback_note
         print(f"[kernels] {fallback_note(target.ops)}", file=out)
-    saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
     report.write_results(folder, saved_config, rank_report.environment(environment(exclude=[folder]), shard), rows,
                          summary, out)
     print(f"[results] {folder}", file=out)

@@ -9,6 +9,9 @@ Versions (`schema_version`; readers accept every version up to SCHEMA_VERSION):
   2  `schema_version` = 2 and `schema` = "xpress-bench/summary/2" added; nothing else changed.
   3  tau over sampling seeds: per arm `tau_seeds`, `tau_rounds` and `tau_gain`; at T>0 `tau_*` is the mean over
      every replicate round, warmup included (was: the measured rounds); top-level `design` (the rounds' balance).
+     Also in 3: `run` (the run's facts: model, quantization, device, dtype, kernels, ...: harness.protocol.facts) and, per arm,
+     `speedup_e2e`, `steps`, `step_s` and `break_even_tau` (harness.protocol.costs) added. Older summaries lack
+     them: readers show "unknown" / "-" there.
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ OPT = type(None)
 TOP = {
     "schema": (str, "the schema's name: xpress-bench/summary/<version>"),
     "schema_version": (int, "the version of this schema (see the module docstring)"),
+    "run": (dict, "{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, "
+                  "compat_reference, draft_temperature} from config.json; 'unknown' where it does not say"),
     "dataset": (str, "the dataset every row comes from"),
     "temperature": (float, "target sampling temperature of every row"),
     "greedy": (bool, "temperature < 1e-5: the target decodes greedily"),
@@ -79,6 +84,11 @@ ARM = {
     "decode_tokens": (int, "decode tokens of the used rows (new tokens minus the prefill's)"),
     "stop_reasons": (dict, "stop reason -> rows"),
     "speedup": ((dict, OPT), f"against the AR arm: {COMPARED}; null for AR itself or without AR"),
+    "speedup_e2e": ((dict, OPT), f"end-to-end (TTFT + drafter prefill + decode) against AR: {COMPARED}; null "
+                                 "as speedup"),
+    "steps": (int, "decode steps of the used rows (accept_lengths entries + tail_steps)"),
+    "step_s": (NUM, "decode seconds per decode step, pooled over the used rows"),
+    "break_even_tau": (NUM, "step_s over AR's step_s: the arm wins iff its tau exceeds it; null without AR"),
     "speedup_per_sample": ((dict, OPT), f"per-sample tok/s ratios against AR: {STATS}; null as speedup"),
     "gain": ((dict, OPT), f"against the drafter-only arm: {COMPARED}; null for it or without it"),
     "token_match": ((dict, OPT), "{ref, rows_compared, rows_identical, token_match_rate, first_divergence "
@@ -143,6 +153,9 @@ def conventions() -> dict[str, str]:
     c["speedup"] = ("Sp. = the primary statistic: median over measured rounds of the per-round paired speedup, with "
                     "its own 95% CI (paired bootstrap over prompts and rounds); summary.json keeps the mean +- std "
                     "of the same per-round ratios and the pooled speedup with its bootstrap over prompts (pooled)")
+    from harness.protocol.costs import BREAK_EVEN_NOTE, E2E_NOTE
+    c["speedup_e2e"] = E2E_NOTE
+    c["break_even_tau"] = BREAK_EVEN_NOTE
     c["gain"] = "x gain = the same statistic against the drafter-only arm"
     c["optimal"] = ("throughput-optimal K = the arm of a method with the highest POOLED tok/s on the warmup rounds "
                     "(held out: never reported), reported from the measured rounds; a run without a complete warmup "

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from harness.protocol import metrics
+from harness.protocol import facts, metrics
 
 def _num(x, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
@@ -41,16 +41,18 @@ def _ratio_cell(p: dict | None, name: str, ref: str | None, ci: bool) -> str:
     return cell + (f" [{_num(p['ci95'][0], '.2f')}, {_num(p['ci95'][1], '.2f')}]" if ci else "")
 
 
-_HEADER = ["method", "POOLED tok/s", "Sp. (median of rounds) [95% CI]", "tau/step", "per-sample tok/s",
-           "tau/sample", "x gain (median)"]
+_HEADER = ["method", "POOLED tok/s", "Sp. (median of rounds) [95% CI]", "E2E Sp. [95% CI]", "break-even tau",
+           "tau/step", "per-sample tok/s", "tau/sample", "x gain (median)"]
 
 
 def _table_rows(summary: dict) -> list[list[str]]:
     out = []
     for name, s in summary["arms"].items():
         p, q = s["pooled_tok_s"], s["per_sample_tok_s"]
-        out.append([name, _spread(p, ".1f"), _ratio_cell(s.get("speedup"), name, summary.get("reference_arm"), True),
-                    _num(s["tau_per_step"], ".2f"), _spread(q, ".1f"),
+        ref = summary.get("reference_arm")
+        out.append([name, _spread(p, ".1f"), _ratio_cell(s.get("speedup"), name, ref, True),
+                    _ratio_cell(s.get("speedup_e2e"), name, ref, True) if "speedup_e2e" in s else "-",
+                    _num(s.get("break_even_tau"), ".2f"), _num(s["tau_per_step"], ".2f"), _spread(q, ".1f"),
                     _num(s["tau_per_sample"], ".2f"),
                     _ratio_cell(s.get("gain"), name, summary.get("drafter_only_arm"), False)])
     return out
@@ -74,6 +76,7 @@ def _notes(summary: dict) -> list[str]:
             lines.append(f"{name} vs {tm['ref']}: token match {_num(tm['token_match_rate'], '.4f')}, "
                          f"{tm['rows_identical']}/{tm['rows_compared']} outputs identical; first divergence per "
                          f"prompt (turn 0, earliest over rounds; - = none): {div}")
+    lines += _why(summary)
     for f in summary.get("ar_rounds_off_median", []):
         lines.append(f"FLAGGED: AR round {f['round']} ran at {_num(f['pooled_tok_s'], '.1f')} POOLED tok/s, "
                      f"{100 * f['off_median']:.0f}% from the median over rounds (timing noise; Sp. is a median)")
@@ -84,6 +87,24 @@ def _notes(summary: dict) -> list[str]:
     if summary.get("reference_arm") is None:
         lines.append("no AR arm in this run: no speedup")
     return lines
+
+
+def _why(summary: dict) -> list[str]:
+    """Per speculative arm: its step cost over AR's (the break-even tau) against the tokens its steps return."""
+    ar = summary["arms"].get(summary.get("reference_arm") or "") or {}
+    out = []
+    for name, s in summary["arms"].items():
+        be, n = s.get("break_even_tau"), s.get("steps")
+        if be is None or name == summary.get("reference_arm") or not n:
+            continue
+        per_step = s["decode_tokens"] / n
+        ar_per_step = ar["decode_tokens"] / ar["steps"] if ar.get("steps") else 1.0  # 1 on real AR rows
+        out.append(f"why: {name} steps cost {be:.2f}x AR's ({_num(_ms(s.get('step_s')), '.2f')} vs "
+                   f"{_num(_ms(ar.get('step_s')), '.2f')} ms): break-even tau {be:.2f}, its steps return "
+                   f"{per_step:.2f} decode tokens (tau/step {_num(s['tau_per_step'], '.2f')}), so it "
+                   f"{'WINS' if per_step > be * ar_per_step else 'LOSES'} on decode "
+                   f"(pooled Sp. = {per_step / ar_per_step / be:.3f})")
+    return out
 
 
 def _gaps(d: dict) -> str:
@@ -105,7 +126,8 @@ def _title(summary: dict, dataset: str) -> str:
     r = summary["rounds"]
     labels = run_labels(summary)
     tag = f"[{'; '.join(labels)}]  " if labels else ""
-    return (f"RESULT  {tag}dataset={dataset}  T={summary['temperature']:g}  block={summary['block_size']}  "
+    return (f"RESULT  {tag}{facts.describe(summary.get('run') or {})}  dataset={dataset}  "
+            f"T={summary['temperature']:g}  block={summary['block_size']}  "
             f"rounds={len(r['all'])} (warmup {r['warmup']} excluded -> measured {r['measured']})  "
             f"prompts={summary['prompts']}")
 
@@ -148,7 +170,8 @@ _CSV = ["arm", "method", "K", "block_size", "samples", "rounds", "pooled_tok_s_m
         "speedup", "speedup_ci_lo", "speedup_ci_hi", "speedup_mean", "speedup_std", "speedup_median", "speedup_n",
         "speedup_pooled", "speedup_pooled_ci_lo", "speedup_pooled_ci_hi", "tau_per_step", "per_sample_tok_s_mean",
         "per_sample_tok_s_std", "tau_per_sample", "gain", "gain_mean", "gain_std", "gain_n", "ttft_s",
-        "drafter_prefill_s", "token_match_rate", "labels"]
+        "drafter_prefill_s", "token_match_rate", "speedup_e2e", "speedup_e2e_ci_lo", "speedup_e2e_ci_hi", "step_s",
+        "break_even_tau", "model", "quantization", "device", "dtype", "kernels", "labels"]
 
 
 def format_csv(summary: dict) -> str:
@@ -158,6 +181,8 @@ def format_csv(summary: dict) -> str:
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(_CSV)
     labels = "; ".join(run_labels(summary))
+    run = {k: (summary.get("run") or {}).get(k, facts.UNKNOWN) for k in ("model", "quantization", "device", "dtype",
+                                                                       "kernels")}
     for name, s in summary["arms"].items():
         sp, g, tm = s.get("speedup") or {}, s.get("gain") or {}, s.get("token_match") or {}
         ci = sp.get("ci95") or [None, None]
@@ -169,8 +194,13 @@ def format_csv(summary: dict) -> str:
             sp.get("std"), sp.get("median"), sp.get("n"), pooled.get("value"), pci[0], pci[1],
             s["tau_per_step"], s["per_sample_tok_s"]["mean"], s["per_sample_tok_s"]["std"], s["tau_per_sample"],
             g.get("value"), g.get("mean"), g.get("std"), g.get("n"), s["ttft_s"], s["drafter_prefill_s"],
-            tm.get("token_match_rate"), labels)])
+            tm.get("token_match_rate"), *_e2e(s), s.get("step_s"), s.get("break_even_tau"), *run.values(), labels)])
     return buf.getvalue()
+
+
+def _e2e(s: dict) -> tuple:
+    e = s.get("speedup_e2e") or {}
+    return e.get("value"), *(e.get("ci95") or [None, None])
 
 
 def _cell_values(entry: dict, method: str) -> tuple[dict, float | None, str | None]:
@@ -182,10 +212,22 @@ def _cell_values(entry: dict, method: str) -> tuple[dict, float | None, str | No
     return a.get("speedup") or {}, a.get("tau_per_step"), arm
 
 
-def _sp_cell(sp: dict, tau) -> str:
+FLAG = "⚑"
+
+
+def _sp_cell(sp: dict, tau, arm: dict, flagged: bool) -> str:
+    """'2.03× [1.95, 2.12] (E2E 1.74×) / 2.15 (b-e 1.06)', ⚑ first when the run's AR rounds were flagged."""
     ci = sp.get("ci95") or [None, None]
     bracket = f" [{_num(ci[0], '.2f')}, {_num(ci[1], '.2f')}]" if ci[0] is not None else ""
-    return f"{_num(sp.get('value'), '.2f')}×{bracket} / {_num(tau, '.2f')}"
+    e2e = f" (E2E {_num((arm.get('speedup_e2e') or {}).get('value'), '.2f')}×)" if "speedup_e2e" in arm else ""
+    be = f" (b-e {_num(arm.get('break_even_tau'), '.2f')})" if "break_even_tau" in arm else ""
+    return f"{FLAG + ' ' if flagged else ''}{_num(sp.get('value'), '.2f')}×{bracket}{e2e} / {_num(tau, '.2f')}{be}"
+
+
+def _flags(e: dict) -> list[str]:
+    """The folder's FLAGGED noisy AR rounds, kept in the merged table."""
+    return [f"AR round {f['round']} {100 * f['off_median']:.0f}% off the median"
+            for f in e["summary"].get("ar_rounds_off_median") or []]
 
 
 _COLS = (("drafter-only", "drafter-only"), ("markov", "Markov"), ("xpress", "xPress"))
@@ -195,8 +237,8 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
     """Rows = datasets; per method 'Sp. [95% CI] / tau' at its throughput-optimal K, x Gain, prompts, measured
     rounds and labels; Avg. recomputed (of the point values: the CIs of different datasets do not average), one Avg.
     row per temperature when the folders hold more than one (a mean over temperatures would mean nothing)."""
-    head = (["benchmark", "T"] + [f"{label} Sp. [95% CI] / τ" for _, label in _COLS]
-            + ["xPress K", "× Gain", "prompts", "rounds", "labels"])
+    head = (["benchmark", "T"] + [f"{label} Sp. [95% CI] (E2E) / τ (b-e)" for _, label in _COLS]
+            + ["xPress K", "× Gain", "prompts", "rounds", "model", "device", "dtype", "flags", "labels"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     values: list[dict] = []  # per entry: the point values the Avg. rows average
     all_labels = []
@@ -204,10 +246,11 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
         s = e["summary"]
         cells = [e["dataset"], _num(e["temperature"], "g")]
         v = {"T": e["temperature"]}
+        flags = _flags(e)
         for method, _ in _COLS:
             sp, tau, _arm = _cell_values(e, method)
             v[f"{method}.sp"], v[f"{method}.tau"] = sp.get("value"), tau
-            cells.append(_sp_cell(sp, tau) if _arm else "-")
+            cells.append(_sp_cell(sp, tau, s["arms"][_arm], bool(flags)) if _arm else "-")
         xs = s["optimal"].get("xpress") or {}
         v["gain"] = ((s["arms"][xs["arm"]].get("gain") or {}).get("value")) if xs else None
         values.append(v)
@@ -216,8 +259,10 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
         labels = run_labels(s)
         all_labels += [x for x in labels if x not in all_labels]
         measured = (s.get("rounds") or {}).get("measured")
+        run = facts.of(s, e.get("config"))
         cells += [str(s.get("prompts", "-")), "-" if measured is None else str(len(measured)),
-                  "; ".join(labels) or "-"]
+                  *(str(run[k]) for k in ("model", "device", "dtype")),
+                  "FLAGGED: " + "; ".join(flags) if flags else "-", "; ".join(labels) or "-"]
         lines.append("| " + " | ".join(cells) + " |")
 
     temps = sorted({e["temperature"] for e in entries}, key=str)
@@ -238,7 +283,7 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
             sp, tau = avg(f"{method}.sp"), avg(f"{method}.tau")
             cells.append("-" if sp is None and tau is None else f"{_num(sp, '.2f')}× / {_num(tau, '.2f')}")
         gain = avg("gain")
-        cells += ["", "-" if gain is None else f"{gain:.2f}×", "", "", ""]
+        cells += ["", "-" if gain is None else f"{gain:.2f}×"] + [""] * 7
         lines.append("| " + " | ".join(cells) + " |")
     c = metrics.CONVENTIONS
     notes = [""]
@@ -253,6 +298,11 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
               "× Gain = the same statistic of xPress (at its K) over the drafter-only arm of the same run.",
               "Avg. = arithmetic mean of the rows above, recomputed here from the per-dataset numbers"
               + ("." if len(temps) == 1 else ", one row per temperature (each over the rows at that T).")]
+    if any(_flags(e) for e in entries):
+        notes.append(f"{FLAG} = a cell of a run whose AR rounds were FLAGGED (a round far from the AR median: timing "
+                     "noise; Sp. is a median over rounds, see the flags column and that folder's table.md).")
+    notes.append("E2E = the same statistic over TTFT + drafter prefill + decode; b-e = break-even τ (the arm's step "
+                 "cost over AR's: the arm wins iff τ exceeds it).")
     if partial:
         notes.append("Avg. over the datasets that have the value only: " + ", ".join(partial) + ".")
     notes.append("Sources: " + ", ".join(f"{e['folder']} ({e['dataset']})" for e in entries) + ".")

@@ -1,0 +1,55 @@
+"""What a run was, read from its config.json (never inferred from defaults): the target and its quantization, the
+resolved device and dtype, the kernels, the seed and the decode length. summary.json keeps it as "run"; every
+table title, table.csv row and plot title names it, and the merged report groups folders by it.
+
+A field a folder's config.json does not record (one written before it was) is "unknown".
+"""
+from __future__ import annotations
+
+import os
+
+UNKNOWN = "unknown"
+# the target: folders of different targets are never averaged together (harness.protocol.merge)
+TARGET_KEYS = ("model", "quantization", "device", "dtype")
+# the protocol: what changes the meaning of a speedup or a tau
+PROTOCOL_KEYS = ("max_new_tokens", "compat_reference", "draft_temperature")
+
+
+def _name(source) -> str:
+    s = str(source).rstrip("/")
+    return os.path.basename(s) if os.path.sep in s else s
+
+
+def run_facts(config: dict | None) -> dict:
+    """{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, compat_reference,
+    draft_temperature} from config.json (its "resolved" section first)."""
+    config = config if isinstance(config, dict) else {}
+    res = config.get("resolved") if isinstance(config.get("resolved"), dict) else {}
+    target = res.get("target") if isinstance(res.get("target"), dict) else {}
+    source = target.get("source") or (f"random {config['random_weights']}" if config.get("random_weights")
+                                      else config.get("model_name_or_path"))
+    pick = lambda *vals: next((v for v in vals if v is not None), UNKNOWN)
+    quant = target.get("quantization", UNKNOWN) if target else UNKNOWN
+    return {"model": _name(source) if source else UNKNOWN, "target_source": pick(source),
+            "quantization": "none" if target and quant is None else quant,
+            "device": pick(res.get("device")), "dtype": pick(res.get("dtype")), "kernels": pick(res.get("kernels")),
+            "seed": pick(config.get("seed")), "max_new_tokens": pick(config.get("max_new_tokens")),
+            "compat_reference": pick(config.get("compat_reference")),
+            "draft_temperature": pick(config.get("draft_temperature"))}
+
+
+def of(summary: dict, config: dict | None = None) -> dict:
+    """The run facts of a summary (schema 3 keeps them), else of its config.json, "unknown" where neither says."""
+    run = summary.get("run")
+    facts = run_facts(config)
+    return {**facts, **run} if isinstance(run, dict) else facts
+
+
+def describe(run: dict) -> str:
+    """'model=SmolLM2.gguf (Q4_1, de-quantized) device=cuda:0 dtype=bfloat16 kernels=triton seed=0'."""
+    q = run.get("quantization")
+    quant = f" ({q}, de-quantized to {run.get('dtype')})" if q not in (None, "none", UNKNOWN) else ""
+    if q == UNKNOWN:
+        quant = " (quantization unknown)"
+    return (f"model={run.get('model', UNKNOWN)}{quant}  device={run.get('device', UNKNOWN)}  "
+            f"dtype={run.get('dtype', UNKNOWN)}  kernels={run.get('kernels', UNKNOWN)}  seed={run.get('seed', UNKNOWN)}")

@@ -1,0 +1,39 @@
+"""The merged report over several results folders (`python -m harness.protocol.report FOLDERS`): folders are
+grouped by their target (model, quantization, device, dtype) and protocol (max_new_tokens, the reference's
+accounting, the draft temperature), as their config.json / summary.json record them (harness.protocol.facts).
+Each group gets its own table and its own Avg. rows: folders of different targets or protocols are never averaged
+together. A folder that does not record a fact (summary schema 1/2, config.json without "resolved" dtype) has
+"unknown" there, and groups with the folders that share its known facts and its unknowns.
+"""
+from __future__ import annotations
+
+from harness.protocol import facts
+from harness.protocol.tables import format_multi_dataset_table
+
+GROUP_KEYS = facts.TARGET_KEYS + facts.PROTOCOL_KEYS
+
+
+def group_key(entry: dict) -> tuple:
+    run = facts.of(entry["summary"], entry.get("config"))
+    return tuple((k, run[k]) for k in GROUP_KEYS)
+
+
+def groups(entries: list[dict]) -> dict[tuple, list[dict]]:
+    """Entries by group_key, in the order their first folder was given."""
+    out: dict[tuple, list[dict]] = {}
+    for e in entries:
+        out.setdefault(group_key(e), []).append(e)
+    return out
+
+
+def format_merged(entries: list[dict], distinct) -> str:
+    """One table (format_multi_dataset_table) per group; `distinct` checks each group's entries (one folder per
+    dataset and temperature)."""
+    parts = groups(entries)
+    if len(parts) == 1:
+        return format_multi_dataset_table(distinct(entries))
+    out = [f"**{len(parts)} groups of folders with different targets or protocols: each is averaged on its own, "
+           "never together.**", ""]
+    for key, members in parts.items():
+        out += ["### " + "  ".join(f"{k}={v}" for k, v in key), "", format_multi_dataset_table(distinct(members))]
+    return "\n".join(out)

@@ -1,0 +1,141 @@
+"""Issue 27, items 4, 6 and 7: both speedups and the break-even tau recompute from the rows by hand; the run's facts
+(model, quantization, device, dtype, kernels) come from config.json into summary.json, table.md, table.csv and
+every plot title; env.json names the CPU; the merged report groups mixed targets and keeps each folder's flags."""
+import csv
+import io
+import json
+import statistics
+from types import SimpleNamespace
+
+import pytest
+
+from harness.protocol import facts, report, results_io, tables
+from harness.protocol.plan import target_source
+from test_report import example, fake_folder
+
+CONFIG = {"model_name_or_path": "/m/SmolLM2.Q4_1.gguf", "seed": 7, "max_new_tokens": 96, "dtype": None,
+          "device": None, "compat_reference": False, "draft_temperature": 0.0,
+          "resolved": {"device": "cuda:0", "dtype": "bfloat16", "kernels": "triton",
+                       "target": {"source": "/m/SmolLM2.Q4_1.gguf", "quantization": "Q4_1"}}}
+
+
+def test_both_speedups_and_the_break_even_recompute_by_hand():
+    """Guards the end-to-end speedup (TTFT + drafter prefill + decode) and the break-even tau (step cost over
+    AR's): neither existed before, and they come from the same measured rows (rounds 2 and 3) as the decode one."""
+    s = report.summarize(example(), n_boot=50)
+    x, ar = s["arms"]["xPress(K=6)"], s["arms"]["AR"]
+    # decode only: decode tokens (160 per round for both arms) over decode seconds, per round, median over rounds
+    assert x["speedup"]["value"] == pytest.approx(statistics.median([1.7 / 0.8, 3.2 / 0.64]))
+    # end to end: new tokens (161 both) over TTFT (0.01 + 0.02 + 0.03) + drafter prefill (3 x 0.002) + decode
+    e2e = statistics.median([(0.06 + 1.7) / (0.066 + 0.8), (0.06 + 3.2) / (0.066 + 0.64)])
+    assert x["speedup_e2e"]["value"] == pytest.approx(e2e) and x["speedup_e2e"]["ci95"][0] is not None
+    assert ar["speedup_e2e"] is None
+    # steps: AR 3 per row x 3 prompts x 2 rounds; xPress rounds 2 and 3 have 6 and 5 accept_lengths entries
+    assert (ar["steps"], x["steps"]) == (18, 11)
+    assert ar["step_s"] == pytest.approx(4.9 / 18) and x["step_s"] == pytest.approx(1.44 / 11)
+    assert x["break_even_tau"] == pytest.approx((1.44 / 11) / (4.9 / 18)) and ar["break_even_tau"] == 1.0
+    # the pooled decode speedup is exactly tokens-per-step over AR's, over the break-even
+    pooled = (320 / 1.44) / (320 / 4.9)
+    assert (320 / 11) / (320 / 18) / x["break_even_tau"] == pytest.approx(pooled)
+    md = tables.format_markdown_table(s, "toy")
+    assert "| E2E Sp. [95% CI] | break-even tau |" in md
+    assert f"break-even tau {x['break_even_tau']:.2f}" in md and f"pooled Sp. = {pooled:.3f}" in md
+    assert "break_even_tau" in s["conventions"] and "speedup_e2e" in s["conventions"]
+
+
+def test_tables_and_summary_name_the_model_device_and_dtype(tmp_path, monkeypatch):
+    """Guards item 6: before, only the console line named the device and dtype, and config.json stored null."""
+    run = facts.run_facts(CONFIG)
+    assert run["model"] == "SmolLM2.Q4_1.gguf" and run["quantization"] == "Q4_1"
+    assert (run["device"], run["dtype"], run["kernels"], run["seed"]) == ("cuda:0", "bfloat16", "triton", 7)
+    s = report.summarize(example(), n_boot=50, run=run)
+    assert s["run"] == run
+    title = tables.format_markdown_table(s, "toy").splitlines()[0]
+    assert all(x in title for x in ("model=SmolLM2.Q4_1.gguf (Q4_1, de-quantized to bfloat16)", "device=cuda:0",
+                                    "dtype=bfloat16", "kernels=triton", "seed=7", "prompts=3"))
+    first = next(csv.DictReader(io.StringIO(tables.format_csv(s))))
+    assert (first["model"], first["device"], first["dtype"], first["quantization"]) == (
+        "SmolLM2.Q4_1.gguf", "cuda:0", "bfloat16", "Q4_1")
+    titles = []
+    from matplotlib.axes import Axes
+    monkeypatch.setattr(Axes, "set_title", lambda self, t, *a, **k: titles.append(t))
+    from harness.protocol.plots import write_plots
+    assert write_plots(tmp_path, s, "toy", None)
+    assert titles and all("SmolLM2.Q4_1.gguf" in t and "device=cuda:0" in t and "dtype=bfloat16" in t
+                          and "quantization=Q4_1" in t for t in titles)
+    old = facts.run_facts({"model_name_or_path": "x", "dtype": None})  # a config.json from before "resolved" dtype
+    assert old["dtype"] == old["device"] == old["quantization"] == "unknown"
+
+
+def test_the_target_source_records_the_gguf_quantization(tmp_path):
+    """Guards that config.json's resolved section names the GGUF's stored quantization (the run de-quantizes it),
+    read from the file's header, not from its name; a non-GGUF target has none."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    path = tmp_path / "model.gguf"  # named without its quantization on purpose
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_file_type(int(gguf.LlamaFileType.MOSTLY_Q4_1))
+    w.add_tensor("t", np.zeros(4, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = SimpleNamespace(random_weights=None, model_name_or_path=str(path))
+    assert target_source(cfg) == {"source": str(path), "quantization": "Q4_1"}
+    assert target_source(SimpleNamespace(random_weights=None, model_name_or_path="org/model"))["quantization"] is None
+    assert target_source(SimpleNamespace(random_weights="tiny", model_name_or_path=None))["source"] == "random tiny"
+
+
+def test_environment_names_the_cpu_and_its_threads(tmp_path):
+    """Guards env.json's CPU model and thread counts (a CPU run's step time rides on them; they were missing)."""
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\n")
+    assert results_io.cpu_model(str(info)) == "Test CPU 9000"
+    env = results_io.environment()
+    import torch
+    assert env["torch_threads"] == torch.get_num_threads() and env["cpu_count"] >= 1 and "cpu" in env
+
+
+def _folder(tmp_path, name, dataset, model, flagged=False):
+    f = fake_folder(tmp_path, name, dataset, (4.0, 6.0), (6.0, 8.0), {6: (7.0, 9.0, 1.7)}, 6)
+    cfg = json.loads(json.dumps(CONFIG))
+    cfg["resolved"]["target"]["source"] = model
+    (tmp_path / name / "config.json").write_text(json.dumps({**cfg, "dataset": dataset}))
+    if flagged:
+        s = json.loads((tmp_path / name / "summary.json").read_text())
+        s["ar_rounds_off_median"] = [{"round": 3, "pooled_tok_s": 50.0, "off_median": 0.4}]
+        (tmp_path / name / "summary.json").write_text(json.dumps(s))
+    return f
+
+
+def test_merged_report_groups_mixed_targets_and_keeps_the_flags(tmp_path, capsys):
+    """Guards item 7: a SmolLM2 folder and a toy-target folder were averaged into one Avg. row with no model
+    column, and the folders' FLAGGED AR rounds were dropped. Now each target gets its own table and Avg.; the
+    model, device and dtype are columns; a flagged folder's cells carry the mark and its flags column says why."""
+    a = _folder(tmp_path, "a", "gsm8k", "/m/SmolLM2.gguf", flagged=True)
+    b = _folder(tmp_path, "b", "math500", "/m/SmolLM2.gguf")
+    c = _folder(tmp_path, "c", "gsm8k", "random tiny")
+    assert report.main([a, b, c]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("**2 groups of folders with different targets or protocols")
+    sections = text.split("### ")[1:]
+    assert len(sections) == 2 and "model=SmolLM2.gguf" in sections[0] and "model=random tiny" in sections[1]
+    assert [s.count("| **Avg.** |") for s in sections] == [1, 1]
+    rows = [ln for ln in sections[0].splitlines() if ln.startswith("| gsm8k")]
+    assert rows[0].count(tables.FLAG) == 3 and "FLAGGED: AR round 3 40% off the median" in rows[0]
+    assert "| SmolLM2.gguf | cuda:0 | bfloat16 |" in rows[0]
+    assert tables.FLAG not in next(ln for ln in sections[0].splitlines() if ln.startswith("| math500"))
+    assert report.main([a, b]) == 0  # one target: one table, as before
+    assert not capsys.readouterr().out.startswith("**2 groups")
+
+
+def test_committed_results_folders_still_merge(capsys):
+    """Older folders (summary schema 1, config.json without the resolved dtype) merge, 'unknown' where they do not
+    say; the committed files are read, never rewritten."""
+    from test_report import ROOT
+    folders = sorted(str(p) for p in (ROOT / "results" / "smollm2-135m").glob("*_t0"))
+    before = {f: (ROOT / f / "summary.json").read_bytes() for f in folders}
+    assert report.main(folders) == 0
+    text = capsys.readouterr().out
+    assert "| unknown | unknown |" in text and "SmolLM2-135M-Instruct.Q4_1.gguf" in text
+    assert before == {f: (ROOT / f / "summary.json").read_bytes() for f in folders}
