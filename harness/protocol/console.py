@@ -36,5 +36,5 @@ def describe(plan: RunPlan, models: Models, settings: DecodeSettings, samples, o
                     if not dp.greedy else "exact match against a sampled target")
     print(f"[sampling] T={tp.temperature} Td={dp.temperature} top_k={tp.top_k or 'off'} "
           f"top_p={tp.top_p if tp.top_p < 1 else 'off'} draft noise={settings.draft_noise if not dp.greedy else '-'} "
-          f"verification={verification} rng={'one global stream' if cfg.compat_reference else 'per (prompt, turn)'}",
+          f"verification={verification} rng={'one global stream' if cfg.compat_reference else 'per (prompt, turn, round)'}",
           file=out)
