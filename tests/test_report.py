@@ -375,11 +375,18 @@ def test_rebuild_reads_a_folder_written_before_schema_versions(tmp_path, capsys)
     shutil.copytree(src, folder)
     assert "schema_version" not in json.loads((folder / "summary.json").read_text())
     assert report.main(["--rebuild", str(folder)]) == 0
-    for name in ("table.md", "table.csv", "README.md"):
-        assert (folder / name).read_bytes() == (src / name).read_bytes(), name
+    assert (folder / "table.csv").read_bytes() == (src / "table.csv").read_bytes()
+    for name in ("table.md", "README.md"):  # version 3 adds the divergence section / convention, keeps every line
+        left = iter((folder / name).read_text().splitlines())
+        assert all(line in left for line in (src / name).read_text().splitlines()), name  # old lines, in order
     new = json.loads((folder / "summary.json").read_text())
     old = json.loads((src / "summary.json").read_text())
-    assert new.pop("schema_version") == 2 and new.pop("schema") == "xpress-bench/summary/2"
+    assert new.pop("schema_version") == 3 and new.pop("schema") == "xpress-bench/summary/3"
+    assert new["conventions"].pop("divergence")
+    for arm in new["arms"].values():  # rows written before the replay: no gaps measured, no reference pass
+        assert arm.pop("reference_match") is None
+        if arm["token_match"]:
+            assert arm["token_match"].pop("divergence")["measured"] == 0
     assert old.pop("schema") == "xpress-bench/summary/1" and new == old  # every number as before
     (folder / "summary.json").write_text(json.dumps(dict(new, schema_version=99, optimal=new["optimal"])))
     capsys.readouterr()
