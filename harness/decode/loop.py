@@ -327,7 +327,8 @@ class _Decode:
         gen.tokens = self.out[p: p + produced].tolist()
         if self.stepper.gaps is not None:  # read after the timer stopped
             pairs = self.stepper.gaps[p: p + produced].tolist()
-            gen.top2_gaps, gen.top_logits = [round(g, 5) for g, _ in pairs], [round(v, 5) for _, v in pairs]
+            # 6 significant digits, not decimals: a float32 near-tie's gap is a few 1e-7
+            gen.top2_gaps, gen.top_logits = ([float(f"{x[i]:.6g}") for x in pairs] for i in (0, 1))
         gen.stop_reason = stop
         return gen
 
