@@ -158,15 +158,18 @@ def test_the_float32_reference_counts_rows(tmp_path):
 
 
 def test_reference_dtype_float32_end_to_end_on_a_bfloat16_run(files, tmp_path, capsys):
-    """--dtype bfloat16 --reference-dtype float32 on the CPU: every AR row is compared with a float32 AR decode
-    of its prompt (counted against a float32 run's own AR tokens); table.md has the reference row."""
+    """--dtype bfloat16 --reference-dtype float32 on the CPU, 3 rounds: every AR row (warmup included) is compared
+    with the float32 AR decode of its prompt, decoded once per prompt (counted against a float32 run's own AR
+    tokens); table.md has the reference row."""
     assert cli.main(args(files, tmp_path, "fp32", "--ar-only")) == 0
     fp32 = {r["question_id"]: r["tokens"] for r in read_rows(tmp_path / "fp32" / "samples.jsonl")}
-    assert cli.main(args(files, tmp_path, "bf16", "--ar-only", "--dtype", "bfloat16",
+    capsys.readouterr()
+    assert cli.main(args(files, tmp_path, "bf16", "--dtype", "bfloat16", "--fair-interleave", "3",
                          "--reference-dtype", "float32")) == 0
-    rows = read_rows(tmp_path / "bf16" / "samples.jsonl")
+    assert "replay(s) up to a first divergence, 2 float32 AR decode(s)" in capsys.readouterr().out  # per prompt
+    rows = [r for r in read_rows(tmp_path / "bf16" / "samples.jsonl") if r["arm"] == "AR"]
     rm = json.loads((tmp_path / "bf16" / "summary.json").read_text())["arms"]["AR"]["reference_match"]
-    assert rm["rows_compared"] == len(rows) == 2 and rm["dtype"] == "float32" and not rm["same_run"]
+    assert rm["rows_compared"] == len(rows) == 6 and rm["dtype"] == "float32" and not rm["same_run"]
     assert rm["rows_identical"] == sum(r["tokens"] == fp32[r["question_id"]] for r in rows)
     assert "| AR | AR in float32 |" in (tmp_path / "bf16" / "table.md").read_text()
     assert cli.main(args(files, tmp_path, "same", "--ar-only", "--reference-dtype", "float32")) == 0

@@ -135,14 +135,19 @@ def after_rounds(plan, models, settings, rows_path: str, ar: str | None, by_name
     prompts = dict(enumerate(models.firsts))
     replayer = Replayer(models.target, plan.backend, settings, by_name, prompts, seed_of)
     done = {"divergences": mark_divergences(rows, ar, replayer, run_dtype), "references": 0}
+    decoded: dict = {}  # question id -> its reference decode
     ref_dtype = reference_dtype(cfg)
     if ref_dtype is not None and any(r["arm"] == ar and r["turn"] == 0 and "reference" not in r for r in rows):
         reference = None
         if ref_dtype != run_dtype:
             target, backend = load_reference(plan, models, ref_dtype)
             s = dataclasses.replace(settings, record_gaps=True, use_graph=False)
-            reference = lambda r: generate(target, list(prompts[r["question_id"]]), s, backend,
-                                           generator=backend.generator(seed_of(r)))
+
+            def reference(r):  # greedy: one float32 decode per prompt serves every round
+                if r["question_id"] not in decoded:
+                    decoded[r["question_id"]] = generate(target, list(prompts[r["question_id"]]), s, backend,
+                                                         generator=backend.generator(seed_of(r)))
+                return decoded[r["question_id"]]
         done["references"] = mark_reference(rows, ar, replayer, reference, run_dtype, ref_dtype)
         if ref_dtype == run_dtype:
             print(f"[reference] the run is {run_dtype} already: AR is its own {ref_dtype} reference (the same run)",
@@ -151,7 +156,7 @@ def after_rounds(plan, models, settings, rows_path: str, ar: str | None, by_name
             del target
             if plan.backend.device.type == "cuda":
                 torch.cuda.empty_cache()
-    done["replays"] = replayer.replays
+    done["replays"], done["reference_decodes"] = replayer.replays, len(decoded)
     if done["divergences"] or done["references"]:
         atomic_write(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return done

@@ -337,9 +337,9 @@ def _measure(plan: RunPlan, models: Models, settings: DecodeSettings, work: Work
     ar = next((a.name for a in arms if a.spec.method == "ar"), None)  # T=0: untimed, after every measured round
     done = replays.after_rounds(plan, models, settings, work.rows_path, ar, by_name, lambda r: stream_seed(
         cfg.seed, r["dataset_row"], r["turn"], r["round"]), out)
-    if done.get("replays"):
-        print(f"[divergence] {done['replays']} untimed replay(s) measured the logit gaps at the first divergences "
-              "from AR (after the rounds; no timer ran)", file=out)
+    if done.get("replays") or done.get("reference_decodes"):
+        print(f"[divergence] after the rounds, untimed: {done['replays']} replay(s) up to a first divergence, "
+              f"{done['reference_decodes']} {replays.reference_dtype(cfg)} AR decode(s)", file=out)
     return _report(plan, models, work, order, shard, watch, out)
 
 
