@@ -53,6 +53,10 @@ def test_rebuild_reads_a_folder_written_before_schema_versions(tmp_path, capsys)
         assert arm.pop("tau_seeds") == 1 and arm.pop("tau_rounds") == arm["rounds"][:1]
         arm.pop("tau_gain")
         assert all(arm.pop(k, "missing") != "missing" for k in added)
+        assert arm.pop("reference_match") is None  # rows written before the replay: no reference pass
+        if arm["token_match"]:
+            assert arm["token_match"].pop("divergence")["measured"] == 0  # nor gaps measured
+    assert new["conventions"].pop("divergence")
     for c in changed:
         new["conventions"].pop(c, None), old["conventions"].pop(c, None)
     assert {k: v for k, v in new.items() if k != "conventions"} == {k: v for k, v in old.items() if k != "conventions"}

@@ -95,6 +95,7 @@ class Generation:
     graph_captures: int = 0            # whole-step graphs captured during this generation (inside its decode_s)
     graph_note: str = ""               # why steps ran eagerly although use_graph was set ("" when none did)
     top2_gaps: list[float] | None = None  # per token: the target's top-2 logit gap (settings.record_gaps)
+    top_logits: list[float] | None = None  # per token: the target's largest logit (beside top2_gaps)
 
     @property
     def compat_reference(self) -> bool:
@@ -148,7 +149,7 @@ class Stepper:
         width = drafter.block_size if drafter is not None else 1
         self.offsets = torch.arange(width, device=out.device)
         self.scripted = settings.scripted_accept
-        self.gaps: torch.Tensor | None = None  # [len(out)] float32 when settings.record_gaps (see top2_gap)
+        self.gaps: torch.Tensor | None = None  # [len(out), 2] float32 (gap, top) when settings.record_gaps (top2)
         self.forced = {} if self.scripted is None else {
             w: torch.full((), min(self.scripted, w - 1), dtype=torch.long, device=out.device) for w in {1, width}}
 
@@ -180,7 +181,7 @@ class Stepper:
         emitted = torch.where(idx < n, candidates, nxt)
         self.out.index_copy_(0, t.pos + 1 + idx, emitted)
         if self.gaps is not None:
-            self.gaps.index_copy_(0, t.pos + 1 + idx, top2_gap(logits))
+            self.gaps.index_copy_(0, t.pos + 1 + idx, top2(logits))
         hits = (emitted.unsqueeze(1) == self.stops).any(1) & (idx <= n)
         first_stop = torch.where(hits.any(), hits.long().argmax(), width)
         t.commit(n + 1)
@@ -205,8 +206,13 @@ class Stepper:
 def top2_gap(logits: torch.Tensor) -> torch.Tensor:
     """Per row: the largest logit minus the second largest (float32). A greedy choice is a near-tie where this is
     within the rounding of the logits' dtype."""
+    return top2(logits)[..., 0]
+
+
+def top2(logits: torch.Tensor) -> torch.Tensor:
+    """Per row: [top-2 gap, largest logit] (float32); the largest logit's magnitude sets the rounding unit."""
     top = logits.float().topk(2, dim=-1).values
-    return top[..., 0] - top[..., 1]
+    return torch.stack((top[..., 0] - top[..., 1], top[..., 0]), dim=-1)
 
 
 def _check(settings: DecodeSettings, backend: Backend) -> None:
@@ -277,7 +283,7 @@ class _Decode:
         first = sample_rows(logits, self.settings.target_params, self.rng)
         self.out[p] = first
         if self.stepper.gaps is not None:
-            self.stepper.gaps[p] = top2_gap(logits)
+            self.stepper.gaps[p] = top2(logits).reshape(2)
         first_id = int(first)  # host read of the prefill's token: part of TTFT, not of any step
         t1 = b.now()
         gen.ttft_s = t1 - t0
@@ -320,7 +326,9 @@ class _Decode:
         p = gen.prompt_len
         gen.tokens = self.out[p: p + produced].tolist()
         if self.stepper.gaps is not None:  # read after the timer stopped
-            gen.top2_gaps = [round(x, 5) for x in self.stepper.gaps[p: p + produced].tolist()]
+            pairs = self.stepper.gaps[p: p + produced].tolist()
+            # 6 significant digits, not decimals: a float32 near-tie's gap is a few 1e-7
+            gen.top2_gaps, gen.top_logits = ([float(f"{x[i]:.6g}") for x in pairs] for i in (0, 1))
         gen.stop_reason = stop
         return gen
 

@@ -51,7 +51,7 @@ class Slot:
     def __init__(self, device: torch.device, row: int = 0):
         self.device, self.row = device, row  # row: this slot's row of a batched target's cache (0: the only one)
         self.out: torch.Tensor | None = None    # the persistent output buffer (graphs read it by address)
-        self.gaps: torch.Tensor | None = None   # per output position: the target's top-2 logit gap (float32)
+        self.gaps: torch.Tensor | None = None   # per output position: (top-2 logit gap, top logit)
         self.samplers: dict = {}                # DraftSampler per configuration (DraftSampler.kept_in)
         self._stops: dict = {}
         self.request: Request | None = None
@@ -70,8 +70,8 @@ class Slot:
         return torch.full((n,), -1, dtype=torch.long, device=self.device)
 
     def gap_buffer(self, n: int) -> torch.Tensor:
-        if self.gaps is None or self.gaps.numel() < n:
-            self.gaps = torch.zeros(n, dtype=torch.float32, device=self.device)
+        if self.gaps is None or self.gaps.shape[0] < n:  # per position: (top-2 gap, largest logit)
+            self.gaps = torch.zeros(n, 2, dtype=torch.float32, device=self.device)
         return self.gaps
 
     def stop_ids(self, ids: tuple[int, ...]) -> torch.Tensor:

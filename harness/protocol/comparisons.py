@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from harness.protocol import metrics
+from harness.protocol import divergence, metrics
 
 
 def stats_dict(s: metrics.RatioStats, values: list[float]) -> dict:
@@ -97,7 +97,30 @@ def token_match(rows: list[dict], arm: str, ar: str) -> dict | None:
             gaps = {"gap_arm": _gap(mine[q, 0, rnd], d), "gap_ref": _gap(ref[q, 0, rnd], d)}
             if any(v is not None for v in gaps.values()):
                 entry.update(gaps)
+            replayed = mine[q, 0, rnd].get("divergence")  # the untimed replay's record (harness.protocol.replays)
+            if replayed and replayed.get("position") == d:
+                entry.update({k: v for k, v in replayed.items() if k != "position"})
         out.append(entry)
     return {"ref": ar, "rows_compared": len(keys), "rows_identical": sum(div[k] is None for k in keys),
             "token_match_rate": metrics.token_match_rate([(mine[k]["tokens"], ref[k]["tokens"]) for k in keys]),
-            "first_divergence": out}
+            "first_divergence": out, "divergence": divergence.stats([e for e in out if e["position"] is not None])}
+
+
+def reference_match(rows: list[dict], arm: str) -> dict | None:
+    """The arm (AR) against its decode in --reference-dtype (each turn-0 row's "reference" record, written by the
+    untimed reference pass): rows compared and identical, and the first divergence of each prompt (earliest
+    round) with its gaps. None when no row of the arm has a reference record."""
+    recs = sorted(((r["question_id"], r["round"]), r["reference"]) for r in rows
+                  if r["arm"] == arm and r["turn"] == 0 and r.get("reference"))
+    if not recs:
+        return None
+    first: dict = {}
+    for (q, rnd), rec in recs:
+        d = rec.get("position")
+        if q not in first or (d is not None and (first[q].get("position") is None or d < first[q]["position"])):
+            first[q] = {"question_id": q, "round": rnd, **rec}
+    entries = [first[q] for q in sorted(first)]
+    return {"dtype": recs[0][1].get("dtype_ref"), "same_run": all(r.get("same_run") for _, r in recs),
+            "rows_compared": len(recs), "rows_identical": sum(r.get("position") is None for _, r in recs),
+            "first_divergence": entries,
+            "divergence": divergence.stats([e for e in entries if e.get("position") is not None])}

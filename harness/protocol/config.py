@@ -60,6 +60,7 @@ class RunConfig:
     explain: bool = False                   # print the conventions block after the table (always in the folder's README)
     fp32_logits: bool = False               # verify/lm_head logits in float32 (ties of bf16 logits; costs a wider matmul)
     record_logit_gaps: bool = False         # top-2 logit gap of every token in the rows (a top-2 per step, timed)
+    reference_dtype: str = "auto"            # T=0: AR against an untimed AR in this dtype (auto: float32 if embedded)
     kernels: str = "auto"
     compile_backend: str = "inductor"
     refine_numerics: str = "standard"         # standard | spyre (refiners.spyre_numerics)
@@ -106,6 +107,10 @@ def validate(c: RunConfig) -> None:
     if not c.dataset:
         raise UsageError("--dataset is required when models are named (e.g. --dataset gsm8k); "
                          "python benchmark_compile_all.py --help lists the hub datasets")
+    if c.reference_dtype not in ("auto", "float32", "none"):
+        raise UsageError(f"--reference-dtype {c.reference_dtype!r}: use auto, float32 or none")
+    if c.reference_dtype == "float32" and c.temperature >= 1e-5:
+        raise UsageError("--reference-dtype float32 compares AR's greedy text and needs --temperature 0; drop it")
     if c.scripted_accept is not None and c.scripted_accept < 0:
         raise UsageError(f"--scripted-accept {c.scripted_accept}: must be >= 0")
     from harness.protocol.spyre_contract import check_run, is_spyre

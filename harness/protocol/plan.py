@@ -23,7 +23,7 @@ from harness.protocol.config import RunConfig
 from harness.protocol.results_io import atomic_write
 
 # Flags that may differ between an interrupted run and its --resume.
-RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain",
+RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain", "reference_dtype",
                "given", "quiet")  # given: which flags were typed
 RESUMES = "resumes.json"
 

@@ -206,6 +206,7 @@ def _compare(g: _Rows, out_arms: dict, ar: str | None, base: str | None, n_boot:
                                                      if a in ratios and a != ref else None)
     for a in g.arms:
         out_arms[a]["token_match"] = comparisons.token_match(g.rows, a, ar) if ar and a != ar else None
+        out_arms[a]["reference_match"] = comparisons.reference_match(g.rows, a)  # AR vs --reference-dtype
 
 
 def _ar_off_median(g: _Rows, out_arms: dict, ar: str | None) -> list[dict]:

@@ -15,7 +15,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from harness.protocol import distributed, rank_report, report
+from harness.protocol import distributed, divergence, rank_report, replays, report
 from harness.protocol.build import Arm, build_arms, build_random_arms, prepare
 from harness.protocol.config import RunConfig
 from harness.protocol.console import describe, label
@@ -337,6 +337,12 @@ def _measure(plan: RunPlan, models: Models, settings: DecodeSettings, work: Work
             bar.close()
         if d.tracer:
             d.tracer.close()
+    ar = next((a.name for a in arms if a.spec.method == "ar"), None)  # T=0: untimed, after every measured round
+    done = replays.after_rounds(plan, models, settings, work.rows_path, ar, by_name, lambda r: stream_seed(
+        cfg.seed, r["dataset_row"], r["turn"], r["round"]), out)
+    if done.get("replays") or done.get("reference_decodes"):
+        print(f"[divergence] after the rounds, untimed: {done['replays']} replay(s) up to a first divergence, "
+              f"{done['reference_decodes']} {replays.reference_dtype(cfg)} AR decode(s)", file=out)
     return _report(plan, models, work, order, shard, watch, out)
 
 
@@ -360,6 +366,8 @@ def _report(plan: RunPlan, models: Models, work: Work, order, shard, watch, out)
         print(f"[{'; '.join(summary['labels'])}]", file=out)
     print(report.format_console_table(summary, cfg.dataset, explain=cfg.explain) + rank_report.format_ranks(summary),
           file=out)
+    for line in divergence.bug_reports(summary):  # a divergence that is no near-tie: a bug report, not a footnote
+        print(line, file=out)
     if fallbacks:
         from core.ops.triton_impl import fallback_note
         print(f"[kernels] {fallback_note(target.ops)}", file=out)

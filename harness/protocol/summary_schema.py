@@ -12,11 +12,14 @@ Versions (`schema_version`; readers accept every version up to SCHEMA_VERSION):
      Also in 3: `run` (the run's facts: model, quantization, device, dtype, kernels, ...: harness.protocol.facts) and, per arm,
      `speedup_e2e`, `steps`, `step_s` and `break_even_tau` (harness.protocol.costs) added. Older summaries lack
      them: readers show "unknown" / "-" there.
+     Also in 3, per arm: `reference_match` (AR against an AR decoded in --reference-dtype); `token_match` gains `divergence`
+     and each first divergence the replay's gaps, bound and near_tie (harness.protocol.divergence). Rows of an
+     older run have no replay records: --rebuild writes version 3 with those fields empty (measured 0).
 """
 from __future__ import annotations
 
 from core.errors import UsageError
-from harness.protocol import metrics
+from harness.protocol import divergence, metrics
 
 SCHEMA_VERSION = 3
 SCHEMA = f"xpress-bench/summary/{SCHEMA_VERSION}"
@@ -92,7 +95,13 @@ ARM = {
     "speedup_per_sample": ((dict, OPT), f"per-sample tok/s ratios against AR: {STATS}; null as speedup"),
     "gain": ((dict, OPT), f"against the drafter-only arm: {COMPARED}; null for it or without it"),
     "token_match": ((dict, OPT), "{ref, rows_compared, rows_identical, token_match_rate, first_divergence "
-                                 "[{question_id, position}]} against AR; null for AR or without it"),
+                                 "[{question_id, position, round, gap_arm, gap_ref, top_arm, top_ref, gap, bound, "
+                                 "near_tie, dtype, dtype_ref, replay_ok}], divergence {divergences, measured, "
+                                 "gap_median, gap_max, not_near_tie, unmeasured}} against AR; null for AR or "
+                                 "without it"),
+    "reference_match": ((dict, OPT), "{dtype, same_run, rows_compared, rows_identical, first_divergence, "
+                                     "divergence} of the arm against its decode in --reference-dtype (AR only); "
+                                     "null without a reference pass"),
 }
 
 
@@ -156,6 +165,7 @@ def conventions() -> dict[str, str]:
     from harness.protocol.costs import BREAK_EVEN_NOTE, E2E_NOTE
     c["speedup_e2e"] = E2E_NOTE
     c["break_even_tau"] = BREAK_EVEN_NOTE
+    c["divergence"] = divergence.convention()
     c["gain"] = "x gain = the same statistic against the drafter-only arm"
     c["optimal"] = ("throughput-optimal K = the arm of a method with the highest POOLED tok/s on the warmup rounds "
                     "(held out: never reported), reported from the measured rounds; a run without a complete warmup "

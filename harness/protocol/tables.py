@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from harness.protocol import facts, metrics
+from harness.protocol import divergence, facts, metrics
 
 def _num(x, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
@@ -151,7 +151,9 @@ def format_markdown_table(summary: dict, dataset: str) -> str:
     lines = [f"**{_title(summary, dataset)}**", "", "| " + " | ".join(_HEADER) + " |",
              "|" + "---|" * len(_HEADER)]
     lines += ["| " + " | ".join(r) + " |" for r in _table_rows(summary)]
-    lines += ["", *[f"- {n}" for n in _notes(summary)], "", "Conventions: README.md in this folder."]
+    lines += ["", *[f"- {n}" for n in _notes(summary)]]
+    lines += divergence.markdown(summary)  # harness.protocol.divergence: gaps at the first divergences, bug reports
+    lines += ["", "Conventions: README.md in this folder."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,134 @@
+"""Where two greedy decodes of the same prompt part: is the first divergence a near-tie of the logits, or a bug?
+
+Two greedy runs (an arm and AR, or AR in the run's dtype and AR in float32) that agree up to position d and pick
+different tokens there, a in run A and b in run B, computed the same logits twice with different rounding. Each
+record of a divergence holds both runs' top-2 logit gaps at d and their largest logit (the untimed replay,
+harness.protocol.replays, measures them; none of it runs inside a timer).
+
+The bound (a heuristic; see NEAR_TIE_ULPS). Write L for the exact logits of the shared prefix and e_A, e_B for
+each run's largest error on a logit. Run A chose a, so gap_A <= L_A(a) - L_A(b) <= L(a) - L(b) + 2 e_A; run B chose
+b, so gap_B <= L(b) - L(a) + 2 e_B. Adding them: gap_A + gap_B <= 2 (e_A + e_B), whatever L is. The recorded gap of
+a divergence is therefore gap_A + gap_B, and a divergence is a near-tie when it is at most
+2 (e_A + e_B). The error e of a run is taken as NEAR_TIE_ULPS units in the last place of the run's dtype at its
+largest logit's magnitude: the logits are an fp32 accumulation rounded once to the dtype (half an ulp) from a
+final-norm output that was itself rounded to the dtype (relative error half an ulp per element; its effect on a
+logit is taken as another half ulp, i.e. assuming the per-element errors do not add up coherently over the hidden
+size). That covers the final norm and matmul only: the layers' accumulated rounding, which differs between a
+verify block and a single-token step, has no simple bound. So the bound is a heuristic: a divergence above it is
+not proven to be a bug, but the rounding of the last layer cannot explain it, and it is reported as a bug report
+to investigate, never as a footnote.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+
+import torch
+
+NEAR_TIE_ULPS = 1.0  # e per run, in ulps of its dtype at its largest logit (half for the matmul, half for the norm)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def ulp(magnitude: float, dtype: str) -> float:
+    """The spacing of `dtype` at |magnitude| (its machine epsilon times the power of two at or below it)."""
+    eps = torch.finfo(DTYPES[dtype]).eps
+    m = abs(magnitude)
+    return eps * (2.0 ** math.floor(math.log2(m)) if m > 0 else 1.0)
+
+
+def bound(top: float, dtype: str, top_ref: float, dtype_ref: str) -> float:
+    """The largest gap_A + gap_B the final rounding of the two runs explains: 2 (e_A + e_B) (module docstring)."""
+    return 2 * NEAR_TIE_ULPS * (ulp(top, dtype) + ulp(top_ref, dtype_ref))
+
+
+def record(position: int, one: tuple[float, float] | None, ref: tuple[float, float] | None, dtype: str,
+           dtype_ref: str, replay_ok: bool = True) -> dict:
+    """A divergence at `position`: each run's (top-2 gap, largest logit) there (None: not measured), the summed gap,
+    the bound and whether the gap is within it (near_tie; None when unmeasured)."""
+    out = {"position": position, "dtype": dtype, "dtype_ref": dtype_ref, "replay_ok": replay_ok,
+           "gap_arm": None, "gap_ref": None, "top_arm": None, "top_ref": None, "gap": None, "bound": None,
+           "near_tie": None}
+    if one is not None and ref is not None and replay_ok:
+        gap = one[0] + ref[0]
+        b = bound(one[1], dtype, ref[1], dtype_ref)
+        out.update(gap_arm=one[0], gap_ref=ref[0], top_arm=one[1], top_ref=ref[1], gap=gap, bound=b,
+                   near_tie=gap <= b)
+    return out
+
+
+def stats(entries: list[dict]) -> dict:
+    """Over one arm's first divergences (one per prompt): how many were measured, the median and maximum summed
+    gap, and every divergence that is no near-tie (a bug report) or could not be measured."""
+    measured = [e for e in entries if e.get("gap") is not None]
+    gaps = [e["gap"] for e in measured]
+    return {"divergences": len(entries), "measured": len(measured),
+            "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps) if gaps else None,
+            "not_near_tie": [e for e in measured if not e["near_tie"]],
+            "unmeasured": [e.get("question_id") for e in entries if e.get("gap") is None]}
+
+
+def convention() -> str:
+    return ("divergence: at T=0 the untimed replay after the measured rounds re-decodes, up to its first divergence "
+            "from AR, every turn-0 row whose text differs from AR's of the same round (and AR with it), recording the "
+            "target's top-2 logit gap and largest logit there in both runs; gap = the two runs' top-2 gaps added; a "
+            f"divergence is a near-tie when gap <= 2 (e_A + e_B), e = {NEAR_TIE_ULPS:g} ulp of the run's dtype at "
+            "its largest logit (half an ulp for rounding lm_head's fp32 accumulation, half for the final norm's "
+            "rounded output). A heuristic: the layers' accumulated rounding is not covered; a divergence above the "
+            "bound is printed as a BUG REPORT. reference_match: AR against an AR of the same prompts decoded in "
+            "--reference-dtype (float32) after the measured rounds, untimed, with the same gaps")
+
+
+def _g(x) -> str:
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _comparisons(summary: dict):
+    """(arm, against, the comparison dict) for every token_match and reference_match of the summary."""
+    for name, s in summary["arms"].items():
+        if s.get("token_match"):
+            yield name, s["token_match"]["ref"], s["token_match"]
+        if s.get("reference_match"):
+            rm = s["reference_match"]
+            yield name, f"{name} in {rm['dtype']}" + (" (the same run)" if rm.get("same_run") else ""), rm
+
+
+def bug_reports(summary: dict) -> list[str]:
+    """One line per divergence whose gap exceeds the near-tie bound: the rounding of the logits cannot explain it."""
+    out = []
+    for name, against, c in _comparisons(summary):
+        for e in (c.get("divergence") or {}).get("not_near_tie", []):
+            out.append(f"BUG REPORT: {name} left {against} on prompt {e['question_id']} (round {e.get('round')}) at "
+                       f"token {e['position']} with top-2 gaps {_g(e['gap_arm'])} + {_g(e['gap_ref'])} = "
+                       f"{_g(e['gap'])} > the near-tie bound {_g(e['bound'])} ({e['dtype']} vs {e['dtype_ref']}, top "
+                       f"logits {_g(e['top_arm'])} / {_g(e['top_ref'])}): not a rounding tie; investigate")
+    return out
+
+
+def markdown(summary: dict) -> list[str]:
+    """table.md's divergence section: per comparison, rows identical, the median / max gap at the first
+    divergences, how many exceed the near-tie bound, and every bug report (empty when nothing was compared)."""
+    rows = list(_comparisons(summary))
+    if not rows:
+        return []
+    lines = ["", "**Divergence from AR** (T=0; gap = the two runs' top-2 logit gaps added at each prompt's first "
+             "divergence, turn 0; near-tie bound = 2 (e_A + e_B), e = "
+             f"{NEAR_TIE_ULPS:g} ulp of the run's dtype at its top logit: a heuristic, see README.md)", "",
+             "| arm | against | rows identical | divergences (gap measured) | median gap | max gap | beyond bound |",
+             "|---|---|---|---|---|---|---|"]
+    for name, against, c in rows:
+        d = c.get("divergence") or {}
+        flag = len(d.get("not_near_tie", []))
+        lines.append(f"| {name} | {against} | {c['rows_identical']}/{c['rows_compared']} | "
+                     f"{d.get('divergences', 0)} ({d.get('measured', 0)}) | {_g(d.get('gap_median'))} | "
+                     f"{_g(d.get('gap_max'))} | {'**' + str(flag) + ' BUG**' if flag else '0'} |")
+    unmeasured = [f"{name} vs {against}: {len(c['divergence']['unmeasured'])}" for name, against, c in rows
+                  if (c.get("divergence") or {}).get("unmeasured")]
+    if unmeasured:
+        lines.append(f"\ndivergences without a measured gap (no replay record: rows from an older run, T>0, or a "
+                     f"replay that left the decode): {', '.join(unmeasured)}")
+    lines += ["", *[f"- **{b}**" for b in bug_reports(summary)]] if bug_reports(summary) else []
+    return lines

@@ -1,0 +1,162 @@
+"""The untimed passes after the measured rounds of a T=0 run: the gaps at each first divergence from AR, and AR
+against an AR decoded in --reference-dtype (float32).
+
+Nothing here runs inside a timer: the rounds are over, their rows are written, and this pass only adds records to
+them (the rank's samples.jsonl is rewritten whole; a resumed run replays only rows that lack them).
+
+What is replayed, and why not every token: a divergence needs one position, so only a turn-0 row whose tokens
+differ from AR's of the same round is replayed, with its arm and the same stream, up to and including the first
+differing token (the decode's steps do not depend on the budget left, so the step that produced that token is the
+same step), and AR with it; the replay records every token's top-2 gap on the way (--record-logit-gaps's buffer),
+and keeps the one at the divergence. A row identical to AR's costs nothing. At T=0 every round decodes the same
+text, so a (arm, prompt, position) is replayed once. --record-logit-gaps still stores every token's gap, inside
+the timer, for whoever wants the full profile.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import torch
+
+from harness.decode.loop import generate
+from harness.protocol import divergence, metrics
+from harness.protocol.results_io import atomic_write, read_rows
+
+EMBEDDED_REFERENCE = "float32"  # --reference-dtype auto: float32 for the embedded default, else off
+
+
+def reference_dtype(cfg) -> str | None:
+    """The resolved --reference-dtype: None when off (T>0 has no greedy text to compare)."""
+    if cfg.temperature >= 1e-5:
+        return None
+    if cfg.reference_dtype == "auto":
+        from harness.protocol.setups import EMBEDDED
+        return EMBEDDED_REFERENCE if cfg.preset == EMBEDDED else None
+    return None if cfg.reference_dtype == "none" else cfg.reference_dtype
+
+
+class Replayer:
+    """Replays (arm, prompt, round) decodes untimed with gaps recorded, each (arm, prompt, position) once."""
+
+    def __init__(self, target, backend, settings, arms: dict, prompts: dict, seed_of):
+        self.target, self.backend, self.arms, self.prompts, self.seed_of = target, backend, arms, prompts, seed_of
+        self.settings = dataclasses.replace(settings, record_gaps=True, use_graph=False)
+        self.cache: dict = {}
+        self.replays = 0
+
+    def at(self, arm: str, row: dict, pos: int) -> tuple[tuple[float, float] | None, bool]:
+        """((top-2 gap, top logit) at `pos`, the replay reproduced the row's tokens through `pos`)."""
+        key = (arm, row["question_id"], pos)
+        if key not in self.cache:
+            a = self.arms[arm]
+            a.activate()
+            s = dataclasses.replace(self.settings, max_new_tokens=pos + 1)
+            gen = self.backend.generator(self.seed_of(row))
+            g = generate(self.target, list(self.prompts[row["question_id"]]), s, self.backend, drafter=a.drafter,
+                         refiner=a.refiner, generator=gen)
+            self.replays += 1
+            ok = pos < len(g.tokens) and g.tokens[: pos + 1] == row["tokens"][: pos + 1]
+            self.cache[key] = ((g.top2_gaps[pos], g.top_logits[pos]) if pos < len(g.tokens) else None, ok)
+        return self.cache[key]
+
+
+def mark_divergences(rows: list[dict], ar: str, replayer: Replayer, dtype: str) -> int:
+    """Every turn-0 row of a speculative arm without a "divergence" record gets one: None when its tokens equal
+    AR's of the same round, else the replay's record (harness.protocol.divergence.record). Returns rows marked."""
+    ref = {(r["round"], r["question_id"]): r for r in rows if r["arm"] == ar and r["turn"] == 0}
+    n = 0
+    for r in rows:
+        other = ref.get((r["round"], r["question_id"]))
+        if r["arm"] == ar or r["turn"] != 0 or "divergence" in r or other is None:
+            continue
+        pos = metrics.first_divergence(r["tokens"], other["tokens"])
+        if pos is None:
+            r["divergence"] = None
+        else:
+            (one, ok), (two, ok_ref) = replayer.at(r["arm"], r, pos), replayer.at(ar, other, pos)
+            r["divergence"] = {"ref": ar, **divergence.record(pos, one, two, dtype, dtype, ok and ok_ref)}
+        n += 1
+    return n
+
+
+def mark_reference(rows: list[dict], ar: str, replayer: Replayer, reference, run_dtype: str, ref_dtype: str) -> int:
+    """Every turn-0 AR row without a "reference" record gets one against `reference` (an AR decode in ref_dtype
+    of the same prompt, untimed, gaps recorded): same_run when the run's dtype is ref_dtype already (nothing to
+    decode), else the first divergence with both runs' gaps. Returns rows marked."""
+    n = 0
+    for r in rows:
+        if r["arm"] != ar or r["turn"] != 0 or "reference" in r:
+            continue
+        n += 1
+        if run_dtype == ref_dtype:
+            r["reference"] = {"dtype_ref": ref_dtype, "same_run": True, "position": None}
+            continue
+        g = reference(r)
+        pos = metrics.first_divergence(r["tokens"], g.tokens)
+        rec = {"dtype_ref": ref_dtype, "same_run": False, "position": None}
+        if pos is not None:
+            one, ok = replayer.at(ar, r, pos)
+            two = (g.top2_gaps[pos], g.top_logits[pos]) if pos < len(g.tokens) else None
+            rec.update(divergence.record(pos, one, two, run_dtype, ref_dtype, ok))
+        r["reference"] = rec
+    return n
+
+
+def reference_target(plan, models, dtype: str):
+    """A second target in `dtype` (float32), for the reference AR decodes: the same weights as the run's."""
+    from core.devices import Backend
+    from core.ops import TorchOps
+    cfg = plan.config
+    backend = Backend(plan.backend.device, divergence.DTYPES[dtype])
+    if cfg.random_weights:
+        from harness.protocol.presets import build_random
+        target = build_random(cfg.random_weights, backend, block_size=plan.block_size, seed=cfg.seed,
+                              ops=TorchOps()).target
+    else:
+        from harness.decode.hf_overrides import parse_overrides
+        from harness.decode.loading import load_target
+        target, _ = load_target(cfg.model_name_or_path, backend, attn_impl=cfg.attn_implementation,
+                                tokenizer=models.tokenizer, overrides=parse_overrides(cfg.hf_overrides),
+                                ops=TorchOps())
+    target.ensure_capacity(models.target.capacity)
+    return target, backend
+
+
+def after_rounds(plan, models, settings, rows_path: str, ar: str | None, by_name: dict, seed_of, out,
+                 load_reference=reference_target) -> dict:
+    """The untimed passes of a T=0 run over this rank's rows (module docstring); rewrites rows_path when it
+    marked anything. Returns {replays, divergences, references} for the console."""
+    cfg = plan.config
+    if cfg.temperature >= 1e-5 or ar is None:
+        return {}
+    rows = read_rows(rows_path)
+    run_dtype = divergence.dtype_name(plan.backend.dtype)
+    prompts = dict(enumerate(models.firsts))
+    replayer = Replayer(models.target, plan.backend, settings, by_name, prompts, seed_of)
+    done = {"divergences": mark_divergences(rows, ar, replayer, run_dtype), "references": 0}
+    decoded: dict = {}  # question id -> its reference decode
+    ref_dtype = reference_dtype(cfg)
+    if ref_dtype is not None and any(r["arm"] == ar and r["turn"] == 0 and "reference" not in r for r in rows):
+        reference = None
+        if ref_dtype != run_dtype:
+            target, backend = load_reference(plan, models, ref_dtype)
+            s = dataclasses.replace(settings, record_gaps=True, use_graph=False)
+
+            def reference(r):  # greedy: one float32 decode per prompt serves every round
+                if r["question_id"] not in decoded:
+                    decoded[r["question_id"]] = generate(target, list(prompts[r["question_id"]]), s, backend,
+                                                         generator=backend.generator(seed_of(r)))
+                return decoded[r["question_id"]]
+        done["references"] = mark_reference(rows, ar, replayer, reference, run_dtype, ref_dtype)
+        if ref_dtype == run_dtype:
+            print(f"[reference] the run is {run_dtype} already: AR is its own {ref_dtype} reference (the same run)",
+                  file=out)
+        if reference is not None:
+            del target
+            if plan.backend.device.type == "cuda":
+                torch.cuda.empty_cache()
+    done["replays"], done["reference_decodes"] = replayer.replays, len(decoded)
+    if done["divergences"] or done["references"]:
+        atomic_write(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return done
