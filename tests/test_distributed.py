@@ -20,11 +20,11 @@ from harness.protocol.results_io import read_rows
 ROOT = Path(__file__).resolve().parents[1]
 NOT_COMPARED = {"ttft_s", "drafter_prefill_s", "decode_s", "rank"}  # timings, and the rank that decoded a row
 PROMPTS = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour.", "Another?"]}, {"turns": ["Count to 4."]}]
-TIMING_CELLS = (1, 2, 4, 6)  # POOLED tok/s, Sp., per-sample tok/s, x gain in table.md
+TIMING_CELLS = (1, 2, 3, 4, 6, 8)  # POOLED tok/s, Sp., E2E Sp., break-even tau, per-sample tok/s, x gain (table.md)
 TIMING_CSV = {"pooled_tok_s_mean", "pooled_tok_s_std", "speedup", "speedup_mean", "speedup_std", "speedup_median",
               "speedup_ci_lo", "speedup_ci_hi", "speedup_pooled", "speedup_pooled_ci_lo", "speedup_pooled_ci_hi",
               "per_sample_tok_s_mean", "per_sample_tok_s_std", "gain", "gain_mean", "gain_std", "ttft_s",
-              "drafter_prefill_s"}
+              "drafter_prefill_s", "speedup_e2e", "speedup_e2e_ci_lo", "speedup_e2e_ci_hi", "step_s", "break_even_tau"}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def masked_markdown(folder: Path, labels: bool = True) -> list[str]:
     for line in text.splitlines():
         if not labels:  # the title's [labels] (e.g. "traced", for rows decoded with --trace) left out
             line = re.sub(r"^\*\*RESULT  \[[^\]]*\]", "**RESULT  [...]", line)
-        if line.startswith("- FLAGGED: AR round"):  # timing noise flags differ from run to run
+        if line.startswith(("- FLAGGED: AR round", "- why: ")):  # timing noise flags and step costs differ per run
             continue
         if line.startswith("| ") and not line.startswith("| method"):
             cells = line.strip("| ").split(" | ")
