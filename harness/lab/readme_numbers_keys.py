@@ -67,12 +67,16 @@ def arm(root: Path, folder: str, a: str) -> dict:
 
 
 def arms(root: Path, folder: str, spec: str) -> list[dict]:
-    every = summary(root, folder)["arms"]
-    if spec == "spec":
-        return [v for k, v in every.items() if k != "AR"]
-    if spec == "xpress":
-        return [v for v in every.values() if v["method"] == "xpress"]
-    return [arm(root, folder, a) for a in spec.split(",")]
+    """The arms ARMS names: `,`-separated ARMs, each may be `spec` (every arm but AR) or `xpress` (every K)."""
+    every, out = summary(root, folder)["arms"], []
+    for a in spec.split(","):
+        if a == "spec":
+            out += [v for k, v in every.items() if k != "AR"]
+        elif a == "xpress":
+            out += [v for v in every.values() if v["method"] == "xpress"]
+        else:
+            out.append(arm(root, folder, a))
+    return out
 
 
 def fmt(v: float, d) -> str:
@@ -144,6 +148,21 @@ def q_best_gain(root, folder, d=1):
     """The best xPress τ/step (over K) over drafter-only's, signed percentage."""
     best = max(tau(a) for a in arms(root, folder, "xpress"))
     return f"{100 * (best / tau(arm(root, folder, 'drafter')) - 1):+.{int(d)}f}"
+
+
+@quantity("best_gain_end")
+def q_best_gain_end(root, folders, which, d=1):
+    """One end of the best xPress τ gain over drafter-only (unsigned percent) over FOLDERS (`,`-separated)."""
+    vals = [100 * (max(tau(a) for a in arms(root, f, "xpress")) / tau(arm(root, f, "drafter")) - 1)
+            for f in folders.split(",")]
+    return end(vals, which, d)
+
+
+@quantity("tau_diff_max")
+def q_tau_diff_max(root, one, other, d=2):
+    """The largest |τ/step difference| between two folders over the arms both have."""
+    a, b = summary(root, one)["arms"], summary(root, other)["arms"]
+    return fmt(max(abs(tau(a[k]) - tau(b[k])) for k in a if k in b), d)
 
 
 @quantity("opt_gain_end")
