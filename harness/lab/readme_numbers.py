@@ -174,7 +174,7 @@ def check_cards(root: Path) -> list[Finding]:
         with tempfile.TemporaryDirectory() as tmp:
             got = Path(tmp) / "card.md"
             r = subprocess.run([sys.executable, "-m", "training.card", "--from-json", str(root / card), "--markdown",
-                                str(got)], cwd=root, capture_output=True, text=True)
+                                str(got)], cwd=ROOT, capture_output=True, text=True)
             if r.returncode != 0:
                 out.append(Finding(md, 1, "card", f"python -m training.card --from-json {card} failed: "
                                                   f"{(r.stderr or r.stdout).strip().splitlines()[-1:]}"))

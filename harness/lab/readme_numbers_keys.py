@@ -103,38 +103,17 @@ def sp(a: dict) -> float:
 
 
 # --- one run folder's summary.json -----------------------------------------------------------------------------
-@quantity("tau")
-def q_tau(root, folder, a, d=2):
-    """τ/step of an arm."""
-    return fmt(tau(arm(root, folder, a)), d)
+def arm_stat(name: str, get, d_one: int, d_end: int) -> None:
+    """Two families per statistic: NAME:FOLDER:ARM[:D] (one arm) and NAME_end:FOLDER:ARMS:END[:D] (a range's end)."""
+    REGISTRY[name] = lambda root, folder, a, d=d_one: fmt(get(arm(root, folder, a)), d)
+    REGISTRY[name + "_end"] = lambda root, folder, spec, which, d=d_end: end([get(x) for x in arms(root, folder, spec)],
+                                                                           which, d)
 
 
-@quantity("tau_end")
-def q_tau_end(root, folder, spec, which, d=3):
-    """One end of the τ/step range over ARMS."""
-    return end([tau(a) for a in arms(root, folder, spec)], which, d)
-
-
-@quantity("tps")
-def q_tps(root, folder, a, d=0):
-    """POOLED decode tok/s (mean over measured rounds)."""
-    return fmt(tok_s(arm(root, folder, a)), d)
-
-
-@quantity("tps_end")
-def q_tps_end(root, folder, spec, which, d=0):
-    return end([tok_s(a) for a in arms(root, folder, spec)], which, d)
-
-
-@quantity("sp")
-def q_sp(root, folder, a, d=2):
-    """Sp.: the median over measured rounds of the per-round paired speedup over AR."""
-    return fmt(sp(arm(root, folder, a)), d)
-
-
-@quantity("sp_end")
-def q_sp_end(root, folder, spec, which, d=2):
-    return end([sp(a) for a in arms(root, folder, spec)], which, d)
+# tau: τ/step; tps: POOLED decode tok/s (mean over measured rounds); sp: Sp., the median over measured rounds of
+# the per-round paired speedup over AR.
+for _name, _get, _d_one, _d_end in (("tau", tau, 2, 3), ("tps", tok_s, 0, 0), ("sp", sp, 2, 2)):
+    arm_stat(_name, _get, _d_one, _d_end)
 
 
 @quantity("gain")
