@@ -34,7 +34,7 @@ def test_ci_runs_the_readme_main_job_as_written_before_any_test_extra():
     steps = [ln for ln in ci if ln and not ln.startswith(("#", "echo", "if ", "fi", "then")) and "set -" not in ln
              and not ln.startswith("cd ") and not ln.startswith('"')]
     assert steps[:3] == first, steps  # the main job, exactly as a new user runs it, comes first
-    assert steps[-1] == "python -m pytest -q"
+    assert steps[-2:] == ["python -m pytest -q", "python -m harness.lab.readme_numbers --check"]  # then the README numbers
     extras = [i for i, ln in enumerate(steps) if "triton" in ln or "requirements-speculators" in ln
               or "requirements-training" in ln]
     assert extras and min(extras) > 2  # nothing test-only (Triton, speculators) is installed before the main job

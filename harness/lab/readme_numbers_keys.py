@@ -1,0 +1,254 @@
+"""The quantities that README markers name (`harness.lab.readme_numbers`): each a small function of committed files.
+
+A marker `<!--n:FAMILY:ARG:ARG-->TEXT<!--/n-->` calls `REGISTRY[FAMILY](root, ARG, ARG)` and expects TEXT back,
+character for character. Every function reads files under `root` (the repository) and formats its value exactly
+as the README prints it; units and signs that sit outside the marker stay prose.
+
+Conventions of the arguments:
+- FOLDER: a run folder; a bare name is under `results/smollm2-135m/` (`gsm8k_t0`), a name with a `/` is relative
+  to the repository (`results/perf/cli_qwen3-8b_bf16_graph_scripted6`).
+- ARM: `ar`, `drafter`, `markov`, `x1` ... `x8` (xPress at K), or an arm name as summary.json spells it.
+- ARMS: `,`-separated ARMs; `spec` = every arm but AR; `xpress` = every xPress arm.
+- D: decimals (each family has a default: the README's usual precision).
+- BENCH: a bench_step JSON under `results/perf/gpu_check/` without `.json` (`after`).
+- END: `min` or `max`, for the two ends of a range a README prints as "lo-hi" (two markers, one per end).
+
+To add a quantity: write a function `def name(root, *args) -> str` below, decorate it with `@quantity("name")`,
+and wrap the README's text in `<!--n:name:args-->...<!--/n-->`; `python -m harness.lab.readme_numbers --write`
+then fills it and `--check` keeps it honest. A regenerated results folder needs no code: its markers recompute.
+"""
+from __future__ import annotations
+
+import json
+import math
+from functools import lru_cache
+from pathlib import Path
+
+from core.errors import UsageError
+
+REGISTRY: dict = {}
+RUNS = "results/smollm2-135m"
+H200 = [f"{d}_t{t}" for t in (0, 1) for d in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")]
+ALIASES = {"ar": "AR", "drafter": "drafter-only", "markov": "Markov"}
+
+
+def quantity(name: str):
+    def deco(f):
+        REGISTRY[name] = f
+        return f
+    return deco
+
+
+@lru_cache(maxsize=256)
+def _json(path: Path):
+    if not path.is_file():
+        raise UsageError(f"readme_numbers: {path} is not a committed file; fix the marker's key or commit the file")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def summary(root: Path, folder: str) -> dict:
+    return _json(root / (folder if "/" in folder else f"{RUNS}/{folder}") / "summary.json")
+
+
+def arm_name(a: str) -> str:
+    if a in ALIASES:
+        return ALIASES[a]
+    if a[:1] == "x" and a[1:].isdigit():
+        return f"xPress(K={a[1:]})"
+    return a
+
+
+def arm(root: Path, folder: str, a: str) -> dict:
+    arms = summary(root, folder)["arms"]
+    name = arm_name(a)
+    if name not in arms:
+        raise UsageError(f"readme_numbers: {folder} has no arm {name!r} (arms: {', '.join(arms)})")
+    return arms[name]
+
+
+def arms(root: Path, folder: str, spec: str) -> list[dict]:
+    """The arms ARMS names: `,`-separated ARMs, each may be `spec` (every arm but AR) or `xpress` (every K)."""
+    every, out = summary(root, folder)["arms"], []
+    for a in spec.split(","):
+        if a == "spec":
+            out += [v for k, v in every.items() if k != "AR"]
+        elif a == "xpress":
+            out += [v for v in every.values() if v["method"] == "xpress"]
+        else:
+            out.append(arm(root, folder, a))
+    return out
+
+
+def fmt(v: float, d) -> str:
+    return f"{v:.{int(d)}f}"
+
+
+def end(values: list[float], which: str, d, floor: bool = False) -> str:
+    if which not in ("min", "max"):
+        raise UsageError(f"readme_numbers: a range's END is min or max, not {which!r}")
+    v = min(values) if which == "min" else max(values)
+    return str(math.floor(v)) if floor else fmt(v, d)
+
+
+def tau(a: dict) -> float:
+    return a["tau_per_step"]
+
+
+def tok_s(a: dict) -> float:
+    return a["pooled_tok_s"]["mean"]
+
+
+def sp(a: dict) -> float:
+    return a["speedup"]["value"]
+
+
+# --- one run folder's summary.json -----------------------------------------------------------------------------
+def arm_stat(name: str, get, d_one: int, d_end: int) -> None:
+    """Two families per statistic: NAME:FOLDER:ARM[:D] (one arm) and NAME_end:FOLDER:ARMS:END[:D] (a range's end)."""
+    REGISTRY[name] = lambda root, folder, a, d=d_one: fmt(get(arm(root, folder, a)), d)
+    REGISTRY[name + "_end"] = lambda root, folder, spec, which, d=d_end: end([get(x) for x in arms(root, folder, spec)],
+                                                                           which, d)
+
+
+# tau: τ/step; tps: POOLED decode tok/s (mean over measured rounds); sp: Sp., the median over measured rounds of
+# the per-round paired speedup over AR.
+for _name, _get, _d_one, _d_end in (("tau", tau, 2, 3), ("tps", tok_s, 0, 0), ("sp", sp, 2, 2)):
+    arm_stat(_name, _get, _d_one, _d_end)
+
+
+@quantity("gain")
+def q_gain(root, folder, a, d=1):
+    """τ/step over drafter-only's, as a signed percentage ("+6.6%" prints "+6.6", the % is prose)."""
+    return f"{100 * (tau(arm(root, folder, a)) / tau(arm(root, folder, 'drafter')) - 1):+.{int(d)}f}"
+
+
+@quantity("best_gain")
+def q_best_gain(root, folder, d=1):
+    """The best xPress τ/step (over K) over drafter-only's, signed percentage."""
+    best = max(tau(a) for a in arms(root, folder, "xpress"))
+    return f"{100 * (best / tau(arm(root, folder, 'drafter')) - 1):+.{int(d)}f}"
+
+
+@quantity("best_gain_end")
+def q_best_gain_end(root, folders, which, d=1):
+    """One end of the best xPress τ gain over drafter-only (unsigned percent) over FOLDERS (`,`-separated)."""
+    vals = [100 * (max(tau(a) for a in arms(root, f, "xpress")) / tau(arm(root, f, "drafter")) - 1)
+            for f in folders.split(",")]
+    return end(vals, which, d)
+
+
+@quantity("tau_diff_max")
+def q_tau_diff_max(root, one, other, d=2):
+    """The largest |τ/step difference| between two folders over the arms both have."""
+    a, b = summary(root, one)["arms"], summary(root, other)["arms"]
+    return fmt(max(abs(tau(a[k]) - tau(b[k])) for k in a if k in b), d)
+
+
+@quantity("opt_gain_end")
+def q_opt_gain_end(root, which, d=2):
+    """One end of × Gain (throughput-optimal xPress over drafter-only, Sp.'s statistic) over the ten H200 folders."""
+    vals = []
+    for f in H200:
+        s = summary(root, f)
+        vals.append(s["arms"][s["optimal"]["xpress"]["arm"]]["gain"]["value"])
+    return end(vals, which, d)
+
+
+@quantity("opt_k")
+def q_opt_k(root, folders="h200"):
+    """The throughput-optimal xPress K, when every folder chose the same one."""
+    ks = {summary(root, f)["optimal"]["xpress"]["K"] for f in (H200 if folders == "h200" else folders.split(","))}
+    return str(ks.pop()) if len(ks) == 1 else "/".join(map(str, sorted(ks)))
+
+
+@quantity("per_step_tps")
+def q_per_step_tps(root, folder, a, d=0):
+    """tok/s ÷ τ: the arm's steps per second."""
+    x = arm(root, folder, a)
+    return fmt(tok_s(x) / tau(x), d)
+
+
+@quantity("per_step_drop")
+def q_per_step_drop(root, before, after, a, d=0):
+    """How far tok/s ÷ τ falls from one folder to another, in percent."""
+    b, c = arm(root, before, a), arm(root, after, a)
+    return fmt(100 * (1 - (tok_s(c) / tau(c)) / (tok_s(b) / tau(b))), d)
+
+
+@quantity("tps_cost")
+def q_tps_cost(root, before, after, a, d=1):
+    """How much lower an arm's tok/s is in one folder than in another, in percent."""
+    return fmt(100 * (1 - tok_s(arm(root, after, a)) / tok_s(arm(root, before, a))), d)
+
+
+@quantity("pos")
+def q_pos(root, folder, a, k, d=1):
+    """per_position[k] (the share of steps that accepted at least k+1 drafts), in percent."""
+    return fmt(100 * arm(root, folder, a)["per_position"][int(k)], d)
+
+
+@quantity("pos_end")
+def q_pos_end(root, folder, spec, k, which, d=0):
+    return end([100 * a["per_position"][int(k)] for a in arms(root, folder, spec)], which, d)
+
+
+# --- token match against AR --------------------------------------------------------------------------------------
+def match(root, folder, a) -> dict:
+    m = arm(root, folder, a)["token_match"]
+    if not m:
+        raise UsageError(f"readme_numbers: {folder} {a} has no token match against AR")
+    return m
+
+
+@quantity("identical")
+def q_identical(root, folder, a):
+    """Rows whose output equals AR's, token for token."""
+    return str(match(root, folder, a)["rows_identical"])
+
+
+@quantity("compared")
+def q_compared(root, folder, a):
+    return str(match(root, folder, a)["rows_compared"])
+
+
+@quantity("identical_of")
+def q_identical_of(root, folder, a, sep="/"):
+    """"30/96": rows identical to AR over rows compared (SEP `of` prints "30 of 96")."""
+    m = match(root, folder, a)
+    return f"{m['rows_identical']}{' of ' if sep == 'of' else sep}{m['rows_compared']}"
+
+
+@quantity("identical_all")
+def q_identical_all(root, folders, sep="of"):
+    """Identical rows of every speculative arm of every FOLDER (`,`-separated): one count when all agree."""
+    got = {(match(root, f, n)["rows_identical"], match(root, f, n)["rows_compared"])
+           for f in folders.split(",") for n in summary(root, f)["arms"] if n != "AR"}
+    return " / ".join(f"{i}{' of ' if sep == 'of' else sep}{c}" for i, c in sorted(got))
+
+
+@quantity("match_rate")
+def q_match_rate(root, folder, a, d=2):
+    return fmt(match(root, folder, a)["token_match_rate"], d)
+
+
+def first_divergence(root, folder, a) -> dict:
+    """{question id: first differing token or None} (summary.json lists one entry per prompt)."""
+    return {int(e["question_id"]): e["position"] for e in match(root, folder, a)["first_divergence"]}
+
+
+@quantity("diverged")
+def q_diverged(root, folder, a):
+    """The prompts (question ids) on which the arm left AR's output, in order, `, `-joined."""
+    fd = first_divergence(root, folder, a)
+    return ", ".join(str(q) for q in sorted(k for k, v in fd.items() if v is not None))
+
+
+@quantity("diverged_count")
+def q_diverged_count(root, folder, a):
+    return str(sum(v is not None for v in first_divergence(root, folder, a).values()))
+
+
+@quantity("divergence_at")
+def q_divergence_at(root, folder, a, q):
+    """The token index of the arm's first divergence from AR on prompt Q."""
+    return str(first_divergence(root, folder, a)[int(q)])

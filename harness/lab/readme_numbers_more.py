@@ -1,0 +1,149 @@
+"""More README quantities (see `harness.lab.readme_numbers_keys` for the conventions): the bench_step records
+under `results/perf/gpu_check/`, the `--trace` A/B of `results/trace_ab/`, and the shipped weights' manifest."""
+from __future__ import annotations
+
+from core.errors import UsageError
+from harness.lab.readme_numbers_keys import _json, arm, end, fmt, quantity, sp, tau
+
+GPU_CHECK = "results/perf/gpu_check"
+WEIGHTS = "weights/smollm2-135m/manifest.json"
+
+
+# --- bench_step (`python -m harness.lab.bench_step`, JSON under results/perf/gpu_check/) --------------------------
+def bench(root, name: str) -> dict:
+    return _json(root / GPU_CHECK / f"{name}.json")
+
+
+def bench_arm(root, name: str, a: str) -> dict:
+    from harness.lab.readme_numbers_keys import arm_name
+    want = arm_name(a)
+    for row in bench(root, name)["arms"]:
+        if row["arm"] == want:
+            return row
+    raise UsageError(f"readme_numbers: {GPU_CHECK}/{name}.json has no arm {want!r}")
+
+
+def stage(row: dict, field: str) -> float:
+    """`step`: the whole-step graph's device ms; any other FIELD: that stage's own graph (`sg` columns)."""
+    return row["graph"]["step_ms"] if field == "step" else row["stage_graphs"][field]
+
+
+@quantity("step")
+def q_step(root, name, a, field="step", d=3):
+    """Graphed device ms of an arm's step (FIELD step) or of one stage (draft, refine, verify, accept, observe)."""
+    return fmt(stage(bench_arm(root, name, a), field), d)
+
+
+@quantity("stage_share_end")
+def q_stage_share_end(root, name, spec, which):
+    """One end of the stages' sum over the whole step, in whole percent (floored), over ARMS."""
+    rows = [bench_arm(root, name, a) for a in spec.split(",")]
+    return end([100 * r["stage_graphs"]["sum"] / r["graph"]["step_ms"] for r in rows], which, 0, floor=True)
+
+
+@quantity("roofline")
+def q_roofline(root, name, what, d=None):
+    """`ratio`: the AR step over the weight roofline; `ms`: the roofline; `gb`: the target's weight bytes (1e9)."""
+    b = bench(root, name)
+    if what == "ratio":
+        return fmt(b["ratios"]["AR_step_over_roofline"], 1 if d is None else d)
+    if what == "ms":
+        return fmt(b["roofline_ms"], 3 if d is None else d)
+    if what == "gb":
+        return fmt(b["weight_bytes"] / 1e9, 2 if d is None else d)
+    raise UsageError(f"readme_numbers: roofline takes ratio, ms or gb, not {what!r}")
+
+
+def predicted(root, name, folder, a) -> float:
+    """τ × AR step / spec step: the speedup a run's τ predicts from bench_step's graphed step times."""
+    return tau(arm(root, folder, a)) * stage(bench_arm(root, name, "ar"), "step") / stage(bench_arm(root, name, a),
+                                                                                             "step")
+
+
+@quantity("predicted")
+def q_predicted(root, name, folder, a, d=2):
+    return fmt(predicted(root, name, folder, a), d)
+
+
+@quantity("predicted_gap")
+def q_predicted_gap(root, name, folder, a, d=0):
+    """How far the measured Sp. falls below the prediction, in percent."""
+    return fmt(100 * (1 - sp(arm(root, folder, a)) / predicted(root, name, folder, a)), d)
+
+
+# --- the --trace A/B (results/trace_ab/inprocess.json, cli_ab.json) ----------------------------------------------
+def trace_way(root, a: str, way: str) -> dict:
+    from harness.lab.readme_numbers_keys import arm_name
+    ways = {"untraced": "untraced", "before": "traced, before", "after": "traced, after"}
+    return _json(root / "results/trace_ab/inprocess.json")["per_arm"][arm_name(a)][ways[way]]
+
+
+@quantity("trace_ms")
+def q_trace_ms(root, a, way, d=3):
+    """The in-process A/B's median ms per step of an arm, one way (untraced, before, after)."""
+    return fmt(trace_way(root, a, way)["median_ms_per_step"], d)
+
+
+@quantity("trace_ratio")
+def q_trace_ratio(root, a, way, d=3):
+    """The median paired ratio (traced / untraced) of one way."""
+    return fmt(trace_way(root, a, way)["median_paired_ratio_to_untraced"], d)
+
+
+@quantity("trace_slower")
+def q_trace_slower(root, a, way, d=1):
+    """The same ratio as a percentage slower than untraced."""
+    return fmt(100 * (trace_way(root, a, way)["median_paired_ratio_to_untraced"] - 1), d)
+
+
+@quantity("trace_reps")
+def q_trace_reps(root):
+    return str(_json(root / "results/trace_ab/inprocess.json")["reps"])
+
+
+@quantity("cli_ar_ms_end")
+def q_cli_ar_ms_end(root, run, which, d=1):
+    """One end of the AR ms/step over the repetitions of one configuration (RUN) of the CLI A/B (cli_ab.json)."""
+    reps = _json(root / "results/trace_ab/cli_ab.json")[run]["repetitions"]
+    return end([r["AR_ms_per_step"] for r in reps], which, d)
+
+
+# --- the shipped weights (weights/smollm2-135m/manifest.json) -----------------------------------------------------
+def model(root, name: str) -> dict:
+    return _json(root / WEIGHTS)["models"][name]
+
+
+@quantity("weights_mb")
+def q_weights_mb(root, d=1):
+    """The shipped files' size in MB (1e6 bytes)."""
+    return fmt(_json(root / WEIGHTS)["total_bytes"] / 1e6, d)
+
+
+@quantity("held_out")
+def q_held_out(root, name, key, d=2):
+    """A trained model's held-out τ as the manifest records it (MODEL drafter, xpress, markov_gated ...)."""
+    return fmt(model(root, name)["held_out"][key], d)
+
+
+@quantity("held_out_end")
+def q_held_out_end(root, name, prefix, which, d=2):
+    """One end of a model's held-out τ over the keys starting with PREFIX (tau_xpress_K: every K)."""
+    vals = [v for k, v in model(root, name)["held_out"].items() if k.startswith(prefix)]
+    return end(vals, which, d)
+
+
+@quantity("steps")
+def q_steps(root, name):
+    """A trained model's optimizer steps (global_step)."""
+    return str(model(root, name)["global_step"])
+
+
+@quantity("shipped")
+def q_shipped(root, role, what):
+    """A shipped model's record (ROLE drafter, xpress, markov) field: layers, rank, step."""
+    m = _json(root / WEIGHTS)
+    rec = m["models"][m["shipped"][role]]
+    fields = {"layers": "num_layers", "step": "global_step",
+              "rank": "markov_rank" if role == "markov" else "xpress_rank"}
+    return str(rec[fields[what]])
+

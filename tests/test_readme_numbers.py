@@ -1,0 +1,121 @@
+"""harness.lab.readme_numbers: every number the READMEs quote from results is recomputed from committed files."""
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.lab import readme_numbers as rn
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def failing(findings):
+    return [f for f in findings if f.kind != "untraced"]
+
+
+def tiny_repo(tmp_path: Path, readme: str) -> Path:
+    """A repository of one run folder (two arms) and a README.md."""
+    run = tmp_path / "results" / "smollm2-135m" / "gsm8k_t0"
+    run.mkdir(parents=True)
+    arm = {"method": "drafter-only", "tau_per_step": 2.148409, "pooled_tok_s": {"mean": 2070.07},
+           "speedup": {"value": 2.0322}, "per_position": [0.5597], "token_match": None}
+    ar = {"method": "ar", "tau_per_step": 1.0, "pooled_tok_s": {"mean": 1018.6}, "speedup": None, "per_position": []}
+    (run / "summary.json").write_text(json.dumps({"arms": {"AR": ar, "drafter-only": arm}}))
+    (run / "table.md").write_text("| arm | tau |\n|---|---|\n| drafter-only | 2.15 |\n")
+    (tmp_path / "README.md").write_text(readme)
+    return tmp_path
+
+
+def test_the_committed_readmes_pass_check():
+    """The real guard: every marked number in README.md and the results READMEs equals what the committed files
+    give, every block equals its file, and no quoted result is left unmarked."""
+    bad = failing(rn.check(ROOT))
+    assert not bad, "\n".join(map(str, bad)) + "\nrun: python -m harness.lab.readme_numbers --write"
+
+
+def test_a_planted_wrong_number_is_caught_and_write_fixes_it(tmp_path, capsys):
+    """A marked τ that disagrees with summary.json fails --check with the key and both values; --write puts the
+    files' value in place and the check passes after it (the old code had no check: README numbers were by hand)."""
+    root = tiny_repo(tmp_path, "gsm8k τ <!--n:tau:gsm8k_t0:drafter-->2.16<!--/n--> at "
+                               "<!--n:sp:gsm8k_t0:drafter-->2.03<!--/n-->×.\n")
+    (bad,) = failing(rn.check(root))
+    assert bad.kind == "stale" and "'2.16'" in bad.text and "'2.15'" in bad.text and bad.line == 1
+    assert rn.main(["--check", "--root", str(root)]) == 1
+    assert "FAIL README.md:1: stale" in capsys.readouterr().out
+    assert rn.main(["--write", "--root", str(root)]) == 0
+    assert "<!--n:tau:gsm8k_t0:drafter-->2.15<!--/n-->" in (root / "README.md").read_text()
+    assert failing(rn.check(root)) == []
+
+
+def test_an_unmarked_quoted_number_is_caught_and_prose_numbers_are_not():
+    """A τ, a speedup or a percentage written by hand outside a marker fails; code, links, ignore markers,
+    integers of prose and "95% CI" do not."""
+    text = ("drafter-only reaches τ 2.15 and 2.03× on gsm8k, +6.6% over AR.\n"
+            "Run `--max-new-tokens 96 --tau 1.5` with 16 prompts and a [link](http://x/1.5%).\n"
+            "Files under <!--i:a limit-->16 MiB<!--/i--> and a 95% CI; block 16.\n")
+    found = rn.unmarked("README.md", text)
+    assert [(f.line, f.text.split()[0]) for f in found] == [(1, "'2.15'"), (1, "'2.03×'"), (1, "'+6.6%'")]
+
+
+def test_unmarked_numbers_in_table_rows_are_caught():
+    """A table row of results names no unit itself: its decimals count as quoted."""
+    (f,) = rn.unmarked("README.md", "| arm | a |\n|---|---|\n| AR | 4.487 |\n")
+    assert f.line == 3 and "4.487" in f.text
+
+
+def test_a_copied_block_is_checked_as_a_whole_and_rewritten(tmp_path):
+    """A table copied from a results file is compared as one block with the file (no per-number markers
+    needed inside it); a changed cell fails, and --write copies the file again."""
+    block = "<!--block:results/smollm2-135m/gsm8k_t0/table.md-->\n| arm | tau |\n|---|---|\n| drafter-only | 2.14 |\n" \
+            "<!--/block-->\n"
+    root = tiny_repo(tmp_path, "Intro.\n\n" + block)
+    (bad,) = failing(rn.check(root))
+    assert bad.kind == "block" and bad.line == 3
+    rn.write(root)
+    assert "| drafter-only | 2.15 |\n<!--/block-->" in (root / "README.md").read_text()
+    assert failing(rn.check(root)) == []
+
+
+def test_untraced_numbers_are_listed_and_fail_only_under_strict(tmp_path):
+    """A measured number with no committed source stays visible: --check lists it and passes, --strict fails."""
+    root = tiny_repo(tmp_path, "It took <!--u:measured by hand-->2 min 34 s<!--/u--> of wall time.\n")
+    (f,) = rn.check(root)
+    assert f.kind == "untraced" and "2 min 34 s" in f.text
+    assert rn.main(["--check", "--root", str(root)]) == 0
+    assert rn.main(["--check", "--strict", "--root", str(root)]) == 1
+
+
+@pytest.mark.parametrize("key, says", [("nosuch:gsm8k_t0", "no quantity 'nosuch'"),
+                                       ("tau:gsm8k_t0:markov", "has no arm 'Markov'"),
+                                       ("tau:gone_t0:drafter", "is not a committed file")])
+def test_a_key_that_does_not_resolve_fails_with_its_reason(tmp_path, key, says):
+    """An unknown family, a missing arm or a missing results file is a failing finding that says which."""
+    root = tiny_repo(tmp_path, f"τ <!--n:{key}-->2.15<!--/n-->\n")
+    (bad,) = failing(rn.check(root))
+    assert bad.kind == "unknown" and says in bad.text
+
+
+def test_run_folder_readmes_are_left_to_the_harness(tmp_path):
+    """Only hand-written READMEs are scanned: a run folder's README.md (beside summary.json) is the harness's."""
+    root = tiny_repo(tmp_path, "none\n")
+    (root / "results" / "smollm2-135m" / "gsm8k_t0" / "README.md").write_text("τ 9.99\n")
+    (root / "results" / "smollm2-135m" / "README.md").write_text("τ 9.99\n")
+    assert [str(p.relative_to(root)) for p in rn.readmes(root)] == ["README.md", "results/smollm2-135m/README.md"]
+
+
+def test_a_generated_model_card_must_equal_its_card_json_rendering(tmp_path, monkeypatch):
+    """A committed card.json is rendered through `python -m training.card --from-json`: the committed Markdown
+    passes when it is that rendering, and an edit by hand (or a card.json that does not render) fails."""
+    root = tiny_repo(tmp_path, "none\n")
+    card, md = root / "card.json", root / "CARD.md"
+    monkeypatch.setattr(rn, "CARDS", (("card.json", "CARD.md"),))
+    card.write_text(json.dumps({"title": "t", "data": {}, "models": [], "stages": {}}))
+    md.write_text("stale\n")
+    (bad,) = rn.check_cards(root)
+    assert bad.kind == "card" and "differs" in bad.text
+    from training.card_md import render
+    md.write_text(render(json.loads(card.read_text())))
+    assert rn.check_cards(root) == []
+    card.write_text(json.dumps({"title": "t"}))
+    (bad,) = rn.check_cards(root)
+    assert "failed" in bad.text
