@@ -96,3 +96,48 @@ def test_bad_step_and_hidden_settings_are_refused(tmp_path, capsys, item, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "w").exists()
+
+
+def test_fit_box_plans_the_steps_the_box_holds_and_anneals(tmp_path, monkeypatch):
+    """train.fit_box on a 3-second box with 200 epochs planned (far more than fit): after 3 timed steps the plan
+    becomes what the box holds (here capped at 12 steps past the probe, so that a loaded CI machine cannot make
+    the measured rate overshoot its box); the run ends there untruncated, inside the box, with the cosine schedule
+    re-planned so that its LR has decayed to near zero at the last step (without the fit the box cuts the run with
+    the LR still near its peak: the truncated manifest of test_box_accounting_sums_to_the_box)."""
+    import training.fit
+    real, seen = training.fit.fitted_total, []
+
+    def capped(step, rate, left_s, reserve, planned):
+        seen.append((step, rate, left_s, reserve, planned))
+        return min(real(step, rate, left_s, reserve, planned), step + 12)
+    monkeypatch.setattr(training.fit, "fitted_total", capped)
+    cfg = write_config(tmp_path, tiny_models(heads=False),
+                       train={"epochs": 200, "eval_prompts": 0, "max_minutes": BOX_MINUTES, "on_deadline": "finish",
+                              "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2, "warmup_ratio": 0.1})
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    d = tmp_path / "w" / "train" / "drafter"
+    manifest = json.loads((d / "manifest.json").read_text())
+    box = json.loads((d / "box.json").read_text())
+    fit = manifest["fit"]
+    step, rate, left, reserve, planned = seen[0]
+    assert len(seen) == 1 and step == 4 and rate > 0 and 0 < left < BOX_MINUTES * 60 and reserve == 0.2
+    assert fit == box["fit"] and fit["probe_steps"] == [1, 4] and fit["planned_steps"] == planned
+    assert fit["fitted_steps"] == 16 < planned and manifest["planned_steps"] == 16 and fit["warmup_steps"] == 2
+    assert not manifest["truncated"] and manifest["global_step"] == 16
+    lr = [v if isinstance(v, float) else next(iter(v.values())) for v in (r["lr"] for r in _rows(tmp_path / "w"))]
+    assert max(lr) > 10 * lr[-1]  # annealed by the re-planned cosine
+
+
+def test_fitted_total_arithmetic():
+    from training.fit import fitted_total
+    assert fitted_total(100, 20.0, 50.0, 0.1, 10_000) == 100 + 900  # 20 steps/s x 45 s
+    assert fitted_total(100, 20.0, 50.0, 0.1, 500) == 500            # the plan fits: unchanged
+    assert fitted_total(100, 20.0, 0.0, 0.1, 500) == 101             # no time left: at least one more step
+
+
+def test_fit_box_needs_a_box(tmp_path):
+    from core.errors import UsageError
+    from training.config import load_config
+    cfg = write_config(tmp_path, tiny_models(heads=False), train={"fit_box": True})
+    with pytest.raises(UsageError, match="fit_box needs a box: set train.max_minutes"):
+        load_config(str(cfg))

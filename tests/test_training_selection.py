@@ -49,10 +49,12 @@ def test_domain_shares_and_validation(tmp_path):
             load_config(str(path))
 
 
-def test_magpie_domains_on_the_tiny_target(tmp_path, monkeypatch):
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_magpie_domains_on_the_tiny_target(tmp_path, monkeypatch, engine):
     """prompts.run on the tiny target: 5 code + 3 math prompts generated (shares 5:3 of 8), each code prompt fed
     the chat template's system turn and user-turn prefix followed by a code seed, written by the target, and
-    recorded as magpie:<domain>:i; the split is stratified over the JSONL file and both domains."""
+    recorded as magpie:<domain>:i; the split is stratified over the JSONL file and both domains. Both engines:
+    the fast one (responses.engine's default; HF generate wrote Magpie prompts at 7.7k tokens/s before) and HF."""
     import training.gen
     from tiny import save_tiny_checkpoint
     from training import prompts
@@ -69,14 +71,23 @@ def test_magpie_domains_on_the_tiny_target(tmp_path, monkeypatch):
         "target": str(tmp_path / "target"), "models": {"d": {}},
         "prompts": {"jsonl": [str(data)], "magpie": 8, "magpie_batch": 4, "magpie_max_new_tokens": 8,
                     "min_chars": 4, "dedup_jaccard": 1.1, "heldout": 4, "selection": 4, "magpie_domains": doms,
-                    "eval_dir": str(tmp_path / "eval")}}))
+                    "eval_dir": str(tmp_path / "eval")}, "responses": {"engine": engine}}))
     cfg = load_config(str(tmp_path / "c.json"), workdir=str(tmp_path / "work"))
-    fed, real = [], training.gen.generate_batch
-    monkeypatch.setattr(training.gen, "generate_batch", lambda m, p, *a, **k: fed.extend(p) or real(m, p, *a, **k))
+    fed, calls = [], []
+
+    def spy(name, real):
+        def run(m, p, *a, **k):
+            calls.append(name)
+            fed.extend(p)
+            return real(m, p, *a, **k)
+        return run
+    for name in ("generate_batch", "generate_fast"):
+        monkeypatch.setattr(training.gen, name, spy(name, getattr(training.gen, name)))
     hf = load_hf(cfg["target"], __import__("torch").device("cpu"))
     out = prompts.run(cfg, load=lambda: hf)
     tok = hf[1]
     seen = [tok.decode(p) for p in fed]
+    assert set(calls) == {{"fast": "generate_fast", "hf": "generate_batch"}[engine]}
     assert len(seen) == 8 and all(s.startswith("<|system|>CODE<eot><|user|>") for s in seen[:5])
     assert [s.split("<|user|>")[1] for s in seen] == ["Write a Python function", "Implement"] * 2 + \
         ["Write a Python function"] + ["Solve:"] * 3

@@ -26,17 +26,17 @@ DEFAULTS = {
     "prompts": {"jsonl": [], "jsonl_limit": 0, "magpie": 0, "magpie_max_new_tokens": 64,
                 "magpie_temperature": 1.0, "magpie_top_p": 0.95, "magpie_batch": 16, "min_chars": 16,
                 "max_chars": 2000, "dedup_jaccard": 0.8, "overlap_jaccard": 0.5, "ngram": 3,
-                "eval_dir": "data/eval", "heldout": 8, "selection": 8, "magpie_domains": []},
+                "eval_dir": "data/eval", "heldout": 8, "selection": 8, "magpie_domains": [], "templates": []},
     "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
                   "max_prompt_tokens": 512, "engine": "fast"},   # engine: fast (harness.decode.batched_gen) | hf
     "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0, "mode": "offline",
                "target_dtype": "float32"},
-    "train": {"device": "auto", "attn_impl": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
+    "train": {"device": "auto", "attn_impl": "auto", "compile": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
               "weight_decay": 0.0, "scheduler": "cosine", "warmup_ratio": 0.04, "save_every": 0,
               "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
               "num_workers": 0, "stop_after_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
               "eval_k": [1], "val_batches": 16, "eval_max_seconds": 60, "eval_share": 0.05, "log_every": 1,
-              "warm_start": None},
+              "warm_start": None, "fit_box": False, "fit_probe_steps": 50, "fit_reserve": 0.1},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
     "acceptance": {"selection_max_seconds": 0, "heldout_max_seconds": 0},
@@ -49,7 +49,7 @@ MODEL_DEFAULTS = {
     "xpress_rank": 64, "xpress_mlp_ratio": 2, "num_jacobi_passes": 6, "consistency_weight": 0.3,
     "consistency_passes": 3, "base_anchor_weight": 0.6,
     "markov_rank": 64, "markov_head_type": "vanilla", "enable_confidence_head": True,
-    "epochs": None, "lr": None, "max_steps": None,
+    "epochs": None, "lr": None, "max_steps": None, "max_minutes": None,
 }
 
 
@@ -138,6 +138,9 @@ def validate(cfg: dict) -> None:
             raise UsageError(f"{where}: init_from must name a dflash model (got {cfg['models'][src]['type']})")
         if m["freeze_backbone"] and src is None:
             raise UsageError(f"{where}: freeze_backbone needs init_from (a trained drafter to freeze)")
+        mm = m["max_minutes"]
+        if mm is not None and (not isinstance(mm, (int, float)) or isinstance(mm, bool) or mm <= 0):
+            raise UsageError(f"{where}: max_minutes must be a number > 0 (this model's own box) or null")
         if src is not None:
             for key in ("num_layers", "block_size", "intermediate_size"):
                 if cfg["models"][src][key] != m[key]:
@@ -148,6 +151,10 @@ def validate(cfg: dict) -> None:
                          "(the checkpoint reached at train.max_minutes is the final model)")
     if cfg["train"]["device"] not in ("auto", "cpu", "cuda"):
         raise UsageError("config train.device must be auto, cpu or cuda")
+    from training.compiling import MODES
+    if cfg["train"]["compile"] not in MODES:
+        raise UsageError(f"config train.compile {cfg['train']['compile']!r}: use one of {', '.join(MODES)} "
+                         "(training/compiling.py says what each compiles)")
     validate_steps(cfg)
     from training.domains import validate_prompts
     validate_prompts(cfg)
@@ -171,6 +178,15 @@ def validate_steps(cfg: dict) -> None:
             raise UsageError(f"config train.{key} must be an integer >= {low} (got {t[key]!r})")
     if not isinstance(t["eval_max_seconds"], (int, float)) or t["eval_max_seconds"] < 0:
         raise UsageError("config train.eval_max_seconds must be a number of seconds >= 0 (0: no cap)")
+    if not isinstance(t["fit_box"], bool):
+        raise UsageError("config train.fit_box must be true or false")
+    if t["fit_box"] and not t["max_minutes"] and not any(m.get("max_minutes") for m in cfg["models"].values()):
+        raise UsageError("config train.fit_box needs a box: set train.max_minutes or a model's max_minutes (the "
+                         "steps are fitted to it)")
+    if not isinstance(t["fit_probe_steps"], int) or isinstance(t["fit_probe_steps"], bool) or t["fit_probe_steps"] < 1:
+        raise UsageError("config train.fit_probe_steps must be an integer >= 1 (steps timed before the fit)")
+    if not isinstance(t["fit_reserve"], (int, float)) or not 0 <= t["fit_reserve"] < 1:
+        raise UsageError("config train.fit_reserve must be a fraction in [0, 1) of the box left at the fit")
     if not isinstance(t["eval_share"], (int, float)) or not 0 <= t["eval_share"] <= 1:
         raise UsageError("config train.eval_share must be a fraction in [0, 1] (1: no cap on periodic evaluations)")
     ws = t["warm_start"]
@@ -202,12 +218,14 @@ def fingerprint(obj) -> str:
 
 
 RUN_CONTROL = ("stop_after_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens", "num_workers",
-               "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every")
+               "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
+               "compile", "fit_box", "fit_probe_steps", "fit_reserve")
 
 
 def model_fingerprint(cfg: dict, name: str) -> str:
     """What a checkpoint was trained with: its model spec, the train section (minus run-control fields), the
     target and the data's fingerprint. A resume with another fingerprint is refused."""
     train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL}
-    return fingerprint({"model": cfg["models"][name], "train": train, "target": cfg["target"], "seed": cfg["seed"],
+    model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"}  # a box is run control
+    return fingerprint({"model": model, "train": train, "target": cfg["target"], "seed": cfg["seed"],
                         "hidden": cfg["hidden"]})

@@ -19,6 +19,7 @@ import random
 from core.errors import UsageError
 
 DOMAIN_KEYS = ("name", "share", "seeds", "system")
+TEMPLATE_KEYS = ("sources", "prefix", "suffix", "share")
 
 
 def validate_prompts(cfg: dict) -> None:
@@ -46,6 +47,43 @@ def validate_prompts(cfg: dict) -> None:
             raise UsageError(f"{where} ({name}): seeds must be a non-empty list of strings (\"\": the bare prefix)")
         if d.get("system") is not None and not isinstance(d["system"], str):
             raise UsageError(f"{where} ({name}): system must be a string or null")
+    validate_templates(pc.get("templates", []))
+
+
+def validate_templates(templates) -> None:
+    if not isinstance(templates, list):
+        raise UsageError("config prompts.templates must be a list of {sources, prefix, suffix, share}")
+    for i, t in enumerate(templates):
+        where = f"config prompts.templates[{i}]"
+        if not isinstance(t, dict) or set(t) - set(TEMPLATE_KEYS) or "sources" not in t:
+            raise UsageError(f"{where}: expected an object with sources and any of prefix, suffix, share")
+        if not isinstance(t["sources"], list) or not t["sources"] or not all(isinstance(x, str) and x
+                                                                               for x in t["sources"]):
+            raise UsageError(f"{where}: sources must be a non-empty list of source groups, e.g. "
+                             "[\"gsm8k_train_questions.jsonl\", \"magpie:math\"]")
+        if not all(isinstance(t.get(k, ""), str) for k in ("prefix", "suffix")) or not (t.get("prefix") or
+                                                                                      t.get("suffix")):
+            raise UsageError(f"{where}: give a prefix or a suffix (strings)")
+        share = t.get("share", 1.0)
+        if not isinstance(share, (int, float)) or isinstance(share, bool) or not 0 < share <= 1:
+            raise UsageError(f"{where}: share must be a number in (0, 1] (got {share!r})")
+
+
+def apply_templates(rows: list[dict], templates: list[dict], seed: int) -> list[dict]:
+    """Each row of a listed source group (`group_of`) is wrapped as prefix + text + suffix with probability
+    `share` (seeded), after the overlap and duplicate filters have compared the bare text; the row records the
+    template's index. Rows of no listed group, or not drawn, are kept as they are."""
+    rng = random.Random(seed * 7919 + 17)
+    out = []
+    for r in rows:
+        g = group_of(r["source"])
+        for k, t in enumerate(templates):
+            if g in t["sources"]:
+                if rng.random() < t.get("share", 1.0):
+                    r = {**r, "text": t.get("prefix", "") + r["text"] + t.get("suffix", ""), "template": k}
+                break
+        out.append(r)
+    return out
 
 
 def largest_remainder(total: int, weights: list[float]) -> list[int]:

@@ -9,6 +9,8 @@ import weakref
 
 import torch
 
+from core.errors import UsageError
+
 ENGINES = ("fast", "hf")
 _FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {rows: BatchedGenerator}
 
@@ -54,3 +56,17 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: 
     from harness.decode.batched_gen import hf_generate
     return hf_generate(model, prompts, max_new_tokens, stops, pad_id, sample, temperature=temperature, top_p=top_p,
                        seed=seed, keep_stop=keep_stop)
+
+
+def check_engine(cfg) -> None:
+    """Before any model loads: a known engine, and a target family the fast engine runs."""
+    engine = cfg["responses"]["engine"]
+    if engine not in ENGINES:
+        raise UsageError(f"config responses.engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if engine == "fast":
+        from harness.decode.target import PLAIN_FAMILIES
+        from training.target import target_config
+        family = getattr(target_config(cfg["target"]), "model_type", None)
+        if family not in PLAIN_FAMILIES:
+            raise UsageError(f"config responses.engine fast runs {', '.join(PLAIN_FAMILIES)} targets, not "
+                             f"{family!r}; set responses.engine=hf")

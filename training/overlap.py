@@ -15,6 +15,7 @@ templates).
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -34,20 +35,34 @@ def ngrams(text: str, n: int) -> frozenset:
 
 
 class NgramIndex:
-    """Sets of n-grams with their labels; `best(text)` -> (label, Jaccard) of the most similar entry."""
+    """Sets of n-grams with their labels; `best(text)` -> (label, Jaccard) of the most similar entry.
 
-    def __init__(self, n: int):
-        self.n = n
+    With a `threshold`, only each entry's prefix is indexed (prefix filtering): its n-grams in one fixed global
+    order (rarest first by `df`, the n-gram frequencies of the corpus; ties by the n-gram itself), the first
+    |A| - ceil(threshold |A|) + 1 of them. Any entry B with Jaccard(A, B) >= threshold shares an n-gram with the
+    query's prefix of the same rule: their intersection has at least ceil(threshold max(|A|, |B|)) members, so its
+    first member in the global order falls inside both prefixes. `best` is then exact for every entry at or above
+    the threshold (what the filters ask) and a lower bound below it, and thousands of prompts that share common
+    openings ("Write a Python function that ...") no longer compare with each other one by one."""
+
+    def __init__(self, n: int, threshold: float | None = None, df: dict | None = None):
+        self.n, self.threshold, self.df = n, threshold, df if df is not None else {}
         self.sets: list[frozenset] = []
         self.labels: list[str] = []
         self.postings: dict[tuple, list[int]] = defaultdict(list)
+
+    def _probe(self, grams: frozenset):
+        if self.threshold is None:
+            return grams
+        order = sorted(grams, key=lambda g: (self.df.get(g, 0), g))
+        return order[:len(order) - math.ceil(self.threshold * len(order) - 1e-9) + 1]
 
     def add(self, text: str, label: str) -> None:
         grams = ngrams(text, self.n)
         i = len(self.sets)
         self.sets.append(grams)
         self.labels.append(label)
-        for g in grams:
+        for g in self._probe(grams):
             self.postings[g].append(i)
 
     def __len__(self) -> int:
@@ -57,16 +72,23 @@ class NgramIndex:
         grams = ngrams(text, self.n)
         if not grams:
             return None, 0.0
-        shared: dict[int, int] = defaultdict(int)
-        for g in grams:
-            for i in self.postings.get(g, ()):
-                shared[i] += 1
+        candidates = {i for g in self._probe(grams) for i in self.postings.get(g, ())}
         best_i, best_j = None, 0.0
-        for i, s in shared.items():
+        for i in candidates:
+            s = len(grams & self.sets[i])
             j = s / (len(grams) + len(self.sets[i]) - s)
             if j > best_j:
                 best_i, best_j = i, j
         return (self.labels[best_i] if best_i is not None else None), best_j
+
+
+def gram_frequencies(texts, n: int) -> dict:
+    """How many of `texts` hold each n-gram: the global order of a thresholded NgramIndex."""
+    df: dict[tuple, int] = defaultdict(int)
+    for t in texts:
+        for g in ngrams(t, n):
+            df[g] += 1
+    return df
 
 
 def prompt_texts(row: dict) -> list[str]:
@@ -133,15 +155,18 @@ def strip_template(text: str, prefix: list[str], suffix: list[str]) -> str:
     return "\n".join(lines)
 
 
-def eval_index(eval_dir: Path, n: int) -> tuple[NgramIndex, list[str]]:
-    """Every turn of every *.jsonl under eval_dir, its file's instruction template stripped, labelled file:line."""
-    index = NgramIndex(n)
+def eval_index(eval_dir: Path, n: int, threshold: float | None = None) -> tuple[NgramIndex, list[str]]:
+    """Every turn of every *.jsonl under eval_dir, its file's instruction template stripped, labelled file:line
+    (with `threshold`: prefix-filtered, exact at and above it)."""
     files = sorted(eval_dir.glob("*.jsonl")) if eval_dir.is_dir() else []
+    entries = []
     for f in files:
         rows = [(i, t) for i, row in enumerate(read_jsonl(f), 1) for t in prompt_texts(row)]
         prefix, suffix = template_of([t for _, t in rows])
-        for i, t in rows:
-            index.add(strip_template(t, prefix, suffix), f"{f.name}:{i}")
+        entries += [(strip_template(t, prefix, suffix), f"{f.name}:{i}") for i, t in rows]
+    index = NgramIndex(n, threshold, gram_frequencies((t for t, _ in entries), n) if threshold is not None else None)
+    for t, label in entries:
+        index.add(t, label)
     return index, [f.name for f in files]
 
 
@@ -157,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--ngram", type=int, default=3)
     a = ap.parse_args(argv)
-    index, files = eval_index(a.eval, a.ngram)
+    index, files = eval_index(a.eval, a.ngram, a.threshold)
     if not files:
         print(f"error: no benchmark prompts (*.jsonl) under {a.eval}; pass --eval DIR", file=sys.stderr)
         return 2

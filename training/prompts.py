@@ -14,8 +14,8 @@ from pathlib import Path
 
 from core.errors import UsageError
 from training.config import REPO_ROOT, fingerprint
-from training.domains import group_counts, magpie_plan, split
-from training.overlap import NgramIndex, eval_index, prompt_texts, read_jsonl
+from training.domains import apply_templates, group_counts, magpie_plan, split
+from training.overlap import NgramIndex, eval_index, gram_frequencies, prompt_texts, read_jsonl
 from training.store import is_done, staged, write_json, write_jsonl
 
 SENTINEL = "\x00MAGPIE\x00"
@@ -26,8 +26,10 @@ def out_dir(cfg: dict) -> Path:
 
 
 def stage_key(cfg: dict, eval_files: list[str]) -> str:
-    return fingerprint({"prompts": cfg["prompts"], "target": cfg["target"], "seed": cfg["seed"],
-                        "eval": eval_files})
+    key = {"prompts": cfg["prompts"], "target": cfg["target"], "seed": cfg["seed"], "eval": eval_files}
+    if cfg["prompts"]["magpie"]:  # the generated prompts depend on the engine that wrote them
+        key["magpie_engine"] = cfg["responses"]["engine"]
+    return fingerprint(key)
 
 
 def _repo_path(p: str) -> Path:
@@ -65,27 +67,35 @@ def magpie_prompts(cfg: dict, model, tokenizer) -> list[dict]:
     """Per domain (training/domains.py): the target continues its user-turn prefix (after the domain's system
     prompt) from each row's seed words; the prompt is the seed plus what it wrote before its end of turn."""
     from tqdm import tqdm
-    from training.gen import generate_batch, stop_ids
+    from training.gen import generate_batch, generate_fast, stop_ids
     pc = cfg["prompts"]
     stops = stop_ids(model, tokenizer)
+    fast = cfg["responses"]["engine"] == "fast"
     rows, batch, offset = [], max(1, pc["magpie_batch"]), 0
     for dom in magpie_plan(pc):
         prefix = user_turn_prefix(tokenizer, dom["system"])
         seeds = dom["seeds"]
         ids = [tokenizer(prefix + s, add_special_tokens=False)["input_ids"] for s in seeds]
         n_all = dom["count"]
-        for start in tqdm(range(0, n_all, batch), desc=f"magpie prompts{' ' + dom['name'] if dom['name'] else ''}",
-                          unit="batch"):
-            n = min(batch, n_all - start)
-            picks = [(start + j) % len(seeds) for j in range(n)]
-            outs = generate_batch(model, [ids[k] for k in picks], pc["magpie_max_new_tokens"], stops,
-                                  tokenizer.pad_token_id, sample=True, temperature=pc["magpie_temperature"],
-                                  top_p=pc["magpie_top_p"], seed=cfg["seed"] * 100003 + offset + start,
-                                  keep_stop=False)
-            for j, (k, out) in enumerate(zip(picks, outs)):
-                text = (seeds[k] + tokenizer.decode(out, skip_special_tokens=True)).strip()
-                rows.append({"text": text, "source": f"{dom['source']}:{start + j}"})
+        picks = [j % len(seeds) for j in range(n_all)]
+        kw = dict(sample=True, temperature=pc["magpie_temperature"], top_p=pc["magpie_top_p"], keep_stop=False)
+        if fast:  # the responses stage's engine, every row of the domain in one continuous batch
+            outs = generate_fast(model, [ids[k] for k in picks], pc["magpie_max_new_tokens"], stops,
+                                 seed=cfg["seed"] * 100003 + offset, rows=batch, **kw)
+        else:
+            outs = []
+            for start in tqdm(range(0, n_all, batch), desc=f"magpie prompts{' ' + dom['name'] if dom['name'] else ''}",
+                              unit="batch"):
+                outs += generate_batch(model, [ids[k] for k in picks[start:start + batch]],
+                                       pc["magpie_max_new_tokens"], stops, tokenizer.pad_token_id,
+                                       seed=cfg["seed"] * 100003 + offset + start, **kw)
+        for j, (k, out) in enumerate(zip(picks, outs)):
+            text = (seeds[k] + tokenizer.decode(out, skip_special_tokens=True)).strip()
+            rows.append({"text": text, "source": f"{dom['source']}:{j}"})
         offset += n_all
+    if fast:
+        from training.gen import release_fast
+        release_fast(model)
     return rows
 
 
@@ -106,7 +116,7 @@ def check_overlap(rows: list[dict], index: NgramIndex, threshold: float, refuse:
 
 def filter_rows(rows: list[dict], cfg: dict) -> tuple[list[dict], dict]:
     pc = cfg["prompts"]
-    seen = NgramIndex(pc["ngram"])
+    seen = NgramIndex(pc["ngram"], pc["dedup_jaccard"], gram_frequencies((r["text"] for r in rows), pc["ngram"]))
     kept, dropped = [], {"length": 0, "duplicate": 0}
     for r in rows:
         if not pc["min_chars"] <= len(r["text"]) <= pc["max_chars"]:
@@ -123,7 +133,7 @@ def filter_rows(rows: list[dict], cfg: dict) -> tuple[list[dict], dict]:
 def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) -> Path:
     pc = cfg["prompts"]
     edir = _repo_path(eval_dir or pc["eval_dir"])
-    index, eval_files = eval_index(edir, pc["ngram"])
+    index, eval_files = eval_index(edir, pc["ngram"], pc["overlap_jaccard"])
     out = out_dir(cfg)
     key = stage_key(cfg, eval_files)
     rows = jsonl_prompts(cfg)
@@ -137,12 +147,16 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
               "(pass --eval-dir)")
     generated, magpie_counts = 0, {}
     if pc["magpie"]:
+        if cfg["responses"]["engine"] == "fast":
+            from training.gen import check_engine
+            check_engine(cfg)
         model, tokenizer = load()
         magpie = magpie_prompts(cfg, model, tokenizer)
         generated, magpie_counts = len(magpie), group_counts(magpie)
         rows += check_overlap(magpie, index, pc["overlap_jaccard"], refuse=False)
     kept, dropped = filter_rows(rows, cfg)
     dropped["benchmark_overlap_generated"] = generated - sum(r["source"].startswith("magpie:") for r in rows)
+    kept = apply_templates(kept, pc["templates"], cfg["seed"])
     train, selection, held = split(kept, pc["heldout"], pc["selection"], cfg["seed"])
     with staged(out) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
@@ -153,6 +167,7 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
             "sources": {"train": group_counts(train), "selection": group_counts(selection),
                         "heldout": group_counts(held)},
             "magpie_generated": generated, "magpie_domains": magpie_counts, "dropped": dropped,
+            "templated": sum("template" in r for r in kept),
             "eval_files": eval_files, "eval_dir": str(edir)})
     print(f"prompts: {len(train)} train + {len(selection)} selection + {len(held)} held-out -> {out} "
           f"(dropped {dropped})")

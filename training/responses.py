@@ -103,22 +103,8 @@ def parts_per_call(cfg) -> int:
     return max(1, -(-4 * cfg["responses"]["batch_size"] // PART_PROMPTS))
 
 
-def check_engine(cfg) -> None:
-    """Before any model loads: a known engine, and a target family the fast engine runs."""
-    from training.gen import ENGINES
-    engine = cfg["responses"]["engine"]
-    if engine not in ENGINES:
-        raise UsageError(f"config responses.engine {engine!r}: use one of {', '.join(ENGINES)}")
-    if engine == "fast":
-        from harness.decode.target import PLAIN_FAMILIES
-        from training.target import target_config
-        family = getattr(target_config(cfg["target"]), "model_type", None)
-        if family not in PLAIN_FAMILIES:
-            raise UsageError(f"config responses.engine fast runs {', '.join(PLAIN_FAMILIES)} targets, not "
-                             f"{family!r}; set responses.engine=hf")
-
-
 def run(cfg: dict, load, force: bool = False) -> Path:
+    from training.gen import check_engine
     check_engine(cfg)
     out = out_dir(cfg)
     key = stage_key(cfg)

@@ -142,6 +142,10 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
     hm = read_manifest(hidden_dir(cfg))
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg, name, verifier, hm["layer_ids"], attn)
+    from training import compiling
+    mode = compiling.apply(model, tc["compile"], device.type)
+    if device.type == "cuda":
+        print(f"train {name}: torch.compile covers {mode} (train.compile={tc['compile']})")
     src = warm.source(cfg, name)
     warm_step = warm.load(model, src, name) if src is not None else 0
     if taps is not None:
@@ -170,10 +174,19 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               eval_fn=held_out, eval_every=tc["eval_every"], stop_after_step=tc["stop_after_step"],
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
-                              warm_step=warm_step)
+                              warm_step=warm_step, fit=fit_plan(tc, total))
+    trainer.compile_mode = mode
     if trainer.warm_started:
         print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer)")
     return trainer, total, out
+
+
+def fit_plan(tc: dict, total: int) -> dict | None:
+    """train.fit_box's probe (training/fit.py), or None."""
+    if not tc["fit_box"]:
+        return None
+    return {"probe": tc["fit_probe_steps"], "reserve": tc["fit_reserve"],
+            "planned": total, "warmup_ratio": tc["warmup_ratio"]}
 
 
 def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float = 0.0, taps=None,
@@ -195,11 +208,15 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
     try:
         trainer.run_training()
     except StopRequested as stop:
-        if not (trainer.deadline_hit and tc["on_deadline"] == "finish"):
+        if trainer.fit_reached and not trainer.deadline_hit:
+            print(f"train {name}: finished the plan fitted to the box at step {stop.args[0]} (of {total} planned "
+                  "before the fit)")
+        elif not (trainer.deadline_hit and tc["on_deadline"] == "finish"):
             print(f"train {name}: stopped after step {stop.args[0]} with a checkpoint; run again to resume")
             return None
-        print(f"train {name}: train.max_minutes reached at step {stop.args[0]} of {total}; that checkpoint is the "
-              "final model (train.on_deadline=finish)")
+        else:
+            print(f"train {name}: train.max_minutes reached at step {stop.args[0]} of {trainer.planned_steps or total};"
+                  " that checkpoint is the final model (train.on_deadline=finish)")
     finally:
         mlog.removeHandler(handler)
     if held_out is not None:
@@ -207,11 +224,14 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
     with box.timed("finish"):
         last = max(int(p.name) for p in out.iterdir() if p.is_dir() and p.name.isdigit())
         write_json(out / "manifest.json", {"key": key, "complete": True, "final": str(last),
-                                           "global_step": trainer.global_step, "planned_steps": total,
-                                           "truncated": trainer.deadline_hit, "evals": trainer.evals})
+                                           "global_step": trainer.global_step,
+                                           "planned_steps": trainer.planned_steps or total,
+                                           "truncated": trainer.deadline_hit, "evals": trainer.evals,
+                                           "fit": trainer.fit_record})
     write(out / FILE, box.record({"first_step": start_step, "last_step": trainer.global_step,
                                   "box_s": max_seconds or None, "hidden_mode": cfg["hidden"]["mode"],
-                                  "total_seq_len": tc["total_seq_len"]}), name)
+                                  "total_seq_len": tc["total_seq_len"], "compile": trainer.compile_mode,
+                                  "fit": trainer.fit_record}), name)
     return out / str(last)
 
 
@@ -250,7 +270,9 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
             print(f"train: out of time (train.max_minutes={cfg['train']['max_minutes']}); run again to continue "
                   f"with {n}")
             break
-        done[n] = train_one(cfg, n, verifier, held, max(left, 1e-3) if budget else 0.0, taps,
+        own = (cfg["models"][n]["max_minutes"] or 0) * 60  # a model's own box, inside the stage's
+        box_s = min(left, own) if budget and own else (left if budget else own)
+        done[n] = train_one(cfg, n, verifier, held, max(box_s, 1e-3) if box_s else 0.0, taps,
                             started if todo and n == todo[0] else None)
         if done[n] is None:
             break

@@ -76,7 +76,7 @@ class PipelineTrainer(Trainer):
     def __init__(self, model, config, train_loader, val_loader, *, device: torch.device, seed: int,
                  eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
                  max_seconds: float = 0.0, box=None, eval_max_seconds: float = 0.0, eval_share: float = 1.0,
-                 warm_step: int = 0):
+                 warm_step: int = 0, fit: dict | None = None):
         from training.box import Box
         self._device, self._seed = device, seed
         self.box = box or Box(device)
@@ -84,7 +84,9 @@ class PipelineTrainer(Trainer):
         self.warm_started = False
         model.register_forward_pre_hook(self._count, with_kwargs=True)
         self._deadline = time.monotonic() + max_seconds if max_seconds else None
-        self.deadline_hit = False
+        self.deadline_hit = self.fit_reached = False
+        self._fit = fit if fit and max_seconds else None  # training/fit.py; needs a box
+        self.fit_record: dict | None = None
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
@@ -104,6 +106,9 @@ class PipelineTrainer(Trainer):
 
     def setup_optimizer(self):
         super().setup_optimizer()
+        if self._fit:
+            from training.fit import check_schedulers
+            check_schedulers(self.schedulers)
         if self.warm_started:  # the schedule at the warm step (LambdaLR: lr = base * lambda(last_epoch))
             for sched in self.schedulers:
                 sched.last_epoch = self._warm_step - 1
@@ -118,14 +123,51 @@ class PipelineTrainer(Trainer):
     def _reseed(self):
         torch.manual_seed(self._seed * 1_000_003 + self.global_step)
 
+    def _finish_here(self):
+        """Checkpoint at this step and stop (StopRequested from maybe_save_checkpoint)."""
+        epoch, g0, l0 = self._epoch_start
+        self._stop_after = self.global_step
+        self.maybe_save_checkpoint(epoch, local_step=l0 + self.global_step - g0)
+
+    def _maybe_fit(self):
+        """training/fit.py: time this process's steps 2 .. 1 + probe, then fit the plan to what the box has left."""
+        from training.fit import fitted_total, replan
+        f = self._fit
+        self._fit_steps = getattr(self, "_fit_steps", 0) + 1
+        if self._fit_steps == 1:  # the first step (it compiles) is over: the clock starts
+            self.box.sync()
+            self._fit_t1 = (self.global_step, time.monotonic())
+        elif self._fit_steps == 1 + f["probe"]:
+            self.box.sync()
+            g1, t1 = self._fit_t1
+            rate = (self.global_step - g1) / (time.monotonic() - t1)
+            left = self._deadline - time.monotonic()
+            total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
+            warm = replan(self.schedulers, total, f["warmup_ratio"]) if total < f["planned"] else None
+            self.fit_record = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
+                               "box_left_s": round(left, 1), "reserve": f["reserve"], "planned_steps": f["planned"],
+                               "fitted_steps": total, "warmup_steps": warm}
+            print(f"fit to the box: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s left "
+                  f"(reserve {100 * f['reserve']:.0f}%): plan {f['planned']} -> {total} steps"
+                  + (f", warmup {warm}" if warm is not None else " (all of it fits)"), flush=True)
+
+    @property
+    def planned_steps(self) -> int | None:
+        """The fitted plan when it is shorter than the planned one, else None."""
+        r = self.fit_record
+        return r["fitted_steps"] if r and r["fitted_steps"] < r["planned_steps"] else None
+
     def _after_step(self):
         self.box.step_done()
         self._reseed()
+        if self._fit and self.fit_record is None:
+            self._maybe_fit()
+        if self.planned_steps is not None and self.global_step >= self.planned_steps:  # the fitted plan's end
+            self.fit_reached = True
+            self._finish_here()
         if self._deadline is not None and time.monotonic() > self._deadline:  # out of time: checkpoint and stop
-            epoch, g0, l0 = self._epoch_start
             self.deadline_hit = True
-            self._stop_after = self.global_step
-            self.maybe_save_checkpoint(epoch, local_step=l0 + self.global_step - g0)
+            self._finish_here()
         if self._eval_fn is not None and self._eval_every and self.global_step % self._eval_every == 0:
             elapsed = self.box.now() - self.box.t0
             if self.box.parts["held_out"] <= self._eval_share * elapsed:

@@ -1,0 +1,80 @@
+"""The prompts stage at 100K-prompt scale (issue 26 item 4): the near-duplicate and benchmark-overlap filters are
+prefix-filtered (exact at and above their threshold, without comparing every prompt with every prompt that shares
+an opening), and instruction templates are applied after both filters compared the bare text."""
+import math
+import random
+
+import pytest
+
+from core.errors import UsageError
+from training.domains import apply_templates, validate_templates
+from training.overlap import NgramIndex, gram_frequencies, ngrams
+
+
+def _brute(texts_in: list[str], query: str, n: int) -> float:
+    q = ngrams(query, n)
+    return max((len(q & s) / len(q | s) for s in map(lambda t: ngrams(t, n), texts_in)), default=0.0)
+
+
+def _texts(seed: int) -> list[str]:
+    """Edits of a few base texts over a 12-word vocabulary: most pairs share n-grams, many cross 0.5 and 0.8."""
+    rng = random.Random(seed)
+    vocab = [f"w{i}" for i in range(12)]
+    bases = [[rng.choice(vocab) for _ in range(rng.randint(4, 14))] for _ in range(6)]
+    texts = []
+    for _ in range(300):
+        words = list(rng.choice(bases))
+        for _ in range(rng.randint(0, 3)):
+            words[rng.randrange(len(words))] = rng.choice(vocab)
+        texts.append(" ".join(words))
+    return texts
+
+
+def _dedup_errors(cls, threshold: float) -> tuple[int, int]:
+    """(queries where the index and brute force disagree on a match >= threshold or its Jaccard, matches)."""
+    texts = _texts(1)
+    index, kept, errors, hits = cls(2, threshold, gram_frequencies(texts, 2)), [], 0, 0
+    for i, t in enumerate(texts):
+        j, truth = index.best(t)[1], _brute(kept, t, 2)
+        errors += (j >= threshold) != (truth >= threshold) or (truth >= threshold and abs(j - truth) > 1e-12)
+        if truth >= threshold:
+            hits += 1
+            continue
+        index.add(t, str(i))
+        kept.append(t)
+    return errors, hits
+
+
+class _OneShort(NgramIndex):
+    """The prefix rule without its `+ 1`: one n-gram too few indexed and probed."""
+
+    def _probe(self, grams):
+        order = sorted(grams, key=lambda g: (self.df.get(g, 0), g))
+        return order[:len(order) - math.ceil(self.threshold * len(order) - 1e-9)]
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.8])
+def test_prefix_filtered_index_is_exact_at_and_above_its_threshold(threshold):
+    """For every query, the thresholded index finds a match >= threshold exactly when brute force does, with the
+    same Jaccard; the same data catch a prefix rule one n-gram short (the test's power)."""
+    errors, hits = _dedup_errors(NgramIndex, threshold)
+    assert errors == 0 and hits > 50
+    assert _dedup_errors(_OneShort, threshold)[0] > 0
+
+
+def test_templates_wrap_only_their_sources_after_the_filters():
+    rows = [{"text": f"q{i}", "source": f"gsm8k.jsonl:{i}"} for i in range(200)] + \
+        [{"text": f"m{i}", "source": f"magpie:chat:{i}"} for i in range(50)]
+    t = [{"sources": ["gsm8k.jsonl"], "suffix": "\nPlease reason step by step.", "share": 0.75}]
+    out = apply_templates(rows, t, seed=0)
+    wrapped = [r for r in out if "template" in r]
+    assert all(r["source"].startswith("gsm8k.jsonl:") and r["text"].endswith("step by step.") for r in wrapped)
+    assert 120 <= len(wrapped) <= 180  # share 0.75 of 200 (binomial sd 6)
+    assert [r["text"] for r in out if "template" not in r and r["source"].startswith("magpie")] == \
+        [f"m{i}" for i in range(50)]
+    assert apply_templates(rows, t, seed=0) == out  # seeded
+    for bad, msg in (([{"suffix": "x"}], "expected an object"), ([{"sources": [], "suffix": "x"}], "non-empty"),
+                     ([{"sources": ["a"]}], "prefix or a suffix"),
+                     ([{"sources": ["a"], "suffix": "x", "share": 0}], r"share must be a number in \(0, 1\]")):
+        with pytest.raises(UsageError, match=msg):
+            validate_templates(bad)

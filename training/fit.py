@@ -1,0 +1,43 @@
+"""train.fit_box: the planned steps fitted to the time box, from the measured step rate.
+
+A box (train.max_minutes) that ends before the planned steps cuts the run with its learning rate still high (the
+earlier 7-minute box stopped at 1,470 of 12,396 steps). With fit_box, after `train.fit_probe_steps` steps past
+the first (the first compiles), the rate measured over them (device synchronised at both ends) gives the steps
+the box's remaining time holds, less `train.fit_reserve` of it (kept for validation, evaluation, checkpoints and
+export). When that is fewer than planned, the run plans that many instead: speculators' warmup + decay schedule
+is re-planned over them (the warmup keeps its ratio), and the run ends there as a finished run, not a truncated
+one. The fit is recorded in the manifest and box.json. It depends on the machine's speed, so a rerun elsewhere
+may plan another number of steps; a resumed checkpoint plans from its own box.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+from core.errors import UsageError
+
+_KEYS = ("num_warmup_steps", "num_training_steps")
+
+
+def check_schedulers(schedulers) -> None:
+    """speculators 0.9.0 builds transformers' warmup schedules: LambdaLR over a partial of (warmup, total)."""
+    for s in schedulers:
+        for f in getattr(s, "lr_lambdas", [None]):
+            if not isinstance(f, functools.partial) or not all(k in f.keywords for k in _KEYS):
+                raise UsageError("train.fit_box: this speculators/transformers version's LR schedule is not a "
+                                 "partial over (num_warmup_steps, num_training_steps); set train.fit_box false")
+
+
+def fitted_total(step: int, rate: float, left_s: float, reserve: float, planned: int) -> int:
+    """The steps a run at `step`, going at `rate` steps/s, can reach in `left_s` seconds less `reserve` of them."""
+    return max(step + 1, min(planned, step + math.floor(rate * left_s * (1.0 - reserve))))
+
+
+def replan(schedulers, total: int, warmup_ratio: float) -> int:
+    """Every schedule's warmup and decay re-planned over `total` steps; returns the warmup steps."""
+    warm = math.ceil(warmup_ratio * total)
+    for s in schedulers:
+        s.lr_lambdas = [functools.partial(f.func, *f.args, **{**f.keywords, "num_warmup_steps": warm,
+                                                               "num_training_steps": total})
+                        for f in s.lr_lambdas]
+    return warm
