@@ -28,7 +28,7 @@ DEFAULTS = {
                 "max_chars": 2000, "dedup_jaccard": 0.8, "overlap_jaccard": 0.5, "ngram": 3,
                 "eval_dir": "data/eval", "heldout": 8, "selection": 8, "magpie_domains": [], "templates": []},
     "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
-                  "max_prompt_tokens": 512, "engine": "fast"},   # engine: fast (harness.decode.batched_gen) | hf
+                  "max_prompt_tokens": 512, "engine": "fast", "max_minutes": 0},   # engine: fast (harness.decode.batched_gen) | hf
     "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0, "mode": "offline",
                "target_dtype": "float32"},
     "train": {"device": "auto", "attn_impl": "auto", "compile": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,

@@ -25,7 +25,7 @@ SETS = ("selection", "heldout")
 
 def read_set(cfg: dict, name: str) -> list[dict]:
     from training.prompts import out_dir
-    return [json.loads(line) for line in (out_dir(cfg) / f"{name}.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out_dir(cfg) / f"{name}.jsonl").read_text().split("\n") if line.strip()]
 
 
 def eval_key(cfg: dict, name: str, final: Path) -> str:

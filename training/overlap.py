@@ -104,7 +104,7 @@ def prompt_texts(row: dict) -> list[str]:
 def read_jsonl(path: Path) -> list[dict]:
     from core.errors import UsageError
     rows = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for i, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:

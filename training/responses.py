@@ -26,7 +26,8 @@ def out_dir(cfg: dict) -> Path:
 
 
 def stage_key(cfg: dict) -> str:
-    return fingerprint({"responses": cfg["responses"], "prompts": read_manifest(prompts_dir(cfg))["key"],
+    rc = {k: v for k, v in cfg["responses"].items() if k != "max_minutes"}  # a box is run control
+    return fingerprint({"responses": rc, "prompts": read_manifest(prompts_dir(cfg))["key"],
                         "seed": cfg["seed"]})
 
 
@@ -39,7 +40,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def read_rows(cfg: dict) -> list[dict]:
     rows = []
     for f in sorted((out_dir(cfg) / "parts").glob("part_*.jsonl")):
-        rows += [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        rows += [json.loads(line) for line in f.read_text().split("\n") if line.strip()]
     return rows
 
 
@@ -113,14 +114,23 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     write_json(out / "manifest.json", {"key": key, "complete": False})
-    prompts = [json.loads(line) for line in (prompts_dir(cfg) / "train.jsonl").read_text().splitlines()]
+    prompts = [json.loads(line) for line in (prompts_dir(cfg) / "train.jsonl").read_text().split("\n") if line.strip()]
     groups = [prompts[i:i + PART_PROMPTS] for i in range(0, len(prompts), PART_PROMPTS)]
     model, tokenizer = load()
     todo = [(g, group) for g, group in enumerate(groups) if not (parts / f"part_{g:04d}.jsonl").exists()]
     hf = cfg["responses"]["engine"] == "hf"
     step = 1 if hf else parts_per_call(cfg)
+    import time
+    box = cfg["responses"]["max_minutes"] * 60
+    deadline = time.monotonic() + box
+    cut = 0
     with tqdm(total=len(todo), desc="responses", unit="part") as bar:
         for at in range(0, len(todo), step):
+            if box and time.monotonic() > deadline:  # the box is spent: the stage ends with the parts written
+                cut = len(todo) - at
+                print(f"responses: responses.max_minutes={cfg['responses']['max_minutes']} reached; {cut} of "
+                      f"{len(groups)} parts not generated (their prompts are left out)")
+                break
             batch = todo[at:at + step]
             done = ({g: _part(cfg, model, tokenizer, group, g) for g, group in batch} if hf
                     else _fast_parts(cfg, model, tokenizer, batch))
@@ -135,6 +145,7 @@ def run(cfg: dict, load, force: bool = False) -> Path:
         release_fast(model)
     rows = read_rows(cfg)
     write_json(out / "manifest.json", {"key": key, "complete": True, "sequences": len(rows),
+                                       "parts": len(groups) - cut, "parts_planned": len(groups),
                                        "response_tokens": sum(len(r["response"]) for r in rows),
                                        "prompt_tokens": sum(len(r["prompt"]) for r in rows)})
     print(f"responses: {len(rows)} sequences -> {out}")
