@@ -78,3 +78,46 @@ def test_templates_wrap_only_their_sources_after_the_filters():
                      ([{"sources": ["a"], "suffix": "x", "share": 0}], r"share must be a number in \(0, 1\]")):
         with pytest.raises(UsageError, match=msg):
             validate_templates(bad)
+
+
+def _tiny_run(tmp_path, sources: dict, responses: dict):
+    import torch
+    from tiny import save_tiny_checkpoint
+    from training import prompts
+    from training.config import load_config
+    from training.target import load_hf
+    save_tiny_checkpoint(tmp_path / "target")
+    files = []
+    for name, n in sources.items():
+        f = tmp_path / name
+        f.write_text("".join('{"question": "%s question number %d about apples and \\u2028 pears"}\n' % (name, i)
+                             for i in range(n)))
+        files.append(str(f))
+    (tmp_path / "eval").mkdir()
+    import json
+    (tmp_path / "c.json").write_text(json.dumps({
+        "target": str(tmp_path / "target"), "models": {"d": {}},
+        "prompts": {"jsonl": files, "min_chars": 4, "dedup_jaccard": 1.1, "heldout": 2, "selection": 2,
+                    "eval_dir": str(tmp_path / "eval")},
+        "responses": {"max_new_tokens": 4, "batch_size": 4, "sampled": 0, **responses}}))
+    cfg = load_config(str(tmp_path / "c.json"), workdir=str(tmp_path / "work"))
+    hf = load_hf(cfg["target"], torch.device("cpu"))
+    prompts.run(cfg, load=lambda: hf)
+    return cfg, hf
+
+
+def test_a_boxed_responses_stage_keeps_every_source_and_reads_u2028(tmp_path, monkeypatch):
+    """responses.max_minutes: the first call of parts always runs, then the box ends the stage complete, with what
+    it wrote (manifest: parts 2 of 8). Parts follow a seeded shuffle of the prompts, so that those 2 parts hold both
+    source files (train.jsonl lists them file by file: unshuffled, the 16 prompts would all come from a.jsonl).
+    Every prompt holds U+2028, which str.splitlines took for a line break (the H200 run stopped on it)."""
+    import json
+    from training import responses
+    monkeypatch.setattr(responses, "PART_PROMPTS", 8)
+    cfg, hf = _tiny_run(tmp_path, {"a.jsonl": 32, "b.jsonl": 32}, {"max_minutes": 1e-6})
+    out = responses.run(cfg, load=lambda: hf)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["complete"] and (m["parts"], m["parts_planned"]) == (2, 8) and m["sequences"] == 16
+    rows = responses.read_rows(cfg)
+    assert {r["source"].split(":")[0] for r in rows} == {"a.jsonl", "b.jsonl"}
+    assert responses.run(cfg, load=lambda: hf) == out  # up to date: the box is not part of the stage's key

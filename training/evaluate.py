@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from training.config import fingerprint, model_fingerprint
+from training.overlap import read_jsonl
 from training.store import read_manifest, write_json
 
 FILE = "acceptance.json"
@@ -25,7 +26,7 @@ SETS = ("selection", "heldout")
 
 def read_set(cfg: dict, name: str) -> list[dict]:
     from training.prompts import out_dir
-    return [json.loads(line) for line in (out_dir(cfg) / f"{name}.jsonl").read_text().split("\n") if line.strip()]
+    return read_jsonl(out_dir(cfg) / f"{name}.jsonl")
 
 
 def eval_key(cfg: dict, name: str, final: Path) -> str:
