@@ -31,6 +31,12 @@ def test_box_accounting_sums_to_the_box(tmp_path):
     assert box["steps_share"] == pytest.approx(parts["steps"] / box["wall_s"], abs=1e-3) and box["steps_share"] > 0.4
     assert box["tokens_per_s"] == pytest.approx(box["packed_tokens"] / parts["steps"], rel=1e-3)
     assert 0 < box["loss_tokens"] < box["packed_tokens"]
+    # the first step apart (on the H200 it held 118.9 s of compile and loader start): the steady rate excludes it
+    first = box["first_step_s"]
+    assert 0 < first < parts["steps"]
+    assert box["steady_steps_per_s"] == pytest.approx((box["steps"] - 1) / (parts["steps"] - first), rel=1e-3)
+    assert box["steady_tokens_per_s"] == pytest.approx(
+        box["packed_tokens"] * (box["steps"] - 1) / box["steps"] / (parts["steps"] - first), rel=1e-3)
     # held-out evaluations are capped by eval_share: far fewer than one every 2 steps would be, but the final one runs
     assert 1 <= len(manifest["evals"]) < box["steps"] // 2
 

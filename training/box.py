@@ -13,7 +13,9 @@ Parts, each timed on its own (on CUDA the device is synchronised at each part's 
 box being written; `wall_s` = train_wall_s + export (its export part, timed in the export stage, which runs after
 every model has trained); `unaccounted_s` = wall_s - the parts (the gaps between them). Tokens: `packed_tokens` are the real tokens of the packed rows the steps
 trained on (`document_ids != -1`, padding excluded; what speculators' profile calls num_tokens) and `loss_tokens`
-those with loss_mask 1; tokens_per_s = packed_tokens / steps_s.
+those with loss_mask 1; tokens_per_s = packed_tokens / steps_s. `first_step_s` is the process's first step (compile,
+loader workers, warm-up: 118.9 s of a box on the H200), `steady_steps_per_s` and `steady_tokens_per_s` the rates of
+the steps after it (tokens: an average step's share taken out for the first).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ class Box:
         self._mark = None  # while the step clock runs: when the current step began
         self._packed = self._loss = None
         self.steps = 0
+        self.first_step_s = None  # this process's first step: compile, loader workers starting, CUDA warm-up
 
     def now(self) -> float:
         return time.perf_counter()
@@ -62,6 +65,8 @@ class Box:
 
     def step_done(self) -> None:
         t = self.now()
+        if self.first_step_s is None:
+            self.first_step_s = t - self._mark
         self.parts["steps"] += t - self._mark
         self._mark = t
         self.steps += 1
@@ -88,13 +93,26 @@ class Box:
                 "steps_share": round(steps_s / wall, 4) if wall else 0.0, "steps": self.steps,
                 "steps_per_s": round(self.steps / steps_s, 3) if steps_s else 0.0, "packed_tokens": packed,
                 "loss_tokens": loss, "tokens_per_s": round(packed / steps_s, 1) if steps_s else 0.0,
-                "loss_tokens_per_s": round(loss / steps_s, 1) if steps_s else 0.0, **(extra or {})}
+                "loss_tokens_per_s": round(loss / steps_s, 1) if steps_s else 0.0,
+                **self._steady(steps_s, packed), **(extra or {})}
+
+    def _steady(self, steps_s: float, packed: int) -> dict:
+        """The steps after the first: their rate, and the tokens' (the first step's share of the tokens taken out
+        as an average step's)."""
+        rest = steps_s - (self.first_step_s or 0.0)
+        if self.steps < 2 or rest <= 0:
+            return {"first_step_s": round(self.first_step_s, 4) if self.first_step_s else None,
+                    "steady_steps_per_s": None, "steady_tokens_per_s": None}
+        return {"first_step_s": round(self.first_step_s, 4), "steady_steps_per_s": round((self.steps - 1) / rest, 3),
+                "steady_tokens_per_s": round(packed * (self.steps - 1) / self.steps / rest, 1)}
 
 
 def write(path: Path, rec: dict, name: str) -> None:
     path.write_text(json.dumps(rec, indent=1) + "\n")
+    steady = (f", first step {rec['first_step_s']:.1f} s, then {rec['steady_tokens_per_s']:.0f} packed tokens/s"
+              if rec.get("steady_tokens_per_s") else "")
     print(f"box {name}: {rec['wall_s']:.1f} s, {100 * rec['steps_share']:.1f}% steps ({rec['steps']} steps, "
-          f"{rec['tokens_per_s']:.0f} packed tokens/s, {rec['loss_tokens_per_s']:.0f} loss tokens/s); " +
+          f"{rec['tokens_per_s']:.0f} packed tokens/s, {rec['loss_tokens_per_s']:.0f} loss tokens/s{steady}); " +
           ", ".join(f"{k} {v:.1f} s" for k, v in rec["parts_s"].items() if k != "steps") +
           f"; unaccounted {rec['unaccounted_s']:.2f} s", flush=True)
 
