@@ -53,7 +53,7 @@ class TritonOps(Ops):
     def sized(self, rows, groups, prefill=False):
         if prefill:
             return self.torch
-        if not kernels.fits(rows, groups):
+        if not kernels.fits(rows, groups, self.launch.batch_invariant):
             if rows <= kernels.MAX_ROWS:
                 self.fallbacks["forward", f"{rows} rows x {groups} query heads per K/V head"] += 1
             return self.torch
@@ -90,7 +90,8 @@ class TritonOps(Ops):
         return kernels.rms_norm(x, weight, eps, self.launch)
 
     def attention(self, qkv, kv, layer, span, cos, sin, n_q, scale, q_norm=None, k_norm=None, eps=0.0):
-        if span.window is not None or not kernels.fits(qkv.shape[0], n_q // kv.n_kv_heads):
+        inv = self.launch.batch_invariant
+        if span.window is not None or not kernels.fits(qkv.shape[0], n_q // kv.n_kv_heads, inv):
             if qkv.shape[0] <= kernels.MAX_ROWS:
                 self.fallbacks["attention", "a sliding window" if span.window is not None else
                                f"{qkv.shape[0]} rows x {n_q // kv.n_kv_heads} query heads per K/V head"] += 1
