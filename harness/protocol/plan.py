@@ -26,6 +26,8 @@ from harness.protocol.results_io import atomic_write
 RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain", "reference_dtype",
                "given", "quiet")  # given: which flags were typed
 RESUMES = "resumes.json"
+# Flags added after runs were made: a config.json without one ran with its value here (so --resume still matches).
+ADDED_LATER = {"batch_invariant": False}
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,7 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
         raise UsageError(f"--resume {folder}: config.json is missing; is this a run folder?")
     saved = json.loads(open(path).read())
     now = dataclasses.asdict(cfg)
-    diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k) != now[k])
+    diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k, ADDED_LATER.get(k)) != now[k])
     if diff:
         raise UsageError(f"--resume {folder}: the run was started with other settings ({', '.join(diff[:4])}); "
                          "repeat the original command with --resume")
