@@ -71,7 +71,8 @@ def test_invariant_tiles_are_fixed_by_n_and_k_and_tile_the_rows():
 
 def test_the_flag_reaches_the_kernels():
     """Guards the plumbing: the runner's choose_ops (--batch-invariant) and bench_step's ops (--batch-invariant,
-    a lever's override) build the Triton ops on Launch(batch_invariant=...); before, the default launch."""
+    a lever's override) build the Triton ops on Launch(batch_invariant=...); before, the default launch. The
+    drafter's and refiners' ops (`proposing`) stay on the fastest tiles."""
     from types import SimpleNamespace
     from core.devices import Backend
     from harness.lab import bench_step
@@ -82,7 +83,11 @@ def test_the_flag_reaches_the_kernels():
         cfg = RunConfig(model_name_or_path="m", draft_name_or_path=None, dataset="d", kernels="triton",
                         batch_invariant=inv)
         plan = SimpleNamespace(config=cfg, backend=Backend(DEV, torch.float32), target_config=tiny_config())
-        assert choose_ops(plan).launch.batch_invariant is inv
+        ops = choose_ops(plan)
+        assert ops.launch.batch_invariant is inv
+        # the drafter and the refiners (harness.protocol.build: target.ops.proposing) keep the fastest tiles
+        assert not ops.proposing.launch.batch_invariant and ops.proposing.fallbacks is ops.fallbacks
+        assert (ops.proposing is ops) is not inv
     a = SimpleNamespace(pdl="off", batch_invariant=True)
     assert bench_step._ops(a, DEV).launch.batch_invariant and not bench_step._ops(a, DEV, invariant=False).launch \
         .batch_invariant

@@ -8,6 +8,7 @@ compiler, wrapped on first use so that importing this module does not import tor
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -49,6 +50,16 @@ class TritonOps(Ops):
         self.torch = torch_ops or TorchOps()
         self._outside: dict = {}
         self.fallbacks: Counter = Counter()
+
+    @property
+    def proposing(self):
+        if not self.launch.batch_invariant:
+            return self
+        if "proposing" not in self._outside:  # the same kernels on the fastest tiles; one fallback count
+            fast = TritonOps(self.device, replace(self.launch, batch_invariant=False), self.debug, self.torch)
+            fast.fallbacks = self.fallbacks
+            self._outside["proposing"] = fast
+        return self._outside["proposing"]
 
     def sized(self, rows, groups, prefill=False):
         if prefill:
