@@ -16,19 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from core.kernels.common import MAX_ROWS, MAX_SPLITS, Launch, after_previous, launch_opts, mma, \
-    pow2_at_least, prec, triton, tl, upcast
+from core.kernels.common import MAX_ROWS, MAX_SPLITS, Launch, after_previous, launch_opts, \
+    pow2_at_least, prec, triton, tl
 
 MAX_ATTN_ROWS = 128   # query rows (tokens x query heads per K/V head) one attention program keeps in registers
 BLOCK = 128           # slots a program reads at a time when it has at most 32 query rows (more rows: 32)
 MIN_BLOCKS = 4        # the fewest 64-slot blocks a split reads (a merge costs about as much as a few blocks)
-INVARIANT_ROWS = 16   # batch-invariant launches: query rows (and new tokens written) per pass of a program
 
 
-def fits(tokens: int, groups: int, invariant: bool = False) -> bool:
-    """Whether a decode forward of `tokens` rows with `groups` query heads per K/V head runs on these kernels
-    (invariant: batch-invariant launches, which take their query rows INVARIANT_ROWS at a time)."""
-    return tokens <= MAX_ROWS and (invariant or tokens * groups <= MAX_ATTN_ROWS)
+def fits(tokens: int, groups: int) -> bool:
+    """Whether a decode forward of `tokens` rows with `groups` query heads per K/V head runs on these kernels."""
+    return tokens <= MAX_ROWS and tokens * groups <= MAX_ATTN_ROWS
 
 
 def heads_fit(head_dim: int, n_q: int, n_kv: int) -> bool:
@@ -58,20 +56,19 @@ if triton is not None:
     def _store_kv(rows_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_rows, s_cs, s_kh, s_ks, HQ, h,
                   n_kv, eps, NORM: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
         """K/V head h of T projected rows (k heads from column block HQ, v heads after the n_kv k heads): k
-        normed (if NORM) and rotated, both written into the caches at the rows' positions, BLOCK_T rows at a time."""
+        normed (if NORM) and rotated, both written into the caches at the rows' positions."""
         d = tl.arange(0, D)
-        for t0 in range(0, T, BLOCK_T):
-            tt = t0 + tl.arange(0, BLOCK_T)
-            t_ok = tt < T
-            tpos = tl.load(pos_ptr + tt, mask=t_ok, other=0)
-            cs = tt[:, None] * s_cs + d[None, :]
-            cos = tl.load(cos_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
-            k = _norm_rope(rows_ptr + tt[:, None] * s_rows + (HQ + h) * D, t_ok, kn_ptr, cos, sin, d, eps, NORM, D)
-            dst = h * s_kh + tpos[:, None] * s_ks + d[None, :]
-            tl.store(kc_ptr + dst, k, mask=t_ok[:, None])
-            v = tl.load(rows_ptr + tt[:, None] * s_rows + (HQ + n_kv + h) * D + d[None, :], mask=t_ok[:, None])
-            tl.store(vc_ptr + dst, v, mask=t_ok[:, None])
+        tt = tl.arange(0, BLOCK_T)
+        t_ok = tt < T
+        tpos = tl.load(pos_ptr + tt, mask=t_ok, other=0)
+        cs = tt[:, None] * s_cs + d[None, :]
+        cos = tl.load(cos_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=t_ok[:, None], other=0.0).to(tl.float32)
+        k = _norm_rope(rows_ptr + tt[:, None] * s_rows + (HQ + h) * D, t_ok, kn_ptr, cos, sin, d, eps, NORM, D)
+        dst = h * s_kh + tpos[:, None] * s_ks + d[None, :]
+        tl.store(kc_ptr + dst, k, mask=t_ok[:, None])
+        v = tl.load(rows_ptr + tt[:, None] * s_rows + (HQ + n_kv + h) * D + d[None, :], mask=t_ok[:, None])
+        tl.store(vc_ptr + dst, v, mask=t_ok[:, None])
 
     @triton.jit
     def _kv_write_kernel(kv_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_kv, s_cs, s_kh, s_ks,
@@ -82,26 +79,16 @@ if triton is not None:
                   tl.program_id(0), tl.num_programs(0), eps, NORM, D, BLOCK_T)
 
     @triton.jit
-    def _rows(r0, T, h, s_ot, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr):
-        """Query rows r0.. of K/V head h (row r: query head h * GROUPS + r // T, token r % T): the rows, whether
-        each is one, its token, its query head, and its outputs' offsets in o."""
-        r = r0 + tl.arange(0, BLOCK_R)
-        t = r % T
-        head = h * GROUPS + r // T
-        return r, r < GROUPS * T, t, head, t[:, None] * s_ot + head[:, None] * D + tl.arange(0, D)[None, :]
-
-    @triton.jit
     def _attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr,
-                          pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, ROWS, scale, eps, NORM: tl.constexpr,
+                          pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr,
                           GROUPS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
-                          MIN_BLOCKS: tl.constexpr, PER: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr):
+                          MIN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
         # programs (K/V head, split): each split with slots to read writes its head's T new keys/values (norm,
-        # rope) into the cache (the splits write the same values), then its GROUPS*T query rows (norm, rope),
-        # BLOCK_R at a time, attend over its share of the slots [0, last position]: causally, or all of them (the
-        # drafter's block). With several splits each leaves its running max, sum and output in pm/pl/pa (ROWS
-        # rows a split), and the head's last split to arrive (a counter at cnt_ptr + head, left at 0) merges them
-        # in split order. PER > 0 (batch-invariant): PER slots a split, so a slot's split is fixed by its index.
+        # rope) into the cache (the splits write the same values), then its GROUPS*T query rows (norm, rope)
+        # attend over its share of the slots [0, last position]: causally, or all of them (the drafter's
+        # block). With several splits each leaves its running max, sum and output in pm/pl/pa, and the head's
+        # last split to arrive (a counter at cnt_ptr + head, left at 0) merges them in split order.
         after_previous(PDL)
         h = tl.program_id(0)
         sp = tl.program_id(1)
@@ -110,78 +97,75 @@ if triton is not None:
         kv_len = (tl.load(pos_ptr + T - 1) + 1).to(tl.int32)
         # slots per split: whole blocks, at least MIN_BLOCKS of them (a merge costs about as much as a few
         # blocks), so short caches use fewer splits and one split writes its result directly
-        if PER > 0:
-            per = PER
-        else:
-            per = tl.maximum(tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_S), MIN_BLOCKS) * BLOCK_S
+        per = tl.maximum(tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_S), MIN_BLOCKS) * BLOCK_S
         active = tl.cdiv(kv_len, per)
         if sp >= active:
             return
         _store_kv(qkv_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, T, s_qkv, s_cs, s_kh, s_ks, HQ, h,
                   tl.num_programs(0), eps, NORM, D, BLOCK_T)
+
+        r = tl.arange(0, BLOCK_R)
+        g = r // T
+        t = r % T
+        r_ok = r < GROUPS * T
+        head = h * GROUPS + g
+        qpos = tl.load(pos_ptr + t, mask=r_ok, other=0)
+        cs = t[:, None] * s_cs + d[None, :]
+        cos = tl.load(cos_ptr + cs, mask=r_ok[:, None], other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + cs, mask=r_ok[:, None], other=0.0).to(tl.float32)
+        q = _norm_rope(qkv_ptr + t[:, None] * s_qkv + head[:, None] * D, r_ok, qn_ptr, cos, sin, d, eps, NORM, D)
         tl.debug_barrier()  # this program's cache writes above are read below
 
         lo = sp * per
         hi = tl.minimum(lo + per, kv_len)
+        m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
         s = tl.arange(0, BLOCK_S)
         kbase = kc_ptr + h * s_kh
         vbase = vc_ptr + h * s_kh
-        for r0 in range(0, GROUPS * T, BLOCK_R):
-            r, r_ok, t, head, dst = _rows(r0, T, h, s_ot, GROUPS, D, BLOCK_R)
-            qpos = tl.load(pos_ptr + t, mask=r_ok, other=0)
-            cs = t[:, None] * s_cs + d[None, :]
-            cos = tl.load(cos_ptr + cs, mask=r_ok[:, None], other=0.0).to(tl.float32)
-            sin = tl.load(sin_ptr + cs, mask=r_ok[:, None], other=0.0).to(tl.float32)
-            q = _norm_rope(qkv_ptr + t[:, None] * s_qkv + head[:, None] * D, r_ok, qn_ptr, cos, sin, d, eps, NORM,
-                           D)
-            m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-            l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
-            acc = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-            for s0 in range(lo, hi, BLOCK_S):
-                sj = s0 + s
-                s_ok = sj < hi
-                kb = tl.load(kbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-                vb = tl.load(vbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
-                sc = mma(q, tl.trans(kb), PREC, UPCAST) * scale
-                if CAUSAL:
-                    sc = tl.where((sj[None, :] <= qpos[:, None]) & s_ok[None, :], sc, float("-inf"))
-                else:
-                    sc = tl.where(s_ok[None, :], sc, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(sc, axis=1))
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible slot yet stays empty
-                alpha = tl.exp(m_i - m_use)
-                p = tl.exp(sc - m_use[:, None])  # a masked slot: exactly 0
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + mma(p.to(dt), vb, PREC, UPCAST)
-                m_i = m_new
-            if SPLITS == 1:  # (a constexpr branch: no counter is passed then)
-                tl.store(o_ptr + dst, (acc / l_i[:, None]).to(dt), mask=r_ok[:, None])
-            elif active == 1:
-                tl.store(o_ptr + dst, (acc / l_i[:, None]).to(dt), mask=r_ok[:, None])
+        for s0 in range(lo, hi, BLOCK_S):
+            sj = s0 + s
+            s_ok = sj < hi
+            kb = tl.load(kbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+            vb = tl.load(vbase + sj[:, None] * s_ks + d[None, :], mask=s_ok[:, None], other=0.0)
+            sc = tl.dot(q, tl.trans(kb), input_precision=PREC) * scale
+            if CAUSAL:
+                sc = tl.where((sj[None, :] <= qpos[:, None]) & s_ok[None, :], sc, float("-inf"))
             else:
-                part = (h * SPLITS + sp) * ROWS + r
-                tl.store(pm_ptr + part, m_i)
-                tl.store(pl_ptr + part, l_i)
-                tl.store(pa_ptr + part[:, None] * D + d[None, :], acc)
-        if SPLITS > 1:
-            if active > 1:
-                tl.debug_barrier()  # all of this split's stores come before its arrival
-                if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == active - 1:
-                    for r0 in range(0, GROUPS * T, BLOCK_R):
-                        r, r_ok, t, head, dst = _rows(r0, T, h, s_ot, GROUPS, D, BLOCK_R)
-                        first = h * SPLITS * ROWS + r
-                        mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-                        for j in range(active):
-                            mx = tl.maximum(mx, tl.load(pm_ptr + first + j * ROWS, cache_modifier=".cg"))
-                        den = tl.zeros([BLOCK_R], dtype=tl.float32)
-                        num = tl.zeros([BLOCK_R, D], dtype=tl.float32)
-                        for j in range(active):  # key 0 is visible to every row, so mx is finite
-                            at = first + j * ROWS
-                            wj = tl.exp(tl.load(pm_ptr + at, cache_modifier=".cg") - mx)  # a split past the row: 0
-                            den += tl.load(pl_ptr + at, cache_modifier=".cg") * wj
-                            num += tl.load(pa_ptr + at[:, None] * D + d[None, :], cache_modifier=".cg") * wj[:, None]
-                        tl.store(o_ptr + dst, (num / den[:, None]).to(dt), mask=r_ok[:, None])
-                    tl.atomic_xchg(cnt_ptr + h, 0)
+                sc = tl.where(s_ok[None, :], sc, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible slot yet stays empty
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(sc - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vb, input_precision=PREC)
+            m_i = m_new
+        dst = o_ptr + t[:, None] * s_ot + head[:, None] * D + d[None, :]
+        if SPLITS == 1:  # (a constexpr branch: no counter is passed then)
+            tl.store(dst, (acc / l_i[:, None]).to(dt), mask=r_ok[:, None])
+        elif active == 1:
+            tl.store(dst, (acc / l_i[:, None]).to(dt), mask=r_ok[:, None])
+        else:
+            part = (h * SPLITS + sp) * BLOCK_R + r
+            tl.store(pm_ptr + part, m_i)
+            tl.store(pl_ptr + part, l_i)
+            tl.store(pa_ptr + part[:, None] * D + d[None, :], acc)
+            tl.debug_barrier()  # all of this split's stores come before its arrival
+            if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == active - 1:
+                first = h * SPLITS * BLOCK_R + r
+                mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+                for j in range(active):
+                    mx = tl.maximum(mx, tl.load(pm_ptr + first + j * BLOCK_R, cache_modifier=".cg"))
+                den = tl.zeros([BLOCK_R], dtype=tl.float32)
+                num = tl.zeros([BLOCK_R, D], dtype=tl.float32)
+                for j in range(active):  # key 0 is visible to every row, so mx is finite
+                    at = first + j * BLOCK_R
+                    wj = tl.exp(tl.load(pm_ptr + at, cache_modifier=".cg") - mx)
+                    den += tl.load(pl_ptr + at, cache_modifier=".cg") * wj
+                    num += tl.load(pa_ptr + at[:, None] * D + d[None, :], cache_modifier=".cg") * wj[:, None]
+                tl.store(dst, (num / den[:, None]).to(dt), mask=r_ok[:, None])
+                tl.atomic_xchg(cnt_ptr + h, 0)
 
 
 def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
@@ -191,26 +175,15 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
               block: int = BLOCK) -> torch.Tensor:
     """See the module docstring; returns [T, n_q * d]. splits: programs per K/V head (None: `launch`'s, else by
     the cache's capacity); min_blocks, block: as the constants (the tests vary them). A split launch needs
-    `counters`. launch.batch_invariant: the query rows and new tokens INVARIANT_ROWS at a time, `block` slots at a
-    time whatever the rows, and a split per min_blocks 64-slot blocks from slot 0 (as many splits as the cache's
-    capacity needs; `splits` not given): each row's sums run in the same order at any T and any KV length past
-    its position, and the splits past a row's position add exact zeros to its merge."""
+    `counters`."""
     t = qkv.shape[0]
     n_kv, d = k_cache.shape[0], k_cache.shape[-1]
     groups = n_q // n_kv
     o = torch.empty((t, n_q * d), dtype=qkv.dtype, device=qkv.device)
-    inv = launch.batch_invariant
-    block_r = INVARIANT_ROWS if inv else pow2_at_least(groups * t, 16)
-    rows = -(-groups * t // block_r) * block_r
+    rows = pow2_at_least(groups * t, 16)
     norm = q_norm is not None
-    block_s = block if rows <= 32 or inv else 32
+    block_s = block if rows <= 32 else 32
     splits = splits or launch.attention_splits
-    per = 0
-    if inv:
-        if splits is not None:
-            raise ValueError("kernels.attention: a batch-invariant launch splits by slot index; give no splits")
-        per = -(-max(min_blocks * 64, block_s) // block_s) * block_s
-        splits = max(1, -(-k_cache.shape[1] // per))
     if block_s > 64:  # the minimum counts 64-slot blocks
         min_blocks = max(1, min_blocks * 64 // block_s)
     if splits is None:  # one block of slots per split up to MAX_SPLITS, by the cache's capacity (a host bound)
@@ -227,10 +200,9 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     _attention_kernel[(n_kv, splits)](
         qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o,
         pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q,
-        rows, scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=prec(qkv.dtype), CAUSAL=causal,
-        BLOCK_T=INVARIANT_ROWS if inv else pow2_at_least(t, 1), BLOCK_R=block_r, BLOCK_S=block_s, SPLITS=splits,
-        MIN_BLOCKS=min_blocks, PER=per, UPCAST=upcast(qkv.dtype), num_warps=8 if block_s >= 128 else 4,
-        **launch_opts(launch, qkv.device, t))
+        scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=prec(qkv.dtype), CAUSAL=causal,
+        BLOCK_T=pow2_at_least(t, 1), BLOCK_R=rows, BLOCK_S=block_s, SPLITS=splits, MIN_BLOCKS=min_blocks,
+        num_warps=8 if block_s >= 128 else 4, **launch_opts(launch, qkv.device, t))
     return o
 
 

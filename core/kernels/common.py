@@ -8,7 +8,7 @@ inputs).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
@@ -46,12 +46,10 @@ class Launch:
     pdl: programmatic dependent launch for launches of several rows (a launch starts while the one before it
     drains and waits on the device for its writes; Hopper and later; `resolve` turns None into what the GPU
     supports; a call given None checks each time). attention_splits: programs per K/V head in `attention` (None: by the cache's capacity, up to
-    MAX_SPLITS). batch_invariant: every launch computes a row the same way whatever the number of rows beside it
-    (1..MAX_ROWS): `linear`'s tiles (and so its reduction over K) are fixed by (n, k) alone, with tensor-core dots
-    over 16-row tiles at every width and no norm folded; `attention` reads a fixed number of query rows and slots
-    at a time and splits the slots by slot index (a split per SPLIT_SLOTS slots, not by the KV length). Off, the
-    tiles are the fastest measured per width, and a row's bf16 outputs may differ between 1 and 16 rows. The
-    settings the measurements settled (results/perf/NOTES.md) are constants, not levers."""
+    MAX_SPLITS). batch_invariant (opt-in, issue 28): `core.kernels.linear` and `attention` run the kernels of
+    core.kernels.invariant instead, which compute a row the same way whatever the number of rows beside it
+    (1..MAX_ROWS); the default kernels (matmul, attention) are untouched by it. The settings the measurements
+    settled (results/perf/NOTES.md) are constants, not levers."""
     pdl: bool | None = False
     attention_splits: int | None = None
     batch_invariant: bool = False
@@ -67,7 +65,8 @@ class Launch:
         """pdl=None becomes whether `device` supports it."""
         if self.pdl is not None:
             return self
-        return replace(self, pdl=pdl_supported(device))
+        return Launch(pdl=pdl_supported(device), attention_splits=self.attention_splits,
+                      batch_invariant=self.batch_invariant)
 
 
 @lru_cache(maxsize=None)
@@ -114,19 +113,12 @@ def pow2_at_least(n: int, lo: int) -> int:
     return p
 
 
-def upcast(dtype: torch.dtype) -> bool:
-    """Whether `mma` takes its 16-bit operands to fp32 first: under the interpreter, whose dot multiplies bf16's
-    raw bits (numpy has no bf16). A bf16 or fp16 product is exact in fp32, so only the summation order is the
-    interpreter's own, as it is for fp32."""
-    return interpreted() and dtype in (torch.bfloat16, torch.float16)
-
-
 def prec(dtype: torch.dtype) -> str | None:
     """fp32 products in full precision (tensor cores would round the inputs to tf32); other dtypes: the default."""
     return "ieee" if dtype == torch.float32 else None
 
 
-after_previous = mma = None  # without Triton: every module here still imports (its kernels are never launched)
+after_previous = None  # without Triton: every module here still imports (its kernels are never launched)
 if triton is not None:
     @triton.jit
     def after_previous(PDL: tl.constexpr):
@@ -135,11 +127,3 @@ if triton is not None:
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-
-    @triton.jit
-    def mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
-        """a [M, K] @ b [K, N] in fp32: a tensor-core dot, or under the interpreter (UPCAST, see `upcast`) one of
-        the operands taken to fp32."""
-        if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, b, input_precision=PREC)

@@ -15,11 +15,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from core.kernels.common import MAX_ROWS, Launch, after_previous, launch_opts, mma, pow2_at_least, prec, \
-    shared_memory_limit, triton, tl, upcast
+from core.kernels.common import MAX_ROWS, Launch, after_previous, launch_opts, pow2_at_least, prec, \
+    shared_memory_limit, triton, tl
 from core.kernels.rows import argmax_reduce, rms_norm, silu_mul
 
-INVARIANT_ROWS = 16   # rows per program of a batch-invariant launch (one tensor-core tile: the same instruction)
 PREFETCH_TILES = 1    # weight tiles a tensor-core program prefetches under PDL
 SHARED_SPARE = 8192   # bytes of shared memory fit_shared leaves free
 
@@ -40,14 +39,9 @@ def _largest_pow2_dividing(k: int, cap: int) -> int:
     return b
 
 
-def choose_linear(m: int, n: int, k: int, elem: int = 2, limit: int | None = None,
-                  invariant: bool = False) -> LinearConfig:
+def choose_linear(m: int, n: int, k: int, elem: int = 2, limit: int | None = None) -> LinearConfig:
     """The tiles for an [m, k] x [k, n] launch of `elem`-byte values: the measured ones (_measured_tiles), a
-    tensor-core launch's fitted to `limit` bytes of shared memory (fit_shared; None: as measured). invariant
-    (Launch.batch_invariant): the same tiles for every m, those measured at 16 rows, as one INVARIANT_ROWS-row
-    tile runs them (linear tiles more rows over more programs)."""
-    if invariant:
-        m = INVARIANT_ROWS
+    tensor-core launch's fitted to `limit` bytes of shared memory (fit_shared; None: as measured)."""
     cfg = _measured_tiles(m, n, k)
     if not cfg.dot:
         return cfg
@@ -84,9 +78,9 @@ if triton is not None:
                                   is_pure=False, pack=1)
 
     @triton.jit
-    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, g_ptr, M, N, K, sx, sw, sy, sr, eps, M_TILES,
+    def _linear_kernel(x_ptr, w_ptr, y_ptr, r_ptr, pv_ptr, pi_ptr, g_ptr, M, N, K, sx, sw, sy, sr, eps,
                        PRO: tl.constexpr, NORM: tl.constexpr, RES: tl.constexpr, DOT: tl.constexpr,
-                       EVEN_K: tl.constexpr, UPCAST: tl.constexpr,
+                       EVEN_K: tl.constexpr,
                        PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        ARGMAX: tl.constexpr, PDL: tl.constexpr, PF_COLS: tl.constexpr, LINE: tl.constexpr):
         # PRO: 0 plain x; 2 silu(x[:, :K]) * x[:, K:] with HF's roundings. NORM (one row without tensor cores):
@@ -96,10 +90,9 @@ if triton is not None:
         # the dot cost more than the launch, as did a prologue that normalises first and an epilogue in the last
         # program of the matmul before (results/perf/NOTES.md). ARGMAX: each program also writes, per row, the
         # largest output of its columns and the lowest column holding it (pv/pi [M, programs];
-        # _argmax_reduce_kernel). M_TILES: programs per column block, each BLOCK_M rows (adjacent programs read
-        # the same weights, so the further tiles find them in L2); 1 unless the launch is batch-invariant.
-        pid = tl.program_id(0) // M_TILES
-        rm = (tl.program_id(0) % M_TILES) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # _argmax_reduce_kernel).
+        pid = tl.program_id(0)
+        rm = tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
@@ -135,7 +128,7 @@ if triton is not None:
                 ss += xf * xf
                 xf = xf * tl.load(g_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
             if DOT:
-                acc += mma(xf.to(dt), tl.trans(w), PREC, UPCAST)
+                acc += tl.dot(xf.to(dt), tl.trans(w), input_precision=PREC)
             else:
                 acc += w.to(tl.float32) * xf  # one row: [1, BK] against [BN, BK]
         if DOT:
@@ -155,7 +148,7 @@ if triton is not None:
             yf = tl.where(out_mask, tl.where(yf != yf, float("inf"), yf), float("-inf"))  # NaN counts as +inf
             best = tl.max(yf, axis=1)
             col = tl.minimum(tl.min(tl.where(yf == best[:, None], rn[None, :], N), axis=1), N - 1)
-            part = rm * tl.cdiv(N, BLOCK_N) + pid
+            part = rm * tl.num_programs(0) + pid
             tl.store(pv_ptr + part, best, mask=m_ok)
             tl.store(pi_ptr + part, col, mask=m_ok)
 
@@ -190,9 +183,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     `h + linear(x)` would).
     argmax: also return each row's argmax [M] (int64, lowest column among equal maxima as torch.argmax; a NaN
     counts as +inf, so a row holding both a +inf before a NaN differs from torch.argmax, which picks the first
-    NaN), found by the matmul's programs and one small reduction launch: (y, ids).
-    launch.batch_invariant: tensor-core dots over INVARIANT_ROWS-row tiles, one program per tile and column block,
-    the tiles of choose_linear(invariant=True), the norm a launch of its own: a row's outputs whatever M is."""
+    NaN), found by the matmul's programs and one small reduction launch: (y, ids)."""
     m = x.shape[0]
     n, k = w.shape
     if not 1 <= m <= MAX_ROWS:
@@ -203,9 +194,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         residual = residual.contiguous()  # the epilogue reads whole rows
     if x.shape[1] != (2 * k if gated else k) or w.stride(1) != 1:
         raise ValueError(f"kernels.linear: x {tuple(x.shape)} does not fit w {tuple(w.shape)} (or w not row-major)")
-    inv = launch.batch_invariant
-    cfg = config or choose_linear(m, n, k, w.element_size(), shared_memory_limit(w.device), inv)
-    dot = cfg.dot or m > 1 or inv
+    cfg = config or choose_linear(m, n, k, w.element_size(), shared_memory_limit(w.device))
+    dot = cfg.dot or m > 1
     if norm is not None and gated:
         raise ValueError("kernels.linear: norm and gated do not combine")
     if norm is not None and dot:  # folded into one-row loops only (see the kernel)
@@ -216,22 +206,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     y = out if out is not None else torch.empty((m, n), dtype=w.dtype, device=w.device)
     r = residual if residual is not None else y
     block_k = min(cfg.block_k, pow2_at_least(k, 16))  # an explicit config (the benches' sweep) runs as given
-    block_m = INVARIANT_ROWS if inv else pow2_at_least(m, 16) if dot else 1
-    m_tiles = triton.cdiv(m, block_m) if inv else 1
-    grid = (triton.cdiv(n, cfg.block_n) * m_tiles,)
+    grid = (triton.cdiv(n, cfg.block_n),)
     opts = launch_opts(launch, w.device, m)
     line = max(128 // w.element_size(), 1)  # elements per 128-byte line
     pf_cols = min(pow2_at_least(PREFETCH_TILES * block_k, line), pow2_at_least(k, line)) \
         if opts["PDL"] and dot else 0
     if argmax:
-        pv = torch.empty((m, grid[0] // m_tiles), dtype=torch.float32, device=w.device)
-        pi = torch.empty((m, grid[0] // m_tiles), dtype=torch.int32, device=w.device)
+        pv = torch.empty((m, grid[0]), dtype=torch.float32, device=w.device)
+        pi = torch.empty((m, grid[0]), dtype=torch.int32, device=w.device)
     else:
         pv = pi = y
     _linear_kernel[grid](x, w, y, r, pv, pi, w if norm is None else norm, m, n, k, x.stride(0), w.stride(0),
-                         y.stride(0), r.stride(0), float(eps), m_tiles, PRO=2 if gated else 0, NORM=norm is not None,
-                         RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0, UPCAST=upcast(w.dtype),
-                         PREC=prec(w.dtype), BLOCK_M=block_m, BLOCK_N=cfg.block_n,
+                         y.stride(0), r.stride(0), float(eps), PRO=2 if gated else 0, NORM=norm is not None,
+                         RES=residual is not None, DOT=dot, EVEN_K=k % block_k == 0,
+                         PREC=prec(w.dtype), BLOCK_M=pow2_at_least(m, 16) if dot else 1, BLOCK_N=cfg.block_n,
                          BLOCK_K=block_k, ARGMAX=argmax, PF_COLS=pf_cols, LINE=line, num_warps=cfg.warps,
                          num_stages=cfg.stages, **opts)
     if not argmax:
