@@ -30,15 +30,37 @@ def test_config_json_records_the_setting():
 
 
 def test_the_kernels_label_says_whether_outputs_are_bitwise_ar():
-    """Guards the labels: a batch-invariant run is 'triton batch-invariant' in the run facts (table titles, CSV,
-    plots); the torch ops on CUDA are 'torch (near-equal)'; elsewhere the kernels as before."""
+    """Guards the labels: a batch-invariant run is 'triton batch-invariant (not yet verified on a GPU)' in the run
+    facts (table titles, CSV, plots) unless its config.json records the GPU run that verified the kernels (then
+    'triton batch-invariant'; before, it was that label unverified); the torch ops on CUDA are 'torch
+    (near-equal)'; elsewhere the kernels as before."""
     res = {"device": "cuda:0", "dtype": "bfloat16", "kernels": "triton"}
-    inv = facts.run_facts({"batch_invariant": True, "resolved": res})
-    assert inv["kernels"] == "triton batch-invariant" and "kernels=triton batch-invariant" in facts.describe(inv)
+    unverified = "triton batch-invariant (not yet verified on a GPU)"
+    for record in ({}, {"batch_invariant_verified_on_gpu": None}):
+        inv = facts.run_facts({"batch_invariant": True, "resolved": {**res, **record}})
+        assert inv["kernels"] == unverified and f"kernels={unverified}" in facts.describe(inv)
+    done = {**res, "batch_invariant_verified_on_gpu": "2026-12-03 abc1234"}
+    assert facts.run_facts({"batch_invariant": True, "resolved": done})["kernels"] == "triton batch-invariant"
     assert facts.run_facts({"resolved": res})["kernels"] == "triton"
     assert facts.run_facts({"resolved": {**res, "kernels": "torch"}})["kernels"] == "torch (near-equal)"
     assert facts.run_facts({"resolved": {**res, "device": "cpu", "kernels": "torch"}})["kernels"] == "torch"
     assert facts.run_facts({})["kernels"] == facts.UNKNOWN
+
+
+def test_config_json_records_whether_a_gpu_run_verified_the_kernels(monkeypatch):
+    """Guards the record behind the label: with --batch-invariant the plan's "resolved" section (config.json)
+    holds core.kernels.invariant.VERIFIED_ON_GPU, None until the lead sets it after a GPU run; without the flag,
+    nothing. Before, config.json did not say."""
+    from core.kernels import invariant
+    from harness.protocol.plan import invariant_record
+    cfg = RunConfig(model_name_or_path="m", draft_name_or_path=None, dataset="d", kernels="triton")
+    assert invariant_record(cfg) == {}
+    on = dataclasses.replace(cfg, batch_invariant=True)
+    assert invariant_record(on) == {"batch_invariant_verified_on_gpu": invariant.VERIFIED_ON_GPU}
+    monkeypatch.setattr(invariant, "VERIFIED_ON_GPU", None)
+    assert invariant_record(on) == {"batch_invariant_verified_on_gpu": None}
+    monkeypatch.setattr(invariant, "VERIFIED_ON_GPU", "2026-12-03 abc1234")
+    assert invariant_record(on) == {"batch_invariant_verified_on_gpu": "2026-12-03 abc1234"}
 
 
 def test_a_run_from_before_the_flag_still_resumes(tmp_path):

@@ -4,7 +4,8 @@ table title, table.csv row and plot title names it, and the merged report groups
 
 A field a folder's config.json does not record (one written before it was) is "unknown". The kernels name how
 far the arms' greedy outputs can be trusted to equal AR's (issue 28): "triton batch-invariant" (--batch-invariant:
-bit for bit), "torch (near-equal)" on CUDA (cuBLAS picks its kernels by the row count: a near-tie may flip).
+bit for bit; "(not yet verified on a GPU)" after it while the run's config.json does not record a GPU run that
+verified those kernels), "torch (near-equal)" on CUDA (cuBLAS picks its kernels by the row count: a near-tie may flip).
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def kernels_label(config: dict, resolved: dict) -> str:
     if kernels is None:
         return UNKNOWN
     if kernels == "triton" and config.get("batch_invariant"):
-        return "triton batch-invariant"
+        verified = resolved.get("batch_invariant_verified_on_gpu")
+        return "triton batch-invariant" + ("" if verified else " (not yet verified on a GPU)")
     return f"{kernels} (near-equal)" if kernels == "torch" and device.startswith("cuda") else kernels
 
 

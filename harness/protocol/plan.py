@@ -80,7 +80,17 @@ class RunPlan:
                 "xpress_refine_passes": self.passes, "xpress_topc": self.topc,
                 "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                                  "variant": c.variant} for k, c in self.refiners.items()},
-                "trained_block_size": self.draft_config.block_size if self.draft_config else None}
+                "trained_block_size": self.draft_config.block_size if self.draft_config else None,
+                **invariant_record(self.config)}
+
+
+def invariant_record(cfg: RunConfig) -> dict:
+    """--batch-invariant only: whether a GPU run has verified the batch-invariant kernels
+    (core.kernels.invariant.VERIFIED_ON_GPU: its date and commit, None while none has), for config.json."""
+    if not cfg.batch_invariant:
+        return {}
+    from core.kernels.invariant import VERIFIED_ON_GPU
+    return {"batch_invariant_verified_on_gpu": VERIFIED_ON_GPU}
 
 
 def target_source(cfg: RunConfig) -> dict:
