@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from core.kernels.attention import BLOCK, MIN_BLOCKS, _norm_rope, _store_kv
+from core.kernels.attention import BLOCK, MIN_BLOCKS
 from core.kernels.common import MAX_ROWS, Launch, after_previous, interpreted, launch_opts, pow2_at_least, prec, \
     shared_memory_limit, triton, tl
-from core.kernels.matmul import PREFETCH_TILES, LinearConfig, _prefetch_l2, choose_linear
+from core.kernels.matmul import PREFETCH_TILES, LinearConfig, choose_linear
 from core.kernels.rows import argmax_reduce, rms_norm, silu_mul
 
 ROWS = 16  # rows of one tensor-core tile: a linear program's rows, an attention pass's query rows and new tokens
@@ -50,7 +50,10 @@ def fits(tokens: int) -> bool:
     return tokens <= MAX_ROWS
 
 
-if triton is not None:
+if triton is not None:  # (the default kernels' helpers exist only with Triton)
+    from core.kernels.attention import _norm_rope, _store_kv
+    from core.kernels.matmul import _prefetch_l2
+
     @triton.jit
     def _mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
         """a [R, K] @ b [K, C] accumulated in fp32 (UPCAST: interpreter only, see `upcast`)."""
