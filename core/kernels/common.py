@@ -46,20 +46,27 @@ class Launch:
     pdl: programmatic dependent launch for launches of several rows (a launch starts while the one before it
     drains and waits on the device for its writes; Hopper and later; `resolve` turns None into what the GPU
     supports; a call given None checks each time). attention_splits: programs per K/V head in `attention` (None: by the cache's capacity, up to
-    MAX_SPLITS). The settings the measurements settled (results/perf/NOTES.md) are constants, not levers."""
+    MAX_SPLITS). batch_invariant (opt-in, issue 28): `core.kernels.linear` and `attention` run the kernels of
+    core.kernels.invariant instead, which compute a row the same way whatever the number of rows beside it
+    (1..MAX_ROWS); the default kernels (matmul, attention) are untouched by it. The settings the measurements
+    settled (results/perf/NOTES.md) are constants, not levers."""
     pdl: bool | None = False
     attention_splits: int | None = None
+    batch_invariant: bool = False
 
     def __post_init__(self):
         s = self.attention_splits
         if s is not None and (isinstance(s, bool) or not isinstance(s, int) or not 1 <= s <= MAX_SPLITS):
             raise ValueError(f"attention_splits must be None or in 1..{MAX_SPLITS}, got {s!r}")
+        if s is not None and self.batch_invariant:
+            raise ValueError("attention_splits does not combine with batch_invariant (its split is by slot index)")
 
     def resolve(self, device: torch.device) -> "Launch":
         """pdl=None becomes whether `device` supports it."""
         if self.pdl is not None:
             return self
-        return Launch(pdl=pdl_supported(device), attention_splits=self.attention_splits)
+        return Launch(pdl=pdl_supported(device), attention_splits=self.attention_splits,
+                      batch_invariant=self.batch_invariant)
 
 
 @lru_cache(maxsize=None)

@@ -61,6 +61,12 @@ class Ops:
         these, or ones whose limits that forward fits."""
         return self
 
+    @property
+    def proposing(self) -> "Ops":
+        """The ops for the drafter and the refiners: their fastest (only the target's numbers decide the output
+        at T=0, so batch invariance is the target's alone)."""
+        return self
+
     def for_heads(self, head_dim: int, n_q: int, n_kv: int, windows: bool = False) -> "Ops":
         """The ops for a model with these attention heads (windows: some layers attend over a sliding window);
         chosen once, at construction."""

@@ -8,6 +8,7 @@ compiler, wrapped on first use so that importing this module does not import tor
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import torch
 
@@ -50,10 +51,20 @@ class TritonOps(Ops):
         self._outside: dict = {}
         self.fallbacks: Counter = Counter()
 
+    @property
+    def proposing(self):
+        if not self.launch.batch_invariant:
+            return self
+        if "proposing" not in self._outside:  # the same kernels on the fastest tiles; one fallback count
+            fast = TritonOps(self.device, replace(self.launch, batch_invariant=False), self.debug, self.torch)
+            fast.fallbacks = self.fallbacks
+            self._outside["proposing"] = fast
+        return self._outside["proposing"]
+
     def sized(self, rows, groups, prefill=False):
         if prefill:
             return self.torch
-        if not kernels.fits(rows, groups):
+        if not kernels.fits(rows, groups, self.launch.batch_invariant):
             if rows <= kernels.MAX_ROWS:
                 self.fallbacks["forward", f"{rows} rows x {groups} query heads per K/V head"] += 1
             return self.torch
@@ -90,7 +101,8 @@ class TritonOps(Ops):
         return kernels.rms_norm(x, weight, eps, self.launch)
 
     def attention(self, qkv, kv, layer, span, cos, sin, n_q, scale, q_norm=None, k_norm=None, eps=0.0):
-        if span.window is not None or not kernels.fits(qkv.shape[0], n_q // kv.n_kv_heads):
+        inv = self.launch.batch_invariant
+        if span.window is not None or not kernels.fits(qkv.shape[0], n_q // kv.n_kv_heads, inv):
             if qkv.shape[0] <= kernels.MAX_ROWS:
                 self.fallbacks["attention", "a sliding window" if span.window is not None else
                                f"{qkv.shape[0]} rows x {n_q // kv.n_kv_heads} query heads per K/V head"] += 1

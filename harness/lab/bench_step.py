@@ -44,8 +44,7 @@ def arm_list(ks: list[int], topcs: list[int]) -> list[tuple[str, str, int, int]]
 
 
 def _prompt(n: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(123)
-    return torch.randint(10, min(vocab, 30000), (n,), generator=g).tolist()
+    return torch.randint(10, min(vocab, 30000), (n,), generator=torch.Generator().manual_seed(123)).tolist()
 
 
 def _gen(m, method, K, topc, prompt, settings, mark=None):
@@ -61,12 +60,12 @@ def _timed(m, method, K, topc, prompt, settings, warm: DecodeSettings | None = N
     return _gen(m, method, K, topc, prompt, settings, mark=timer), timer
 
 
-def _ops(a, device, pdl: bool | None = None, attention_splits: int | None = None):
-    """The Triton ops with this run's launch settings (--pdl; pdl/attention_splits override them)."""
+def _ops(a, device, pdl: bool | None = None, attention_splits: int | None = None, invariant: bool | None = None):
+    """The Triton ops with this run's launch settings (--pdl, --batch-invariant; the arguments override them)."""
     from core.kernels import Launch
-    if pdl is None:
-        pdl = None if a.pdl == "auto" else False
-    return triton_ops(device, Launch(pdl=pdl, attention_splits=attention_splits))
+    pdl = (None if a.pdl == "auto" else False) if pdl is None else pdl
+    inv = a.batch_invariant if invariant is None else invariant
+    return triton_ops(device, Launch(pdl=pdl, attention_splits=attention_splits, batch_invariant=inv))
 
 
 def _stage_graph_times(m, method, K, topc, prompt, settings, reps: int) -> dict:
@@ -85,11 +84,7 @@ def _stage_graph_times(m, method, K, topc, prompt, settings, reps: int) -> dict:
     stepper = Stepper(t, d, m.refiner(method, K, topc) or IdentityRefiner(), settings, out, stops, None, None)
     live = [t.pos] + ([d.ctx] if d is not None else [])
     saved = [x.clone() for x in live]
-
-    def restore():
-        for x, s in zip(live, saved):
-            x.copy_(s)
-
+    restore = lambda: [x.copy_(s) for x, s in zip(live, saved)]  # noqa: E731
     length = StepGraphs.length(p + w, settings.graph_bucket, t.capacity)
     stepper.step(d is not None, w, length)
     restore()
@@ -218,12 +213,14 @@ def measure(a, path: str | None = None) -> dict:
         if a.kernels == "triton":
             from core import kernels
             levers += [("fused projections, core.kernels (5 launches/layer: both norms folded at one row), "
-                        "no PDL", True, _ops(a, backend.device, pdl=False)),
+                        "no PDL", True, _ops(a, backend.device, pdl=False, invariant=False)),
                        ("the same, attention in one program per K/V head", True,
-                        _ops(a, backend.device, pdl=False, attention_splits=1))]
+                        _ops(a, backend.device, pdl=False, attention_splits=1, invariant=False)),
+                       ("core.kernels batch-invariant (16-row tiles fixed by n, k; slots split by index), no PDL",
+                        True, _ops(a, backend.device, pdl=False, invariant=True))]
             if kernels.pdl_supported(backend.device):
                 levers += [("core.kernels with programmatic dependent launch (several-row launches)", True,
-                            _ops(a, backend.device, pdl=True))]
+                            _ops(a, backend.device, pdl=True, invariant=False))]
         res["fusion_drafter_only"] = {}
         for label, fuse, ops in levers:
             m.use_ops(ops or TorchOps())
@@ -235,7 +232,7 @@ def measure(a, path: str | None = None) -> dict:
     m.target.fuse_projections(True)
     if a.kernels == "triton":
         m.use_ops(_ops(a, backend.device))
-        res["pdl"] = bool(m.target.ops.launch.pdl)
+        res["pdl"], res["batch_invariant"] = bool(m.target.ops.launch.pdl), a.batch_invariant
     res["kernels"] = m.target.kernels
     watch = _compile_refiners(m, a.compile_backend) if a.compile else None
     for arm in arm_list(a.ks, a.topc):
@@ -361,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="target decode ops (default: triton where available on CUDA)")
     p.add_argument("--pdl", choices=("auto", "off"), default="auto",
                    help="programmatic dependent launch for the kernels (auto: on Hopper and later)")
+    p.add_argument("--batch-invariant", action="store_true", help="arms on the batch-invariant kernels (issue 28)")
     p.add_argument("--long-prompt", type=int, default=2048,
                    help="prompt length of the split-attention comparison (0: skip it)")
     p.add_argument("--profile", action="store_true",
@@ -372,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.kernels is None:
             from core import kernels
             a.kernels = "triton" if kernels.available() and torch.cuda.is_available() and a.device != "cpu" else "torch"
+        if a.batch_invariant and a.kernels != "triton":
+            raise UsageError("--batch-invariant times the Triton kernels; use --kernels triton on CUDA")
         a.sweep_arms = [x.strip() for x in a.sweep_arms.split(";") if x.strip()]
         if min(a.taus, default=2) < 1 or max(a.taus, default=1) > a.block_size:
             raise UsageError(f"--taus must lie in 1..{a.block_size}")

@@ -198,7 +198,7 @@ def build_arms(plan: RunPlan, target, watch=None) -> list[Arm]:
         return [Arm(s, 1) for s in specs]
     model = load_dflash(plan.draft_path, plan.draft_config, backend)
     drafter = DFlashDrafter(model, target.embed, target.lm_head, backend, block_size=plan.block_size,
-                            ops=target.ops)
+                            ops=target.ops.proposing)
     def key(spec):  # the weight set an arm runs with: a refiner's co-trained drafter, or the base one (None)
         ck = plan.refiners.get(spec.weights) if spec.weights else None
         return spec.weights if ck is not None and ck.draft_state else None
@@ -225,11 +225,11 @@ def build_arms(plan: RunPlan, target, watch=None) -> list[Arm]:
                                                          dtype=backend.dtype, fold=not cfg.no_fold_mixer)
             refiner = (_spyre_refiner(heads["xpress"], s.K, plan) if cfg.refine_numerics == "spyre" else
                        XPressRefiner(heads["xpress"], s.K, prev_anchor=cfg.xpress_prev_anchor, topc=plan.topc,
-                                     ops=target.ops))
+                                     ops=target.ops.proposing))
         elif s.method == "markov":
             ck = plan.refiners[MARKOV]  # a gated/rnn head (DSpark, speculators) carries its layer's tensors too
             refiner = MarkovRefiner(markov_head_from_state(ck.head_state, ck.variant, device=backend.device,
                                                            dtype=backend.dtype),
-                                    low_precision_sampling=cfg.compat_reference, ops=target.ops)
+                                    low_precision_sampling=cfg.compat_reference, ops=target.ops.proposing)
         arms.append(Arm(s, plan.block_size, drafter, _compiled(refiner, cfg, watch), states.get(key(s))))
     return arms

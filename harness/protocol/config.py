@@ -62,6 +62,7 @@ class RunConfig:
     record_logit_gaps: bool = False         # top-2 logit gap of every token in the rows (a top-2 per step, timed)
     reference_dtype: str = "auto"            # T=0: AR against an untimed AR in this dtype (auto: float32 if embedded)
     kernels: str = "auto"
+    batch_invariant: bool = False             # Triton kernels that compute a row alike at any verify width (issue 28)
     compile_backend: str = "inductor"
     refine_numerics: str = "standard"         # standard | spyre (refiners.spyre_numerics)
     max_num_batched_tokens: int | None = None  # Spyre token budget per step (default 64)
@@ -141,6 +142,9 @@ def validate(c: RunConfig) -> None:
         if c.attn_implementation == "eager":
             raise UsageError("--kernels triton brings its own attention; --attn-implementation eager needs "
                              "--kernels torch")
+    if c.batch_invariant and c.kernels != "triton":
+        raise UsageError(f"--batch-invariant fixes the Triton kernels' tiles; it needs --kernels triton (not "
+                         f"{c.kernels}), or drop --batch-invariant")
     if c.block_size is not None and c.block_size < 2:
         raise UsageError(f"--block-size {c.block_size}: a speculative block needs >= 2 (anchor + drafts); "
                          "use --ar-only for plain decoding")

@@ -2,7 +2,10 @@
 resolved device and dtype, the kernels, the seed and the decode length. summary.json keeps it as "run"; every
 table title, table.csv row and plot title names it, and the merged report groups folders by it.
 
-A field a folder's config.json does not record (one written before it was) is "unknown".
+A field a folder's config.json does not record (one written before it was) is "unknown". The kernels name how
+far the arms' greedy outputs can be trusted to equal AR's (issue 28): "triton batch-invariant" (--batch-invariant:
+bit for bit; "(not yet verified on a GPU)" after it while the run's config.json does not record a GPU run that
+verified those kernels), "torch (near-equal)" on CUDA (cuBLAS picks its kernels by the row count: a near-tie may flip).
 """
 from __future__ import annotations
 
@@ -20,6 +23,17 @@ def _name(source) -> str:
     return os.path.basename(s) if os.path.sep in s else s
 
 
+def kernels_label(config: dict, resolved: dict) -> str:
+    """The kernels a run's decode steps ran on, as the tables label them (see the module docstring)."""
+    kernels, device = resolved.get("kernels"), str(resolved.get("device"))
+    if kernels is None:
+        return UNKNOWN
+    if kernels == "triton" and config.get("batch_invariant"):
+        verified = resolved.get("batch_invariant_verified_on_gpu")
+        return "triton batch-invariant" + ("" if verified else " (not yet verified on a GPU)")
+    return f"{kernels} (near-equal)" if kernels == "torch" and device.startswith("cuda") else kernels
+
+
 def run_facts(config: dict | None) -> dict:
     """{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, compat_reference,
     draft_temperature} from config.json (its "resolved" section first)."""
@@ -32,7 +46,7 @@ def run_facts(config: dict | None) -> dict:
     quant = target.get("quantization", UNKNOWN) if target else UNKNOWN
     return {"model": _name(source) if source else UNKNOWN, "target_source": pick(source),
             "quantization": "none" if target and quant is None else quant,
-            "device": pick(res.get("device")), "dtype": pick(res.get("dtype")), "kernels": pick(res.get("kernels")),
+            "device": pick(res.get("device")), "dtype": pick(res.get("dtype")), "kernels": kernels_label(config, res),
             "seed": pick(config.get("seed")), "max_new_tokens": pick(config.get("max_new_tokens")),
             "compat_reference": pick(config.get("compat_reference")),
             "draft_temperature": pick(config.get("draft_temperature"))}

@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     u("--kernels", choices=("auto", "triton", "torch"), default="auto",
       help="decode steps on core.kernels' Triton kernels (triton) or torch ops; auto: triton on CUDA in "
            "bf16/fp16 where Triton is installed and the target fits")
+    u("--batch-invariant", action="store_true",
+      help="with --kernels triton: every target kernel computes a row the same way at any number of rows, so greedy "
+           "speculative outputs are bit for bit AR's (slower tiles; recorded in config.json and the table labels; "
+           "not yet verified on a GPU)")
     u("--compile-refiner", action="store_true", help="torch.compile the refinement step")
     u("--compile-all", action="store_true",
       help="torch.compile what still runs as small torch ops where that measured faster (the xPress refinement); "

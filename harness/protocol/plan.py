@@ -26,6 +26,8 @@ from harness.protocol.results_io import atomic_write
 RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain", "reference_dtype",
                "given", "quiet")  # given: which flags were typed
 RESUMES = "resumes.json"
+# Flags added after runs were made: a config.json without one ran with its value here (so --resume still matches).
+ADDED_LATER = {"batch_invariant": False}
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,17 @@ class RunPlan:
                 "xpress_refine_passes": self.passes, "xpress_topc": self.topc,
                 "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                                  "variant": c.variant} for k, c in self.refiners.items()},
-                "trained_block_size": self.draft_config.block_size if self.draft_config else None}
+                "trained_block_size": self.draft_config.block_size if self.draft_config else None,
+                **invariant_record(self.config)}
+
+
+def invariant_record(cfg: RunConfig) -> dict:
+    """--batch-invariant only: whether a GPU run has verified the batch-invariant kernels
+    (core.kernels.invariant.VERIFIED_ON_GPU: its date and commit, None while none has), for config.json."""
+    if not cfg.batch_invariant:
+        return {}
+    from core.kernels.invariant import VERIFIED_ON_GPU
+    return {"batch_invariant_verified_on_gpu": VERIFIED_ON_GPU}
 
 
 def target_source(cfg: RunConfig) -> dict:
@@ -114,7 +126,7 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
         raise UsageError(f"--resume {folder}: config.json is missing; is this a run folder?")
     saved = json.loads(open(path).read())
     now = dataclasses.asdict(cfg)
-    diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k) != now[k])
+    diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k, ADDED_LATER.get(k)) != now[k])
     if diff:
         raise UsageError(f"--resume {folder}: the run was started with other settings ({', '.join(diff[:4])}); "
                          "repeat the original command with --resume")

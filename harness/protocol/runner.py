@@ -389,5 +389,9 @@ def choose_ops(plan: RunPlan):
     core.ops.make_ops); the target, the drafter and the refiners are all built on the result."""
     from core.ops import make_ops
     cfg, b = plan.config, plan.backend
+    launch = None
+    if cfg.batch_invariant:  # validate() let it through with --kernels triton only
+        from core.kernels import Launch
+        launch = Launch(pdl=None, batch_invariant=True)
     return make_ops(cfg.kernels, b.device, b.dtype, plan.target_config, compat=cfg.compat_reference,
-                    attn_impl=cfg.attn_implementation)
+                    attn_impl=cfg.attn_implementation, launch=launch)
