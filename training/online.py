@@ -16,8 +16,19 @@ tapped rows are packed back; padding rows are zero, as in the collate's zero-fil
 restarting position ids would give the same numbers through a dense T x T mask: O(T^2) attention per step.)
 Dtypes follow the offline path: computed in the target's dtype (autocast off), rounded to `hidden.dtype` (what the
 files would store), then cast to the training dtype (what the collate's buffer would hold).
+
+Host-device syncs: the unpacking needs the sequence lengths on the host (the batch's shape). They are read once,
+with one copy of the row's document ids to the host (or none: `LengthsCollate` puts the collate's own lengths in the
+batch as a list, `document_lengths`, which the trainer passes through untouched). The batch is then built and
+packed back by index copies (token t of the row sits at [document_ids[t], position_ids[t]] of the padded
+batch: the collate's positions restart at 0 for each sequence), so nothing else waits for the device. (It was six
+syncs a step: `.sum()` to int, bincount's min and max, `.tolist()`, a blocking copy of the lengths to the device,
+boolean-mask indexing.) The numbers are bitwise those of the masked version: the same padded batch goes in, the
+same rows come out.
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 from hs_connectors import HiddenStatesTransfer
@@ -56,32 +67,60 @@ class OnlineTaps:
         self.store_dtype, self.train_dtype = store_dtype, train_dtype
 
     @torch.no_grad()
-    def compute(self, input_ids, position_ids, document_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute(self, input_ids, position_ids, document_ids, lengths: list[int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """([1, T, L*H], [1, T, H]) for one packed row, as ArrowDataset would read them from the offline files.
-        `position_ids` are the collate's (each sequence from 0); the target gets them through its own padding."""
+        `position_ids` are the collate's (each sequence from 0); the target gets them through its own padding.
+        `lengths`: the packed sequences' lengths in order (the collate's), else read from `document_ids`."""
         dev = next(self.target.parameters()).device
-        doc = document_ids[0].to(dev)
-        n = int((doc >= 0).sum())
-        lengths = torch.bincount(doc[:n]).tolist()  # the collate packs sequences 0, 1, ... in order, padding last
-        seqs = input_ids[0, :n].to(dev).split(lengths)
-        x = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True)
-        mask = torch.arange(x.shape[1], device=dev)[None] < torch.tensor(lengths, device=dev)[:, None]
+        if lengths is None:
+            lengths = row_lengths(document_ids[0].tolist())  # the one host-device sync of a step
+        n, rows, width = sum(lengths), len(lengths), max(lengths)
+        ids = input_ids[0, :n].to(dev)
+        flat = document_ids[0, :n].to(dev) * width + position_ids[0, :n].to(dev)  # token t at [doc, pos] of [B, Lmax]
+        x = ids.new_zeros(rows * width).index_copy_(0, flat, ids).view(rows, width)  # = pad_sequence(split)
+        mask = torch.zeros(rows * width, dtype=torch.long, device=dev).index_fill_(0, flat, 1).view(rows, width)
         with torch.autocast(dev.type, enabled=False):
-            self.target.model(input_ids=x, attention_mask=mask.long(), use_cache=False)
+            self.target.model(input_ids=x, attention_mask=mask, use_cache=False)
         full = self.capture.stacked()  # [B, Lmax, L+1, H]
         self.capture.store.clear()
-        out = full.new_zeros((doc.shape[0], *full.shape[2:]))
-        out[:n] = full[mask]  # row-major: sequence 0's tokens, then sequence 1's ...
+        out = full.new_zeros((document_ids.shape[-1], *full.shape[2:]))
+        out[:n] = full.flatten(0, 1).index_select(0, flat)  # row-major: sequence 0's tokens, then sequence 1's ...
         out = out.to(self.store_dtype).to(self.train_dtype)
         return out[:, :-1].flatten(1)[None], out[:, -1][None]
 
     def __call__(self, module, args, kwargs):
         hs = kwargs.get("hidden_states")
+        lengths = kwargs.pop("document_lengths", None)
         if hs is None or hs.shape[-1] != 0:
-            return None
-        h, last = self.compute(kwargs["input_ids"], kwargs["position_ids"], kwargs["document_ids"])
+            return args, kwargs
+        h, last = self.compute(kwargs["input_ids"], kwargs["position_ids"], kwargs["document_ids"], lengths)
         return args, {**kwargs, "hidden_states": h.to(hs.device), "verifier_last_hidden_states": last.to(hs.device)}
 
     def close(self):
         self.capture.close()
 
+
+def row_lengths(doc: list[int]) -> list[int]:
+    """The lengths of the sequences packed in one row of document ids (0, 1, ... in order, then -1 padding), on
+    the host."""
+    return [sum(1 for _ in run) for d, run in itertools.groupby(doc) if d >= 0]
+
+
+class LengthsCollate:
+    """speculators' collate with the packed sequences' lengths added as a list (`document_lengths`), so the
+    online step reads them from the host. Picklable (the loader's workers are spawned)."""
+
+    def __init__(self, collate):
+        self.collate = collate
+
+    def __call__(self, batch):
+        out = self.collate(batch)
+        out["document_lengths"] = row_lengths(out["document_ids"][0].tolist())
+        return out
+
+
+def carry_lengths(loader) -> None:
+    """Make `loader`'s batches carry `document_lengths` (a loader built by speculators' create_train_val_loaders)."""
+    if not isinstance(loader.collate_fn, LengthsCollate):
+        loader.collate_fn = LengthsCollate(loader.collate_fn)
