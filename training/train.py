@@ -123,6 +123,10 @@ def make_loaders(cfg: dict, verifier: str, hm: dict, dtype: torch.dtype):
         hidden_size=hm["hidden_size"], num_target_layers=len(hm["layer_ids"]), num_workers=tc["num_workers"],
         prefetch_factor=2, preprocess=None, train_data_ratio=tc["train_ratio"], seed=cfg["seed"])
     val_loader.batch_sampler.max_batches = tc["val_batches"] or None  # speculators 0.9.0's sampler bound
+    if transfer is not None:  # online: each batch carries its sequence lengths, so the taps never read the device
+        from training.online import carry_lengths
+        carry_lengths(train_loader)
+        carry_lengths(val_loader)
     return train_loader, val_loader
 
 
