@@ -87,6 +87,7 @@ class PipelineTrainer(Trainer):
         self.deadline_hit = self.fit_reached = False
         self._fit = fit if fit and max_seconds else None  # training/fit.py; needs a box
         self.fit_record: dict | None = None
+        self._fit_steps, self._fit_t1 = 0, None  # this process's steps while probing; the probe's start
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
@@ -133,7 +134,7 @@ class PipelineTrainer(Trainer):
         """training/fit.py: time this process's steps 2 .. 1 + probe, then fit the plan to what the box has left."""
         from training.fit import fitted_total, replan
         f = self._fit
-        self._fit_steps = getattr(self, "_fit_steps", 0) + 1
+        self._fit_steps += 1
         if self._fit_steps == 1:  # the first step (it compiles) is over: the clock starts
             self.box.sync()
             self._fit_t1 = (self.global_step, time.monotonic())
