@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The working tree that travels to the GPU machine is capped at 64 MiB; the tracked files are larger (the shipped
+# weights and the committed results). During a device session, move those two folders out of the tree and carry
+# what the device needs (wheels, the GGUF in parts, weights) in ignored folders named in `carry`:
+#
+#   bash harness/lab/device_tree.sh size          # tracked bytes: all, without weights/ and results/
+#   bash harness/lab/device_tree.sh stash DIR     # move weights/ and results/ to DIR (before the device calls)
+#   bash harness/lab/device_tree.sh restore DIR   # move them back (after the last call)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+tracked() { git ls-files -z "$@" | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1; }
+case "${1:-}" in
+  size)
+    all=$(tracked); rest=$(git ls-files -z | grep -zv '^weights/\|^results/' | xargs -0 du -cb | tail -1 | cut -f1)
+    echo "tracked: $(( all / 1048576 )) MiB; without weights/ and results/: $(( rest / 1048576 )) MiB (cap 64 MiB)"
+    ;;
+  stash)
+    d=${2:?stash DIR}; mkdir -p "$d"
+    [[ -e $d/weights || -e $d/results ]] && { echo "error: $d already holds weights/ or results/" >&2; exit 2; }
+    mv weights results "$d"/
+    ;;
+  restore)
+    d=${2:?restore DIR}
+    [[ -e weights || -e results ]] && { echo "error: weights/ or results/ is already in the tree" >&2; exit 2; }
+    mv "$d"/weights "$d"/results .
+    ;;
+  *)
+    sed -n 2,9p "$0"; exit 2
+    ;;
+esac
