@@ -121,3 +121,17 @@ def test_a_boxed_responses_stage_keeps_every_source_and_reads_u2028(tmp_path, mo
     rows = responses.read_rows(cfg)
     assert {r["source"].split(":")[0] for r in rows} == {"a.jsonl", "b.jsonl"}
     assert responses.run(cfg, load=lambda: hf) == out  # up to date: the box is not part of the stage's key
+
+
+@pytest.mark.parametrize("section,bad,msg", [
+    ("responses", {"max_minutes": -1}, "responses.max_minutes must be a number of minutes >= 0"),
+    ("responses", {"max_minutes": "5"}, "responses.max_minutes must be a number of minutes >= 0"),
+    ("models", {"d": {"max_minutes": 0}}, r"models.d: max_minutes must be a number > 0"),
+])
+def test_bad_boxes_are_refused_before_anything_loads(tmp_path, section, bad, msg):
+    import json
+    from training.config import load_config
+    raw = {"target": "t", "models": {"d": {}}, section: bad}
+    (tmp_path / "c.json").write_text(json.dumps(raw))
+    with pytest.raises(UsageError, match=msg):
+        load_config(str(tmp_path / "c.json"))

@@ -178,6 +178,9 @@ def validate_steps(cfg: dict) -> None:
             raise UsageError(f"config train.{key} must be an integer >= {low} (got {t[key]!r})")
     if not isinstance(t["eval_max_seconds"], (int, float)) or t["eval_max_seconds"] < 0:
         raise UsageError("config train.eval_max_seconds must be a number of seconds >= 0 (0: no cap)")
+    rm = cfg["responses"]["max_minutes"]
+    if not isinstance(rm, (int, float)) or isinstance(rm, bool) or rm < 0:
+        raise UsageError(f"config responses.max_minutes must be a number of minutes >= 0 (0: no box; got {rm!r})")
     if not isinstance(t["fit_box"], bool):
         raise UsageError("config train.fit_box must be true or false")
     if t["fit_box"] and not t["max_minutes"] and not any(m.get("max_minutes") for m in cfg["models"].values()):
