@@ -93,6 +93,12 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
     ("train.val_batches=-1", "train.val_batches must be an integer >= 0"),
     ("train.eval_share=2", "train.eval_share must be a fraction in [0, 1]"),
     ("train.warm_start=/no/such/export", "not an export folder"),
+    ("train.loss_impl=liger", "train.loss_impl 'liger': use one of auto, fused, eager"),
+    ("train.loss_impl=fused", "fused runs on CUDA only"),
+    ("acceptance.dtype=fp8", "acceptance.dtype 'fp8': use auto or one of"),
+    ("acceptance.bench_prompts=0", "acceptance.bench_prompts must be an integer >= 1"),
+    ('acceptance.bench=["gsm8k"]', "gsm8k"),
+    ("acceptance.bench_max_seconds=-1", "acceptance.bench_max_seconds must be a number of seconds >= 0"),
 ])
 def test_bad_step_and_hidden_settings_are_refused(tmp_path, capsys, item, message):
     """The new keys are checked before any model loads: one error line, exit 2, nothing written."""
@@ -147,3 +153,15 @@ def test_fit_box_needs_a_box(tmp_path):
     cfg = write_config(tmp_path, tiny_models(heads=False), train={"fit_box": True})
     with pytest.raises(UsageError, match="fit_box needs a box: set train.max_minutes"):
         load_config(str(cfg))
+
+
+def test_loss_impl_auto_is_fused_on_cuda_only():
+    """train.loss_impl auto: speculators' fused Triton losses on CUDA (no [tokens, vocab] fp32 intermediates at
+    32K-token steps), the eager ones on the CPU; fused on a CPU run is refused."""
+    from core.errors import UsageError
+    from training.train import loss_impl
+    assert loss_impl({"loss_impl": "auto"}, torch.device("cuda")) == "fused"
+    assert loss_impl({"loss_impl": "auto"}, torch.device("cpu")) == "eager"
+    assert loss_impl({"loss_impl": "eager"}, torch.device("cuda")) == "eager"
+    with pytest.raises(UsageError, match="CUDA only"):
+        loss_impl({"loss_impl": "fused"}, torch.device("cpu"))

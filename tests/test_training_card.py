@@ -15,7 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("card")
-    cfg = write_config(root, tiny_models(heads=False))
+    cfg = write_config(root, tiny_models(heads=False), acceptance={"bench": ["mbpp"], "bench_prompts": 1})
     assert run_cli("all", "--config", cfg, "--workdir", root / "work") == 0
     return root
 
@@ -30,9 +30,29 @@ def test_selection_and_held_out_are_measured_apart(run_dir):
     acc = json.loads((w / "train" / "drafter" / "acceptance.json").read_text())
     for s in ("selection", "heldout"):
         assert acc[s]["set"] == s and acc[s]["of"] == acc[s]["prompts"] == 2 and acc[s]["tau_drafter"] >= 1.0
+    assert acc["dtype"] == "float32" and acc["cuda_graphs"] is False  # acceptance.dtype auto, on the CPU
     stages = json.loads((w / "stages.json").read_text())
     assert set(stages) == {"prompts", "responses", "hidden", "train", "export"}
     assert all(v["seconds"] >= 0 for v in stages.values())
+
+
+def test_acceptance_by_source_and_on_a_benchmark(run_dir):
+    """Each set's tau per prompt source pools that source's steps (so the sources' taus, weighted by their step
+    counts, give the set's tau), and acceptance.bench measures the benchmark file's prompts as the protocol renders
+    them ("bench:mbpp", the eval row): guards the per-source and benchmark tau of the at-scale run."""
+    from training.domains import group_of
+    w = run_dir / "work"
+    acc = json.loads((w / "train" / "drafter" / "acceptance.json").read_text())
+    for s in ("selection", "heldout"):
+        rows = [json.loads(x) for x in (w / "prompts" / f"{s}.jsonl").read_text().splitlines()]
+        by = acc[s]["by_source"]
+        assert sorted(by) == sorted({group_of(r["source"]) for r in rows})
+        assert sum(v["prompts"] for v in by.values()) == acc[s]["prompts"]
+        assert min(v["tau_drafter"] for v in by.values()) <= acc[s]["tau_drafter"] <= \
+            max(v["tau_drafter"] for v in by.values())
+    bench = acc["bench:mbpp"]
+    assert bench["set"] == "bench:mbpp" and bench["of"] == bench["prompts"] == 1 and bench["tau_drafter"] >= 1.0
+    assert "by_source" not in bench
 
 
 def test_card_json_and_markdown_from_the_run(run_dir, tmp_path):

@@ -48,15 +48,22 @@ def harness_models(cfg_dict: dict, state: dict, backend: Backend, num_target_lay
     return drafter, (lambda k: MarkovRefiner(m)), kind
 
 
+def acceptance_dtype(name: str, device: torch.device) -> torch.dtype:
+    """acceptance.dtype: auto is bfloat16 on CUDA (as the harness's tables decode there), float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
 class HeldOut:
     """Built once per training run: the target (harness Target over the HF model) and the held-out prompt ids."""
 
     def __init__(self, hf_model, prompts: list[list[int]], stops: list[int], backend: Backend,
-                 max_new_tokens: int, k_list=(1,)):
+                 max_new_tokens: int, k_list=(1,), use_graph: bool = False):
         self.hf, self.prompts, self.backend = hf_model, prompts, backend
         self.settings = DecodeSettings(max_new_tokens=max_new_tokens,
                                        max_model_len=max(len(p) for p in prompts) + max_new_tokens + 64,
-                                       stop_ids=tuple(stops))
+                                       stop_ids=tuple(stops), use_graph=use_graph)
         self.k_list = tuple(k_list)
         self.target = Target(hf_model, backend, capacity=self.settings.max_model_len)
 
@@ -67,14 +74,14 @@ class HeldOut:
     def _tau(self, prompts, drafter, refiner=None) -> float:
         return tau_per_step([self._lengths(p, drafter, refiner) for p in prompts])
 
-    def _first_arm(self, prompts, drafter, seconds: float) -> tuple[float, int]:
-        """Drafter-only tau over as many prompts (in order) as `seconds` allows (0: all), and how many."""
+    def _first_arm(self, prompts, drafter, seconds: float) -> list[list[int]]:
+        """Drafter-only accept lengths of as many prompts (in order) as `seconds` allows (0: all)."""
         deadline, lengths = time.perf_counter() + seconds, []
         for p in prompts:
             lengths.append(self._lengths(p, drafter))
             if seconds and time.perf_counter() > deadline:
                 break
-        return tau_per_step(lengths), len(lengths)
+        return lengths
 
     @torch.no_grad()
     def __call__(self, model, max_seconds: float = 0.0) -> dict:
@@ -82,22 +89,35 @@ class HeldOut:
         return self.measure(cfg, {k: v.detach() for k, v in model.state_dict().items()}, max_seconds)
 
     @torch.no_grad()
-    def measure(self, cfg: dict, state: dict, max_seconds: float = 0.0, prompts=None) -> dict:
+    def measure(self, cfg: dict, state: dict, max_seconds: float = 0.0, prompts=None, groups=None) -> dict:
         """tau of a speculators config dict + state dict on `prompts` (default: the ones given at construction;
-        each must fit the capacity those set)."""
+        each must fit the capacity those set). `groups`: one name per prompt (its source); the result then has
+        each group's pooled tau under "by_source"."""
         prompts = self.prompts if prompts is None else prompts
         dmodel, make, kind = harness_models(cfg, state, self.backend, self.hf.config.num_hidden_layers)
         self.target.set_taps(dmodel.config.target_layer_ids)
         drafter = DFlashDrafter(dmodel, self.target.embed, self.target.lm_head, self.backend)
         arms = 1 + (kind == "markov") + (len(self.k_list) if kind == "xpress" else 0)
-        tau, n = self._first_arm(prompts, drafter, max_seconds / arms)
-        out = {"tau_drafter": tau, "prompts": n}
+        per_arm = {"tau_drafter": self._first_arm(prompts, drafter, max_seconds / arms)}
+        n = len(per_arm["tau_drafter"])
         if kind == "markov":
-            out["tau_markov"] = self._tau(prompts[:n], drafter, make(0))
+            per_arm["tau_markov"] = [self._lengths(p, drafter, make(0)) for p in prompts[:n]]
         elif kind == "xpress":
             for k in self.k_list:
-                out[f"tau_xpress_K{k}"] = self._tau(prompts[:n], drafter, make(k))
+                per_arm[f"tau_xpress_K{k}"] = [self._lengths(p, drafter, make(k)) for p in prompts[:n]]
+        out = {**{arm: tau_per_step(v) for arm, v in per_arm.items()}, "prompts": n}
+        if groups is not None:
+            out["by_source"] = by_group(per_arm, list(groups)[:n])
         return out
+
+
+def by_group(per_arm: dict, groups: list[str]) -> dict:
+    """{group: {"prompts": n, arm: tau pooled over that group's prompts}} (tau_per_step over the group's steps)."""
+    out = {}
+    for g in sorted(set(groups)):
+        idx = [i for i, x in enumerate(groups) if x == g]
+        out[g] = {"prompts": len(idx), **{arm: tau_per_step([v[i] for i in idx]) for arm, v in per_arm.items()}}
+    return out
 
 
 class SetEval:

@@ -36,10 +36,14 @@ DEFAULTS = {
               "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
               "num_workers": 0, "stop_after_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
               "eval_k": [1], "val_batches": 16, "eval_max_seconds": 60, "eval_share": 0.05, "log_every": 1,
-              "warm_start": None, "fit_box": False, "fit_probe_steps": 50, "fit_reserve": 0.1},
+              "warm_start": None, "fit_box": False, "fit_probe_steps": 50, "fit_reserve": 0.1,
+              "loss_impl": "auto"},  # auto: speculators' fused Triton losses on CUDA, its eager ones elsewhere
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
-    "acceptance": {"selection_max_seconds": 0, "heldout_max_seconds": 0},
+    # dtype auto: bfloat16 on CUDA (the decode's CUDA graphs too), the target's float32 elsewhere; bench: data/eval
+    # datasets measured the protocol's way (report only; training/evaluate.py)
+    "acceptance": {"selection_max_seconds": 0, "heldout_max_seconds": 0, "dtype": "auto", "bench": [],
+                   "bench_prompts": 32, "bench_max_seconds": 0},
     "models": {},
 }
 
@@ -162,6 +166,7 @@ def validate(cfg: dict) -> None:
 
 HIDDEN_MODES = ("online", "offline")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
+LOSS_IMPLS = ("auto", "fused", "eager")
 
 
 def validate_steps(cfg: dict) -> None:
@@ -192,10 +197,41 @@ def validate_steps(cfg: dict) -> None:
         raise UsageError("config train.fit_reserve must be a fraction in [0, 1) of the box left at the fit")
     if not isinstance(t["eval_share"], (int, float)) or not 0 <= t["eval_share"] <= 1:
         raise UsageError("config train.eval_share must be a fraction in [0, 1] (1: no cap on periodic evaluations)")
+    if t["loss_impl"] not in LOSS_IMPLS:
+        raise UsageError(f"config train.loss_impl {t['loss_impl']!r}: use one of {', '.join(LOSS_IMPLS)} (fused: "
+                         "speculators' Triton kernels, CUDA only)")
+    if t["loss_impl"] == "fused" and t["device"] == "cpu":
+        raise UsageError("config train.loss_impl fused runs on CUDA only; use eager (or auto) with train.device=cpu")
+    validate_acceptance(cfg)
     ws = t["warm_start"]
     if ws is not None and not (Path(ws) / "manifest.json").is_file():
         raise UsageError(f"config train.warm_start {ws}: not an export folder (no manifest.json); give the export "
                          "stage's output, e.g. runs/<config>/export")
+
+
+def repo_path(p: str) -> Path:
+    """A config path: absolute as given, else relative to the repository."""
+    path = Path(p)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def validate_acceptance(cfg: dict) -> None:
+    a = cfg["acceptance"]
+    if a["dtype"] not in ("auto",) + DTYPE_NAMES:
+        raise UsageError(f"config acceptance.dtype {a['dtype']!r}: use auto or one of {', '.join(DTYPE_NAMES)}")
+    for key in ("selection_max_seconds", "heldout_max_seconds", "bench_max_seconds"):
+        if not isinstance(a[key], (int, float)) or isinstance(a[key], bool) or a[key] < 0:
+            raise UsageError(f"config acceptance.{key} must be a number of seconds >= 0 (0: no cap)")
+    if not isinstance(a["bench_prompts"], int) or isinstance(a["bench_prompts"], bool) or a["bench_prompts"] < 1:
+        raise UsageError("config acceptance.bench_prompts must be an integer >= 1")
+    from harness.protocol.data import validate_dataset_args
+    if not isinstance(a["bench"], list):
+        raise UsageError("config acceptance.bench must be a list of data/eval dataset names, e.g. [\"gsm8k\"]")
+    for name in a["bench"]:
+        try:
+            validate_dataset_args(name, str(repo_path(cfg["prompts"]["eval_dir"])), a["bench_prompts"])
+        except UsageError as e:
+            raise UsageError(f"config acceptance.bench {name!r} (read from prompts.eval_dir): {e}") from None
 
 
 def train_order(cfg: dict) -> list[str]:

@@ -7,8 +7,12 @@ settings).
      "heldout":   {"set": "heldout",   "of": 64, "prompts": 64, ...}}
 
 training/ship.py chooses on "selection" only; "heldout" is reported (the card, the ship manifest) and read by no
-choice. Caps: acceptance.selection_max_seconds / heldout_max_seconds (0: every prompt); `prompts` says how many
-were measured. train.eval_prompts=0 turns acceptance off here as during training.
+choice. Each of the two has "by_source": the pooled tau of each prompt source (training/domains.py group_of).
+`acceptance.bench` names benchmark datasets (data/eval files, the protocol's subset and rendering,
+harness.protocol.data) measured the same way, as "bench:<name>": what the harness's tables will see, reported and
+read by no choice. Caps: acceptance.selection_max_seconds / heldout_max_seconds / bench_max_seconds (0: every
+prompt); `prompts` says how many were measured. acceptance.dtype and the decode's CUDA graphs are recorded beside
+them. train.eval_prompts=0 turns acceptance off here as during training.
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ import json
 import time
 from pathlib import Path
 
-from training.config import fingerprint, model_fingerprint
+from training.config import fingerprint, model_fingerprint, repo_path
 from training.overlap import read_jsonl
 from training.store import read_manifest, write_json
 
@@ -29,6 +33,19 @@ def read_set(cfg: dict, name: str) -> list[dict]:
     return read_jsonl(out_dir(cfg) / f"{name}.jsonl")
 
 
+def bench_rows(cfg: dict) -> dict[str, list[dict]]:
+    """{"bench:<name>": rows} for acceptance.bench: the first acceptance.bench_prompts of the protocol's subset of
+    <prompts.eval_dir>/<name>.jsonl, first turns, rendered as the protocol renders them ("render": "protocol")."""
+    from harness.protocol.data import load_samples
+    ac = cfg["acceptance"]
+    out = {}
+    for name in ac["bench"]:
+        samples = load_samples(name, str(repo_path(cfg["prompts"]["eval_dir"])), ac["bench_prompts"])
+        out[f"bench:{name}"] = [{"text": s.turns[0], "source": f"bench:{name}:{s.row}", "render": "protocol"}
+                                for s in samples]
+    return out
+
+
 def eval_key(cfg: dict, name: str, final: Path) -> str:
     from training.prompts import out_dir
     tc = cfg["train"]
@@ -37,14 +54,14 @@ def eval_key(cfg: dict, name: str, final: Path) -> str:
                         "max_new_tokens": tc["eval_max_new_tokens"], "k": tc["eval_k"]})
 
 
-def measure(held, final: Path, ids: dict, caps: dict) -> dict:
+def measure(held, final: Path, ids: dict, caps: dict, groups: dict) -> dict:
     from safetensors.torch import load_file
     cfg_dict = json.loads((final / "config.json").read_text())
     state = load_file(str(final / "model.safetensors"), device=str(held.backend.device))
     out = {}
-    for s in SETS:
+    for s in ids:
         t = time.perf_counter()
-        r = held.measure(cfg_dict, state, caps[s], ids[s])
+        r = held.measure(cfg_dict, state, caps[s], ids[s], groups.get(s))
         out[s] = {"set": s, "of": len(ids[s]), **r, "seconds": round(time.perf_counter() - t, 3)}
     return out
 
@@ -66,15 +83,22 @@ def run(cfg: dict, names: list[str], make_held) -> dict:
         todo[n] = (final, key)
     if not todo:
         return {}
-    held, ids = make_held({s: read_set(cfg, s) for s in SETS})
-    caps = {s: cfg["acceptance"][f"{s}_max_seconds"] for s in SETS}
+    from training.domains import group_of
+    rows = {s: read_set(cfg, s) for s in SETS}
+    groups = {s: [group_of(r["source"]) for r in v] for s, v in rows.items()}
+    rows.update(bench_rows(cfg))
+    held, ids = make_held(rows)
+    ac = cfg["acceptance"]
+    caps = {s: ac[f"{s}_max_seconds"] if s in SETS else ac["bench_max_seconds"] for s in ids}
+    label = {"dtype": str(held.backend.dtype).replace("torch.", ""), "cuda_graphs": held.settings.use_graph}
     done = {}
     for n, (final, key) in todo.items():
         m = json.loads((model_dir(cfg, n) / "manifest.json").read_text())
-        rec = {"key": key, "final": final.name, "global_step": m.get("global_step"), **measure(held, final, ids, caps)}
+        rec = {"key": key, "final": final.name, "global_step": m.get("global_step"), **label,
+               **measure(held, final, ids, caps, groups)}
         write_json(model_dir(cfg, n) / FILE, rec)
         done[n] = rec
         print(f"acceptance {n}: " + "; ".join(
             f"{s} ({rec[s]['prompts']} of {rec[s]['of']}) " +
-            ", ".join(f"{k}={v:.3f}" for k, v in rec[s].items() if k.startswith("tau_")) for s in SETS), flush=True)
+            ", ".join(f"{k}={v:.3f}" for k, v in rec[s].items() if k.startswith("tau_")) for s in ids), flush=True)
     return done

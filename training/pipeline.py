@@ -18,6 +18,7 @@ class Pipeline:
     def __init__(self, cfg: dict, eval_dir: str | None = None, force: bool = False):
         self.cfg, self.eval_dir, self.force = cfg, eval_dir, force
         self._hf = None
+        self._typed: dict = {}
         self.stopped = False
         Path(cfg["workdir"]).mkdir(parents=True, exist_ok=True)
 
@@ -40,16 +41,25 @@ class Pipeline:
 
     def _held(self, ids: list[list[int]]):
         from core.devices import Backend
-        from training.acceptance import HeldOut
+        from training.acceptance import HeldOut, acceptance_dtype
         from training.gen import stop_ids
+        from training.hidden import target_in_dtype
         model, tok = self.load()
         tc = self.cfg["train"]
-        backend = Backend(model.device, torch.float32)
-        return HeldOut(model, ids, stop_ids(model, tok), backend, tc["eval_max_new_tokens"], tc["eval_k"])
+        dtype = acceptance_dtype(self.cfg["acceptance"]["dtype"], model.device)
+        backend = Backend(model.device, dtype)
+        if dtype not in self._typed:  # one copy per dtype, shared by every evaluation of the run
+            self._typed[dtype] = target_in_dtype(model, dtype)
+        return HeldOut(self._typed[dtype], ids, stop_ids(model, tok), backend, tc["eval_max_new_tokens"],
+                       tc["eval_k"], use_graph=model.device.type == "cuda")
 
     def _ids(self, rows: list[dict]) -> list[list[int]]:
+        """Prompt ids: the chat template over the row's text, or the protocol's rendering (bench rows)."""
+        from harness.protocol.data import render_prompt
         from training.responses import chat_ids
-        return [chat_ids(self.load()[1], r["text"]) for r in rows]
+        tok = self.load()[1]
+        return [render_prompt(tok, [{"role": "user", "content": r["text"]}]) if r.get("render") == "protocol"
+                else chat_ids(tok, r["text"]) for r in rows]
 
     def held_out(self):
         """The trainer's evaluation: the first train.eval_prompts of the selection set (never the held-out set)."""

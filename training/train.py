@@ -99,8 +99,19 @@ def build_model(cfg: dict, name: str, verifier: str, layer_ids: list[int], attn_
     return model
 
 
-def trainer_kwargs(m: dict) -> dict:
-    base = dict(loss_fn=m["loss_fn"], loss_implementation="eager", dflash_decay_gamma=m["gamma"],
+def loss_impl(tc: dict, device: torch.device) -> str:
+    """train.loss_impl resolved: auto is speculators' fused Triton losses on CUDA (no [tokens, vocab] fp32
+    intermediates) and its eager ones elsewhere."""
+    if tc["loss_impl"] == "auto":
+        return "fused" if device.type == "cuda" else "eager"
+    if tc["loss_impl"] == "fused" and device.type != "cuda":
+        raise UsageError(f"config train.loss_impl fused runs on CUDA only, and this run trains on {device.type}; "
+                         "use eager or auto")
+    return tc["loss_impl"]
+
+
+def trainer_kwargs(m: dict, impl: str = "eager") -> dict:
+    base = dict(loss_fn=m["loss_fn"], loss_implementation=impl, dflash_decay_gamma=m["gamma"],
                 max_anchors=m["max_anchors"])
     if m["type"] == "xpress":
         base.update(consistency_weight=m["consistency_weight"], consistency_passes=m["consistency_passes"],
@@ -157,7 +168,10 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
     dtype = train_dtype(device)
     train_loader, val_loader = make_loaders(cfg, verifier, hm, dtype)
     cls = SpeculatorModel.registry[m["type"]]
-    train_kw, val_kw = cls.get_trainer_kwargs(**trainer_kwargs(m))
+    impl = loss_impl(tc, device)
+    train_kw, val_kw = cls.get_trainer_kwargs(**trainer_kwargs(m, impl))
+    if device.type == "cuda":
+        print(f"train {name}: speculators' {impl} losses (train.loss_impl={tc['loss_impl']})")
     steps_per_epoch = len(train_loader)
     epochs = m["epochs"] or tc["epochs"]
     total = m["max_steps"] or epochs * steps_per_epoch
@@ -179,7 +193,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
                               warm_step=warm_step, fit=fit_plan(tc, total))
-    trainer.compile_mode = mode
+    trainer.compile_mode, trainer.loss_impl = mode, impl
     if trainer.warm_started:
         print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer)")
     return trainer, total, out
@@ -235,6 +249,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
     write(out / FILE, box.record({"first_step": start_step, "last_step": trainer.global_step,
                                   "box_s": max_seconds or None, "hidden_mode": cfg["hidden"]["mode"],
                                   "total_seq_len": tc["total_seq_len"], "compile": trainer.compile_mode,
+                                  "loss_impl": trainer.loss_impl,
                                   "fit": trainer.fit_record}), name)
     return out / str(last)
 
