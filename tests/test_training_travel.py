@@ -63,16 +63,18 @@ def test_packing_twice_gives_the_same_bytes(tmp_path):
     assert ia["archive"] == ib["archive"] and ia["pieces"] == ib["pieces"]
 
 
-def test_pieces_keep_under_max_mib_and_stale_pieces_go(tmp_path):
+def test_pieces_keep_under_max_mib_and_stale_pieces_go(tmp_path, capsys):
+    """Also: more files than one device call gives back (8) is said."""
     w = make_work(tmp_path)
     out = tmp_path / "P"
     out.mkdir()
     (out / "stages.part099").write_text("from an older, larger pack")
-    assert cli("pack", "--workdir", w, "--out", out, "--max-mib", 0.005) == 0
+    assert cli("pack", "--workdir", w, "--out", out, "--max-mib", 0.002) == 0
     index = json.loads((out / "stages.json").read_text())
-    limit = int(0.005 * 2 ** 20)
+    limit = int(0.002 * 2 ** 20)
     names = [p["file"] for p in index["pieces"]]
-    assert len(names) > 2 and names == [f"stages.part{i:03d}" for i in range(len(names))]
+    assert len(names) > 8 and names == [f"stages.part{i:03d}" for i in range(len(names))]
+    assert f"note: {len(names) + 1} files" in capsys.readouterr().out
     for p in index["pieces"]:
         assert (out / p["file"]).stat().st_size == p["bytes"] <= limit
     assert sum(p["bytes"] for p in index["pieces"]) == index["archive"]["bytes"]
@@ -209,16 +211,30 @@ def test_after_unpack_the_pipeline_skips_the_stages_and_resumes_the_responses(tm
     stages(b)
     assert "prompts: up to date" in capsys.readouterr().out
     assert {f: f.stat().st_mtime_ns for f in carried} == carried  # nothing carried was rewritten
-    assert "prompts" not in json.loads((b / "stages.json").read_text())
+    timed = json.loads((b / "stages.json").read_text())  # the prompts' time is the run's that wrote them
+    assert timed["prompts"] == json.loads((tmp_path / "A" / "stages.json").read_text())["prompts"]
     assert len(list((b / "responses" / "parts").iterdir())) > 1
     assert files_of(b / "prompts") == files_of(tmp_path / "ref" / "prompts")
     assert files_of(b / "responses") == files_of(tmp_path / "ref" / "responses")
 
     assert cli("pack", "--workdir", b, "--out", tmp_path / "P2") == 0
     assert cli("unpack", tmp_path / "P2", "--workdir", tmp_path / "C") == 0
+    unpacked = {f: f.stat().st_mtime_ns for f in (tmp_path / "C").rglob("*") if f.is_file()}
     capsys.readouterr()
     stages(tmp_path / "C")
+    assert {f: f.stat().st_mtime_ns for f in (tmp_path / "C").rglob("*") if f.is_file()} == unpacked
     out = capsys.readouterr().out
     assert "prompts: up to date" in out and "responses: up to date" in out
-    assert not (tmp_path / "C" / "stages.json").exists()  # neither stage did any work
-    assert files_of(tmp_path / "C") == {k: v for k, v in files_of(b).items() if k != "stages.json"}
+    assert files_of(tmp_path / "C") == files_of(b)  # stages.json too: neither stage did any work in C
+
+
+def test_an_index_that_is_not_travels_or_names_another_folder_is_refused(tmp_path, capsys):
+    w = make_work(tmp_path)
+    assert cli("pack", "--workdir", w, "--out", tmp_path / "P") == 0
+    index_file = tmp_path / "P" / "stages.json"
+    index = json.loads(index_file.read_text())
+    index_file.write_text(json.dumps({**index, "stages": {"../up": {}}}))
+    assert "../up" in refused(capsys, "unpack", tmp_path / "P", "--workdir", tmp_path / "W2")
+    index_file.write_text(json.dumps({"pieces": index["pieces"]}))
+    assert "not an index" in refused(capsys, "unpack", tmp_path / "P", "--workdir", tmp_path / "W2")
+    assert not (tmp_path / "W2").exists()

@@ -31,12 +31,14 @@ import zlib
 from pathlib import Path, PurePosixPath
 
 from core.errors import UsageError, cli_exit
+from training import stages as clock
 from training.store import MANIFEST, read_manifest
 
 STAGES = ("prompts", "responses", "hidden", "train", "export")
 DEFAULT_STAGES = ("prompts", "responses")
 FORMAT = "xpress-bench training stages 1"
 CHUNK = 1 << 20
+DEVICE_FILES = 8  # what one call of the lent GPU machine gives back (files of < 16 MiB each)
 
 
 def stage_list(text: str) -> list[str]:
@@ -158,7 +160,7 @@ def pack(work: Path, out: Path, stages: list[str], max_mib: float, name: str, co
     index = {"format": FORMAT, "name": name, "config": config or work.name, "workdir": str(work),
              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "archive": {"bytes": writer.size, "sha256": writer.whole.hexdigest()}, "max_mib": max_mib,
-             "pieces": pieces, "stages": {}}
+             "pieces": pieces, "stages": {}, "seconds": {s: t for s, t in clock.read(work).items() if s in stages}}
     for s in stages:
         members = [f.relative_to(work).as_posix() for f in files[s]]
         index["stages"][s] = {"key": manifests[s].get("key"), "files": len(members),
@@ -204,8 +206,12 @@ def read_index(src: Path, name: str) -> dict:
         index = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UsageError(f"{path}: invalid JSON ({e.msg}); pack again") from None
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not index.get("pieces") \
+            or not isinstance(index.get("archive"), dict) or not isinstance(index.get("stages"), dict):
         raise UsageError(f"{path}: not an index written by python -m training.travel pack")
+    bad = [s for s in index["stages"] if s not in STAGES]
+    if bad or not index["stages"]:
+        raise UsageError(f"{path}: stages {bad or 'none'}; an index lists stages among {', '.join(STAGES)}")
     return index
 
 
@@ -235,8 +241,7 @@ def verify_pieces(src: Path, index: dict) -> list[Path]:
 def member_path(m: tarfile.TarInfo, stages: set[str]) -> PurePosixPath:
     """A member's path, refused unless it is a plain file or folder strictly inside one of the packed stages."""
     p = PurePosixPath(m.name)
-    if m.name.startswith("/") or p.is_absolute() or "\\" in m.name or any(x in ("..", ".", "") for x in
-                                                                           m.name.split("/")):
+    if p.is_absolute() or "\\" in m.name or any(x in ("..", ".", "") for x in m.name.split("/")):
         raise UsageError(f"archive member {m.name!r}: an absolute path or one with '..'; refusing the archive")
     if not (m.isfile() or m.isdir()):
         raise UsageError(f"archive member {m.name!r}: not a plain file or folder; refusing the archive")
@@ -303,7 +308,7 @@ def extract(paths: list[Path], tmp: Path, stages: set[str]) -> None:
 
 def unpack(src: Path, work: Path, name: str, force: bool) -> dict[str, dict]:
     index = read_index(src, name)
-    stages = set(index.get("stages", {}))
+    stages = set(index["stages"])
     paths = verify_pieces(src, index)
     manifests = scan(paths, stages)
     keep = set(conflicts(work, manifests, force))
@@ -325,8 +330,21 @@ def unpack(src: Path, work: Path, name: str, force: bool) -> dict[str, dict]:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    carry_seconds(work, sorted(stages - keep, key=STAGES.index), index.get("seconds", {}))
     return {s: {"key": m.get("key"), "kept": s in keep, "counts": index["stages"][s].get("counts", {})}
             for s, m in sorted(manifests.items(), key=lambda kv: STAGES.index(kv[0]))}
+
+
+def carry_seconds(work: Path, unpacked: list[str], seconds: dict) -> None:
+    """The unpacked stages' wall times (stages.json, for the model card) are those of the run that did the work;
+    a time the workdir had for a stage now replaced goes."""
+    rec = clock.read(work)
+    for s in unpacked:
+        rec.pop(s, None)
+        if s in seconds:
+            rec[s] = seconds[s]
+    if rec or (work / clock.FILE).exists():
+        (work / clock.FILE).write_text(json.dumps(rec, indent=1) + "\n")
 
 
 def describe(c: dict) -> str:
@@ -363,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"packed {s}: key {v['key']}, {v['files']} files, {describe(v['counts'])}")
             mib = index["archive"]["bytes"] / 2 ** 20
             print(f"-> {args.out}/{name}.json + {len(index['pieces'])} piece(s), {mib:.2f} MiB")
+            if len(index["pieces"]) + 1 > DEVICE_FILES:
+                print(f"note: {len(index['pieces']) + 1} files; a lent GPU machine gives back at most {DEVICE_FILES} "
+                      "per call, so bring them back over several calls (or pack fewer --stages per --name)")
         else:
             for s, v in unpack(args.src, args.workdir, name, args.force).items():
                 what = "kept (the workdir's is done with the same key)" if v["kept"] else "unpacked"
