@@ -38,6 +38,7 @@ STAGES = ("prompts", "responses", "hidden", "train", "export")
 DEFAULT_STAGES = ("prompts", "responses")
 FORMAT = "xpress-bench training stages 1"
 CHUNK = 1 << 20
+LEVEL = 6  # gzip: level 9 took 3x as long on token-id JSONL for 2% less
 DEVICE_FILES = 8  # what one call of the lent GPU machine gives back (files of < 16 MiB each)
 
 
@@ -126,7 +127,7 @@ class PieceWriter(io.RawIOBase):
 
 def write_archive(work: Path, files: list[Path], sink) -> None:
     """A deterministic tar.gz of `files` (paths relative to `work`) into the binary stream `sink`."""
-    with gzip.GzipFile(filename="", mode="wb", fileobj=sink, mtime=0) as gz, \
+    with gzip.GzipFile(filename="", mode="wb", fileobj=sink, mtime=0, compresslevel=LEVEL) as gz, \
             tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for f in files:
             info = tarfile.TarInfo(f.relative_to(work).as_posix())
