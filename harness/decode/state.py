@@ -43,6 +43,51 @@ class Request:
     stop: str = ""           # "" while decoding; then eos | max_new_tokens | max_model_len
     extra: bool = False      # the accounting's step after an EOS is still to run (it emits nothing)
 
+    def first_token(self, token: int, stop_ids) -> None:
+        """The prefill's token: produced, and the stop it may already be."""
+        self.produced = 1
+        self.stop = ("eos" if token in stop_ids else "max_new_tokens" if self.produced >= self.max_new_tokens
+                     else "")
+        self.check_context()
+
+    def check_context(self) -> None:
+        """The context-limit stop: no room left for another token."""
+        if not self.stop and self.pos + 1 >= self.max_model_len:
+            self.stop = "max_model_len"
+
+    def advance(self, gen, policy, spec_arm: bool, speculative: bool, w: int, accepted: int,
+                stop_at: int) -> tuple[int, bool]:
+        """One step's host bookkeeping from its read (`accepted` drafts, `stop_at` the first stop row, w if none):
+        this request's fields and its Generation's step lists (`gen`, harness.decode.loop.Generation; `policy` its
+        Accounting). Returns (tokens emitted, whether the step was the accounting's extra one after an EOS,
+        which ends the decode). The context-limit stop is the caller's next call (`check_context`)."""
+        gen.host_syncs += 1
+        gen.spec_steps += speculative
+        gen.ar_steps += not speculative
+        if self.extra:
+            gen.extra_steps += 1
+            gen.accept_lengths.append(accepted + 1)
+            gen.accepted.append(accepted)
+            self.extra = False
+            return 0, True
+        emit, m = accepted + 1, self.max_new_tokens
+        if stop_at < w:
+            emit, self.stop = stop_at + 1, "eos"
+            self.extra = policy.wants_extra_step(stop_at, accepted, self.pos + accepted + 1 < self.prompt_len + m,
+                                                 self.pos + accepted + 2 < self.max_model_len)
+        if self.produced + emit >= m:
+            if self.produced + emit > m or not self.stop:
+                self.stop = "max_new_tokens"
+            emit = m - self.produced
+        self.produced += emit
+        self.pos += accepted + 1
+        if speculative or not spec_arm:
+            gen.accept_lengths.append(policy.tau_entry(accepted, emit))
+            gen.accepted.append(accepted)
+        else:  # a speculative arm's plain target step near the context limit: not a tau = 1 entry
+            gen.tail_steps += 1
+        return emit, False
+
 
 class Slot:
     """One request's place in a decode: persistent buffers (reused by the requests the slot serves, never
