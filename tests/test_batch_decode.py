@@ -1,6 +1,8 @@
 """generate_batch (harness.decode.batch_loop): at T=0 in fp32 each request of a batch emits its own B=1 AR tokens
 and its own B=1 accepted counts (tau), for AR and every speculative arm, B in {1, 2, 3, 4, 8}, with prompts of
 different lengths, output limits and stop times; near the context limit too; one host read per step."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -153,3 +155,20 @@ def test_one_host_read_per_step_for_the_whole_batch(case, monkeypatch):
                           max_new_tokens=list(BUDGETS[:4]))
     assert set(reads) == {(4, 2)}
     assert len(reads) == max(g.host_syncs for g in gens) > min(g.host_syncs for g in gens)
+
+
+def test_reference_accounting_and_gaps_per_request(case):
+    """Guards the per-request policy state in a batch: under --compat-reference a request whose EOS is a bonus
+    token takes its extra step (counted, emitting nothing) while its neighbours go on, and the recorded top-2 gaps
+    are each request's own; all as at B=1."""
+    t, _, prompts, _, _, _ = case
+    s = settings(case, compat_reference=True, record_gaps=True)
+    idx = range(len(prompts))
+    gens = generate_batch(t, prompts, s, CPU32, drafters=[drafter_for("drafter-only", case, i) for i in idx],
+                          max_new_tokens=list(BUDGETS))
+    for i, g in zip(idx, gens):
+        alone = generate(t, prompts[i], dataclasses.replace(s, max_new_tokens=BUDGETS[i]), CPU32,
+                         drafter=drafter_for("drafter-only", case, i))
+        assert (g.tokens, g.accept_lengths, g.extra_steps) == (alone.tokens, alone.accept_lengths, alone.extra_steps)
+        assert g.top2_gaps == pytest.approx(alone.top2_gaps, abs=1e-4)
+    assert any(g.extra_steps for g in gens) and not all(g.extra_steps for g in gens)

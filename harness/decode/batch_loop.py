@@ -75,6 +75,85 @@ def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state,
     return b
 
 
+class _Batch:
+    """One batch: each request's `_Decode` (prefilled here), the BatchTarget their rows share, and the step."""
+
+    def __init__(self, target, prompts, settings: DecodeSettings, backend: Backend, drafters, refiner, generators,
+                 state: DecodeState, limits):
+        b, self.backend = len(prompts), backend
+        self.batch = BatchTarget(target, b)
+        self.width = width = drafters[0].block_size if drafters is not None else 1
+        self.spec_arm, self.limit = drafters is not None, settings.max_model_len
+        own = [settings if limits is None else dataclasses.replace(settings, max_new_tokens=m)
+               for m in (limits or [settings.max_new_tokens] * b)]
+        # + width: a masked (finished) request's block still writes past its end, in its own row
+        self.batch.ensure_capacity(max(min(self.limit, len(p) + s.max_new_tokens + width)
+                                       for p, s in zip(prompts, own)) + width)
+        self.runs = []
+        for i, prompt in enumerate(prompts):
+            slot = state.slots[i]
+            run = _Decode(target, prompt, own[i], backend, None if drafters is None else drafters[i], refiner,
+                          None if generators is None else generators[i], state, slot=slot,
+                          row=self.batch.row(slot.row))
+            run.request.first_token(run.prefill(), settings.stop_ids)
+            self.batch.load_prompt(slot.row, len(prompt))
+            self.runs.append(run)
+        self.idle = torch.tensor([0, width], dtype=torch.long, device=backend.device)
+        self.clock = backend.now()
+        self.ends = [self.clock] * b
+
+    def live(self) -> list[bool]:
+        """Per request: still stepping (decoding, or the accounting's extra step to come)."""
+        return [not run.request.stop or run.request.extra for run in self.runs]
+
+    def step(self, live: list[bool], spec: list[bool]) -> list[list[int]]:
+        """The device work of one step for every request, then the one read."""
+        width, proposed, blocks = self.width, [], []
+        for i, run in enumerate(self.runs):
+            r = run.request
+            if live[i]:
+                proposed.append(run.stepper.propose(spec[i], r.pos + width))
+                block = proposed[-1][1]
+            else:
+                proposed.append(None)
+                block = run.out[r.pos: r.pos + 1]
+            blocks.append(torch.cat((block, block[:1].expand(width - block.shape[0]))))
+        length = max(run.request.pos for run in self.runs) + width
+        logits, feats = self.batch.verify(torch.stack(blocks), length, want_features=any(spec))
+        packed = []
+        for i, run in enumerate(self.runs):
+            if not live[i]:
+                packed.append(self.idle)
+                continue
+            w = width if spec[i] else 1
+            drafts, _, proposal = proposed[i]
+            n, _, first_stop = run.stepper.settle(drafts, proposal, logits[i, :w], w, spec[i])
+            if spec[i]:
+                run.drafter.observe(feats[i], n + 1)
+            packed.append(torch.stack((n, first_stop)))
+        return _read(torch.stack(packed))
+
+    def decode(self) -> list[Generation]:
+        while any(live := self.live()):
+            spec = [self.spec_arm and on and run.request.pos + self.width < self.limit
+                    for on, run in zip(live, self.runs)]
+            read = self.step(live, spec)
+            for i, run in enumerate(self.runs):
+                if not live[i]:
+                    continue
+                r = run.request
+                _, extra = r.advance(run.gen, run.policy, self.spec_arm, spec[i], self.width if spec[i] else 1,
+                                     *read[i])
+                if not extra:
+                    r.check_context()
+                if r.stop and not r.extra:
+                    self.ends[i] = self.backend.now()  # just after the read: the device is idle, no wait
+        gens = [run.finish(run.request.produced, run.request.stop) for run in self.runs]
+        for gen, end in zip(gens, self.ends):
+            gen.decode_s = end - self.clock
+        return gens
+
+
 @torch.no_grad()
 def generate_batch(target, prompts: Sequence[list[int]], settings: DecodeSettings, backend: Backend,
                    drafters: Sequence[Drafter] | None = None, refiner: Refiner | None = None,
@@ -90,64 +169,4 @@ def generate_batch(target, prompts: Sequence[list[int]], settings: DecodeSetting
     b = _check_batch(prompts, settings, drafters, generators, state, max_new_tokens)
     _check(settings, backend)
     state = state if state is not None else DecodeState(target, slots=b)
-    batch = BatchTarget(target, b)
-    width = drafters[0].block_size if drafters is not None else 1
-    limit = settings.max_model_len
-    own = [settings if max_new_tokens is None else dataclasses.replace(settings, max_new_tokens=m)
-           for m in (max_new_tokens or [settings.max_new_tokens] * b)]
-    # + width: a masked (finished) request's block still writes past its end, in its own row
-    batch.ensure_capacity(max(min(limit, len(p) + s.max_new_tokens + width) for p, s in zip(prompts, own)) + width)
-    runs = []
-    for i, prompt in enumerate(prompts):
-        run = _Decode(target, prompt, own[i], backend, None if drafters is None else drafters[i], refiner,
-                      None if generators is None else generators[i], state, slot=state.slots[i], row=batch.row(i))
-        run.request.first_token(run.prefill(), settings.stop_ids)
-        batch.load_prompt(i, len(prompt))
-        runs.append(run)
-    clock = backend.now()
-    ends = [clock] * b
-    idle = torch.tensor([0, width], dtype=torch.long, device=backend.device)
-    spec_arm = drafters is not None
-    while any(not run.request.stop or run.request.extra for run in runs):
-        live = [not run.request.stop or run.request.extra for run in runs]
-        spec = [spec_arm and live[i] and run.request.pos + width < limit for i, run in enumerate(runs)]
-        proposed, blocks = [], []
-        for i, run in enumerate(runs):
-            r = run.request
-            if live[i]:
-                proposed.append(run.stepper.propose(spec[i], r.pos + width))
-                block = proposed[-1][1]
-            else:
-                proposed.append(None)
-                block = run.out[r.pos: r.pos + 1]
-            blocks.append(torch.cat((block, block[:1].expand(width - block.shape[0]))))
-        length = max(run.request.pos for run in runs) + width
-        logits, feats = batch.verify(torch.stack(blocks), length, want_features=any(spec))
-        packed = []
-        for i, run in enumerate(runs):
-            if not live[i]:
-                packed.append(idle)
-                continue
-            w = width if spec[i] else 1
-            drafts, _, proposal = proposed[i]
-            n, _, first_stop = run.stepper.settle(drafts, proposal, logits[i, :w], w, spec[i])
-            if spec[i]:
-                run.drafter.observe(feats[i], n + 1)
-            packed.append(torch.stack((n, first_stop)))
-        read = _read(torch.stack(packed))
-        for i, run in enumerate(runs):
-            if live[i]:
-                r = run.request
-                accepted, stop_at = read[i]
-                _, extra = r.advance(run.gen, run.policy, spec_arm, spec[i], width if spec[i] else 1, accepted,
-                                     stop_at)
-                if not extra:
-                    r.check_context()
-                if r.stop and not r.extra:
-                    ends[i] = backend.now()  # just after the read: the device is idle, no wait
-    gens = []
-    for i, run in enumerate(runs):
-        gen = run.finish(run.request.produced, run.request.stop)
-        gen.decode_s = ends[i] - clock
-        gens.append(gen)
-    return gens
+    return _Batch(target, prompts, settings, backend, drafters, refiner, generators, state, max_new_tokens).decode()

@@ -9,14 +9,16 @@ its forward writes, with `pos`, its committed length, on the device. Everything 
     which persist across the requests that use the slot because a captured graph reads them by address, and the
     fields of the request now in the slot (`Request`: prompt length, output and context limits, committed
     length, tokens produced, stop state).
-One slot today (`DecodeState.slot`); a batched loop holds B of them (`DecodeState(target, slots=B).slots`), one
-per request in flight, each with its own buffers, noise and request fields.
+generate() uses one slot (`DecodeState.slot`); the batched loop (harness.decode.batch_loop) holds B of them
+(`DecodeState(target, slots=B).slots`), one per request in flight, each with its own buffers, noise and request
+fields; a request's drafter context is its own drafter's.
 
 The KV cache stays in the target. Its forward writes the cache layer by layer inside the ops (core.ops attention
 takes the cache), its layout belongs to the target's family (StaticKV; Gemma 4's per-kind LayerKV), and the cache
 and `pos` move together on commit and rollback; a state owning the cache would hand it back into every forward.
-A batched target will hold one cache row per slot (and a `pos` per row); a Slot refers to its row by index
-(`Slot.row`), the way the state refers to the target: it uses it, it does not own it.
+The batched target (harness.decode.batch_target.BatchTarget) holds one cache row per slot and a `pos` per row; a
+Slot refers to its row by index (`Slot.row`), the way the state refers to the target: it uses it, it does not own
+it.
 
 `DecodeState.of(target)` is a target's default state (in a weak registry: it lives as long as the target and does
 not keep it alive); generate() uses it unless handed another, and so do the runner's presize and capture plan.
