@@ -154,27 +154,38 @@ class Stepper:
             w: torch.full((), min(self.scripted, w - 1), dtype=torch.long, device=out.device) for w in {1, width}}
 
     def step(self, speculative: bool, width: int, length: int, mark=_no_mark) -> StepOut:
-        t = self.target
         mark("begin")
-        anchor = self.out.index_select(0, t.pos.view(1))
-        proposal = None
-        if speculative:
-            proposal = self.drafter.propose(anchor[0], t.pos, length)
-            if self.sampler is not None:
-                self.sampler.new_block(self.generator)
-                proposal = dataclasses.replace(proposal, tokens=self.sampler.select(proposal.logits))
-            mark("draft")
-            prev = self.out.index_select(0, t.pos.view(1) - 1)[0]
-            proposal = self.refiner.refine(proposal, RefineContext(anchor=anchor[0], prev_token=prev,
-                                                                   sampler=self.sampler))
-            mark("refine")
-            drafts = proposal.tokens
-            block = torch.cat((anchor, drafts))
-        else:
-            drafts = self.out[:0]
-            block = anchor
-        logits, feats = t.verify(block, length, want_features=speculative)
+        drafts, block, proposal = self.propose(speculative, length, mark)
+        logits, feats = self.target.verify(block, length, want_features=speculative)
         mark("verify")
+        n, nxt, first_stop = self.settle(drafts, proposal, logits, width, speculative)
+        mark("accept")
+        if speculative:
+            self.drafter.observe(feats, n + 1)
+            mark("observe")
+        return StepOut(torch.stack((n, first_stop)), n, nxt, block, logits, proposal)
+
+    def propose(self, speculative: bool, length: int, mark=_no_mark):
+        """(drafts, block = [anchor] + drafts, proposal): the draft and its refinement (none on a plain step)."""
+        t = self.target
+        anchor = self.out.index_select(0, t.pos.view(1))
+        if not speculative:
+            return self.out[:0], anchor, None
+        proposal = self.drafter.propose(anchor[0], t.pos, length)
+        if self.sampler is not None:
+            self.sampler.new_block(self.generator)
+            proposal = dataclasses.replace(proposal, tokens=self.sampler.select(proposal.logits))
+        mark("draft")
+        prev = self.out.index_select(0, t.pos.view(1) - 1)[0]
+        proposal = self.refiner.refine(proposal, RefineContext(anchor=anchor[0], prev_token=prev,
+                                                               sampler=self.sampler))
+        mark("refine")
+        return proposal.tokens, torch.cat((anchor, proposal.tokens)), proposal
+
+    def settle(self, drafts, proposal, logits, width: int, speculative: bool):
+        """From the block's target logits [width, V]: the verdict, the emitted tokens written to the output, the
+        first stop row among them (width: none) and the commit. Returns (n accepted, next token, first stop)."""
+        t = self.target
         n, nxt = self._verdict(drafts, proposal, logits, width, speculative)
         idx = self.offsets[:width]
         candidates = torch.cat((drafts, nxt.view(1)))
@@ -185,11 +196,7 @@ class Stepper:
         hits = (emitted.unsqueeze(1) == self.stops).any(1) & (idx <= n)
         first_stop = torch.where(hits.any(), hits.long().argmax(), width)
         t.commit(n + 1)
-        mark("accept")
-        if speculative:
-            self.drafter.observe(feats, n + 1)
-            mark("observe")
-        return StepOut(torch.stack((n, first_stop)), n, nxt, block, logits, proposal)
+        return n, nxt, first_stop
 
     def _verdict(self, drafts, proposal, logits, width, speculative):
         if self.q_mode and speculative:
@@ -215,6 +222,14 @@ def top2(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack((top[..., 0] - top[..., 1], top[..., 0]), dim=-1)
 
 
+def check_prompt(p: int, limit: int) -> None:
+    if p == 0:
+        raise UsageError("empty prompt: the chat template produced no tokens")
+    if p >= limit:
+        raise PromptTooLong(f"prompt has {p} tokens but --max-model-len is {limit}; raise --max-model-len "
+                            "or drop the prompt")
+
+
 def _check(settings: DecodeSettings, backend: Backend) -> None:
     s = settings.scripted_accept
     if s is not None and (isinstance(s, bool) or not isinstance(s, int) or s < 0):
@@ -228,18 +243,17 @@ class _Decode:
     the slot's `request`."""
 
     def __init__(self, target, prompt, settings: DecodeSettings, backend: Backend, drafter, refiner, generator,
-                 state: DecodeState | None):
-        p, m, limit = len(prompt), settings.max_new_tokens, settings.max_model_len
-        if p == 0:
-            raise UsageError("empty prompt: the chat template produced no tokens")
-        if p >= limit:
-            raise PromptTooLong(f"prompt has {p} tokens but --max-model-len is {limit}; raise --max-model-len "
-                                "or drop the prompt")
+                 state: DecodeState | None, slot=None, row=None):
+        """slot: the state's slot this request uses (default its one slot); row: what the stepper commits to (the
+        target; a batched decode's row of its batched target, harness.decode.batch_target), the target prefills."""
+        p = len(prompt)
+        check_prompt(p, settings.max_model_len)
         _check(settings, backend)
+        m, limit = settings.max_new_tokens, settings.max_model_len
         self.target, self.drafter, self.settings, self.backend = target, drafter, settings, backend
         self.policy = settings.accounting
         state = state if state is not None else DecodeState.of(target)
-        slot = state.slot
+        slot = slot or state.slot
         self.graphs = state.step_graphs() if settings.use_graph else None
         self.width = width = drafter.block_size if drafter is not None else 1
         refiner = refiner or _IDENTITY
@@ -267,8 +281,8 @@ class _Decode:
             else:
                 self.gen.graph_note = self.graphs.rng_unsupported
                 self.graphs = None
-        self.stepper = Stepper(target, drafter, refiner, settings, self.out, slot.stop_ids(settings.stop_ids),
-                               self.sampler, self.rng)
+        self.stepper = Stepper(row or target, drafter, refiner, settings, self.out,
+                               slot.stop_ids(settings.stop_ids), self.sampler, self.rng)
         if settings.record_gaps:  # persistent like `out`: a captured graph writes it by address
             self.stepper.gaps = slot.gap_buffer(self.out.numel())
         self.captures0 = self.graphs.captures if self.graphs is not None else 0
@@ -355,46 +369,20 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     DecodeState.of); its slot's `request` holds the bookkeeping below."""
     run = _Decode(target, prompt, settings, backend, drafter, refiner, generator, state)
     gen, policy, width, r = run.gen, run.policy, run.width, run.request
-    m, limit, p = r.max_new_tokens, r.max_model_len, r.prompt_len
+    limit = r.max_model_len
     gen.timed = on_step is None
     first_id = run.prefill()
-    r.produced = 1
-    r.stop = ("eos" if first_id in settings.stop_ids else "max_new_tokens" if r.produced >= m
-              else "max_model_len" if r.pos + 1 >= limit else "")
+    r.first_token(first_id, settings.stop_ids)
     while not r.stop or r.extra:  # r.extra: the policy's step after an EOS, counted, emitting nothing
         speculative = drafter is not None and r.pos + width < limit
         w = width if speculative else 1
         res = run.step(speculative, w, r.pos, mark)
         accepted, stop_at = res.packed.tolist()  # the one host sync per step
-        gen.host_syncs += 1
-        gen.spec_steps += speculative
-        gen.ar_steps += not speculative
-        if r.extra:
-            gen.extra_steps += 1
-            gen.accept_lengths.append(accepted + 1)
-            gen.accepted.append(accepted)
-            _trace(on_step, res, position=r.pos, speculative=speculative, accepted=accepted, emitted=0,
-                   produced=r.produced, stop=r.stop, extra_step=True)
-            r.extra = False
+        position = r.pos
+        emit, extra = r.advance(gen, policy, drafter is not None, speculative, w, accepted, stop_at)
+        _trace(on_step, res, position=position, speculative=speculative, accepted=accepted, emitted=emit,
+               produced=r.produced, stop=r.stop, extra_step=extra)
+        if extra:
             break
-        emit = accepted + 1
-        if stop_at < w:
-            emit, r.stop = stop_at + 1, "eos"
-            r.extra = policy.wants_extra_step(stop_at, accepted, r.pos + accepted + 1 < p + m,
-                                              r.pos + accepted + 2 < limit)
-        if r.produced + emit >= m:
-            if r.produced + emit > m or not r.stop:
-                r.stop = "max_new_tokens"
-            emit = m - r.produced
-        _trace(on_step, res, position=r.pos, speculative=speculative, accepted=accepted, emitted=emit,
-               produced=r.produced + emit, stop=r.stop, extra_step=False)
-        r.produced += emit
-        r.pos += accepted + 1
-        if speculative or drafter is None:
-            gen.accept_lengths.append(policy.tau_entry(accepted, emit))
-            gen.accepted.append(accepted)
-        else:  # a speculative arm's plain target step near the context limit: not a tau = 1 entry
-            gen.tail_steps += 1
-        if not r.stop and r.pos + 1 >= limit:
-            r.stop = "max_model_len"
+        r.check_context()
     return run.finish(r.produced, r.stop)

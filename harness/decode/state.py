@@ -9,14 +9,16 @@ its forward writes, with `pos`, its committed length, on the device. Everything 
     which persist across the requests that use the slot because a captured graph reads them by address, and the
     fields of the request now in the slot (`Request`: prompt length, output and context limits, committed
     length, tokens produced, stop state).
-One slot today (`DecodeState.slot`); a batched loop holds B of them (`DecodeState(target, slots=B).slots`), one
-per request in flight, each with its own buffers, noise and request fields.
+generate() uses one slot (`DecodeState.slot`); the batched loop (harness.decode.batch_loop) holds B of them
+(`DecodeState(target, slots=B).slots`), one per request in flight, each with its own buffers, noise and request
+fields; a request's drafter context is its own drafter's.
 
 The KV cache stays in the target. Its forward writes the cache layer by layer inside the ops (core.ops attention
 takes the cache), its layout belongs to the target's family (StaticKV; Gemma 4's per-kind LayerKV), and the cache
 and `pos` move together on commit and rollback; a state owning the cache would hand it back into every forward.
-A batched target will hold one cache row per slot (and a `pos` per row); a Slot refers to its row by index
-(`Slot.row`), the way the state refers to the target: it uses it, it does not own it.
+The batched target (harness.decode.batch_target.BatchTarget) holds one cache row per slot and a `pos` per row; a
+Slot refers to its row by index (`Slot.row`), the way the state refers to the target: it uses it, it does not own
+it.
 
 `DecodeState.of(target)` is a target's default state (in a weak registry: it lives as long as the target and does
 not keep it alive); generate() uses it unless handed another, and so do the runner's presize and capture plan.
@@ -42,6 +44,51 @@ class Request:
     produced: int = 0        # tokens emitted so far (the prefill's first one included)
     stop: str = ""           # "" while decoding; then eos | max_new_tokens | max_model_len
     extra: bool = False      # the accounting's step after an EOS is still to run (it emits nothing)
+
+    def first_token(self, token: int, stop_ids) -> None:
+        """The prefill's token: produced, and the stop it may already be."""
+        self.produced = 1
+        self.stop = ("eos" if token in stop_ids else "max_new_tokens" if self.produced >= self.max_new_tokens
+                     else "")
+        self.check_context()
+
+    def check_context(self) -> None:
+        """The context-limit stop: no room left for another token."""
+        if not self.stop and self.pos + 1 >= self.max_model_len:
+            self.stop = "max_model_len"
+
+    def advance(self, gen, policy, spec_arm: bool, speculative: bool, w: int, accepted: int,
+                stop_at: int) -> tuple[int, bool]:
+        """One step's host bookkeeping from its read (`accepted` drafts, `stop_at` the first stop row, w if none):
+        this request's fields and its Generation's step lists (`gen`, harness.decode.loop.Generation; `policy` its
+        Accounting). Returns (tokens emitted, whether the step was the accounting's extra one after an EOS,
+        which ends the decode). The context-limit stop is the caller's next call (`check_context`)."""
+        gen.host_syncs += 1
+        gen.spec_steps += speculative
+        gen.ar_steps += not speculative
+        if self.extra:
+            gen.extra_steps += 1
+            gen.accept_lengths.append(accepted + 1)
+            gen.accepted.append(accepted)
+            self.extra = False
+            return 0, True
+        emit, m = accepted + 1, self.max_new_tokens
+        if stop_at < w:
+            emit, self.stop = stop_at + 1, "eos"
+            self.extra = policy.wants_extra_step(stop_at, accepted, self.pos + accepted + 1 < self.prompt_len + m,
+                                                 self.pos + accepted + 2 < self.max_model_len)
+        if self.produced + emit >= m:
+            if self.produced + emit > m or not self.stop:
+                self.stop = "max_new_tokens"
+            emit = m - self.produced
+        self.produced += emit
+        self.pos += accepted + 1
+        if speculative or not spec_arm:
+            gen.accept_lengths.append(policy.tau_entry(accepted, emit))
+            gen.accepted.append(accepted)
+        else:  # a speculative arm's plain target step near the context limit: not a tau = 1 entry
+            gen.tail_steps += 1
+        return emit, False
 
 
 class Slot:

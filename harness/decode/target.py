@@ -136,17 +136,19 @@ class Target:
 
     @torch.no_grad()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, length: int, want_features: bool,
-                last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_only: bool = False, batch=None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids/positions [T] (increasing); attends over cache slots [0, length). Returns logits [T or 1, V],
-        features."""
-        ops = self.ops.sized(ids.shape[0], self.groups, prefill=last_only)
+        features. batch: the rows of several requests, each over its own cache row (a
+        harness.decode.batch_target.BatchRows: its ops, cache and span; `positions` stay the rows' own)."""
+        ops = self.ops.sized(ids.shape[0], self.groups, prefill=last_only) if batch is None else batch.ops
         h = self.embed(ids)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
         cos, sin = cos[0], sin[0]
-        span = Span(positions, length, impl=self.attn_impl)
+        span = Span(positions, length, impl=self.attn_impl) if batch is None else batch.span
+        kv = self.kv if batch is None else batch.kv
         tapped = {}
         for i, layer in enumerate(self.layers):
-            h = self._layer(ops, i, layer, h, span, cos, sin)
+            h = self._layer(ops, i, layer, h, span, cos, sin, kv)
             if want_features and i in self._tap_set:
                 tapped[i] = h
         last = self.n_layers - 1
@@ -169,8 +171,8 @@ class Target:
         features = torch.cat([tapped[t] for t in self.taps], dim=-1) if want_features and self.taps else None
         return logits, features
 
-    def _layer(self, ops: Ops, i: int, layer, h: torch.Tensor, span: Span, cos, sin) -> torch.Tensor:
-        """One pre-norm decoder layer (HF Llama/Qwen module names) over rows h [T, H]."""
+    def _layer(self, ops: Ops, i: int, layer, h: torch.Tensor, span: Span, cos, sin, kv) -> torch.Tensor:
+        """One pre-norm decoder layer (HF Llama/Qwen module names) over rows h [T, H], attending through `kv`."""
         attn, ln1, ln2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
         fused = self._fused[i] if self._fused is not None else None
         if fused is not None:
@@ -180,7 +182,7 @@ class Target:
             qkv = torch.cat([ops.linear(x, p.weight, bias=p.bias) for p in (attn.q_proj, attn.k_proj, attn.v_proj)],
                             dim=-1)
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        o = ops.attention(qkv, self.kv, i, span, cos, sin, self.config.num_attention_heads, self.scale,
+        o = ops.attention(qkv, kv, i, span, cos, sin, self.config.num_attention_heads, self.scale,
                           None if qn is None else qn.weight, None if kn is None else kn.weight,
                           0.0 if qn is None else eps_of(qn))
         h = ops.linear(o, attn.o_proj.weight, bias=attn.o_proj.bias, residual=h)

@@ -1,0 +1,172 @@
+"""B requests decoding together: generate_batch(), for AR and every speculative arm, greedy and sampled (eager).
+
+Built from the single-request loop's pieces (harness.decode.loop): each request has its own `_Decode` (checks,
+its slot's output buffer, stop ids, draft sampler and `Request`, its Generation, prefill and finish) and its own
+`Stepper`, whose `propose` and `settle` are the ones generate() runs; only the target's verify is shared, one
+forward of B x W rows (harness.decode.batch_target.BatchTarget, each request over its own KV row). After the step
+each request's host bookkeeping is `Request.advance`, the one generate() uses, so stops, budgets, the context
+limit, tau entries and the accounting policy are the same code at every B.
+
+One step: for each live request, its draft and refinement (its own drafter, which holds its context; its
+sampler's noise and its generator); one batched verify; for each live request, its verdict (the same
+exact_match / rejection call, with its own generator), output write, stop scan, commit and the drafter's
+observe; then ONE host read of every request's (accepted, first stop) as one [B, 2] tensor (`_read`).
+
+A request that cannot take a whole block (pos + W >= its context limit) runs a plain target step, as at B=1: its
+block is its anchor padded to W, and only row 0's logits are verified (width 1: the AR verdict). A finished
+request is MASKED: it keeps its slot and its cache row, its anchor block still rides in the forward (its K/V land
+past its committed length, in its own row, so no other request reads them), and nothing of it is proposed,
+verified, committed or read. Masking rather than leaving keeps every step of a batch at the same B for every
+arm, so a step's cost is always compared at the batch size asked for (the shape a CUDA graph per batch bucket
+needs), and no arm gets a smaller batch because its requests ended sooner; each arm pays for its own longest
+request. No new prompt takes a freed slot here (a static batch).
+
+Per-request generators (one torch.Generator per request, or None: greedy, or the default generator) make a
+request's draws the ones it makes at B=1 with the same generator, in the same order: a request's sampled output
+does not depend on its neighbours. Timing per request: ttft_s its own prefill (the prefills run one after
+another before the first step), decode_s from the first step until the step that finished it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from core.devices import Backend
+from core.errors import UsageError
+from core.protocols import Drafter, Refiner
+from harness.decode.batch_target import BatchTarget
+from harness.decode.loop import DecodeSettings, Generation, _check, _Decode, check_prompt
+from harness.decode.state import DecodeState
+
+
+def _read(packed: torch.Tensor) -> list[list[int]]:
+    """The one host read per step: every request's (accepted, first stop)."""
+    return packed.tolist()
+
+
+def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state, limits) -> int:
+    b = len(prompts)
+    if b == 0:
+        raise UsageError("batched decoding got no prompts: pass at least one")
+    for name, given in (("drafters", drafters), ("generators", generators), ("output limits", limits)):
+        if given is not None and len(given) != b:
+            raise UsageError(f"batched decoding got {len(given)} {name} for {b} prompts: pass one per prompt")
+    if drafters is not None:
+        if len({id(d) for d in drafters}) != b:
+            raise UsageError("batched decoding got one drafter object for several requests: each request needs "
+                             "its own (a drafter holds its request's context), over the same weights")
+        if len({d.block_size for d in drafters}) != 1:
+            raise UsageError("batched decoding: the drafters' block sizes differ; one arm has one block")
+    if limits is not None and any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
+        raise UsageError(f"batched decoding: output limits must be integers >= 1, got {list(limits)}")
+    if state is not None and len(state.slots) < b:
+        raise UsageError(f"batched decoding of {b} prompts needs a DecodeState of >= {b} slots, "
+                         f"got {len(state.slots)}")
+    if settings.use_graph:
+        raise UsageError("batched decoding runs eagerly: whole-step CUDA graphs per (arm, batch bucket) are not "
+                         "built yet; decode without use_graph")
+    for i, p in enumerate(prompts):
+        try:
+            check_prompt(len(p), settings.max_model_len)
+        except UsageError as e:
+            raise type(e)(f"prompt {i} of the batch: {e}") from None
+    return b
+
+
+class _Batch:
+    """One batch: each request's `_Decode` (prefilled here), the BatchTarget their rows share, and the step."""
+
+    def __init__(self, target, prompts, settings: DecodeSettings, backend: Backend, drafters, refiner, generators,
+                 state: DecodeState, limits):
+        b, self.backend = len(prompts), backend
+        self.batch = BatchTarget(target, b)
+        self.width = width = drafters[0].block_size if drafters is not None else 1
+        self.spec_arm, self.limit = drafters is not None, settings.max_model_len
+        own = [settings if limits is None else dataclasses.replace(settings, max_new_tokens=m)
+               for m in (limits or [settings.max_new_tokens] * b)]
+        # + width: a masked (finished) request's block still writes past its end, in its own row
+        self.batch.ensure_capacity(max(min(self.limit, len(p) + s.max_new_tokens + width)
+                                       for p, s in zip(prompts, own)) + width)
+        self.runs = []
+        for i, prompt in enumerate(prompts):
+            slot = state.slots[i]
+            run = _Decode(target, prompt, own[i], backend, None if drafters is None else drafters[i], refiner,
+                          None if generators is None else generators[i], state, slot=slot,
+                          row=self.batch.row(slot.row))
+            run.request.first_token(run.prefill(), settings.stop_ids)
+            self.batch.load_prompt(slot.row, len(prompt))
+            self.runs.append(run)
+        self.idle = torch.tensor([0, width], dtype=torch.long, device=backend.device)
+        self.clock = backend.now()
+        self.ends = [self.clock] * b
+
+    def live(self) -> list[bool]:
+        """Per request: still stepping (decoding, or the accounting's extra step to come)."""
+        return [not run.request.stop or run.request.extra for run in self.runs]
+
+    def step(self, live: list[bool], spec: list[bool]) -> list[list[int]]:
+        """The device work of one step for every request, then the one read."""
+        width, proposed, blocks = self.width, [], []
+        for i, run in enumerate(self.runs):
+            r = run.request
+            if live[i]:
+                proposed.append(run.stepper.propose(spec[i], r.pos + width))
+                block = proposed[-1][1]
+            else:
+                proposed.append(None)
+                block = run.out[r.pos: r.pos + 1]
+            blocks.append(torch.cat((block, block[:1].expand(width - block.shape[0]))))
+        length = max(run.request.pos for run in self.runs) + width
+        logits, feats = self.batch.verify(torch.stack(blocks), length, want_features=any(spec))
+        packed = []
+        for i, run in enumerate(self.runs):
+            if not live[i]:
+                packed.append(self.idle)
+                continue
+            w = width if spec[i] else 1
+            drafts, _, proposal = proposed[i]
+            n, _, first_stop = run.stepper.settle(drafts, proposal, logits[i, :w], w, spec[i])
+            if spec[i]:
+                run.drafter.observe(feats[i], n + 1)
+            packed.append(torch.stack((n, first_stop)))
+        return _read(torch.stack(packed))
+
+    def decode(self) -> list[Generation]:
+        while any(live := self.live()):
+            spec = [self.spec_arm and on and run.request.pos + self.width < self.limit
+                    for on, run in zip(live, self.runs)]
+            read = self.step(live, spec)
+            for i, run in enumerate(self.runs):
+                if not live[i]:
+                    continue
+                r = run.request
+                _, extra = r.advance(run.gen, run.policy, self.spec_arm, spec[i], self.width if spec[i] else 1,
+                                     *read[i])
+                if not extra:
+                    r.check_context()
+                if r.stop and not r.extra:
+                    self.ends[i] = self.backend.now()  # just after the read: the device is idle, no wait
+        gens = [run.finish(run.request.produced, run.request.stop) for run in self.runs]
+        for gen, end in zip(gens, self.ends):
+            gen.decode_s = end - self.clock
+        return gens
+
+
+@torch.no_grad()
+def generate_batch(target, prompts: Sequence[list[int]], settings: DecodeSettings, backend: Backend,
+                   drafters: Sequence[Drafter] | None = None, refiner: Refiner | None = None,
+                   generators: Sequence[torch.Generator | None] | None = None,
+                   state: DecodeState | None = None,
+                   max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+    """Decode `prompts` together; one Generation per prompt, in order (see the module's docstring).
+
+    drafters: one per prompt (each holds its request's context; they share weights), None for AR. refiner: one
+    for all (a refinement keeps no state between calls). generators: one per prompt, or None. state: a
+    DecodeState of >= len(prompts) slots (default: a new one); slot i serves prompt i. max_new_tokens: one
+    output limit per prompt (default: settings.max_new_tokens for all)."""
+    b = _check_batch(prompts, settings, drafters, generators, state, max_new_tokens)
+    _check(settings, backend)
+    state = state if state is not None else DecodeState(target, slots=b)
+    return _Batch(target, prompts, settings, backend, drafters, refiner, generators, state, max_new_tokens).decode()

@@ -1,0 +1,129 @@
+"""B requests' rows in one target forward, each request over its own row of a batched KV cache.
+
+`BatchTarget` wraps a Target (its weights, ops, rotary and layer loop) with a core.cache.StaticKV of `rows`
+rows ([layers, rows, n_kv, capacity, head_dim]: row b is request b's KV region, addressed by that request's own
+positions) and `pos` [rows], each request's committed length on the device. A batch dimension rather than one
+long cache of concatenated regions: a row then attends over its own slots only (a packed cache would make every
+row read, and mask, all B regions), and each request keeps the positions it has alone, so its rotary and its
+causal mask are the B=1 ones.
+
+`verify(blocks [R, W], length)`: the R blocks as R*W rows of one Target.forward (its `batch` argument). Every
+matmul and norm takes all rows at once; these are row-wise, so batching changes a row's numbers only as far as
+the kernels tile by row count (as AR's 1 row and verify's W rows already differ at B=1). Attention (`BatchOps`)
+writes each row's K/V at its request's positions in that request's cache row and attends there: one SDPA over
+[R, ...] with a causal mask per request. The prompt is prefilled by the target itself, one request at a time, so
+its numbers are exactly those of B=1, and then copied into the request's row (`load_prompt`).
+
+`Row` is what one request's Stepper (harness.decode.loop) sees as its target: `pos` (a view of element b of
+`pos`) and `commit`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.cache import StaticKV, attend, causal_mask, rotate
+from core.errors import UsageError
+from core.ops import Ops, Span
+from core.ops.torch_impl import rms
+from harness.decode.target import Target
+
+
+def _heads(rows: torch.Tensor, r: int, d: int, norm, eps, cos, sin) -> torch.Tensor:
+    """Rows [R*T, heads*d] -> [R, heads, T, d], per-head norm and rotary (cos/sin [R, 1, T, d]) where given."""
+    y = rows.view(r, rows.shape[0] // r, -1, d)
+    if norm is not None:
+        y = rms(y, norm, eps)
+    y = y.transpose(1, 2)
+    return y if cos is None else rotate(y, cos, sin)
+
+
+class BatchOps(Ops):
+    """The target's ops for the rows of several requests: linear and rms_norm are the target's own (row-wise);
+    attention takes a span whose positions are [R, T] (request r's rows at its own positions) and a StaticKV of
+    R rows, and keeps each request in its own row."""
+
+    def __init__(self, inner: Ops):
+        self.inner, self.name = inner, inner.name
+
+    def linear(self, x, w, **kw):
+        return self.inner.linear(x, w, **kw)
+
+    def rms_norm(self, x, weight, eps):
+        return self.inner.rms_norm(x, weight, eps)
+
+    def attention(self, qkv, kv: StaticKV, layer, span: Span, cos, sin, n_q, scale, q_norm=None, k_norm=None,
+                  eps=0.0):
+        r, t = span.positions.shape
+        d, n_kv = kv.head_dim, kv.n_kv_heads
+        q, k, v = qkv.split((n_q * d, n_kv * d, n_kv * d), dim=-1)
+        cos, sin = cos.view(r, 1, t, d), sin.view(r, 1, t, d)
+        q = _heads(q, r, d, q_norm, eps, cos, sin)
+        kv.write_rows(layer, span.positions, _heads(k, r, d, k_norm, eps, cos, sin),
+                      _heads(v, r, d, None, eps, None, None))
+        ks, vs = kv.read(layer, span.length)  # [R, n_kv, length, d]: every request's own row
+        o = attend(q, ks, vs, causal_mask(span.positions, span.length), scale, span.impl)
+        return o.reshape(r * t, n_q * d)
+
+    def write_kv(self, rows, kv, layer, positions, cos, sin, k_norm=None, eps=0.0):
+        raise NotImplementedError("the batched target forward only attends")
+
+
+@dataclass(frozen=True)
+class BatchRows:
+    """What Target.forward(batch=...) uses instead of its own ops, cache and span."""
+    ops: Ops
+    kv: StaticKV
+    span: Span
+
+
+class Row:
+    """One request's view of a BatchTarget: the target a per-request Stepper commits to."""
+
+    def __init__(self, pos: torch.Tensor):
+        self.pos = pos  # 0-d view of BatchTarget.pos
+
+    def commit(self, n: torch.Tensor) -> None:
+        self.pos.add_(n)
+
+
+class BatchTarget:
+    """A Target's forward over `rows` requests at once (see the module's docstring)."""
+
+    def __init__(self, target: Target, rows: int):
+        if type(target).forward is not Target.forward:
+            raise UsageError(f"batched decoding runs the Llama/Qwen layer loop; {type(target).__name__} has its "
+                             "own forward (decode it one request at a time)")
+        self.target, self.rows = target, rows
+        b = target.backend
+        self.kv = StaticKV(target.n_layers, target.n_kv_heads, target.head_dim, 0, b.dtype, b.device, rows=rows)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=b.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+    def ensure_capacity(self, n: int) -> None:
+        self.kv.ensure(n)
+
+    def row(self, b: int) -> Row:
+        return Row(self.pos[b])
+
+    def load_prompt(self, b: int, n: int) -> None:
+        """Request b's prompt of n tokens, just prefilled by the target into its own cache, into row b; its
+        committed length with it."""
+        t = self.target
+        self.kv.k[:, b, :, :n] = t.kv.k[:, 0, :, :n]
+        self.kv.v[:, b, :, :n] = t.kv.v[:, 0, :, :n]
+        self.pos[b] = n
+
+    def verify(self, blocks: torch.Tensor, length: int, want_features: bool):
+        """blocks [R = rows, W], request r's at positions pos[r]..pos[r]+W-1, not committed; `length`: a host
+        bound (>= every pos[r] + W) on the slots read. Returns logits [R, W, V] and features [R, W, F] (or None)."""
+        t = self.target
+        r, w = blocks.shape
+        positions = self.pos.unsqueeze(1) + torch.arange(w, device=blocks.device)
+        rows = BatchRows(BatchOps(t.ops.sized(r * w, t.groups)), self.kv, Span(positions, length, impl=t.attn_impl))
+        logits, feats = t.forward(blocks.reshape(-1), positions.reshape(-1), length, want_features, batch=rows)
+        return logits.view(r, w, -1), None if feats is None else feats.view(r, w, -1)

@@ -1,0 +1,78 @@
+"""generate_batch at T > 0: a request's draws are its own (its generator, its draft noise), so with the same
+per-request generator it emits exactly what it emits at B=1 beside neighbours of other lengths; at B=2 its first
+tokens pass test_sampling's goodness-of-fit test against the target's exact distribution."""
+import pytest
+import torch
+
+from drafters.dflash import DFlashDrafter
+from harness.decode.batch_loop import generate_batch
+from harness.decode.loop import DecodeSettings, generate
+from refiners.markov import MarkovRefiner, random_markov_head
+from refiners.xpress import XPressRefiner, random_xpress_head
+from test_sampling import N, N_TOKENS, PROMPT, chi_square_pvalue, exact_distribution, model, refiner_for  # noqa: F401
+from tiny import CPU32, VOCAB, tiny_drafter, tiny_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def case():
+    t = tiny_target("qwen3", capacity=128)
+    base = tiny_drafter(t, block=BLOCK)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(8, 104, (n,), generator=g).tolist() for n in (6, 19, 2)]
+    refiners = {"markov": MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 8, seed=3, std=0.3)),
+                "xpress3": XPressRefiner(random_xpress_head(VOCAB, 64, 16, BLOCK, seed=7, std=0.3), 3)}
+    return t, base, prompts, refiners
+
+
+SAMPLED = {"T1": dict(temperature=1.0), "topp": dict(temperature=0.8, top_p=0.9),
+           "Td0": dict(temperature=1.0, draft_temperature=0.0)}
+
+
+@pytest.mark.parametrize("setting", list(SAMPLED))
+@pytest.mark.parametrize("arm", ["ar", "drafter-only", "markov", "xpress3"])
+def test_sampled_requests_draw_what_they_draw_alone(case, arm, setting):
+    """Guards a request's randomness against its neighbours: with its own seeded generator, each request of a batch
+    of 2 or 3 (other lengths, other seeds) emits the tokens, accepted counts and stop of its B=1 decode with the
+    same seed (target samples, frozen draft noise, rejection or exact-match verdicts alike)."""
+    t, base, prompts, refiners = case
+    s = DecodeSettings(16, 512, (3, 5), **SAMPLED[setting])
+
+    def drafter():
+        return None if arm == "ar" else DFlashDrafter(base.model, t.embed, t.lm_head, CPU32)
+
+    for b in (2, 3):
+        seeds = [11 * b + i for i in range(b)]
+        gens = generate_batch(t, prompts[:b], s, CPU32, drafters=None if arm == "ar" else [drafter() for _ in seeds],
+                              refiner=refiners.get(arm), generators=[CPU32.generator(x) for x in seeds])
+        for i, g in enumerate(gens):
+            alone = generate(t, prompts[i], s, CPU32, drafter=drafter(), refiner=refiners.get(arm),
+                             generator=CPU32.generator(seeds[i]))
+            assert (g.tokens, g.accepted, g.stop_reason) == (alone.tokens, alone.accepted, alone.stop_reason), \
+                (arm, setting, b, i)
+    other = generate_batch(t, prompts[:2], s, CPU32, drafters=None if arm == "ar" else [drafter(), drafter()],
+                           refiner=refiners.get(arm), generators=[CPU32.generator(x) for x in (1, 2)])
+    assert [g.tokens for g in other] != [g.tokens for g in gens[:2]]  # the draws do depend on the seeds
+
+
+@pytest.mark.parametrize("method", ["ar", "markov", "xpress4"])
+def test_first_tokens_follow_the_target_distribution_at_b2(model, method):
+    """Guards losslessness at B=2 (test_sampling's test, beside a neighbour of another length and seed): the first
+    tokens of the request follow the target's exact distribution."""
+    t, drafter = model
+    settings = DecodeSettings(N_TOKENS, 64, (), temperature=1.0)
+    exact = exact_distribution(t, settings.target_params)
+    refiner = refiner_for(method)
+    neighbour = [2, 5, 1, 0, 3]
+    counts = {}
+    for i in range(N):
+        drafters = None if method == "ar" else [DFlashDrafter(drafter.model, t.embed, t.lm_head, CPU32)
+                                                for _ in range(2)]
+        g = generate_batch(t, [PROMPT, neighbour], settings, CPU32, drafters=drafters, refiner=refiner,
+                           generators=[CPU32.generator(7 * 100003 + i), CPU32.generator(i)])[0]
+        counts[tuple(g.tokens)] = counts.get(tuple(g.tokens), 0) + 1
+    pvalue = chi_square_pvalue(counts, {k: p * N for k, p in exact.items()})
+    assert pvalue > 1e-3, f"{method} at B=2: p = {pvalue:.2e}"
