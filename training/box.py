@@ -9,6 +9,7 @@ Parts, each timed on its own (on CUDA the device is synchronised at each part's 
     checkpoints  speculators' checkpoint saves
     finish       the manifest after training
     export       this model's share of the export stage (added by it)
+    profile      only with train.profile_steps: the profiler's summary written (training/profiling.py)
 `train_wall_s` runs from the start of the model's set-up (for the stage's first model: the stage's start) to its
 box being written; `wall_s` = train_wall_s + export (its export part, timed in the export stage, which runs after
 every model has trained); `unaccounted_s` = wall_s - the parts (the gaps between them). Tokens: `packed_tokens` are the real tokens of the packed rows the steps
@@ -56,7 +57,7 @@ class Box:
         finally:
             self.sync()
             end = self.now()
-            self.parts[part] += end - t
+            self.parts[part] = self.parts.get(part, 0.0) + end - t  # profile: only when profiling
             if self._mark is not None:
                 self._mark = end
 

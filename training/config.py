@@ -37,7 +37,10 @@ DEFAULTS = {
               "num_workers": 0, "stop_after_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
               "eval_k": [1], "val_batches": 16, "eval_max_seconds": 60, "eval_share": 0.05, "log_every": 1,
               "warm_start": None, "fit_box": False, "fit_probe_steps": 50, "fit_reserve": 0.1,
-              "loss_impl": "auto"},  # auto: speculators' fused Triton losses on CUDA, its eager ones elsewhere
+              # loss_impl auto: speculators' fused Triton losses on CUDA, its eager ones elsewhere; rows_in_memory: the
+              # loaders read the dataset from memory (training/rows.py); profile_steps: torch.profiler over that
+              # many steps after the first (training/profiling.py)
+              "loss_impl": "auto", "rows_in_memory": True, "profile_steps": 0},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
     # dtype auto: bfloat16 on CUDA (the decode's CUDA graphs too), the target's float32 elsewhere; bench: data/eval
@@ -178,7 +181,7 @@ def validate_steps(cfg: dict) -> None:
     for key in ("dtype", "target_dtype"):
         if h[key] not in DTYPE_NAMES:
             raise UsageError(f"config hidden.{key} {h[key]!r} is not one of {', '.join(DTYPE_NAMES)}")
-    for key, low in (("total_seq_len", 1), ("val_batches", 0), ("log_every", 1)):
+    for key, low in (("total_seq_len", 1), ("val_batches", 0), ("log_every", 1), ("profile_steps", 0)):
         if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < low:
             raise UsageError(f"config train.{key} must be an integer >= {low} (got {t[key]!r})")
     if not isinstance(t["eval_max_seconds"], (int, float)) or t["eval_max_seconds"] < 0:
@@ -186,8 +189,9 @@ def validate_steps(cfg: dict) -> None:
     rm = cfg["responses"]["max_minutes"]
     if not isinstance(rm, (int, float)) or isinstance(rm, bool) or rm < 0:
         raise UsageError(f"config responses.max_minutes must be a number of minutes >= 0 (0: no box; got {rm!r})")
-    if not isinstance(t["fit_box"], bool):
-        raise UsageError("config train.fit_box must be true or false")
+    for key in ("fit_box", "rows_in_memory"):
+        if not isinstance(t[key], bool):
+            raise UsageError(f"config train.{key} must be true or false")
     if t["fit_box"] and not t["max_minutes"] and not any(m.get("max_minutes") for m in cfg["models"].values()):
         raise UsageError("config train.fit_box needs a box: set train.max_minutes or a model's max_minutes (the "
                          "steps are fitted to it)")
@@ -258,7 +262,7 @@ def fingerprint(obj) -> str:
 
 RUN_CONTROL = ("stop_after_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens", "num_workers",
                "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
-               "compile", "fit_box", "fit_probe_steps", "fit_reserve")
+               "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps")
 
 
 def model_fingerprint(cfg: dict, name: str) -> str:

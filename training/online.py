@@ -39,11 +39,14 @@ from training.hidden import Capture
 class IdsOnly(HiddenStatesTransfer):
     """The token ids of sample `file_idx` of the arrow dataset at `data_path`, with no hidden states."""
 
-    def __init__(self, data_path: str, n_taps: int):
-        self.data_path, self.n_taps = data_path, n_taps
+    def __init__(self, data_path: str, n_taps: int, rows=None):
+        self.data_path, self.n_taps, self.rows = data_path, n_taps, rows  # rows: training/rows.py, in memory
         self._data = None  # opened lazily: the loader's spawned workers get the path, not the table
 
     def get_cached(self, file_idx: int) -> dict[str, torch.Tensor]:
+        if self.rows is not None:
+            ids = self.rows.input_ids(file_idx)
+            return {"token_ids": ids, "hidden_states": torch.empty(len(ids), self.n_taps + 1, 0)}
         if self._data is None:
             from datasets import load_from_disk
             self._data = load_from_disk(self.data_path)
@@ -55,7 +58,7 @@ class IdsOnly(HiddenStatesTransfer):
         raise RuntimeError("hidden.mode=online computes hidden states in the training step; nothing is generated")
 
     def __getstate__(self):
-        return {"data_path": self.data_path, "n_taps": self.n_taps, "_data": None}
+        return {"data_path": self.data_path, "n_taps": self.n_taps, "rows": self.rows, "_data": None}
 
 
 class OnlineTaps:
@@ -80,7 +83,7 @@ class OnlineTaps:
         flat = document_ids[0, :n].to(dev) * width + position_ids[0, :n].to(dev)  # token t at [doc, pos] of [B, Lmax]
         x = ids.new_zeros(rows * width).index_copy_(0, flat, ids).view(rows, width)  # = pad_sequence(split)
         mask = torch.zeros(rows * width, dtype=torch.long, device=dev).index_fill_(0, flat, 1).view(rows, width)
-        with torch.autocast(dev.type, enabled=False):
+        with torch.autocast(dev.type, enabled=False), torch.profiler.record_function("xb.online_target"):
             self.target.model(input_ids=x, attention_mask=mask, use_cache=False)
         full = self.capture.stacked()  # [B, Lmax, L+1, H]
         self.capture.store.clear()

@@ -124,9 +124,11 @@ def make_loaders(cfg: dict, verifier: str, hm: dict, dtype: torch.dtype):
     Validation is bounded to train.val_batches packed batches (0: the whole val split)."""
     from speculators.train.dataloader import create_train_val_loaders
     from training.online import IdsOnly
+    from training.rows import Rows, install
     tc = cfg["train"]
     data = str(hidden_dir(cfg))
-    transfer = IdsOnly(data, len(hm["layer_ids"])) if hm.get("mode") == "online" else None
+    rows = Rows.load(data) if tc["rows_in_memory"] else None
+    transfer = IdsOnly(data, len(hm["layer_ids"]), rows) if hm.get("mode") == "online" else None
     train_loader, val_loader = create_train_val_loaders(
         data_path=data, total_seq_len=tc["total_seq_len"], hidden_states_dtype=dtype, transfer=transfer,
         vllm_endpoint="http://unused", on_missing="raise", verifier_name_or_path=verifier, request_timeout=None,
@@ -134,6 +136,9 @@ def make_loaders(cfg: dict, verifier: str, hm: dict, dtype: torch.dtype):
         hidden_size=hm["hidden_size"], num_target_layers=len(hm["layer_ids"]), num_workers=tc["num_workers"],
         prefetch_factor=2, preprocess=None, train_data_ratio=tc["train_ratio"], seed=cfg["seed"])
     val_loader.batch_sampler.max_batches = tc["val_batches"] or None  # speculators 0.9.0's sampler bound
+    if rows is not None:  # every row from memory, not three formatted reads of the arrow table (training/rows.py)
+        install(train_loader, rows)
+        install(val_loader, rows)
     if transfer is not None:  # online: each batch carries its sequence lengths, so the taps never read the device
         from training.online import carry_lengths
         carry_lengths(train_loader)
@@ -192,11 +197,16 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               eval_fn=held_out, eval_every=tc["eval_every"], stop_after_step=tc["stop_after_step"],
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
-                              warm_step=warm_step, fit=fit_plan(tc, total))
+                              warm_step=warm_step, fit=fit_plan(tc, total), profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl = mode, impl
     if trainer.warm_started:
         print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer)")
     return trainer, total, out
+
+
+def _profile(tc: dict, out: Path, device: torch.device):
+    from training.profiling import StepProfile
+    return StepProfile(out / "profile.json", tc["profile_steps"], device) if tc["profile_steps"] else None
 
 
 def fit_plan(tc: dict, total: int) -> dict | None:
@@ -250,6 +260,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                   "box_s": max_seconds or None, "hidden_mode": cfg["hidden"]["mode"],
                                   "total_seq_len": tc["total_seq_len"], "compile": trainer.compile_mode,
                                   "loss_impl": trainer.loss_impl,
+                                  "profiled_steps": trainer._profile.profiled if trainer._profile else None,
                                   "fit": trainer.fit_record}), name)
     return out / str(last)
 

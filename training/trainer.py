@@ -18,6 +18,7 @@
   around speculators' own methods, the steps between the step callbacks; a forward pre-hook counts each training
   batch's tokens. Held-out evaluation is capped at `eval_max_seconds` each, and a periodic one is skipped while
   held-out time exceeds `eval_share` of the elapsed box (the final one always runs).
+* profiling (training/profiling.py): `train.profile_steps` steps under torch.profiler, from the step callback.
 * warm start (training/warm.py): with `warm_step` and no checkpoint, the Trainer starts at that global step: the
   epoch and in-epoch position the uninterrupted run had there (speculators' own mid-epoch resume skip) and the LR
   schedulers stepped to it; the optimizer is fresh (Adam's moments and step counts start from zero).
@@ -76,7 +77,7 @@ class PipelineTrainer(Trainer):
     def __init__(self, model, config, train_loader, val_loader, *, device: torch.device, seed: int,
                  eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
                  max_seconds: float = 0.0, box=None, eval_max_seconds: float = 0.0, eval_share: float = 1.0,
-                 warm_step: int = 0, fit: dict | None = None):
+                 warm_step: int = 0, fit: dict | None = None, profile=None):
         from training.box import Box
         self._device, self._seed = device, seed
         self.box = box or Box(device)
@@ -91,6 +92,7 @@ class PipelineTrainer(Trainer):
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
+        self._profile = profile  # training/profiling.StepProfile, or None
         self.evals: list[dict] = []
         train_loader.generator = torch.Generator().manual_seed(seed)
         super().__init__(model, config, train_loader, val_loader)
@@ -160,6 +162,8 @@ class PipelineTrainer(Trainer):
 
     def _after_step(self):
         self.box.step_done()
+        if self._profile is not None:
+            self._profile.after_step(self.global_step, lambda: self.box.timed("profile"))
         self._reseed()
         if self._fit and self.fit_record is None:
             self._maybe_fit()

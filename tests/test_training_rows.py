@@ -1,0 +1,119 @@
+"""training/rows.py (the dataset served from memory) and training/profiling.py (train.profile_steps)."""
+import json
+
+import pytest
+import torch
+
+from training_fixtures import run_cli, tiny_models, write_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_rows_equal_what_datasets_reads(tmp_path):
+    """Every row of a saved dataset, read from memory, is the tensor `datasets` gives (values and dtype), and a
+    view is offset by its start. Rows of lengths 1..40 and an empty-mask row."""
+    from datasets import load_from_disk
+    from training.hidden import write_dataset
+    from training.rows import Rows
+    g = torch.Generator().manual_seed(0)
+    rows = [{"prompt": torch.randint(0, 1000, (1 + i % 7,), generator=g).tolist(),
+             "response": torch.randint(0, 1000, (i * 3 % 34,), generator=g).tolist()} for i in range(23)]
+    write_dataset(tmp_path / "d", rows)
+    ds = load_from_disk(str(tmp_path / "d"))
+    ds.set_format("torch")
+    mem = Rows.load(str(tmp_path / "d"))
+    assert len(mem) == len(ds) == 23
+    for i in range(len(ds)):
+        want, got = ds[i], mem[i]
+        for k in ("input_ids", "loss_mask", "seq_len"):
+            assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), (i, k)
+        assert torch.equal(mem.input_ids(i), want["input_ids"])
+    view = mem.view(5, 12)
+    assert len(view) == 7 and torch.equal(view[0]["input_ids"], ds[5]["input_ids"])
+    assert torch.equal(view.view(2, 3)[0]["loss_mask"], ds[7]["loss_mask"])
+    with pytest.raises(IndexError):
+        view[7]
+    with pytest.raises(IndexError):
+        mem.view(20, 24)
+
+
+def _stages(tmp_path, **train):
+    cfg = write_config(tmp_path, tiny_models(heads=False), hidden={"mode": "online"},
+                       train={"eval_prompts": 0, **train})
+    for stage in ("prompts", "responses", "hidden"):
+        assert run_cli(stage, "--config", cfg, "--workdir", tmp_path / "w") == 0
+    return cfg
+
+
+def _batches(loader):
+    out = []
+    for b in loader:
+        out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()})
+    return out
+
+
+def test_loaders_from_memory_give_the_same_batches(tmp_path):
+    """make_loaders with train.rows_in_memory true (each ArrowDataset's table swapped for a view of `Rows`) and
+    false (speculators' reads of the arrow table): the same train and validation batches, key by key and bitwise.
+    With it on, the datasets serve from memory."""
+    from training.config import load_config
+    from training.rows import Rows
+    from training.store import read_manifest
+    from training.target import verifier_dir
+    from training.train import hidden_dir, make_loaders
+    cfg_path = _stages(tmp_path)
+    got = {}
+    for on in (True, False):
+        cfg = load_config(str(cfg_path), [f"train.rows_in_memory={str(on).lower()}"], str(tmp_path / "w"))
+        vdir = verifier_dir(cfg["target"], tmp_path / "w")
+        train, val = make_loaders(cfg, str(vdir), read_manifest(hidden_dir(cfg)), torch.float32)
+        assert isinstance(train.dataset.data, Rows) == on and isinstance(val.dataset.data, Rows) == on
+        got[on] = (_batches(train), _batches(val))
+    for a_set, b_set in zip(got[True], got[False]):
+        assert len(a_set) == len(b_set) > 0
+        for a, b in zip(a_set, b_set):
+            assert a.keys() == b.keys()
+            for k in a:
+                if isinstance(a[k], torch.Tensor):
+                    assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+                else:
+                    assert a[k] == b[k], k
+
+
+def test_profile_steps_writes_a_profile(tmp_path):
+    """train.profile_steps=2: profile.json covers steps 4-5 (after the process's third), with the ops that took
+    the most own time and the online target's range; box.json names the profiled steps and times the summary as
+    its `profile` part. Without the option there is neither."""
+    cfg = _stages(tmp_path)
+    for n, extra in ((2, ["--set", "train.profile_steps=2"]), (0, [])):
+        work = tmp_path / f"w{n}"
+        import shutil
+        shutil.copytree(tmp_path / "w", work)
+        assert run_cli("train", "--config", cfg, "--workdir", work, "--set", "models.drafter.max_steps=7",
+                       "--set", "train.epochs=50", *extra) == 0
+        d = work / "train" / "drafter"
+        box = json.loads((d / "box.json").read_text())
+        if not n:
+            assert not (d / "profile.json").exists() and box["profiled_steps"] is None
+            assert "profile" not in box["parts_s"]
+            continue
+        prof = json.loads((d / "profile.json").read_text())
+        assert prof["steps"] == 2 and prof["global_steps"] == [4, 5] and box["profiled_steps"] == [4, 5]
+        assert box["parts_s"]["profile"] > 0 and prof["wall_s_per_step"] > 0
+        assert prof["sort"] == "own host time" and len(prof["top"]) >= 5
+        assert all(r["own_s_per_step"] > 0 for r in prof["top"])
+        assert any(r["op"].startswith("aten::") for r in prof["top"])
+        assert prof["ranges"]["xb.online_target"]["count"] == 2 and prof["ranges"]["xb.online_target"]["host_s"] > 0
+
+
+@pytest.mark.parametrize("item, message", [
+    ("train.rows_in_memory=1", "train.rows_in_memory must be true or false"),
+    ("train.profile_steps=-1", "train.profile_steps must be an integer >= 0"),
+])
+def test_bad_rows_and_profile_settings_are_refused(tmp_path, capsys, item, message):
+    cfg = write_config(tmp_path, tiny_models(heads=False))
+    capsys.readouterr()
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w", "--set", item) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "w").exists()

@@ -1,0 +1,86 @@
+"""`train.profile_steps` = N: torch.profiler over N training steps, from the third step of the process (the first
+compiles, the second may still warm up), written to `train/<model>/profile.json`:
+
+    steps, wall_s_per_step       the profiled steps and their wall time each (synchronised at both ends)
+    device_busy_s_per_step       the kernels' own time summed, per step (CUDA; 0 on a CPU)
+    ranges                       the labelled parts of a step (`xb.*` record_function ranges, e.g. the online
+                                 target forward), host and device time per step
+    top                          the 30 ops with the most own time (device time on CUDA, host time on a CPU)
+
+The profiled steps run slower than the others (the profiler's own cost); they are counted in the box as steps, and
+box.json names them (`profiled_steps`); writing the summary is the box's `profile` part. Nothing is profiled when N is 0.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+
+import torch
+
+START = 3  # the process's step after which profiling starts
+
+
+def _own_device_us(e) -> float:
+    return float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+
+
+def _device_us(e) -> float:
+    return float(getattr(e, "device_time_total", 0.0) or 0.0)
+
+
+def summary(events, steps: int, wall_s: float, on_device: bool, top: int = 30) -> dict:
+    """The profile.json record from `prof.key_averages()`."""
+    per = 1e-6 / steps
+    own = _own_device_us if on_device else (lambda e: float(e.self_cpu_time_total))
+    rows = [e for e in events if not e.key.startswith("xb.") and own(e) > 0]
+    rows.sort(key=own, reverse=True)
+    ranges = {e.key: {"host_s": round(e.cpu_time_total * per, 6), "device_s": round(_device_us(e) * per, 6),
+                      "count": e.count} for e in events if e.key.startswith("xb.")}
+    return {"steps": steps, "wall_s_per_step": round(wall_s / steps, 6),
+            "device_busy_s_per_step": round(sum(_own_device_us(e) for e in rows) * per, 6),
+            "sort": "own device time" if on_device else "own host time", "ranges": ranges,
+            "top": [{"op": e.key, "count": e.count, "own_s_per_step": round(own(e) * per, 6),
+                     "host_s_per_step": round(e.self_cpu_time_total * per, 6)} for e in rows[:top]]}
+
+
+class StepProfile:
+    """Call `after_step()` after every training step; writes `path` once the N steps are profiled."""
+
+    def __init__(self, path: Path, steps: int, device: torch.device):
+        self.path, self.steps, self.device = Path(path), steps, device
+        self.seen, self.prof, self.t0 = 0, None, 0.0
+        self.first = None  # the global step the profile starts after
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def after_step(self, global_step: int, timed=None) -> None:
+        """`timed`: a context manager factory (the box's `timed("profile")`) around writing the summary."""
+        if not self.steps or self.seen > START + self.steps:
+            return
+        self.seen += 1
+        if self.seen == START:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self._sync()
+            self.prof = torch.profiler.profile(activities=acts)
+            self.prof.__enter__()
+            self.first, self.t0 = global_step, time.perf_counter()
+        elif self.seen == START + self.steps and self.prof is not None:
+            self._sync()
+            wall = time.perf_counter() - self.t0
+            with timed() if timed is not None else contextlib.nullcontext():
+                self.prof.__exit__(None, None, None)
+                rec = summary(self.prof.key_averages(), self.steps, wall, self.device.type == "cuda")
+                rec["global_steps"] = [self.first + 1, global_step]
+                self.path.write_text(json.dumps(rec, indent=1) + "\n")
+            self.prof = None
+            self.seen += 1  # done
+
+    @property
+    def profiled(self) -> list[int] | None:
+        return [self.first + 1, self.first + self.steps] if self.first is not None else None
