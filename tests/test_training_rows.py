@@ -117,3 +117,19 @@ def test_bad_rows_and_profile_settings_are_refused(tmp_path, capsys, item, messa
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_failing_profiler_does_not_stop_training(tmp_path, monkeypatch, capsys):
+    """If torch.profiler fails to start, after_step returns, profile.json holds the error, one line says so, and
+    no later step profiles (or fails) again."""
+    from training.profiling import START, StepProfile
+
+    def broken(**kw):
+        raise RuntimeError("CUPTI unavailable")
+    monkeypatch.setattr(torch.profiler, "profile", broken)
+    prof = StepProfile(tmp_path / "profile.json", 2, torch.device("cpu"))
+    for step in range(1, START + 6):
+        prof.after_step(step)
+    assert json.loads((tmp_path / "profile.json").read_text()) == {"error": "RuntimeError: CUPTI unavailable"}
+    assert prof.profiled is None
+    assert capsys.readouterr().out.count("profiling stopped") == 1

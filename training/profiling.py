@@ -58,9 +58,18 @@ class StepProfile:
             torch.cuda.synchronize(self.device)
 
     def after_step(self, global_step: int, timed=None) -> None:
-        """`timed`: a context manager factory (the box's `timed("profile")`) around writing the summary."""
+        """`timed`: a context manager factory (the box's `timed("profile")`) around writing the summary. A profiler
+        that fails does not stop the training: profile.json records the error and profiling ends."""
         if not self.steps or self.seen > START + self.steps:
             return
+        try:
+            self._after_step(global_step, timed)
+        except Exception as exc:  # noqa: BLE001 (a measurement aid; the run goes on without it)
+            self.seen, self.prof, self.first = START + self.steps + 1, None, None
+            self.path.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            print(f"train: profiling stopped ({type(exc).__name__}: {exc}); training goes on", flush=True)
+
+    def _after_step(self, global_step: int, timed) -> None:
         self.seen += 1
         if self.seen == START:
             acts = [torch.profiler.ProfilerActivity.CPU]
