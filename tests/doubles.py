@@ -32,11 +32,14 @@ class ScriptedDrafter:
         self.ctx.add_(count)
 
     def propose(self, anchor, position, length):
-        idx = position + 1 + torch.arange(self.block_size - 1)
+        dev = position.device if isinstance(position, torch.Tensor) else self.ref.device
+        if self.ref.device != dev:  # a CUDA decode: the script moves to the decode's device once
+            self.ref, self.ctx = self.ref.to(dev), self.ctx.to(dev)
+        idx = position + 1 + torch.arange(self.block_size - 1, device=dev)
         tokens = self.ref.index_select(0, idx).clone()
         if self.calls < len(self.wrong_at) and self.wrong_at[self.calls] is not None:
             j = self.wrong_at[self.calls]
             tokens[j] = (tokens[j] + 1) % (self.vocab - 1)
         self.calls += 1
         logits = torch.nn.functional.one_hot(tokens, self.vocab).float() * 10
-        return Proposal(tokens=tokens, logits=logits, hidden=torch.zeros(self.block_size, self.hidden))
+        return Proposal(tokens=tokens, logits=logits, hidden=torch.zeros(self.block_size, self.hidden, device=dev))

@@ -35,7 +35,8 @@ def test_every_linear_of_the_target_gives_a_row_the_same_bits_at_any_row_count(m
         xs = x[:, :2 * k] if kw == "gated" else x[:, :k]
 
         def one(lo, hi):
-            extra = {"res": dict(residual=r[lo:hi]), "gated": dict(gated=True, residual=r[lo:hi])}.get(kw, kw)
+            extra = kw if isinstance(kw, dict) else {"res": dict(residual=r[lo:hi]),
+                                                     "gated": dict(gated=True, residual=r[lo:hi])}[kw]
             out = kernels.linear(xs[lo:hi], w, launch=INV, **extra)
             return (bits(out[0]), out[1]) if isinstance(out, tuple) else (bits(out), None)
         alone = {i: one(i, i + 1) for i in (0, 63)}
