@@ -1,4 +1,5 @@
-"""training/rows.py (the dataset served from memory) and training/profiling.py (train.profile_steps)."""
+"""The training step's speed levers: training/rows.py (the dataset served from memory), training/profiling.py
+(train.profile_steps) and the online target's compiled layers (train.compile_target, training/bench_taps.py)."""
 import json
 
 import pytest
@@ -93,6 +94,7 @@ def test_profile_steps_writes_a_profile(tmp_path):
                        "--set", "train.epochs=50", *extra) == 0
         d = work / "train" / "drafter"
         box = json.loads((d / "box.json").read_text())
+        assert box["compile_target"] == "none"  # auto on a CPU
         if not n:
             assert not (d / "profile.json").exists() and box["profiled_steps"] is None
             assert "profile" not in box["parts_s"]
@@ -109,6 +111,7 @@ def test_profile_steps_writes_a_profile(tmp_path):
 @pytest.mark.parametrize("item, message", [
     ("train.rows_in_memory=1", "train.rows_in_memory must be true or false"),
     ("train.profile_steps=-1", "train.profile_steps must be an integer >= 0"),
+    ("train.compile_target=all", "train.compile_target 'all': use one of auto, layers, none"),
 ])
 def test_bad_rows_and_profile_settings_are_refused(tmp_path, capsys, item, message):
     cfg = write_config(tmp_path, tiny_models(heads=False))
@@ -133,3 +136,59 @@ def test_a_failing_profiler_does_not_stop_training(tmp_path, monkeypatch, capsys
     assert json.loads((tmp_path / "profile.json").read_text()) == {"error": "RuntimeError: CUPTI unavailable"}
     assert prof.profiled is None
     assert capsys.readouterr().out.count("profiling stopped") == 1
+
+
+def test_compiled_layers_are_one_graph_and_give_the_eager_hidden_states(tmp_path):
+    """compile_layers on a 6-layer target: one graph (two at most: transformers passes no mask when no row is
+    padded) serves every layer and three packed rows of other shapes, and the taps, whose hooks stay outside the
+    compiled forward, give the eager hidden states bitwise (a backend that runs the traced graph as it is)."""
+    from tiny import tiny_hf_model
+    from training.bench_taps import rows
+    from training.online import OnlineTaps, compile_layers
+    torch._dynamo.reset()
+    target = tiny_hf_model("llama", seed=1).eval()
+    batches = rows(2048, 3, [1, 3, 5], seed=0, vocab=target.config.vocab_size)
+    assert len({(len(b["document_lengths"]), max(b["document_lengths"])) for b in batches}) == 3
+
+    def run():
+        taps = OnlineTaps(target, [1, 3, 5], torch.float32, torch.float32)
+        try:
+            return [taps.compute(b["input_ids"], b["position_ids"], b["document_ids"], b["document_lengths"])
+                    for b in batches]
+        finally:
+            taps.close()
+    eager = run()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    assert compile_layers(target, backend=counting) == 6
+    compiled = run()
+    assert 1 <= len(graphs) <= 2, len(graphs)
+    for (h0, l0), (h1, l1) in zip(eager, compiled):
+        assert torch.equal(h0, h1) and torch.equal(l0, l1)
+    torch._dynamo.reset()
+
+
+def test_bench_taps_reports_eager_and_compiled(tmp_path, capsys):
+    """python -m training.bench_taps on a CPU over a tiny checkpoint (aot_eager, fast): both timings, their ratio,
+    the padded and real tokens, and the compiled states within fp32 rounding of the eager ones; a bad argument is
+    one error line and exit 2, before any model loads."""
+    from tiny import save_tiny_checkpoint
+    from training.bench_taps import main
+    save_tiny_checkpoint(tmp_path / "t", family="llama")
+    out = tmp_path / "b.json"
+    assert main(["--config-json", str(tmp_path / "t"), "--device", "cpu", "--dtype", "float32", "--total-seq-len",
+                 "128", "--batches", "1", "--warmup", "1", "--backend", "aot_eager", "--out", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["weights"] == "random" and rec["eager_ms"] > 0 and rec["compiled_ms"] > 0
+    assert rec["speedup"] == pytest.approx(rec["eager_ms"] / rec["compiled_ms"], rel=0.01)
+    assert rec["real_tokens_per_row"] <= 128 <= rec["target_positions_per_row"] * 2
+    assert rec["max_rel_diff"] <= 64 * rec["dtype_eps"]
+    torch._dynamo.reset()
+    capsys.readouterr()
+    assert main(["--config-json", str(tmp_path / "nothing"), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no such config.json" in err[0], err
+    assert main(["--config-json", str(tmp_path / "t"), "--batches", "0"]) == 2

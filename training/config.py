@@ -39,8 +39,9 @@ DEFAULTS = {
               "warm_start": None, "fit_box": False, "fit_probe_steps": 50, "fit_reserve": 0.1,
               # loss_impl auto: speculators' fused Triton losses on CUDA, its eager ones elsewhere; rows_in_memory: the
               # loaders read the dataset from memory (training/rows.py); profile_steps: torch.profiler over that
-              # many steps after the first (training/profiling.py)
-              "loss_impl": "auto", "rows_in_memory": True, "profile_steps": 0},
+              # many steps after the first (training/profiling.py); compile_target: the online target's decoder
+              # layers compiled (auto: on CUDA; training/online.py compile_layers)
+              "loss_impl": "auto", "rows_in_memory": True, "profile_steps": 0, "compile_target": "auto"},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
     # dtype auto: bfloat16 on CUDA (the decode's CUDA graphs too), the target's float32 elsewhere; bench: data/eval
@@ -172,6 +173,9 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 LOSS_IMPLS = ("auto", "fused", "eager")
 
 
+TARGET_COMPILE = ("auto", "layers", "none")  # train.compile_target (training/online.py compile_layers)
+
+
 def validate_steps(cfg: dict) -> None:
     """hidden.mode/target_dtype, the step size and the bounds on validation, held-out evaluation and logging."""
     h, t = cfg["hidden"], cfg["train"]
@@ -201,6 +205,9 @@ def validate_steps(cfg: dict) -> None:
         raise UsageError("config train.fit_reserve must be a fraction in [0, 1) of the box left at the fit")
     if not isinstance(t["eval_share"], (int, float)) or not 0 <= t["eval_share"] <= 1:
         raise UsageError("config train.eval_share must be a fraction in [0, 1] (1: no cap on periodic evaluations)")
+    if t["compile_target"] not in TARGET_COMPILE:
+        raise UsageError(f"config train.compile_target {t['compile_target']!r}: use one of {', '.join(TARGET_COMPILE)} "
+                         "(layers: the online target's decoder layers compiled; auto: on CUDA)")
     if t["loss_impl"] not in LOSS_IMPLS:
         raise UsageError(f"config train.loss_impl {t['loss_impl']!r}: use one of {', '.join(LOSS_IMPLS)} (fused: "
                          "speculators' Triton kernels, CUDA only)")
@@ -262,7 +269,8 @@ def fingerprint(obj) -> str:
 
 RUN_CONTROL = ("stop_after_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens", "num_workers",
                "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
-               "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps")
+               "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps",
+               "compile_target")
 
 
 def model_fingerprint(cfg: dict, name: str) -> str:

@@ -68,6 +68,7 @@ class OnlineTaps:
         self.target = target.eval().requires_grad_(False)
         self.capture = Capture(target, layer_ids)
         self.store_dtype, self.train_dtype = store_dtype, train_dtype
+        self.compile = "none"  # train.compile_target as resolved (training/train.py online_taps)
 
     @torch.no_grad()
     def compute(self, input_ids, position_ids, document_ids, lengths: list[int] | None = None
@@ -102,6 +103,25 @@ class OnlineTaps:
 
     def close(self):
         self.capture.close()
+
+
+def resolve_compile(mode: str, device_type: str) -> str:
+    """train.compile_target: "layers" compiles each decoder layer of the online target (auto: on CUDA only)."""
+    return ("layers" if device_type == "cuda" else "none") if mode == "auto" else mode
+
+
+def compile_layers(target, backend: str = "inductor") -> int:
+    """Compile the forward of each decoder layer of `target` (an HF causal LM), with dynamic shapes: the padded
+    batch's rows and width change every step. The layers share one code object, so one graph serves all of them
+    and every shape (tests/test_training_rows.py counts it); the Capture hooks stay outside, in the layers'
+    `__call__`. What this fuses is the norms, RoPE and the gated MLP's elementwise ops, which on the H200 took most
+    of the online target's 165 ms a 32K-token step (train/drafter/profile.json of the 2026-12-02 run). Returns the
+    number of layers compiled."""
+    import torch
+    layers = target.model.layers
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
+    return len(layers)
 
 
 def row_lengths(doc: list[int]) -> list[int]:
