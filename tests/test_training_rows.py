@@ -192,3 +192,48 @@ def test_bench_taps_reports_eager_and_compiled(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such config.json" in err[0], err
     assert main(["--config-json", str(tmp_path / "t"), "--batches", "0"]) == 2
+
+
+def test_profile_summary_counts_each_kernel_once():
+    """On CUDA, key_averages holds host ops (their own device time: the kernels they launched) and the kernels
+    themselves: the busy time sums the kernels alone, `top` lists host ops, `top_kernels` kernels, and the xb.*
+    ranges apart. (Summed over both kinds, as the first version did, the busy time was twice the kernels'.)"""
+    from types import SimpleNamespace as E
+    from training.profiling import summary
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+
+    def ev(key, kind, own_dev, host=0.0, count=1):
+        return E(key=key, device_type=kind, self_device_time_total=own_dev, device_time_total=own_dev,
+                 self_cpu_time_total=host, cpu_time_total=host, count=count)
+    events = [ev("aten::mm", cpu, 300.0, 10.0, 2), ev("gemm_kernel", cuda, 300.0, 0.0, 2),
+              ev("aten::mul", cpu, 100.0, 5.0), ev("mul_kernel", cuda, 100.0), ev("aten::empty", cpu, 0.0, 1.0),
+              E(key="xb.online_target", device_type=cpu, self_device_time_total=0.0, device_time_total=250.0,
+                self_cpu_time_total=2.0, cpu_time_total=40.0, count=2)]
+    rec = summary(events, steps=2, wall_s=0.002, on_device=True)
+    assert rec["device_busy_s_per_step"] == pytest.approx(200e-6)
+    assert [r["op"] for r in rec["top"]] == ["aten::mm", "aten::mul"]
+    assert [r["kernel"] for r in rec["top_kernels"]] == ["gemm_kernel", "mul_kernel"]
+    assert rec["top"][0]["own_s_per_step"] == pytest.approx(150e-6)
+    assert rec["ranges"]["xb.online_target"] == {"host_s": 20e-6, "device_s": 125e-6, "count": 2}
+    host = summary(events, steps=1, wall_s=0.001, on_device=False)
+    assert host["device_busy_s_per_step"] == pytest.approx(400e-6) and host["top"][0]["op"] == "aten::mm"
+
+
+def test_profiling_starts_after_the_fit_probe():
+    """With train.fit_box the profiled steps come after the probe's timed steps (1 + probe), else after step 3;
+    a StepProfile started at step s covers steps s+1 .. s+N."""
+    from training.profiling import StepProfile
+    from training.train import _profile
+    from pathlib import Path
+    import tempfile
+    tc = {"profile_steps": 2, "fit_box": True, "fit_probe_steps": 50}
+    assert _profile(tc, Path("."), torch.device("cpu")).start == 52
+    assert _profile({**tc, "fit_box": False}, Path("."), torch.device("cpu")).start == 3
+    assert _profile({**tc, "profile_steps": 0}, Path("."), torch.device("cpu")) is None
+    with tempfile.TemporaryDirectory() as d:
+        prof = StepProfile(Path(d) / "p.json", 2, torch.device("cpu"), start=5)
+        for step in range(1, 12):
+            torch.ones(8).mul(2)
+            prof.after_step(step)
+        rec = json.loads((Path(d) / "p.json").read_text())
+    assert rec["global_steps"] == [6, 7] and prof.profiled == [6, 7]

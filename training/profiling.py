@@ -1,11 +1,15 @@
 """`train.profile_steps` = N: torch.profiler over N training steps, from the third step of the process (the first
-compiles, the second may still warm up), written to `train/<model>/profile.json`:
+compiles, the second may still warm up) or, with train.fit_box, from the step after the fit's probe (profiled
+steps are slower: inside the probe they made the H200 run of 2026-12-02 fit 914 steps to a box that held about
+1,400 at the steady rate), written to `train/<model>/profile.json`:
 
     steps, wall_s_per_step       the profiled steps and their wall time each (synchronised at both ends)
-    device_busy_s_per_step       the kernels' own time summed, per step (CUDA; 0 on a CPU)
+    device_busy_s_per_step       the kernels' time summed, per step (CUDA; 0 on a CPU)
     ranges                       the labelled parts of a step (`xb.*` record_function ranges, e.g. the online
                                  target forward), host and device time per step
-    top                          the 30 ops with the most own time (device time on CUDA, host time on a CPU)
+    top                          the 30 host ops with the most own time (the device time of the kernels they
+                                 launched on CUDA, host time on a CPU)
+    top_kernels                  the 30 kernels with the most device time (CUDA)
 
 The profiled steps run slower than the others (the profiler's own cost); they are counted in the box as steps, and
 box.json names them (`profiled_steps`); writing the summary is the box's `profile` part. Nothing is profiled when N is 0.
@@ -19,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-START = 3  # the process's step after which profiling starts
+START = 3  # the process's step after which profiling starts (with train.fit_box: after the fit's probe)
 
 
 def _own_device_us(e) -> float:
@@ -30,26 +34,39 @@ def _device_us(e) -> float:
     return float(getattr(e, "device_time_total", 0.0) or 0.0)
 
 
+def _on_device(e) -> bool:
+    """A kernel (or other device activity) row of key_averages, not a host op."""
+    kind = getattr(e, "device_type", None)
+    return kind is not None and kind != torch.autograd.DeviceType.CPU
+
+
 def summary(events, steps: int, wall_s: float, on_device: bool, top: int = 30) -> dict:
-    """The profile.json record from `prof.key_averages()`."""
+    """The profile.json record from `prof.key_averages()`. On CUDA the rows are of two kinds: host ops (aten::mm,
+    whose own device time is that of the kernels they launched) and the kernels themselves; each kernel's time is
+    in both, so the device's busy time sums the kernels alone, `top` lists the host ops by the device time they
+    caused and `top_kernels` the kernels."""
     per = 1e-6 / steps
+    ops = [e for e in events if not _on_device(e) and not e.key.startswith("xb.")]
+    kernels = [e for e in events if _on_device(e)]
     own = _own_device_us if on_device else (lambda e: float(e.self_cpu_time_total))
-    rows = [e for e in events if not e.key.startswith("xb.") and own(e) > 0]
-    rows.sort(key=own, reverse=True)
+    ops = sorted((e for e in ops if own(e) > 0), key=own, reverse=True)
+    kernels.sort(key=_own_device_us, reverse=True)
     ranges = {e.key: {"host_s": round(e.cpu_time_total * per, 6), "device_s": round(_device_us(e) * per, 6),
                       "count": e.count} for e in events if e.key.startswith("xb.")}
     return {"steps": steps, "wall_s_per_step": round(wall_s / steps, 6),
-            "device_busy_s_per_step": round(sum(_own_device_us(e) for e in rows) * per, 6),
+            "device_busy_s_per_step": round(sum(_own_device_us(e) for e in kernels) * per, 6),
             "sort": "own device time" if on_device else "own host time", "ranges": ranges,
             "top": [{"op": e.key, "count": e.count, "own_s_per_step": round(own(e) * per, 6),
-                     "host_s_per_step": round(e.self_cpu_time_total * per, 6)} for e in rows[:top]]}
+                     "host_s_per_step": round(e.self_cpu_time_total * per, 6)} for e in ops[:top]],
+            "top_kernels": [{"kernel": e.key, "count": e.count, "s_per_step": round(_own_device_us(e) * per, 6)}
+                            for e in kernels[:top]]}
 
 
 class StepProfile:
     """Call `after_step()` after every training step; writes `path` once the N steps are profiled."""
 
-    def __init__(self, path: Path, steps: int, device: torch.device):
-        self.path, self.steps, self.device = Path(path), steps, device
+    def __init__(self, path: Path, steps: int, device: torch.device, start: int = START):
+        self.path, self.steps, self.device, self.start = Path(path), steps, device, start
         self.seen, self.prof, self.t0 = 0, None, 0.0
         self.first = None  # the global step the profile starts after
 
@@ -60,18 +77,18 @@ class StepProfile:
     def after_step(self, global_step: int, timed=None) -> None:
         """`timed`: a context manager factory (the box's `timed("profile")`) around writing the summary. A profiler
         that fails does not stop the training: profile.json records the error and profiling ends."""
-        if not self.steps or self.seen > START + self.steps:
+        if not self.steps or self.seen > self.start + self.steps:
             return
         try:
             self._after_step(global_step, timed)
         except Exception as exc:  # noqa: BLE001 (a measurement aid; the run goes on without it)
-            self.seen, self.prof, self.first = START + self.steps + 1, None, None
+            self.seen, self.prof, self.first = self.start + self.steps + 1, None, None
             self.path.write_text(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
             print(f"train: profiling stopped ({type(exc).__name__}: {exc}); training goes on", flush=True)
 
     def _after_step(self, global_step: int, timed) -> None:
         self.seen += 1
-        if self.seen == START:
+        if self.seen == self.start:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -79,7 +96,7 @@ class StepProfile:
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.__enter__()
             self.first, self.t0 = global_step, time.perf_counter()
-        elif self.seen == START + self.steps and self.prof is not None:
+        elif self.seen == self.start + self.steps and self.prof is not None:
             self._sync()
             wall = time.perf_counter() - self.t0
             with timed() if timed is not None else contextlib.nullcontext():

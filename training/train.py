@@ -205,8 +205,9 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
 
 
 def _profile(tc: dict, out: Path, device: torch.device):
-    from training.profiling import StepProfile
-    return StepProfile(out / "profile.json", tc["profile_steps"], device) if tc["profile_steps"] else None
+    from training.profiling import START, StepProfile
+    start = tc["fit_probe_steps"] + 2 if tc["fit_box"] else START  # never inside the fit's timed probe
+    return StepProfile(out / "profile.json", tc["profile_steps"], device, start) if tc["profile_steps"] else None
 
 
 def fit_plan(tc: dict, total: int) -> dict | None:
