@@ -71,6 +71,29 @@ def test_the_shipped_weights_fit_their_budget():
     assert shipped["markov"] in ("markov_vanilla", "markov_gated", "markov_rnn")
 
 
+def test_the_warm_start_drafter_is_a_complete_export():
+    """weights/smollm2-135m-warm: what train.warm_start reads (an export manifest, drafter/config.json and
+    train_state.json with its step), every tensor the shard index names present, files under 16 MiB and the
+    sizes the manifest records; the config refuses nothing (training/warm.py). A torn or partial copy fails here."""
+    import json
+    from harness.protocol.setups import REPO
+    from training import warm
+    w = REPO / "weights" / "smollm2-135m-warm"
+    d = warm.source({"train": {"warm_start": str(w)}}, "drafter")
+    assert d == w / "drafter" and warm.train_state(d)["global_step"] == 914
+    assert warm.source({"train": {"warm_start": str(w)}}, "xpress") is None
+    sizes = json.loads((w / "manifest.json").read_text())["files"]["drafter"]
+    assert {f.name: f.stat().st_size for f in d.iterdir()} == sizes
+    assert max(sizes.values()) < 16 * 2**20
+    from safetensors import safe_open
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    held = {}
+    for shard in set(index.values()):
+        with safe_open(str(d / shard), "pt") as f:
+            held.update(dict.fromkeys(f.keys(), shard))
+    assert held == index
+
+
 def test_the_embedded_default_is_lossless_and_accepts_with_the_shipped_weights(smollm2, tmp_path):
     """The main job's models on CPU fp32 (2 gsm8k prompts, 32 tokens): every arm's output equals AR's, and the
     trained drafter accepts (random weights give tau ~1.0; the shipped drafter's held-out tau is about 2)."""
