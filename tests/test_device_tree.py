@@ -19,3 +19,37 @@ def test_the_tree_without_weights_and_results_fits_the_device_with_a_gguf_part()
     files = [f for f in out.decode().split("\0") if f and not f.startswith(("weights/", "results/"))]
     size = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).is_file())
     assert size + GGUF_PART < CAP, f"{size / 2**20:.1f} MiB of tracked files outside weights/ and results/"
+
+
+def test_training_gpu_back_brings_records_and_the_export_not_data_or_checkpoints(tmp_path):
+    """harness/lab/training_gpu.sh back: records.tgz holds the stage manifests, each model's JSON and metrics and
+    the log, but no prompts, response parts or fp32 checkpoints; the export WHAT comes in parts that join to the
+    files; without $OUT, or with no subcommand, it refuses (exit non-zero)."""
+    import os
+    import tarfile
+    script = ROOT / "harness" / "lab" / "training_gpu.sh"
+    work, out = tmp_path / "xrun", tmp_path / "out"
+    files = {"stages.json": "{}", "responses/manifest.json": "{}", "responses/parts/part000.jsonl": "data",
+             "prompts/train.jsonl": "data", "train/drafter/box.json": "{}", "train/drafter/metrics.jsonl": "{}",
+             "train/drafter/1/model.safetensors": "fp32", "export/manifest.json": "{}",
+             "export/drafter/model.safetensors": "w" * 40_000, "export/drafter/config.json": "{}"}
+    for name, text in files.items():
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text(text)
+    (tmp_path / "xrun.log").write_text("log\n")
+    out.mkdir()
+    env = {**os.environ, "XRUN": str(work), "OUT": str(out)}
+    subprocess.run(["bash", str(script), "back", "drafter"], env=env, check=True, capture_output=True)
+    with tarfile.open(out / "records.tgz") as t:
+        names = {n.lstrip("./") for n in t.getnames()}
+    assert {"stages.json", "responses/manifest.json", "train/drafter/box.json", "train/drafter/metrics.jsonl",
+            "export/manifest.json"} <= names
+    assert not any(n.startswith(("prompts/", "responses/parts", "train/drafter/1", "export/drafter")) for n in names)
+    assert any(n.endswith("xrun.log") for n in names)
+    parts = sorted(out.glob("drafter.tar.part.*"))
+    (tmp_path / "joined.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "joined.tar") as t:
+        assert set(t.getnames()) >= {"export/manifest.json", "export/drafter/model.safetensors"}
+    env.pop("OUT")
+    assert subprocess.run(["bash", str(script), "back"], env=env, capture_output=True).returncode != 0
+    assert subprocess.run(["bash", str(script)], capture_output=True).returncode == 2

@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One training run of `python -m training all --config smollm2-gpu` on a lent GPU machine, within the device tool's
+# limits (a 64 MiB working tree a call, 10 minutes a command, the machine given back after ~30 s idle, at most 8
+# files of 16 MiB back from $OUT). How the second run at scale was made (results/perf/NOTES.md, "Training at scale
+# on the H200, the second run"), as one script:
+#
+#   here:    bash harness/lab/training_gpu.sh prepare [WARM]   # wheels in .whl/, the GGUF in .gpu1/ and .gpu2/, a
+#                                                              # warm-start export (e.g. weights/smollm2-135m-warm)
+#                                                              # in .gpu3/; then harness/lab/device_tree.sh stash DIR
+#   device:  bash harness/lab/training_gpu.sh setup            # carry .whl .gpu1: installs, keeps GGUF part 1
+#            bash harness/lab/training_gpu.sh start [ARGS...]  # carry .gpu2 (.gpu3): the GGUF whole, the job started
+#                                                              # in its own session (ARGS: more --set overrides)
+#            bash harness/lab/training_gpu.sh poll [SECONDS]   # until the job ends or SECONDS (default 540) pass
+#            bash harness/lab/training_gpu.sh back [WHAT]      # into $OUT: records.tgz, and WHAT (e.g. drafter)
+#                                                              # of the export in tar parts of 15 MB
+#   here:    harness/lab/device_tree.sh restore DIR; tar xzf records.tgz; cat parts | tar xf -
+#
+# Make the calls back to back (the job dies with the machine). The job runs from a copy of the code in /tmp/code,
+# so the tree that each call re-sends cannot change it, and writes $XRUN (default /tmp/xrun) and $XRUN.log.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+XRUN=${XRUN:-/tmp/xrun}  # the workdir on the device (its log: $XRUN.log)
+CODE="core data drafters harness refiners training scripts benchmark_compile_all.py requirements.txt"
+
+case "${1:-}" in
+  prepare)
+    warm=${2:-}
+    mkdir -p .whl .gpu1 .gpu2
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform any -d .whl \
+        -r training/GPU_WHEELS.txt
+    src=$(python3 -m harness.protocol.assets smollm2)
+    split -b 50000000 "$src" /tmp/gguf.part.
+    mv /tmp/gguf.part.aa .gpu1/ && mv /tmp/gguf.part.ab .gpu2/
+    if [[ -n $warm ]]; then rm -rf .gpu3 && mkdir -p .gpu3 && cp -r "$warm" .gpu3/warm; fi
+    for d in /.gpu1/ /.gpu2/ /.gpu3/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
+    du -sh .whl .gpu1 .gpu2 ${warm:+.gpu3}
+    ;;
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    mkdir -p /tmp/g /tmp/xb && cp .gpu1/gguf.part.aa /tmp/g/
+    nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
+    ;;
+  start)
+    shift
+    cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
+    sha256sum /tmp/xb/$GGUF | cut -c1-16
+    rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
+    args=("$@")
+    if [[ -d .gpu3/warm ]]; then cp -r .gpu3/warm /tmp/warm && args+=(--set train.warm_start=/tmp/warm); fi
+    rm -f $XRUN.done
+    date +%s > $XRUN.t0
+    (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
+        PYTHONUNBUFFERED=1 setsid nohup bash -c 'python3 -m training all --config smollm2-gpu --workdir "$0" "${@}";
+        echo "rc=$?" > "$0.done"' "$XRUN" "${args[@]}" >> $XRUN.log 2>&1 < /dev/null &)
+    sleep 20; tail -n 5 $XRUN.log
+    ;;
+  poll)
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [[ ! -f $XRUN.done ]] && (( $(date +%s) < end )); do sleep 5; done
+    echo "elapsed $(( $(date +%s) - $(cat $XRUN.t0) )) s; $(cat $XRUN.done 2>/dev/null || echo running)"
+    grep -E "^(prompts|responses|hidden|train|fit|held-out|box|acceptance|export|error)|Traceback" $XRUN.log | tail -n 40
+    tail -c 1500 $XRUN.log
+    ;;
+  back)
+    : "${OUT:?back runs on the device machine, where \$OUT is set}"
+    cd "$XRUN"
+    find . -maxdepth 3 \( -name '*.json' -o -name metrics.jsonl \) -not -path './prompts/*' -not -path './export/*/*' \
+        -not -path './responses/parts/*' | tar czf "$OUT/records.tgz" -T - $XRUN.log
+    if [[ -n ${2:-} ]]; then tar cf - export/manifest.json "export/$2" | split -b 15000000 - "$OUT/$2.tar.part."; fi
+    ls -la "$OUT"
+    ;;
+  *)
+    sed -n 2,19p "$0"; exit 2
+    ;;
+esac
