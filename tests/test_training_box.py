@@ -99,6 +99,9 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
     ("acceptance.bench_prompts=0", "acceptance.bench_prompts must be an integer >= 1"),
     ('acceptance.bench=["gsm8k"]', "gsm8k"),
     ("acceptance.bench_max_seconds=-1", "acceptance.bench_max_seconds must be a number of seconds >= 0"),
+    ("train.rows_in_memory=1", "train.rows_in_memory must be true or false"),
+    ("train.profile_steps=-1", "train.profile_steps must be an integer >= 0"),
+    ("train.compile_target=all", "train.compile_target 'all': use one of auto, layers, none"),
 ])
 def test_bad_step_and_hidden_settings_are_refused(tmp_path, capsys, item, message):
     """The new keys are checked before any model loads: one error line, exit 2, nothing written."""
