@@ -38,6 +38,19 @@ def test_rows_equal_what_datasets_reads(tmp_path):
         mem.view(20, 24)
 
 
+def test_rows_are_read_once_a_process_and_again_when_rewritten(tmp_path):
+    """Every model of a train stage calls Rows.load on the same dataset: the second call returns the first's rows
+    (no second read), and a dataset rewritten at the same path is read anew."""
+    from training.hidden import write_dataset
+    from training.rows import Rows
+    write_dataset(tmp_path / "d", [{"prompt": [1, 2], "response": [3]}])
+    first = Rows.load(str(tmp_path / "d"))
+    assert Rows.load(str(tmp_path / "d")) is first
+    write_dataset(tmp_path / "d", [{"prompt": [1, 2], "response": [3, 4, 5]}, {"prompt": [6], "response": [7]}])
+    again = Rows.load(str(tmp_path / "d"))
+    assert again is not first and len(again) == 2 and again.input_ids(0).tolist() == [1, 2, 3, 4, 5]
+
+
 def _stages(tmp_path, **train):
     cfg = write_config(tmp_path, tiny_models(heads=False), hidden={"mode": "online"},
                        train={"eval_prompts": 0, **train})

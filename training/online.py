@@ -117,7 +117,6 @@ def compile_layers(target, backend: str = "inductor") -> int:
     `__call__`. What this fuses is the norms, RoPE and the gated MLP's elementwise ops, which on the H200 took most
     of the online target's 165 ms a 32K-token step (train/drafter/profile.json of the 2026-12-02 run). Returns the
     number of layers compiled."""
-    import torch
     layers = target.model.layers
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)

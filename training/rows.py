@@ -6,12 +6,17 @@ index mapping. At 32K-token steps (about 87 sequences) that was most of the 130-
 H200 (num_workers 0). `Rows` reads the columns once into flat int64 tensors (the dtype the torch format gives
 integer columns) with offsets, and `install` puts a view of it in place of each loader's `dataset.data`: a row is
 then two tensor slices. The batches are the same tensors (tests/test_training_rows.py). Memory: 16 bytes a token
-(input_ids and loss_mask), 0.35 GB for 22 M tokens.
+(input_ids and loss_mask), 0.35 GB for 22 M tokens, held once for every model a process trains. A spawned loader
+worker gets the tensors through torch's pickling.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
+
+_LOADED: dict = {}  # Rows.load's one cached dataset: {"key": ..., "rows": Rows}
 
 
 class Rows:
@@ -23,6 +28,18 @@ class Rows:
 
     @classmethod
     def load(cls, path: str) -> "Rows":
+        """The saved dataset at `path`, read once a process: every model of a train stage shares it (the key is
+        the folder and its files' sizes and times, so a rewritten dataset is read again)."""
+        folder = Path(path).resolve()
+        key = (str(folder), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(folder.iterdir())
+                                  if f.is_file()))
+        if _LOADED.get("key") != key:
+            _LOADED.clear()
+            _LOADED.update(key=key, rows=cls._read(str(folder)))
+        return _LOADED["rows"]
+
+    @classmethod
+    def _read(cls, path: str) -> "Rows":
         import pyarrow.compute as pc
         from datasets import load_from_disk
         ds = load_from_disk(path)
@@ -58,9 +75,6 @@ class Rows:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         a, b = self.span(i)
         return {"input_ids": self.ids[a:b], "loss_mask": self.mask[a:b], "seq_len": torch.tensor(b - a)}
-
-    def __getstate__(self):  # a spawned loader worker gets the tensors (shared memory through torch's pickling)
-        return self.__dict__
 
 
 def install(loader, rows: Rows) -> None:

@@ -261,7 +261,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                   "box_s": max_seconds or None, "hidden_mode": cfg["hidden"]["mode"],
                                   "total_seq_len": tc["total_seq_len"], "compile": trainer.compile_mode,
                                   "loss_impl": trainer.loss_impl,
-                                  "profiled_steps": trainer._profile.profiled if trainer._profile else None,
+                                  "profiled_steps": trainer.step_profile.profiled if trainer.step_profile else None,
                                   "compile_target": getattr(taps, "compile", None),
                                   "fit": trainer.fit_record}), name)
     return out / str(last)

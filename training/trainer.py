@@ -92,7 +92,7 @@ class PipelineTrainer(Trainer):
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
-        self._profile = profile  # training/profiling.StepProfile, or None
+        self.step_profile = profile  # training/profiling.StepProfile, or None
         self.evals: list[dict] = []
         train_loader.generator = torch.Generator().manual_seed(seed)
         super().__init__(model, config, train_loader, val_loader)
@@ -162,8 +162,8 @@ class PipelineTrainer(Trainer):
 
     def _after_step(self):
         self.box.step_done()
-        if self._profile is not None:
-            self._profile.after_step(self.global_step, lambda: self.box.timed("profile"))
+        if self.step_profile is not None:
+            self.step_profile.after_step(self.global_step, lambda: self.box.timed("profile"))
         self._reseed()
         if self._fit and self.fit_record is None:
             self._maybe_fit()
