@@ -25,7 +25,9 @@ def test_box_accounting_sums_to_the_box(tmp_path):
     assert all(v > 0 for k, v in parts.items() if k != "finish"), parts
     assert abs(box["wall_s"] - sum(parts.values())) <= 0.02 * box["wall_s"] + 0.15, box
     assert box["wall_s"] == pytest.approx(box["train_wall_s"] + parts["export"], abs=1e-3)
-    assert box["train_wall_s"] >= BOX_MINUTES * 60 and box["box_s"] == pytest.approx(BOX_MINUTES * 60)
+    # box_s is what was left of the stage's box when the model started: the stage's box less the microseconds
+    # between the two clock reads (CI once saw 2.9999966 s), so it is compared at a millisecond
+    assert box["train_wall_s"] >= BOX_MINUTES * 60 and box["box_s"] == pytest.approx(BOX_MINUTES * 60, abs=1e-3)
     manifest = json.loads((tmp_path / "w" / "train" / "drafter" / "manifest.json").read_text())
     assert manifest["truncated"] and box["steps"] == manifest["global_step"] > 2
     assert box["steps_share"] == pytest.approx(parts["steps"] / box["wall_s"], abs=1e-3) and box["steps_share"] > 0.4

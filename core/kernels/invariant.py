@@ -13,8 +13,11 @@ here only when the launch asks for it.
   time, BLOCK slots read at a time whatever the rows, and the slots split by slot index (a split per `per` slots
   from slot 0, not by the KV length): a slot past a row's position adds exact zeros, and a split past it merges
   with weight 0.
-Under Triton's CPU interpreter the dots take bf16/fp16 operands to fp32 first (`upcast`: numpy has no bf16);
-compiled for a GPU the constexpr is False and the dot is the plain tensor-core dot.
+Under Triton's CPU interpreter the dots take bf16/fp16 operands to fp32 first (`upcast`: numpy has no bf16) and
+sum the products with numpy's reduction rather than its BLAS matmul: a BLAS sgemm may round a row differently by
+where the row sits in its tile (seen on an AVX-512 CPU with numpy 2.3.5: 10 of 16 positions gave other bits), which
+is the machine's, not the kernel's; compiled for a GPU the constexpr is False and the dot is the plain tensor-core
+dot.
 Verified on a GPU: VERIFIED_ON_GPU records the run (the run facts label a batch-invariant run by it).
 """
 from __future__ import annotations
@@ -37,8 +40,9 @@ VERIFIED_ON_GPU: str | None = "2026-12-02 7f3d20e"
 
 
 def upcast(dtype: torch.dtype) -> bool:
-    """Whether the dots take 16-bit operands to fp32 first: under Triton's interpreter only (whose numpy dot has no
-    bf16). A bf16 or fp16 product is exact in fp32, so only the summation order is the interpreter's own."""
+    """Whether the dots take 16-bit operands to fp32 first and sum them without BLAS: under Triton's interpreter only
+    (whose numpy dot has no bf16). A bf16 or fp16 product is exact in fp32, so only the summation order is the
+    interpreter's own, and it is the same for every row of a tile."""
     return interpreted() and dtype in (torch.bfloat16, torch.float16)
 
 
@@ -60,8 +64,8 @@ if triton is not None:  # (the default kernels' helpers exist only with Triton)
     @triton.jit
     def _mma(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
         """a [R, K] @ b [K, C] accumulated in fp32 (UPCAST: interpreter only, see `upcast`)."""
-        if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        if UPCAST:  # products (exact in fp32) summed over K by numpy in one order for every row, not by its BLAS
+            return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
         return tl.dot(a, b, input_precision=PREC)
 
     @triton.jit
