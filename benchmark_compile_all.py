@@ -18,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     def work():
         from harness.protocol.flags import parse_args
         cfg = parse_args(argv)
-        from harness.protocol.runner import run  # torch and transformers: only once the arguments are good
+        from harness.protocol.sweep_points import is_sweep
+        if is_sweep(cfg):  # --batch-sizes / --context-lengths: every point in one process
+            from harness.protocol.sweep import run
+        else:
+            from harness.protocol.runner import run  # torch and transformers: only once the arguments are good
         run(cfg)
     return cli_exit(work)
 

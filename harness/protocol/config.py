@@ -70,6 +70,8 @@ class RunConfig:
     given: tuple[str, ...] = ()               # the flags set on the command line (explicit beats checkpoint)
     preset: str | None = None                 # the setup that filled untyped settings (harness.protocol.setups)
     quiet: bool = False
+    batch_sizes: str | None = None            # --batch-sizes 1,2,4: a sweep (harness.protocol.sweep)
+    context_lengths: str | None = None        # --context-lengths 0,1024: a sweep
 
     @property
     def fair(self) -> bool:
@@ -185,6 +187,9 @@ def validate(c: RunConfig) -> None:
         raise UsageError(f"--fair-warmup-rounds {c.fair_warmup_rounds}: must be >= 0")
     if c.fair_interleave is not None and c.fair_interleave < 0:
         raise UsageError(f"--fair-interleave {c.fair_interleave}: must be >= 1 (or given without a value)")
+    from harness.protocol import sweep_points
+    if sweep_points.is_sweep(c):
+        sweep_points.check(c)
     for path in (c.answer_file, c.trace):
         if path:
             check_writable(path)

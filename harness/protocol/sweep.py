@@ -1,0 +1,344 @@
+"""--batch-sizes / --context-lengths: the paired protocol at every (batch size B, context length C) point (issue 29).
+
+At each point every arm decodes the same requests, in the same rounds, with the arms rotated as in a single run
+(harness.protocol.rounds: the measured rounds form a Latin square when their count is a multiple of the arms').
+- Requests: the run's prompts (--max-samples N), each request's first turn only. At batch size B they are taken
+  B at a time, in order; when N is not a multiple of B the list is cycled (prompt i mod N) up to the next multiple,
+  so every batch of every arm is full and the same at every arm (`requests` in sweep.json).
+- Context length C > 0: each request's user message is filler + a blank line + its own question, the filler being
+  the other prompts' texts, whole, in dataset order after the request's own (cycled), added until the rendered
+  prompt has at least C tokens; C = 0 is the prompt itself. The lengths reached are recorded per point
+  (`prompt_tokens`). Every prompt must leave room for --max-new-tokens and a block below --max-model-len.
+- One batch is one harness.decode.batch_loop.generate_batch call (eager: whole-step CUDA graphs per batch bucket
+  are not built yet, so a sweep refuses --use-graph). Only the target's verify is one batched forward: each
+  request's drafting and refinement still run one request at a time (B drafter forwards a step), which the
+  results' labels say; a speculative arm's cost at large B is therefore an upper bound. A finished request is masked and keeps its slot until the
+  batch's longest request ends; no new prompt takes it (a static batch): every step of every arm runs at the B asked
+  for, and each arm pays for its own longest request.
+- Timing, per batch: decode_s = from the batch's first step until its last request finished (the prefills, one
+  after another before the first step, are timed apart: prefill_s). Total tok/s = decode tokens / decode_s, pooled
+  over the point's batches and measured rounds; per-request tok/s = a request's decode tokens / its own decode_s,
+  averaged over requests.
+- Speedup over AR at the same point: harness.protocol.metrics.median_round_speedup over [rounds, batches]
+  matrices (a batch is the paired unit, as a prompt is in a single run), with its paired bootstrap CI over batches
+  and rounds. tau per point: accepted tokens per verify step over every request of the measured rounds (T > 0:
+  every round is a sampling replicate, the warmup included, as in a single run).
+- Crossover: per arm and context, the smallest swept B at which its speedup's point estimate falls below 1
+  (and per B, the smallest swept context); `null` when it beats AR at every point swept.
+- T = 0: each request's tokens are compared with the same arm's B = 1 tokens of the same point and round
+  (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ unless the target's kernels
+  are batch-invariant (--batch-invariant).
+The results folder holds config.json, samples.jsonl (one row per request), sweep.json, sweep.md and the plots.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import numpy as np
+
+from core.errors import UsageError
+from harness.protocol import runner
+from harness.protocol.algorithms import DFlashDrafter
+from harness.protocol.build import prepare
+from harness.protocol.console import describe, label
+from harness.protocol.data import dataset_provenance, load_samples, render_prompt
+from harness.protocol.plan import run_folder
+from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
+from harness.protocol.rounds import rotation
+from harness.protocol.sweep_points import batch_sizes, context_lengths, is_sweep, request_ids  # noqa: F401
+
+SWEEP = "sweep.json"
+
+
+def context_prompts(tokenizer, samples, firsts, context: int) -> list[tuple[int, ...]]:
+    """Each sample's first turn with at least `context` tokens (see the module docstring); context 0: as is."""
+    if context == 0:
+        return [tuple(f) for f in firsts]
+    out, n = [], len(samples)
+    for i, s in enumerate(samples):
+        others = [samples[(i + j) % n].turns[0] for j in range(1, n)] or [s.turns[0]]
+        filler, j = [], 0
+        while True:
+            prompt = render_prompt(tokenizer, [{"role": "user", "content": "\n\n".join(filler + [s.turns[0]])}])
+            if len(prompt) >= context:
+                break
+            filler.append(others[j % len(others)])
+            j += 1
+        out.append(tuple(prompt))
+    return out
+
+
+@dataclasses.dataclass
+class _Point:
+    batch: int
+    context: int
+    prompts: list[tuple[int, ...]]  # per sample
+    ids: list[int]                  # the requests: sample indices
+
+
+def _drafters(arm, b: int, pool: dict, backend) -> list | None:
+    """b drafters over the arm's drafter weights (each request holds its own context cache)."""
+    if arm.drafter is None:
+        return None
+    base = arm.drafter
+    have = pool.setdefault(id(base), [base])
+    while len(have) < b:
+        d = DFlashDrafter(base.model, base.embed, base.lm_head, backend, block_size=base.block_size)
+        d.ops = base.ops  # the arm's proposing ops (sized for the drafter's heads in its constructor)
+        d.ensure_capacity(base.kv.capacity - base.block_size)
+        have.append(d)
+    return have[:b]
+
+
+def run(cfg, out=None) -> dict:
+    """The whole sweep (the module docstring); returns sweep.json's content."""
+    out = out or sys.stdout
+    batches, contexts = batch_sizes(cfg), context_lengths(cfg)
+    folder = run_folder(cfg)
+    plan = prepare(cfg, device=cfg.device, folder=folder)
+    need = max(contexts) + cfg.max_new_tokens + plan.block_size + 1
+    if need > plan.max_model_len:
+        raise UsageError(f"--context-lengths {max(contexts)}: with --max-new-tokens {cfg.max_new_tokens} and block "
+                         f"{plan.block_size} a request needs {need} positions, over the context limit "
+                         f"{plan.max_model_len}; lower the context or --max-new-tokens")
+    samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
+    models = runner.load_models(plan, samples, runner.choose_ops(plan), None)
+    settings = runner.settings_for(cfg, plan.max_model_len, models.stops)
+    points = []
+    for c in contexts:
+        prompts = context_prompts(models.tokenizer, samples, models.firsts, c)
+        longest = max(map(len, prompts))
+        if longest + cfg.max_new_tokens + plan.block_size + 1 > plan.max_model_len:
+            raise UsageError(f"--context-lengths {c}: the longest prompt built for it has {longest} tokens, which "
+                             f"with --max-new-tokens {cfg.max_new_tokens} does not fit the context limit "
+                             f"{plan.max_model_len}; lower the context")
+        points += [_Point(b, c, prompts, request_ids(len(samples), b)) for b in batches]
+    runner.presize(models.target, models.arms, max(len(p) for pt in points for p in pt.prompts), settings,
+                   plan.block_size)
+    order = rotation(plan.arm_names, plan.rounds)
+    describe(plan, models, settings, samples, out)
+    print(f"[sweep] batch sizes {batches} x context lengths {contexts}: {len(points)} points, each with "
+          f"{plan.rounds} rounds (first {plan.warmup_rounds} excluded) of {len(plan.arm_names)} arms; eager, "
+          "first turns only", file=out)
+    os.makedirs(folder, exist_ok=True)
+    config = {**dataclasses.asdict(cfg), "resolved": {
+        **plan.resolved(), "stop_ids": list(models.stops), "rotation": order, "sweep": {
+            "batch_sizes": batches, "context_lengths": contexts, "graphs": False, "first_turn_only": True},
+        "dataset": dataset_provenance(cfg.dataset, cfg.data_dir), "label": label(cfg),
+        "kernels": models.target.kernels}}
+    atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
+    rows_path = os.path.join(folder, "samples.jsonl")
+    by_name, pool = {a.name: a for a in models.arms}, {}
+    for pt in points:
+        for r, names in enumerate(order, start=1):
+            for slot, name in enumerate(names, start=1):
+                arm = by_name[name]
+                arm.activate()
+                append_rows(rows_path, _decode_point(plan, models, settings, arm, pt, r, slot, samples, pool))
+        print(f"[sweep] B={pt.batch} context={pt.context}: done", file=out)
+    summary = summarize(read_rows(rows_path), plan.arm_names, plan.warmup_rounds, batches, contexts,
+                        labels=[x for x in [label(cfg), f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
+                                            f"kernels {models.target.kernels}", "eager",
+                                            "drafts per request, verify batched"] if x])
+    atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
+    atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
+    atomic_write(os.path.join(folder, "environment.json"),
+                 json.dumps(environment(exclude=[folder]), indent=1, default=str) + "\n")
+    for path in write_plots(folder, summary):
+        print(f"[plot] {path}", file=out)
+    print(format_table(summary), file=out)
+    print(f"[results] {folder}", file=out)
+    return summary
+
+
+def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: int, samples, pool) -> list[dict]:
+    """Every batch of one (point, round, arm): one generate_batch each, one row per request."""
+    from harness.decode.batch_loop import generate_batch
+    cfg, backend = plan.config, plan.backend
+    greedy = cfg.temperature < 1e-5
+    rows = []
+    for g in range(len(pt.ids) // pt.batch):
+        ids = pt.ids[g * pt.batch:(g + 1) * pt.batch]
+        seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_) for i in ids]
+        start = backend.now()
+        gens = generate_batch(models.target, [list(pt.prompts[i]) for i in ids], settings, backend,
+                              drafters=_drafters(arm, pt.batch, pool, backend), refiner=arm.refiner,
+                              generators=None if greedy else [backend.generator(s) for s in seeds])
+        wall = backend.now() - start
+        decode_s = max(x.decode_s for x in gens)
+        for j, (i, gen) in enumerate(zip(ids, gens)):
+            row = runner.sample_row(plan.run_id, cfg, arm, i, samples[i], 0, round_, round_ <= plan.warmup_rounds, gen)
+            row.update(batch_size=pt.batch, context_len=pt.context, batch_index=g, batch_row=j, slot=slot,
+                       stream_seed=None if greedy else seeds[j], batch_decode_s=decode_s,
+                       batch_prefill_s=wall - decode_s)
+            rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------- the summary
+
+def _matrix(rows: list[dict], key) -> tuple[np.ndarray, np.ndarray]:
+    """[rounds, batches] decode tokens and decode seconds of one (point, arm)'s measured rows."""
+    rounds = sorted({r["round"] for r in rows})
+    groups = sorted({r["batch_index"] for r in rows})
+    tok, sec = np.zeros((len(rounds), len(groups))), np.zeros((len(rounds), len(groups)))
+    for r in rows:
+        i, j = rounds.index(r["round"]), groups.index(r["batch_index"])
+        tok[i, j] += r["decode_tokens"]
+        sec[i, j] = r["batch_decode_s"]
+    return tok, sec
+
+
+def summarize(rows: list[dict], arms: list[str], warmup: int, batches: list[int], contexts: list[int],
+              labels=(), n_boot: int = 2000) -> dict:
+    from harness.protocol import metrics
+    ar = next((a for a in arms if a == "AR"), None)
+    points = []
+    for c in contexts:
+        for b in batches:
+            here = [r for r in rows if r["batch_size"] == b and r["context_len"] == c]
+            measured = [r for r in here if not r["warmup"]]
+            per_arm = {}
+            for a in arms:
+                mine = [r for r in measured if r["arm"] == a]
+                tok, sec = _matrix(mine, a)
+                rates = [r["decode_tokens"] / r["decode_s"] for r in mine if r["decode_s"] > 0]
+                lengths = [r["accept_lengths"] for r in here if r["arm"] == a and (r["temperature"] >= 1e-5 or
+                                                                                   not r["warmup"])]
+                entry = {"decode_tokens": int(tok.sum()), "decode_s": round(float(sec.sum()), 6),
+                         "total_tok_s": round(float(tok.sum() / sec.sum()), 3) if sec.sum() > 0 else None,
+                         "per_request_tok_s": round(float(np.mean(rates)), 3) if rates else None,
+                         "tau": round(metrics.tau_per_step(lengths), 4) if any(lengths) else None,
+                         "prefill_s": round(sum({(r["round"], r["batch_index"]): r["batch_prefill_s"]
+                                                 for r in mine}.values()), 6)}
+                if ar is not None and a != ar:
+                    rt, rs = _matrix([r for r in measured if r["arm"] == ar], ar)
+                    if rt.shape == tok.shape and tok.size:
+                        sp = metrics.median_round_speedup(tok, sec, rt, rs)
+                        lo, hi = metrics.median_round_speedup_ci(tok, sec, rt, rs, n_boot=n_boot)
+                        entry["speedup"] = round(sp, 4)
+                        entry["speedup_ci"] = [round(lo, 4), round(hi, 4)]
+                entry["same_as_b1"] = _same_as_b1(rows, a, b, c)
+                per_arm[a] = entry
+            points.append({"batch_size": b, "context_len": c, "requests": len({(r["batch_index"], r["batch_row"])
+                                                                               for r in here}),
+                           "prompt_tokens": _spread([r["prompt_tokens"] for r in here if r["arm"] == arms[0]
+                                                     and r["round"] == 1]),
+                           "arms": per_arm})
+    return {"schema": 1, "labels": list(labels), "batch_sizes": batches, "context_lengths": contexts,
+            "arms": arms, "reference": ar, "warmup_rounds": warmup, "points": points,
+            "crossover": crossover(points, arms, ar, batches, contexts),
+            "conventions": {"speedup": metrics.median_round_speedup.convention,
+                            "unit": "a batch of B requests is the paired unit (one generate_batch call)",
+                            "total_tok_s": "decode tokens / decode seconds, pooled over the point's batches and "
+                                           "measured rounds (prefills excluded, timed apart)",
+                            "crossover": "the smallest swept value at which the speedup's point estimate is < 1"}}
+
+
+def _spread(values: list[int]) -> dict | None:
+    return {"min": min(values), "mean": round(float(np.mean(values)), 1), "max": max(values)} if values else None
+
+
+def _same_as_b1(rows: list[dict], arm: str, b: int, c: int) -> dict | None:
+    """T=0: this point's requests whose tokens equal the same arm's B=1 tokens (same context, round, prompt)."""
+    if b == 1:
+        return None
+    ones = {(r["round"], r["question_id"]): r["tokens"] for r in rows
+            if r["arm"] == arm and r["batch_size"] == 1 and r["context_len"] == c and r["temperature"] < 1e-5}
+    pairs = [(r["tokens"], ones[(r["round"], r["question_id"])]) for r in rows
+             if r["arm"] == arm and r["batch_size"] == b and r["context_len"] == c
+             and (r["round"], r["question_id"]) in ones]
+    if not pairs:
+        return None
+    return {"equal": sum(a == o for a, o in pairs), "of": len(pairs)}
+
+
+def crossover(points: list[dict], arms: list[str], ar: str | None, batches, contexts) -> dict:
+    """Per arm: at each context the first swept B where it stops beating AR, and at each B the first context."""
+    if ar is None:
+        return {}
+    sp = {(p["batch_size"], p["context_len"], a): p["arms"][a].get("speedup") for p in points for a in arms}
+
+    def first(values, key):
+        for v in values:
+            s = sp.get(key(v))
+            if s is not None and s < 1:
+                return v
+        return None
+    return {a: {"batch_at_context": {str(c): first(batches, lambda b: (b, c, a)) for c in contexts},
+                "context_at_batch": {str(b): first(contexts, lambda c: (b, c, a)) for b in batches}}
+            for a in arms if a != ar}
+
+
+def format_table(summary: dict) -> str:
+    lines = [f"**SWEEP** batch sizes {summary['batch_sizes']} x context lengths {summary['context_lengths']}"
+             + (f" [{'; '.join(summary['labels'])}]" if summary["labels"] else ""), "",
+             "| B | context | method | total tok/s | per-request tok/s | tau | Sp. vs AR [95% CI] | same as B=1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for p in summary["points"]:
+        for a, e in p["arms"].items():
+            sp = (f"{e['speedup']:.3f} [{e['speedup_ci'][0]:.2f}, {e['speedup_ci'][1]:.2f}]" if "speedup" in e
+                  else "1.000 (ref)" if a == summary["reference"] else "-")
+            same = f"{e['same_as_b1']['equal']}/{e['same_as_b1']['of']}" if e.get("same_as_b1") else "-"
+            fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"
+            lines.append(f"| {p['batch_size']} | {p['context_len']} | {a} | {fmt(e['total_tok_s'], 1)} | "
+                         f"{fmt(e['per_request_tok_s'], 1)} | {fmt(e['tau'], 2)} | {sp} | {same} |")
+    lines.append("")
+    for a, x in summary["crossover"].items():
+        at = ", ".join(f"context {c}: {'B=' + str(v) if v is not None else 'beats AR at every B swept'}"
+                       for c, v in x["batch_at_context"].items())
+        lines.append(f"- {a} stops beating AR at {at}")
+    lines += ["", f"Speedup: {summary['conventions']['speedup']}; {summary['conventions']['unit']}. Total tok/s: "
+              f"{summary['conventions']['total_tok_s']}. Crossover: {summary['conventions']['crossover']}.", ""]
+    return "\n".join(lines)
+
+
+def write_plots(folder: str, summary: dict) -> list[str]:
+    """speedup_vs_batch.png (a line per method, a panel per context) and, with several contexts,
+    speedup_vs_context.png (a panel per batch size). None without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    arms = [a for a in summary["arms"] if a != summary["reference"]]
+    if not arms or summary["reference"] is None:
+        return []
+    sp = {(p["batch_size"], p["context_len"], a): (p["arms"][a].get("speedup"), p["arms"][a].get("speedup_ci"))
+          for p in summary["points"] for a in arms}
+    paths = []
+    for name, xs, panels, key, xlabel in (
+            ("speedup_vs_batch.png", summary["batch_sizes"], summary["context_lengths"],
+             lambda x, panel, a: (x, panel, a), "batch size B (requests decoding together)"),
+            ("speedup_vs_context.png", summary["context_lengths"], summary["batch_sizes"],
+             lambda x, panel, a: (panel, x, a), "context length (prompt tokens, at least)")):
+        if len(xs) < 2:
+            continue
+        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+        for ax, panel in zip(axes[0], panels):
+            for a in arms:
+                got = [sp.get(key(x, panel, a), (None, None)) for x in xs]
+                ys = np.array([np.nan if y is None else y for y, _ in got])
+                lo = np.array([np.nan if ci is None else ci[0] for _, ci in got])
+                hi = np.array([np.nan if ci is None else ci[1] for _, ci in got])
+                ax.errorbar(xs, ys, yerr=[np.maximum(ys - lo, 0), np.maximum(hi - ys, 0)], marker="o", capsize=3,
+                            label=a)  # the bars: each point's 95% CI
+            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+            if name.endswith("batch.png"):
+                ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("speedup over AR at the same point (95% CI)")
+            ax.set_title(f"{'context' if name.endswith('batch.png') else 'B'} = {panel}"
+                         + (f" [{'; '.join(summary['labels'])}]" if summary["labels"] else ""), fontsize=8)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = os.path.join(folder, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

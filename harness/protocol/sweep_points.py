@@ -1,0 +1,65 @@
+"""The sweep's flags (--batch-sizes, --context-lengths), checked from the command line alone
+(harness.protocol.config.validate calls `check`); the sweep itself is harness.protocol.sweep."""
+from __future__ import annotations
+
+import math
+import os
+
+from core.errors import UsageError
+
+MAX_BATCH = 64  # the largest batch swept (the vLLM XPress PR measures 1..64 requests)
+
+
+def points_of(text: str | None, flag: str, low: int, high: int | None = None) -> list[int]:
+    """A comma-separated list of distinct integers in [low, high], sorted."""
+    if text is None:
+        return []
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: use comma-separated integers, e.g. "
+                         f"{'1,2,4,8' if low else '0,1024,4096'}") from None
+    if not values:
+        raise UsageError(f"{flag} is empty; give at least one value, e.g. {'1,2,4,8' if low else '0,1024'}")
+    bad = [v for v in values if v < low or (high is not None and v > high)]
+    if bad:
+        raise UsageError(f"{flag} {text}: {bad[0]} is out of range; every value must be in {low}.."
+                         f"{high if high is not None else 'the context limit'}")
+    if len(set(values)) != len(values):
+        raise UsageError(f"{flag} {text}: a value is repeated; give each point once")
+    return sorted(values)
+
+
+def is_sweep(cfg) -> bool:
+    return cfg.batch_sizes is not None or cfg.context_lengths is not None
+
+
+def batch_sizes(cfg) -> list[int]:
+    return points_of(cfg.batch_sizes, "--batch-sizes", 1, MAX_BATCH) or [1]
+
+
+def context_lengths(cfg) -> list[int]:
+    return points_of(cfg.context_lengths, "--context-lengths", 0) or [0]
+
+
+def check(cfg) -> None:
+    """Everything a sweep refuses, from the flags alone (harness.protocol.config.validate calls it)."""
+    batch_sizes(cfg), context_lengths(cfg)
+    refused = [(cfg.use_graph, "--use-graph (batched decoding runs eagerly: CUDA graphs per batch bucket are not "
+                               "built yet); add --no-use-graph"),
+               (cfg.resume, "--resume (a sweep runs whole; start it again)"),
+               (cfg.compat_reference, "--compat-reference (one global random stream cannot be shared by a batch)"),
+               (cfg.trace, "--trace (the step tracer follows one request)"),
+               (cfg.answer_file, "--answer-file (the reference's schema has no batches)"),
+               (cfg.device == "spyre", "--device spyre (its contract of 1..4 requests is not a sweep yet)")]
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        raise UsageError("--batch-sizes/--context-lengths: a sweep runs in one process (each point's rounds pair "
+                         "its arms on one device); launch it without torchrun / accelerate")
+    for given, why in refused:
+        if given:
+            raise UsageError(f"--batch-sizes/--context-lengths: a sweep does not take {why}")
+
+
+def request_ids(n: int, b: int) -> list[int]:
+    """The prompts of a point at batch size b: 0..n-1, cycled up to the next multiple of b."""
+    return [i % n for i in range(math.ceil(n / b) * b)]

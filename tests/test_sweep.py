@@ -1,0 +1,159 @@
+"""--batch-sizes / --context-lengths (harness.protocol.sweep): the paired protocol at every (B, context) point, with
+its refusals before any model loads, its folder, its numbers recomputed from its rows, the crossover and the plots."""
+import json
+
+import pytest
+
+import benchmark_compile_all as cli
+from harness.protocol import sweep
+from harness.protocol.results_io import read_rows
+from tiny import write_run_fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+QUESTIONS = ["Add 2 and 3.", "Name a colour.", "Count to four, slowly please."]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    return write_run_fixture(tmp_path_factory.mktemp("sweep"), [{"turns": [q]} for q in QUESTIONS],
+                             xpress_std=0.02, markov_std=0.02)
+
+
+def args(files, results, *extra):
+    return ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
+            "--xpress-refiner-path", str(files / "xpress.pt"), "--markov-refiner-path", str(files / "markov.pt"),
+            "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "7", "--device", "cpu",
+            "--fair-interleave", "--fair-k-list", "2", "--results-dir", str(results), *extra]
+
+
+@pytest.fixture(scope="module")
+def swept(files, tmp_path_factory):
+    results = tmp_path_factory.mktemp("swept")
+    assert cli.main(args(files, results, "--run-id", "s", "--batch-sizes", "2,1", "--context-lengths", "0,60")) == 0
+    folder = results / "s"
+    return folder, json.loads((folder / "sweep.json").read_text()), read_rows(folder / "samples.jsonl")
+
+
+@pytest.mark.parametrize("extra,says", [
+    (["--batch-sizes", "1,x"], "comma-separated integers"),
+    (["--batch-sizes", "0,2"], "out of range"),
+    (["--batch-sizes", "65"], "out of range"),
+    (["--batch-sizes", "2,2"], "repeated"),
+    (["--context-lengths", "-1"], "out of range"),
+    (["--batch-sizes", ","], "empty"),
+    (["--batch-sizes", "2", "--use-graph"], "--use-graph"),
+    (["--batch-sizes", "2", "--compat-reference"], "--compat-reference"),
+    (["--context-lengths", "100000"], "context limit"),
+])
+def test_bad_sweeps_are_refused_before_anything_loads(files, tmp_path, capsys, extra, says):
+    """One line on stderr naming the flag, exit 2, no folder; the context check runs on the plan (configs only)."""
+    assert cli.main(args(files, tmp_path, "--run-id", "bad", *extra)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "bad").exists()
+
+
+def test_every_point_runs_every_arm_in_balanced_rounds_on_the_same_requests(swept):
+    folder, s, rows = swept
+    assert [(p["batch_size"], p["context_len"]) for p in s["points"]] == [(1, 0), (2, 0), (1, 60), (2, 60)]
+    arms = s["arms"]
+    assert arms == ["AR", "drafter-only", "Markov", "xPress(K=2)"]
+    config = json.loads((folder / "config.json").read_text())
+    assert config["resolved"]["sweep"] == {"batch_sizes": [1, 2], "context_lengths": [0, 60], "graphs": False,
+                                           "first_turn_only": True}
+    rounds = len(config["resolved"]["rotation"])
+    assert rounds == 1 + len(arms)  # warmup + one rotation: each arm in each slot once among the measured rounds
+    for p in s["points"]:
+        b = p["batch_size"]
+        # 3 prompts at B=2: cycled to 4 requests, two full batches
+        assert p["requests"] == (3 if b == 1 else 4)
+        here = [r for r in rows if r["batch_size"] == b and r["context_len"] == p["context_len"]]
+        assert len(here) == rounds * len(arms) * p["requests"]
+        slots = {(r["arm"], r["slot"]) for r in here if not r["warmup"]}
+        assert slots == {(a, k) for a in arms for k in range(1, len(arms) + 1)}
+        for a in arms:
+            assert sorted(r["question_id"] for r in here if r["arm"] == a and r["round"] == 1) == \
+                sorted(sweep.request_ids(3, b))
+
+
+def test_batched_requests_decode_their_b1_tokens_and_long_contexts_are_long(swept):
+    """fp32 on the CPU: every request's tokens at B=2 are its B=1 tokens (same arm, round and context), and every
+    speculative arm's are AR's; context 60 gives prompts of >= 60 tokens that end with the request's own question."""
+    _, s, rows = swept
+    for p in s["points"]:
+        for a, e in p["arms"].items():
+            if p["batch_size"] == 2:
+                assert e["same_as_b1"]["equal"] == e["same_as_b1"]["of"] == 4 * 5, (p, a)
+            else:
+                assert e["same_as_b1"] is None
+    ar = {(r["batch_size"], r["context_len"], r["round"], r["question_id"]): r["tokens"] for r in rows
+          if r["arm"] == "AR"}
+    for r in rows:
+        assert r["tokens"] == ar[(r["batch_size"], r["context_len"], r["round"], r["question_id"])]
+    short = next(p for p in s["points"] if p["context_len"] == 0)["prompt_tokens"]
+    long = next(p for p in s["points"] if p["context_len"] == 60)["prompt_tokens"]
+    assert long["min"] >= 60 > short["max"]
+
+
+def test_the_numbers_follow_from_the_rows(swept):
+    """total tok/s, tau and the speedup's point estimate recomputed from samples.jsonl; the CI brackets it."""
+    from harness.protocol import metrics
+    _, s, rows = swept
+    for p in s["points"]:
+        here = [r for r in rows if r["batch_size"] == p["batch_size"] and r["context_len"] == p["context_len"]]
+        mats = {}
+        for a, e in p["arms"].items():
+            mine = [r for r in here if r["arm"] == a and not r["warmup"]]
+            batches = {(r["round"], r["batch_index"]): r["batch_decode_s"] for r in mine}
+            tokens = sum(r["decode_tokens"] for r in mine)
+            assert e["total_tok_s"] == pytest.approx(tokens / sum(batches.values()), rel=1e-3)
+            assert e["tau"] == pytest.approx(metrics.tau_per_step([r["accept_lengths"] for r in mine]), abs=1e-4)
+            rounds = sorted({r["round"] for r in mine})
+            n = len({r["batch_index"] for r in mine})
+            tok = [[sum(r["decode_tokens"] for r in mine if r["round"] == k and r["batch_index"] == g)
+                    for g in range(n)] for k in rounds]
+            sec = [[batches[(k, g)] for g in range(n)] for k in rounds]
+            mats[a] = (tok, sec)
+            if a == "AR":
+                assert "speedup" not in e
+                continue
+            sp = metrics.median_round_speedup(*mats[a], *mats["AR"])
+            assert e["speedup"] == pytest.approx(sp, abs=1e-4)
+            lo, hi = e["speedup_ci"]
+            assert lo <= e["speedup"] <= hi
+
+
+def test_the_folder_has_the_table_and_both_plots(swept):
+    folder, s, _ = swept
+    table = (folder / "sweep.md").read_text()
+    assert "| 2 | 60 | xPress(K=2) |" in table and "stops beating AR" in table
+    assert (folder / "speedup_vs_batch.png").stat().st_size > 0
+    assert (folder / "speedup_vs_context.png").stat().st_size > 0
+    assert set(s["crossover"]) == {"drafter-only", "Markov", "xPress(K=2)"}
+
+
+def _rows(arm, b, seconds, rounds=(2, 3), batches=2, tokens=10):
+    return [{"arm": arm, "batch_size": b, "context_len": 0, "round": k, "warmup": False, "batch_index": g,
+             "batch_row": 0, "decode_tokens": tokens, "decode_s": seconds, "batch_decode_s": seconds,
+             "batch_prefill_s": 0.01, "accept_lengths": [2, 3], "temperature": 0.0, "question_id": g,
+             "tokens": [1, 2], "prompt_tokens": 5} for k in rounds for g in range(batches)]
+
+
+def test_the_crossover_is_the_first_batch_size_where_an_arm_stops_beating_ar():
+    """Synthetic rows: the arm takes 0.5, 0.8, 1.25 and 2 times AR's time at B = 1, 2, 4, 8: speedups 2, 1.25,
+    0.8, 0.5, crossover B=4; an arm faster everywhere has none."""
+    rows = []
+    for b, f in ((1, 0.5), (2, 0.8), (4, 1.25), (8, 2.0)):
+        rows += _rows("AR", b, 1.0) + _rows("slow", b, f) + _rows("fast", b, 0.5)
+    s = sweep.summarize(rows, ["AR", "slow", "fast"], 1, [1, 2, 4, 8], [0], n_boot=50)
+    got = [p["arms"]["slow"]["speedup"] for p in s["points"]]
+    assert got == pytest.approx([2.0, 1.25, 0.8, 0.5])
+    assert s["crossover"]["slow"]["batch_at_context"] == {"0": 4}
+    assert s["crossover"]["fast"]["batch_at_context"] == {"0": None}
+
+
+def test_requests_cycle_to_fill_every_batch():
+    assert sweep.request_ids(3, 1) == [0, 1, 2]
+    assert sweep.request_ids(3, 2) == [0, 1, 2, 0]
+    assert sweep.request_ids(3, 8) == [0, 1, 2, 0, 1, 2, 0, 1]
