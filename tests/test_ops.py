@@ -172,7 +172,7 @@ def test_a_decode_with_refiners_hands_nothing_to_the_torch_ops():
 @pytest.mark.parametrize("drafter", [False, True])
 def test_greedy_tokens_same_on_both_ops(drafter, graph):
     """fp32 greedy: the torch ops and the Triton ops (eagerly, and inside whole-step graphs on CUDA) agree."""
-    n = 24 if DEV.type == "cuda" else 12  # the CPU interpreter is slow
+    n = 24 if DEV.type == "cuda" else 8  # the CPU interpreter is slow (8 tokens: two speculative blocks and more)
     outs = []
     for fast in (False, True):
         t = fast_target(capacity=64) if fast else tiny_target("qwen3", backend=F32, capacity=64)
