@@ -8,7 +8,9 @@ each request's host bookkeeping is `Request.advance`, the one generate() uses, s
 limit, tau entries and the accounting policy are the same code at every B.
 
 One step: for each live request, its draft and refinement (its own drafter, which holds its context; its
-sampler's noise and its generator); one batched verify; for each live request, its verdict (the same
+sampler's noise and its generator; or, when the drafters are one DrafterGroup's members, e.g.
+drafters.dflash_batch.DFlashGroup, every request's draft in one forward first and every row observed together
+after the verdicts); one batched verify; for each live request, its verdict (the same
 exact_match / rejection call, with its own generator), output write, stop scan, commit and the drafter's
 observe; then ONE host read of every request's (accepted, first stop) as one [B, 2] tensor (`_read`).
 
@@ -54,6 +56,11 @@ def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state,
         if given is not None and len(given) != b:
             raise UsageError(f"batched decoding got {len(given)} {name} for {b} prompts: pass one per prompt")
     if drafters is not None:
+        groups = {id(getattr(d, "group", None)) for d in drafters}
+        if len(groups) > 1 or (getattr(drafters[0], "group", None) is not None and
+                               [getattr(d, "b", None) for d in drafters] != list(range(b))):
+            raise UsageError("batched decoding: pass a drafter group's members in order, all of them "
+                             "(DFlashGroup(base, len(prompts)).members), or one drafter per prompt")
         if len({id(d) for d in drafters}) != b:
             raise UsageError("batched decoding got one drafter object for several requests: each request needs "
                              "its own (a drafter holds its request's context), over the same weights")
@@ -99,6 +106,10 @@ class _Batch:
             self.batch.load_prompt(slot.row, len(prompt))
             self.runs.append(run)
         self.idle = torch.tensor([0, width], dtype=torch.long, device=backend.device)
+        # drafters of one DrafterGroup (drafters.dflash_batch): every request's draft in one forward, observed
+        # together; else each request's own drafter drafts and observes alone
+        self.group = getattr(drafters[0], "group", None) if drafters is not None else None
+        self.zero = torch.zeros((), dtype=torch.long, device=backend.device)
         self.clock = backend.now()
         self.ends = [self.clock] * b
 
@@ -109,6 +120,10 @@ class _Batch:
     def step(self, live: list[bool], spec: list[bool]) -> list[list[int]]:
         """The device work of one step for every request, then the one read."""
         width, proposed, blocks = self.width, [], []
+        length = max(run.request.pos for run in self.runs) + width
+        if self.group is not None and any(spec):
+            anchors = torch.cat([run.out[run.request.pos: run.request.pos + 1] for run in self.runs])
+            self.group.prefetch(anchors, self.batch.pos, length)
         for i, run in enumerate(self.runs):
             r = run.request
             if live[i]:
@@ -118,10 +133,10 @@ class _Batch:
                 proposed.append(None)
                 block = run.out[r.pos: r.pos + 1]
             blocks.append(torch.cat((block, block[:1].expand(width - block.shape[0]))))
-        length = max(run.request.pos for run in self.runs) + width
         logits, feats = self.batch.verify(torch.stack(blocks), length, want_features=any(spec))
-        packed = []
+        packed, counts = [], []
         for i, run in enumerate(self.runs):
+            counts.append(self.zero)
             if not live[i]:
                 packed.append(self.idle)
                 continue
@@ -129,8 +144,12 @@ class _Batch:
             drafts, _, proposal = proposed[i]
             n, _, first_stop = run.stepper.settle(drafts, proposal, logits[i, :w], w, spec[i])
             if spec[i]:
-                run.drafter.observe(feats[i], n + 1)
+                if self.group is None:
+                    run.drafter.observe(feats[i], n + 1)
+                counts[-1] = n + 1
             packed.append(torch.stack((n, first_stop)))
+        if self.group is not None and any(spec):
+            self.group.observe(feats, torch.stack(counts))
         return _read(torch.stack(packed))
 
     def decode(self) -> list[Generation]:

@@ -11,7 +11,7 @@ causal mask are the B=1 ones.
 matmul and norm takes all rows at once; these are row-wise, so batching changes a row's numbers only as far as
 the kernels tile by row count (as AR's 1 row and verify's W rows already differ at B=1). Attention (`BatchOps`)
 writes each row's K/V at its request's positions in that request's cache row and attends there: one SDPA over
-[R, ...] with a causal mask per request. The prompt is prefilled by the target itself, one request at a time, so
+[R, ...] with a causal mask per request (core.ops.batch). The prompt is prefilled by the target itself, one request at a time, so
 its numbers are exactly those of B=1, and then copied into the request's row (`load_prompt`).
 
 `Row` is what one request's Stepper (harness.decode.loop) sees as its target: `pos` (a view of element b of
@@ -23,51 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from core.cache import StaticKV, attend, causal_mask, rotate
+from core.cache import StaticKV
 from core.errors import UsageError
 from core.ops import Ops, Span
-from core.ops.torch_impl import rms
+from core.ops.batch import BatchOps
 from harness.decode.target import Target
-
-
-def _heads(rows: torch.Tensor, r: int, d: int, norm, eps, cos, sin) -> torch.Tensor:
-    """Rows [R*T, heads*d] -> [R, heads, T, d], per-head norm and rotary (cos/sin [R, 1, T, d]) where given."""
-    y = rows.view(r, rows.shape[0] // r, -1, d)
-    if norm is not None:
-        y = rms(y, norm, eps)
-    y = y.transpose(1, 2)
-    return y if cos is None else rotate(y, cos, sin)
-
-
-class BatchOps(Ops):
-    """The target's ops for the rows of several requests: linear and rms_norm are the target's own (row-wise);
-    attention takes a span whose positions are [R, T] (request r's rows at its own positions) and a StaticKV of
-    R rows, and keeps each request in its own row."""
-
-    def __init__(self, inner: Ops):
-        self.inner, self.name = inner, inner.name
-
-    def linear(self, x, w, **kw):
-        return self.inner.linear(x, w, **kw)
-
-    def rms_norm(self, x, weight, eps):
-        return self.inner.rms_norm(x, weight, eps)
-
-    def attention(self, qkv, kv: StaticKV, layer, span: Span, cos, sin, n_q, scale, q_norm=None, k_norm=None,
-                  eps=0.0):
-        r, t = span.positions.shape
-        d, n_kv = kv.head_dim, kv.n_kv_heads
-        q, k, v = qkv.split((n_q * d, n_kv * d, n_kv * d), dim=-1)
-        cos, sin = cos.view(r, 1, t, d), sin.view(r, 1, t, d)
-        q = _heads(q, r, d, q_norm, eps, cos, sin)
-        kv.write_rows(layer, span.positions, _heads(k, r, d, k_norm, eps, cos, sin),
-                      _heads(v, r, d, None, eps, None, None))
-        ks, vs = kv.read(layer, span.length)  # [R, n_kv, length, d]: every request's own row
-        o = attend(q, ks, vs, causal_mask(span.positions, span.length), scale, span.impl)
-        return o.reshape(r * t, n_q * d)
-
-    def write_kv(self, rows, kv, layer, positions, cos, sin, k_norm=None, eps=0.0):
-        raise NotImplementedError("the batched target forward only attends")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from drafters.dflash import (DFlashConfig, DFlashDrafter, DFlashModel, check_dflash_checkpoint, config_for_target,
                              load_dflash, read_dflash_config)
+from drafters.dflash_batch import DFlashGroup
 from drafters.rope import inv_frequencies
 from refiners.formats import (ENV_VARS, MARKOV, XPRESS, RefinerCheckpoint, load_refiner_checkpoint,
                               resolve_refiner_path, validate_against)
@@ -16,7 +17,7 @@ from refiners.markov import MarkovHead, MarkovRefiner, markov_head_from_state, r
 from refiners.spyre_numerics import SpyreXPressRefiner
 from refiners.xpress import XPressHead, XPressRefiner, random_xpress_head, validate_topc, xpress_head_from_state
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DFlashModel", "ENV_VARS", "MARKOV", "MarkovHead", "MarkovRefiner",
+__all__ = ["DFlashConfig", "DFlashDrafter", "DFlashGroup", "DFlashModel", "ENV_VARS", "MARKOV", "MarkovHead", "MarkovRefiner",
            "RefinerCheckpoint", "SpyreXPressRefiner", "XPRESS", "XPressHead", "XPressRefiner",
            "check_dflash_checkpoint", "config_for_target", "inv_frequencies", "load_dflash", "load_refiner_checkpoint",
            "markov_head_from_state", "random_markov_head", "random_xpress_head", "read_dflash_config",

@@ -10,9 +10,9 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   prompt has at least C tokens; C = 0 is the prompt itself. The lengths reached are recorded per point
   (`prompt_tokens`). Every prompt must leave room for --max-new-tokens and a block below --max-model-len.
 - One batch is one harness.decode.batch_loop.generate_batch call (eager: whole-step CUDA graphs per batch bucket
-  are not built yet, so a sweep refuses --use-graph). Only the target's verify is one batched forward: each
-  request's drafting and refinement still run one request at a time (B drafter forwards a step), which the
-  results' labels say; a speculative arm's cost at large B is therefore an upper bound. A finished request is masked and keeps its slot until the
+  are not built yet, so a sweep refuses --use-graph). The target's verify is one forward of B x block rows, and so
+  is the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the
+  refiners still run one request at a time (B refinements a step). The labels say which ran. A finished request is masked and keeps its slot until the
   batch's longest request ends; no new prompt takes it (a static batch): every step of every arm runs at the B asked
   for, and each arm pays for its own longest request.
 - Timing, per batch: decode_s = from the batch's first step until its last request finished (the prefills, one
@@ -41,7 +41,7 @@ import numpy as np
 
 from core.errors import UsageError
 from harness.protocol import runner
-from harness.protocol.algorithms import DFlashDrafter
+from harness.protocol.algorithms import DFlashDrafter, DFlashGroup
 from harness.protocol.build import prepare
 from harness.protocol.console import describe, label
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
@@ -79,18 +79,27 @@ class _Point:
     ids: list[int]                  # the requests: sample indices
 
 
-def _drafters(arm, b: int, pool: dict, backend) -> list | None:
-    """b drafters over the arm's drafter weights (each request holds its own context cache)."""
+def _drafters(arm, b: int, pool: dict, backend, how: set) -> list | None:
+    """b drafters over the arm's drafter weights: a DFlashGroup's members (one draft forward for the batch), or,
+    for a drafter the group refuses (sliding-window layers), one drafter per request; `how` collects which ran."""
     if arm.drafter is None:
         return None
     base = arm.drafter
-    have = pool.setdefault(id(base), [base])
-    while len(have) < b:
-        d = DFlashDrafter(base.model, base.embed, base.lm_head, backend, block_size=base.block_size)
-        d.ops = base.ops  # the arm's proposing ops (sized for the drafter's heads in its constructor)
-        d.ensure_capacity(base.kv.capacity - base.block_size)
-        have.append(d)
-    return have[:b]
+    key = (id(base), b)
+    if key not in pool:
+        try:
+            pool[key] = DFlashGroup(base, b).members
+            pool[key][0].group.ensure_capacity(base.kv.capacity - base.block_size)
+            how.add("drafts batched")
+        except UsageError:
+            copies = [base] + [DFlashDrafter(base.model, base.embed, base.lm_head, backend, block_size=base.block_size)
+                               for _ in range(b - 1)]
+            for d in copies[1:]:
+                d.ops = base.ops  # the arm's proposing ops (sized for the drafter's heads in its constructor)
+                d.ensure_capacity(base.kv.capacity - base.block_size)
+            pool[key] = copies
+            how.add("drafts per request")
+    return pool[key]
 
 
 def run(cfg, out=None) -> dict:
@@ -131,18 +140,18 @@ def run(cfg, out=None) -> dict:
         "kernels": models.target.kernels}}
     atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
     rows_path = os.path.join(folder, "samples.jsonl")
-    by_name, pool = {a.name: a for a in models.arms}, {}
+    by_name, pool, how = {a.name: a for a in models.arms}, {}, set()
     for pt in points:
         for r, names in enumerate(order, start=1):
             for slot, name in enumerate(names, start=1):
                 arm = by_name[name]
                 arm.activate()
-                append_rows(rows_path, _decode_point(plan, models, settings, arm, pt, r, slot, samples, pool))
+                append_rows(rows_path, _decode_point(plan, models, settings, arm, pt, r, slot, samples, pool, how))
         print(f"[sweep] B={pt.batch} context={pt.context}: done", file=out)
     summary = summarize(read_rows(rows_path), plan.arm_names, plan.warmup_rounds, batches, contexts,
                         labels=[x for x in [label(cfg), f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
-                                            f"kernels {models.target.kernels}", "eager",
-                                            "drafts per request, verify batched"] if x])
+                                            f"kernels {models.target.kernels}", "eager", *sorted(how),
+                                            "refiners per request" if how else None] if x])
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     atomic_write(os.path.join(folder, "environment.json"),
@@ -154,7 +163,8 @@ def run(cfg, out=None) -> dict:
     return summary
 
 
-def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: int, samples, pool) -> list[dict]:
+def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: int, samples, pool,
+                  how: set) -> list[dict]:
     """Every batch of one (point, round, arm): one generate_batch each, one row per request."""
     from harness.decode.batch_loop import generate_batch
     cfg, backend = plan.config, plan.backend
@@ -165,7 +175,7 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
         seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_) for i in ids]
         start = backend.now()
         gens = generate_batch(models.target, [list(pt.prompts[i]) for i in ids], settings, backend,
-                              drafters=_drafters(arm, pt.batch, pool, backend), refiner=arm.refiner,
+                              drafters=_drafters(arm, pt.batch, pool, backend, how), refiner=arm.refiner,
                               generators=None if greedy else [backend.generator(s) for s in seeds])
         wall = backend.now() - start
         decode_s = max(x.decode_s for x in gens)
