@@ -1,0 +1,143 @@
+"""Batched target steps against their byte floors (issue 29, item 5):
+    python -m harness.lab.bench_batch --preset qwen3-8b --batch-sizes 1,2,4,8,16,32,64 --contexts 512,4096
+
+Random weights (timing does not depend on values; labelled). For each batch size B, context C and width W (1: the
+batched AR step; --block-size: the batched verify), B requests each hold C committed slots in their own row of a
+batched KV cache (harness.decode.batch_target.BatchTarget), and one step is the forward of B x W rows:
+- measured: the eager forward's median over --reps after --warmup (CUDA events on a GPU, the host clock on a CPU);
+- floor: (the weight bytes one step reads + the KV bytes it reads: B x (C + W) slots x layers x 2 x kv heads x
+  head_dim x element size) / the measured device-to-device copy bandwidth (read + write bytes);
+- ratio = measured / floor; the goal is <= 1.15 at every B <= 16.
+The forward is eager (no CUDA graph per batch bucket yet), so a small step's launch gaps are inside its time.
+Writes JSON (--out) and a markdown table beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from core.devices import resolve_backend
+from core.errors import UsageError, cli_exit
+from core.ops import make_ops
+from harness.decode.batch_target import BatchTarget
+from harness.decode.timing import copy_bandwidth
+from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random, hf_config, preset
+from harness.protocol.sweep_points import points_of
+
+GOAL = 1.15  # measured / floor at every B <= 16 (issue 29)
+
+
+def kv_bytes(target, batch: int, slots: int) -> int:
+    """The K and V bytes a step reads: every request's first `slots` slots in every layer."""
+    kv = target.kv
+    return batch * slots * target.n_layers * 2 * kv.n_kv_heads * kv.head_dim * kv.k.element_size()
+
+
+def _time(fn, device: torch.device, reps: int, warmup: int) -> float:
+    """Median milliseconds of fn() over reps, after warmup calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
+def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, reps: int, warmup: int) -> list[dict]:
+    t, rows = m.target, []
+    weights = m.target_weight_bytes(include_embedding=False)
+    g = torch.Generator(device=m.backend.device).manual_seed(0)
+    for b in batches:
+        batch = BatchTarget(t, b)
+        batch.ensure_capacity(max(contexts) + block + 1)
+        for c in contexts:
+            batch.pos.fill_(c)  # the slots' values do not change the cost; their count does
+            for w in (1, block):
+                ids = torch.randint(10, t.vocab_size, (b, w), generator=g, device=m.backend.device)
+                ms = _time(lambda: batch.verify(ids, c + w, want_features=False), m.backend.device, reps, warmup)
+                kvb = kv_bytes(t, b, c + w)
+                floor = 1000 * (weights + kvb) / bw
+                rows.append({"batch": b, "context": c, "width": w, "step": "AR" if w == 1 else "verify",
+                             "ms": round(ms, 6), "tokens_per_s": round(b * w / ms * 1000, 1),
+                             "weight_bytes": weights, "kv_bytes": kvb, "floor_ms": round(floor, 6),
+                             "ratio": round(ms / floor, 3)})
+                print(f"[bench-batch] B={b} C={c} W={w}: {ms:.3f} ms, floor {floor:.3f} ms, "
+                      f"ratio {ms / floor:.2f}", flush=True)
+        del batch
+        if m.backend.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(res: dict) -> str:
+    lines = [f"**{res['label']}**: {res['preset']} on {res['device_name']}, {res['dtype']}, kernels {res['kernels']}, "
+             f"eager, copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
+             "| step | B | context | ms | tok/s | floor ms | ratio |", "|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        lines.append(f"| {r['step']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['floor_ms']:.3f} | {r['ratio']:.2f} |")
+    lines += ["", f"Floor: (weight bytes read per step + KV bytes read) / copy bandwidth; goal: ratio <= {GOAL} at "
+              "every B <= 16.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_batch", description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
+    p.add_argument("--device")
+    p.add_argument("--dtype")
+    p.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
+    p.add_argument("--contexts", default="512,4096")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/bench_batch_<preset>.json")
+    a = p.parse_args(argv)
+
+    def work():
+        batches = points_of(a.batch_sizes, "--batch-sizes", 1, 64)
+        contexts = points_of(a.contexts, "--contexts", 1)
+        if a.block_size < 2 or a.reps < 1 or a.warmup < 0:
+            raise UsageError("--block-size must be >= 2, --reps >= 1 and --warmup >= 0")
+        limit = hf_config(preset(a.preset)).max_position_embeddings
+        if max(contexts) + a.block_size + 1 > limit:
+            raise UsageError(f"--contexts {max(contexts)}: with block {a.block_size} it passes the preset's "
+                             f"max_position_embeddings {limit}; use smaller contexts")
+        backend = resolve_backend(a.device, a.dtype)
+        ops = make_ops(a.kernels, backend.device, backend.dtype, hf_config(preset(a.preset)))
+        m = build_random(a.preset, backend, block_size=a.block_size, capacity=max(contexts) + a.block_size + 1,
+                         ops=ops)
+        bw = copy_bandwidth(backend.device, nbytes=(1 << 31) if backend.kind == "cuda" else (1 << 24))
+        name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else "cpu"
+        res = {"label": RANDOM_LABEL.split(" / ")[0], "preset": a.preset, "device_name": name,
+               "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels, "graphs": False,
+               "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__, "goal_ratio": GOAL,
+               "rows": measure(m, batches, contexts, a.block_size, bw, a.reps, a.warmup)}
+        out = a.out or os.path.join("results", "perf", f"bench_batch_{a.preset}.json")
+        os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        with open(out, "w") as f:
+            f.write(json.dumps(res, indent=1) + "\n")
+        with open(os.path.splitext(out)[0] + ".md", "w") as f:
+            f.write(markdown(res))
+        print(f"[bench-batch] wrote {out}")
+    return cli_exit(work)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""harness.lab.bench_batch: the batched AR and verify steps at each (B, context), with their byte floors computed
+from the shapes and the measured copy bandwidth; refusals are one line with exit 2 and no file."""
+import json
+
+import pytest
+
+from harness.lab import bench_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_every_point_is_timed_against_its_floor(tmp_path):
+    out = tmp_path / "b.json"
+    assert bench_batch.main(["--preset", "tiny", "--device", "cpu", "--batch-sizes", "1,3", "--contexts", "8,40",
+                             "--block-size", "4", "--reps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["label"] == "random weights" and res["graphs"] is False and res["kernels"] == "torch"
+    got = {(r["batch"], r["context"], r["width"]) for r in res["rows"]}
+    assert got == {(b, c, w) for b in (1, 3) for c in (8, 40) for w in (1, 4)}
+    bw = res["copy_bandwidth_GBps"] * 1e9
+    # tiny: 4 layers, 2 K/V heads of 16, fp32 on the CPU
+    for r in res["rows"]:
+        assert r["kv_bytes"] == r["batch"] * (r["context"] + r["width"]) * 4 * 2 * 2 * 16 * 4
+        assert r["floor_ms"] == pytest.approx(1000 * (r["weight_bytes"] + r["kv_bytes"]) / bw, rel=1e-3)
+        assert r["ratio"] == pytest.approx(r["ms"] / r["floor_ms"], rel=1e-2)
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["width"] / r["ms"] * 1000, rel=1e-3)
+    assert "| verify | 3 | 40 |" in (tmp_path / "b.md").read_text()
+
+
+@pytest.mark.parametrize("args,says", [(["--batch-sizes", "0"], "out of range"),
+                                       (["--contexts", "2000"], "max_position_embeddings"),
+                                       (["--reps", "0"], "--reps")])
+def test_bad_arguments_are_one_line(tmp_path, capsys, args, says):
+    out = tmp_path / "b.json"
+    assert bench_batch.main(["--preset", "tiny", "--device", "cpu", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and not out.exists()
