@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from drafters.dflash import DFlashDrafter
+from drafters.dflash_batch import DFlashGroup
 from harness.decode.batch_loop import generate_batch
 from harness.decode.loop import DecodeSettings, generate
 from refiners.markov import MarkovRefiner, random_markov_head
@@ -33,27 +34,34 @@ SAMPLED = {"T1": dict(temperature=1.0), "topp": dict(temperature=0.8, top_p=0.9)
 
 
 @pytest.mark.parametrize("setting", list(SAMPLED))
-@pytest.mark.parametrize("arm", ["ar", "drafter-only", "markov", "xpress3"])
+@pytest.mark.parametrize("arm", ["ar", "drafter-only", "markov", "xpress3", "drafter-only grouped", "xpress3 grouped"])
 def test_sampled_requests_draw_what_they_draw_alone(case, arm, setting):
     """Guards a request's randomness against its neighbours: with its own seeded generator, each request of a batch
     of 2 or 3 (other lengths, other seeds) emits the tokens, accepted counts and stop of its B=1 decode with the
-    same seed (target samples, frozen draft noise, rejection or exact-match verdicts alike)."""
+    same seed (target samples, frozen draft noise, rejection or exact-match verdicts alike); "grouped": the batch
+    drafts in one forward (drafters.dflash_batch.DFlashGroup)."""
     t, base, prompts, refiners = case
     s = DecodeSettings(16, 512, (3, 5), **SAMPLED[setting])
+    arm, grouped = arm.split()[0], arm.endswith("grouped")
 
     def drafter():
         return None if arm == "ar" else DFlashDrafter(base.model, t.embed, t.lm_head, CPU32)
 
+    def drafters(b):
+        if arm == "ar":
+            return None
+        return DFlashGroup(drafter(), b).members if grouped else [drafter() for _ in range(b)]
+
     for b in (2, 3):
         seeds = [11 * b + i for i in range(b)]
-        gens = generate_batch(t, prompts[:b], s, CPU32, drafters=None if arm == "ar" else [drafter() for _ in seeds],
+        gens = generate_batch(t, prompts[:b], s, CPU32, drafters=drafters(b),
                               refiner=refiners.get(arm), generators=[CPU32.generator(x) for x in seeds])
         for i, g in enumerate(gens):
             alone = generate(t, prompts[i], s, CPU32, drafter=drafter(), refiner=refiners.get(arm),
                              generator=CPU32.generator(seeds[i]))
             assert (g.tokens, g.accepted, g.stop_reason) == (alone.tokens, alone.accepted, alone.stop_reason), \
                 (arm, setting, b, i)
-    other = generate_batch(t, prompts[:2], s, CPU32, drafters=None if arm == "ar" else [drafter(), drafter()],
+    other = generate_batch(t, prompts[:2], s, CPU32, drafters=drafters(2),
                            refiner=refiners.get(arm), generators=[CPU32.generator(x) for x in (1, 2)])
     assert [g.tokens for g in other] != [g.tokens for g in gens[:2]]  # the draws do depend on the seeds
 
