@@ -143,9 +143,9 @@ class _Batch:
             w = width if spec[i] else 1
             drafts, _, proposal = proposed[i]
             n, _, first_stop = run.stepper.settle(drafts, proposal, logits[i, :w], w, spec[i])
-            if spec[i]:
-                if self.group is None:
-                    run.drafter.observe(feats[i], n + 1)
+            if spec[i] and self.group is None:
+                run.drafter.observe(feats[i], n + 1)
+            elif spec[i]:
                 counts[-1] = n + 1
             packed.append(torch.stack((n, first_stop)))
         if self.group is not None and any(spec):

@@ -27,7 +27,7 @@ from core.ops import make_ops
 from harness.decode.batch_target import BatchTarget
 from harness.decode.timing import copy_bandwidth
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random, hf_config, preset
-from harness.protocol.sweep_points import points_of
+from harness.protocol.sweep_points import MAX_BATCH, points_of
 
 GOAL = 1.15  # measured / floor at every B <= 16 (issue 29)
 
@@ -111,16 +111,17 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
 
     def work():
-        batches = points_of(a.batch_sizes, "--batch-sizes", 1, 64)
+        batches = points_of(a.batch_sizes, "--batch-sizes", 1, MAX_BATCH)
         contexts = points_of(a.contexts, "--contexts", 1)
         if a.block_size < 2 or a.reps < 1 or a.warmup < 0:
             raise UsageError("--block-size must be >= 2, --reps >= 1 and --warmup >= 0")
-        limit = hf_config(preset(a.preset)).max_position_embeddings
+        config = hf_config(preset(a.preset))
+        limit = config.max_position_embeddings
         if max(contexts) + a.block_size + 1 > limit:
             raise UsageError(f"--contexts {max(contexts)}: with block {a.block_size} it passes the preset's "
                              f"max_position_embeddings {limit}; use smaller contexts")
         backend = resolve_backend(a.device, a.dtype)
-        ops = make_ops(a.kernels, backend.device, backend.dtype, hf_config(preset(a.preset)))
+        ops = make_ops(a.kernels, backend.device, backend.dtype, config)
         m = build_random(a.preset, backend, block_size=a.block_size, capacity=max(contexts) + a.block_size + 1,
                          ops=ops)
         bw = copy_bandwidth(backend.device, nbytes=(1 << 31) if backend.kind == "cuda" else (1 << 24))

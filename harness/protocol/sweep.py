@@ -87,16 +87,14 @@ def _drafters(arm, b: int, pool: dict, backend, how: set) -> list | None:
     base = arm.drafter
     key = (id(base), b)
     if key not in pool:
-        try:
+        try:  # capacities: each generation's _Decode sizes its drafters, as for a single request
             pool[key] = DFlashGroup(base, b).members
-            pool[key][0].group.ensure_capacity(base.kv.capacity - base.block_size)
             how.add("drafts batched")
         except UsageError:
             copies = [base] + [DFlashDrafter(base.model, base.embed, base.lm_head, backend, block_size=base.block_size)
                                for _ in range(b - 1)]
             for d in copies[1:]:
                 d.ops = base.ops  # the arm's proposing ops (sized for the drafter's heads in its constructor)
-                d.ensure_capacity(base.kv.capacity - base.block_size)
             pool[key] = copies
             how.add("drafts per request")
     return pool[key]
@@ -148,7 +146,8 @@ def run(cfg, out=None) -> dict:
                 arm.activate()
                 append_rows(rows_path, _decode_point(plan, models, settings, arm, pt, r, slot, samples, pool, how))
         print(f"[sweep] B={pt.batch} context={pt.context}: done", file=out)
-    summary = summarize(read_rows(rows_path), plan.arm_names, plan.warmup_rounds, batches, contexts,
+    ar = next((a.name for a in models.arms if a.spec.method == "ar"), None)
+    summary = summarize(read_rows(rows_path), plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
                         labels=[x for x in [label(cfg), f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
                                             f"kernels {models.target.kernels}", "eager", *sorted(how),
                                             "refiners per request" if how else None] if x])
@@ -190,7 +189,7 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
 
 # ------------------------------------------------------------------------------------------------- the summary
 
-def _matrix(rows: list[dict], key) -> tuple[np.ndarray, np.ndarray]:
+def _matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     """[rounds, batches] decode tokens and decode seconds of one (point, arm)'s measured rows."""
     rounds = sorted({r["round"] for r in rows})
     groups = sorted({r["batch_index"] for r in rows})
@@ -203,18 +202,20 @@ def _matrix(rows: list[dict], key) -> tuple[np.ndarray, np.ndarray]:
 
 
 def summarize(rows: list[dict], arms: list[str], warmup: int, batches: list[int], contexts: list[int],
-              labels=(), n_boot: int = 2000) -> dict:
+              labels=(), n_boot: int = 2000, reference: str | None = "AR") -> dict:
+    """`reference`: the AR arm's name (None or absent from `arms`: no speedups)."""
     from harness.protocol import metrics
-    ar = next((a for a in arms if a == "AR"), None)
+    ar = reference if reference in arms else None
     points = []
     for c in contexts:
         for b in batches:
             here = [r for r in rows if r["batch_size"] == b and r["context_len"] == c]
             measured = [r for r in here if not r["warmup"]]
             per_arm = {}
+            ref = _matrix([r for r in measured if r["arm"] == ar]) if ar is not None else None
             for a in arms:
                 mine = [r for r in measured if r["arm"] == a]
-                tok, sec = _matrix(mine, a)
+                tok, sec = _matrix(mine)
                 rates = [r["decode_tokens"] / r["decode_s"] for r in mine if r["decode_s"] > 0]
                 lengths = [r["accept_lengths"] for r in here if r["arm"] == a and (r["temperature"] >= 1e-5 or
                                                                                    not r["warmup"])]
@@ -225,7 +226,7 @@ def summarize(rows: list[dict], arms: list[str], warmup: int, batches: list[int]
                          "prefill_s": round(sum({(r["round"], r["batch_index"]): r["batch_prefill_s"]
                                                  for r in mine}.values()), 6)}
                 if ar is not None and a != ar:
-                    rt, rs = _matrix([r for r in measured if r["arm"] == ar], ar)
+                    rt, rs = ref
                     if rt.shape == tok.shape and tok.size:
                         sp = metrics.median_round_speedup(tok, sec, rt, rs)
                         lo, hi = metrics.median_round_speedup_ci(tok, sec, rt, rs, n_boot=n_boot)
@@ -343,9 +344,10 @@ def write_plots(folder: str, summary: dict) -> list[str]:
             ax.set_xticks(xs, [str(x) for x in xs])
             ax.set_xlabel(xlabel)
             ax.set_ylabel("speedup over AR at the same point (95% CI)")
-            ax.set_title(f"{'context' if name.endswith('batch.png') else 'B'} = {panel}"
-                         + (f" [{'; '.join(summary['labels'])}]" if summary["labels"] else ""), fontsize=8)
+            ax.set_title(f"{'context' if name.endswith('batch.png') else 'B'} = {panel}", fontsize=9)
             ax.legend(fontsize=7)
+        if summary["labels"]:  # once for the figure: a panel's title is too narrow for them
+            fig.suptitle("; ".join(summary["labels"]), fontsize=8)
         fig.tight_layout()
         path = os.path.join(folder, name)
         fig.savefig(path, dpi=110)
