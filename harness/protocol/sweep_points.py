@@ -1,5 +1,6 @@
 """The sweep's flags (--batch-sizes, --context-lengths), checked from the command line alone
-(harness.protocol.config.validate calls `check`); the sweep itself is harness.protocol.sweep."""
+(harness.protocol.config.validate calls `check`); the sweep itself is harness.protocol.sweep.
+--device spyre sweeps 1..4 requests (harness.protocol.spyre_contract.check_batches)."""
 from __future__ import annotations
 
 import math
@@ -50,14 +51,16 @@ def check(cfg) -> None:
                (cfg.resume, "--resume (a sweep runs whole; start it again)"),
                (cfg.compat_reference, "--compat-reference (one global random stream cannot be shared by a batch)"),
                (cfg.trace, "--trace (the step tracer follows one request)"),
-               (cfg.answer_file, "--answer-file (the reference's schema has no batches)"),
-               (cfg.device == "spyre", "--device spyre (its contract of 1..4 requests is not a sweep yet)")]
+               (cfg.answer_file, "--answer-file (the reference's schema has no batches)")]
     if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
         raise UsageError("--batch-sizes/--context-lengths: a sweep runs in one process (each point's rounds pair "
                          "its arms on one device); launch it without torchrun / accelerate")
     for given, why in refused:
         if given:
             raise UsageError(f"--batch-sizes/--context-lengths: a sweep does not take {why}")
+    from harness.protocol.spyre_contract import budget_of, check_batches, is_spyre
+    if is_spyre(cfg.device):  # 1..4 requests (3 padded to 4) within the token budget; config.validate's
+        check_batches(batch_sizes(cfg), budget_of(cfg))  # spyre_contract.check_run has said so already
 
 
 def request_ids(n: int, b: int) -> list[int]:
