@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# The embedded default's ten tables (results/smollm2-135m/<dataset>_t<T>/) and the batch-invariant kernels' step cost
+# (issue 28) on a lent GPU machine, within the device tool's limits (64 MiB a call, 10 minutes a command, the machine
+# given back after ~30 s idle, at most 8 files of 16 MiB back). How the tables of 2026-12-02 were made:
+#
+#   here:    bash harness/lab/training_gpu.sh prepare    # the GGUF in .gpu1/ and .gpu2/ (and wheels in .whl/: only
+#                                                        # gguf is needed here)
+#            mkdir -p .gpuw && cp -r weights/smollm2-135m .gpuw/   # the shipped weights, carried apart
+#            bash harness/lab/device_tree.sh stash DIR   # the tree without weights/ and results/
+#   device:  bash harness/lab/tables_gpu.sh setup        # carry .whl .gpu1: installs, starts the step benchmarks
+#            bash harness/lab/tables_gpu.sh gguf         # carry .gpu2: the GGUF whole
+#            bash harness/lab/tables_gpu.sh start [T...] # carry .gpuw: the tables job (after the benchmarks end)
+#            bash harness/lab/tables_gpu.sh poll [S]     # until the job ends or S seconds (default 540) pass
+#            bash harness/lab/tables_gpu.sh back         # into $OUT: tables.tgz (the folders), bench.tgz
+#   here:    harness/lab/device_tree.sh restore DIR; tar xzf tables.tgz -C results/smollm2-135m; tar xzf bench.tgz
+#
+# TABLE_ARGS (flags appended to every cell) and DEADLINE_S (seconds from `start` after which no new cell begins)
+# pass through to smollm2_gpu.sh. Both jobs run from a copy of the code in /tmp/code, so the tree that each call
+# re-sends cannot change them. Make the calls back to back: the jobs die with the machine.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
+CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
+J=/tmp/xtab  # the jobs' logs and done-files
+ENVS="PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1"
+
+bench_job() {  # the AR and verify steps with and without the batch-invariant tiles, at both presets' shapes
+  local p inv
+  for p in smollm2-135m qwen3-8b; do
+    for inv in "" --batch-invariant; do
+      python3 -m harness.lab.bench_step --preset "$p" --kernels triton --ks 1 --topc 0 --taus 4 \
+        --sweep-arms drafter-only --skip-hf --long-prompt 0 --loop-tokens 128 $inv \
+        --out "/tmp/bench/h200_${p}${inv:+_invariant}.json"
+    done
+  done
+}
+
+case "${1:-}" in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    mkdir -p /tmp/g /tmp/xb /tmp/bench $J && cp .gpu1/gguf.part.aa /tmp/g/
+    rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
+    nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
+    if [[ -n ${NOBENCH:-} ]]; then echo "rc=skipped" > $J/bench.done; exit 0; fi   # the tables only
+    export -f bench_job
+    (cd /tmp/code && env $ENVS setsid nohup bash -c 'bench_job; echo "rc=$?" > '$J'/bench.done' \
+        > $J/bench.log 2>&1 < /dev/null &)
+    sleep 15; tail -n 3 $J/bench.log
+    ;;
+  gguf)
+    cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
+    sha256sum /tmp/xb/$GGUF | cut -c1-16
+    tail -n 2 $J/bench.log
+    ;;
+  start)
+    shift
+    rm -rf /tmp/w && cp -r .gpuw /tmp/w
+    ts=${*:-0 1}
+    deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
+    (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m RES=/tmp/res DEADLINE=$deadline \
+        TABLE_ARGS="${TABLE_ARGS:-}" CELL_S=${CELL_S:-150} setsid nohup bash -c \
+        'while [[ ! -f '$J'/bench.done ]]; do sleep 2; done; bash harness/lab/smollm2_gpu.sh tables '"$ts"';
+         echo "rc=$?" > '$J'/tables.done' > $J/tables.log 2>&1 < /dev/null &)
+    sleep 5; tail -n 3 $J/bench.log
+    ;;
+  poll)
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [[ ! -f $J/tables.done ]] && (( $(date +%s) < end )); do sleep 5; done
+    cat $J/bench.done $J/tables.done 2>/dev/null || echo running
+    grep -E "^\[bench\] (AR|drafter)|error|Traceback" $J/bench.log | tail -n 12
+    grep -E "^== |: (done|skipped|failed)|^\| (AR|drafter|Markov|xPress)" $J/tables.log | tail -n 30
+    ls /tmp/res 2>/dev/null
+    ;;
+  back)
+    : "${OUT:?back runs on the device machine, where \$OUT is set}"
+    tar czf "$OUT/tables.tgz" -C /tmp/res . 2>/dev/null || true   # the folders and each cell's log
+    tar czf "$OUT/bench.tgz" -C /tmp bench xtab
+    ls -la "$OUT"
+    ;;
+  *)
+    sed -n 2,20p "$0"; exit 2
+    ;;
+esac
