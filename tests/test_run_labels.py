@@ -129,6 +129,21 @@ def test_merged_report_groups_mixed_targets_and_keeps_the_flags(tmp_path, capsys
     assert not capsys.readouterr().out.startswith("**2 groups")
 
 
+def test_merged_report_keeps_kernels_apart(tmp_path, capsys):
+    """Guards the kernels as part of a folder's protocol: the batch-invariant tiles cost step time (issue 28), so
+    a folder decoded on them and one on the fast tiles get a table and an Avg. each, and the header names both."""
+    a = _folder(tmp_path, "a", "gsm8k", "/m/SmolLM2.gguf")
+    b = _folder(tmp_path, "b", "math500", "/m/SmolLM2.gguf")
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    cfg["batch_invariant"], cfg["resolved"]["batch_invariant_verified_on_gpu"] = True, "2026-12-02 abc1234"
+    (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
+    assert report.main([a, b]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("**2 groups of folders with different targets or protocols")
+    sections = text.split("### ")[1:]
+    assert sorted("kernels=triton batch-invariant" in s.splitlines()[0] for s in sections) == [False, True]
+
+
 def test_committed_results_folders_still_merge(capsys):
     """Older folders (summary schema 1, config.json without the resolved dtype) merge, 'unknown' where they do not
     say; the committed files are read, never rewritten."""

@@ -14,8 +14,8 @@ import os
 UNKNOWN = "unknown"
 # the target: folders of different targets are never averaged together (harness.protocol.merge)
 TARGET_KEYS = ("model", "quantization", "device", "dtype")
-# the protocol: what changes the meaning of a speedup or a tau
-PROTOCOL_KEYS = ("max_new_tokens", "compat_reference", "draft_temperature")
+# the protocol: what changes the meaning of a speedup or a tau (the kernels: batch-invariant tiles cost time)
+PROTOCOL_KEYS = ("kernels", "max_new_tokens", "compat_reference", "draft_temperature")  # kernels: their cost is in every speedup
 
 
 def _name(source) -> str:
