@@ -119,3 +119,27 @@ def test_a_generated_model_card_must_equal_its_card_json_rendering(tmp_path, mon
     card.write_text(json.dumps({"title": "t"}))
     (bad,) = rn.check_cards(root)
     assert "failed" in bad.text
+
+
+def test_the_protocol_families_read_the_divergence_and_ratio_fields(tmp_path):
+    """Guards the families the regenerated H200 tables quote (issue 27): the end-to-end Sp., the break-even τ, Sp.'s
+    CI, the paired τ ratio and its CI, AR's rows equal to the fp32 AR, the gaps at AR's first divergences and the
+    count beyond the near-tie bound. A planted divergence beyond the bound is counted; a wrong field fails."""
+    from harness.lab.readme_numbers_keys import REGISTRY as R
+    root = tiny_repo(tmp_path, "none\n")
+    run = root / "results" / "smollm2-135m" / "gsm8k_t0"
+    s = json.loads((run / "summary.json").read_text())
+    s["arms"]["drafter-only"].update(speedup={"value": 1.5732, "ci95": [1.4687, 1.6918]},
+                                     speedup_e2e={"value": 1.5189}, break_even_tau=1.3095,
+                                     tau_gain={"ratio": 1.0243, "ratio_ci95": [1.0071, 1.0450]},
+                                     token_match={"first_divergence": [{"position": 3, "gap": 9.0, "near_tie": False}]})
+    s["arms"]["AR"]["reference_match"] = {"rows_identical": 10, "rows_compared": 35, "first_divergence": [
+        {"gap": 0.1122, "near_tie": True}, {"gap": 0.0021, "near_tie": True}, {"position": None}]}
+    (run / "summary.json").write_text(json.dumps(s))
+    f = "gsm8k_t0"
+    assert (R["sp_e2e"](root, f, "drafter"), R["be"](root, f, "drafter")) == ("1.52", "1.31")
+    assert (R["sp_ci"](root, f, "drafter", "lo"), R["sp_ci"](root, f, "drafter", "hi")) == ("1.47", "1.69")
+    assert [R["tau_ratio"](root, f, "drafter", w) for w in ("value", "lo", "hi")] == ["1.024", "1.007", "1.045"]
+    assert R["ref_identical_of"](root, f) == "10/35" and R["ref_divergences"](root, f) == "2"
+    assert (R["ref_gap_end"](root, f, "min", 3), R["ref_gap_end"](root, f, "max", 3)) == ("0.002", "0.112")
+    assert R["beyond_bound"](root, f) == "1"

@@ -28,7 +28,7 @@ from core.errors import UsageError
 
 REGISTRY: dict = {}
 RUNS = "results/smollm2-135m"
-H200 = [f"{d}_t{t}" for t in (0, 1) for d in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")]
+H200 = [f"{RUNS}/h200_96tok/{d}_t{t}" for t in (0, 1) for d in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")]
 ALIASES = {"ar": "AR", "drafter": "drafter-only", "markov": "Markov"}
 
 
@@ -114,6 +114,59 @@ def arm_stat(name: str, get, d_one: int, d_end: int) -> None:
 # the per-round paired speedup over AR.
 for _name, _get, _d_one, _d_end in (("tau", tau, 2, 3), ("tps", tok_s, 0, 0), ("sp", sp, 2, 2)):
     arm_stat(_name, _get, _d_one, _d_end)
+
+
+# sp_e2e: the end-to-end Sp. (TTFT + drafter prefill + decode); be: the break-even τ (the arm's step over AR's)
+arm_stat("sp_e2e", lambda a: a["speedup_e2e"]["value"], 2, 2)
+arm_stat("be", lambda a: a["break_even_tau"], 2, 2)
+
+
+@quantity("sp_ci")
+def q_sp_ci(root, folder, a, which, d=2):
+    """One end (lo or hi) of Sp.'s 95% CI."""
+    return fmt(arm(root, folder, a)["speedup"]["ci95"][("lo", "hi").index(which)], d)
+
+
+@quantity("tau_ratio")
+def q_tau_ratio(root, folder, a, which="value", d=3):
+    """τ over drafter-only's, paired over prompts (x seeds at T>0): the ratio, or one end (lo, hi) of its CI."""
+    g = arm(root, folder, a)["tau_gain"]
+    return fmt(g["ratio"] if which == "value" else g["ratio_ci95"][("lo", "hi").index(which)], d)
+
+
+@quantity("ref_identical_of")
+def q_ref_identical_of(root, folder, sep="/"):
+    """AR's rows equal to the reference-dtype AR's (fp32), over rows compared: "10/35"."""
+    m = arm(root, folder, "ar")["reference_match"]
+    return f"{m['rows_identical']}{' of ' if sep == 'of' else sep}{m['rows_compared']}"
+
+
+def _ref_gaps(root, folders: str) -> list[float]:
+    return [d["gap"] for f in folders.split(",") for d in arm(root, f, "ar")["reference_match"]["first_divergence"]
+            if d.get("gap") is not None]
+
+
+@quantity("ref_gap_end")
+def q_ref_gap_end(root, folders, which, d=2):
+    """One end of the top-2 logit gaps at AR's first divergences from the fp32 AR, over FOLDERS."""
+    return end(_ref_gaps(root, folders), which, d)
+
+
+@quantity("ref_divergences")
+def q_ref_divergences(root, folders):
+    """How many of AR's first divergences from the fp32 AR FOLDERS record, all with a measured gap."""
+    return str(len(_ref_gaps(root, folders)))
+
+
+@quantity("beyond_bound")
+def q_beyond_bound(root, folders):
+    """First divergences (AR against fp32, every arm against AR) whose gap exceeds the dtype's near-tie bound."""
+    n = 0
+    for f in folders.split(","):
+        for a in summary(root, f)["arms"].values():
+            for m in (a.get("reference_match"), a.get("token_match")):
+                n += sum(1 for x in (m or {}).get("first_divergence", []) if x.get("near_tie") is False)
+    return str(n)
 
 
 @quantity("gain")

@@ -49,14 +49,16 @@ TARGET_FLAGS = ("model_name_or_path", "random_weights")
 #   * 4 measured rounds over 4 arms are one rotation, a Latin square: each arm takes each slot once (balance 0).
 #   * 5 rounds = 5 sampling replicates for tau at T=1 (every round has its own seeded streams, the warmup's too),
 #     the paper's 5 seeds; timing comes from the 4 measured rounds.
-#   * xPress at one K, K=1: the throughput-optimal K of all ten committed H200 cells (results/smollm2-135m/
-#     table_h200.md); K=2 was 2.6-4.3% slower in 9 of them, and tau stops rising by K=4. One K costs the
+#   * xPress at one K, K=1: the throughput-optimal K of all ten H200 cells of the old size (results/smollm2-135m/
+#     h200_96tok/table_h200.md); K=2 was 2.6-4.3% slower in 9 of them, and tau stops rising by K=4. One K costs the
 #     throughput-optimal-K scan; --fair-k-list 1,2,4,6,8 brings it back (and needs 8 measured rounds to balance).
 #   * 7 prompts keep the decoded tokens (prompts x new tokens x arms x rounds, the cap reached everywhere) at 71,680,
 #     0.97x the old size's 73,728 (32 x 96 x 8 arms x 3 rounds), which took 91-125 s a cell on an H200.
 #     ESTIMATE, not a measurement: 0.97 x 91-125 s = 88-122 s a cell, 15-20 min for the ten real cells (5 datasets x
 #     T=0,1). It is an upper estimate where answers end before 512 tokens, and it assumes the fixed costs inside the
 #     old 91-125 s (loading, warmup, graph capture) do not grow; capturing graphs for a longer context may add some.
+#     Measured since (2026-12-02, with --batch-invariant, results/smollm2-135m/): about 110 s a T=0 cell, 70-80 s a
+#     T=1 cell (read off the device calls' wall times).
 #   * What it costs: prompt-to-prompt spread rests on 7 prompts (tau's CIs resample 7 prompts x 5 seeds), against 32.
 EMBEDDED_CPU = dict(max_samples=4, max_new_tokens=48, fair_k_list="2,4", fair_interleave=2, fair_warmup_rounds=0)
 EMBEDDED_CUDA = dict(max_samples=7, max_new_tokens=512, fair_k_list="1", fair_interleave=5, fair_warmup_rounds=1)
