@@ -98,14 +98,8 @@ def test_the_refusal_comes_before_the_model_paths_are_even_looked_at(tmp_path, e
 
 def test_an_accepted_batch_gets_past_the_argument_check_to_the_device(files, capsys, monkeypatch):
     """B=3 with 93 slots: no contract refusal; the run goes on to import torch-spyre (absent here)."""
-    import builtins
-    real = builtins.__import__
-
-    def no_spyre(name, *a, **k):
-        if name == "torch_spyre":
-            raise ImportError("No module named 'torch_spyre'", name="torch_spyre")
-        return real(name, *a, **k)
-    monkeypatch.setattr(builtins, "__import__", no_spyre)
+    from test_spyre_contract import hide_torch_spyre
+    hide_torch_spyre(monkeypatch)
     assert cli.main(argv(files / "target", files / "drafter", files, "--batch-sizes", "3",
                          "--max-num-batched-tokens", "93")) == 2
     err = capsys.readouterr().err

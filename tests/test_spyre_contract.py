@@ -53,7 +53,8 @@ def test_budget_of_31_is_enough_and_gguf_is_quantized():
         parse_args(["--model-name-or-path", "m.Q4_K_M.gguf", "--ar-only", "--dataset", "x", "--device", "spyre"])
 
 
-def test_missing_torch_spyre_names_the_package_and_its_source(files, capsys, monkeypatch):
+def hide_torch_spyre(monkeypatch):
+    """Make `import torch_spyre` fail as it does where the package is absent (also where it is installed)."""
     import builtins
     real = builtins.__import__
 
@@ -62,6 +63,10 @@ def test_missing_torch_spyre_names_the_package_and_its_source(files, capsys, mon
             raise ImportError("No module named 'torch_spyre'", name="torch_spyre")
         return real(name, *a, **k)
     monkeypatch.setattr(builtins, "__import__", no_spyre)
+
+
+def test_missing_torch_spyre_names_the_package_and_its_source(files, capsys, monkeypatch):
+    hide_torch_spyre(monkeypatch)
     assert cli.main(argv(files)) == 2
     err = capsys.readouterr().err
     for part in ("torch-spyre", "not on PyPI", "github.com/torch-spyre/torch-spyre", "vllm-spyre-next",
