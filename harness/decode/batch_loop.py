@@ -10,9 +10,11 @@ limit, tau entries and the accounting policy are the same code at every B.
 One step: for each live request, its draft and refinement (its own drafter, which holds its context; its
 sampler's noise and its generator; or, when the drafters are one DrafterGroup's members, e.g.
 drafters.dflash_batch.DFlashGroup, every request's draft in one forward first and every row observed together
-after the verdicts); one batched verify; for each live request, its verdict (the same
-exact_match / rejection call, with its own generator), output write, stop scan, commit and the drafter's
-observe; then ONE host read of every request's (accepted, first stop) as one [B, 2] tensor (`_read`).
+after the verdicts; then, for a greedy draft and a refiner that refiners.batch can batch (xPress K >= 1,
+Markov), every drafting request's refinement in one call, refiners.batch.BatchRefiner); one batched verify; for
+each live request, its verdict (the same exact_match / rejection call, with its own generator), output write,
+stop scan, commit and the drafter's observe; then ONE host read of every request's (accepted, first stop) as one
+[B, 2] tensor (`_read`).
 
 A request that cannot take a whole block (pos + W >= its context limit) runs a plain target step, as at B=1: its
 block is its anchor padded to W, and only row 0's logits are verified (width 1: the AR verdict). A finished
@@ -41,6 +43,7 @@ from core.protocols import Drafter, Refiner
 from harness.decode.batch_target import BatchTarget
 from harness.decode.loop import DecodeSettings, Generation, _check, _Decode, check_prompt
 from harness.decode.state import DecodeState
+from refiners.batch import batch_refiner
 
 
 def _read(packed: torch.Tensor) -> list[list[int]]:
@@ -96,6 +99,14 @@ class _Batch:
         # + width: a masked (finished) request's block still writes past its end, in its own row
         self.batch.ensure_capacity(max(min(self.limit, len(p) + s.max_new_tokens + width)
                                        for p, s in zip(prompts, own)) + width)
+        # drafters of one DrafterGroup (drafters.dflash_batch): every request's draft in one forward, observed
+        # together; else each request's own drafter drafts and observes alone
+        self.group = getattr(drafters[0], "group", None) if drafters is not None else None
+        # and, for a greedy draft, a refiner that batches (refiners.batch): every request's refinement in one call
+        # after the group's prefetch (`_refine_rows`); else each request's Stepper refines alone
+        self.refines = None
+        if self.group is not None and refiner is not None and settings.draft_params.greedy:
+            self.refines = batch_refiner(refiner)
         self.runs = []
         for i, prompt in enumerate(prompts):
             slot = state.slots[i]
@@ -106,9 +117,6 @@ class _Batch:
             self.batch.load_prompt(slot.row, len(prompt))
             self.runs.append(run)
         self.idle = torch.tensor([0, width], dtype=torch.long, device=backend.device)
-        # drafters of one DrafterGroup (drafters.dflash_batch): every request's draft in one forward, observed
-        # together; else each request's own drafter drafts and observes alone
-        self.group = getattr(drafters[0], "group", None) if drafters is not None else None
         self.zero = torch.zeros((), dtype=torch.long, device=backend.device)
         self.clock = backend.now()
         self.ends = [self.clock] * b
@@ -117,16 +125,34 @@ class _Batch:
         """Per request: still stepping (decoding, or the accounting's extra step to come)."""
         return [not run.request.stop or run.request.extra for run in self.runs]
 
+    def _refine_rows(self, spec: list[bool], anchors: torch.Tensor) -> dict:
+        """Every speculative request's (drafts, block, proposal), as its Stepper.propose gives them for a greedy
+        draft, with the refinements in one BatchRefiner call: its drafter's proposal (its row of the group's
+        prefetch), refined with its anchor and the token before it."""
+        rows = [i for i, s in enumerate(spec) if s]
+        drafts, prev = [], []
+        for i in rows:
+            run, pos = self.runs[i], self.runs[i].request.pos
+            drafts.append(run.drafter.propose(anchors[i], run.stepper.target.pos, pos + self.width))
+            prev.append(run.out[pos - 1: pos])
+        refined = self.refines.refine(drafts, anchors[rows], torch.cat(prev))
+        return {i: (p.tokens, torch.cat((anchors[i: i + 1], p.tokens)), p) for i, p in zip(rows, refined)}
+
     def step(self, live: list[bool], spec: list[bool]) -> list[list[int]]:
         """The device work of one step for every request, then the one read."""
-        width, proposed, blocks = self.width, [], []
+        width, proposed, blocks, refined = self.width, [], [], {}
         length = max(run.request.pos for run in self.runs) + width
         if self.group is not None and any(spec):
             anchors = torch.cat([run.out[run.request.pos: run.request.pos + 1] for run in self.runs])
             self.group.prefetch(anchors, self.batch.pos, length)
+            if self.refines is not None:
+                refined = self._refine_rows(spec, anchors)
         for i, run in enumerate(self.runs):
             r = run.request
-            if live[i]:
+            if i in refined:
+                proposed.append(refined[i])
+                block = proposed[-1][1]
+            elif live[i]:
                 proposed.append(run.stepper.propose(spec[i], r.pos + width))
                 block = proposed[-1][1]
             else:

@@ -1,0 +1,62 @@
+"""Batched refinement: the B live requests' proposals of one step refined in ONE call (issue 29).
+
+`batch_refiner(refiner)` gives a BatchRefiner for a refiner that can be batched (xPress with K >= 1, Markov; both
+on TorchOps), else None (the batch loop then refines each request alone, as at B=1). `BatchRefiner.refine`
+stacks the requests' drafter logits [N, W-1, V], hidden rows [N, W, H], drafts [N, W-1], anchors [N] and the
+tokens before them [N], and runs the refiner's OWN `refine` once over that leading dim through torch.func.vmap:
+every kernel of every pass (hidden cache, shortlist, latent, mixer, MLP, w2 + base add + argmax) launches once
+for all N rows, and no line of the head's math is restated here. Row b is handed back as its own refine() returns
+it (`proposal.with_tokens(tokens, q)`). The heads themselves take one block ([W, H], a mean over dim 0, a
+transposed mixer, per-slot 1-d Markov steps), which is why the leading dim is vmap's and not the head's.
+
+Numbers: the matmuls see N x rows instead of rows, so a row's refined logits match its B=1 ones to fp32 rounding
+(CPU BLAS picks kernels by row count: gemv for one row, gemm for several), not always bit for bit; the tokens are
+the same unless a refined argmax sits on such a near-tie.
+
+Not batched (None): draft sampling (Td > 0: each request's frozen noise is its own sampler's), other ops than
+TorchOps (a Triton kernel is not vmap-able), wrapped refiners (compiled, captured, Spyre numerics), xPress K = 0
+(its refine is the identity).
+
+harness.decode.batch_loop calls it once per step after the drafter group's prefetch, for the requests that draft,
+and each request's Stepper verifies and settles its own row.
+"""
+from __future__ import annotations
+
+import torch
+from torch.func import vmap
+
+from core.ops.torch_impl import TorchOps
+from core.protocols import Proposal, RefineContext
+from refiners.markov import MarkovRefiner
+from refiners.xpress import XPressRefiner
+
+
+def batch_refiner(refiner) -> "BatchRefiner | None":
+    """A BatchRefiner over `refiner` when it can refine a stack of requests at once, else None."""
+    if type(refiner) not in (XPressRefiner, MarkovRefiner) or type(refiner.ops) is not TorchOps:
+        return None
+    if type(refiner) is XPressRefiner and refiner.passes == 0:
+        return None
+    return BatchRefiner(refiner)
+
+
+class BatchRefiner:
+    """One refiner's refine() over a stack of requests (see the module docstring)."""
+
+    def __init__(self, refiner):
+        self.refiner = refiner
+        self.name, self.passes = refiner.name, refiner.passes
+        self._stacked = vmap(self._one)
+
+    def _one(self, tokens, logits, hidden, anchor, prev):
+        out = self.refiner.refine(Proposal(tokens, logits, hidden), RefineContext(anchor=anchor, prev_token=prev))
+        return out.tokens, out.logits
+
+    @torch.no_grad()
+    def refine(self, proposals: list[Proposal], anchors: torch.Tensor, prev_tokens: torch.Tensor) -> list[Proposal]:
+        """Greedy: row b is refiner.refine(proposals[b], RefineContext(anchors[b], prev_tokens[b])); one call."""
+        tokens, logits = self._stacked(torch.stack([p.tokens for p in proposals]),
+                                       torch.stack([p.logits for p in proposals]),
+                                       torch.stack([p.hidden for p in proposals]),
+                                       anchors.reshape(-1), prev_tokens.reshape(-1))
+        return [p.with_tokens(tokens[b], logits[b]) for b, p in enumerate(proposals)]
