@@ -7,6 +7,7 @@ other, so a batched path that handed a request another row's result fails it."""
 import pytest
 import torch
 
+from core.errors import UsageError
 from core.protocols import Proposal, RefineContext
 from doubles import ScriptedDrafter
 from drafters.dflash import DFlashDrafter
@@ -227,7 +228,8 @@ def test_each_request_equals_its_own_b1_decode(case, singles, monkeypatch, kind,
         calls.clear(), steps.clear()
         group = group_of(kind, drafters_for(kind, case, idx))
         gens = generate_batch(t, [prompts[i] for i in idx], settings(), CPU32, drafters=group.members,
-                              refiner=REFINERS[arm], max_new_tokens=[BUDGETS[i] for i in idx])
+                              refiner=REFINERS[arm], max_new_tokens=[BUDGETS[i] for i in idx],
+                              refine_batch=batch_refiner(REFINERS[arm]))
         assert calls and len(calls) == len(steps)  # one call per step, for the requests that draft
         assert calls == [len(s) for s in steps] and max(calls) == b
         for j, (i, g) in enumerate(zip(idx, gens)):
@@ -257,5 +259,15 @@ def test_a_sampled_draft_refines_per_request(case, monkeypatch):
     group = group_of("scripted", drafters_for("scripted", case, [0, 1]))
     s = DecodeSettings(max_new_tokens=4, max_model_len=512, stop_ids=STOPS, temperature=1.0)
     gens = generate_batch(t, prompts[:2], s, CPU32, drafters=group.members, refiner=REFINERS["xpress1"],
-                          generators=[torch.Generator().manual_seed(k) for k in (1, 2)])
+                          generators=[torch.Generator().manual_seed(k) for k in (1, 2)],
+                          refine_batch=batch_refiner(REFINERS["xpress1"]))
     assert all(g.spec_steps >= 1 for g in gens)
+
+
+def test_refine_batch_must_batch_the_run_refiner(case):
+    """A BatchRefiner of another refiner than the run's is refused in one line before anything decodes."""
+    t, _, prompts, _ = case
+    group = group_of("scripted", drafters_for("scripted", case, [0, 1]))
+    with pytest.raises(UsageError, match="batches another refiner"):
+        generate_batch(t, prompts[:2], settings(), CPU32, drafters=group.members, refiner=REFINERS["xpress1"],
+                       refine_batch=batch_refiner(REFINERS["markov"]))

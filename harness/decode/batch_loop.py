@@ -10,8 +10,9 @@ limit, tau entries and the accounting policy are the same code at every B.
 One step: for each live request, its draft and refinement (its own drafter, which holds its context; its
 sampler's noise and its generator; or, when the drafters are one DrafterGroup's members, e.g.
 drafters.dflash_batch.DFlashGroup, every request's draft in one forward first and every row observed together
-after the verdicts; then, for a greedy draft and a refiner that refiners.batch can batch (xPress K >= 1,
-Markov), every drafting request's refinement in one call, refiners.batch.BatchRefiner); one batched verify; for
+after the verdicts; then, for a greedy draft and a `refine_batch` (a refiners.batch.BatchRefiner of the run's
+refiner, which the caller builds: harness.protocol.algorithms.batch_refiner), every drafting request's
+refinement in one call); one batched verify; for
 each live request, its verdict (the same exact_match / rejection call, with its own generator), output write,
 stop scan, commit and the drafter's observe; then ONE host read of every request's (accepted, first stop) as one
 [B, 2] tensor (`_read`).
@@ -43,7 +44,6 @@ from core.protocols import Drafter, Refiner
 from harness.decode.batch_target import BatchTarget
 from harness.decode.loop import DecodeSettings, Generation, _check, _Decode, check_prompt
 from harness.decode.state import DecodeState
-from refiners.batch import batch_refiner
 
 
 def _read(packed: torch.Tensor) -> list[list[int]]:
@@ -89,7 +89,7 @@ class _Batch:
     """One batch: each request's `_Decode` (prefilled here), the BatchTarget their rows share, and the step."""
 
     def __init__(self, target, prompts, settings: DecodeSettings, backend: Backend, drafters, refiner, generators,
-                 state: DecodeState, limits):
+                 state: DecodeState, limits, refine_batch=None):
         b, self.backend = len(prompts), backend
         self.batch = BatchTarget(target, b)
         self.width = width = drafters[0].block_size if drafters is not None else 1
@@ -102,11 +102,11 @@ class _Batch:
         # drafters of one DrafterGroup (drafters.dflash_batch): every request's draft in one forward, observed
         # together; else each request's own drafter drafts and observes alone
         self.group = getattr(drafters[0], "group", None) if drafters is not None else None
-        # and, for a greedy draft, a refiner that batches (refiners.batch): every request's refinement in one call
-        # after the group's prefetch (`_refine_rows`); else each request's Stepper refines alone
+        # and, for a greedy draft, the refiner batched (refine_batch): every request's refinement in one call after
+        # the group's prefetch (`_refine_rows`); else each request's Stepper refines alone
         self.refines = None
-        if self.group is not None and refiner is not None and settings.draft_params.greedy:
-            self.refines = batch_refiner(refiner)
+        if self.group is not None and refine_batch is not None and settings.draft_params.greedy:
+            self.refines = refine_batch
         self.runs = []
         for i, prompt in enumerate(prompts):
             slot = state.slots[i]
@@ -204,14 +204,20 @@ def generate_batch(target, prompts: Sequence[list[int]], settings: DecodeSetting
                    drafters: Sequence[Drafter] | None = None, refiner: Refiner | None = None,
                    generators: Sequence[torch.Generator | None] | None = None,
                    state: DecodeState | None = None,
-                   max_new_tokens: Sequence[int] | None = None) -> list[Generation]:
+                   max_new_tokens: Sequence[int] | None = None, refine_batch=None) -> list[Generation]:
     """Decode `prompts` together; one Generation per prompt, in order (see the module's docstring).
 
     drafters: one per prompt (each holds its request's context; they share weights), None for AR. refiner: one
     for all (a refinement keeps no state between calls). generators: one per prompt, or None. state: a
     DecodeState of >= len(prompts) slots (default: a new one); slot i serves prompt i. max_new_tokens: one
-    output limit per prompt (default: settings.max_new_tokens for all)."""
+    output limit per prompt (default: settings.max_new_tokens for all). refine_batch: `refiner` batched
+    (harness.protocol.algorithms.batch_refiner(refiner), or None: each request refines alone); used with a drafter
+    group's members and greedy drafts."""
     b = _check_batch(prompts, settings, drafters, generators, state, max_new_tokens)
     _check(settings, backend)
+    if refine_batch is not None and getattr(refine_batch, "refiner", None) is not refiner:
+        raise UsageError("generate_batch: refine_batch batches another refiner than `refiner`; pass "
+                         "harness.protocol.algorithms.batch_refiner(refiner), or None")
     state = state if state is not None else DecodeState(target, slots=b)
-    return _Batch(target, prompts, settings, backend, drafters, refiner, generators, state, max_new_tokens).decode()
+    return _Batch(target, prompts, settings, backend, drafters, refiner, generators, state, max_new_tokens,
+                  refine_batch).decode()

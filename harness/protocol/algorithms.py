@@ -11,14 +11,15 @@ from drafters.dflash import (DFlashConfig, DFlashDrafter, DFlashModel, check_dfl
                              load_dflash, read_dflash_config)
 from drafters.dflash_batch import DFlashGroup
 from drafters.rope import inv_frequencies
+from refiners.batch import BatchRefiner, batch_refiner
 from refiners.formats import (ENV_VARS, MARKOV, XPRESS, RefinerCheckpoint, load_refiner_checkpoint,
                               resolve_refiner_path, validate_against)
 from refiners.markov import MarkovHead, MarkovRefiner, markov_head_from_state, random_markov_head
 from refiners.spyre_numerics import SpyreXPressRefiner
 from refiners.xpress import XPressHead, XPressRefiner, random_xpress_head, validate_topc, xpress_head_from_state
 
-__all__ = ["DFlashConfig", "DFlashDrafter", "DFlashGroup", "DFlashModel", "ENV_VARS", "MARKOV", "MarkovHead", "MarkovRefiner",
+__all__ = ["BatchRefiner", "DFlashConfig", "DFlashDrafter", "DFlashGroup", "DFlashModel", "ENV_VARS", "MARKOV", "MarkovHead", "MarkovRefiner",
            "RefinerCheckpoint", "SpyreXPressRefiner", "XPRESS", "XPressHead", "XPressRefiner",
-           "check_dflash_checkpoint", "config_for_target", "inv_frequencies", "load_dflash", "load_refiner_checkpoint",
+           "batch_refiner", "check_dflash_checkpoint", "config_for_target", "inv_frequencies", "load_dflash", "load_refiner_checkpoint",
            "markov_head_from_state", "random_markov_head", "random_xpress_head", "read_dflash_config",
            "resolve_refiner_path", "validate_against", "validate_topc", "xpress_head_from_state"]

@@ -41,7 +41,7 @@ import numpy as np
 
 from core.errors import UsageError
 from harness.protocol import runner
-from harness.protocol.algorithms import DFlashDrafter, DFlashGroup
+from harness.protocol.algorithms import DFlashDrafter, DFlashGroup, batch_refiner
 from harness.protocol.build import prepare
 from harness.protocol.console import describe, label
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
@@ -100,6 +100,18 @@ def _drafters(arm, b: int, pool: dict, backend, how: set) -> list | None:
     return pool[key]
 
 
+def _batched(refiner, pool: dict, how: set):
+    """The arm's refiner batched over a step's requests (algorithms.batch_refiner; None where it cannot be: each
+    request then refines alone), built once per refiner; `how` collects which ran."""
+    if refiner is None:
+        return None
+    key = ("refine", id(refiner))
+    if key not in pool:
+        pool[key] = batch_refiner(refiner)
+    how.add("refinements batched" if pool[key] is not None else "refinements per request")
+    return pool[key]
+
+
 def run(cfg, out=None) -> dict:
     """The whole sweep (the module docstring); returns sweep.json's content."""
     out = out or sys.stdout
@@ -149,8 +161,7 @@ def run(cfg, out=None) -> dict:
     ar = next((a.name for a in models.arms if a.spec.method == "ar"), None)
     summary = summarize(read_rows(rows_path), plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
                         labels=[x for x in [label(cfg), f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
-                                            f"kernels {models.target.kernels}", "eager", *sorted(how),
-                                            "refiners per request" if how else None] if x])
+                                            f"kernels {models.target.kernels}", "eager", *sorted(how)] if x])
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     atomic_write(os.path.join(folder, "environment.json"),
@@ -175,7 +186,8 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
         start = backend.now()
         gens = generate_batch(models.target, [list(pt.prompts[i]) for i in ids], settings, backend,
                               drafters=_drafters(arm, pt.batch, pool, backend, how), refiner=arm.refiner,
-                              generators=None if greedy else [backend.generator(s) for s in seeds])
+                              generators=None if greedy else [backend.generator(s) for s in seeds],
+                              refine_batch=_batched(arm.refiner, pool, how))
         wall = backend.now() - start
         decode_s = max(x.decode_s for x in gens)
         for j, (i, gen) in enumerate(zip(ids, gens)):
