@@ -123,9 +123,32 @@ def test_a_boxed_responses_stage_keeps_every_source_and_reads_u2028(tmp_path, mo
     assert responses.run(cfg, load=lambda: hf) == out  # up to date: the box is not part of the stage's key
 
 
+def test_first_part_leaves_the_earlier_parts_to_the_session_that_wrote_them(tmp_path, monkeypatch):
+    """responses.first_part: a continuation session generates fresh prompts (the parts from first_part on, in the
+    same seeded shuffle), not again the parts the warm-start drafter already trained on; one past the last part is
+    refused before the target loads."""
+    import json
+    from training import responses
+    monkeypatch.setattr(responses, "PART_PROMPTS", 8)
+    cfg, hf = _tiny_run(tmp_path, {"a.jsonl": 32, "b.jsonl": 32}, {"first_part": 5})
+    out = responses.run(cfg, load=lambda: hf)
+    m = json.loads((out / "manifest.json").read_text())
+    assert sorted(f.name for f in (out / "parts").glob("part_*.jsonl")) == [f"part_{g:04d}.jsonl" for g in (5, 6, 7)]
+    assert (m["parts"], m["parts_planned"], m["first_part"]) == (3, 8, 5)
+    assert m["sequences"] == len(responses.read_rows(cfg)) == 20  # 60 train prompts (4 held out): 8 + 8 + 4
+    cfg2, _ = _tiny_run(tmp_path / "all", {"a.jsonl": 32, "b.jsonl": 32}, {})
+    full = responses.run(cfg2, load=lambda: hf)
+    for g in (5, 6, 7):  # the same prompts and answers as a run from part 0 wrote there
+        assert (out / "parts" / f"part_{g:04d}.jsonl").read_text() == (full / "parts" / f"part_{g:04d}.jsonl").read_text()
+    cfg["responses"]["first_part"] = 8
+    with pytest.raises(UsageError, match="first_part 8: there are only 8 parts"):
+        responses.run(cfg, load=lambda: pytest.fail("loaded the target"), force=True)
+
+
 @pytest.mark.parametrize("section,bad,msg", [
     ("responses", {"max_minutes": -1}, "responses.max_minutes must be a number of minutes >= 0"),
     ("responses", {"max_minutes": "5"}, "responses.max_minutes must be a number of minutes >= 0"),
+    ("responses", {"first_part": -1}, "responses.first_part must be an integer >= 0"),
     ("models", {"d": {"max_minutes": 0}}, r"models.d: max_minutes must be a number > 0"),
 ])
 def test_bad_boxes_are_refused_before_anything_loads(tmp_path, section, bad, msg):

@@ -28,7 +28,10 @@ DEFAULTS = {
                 "max_chars": 2000, "dedup_jaccard": 0.8, "overlap_jaccard": 0.5, "ngram": 3,
                 "eval_dir": "data/eval", "heldout": 8, "selection": 8, "magpie_domains": [], "templates": []},
     "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
-                  "max_prompt_tokens": 512, "engine": "fast", "max_minutes": 0},   # engine: fast (harness.decode.batched_gen) | hf
+                  "max_prompt_tokens": 512, "engine": "fast", "max_minutes": 0,   # engine: fast (harness.decode.batched_gen) | hf
+                  # first_part: the parts (in the seeded shuffle) before it are not generated: a later session's
+                  # fresh data (the warm-start drafter's run wrote parts 0..first_part-1)
+                  "first_part": 0},
     "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0, "mode": "offline",
                "target_dtype": "float32"},
     "train": {"device": "auto", "attn_impl": "auto", "compile": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
@@ -193,6 +196,9 @@ def validate_steps(cfg: dict) -> None:
     rm = cfg["responses"]["max_minutes"]
     if not isinstance(rm, (int, float)) or isinstance(rm, bool) or rm < 0:
         raise UsageError(f"config responses.max_minutes must be a number of minutes >= 0 (0: no box; got {rm!r})")
+    fp = cfg["responses"]["first_part"]
+    if not isinstance(fp, int) or isinstance(fp, bool) or fp < 0:
+        raise UsageError(f"config responses.first_part must be an integer >= 0 (the first part to generate; got {fp!r})")
     for key in ("fit_box", "rows_in_memory"):
         if not isinstance(t[key], bool):
             raise UsageError(f"config train.{key} must be true or false")

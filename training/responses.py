@@ -112,17 +112,22 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     key = stage_key(cfg)
     if resumable(out, key, force, "responses") == "done":
         return out
-    parts = out / "parts"
-    parts.mkdir(parents=True, exist_ok=True)
-    write_json(out / "manifest.json", {"key": key, "complete": False})
     prompts = read_jsonl(prompts_dir(cfg) / "train.jsonl")
     # parts in a seeded random order of the prompts (train.jsonl lists them source by source), so that the parts
     # a box cuts short leave every source in proportion (an H200 run cut at 96 of 230 parts kept only GSM8K and
     # Magpie chat)
     random.Random(cfg["seed"] * 7919 + 3).shuffle(prompts)
     groups = [prompts[i:i + PART_PROMPTS] for i in range(0, len(prompts), PART_PROMPTS)]
+    first = cfg["responses"]["first_part"]
+    if first >= len(groups):
+        raise UsageError(f"responses.first_part {first}: there are only {len(groups)} parts of {PART_PROMPTS} prompts; "
+                         "lower it")
+    parts = out / "parts"
+    parts.mkdir(parents=True, exist_ok=True)
+    write_json(out / "manifest.json", {"key": key, "complete": False})
     model, tokenizer = load()
-    todo = [(g, group) for g, group in enumerate(groups) if not (parts / f"part_{g:04d}.jsonl").exists()]
+    todo = [(g, group) for g, group in enumerate(groups)
+            if g >= first and not (parts / f"part_{g:04d}.jsonl").exists()]
     hf = cfg["responses"]["engine"] == "hf"
     step = 1 if hf else parts_per_call(cfg)
     import time
@@ -150,7 +155,8 @@ def run(cfg: dict, load, force: bool = False) -> Path:
         release_fast(model)
     rows = read_rows(cfg)
     write_json(out / "manifest.json", {"key": key, "complete": True, "sequences": len(rows),
-                                       "parts": len(groups) - cut, "parts_planned": len(groups),
+                                       "parts": len(groups) - first - cut, "parts_planned": len(groups),
+                                       "first_part": first,
                                        "response_tokens": sum(len(r["response"]) for r in rows),
                                        "prompt_tokens": sum(len(r["prompt"]) for r in rows)})
     print(f"responses: {len(rows)} sequences -> {out}")
