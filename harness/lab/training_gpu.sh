@@ -8,11 +8,13 @@
 #                                                              # warm-start export (e.g. weights/smollm2-135m-warm)
 #                                                              # in .gpu3/; then harness/lab/device_tree.sh stash DIR
 #   device:  bash harness/lab/training_gpu.sh setup            # carry .whl .gpu1: installs, keeps GGUF part 1
-#            bash harness/lab/training_gpu.sh start [ARGS...]  # carry .gpu2 (.gpu3): the GGUF whole, the job started
+#            bash harness/lab/training_gpu.sh warm             # carry .gpu3 (with a warm start only): keeps it
+#            bash harness/lab/training_gpu.sh start [ARGS...]  # carry .gpu2: the GGUF whole, the job started
 #                                                              # in its own session (ARGS: more --set overrides)
 #            bash harness/lab/training_gpu.sh poll [SECONDS]   # until the job ends or SECONDS (default 540) pass
-#            bash harness/lab/training_gpu.sh back [WHAT]      # into $OUT: records.tgz, and WHAT (e.g. drafter)
-#                                                              # of the export in tar parts of 15 MB
+#            bash harness/lab/training_gpu.sh back [WHAT...]   # into $OUT: records.tgz, and WHAT (e.g. drafter, or
+#                                                              # xpress markov_gated) of the export in tar parts of
+#                                                              # 15 MB (8 files of 16 MiB at most come back a call)
 #   here:    harness/lab/device_tree.sh restore DIR; tar xzf records.tgz; cat parts | tar xf -
 #
 # Make the calls back to back (the job dies with the machine). The job runs from a copy of the code in /tmp/code,
@@ -42,13 +44,16 @@ case "${1:-}" in
     mkdir -p /tmp/g /tmp/xb && cp .gpu1/gguf.part.aa /tmp/g/
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
     ;;
+  warm)  # its own call: the GGUF's part 2 (47 MB) and a warm export (37 MB) are over 64 MiB together
+    rm -rf /tmp/warm && cp -r .gpu3/warm /tmp/warm && du -sh /tmp/warm
+    ;;
   start)
     shift
     cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
     sha256sum /tmp/xb/$GGUF | cut -c1-16
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
     args=("$@")
-    if [[ -d .gpu3/warm ]]; then cp -r .gpu3/warm /tmp/warm && args+=(--set train.warm_start=/tmp/warm); fi
+    if [[ -d /tmp/warm ]]; then args+=(--set train.warm_start=/tmp/warm); fi
     rm -f $XRUN.done
     date +%s > $XRUN.t0
     (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
@@ -68,10 +73,11 @@ case "${1:-}" in
     cd "$XRUN"
     find . -maxdepth 3 \( -name '*.json' -o -name metrics.jsonl \) -not -path './prompts/*' -not -path './export/*/*' \
         -not -path './responses/parts/*' | tar czf "$OUT/records.tgz" -T - $XRUN.log
-    if [[ -n ${2:-} ]]; then tar cf - export/manifest.json "export/$2" | split -b 15000000 - "$OUT/$2.tar.part."; fi
+    shift
+    if (( $# )); then tar cf - export/manifest.json "${@/#/export/}" | split -b 15000000 - "$OUT/$1.tar.part."; fi
     ls -la "$OUT"
     ;;
   *)
-    sed -n 2,19p "$0"; exit 2
+    sed -n 2,20p "$0"; exit 2
     ;;
 esac
