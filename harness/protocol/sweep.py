@@ -12,7 +12,9 @@ At each point every arm decodes the same requests, in the same rounds, with the 
 - One batch is one harness.decode.batch_loop.generate_batch call (eager: whole-step CUDA graphs per batch bucket
   are not built yet, so a sweep refuses --use-graph). The target's verify is one forward of B x block rows, and so
   is the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the
-  refiners still run one request at a time (B refinements a step). The labels say which ran. A finished request is masked and keeps its slot until the
+  refiners run batched where they can (refiners.batch). The labels say which ran. --device spyre decodes 3
+  requests as 4 rows (its compiled batch shapes are 1, 2 and 4): the fourth is a padding row, masked from the first
+  step and left out of every number (`padded_requests`; labelled). A finished request is masked and keeps its slot until the
   batch's longest request ends; no new prompt takes it (a static batch): every step of every arm runs at the B asked
   for, and each arm pays for its own longest request.
 - Timing, per batch: decode_s = from the batch's first step until its last request finished (the prefills, one
@@ -137,6 +139,9 @@ def run(cfg, out=None) -> dict:
         points += [_Point(b, c, prompts, request_ids(len(samples), b)) for b in batches]
     runner.presize(models.target, models.arms, max(len(p) for pt in points for p in pt.prompts), settings,
                    plan.block_size)
+    if plan.spyre is not None:  # fixed-shape compiled graphs (core.spyre), as a single run compiles them
+        from core.spyre import compile_for
+        compile_for(models.target, [a.drafter for a in models.arms])
     order = rotation(plan.arm_names, plan.rounds)
     describe(plan, models, settings, samples, out)
     print(f"[sweep] batch sizes {batches} x context lengths {contexts}: {len(points)} points, each with "
@@ -173,6 +178,24 @@ def run(cfg, out=None) -> dict:
     return summary
 
 
+def served_rows(plan, batch: int) -> int:
+    """The rows a batch of `batch` requests decodes as: --device spyre serves 1, 2 or 4 rows (its compiled shapes;
+    harness.protocol.spyre_contract.padded_batch: 3 -> 4), every other device the batch itself."""
+    if plan.spyre is None:
+        return batch
+    from harness.protocol.spyre_contract import padded_batch
+    return padded_batch(batch)
+
+
+def padded_requests(prompts: list[list[int]], seeds: list[int], rows: int, limit: int):
+    """(prompts, output limits, seeds) for a batch run at `rows` rows: each padding row repeats the first prompt
+    with an output limit of 1 token, which its prefill produces, so it is finished (masked, batch_loop) from the
+    first step: it rides in every forward at its own KV row and is never proposed, verified, committed or read.
+    Its prefill runs before the first step, so decode_s does not include it (prefill_s does)."""
+    pad = rows - len(prompts)
+    return prompts + [prompts[0]] * pad, [limit] * len(prompts) + [1] * pad, seeds + [seeds[0]] * pad
+
+
 def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: int, samples, pool,
                   how: set) -> list[dict]:
     """Every batch of one (point, round, arm): one generate_batch each, one row per request."""
@@ -180,19 +203,26 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
     cfg, backend = plan.config, plan.backend
     greedy = cfg.temperature < 1e-5
     rows = []
+    rows_run = served_rows(plan, pt.batch)
+    if rows_run != pt.batch:
+        how.add(f"{pt.batch} requests padded to {rows_run} (Spyre)")
     for g in range(len(pt.ids) // pt.batch):
         ids = pt.ids[g * pt.batch:(g + 1) * pt.batch]
         seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_) for i in ids]
+        prompts, limits, seeds_run = padded_requests([list(pt.prompts[i]) for i in ids], seeds, rows_run,
+                                                     settings.max_new_tokens)
         start = backend.now()
-        gens = generate_batch(models.target, [list(pt.prompts[i]) for i in ids], settings, backend,
-                              drafters=_drafters(arm, pt.batch, pool, backend, how), refiner=arm.refiner,
-                              generators=None if greedy else [backend.generator(s) for s in seeds],
-                              refine_batch=_batched(arm.refiner, pool, how))
+        gens = generate_batch(models.target, prompts, settings, backend,
+                              drafters=_drafters(arm, rows_run, pool, backend, how), refiner=arm.refiner,
+                              generators=None if greedy else [backend.generator(s) for s in seeds_run],
+                              refine_batch=_batched(arm.refiner, pool, how), max_new_tokens=limits)
         wall = backend.now() - start
+        gens = gens[:pt.batch]  # the padding rows are not requests
         decode_s = max(x.decode_s for x in gens)
         for j, (i, gen) in enumerate(zip(ids, gens)):
             row = runner.sample_row(plan.run_id, cfg, arm, i, samples[i], 0, round_, round_ <= plan.warmup_rounds, gen)
-            row.update(batch_size=pt.batch, context_len=pt.context, batch_index=g, batch_row=j, slot=slot,
+            row.update(batch_size=pt.batch, batch_rows=rows_run, context_len=pt.context, batch_index=g, batch_row=j,
+                       slot=slot,
                        stream_seed=None if greedy else seeds[j], batch_decode_s=decode_s,
                        batch_prefill_s=wall - decode_s)
             rows.append(row)
