@@ -53,3 +53,35 @@ def test_training_gpu_back_brings_records_and_the_export_not_data_or_checkpoints
     env.pop("OUT")
     assert subprocess.run(["bash", str(script), "back"], env=env, capture_output=True).returncode != 0
     assert subprocess.run(["bash", str(script)], capture_output=True).returncode == 2
+
+
+def test_back_takes_several_exports_in_one_set_of_parts(tmp_path):
+    """`back xpress markov_gated`: both heads' exports in one tar, split in parts named after the first."""
+    import os
+    import tarfile
+    script = ROOT / "harness" / "lab" / "training_gpu.sh"
+    work, out = tmp_path / "xrun", tmp_path / "out"
+    for name in ("export/manifest.json", "export/xpress/model.safetensors", "export/markov_gated/model.safetensors"):
+        (work / name).parent.mkdir(parents=True, exist_ok=True)
+        (work / name).write_text("w")
+    (tmp_path / "xrun.log").write_text("log\n")
+    out.mkdir()
+    env = {**os.environ, "XRUN": str(work), "OUT": str(out)}
+    subprocess.run(["bash", str(script), "back", "xpress", "markov_gated"], env=env, check=True, capture_output=True)
+    parts = sorted(out.glob("xpress.tar.part.*"))
+    (tmp_path / "joined.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "joined.tar") as t:
+        assert set(t.getnames()) >= {"export/xpress/model.safetensors", "export/markov_gated/model.safetensors"}
+
+
+@pytest.mark.parametrize("script, var", [("training_gpu.sh", "XRUN"), ("tables_gpu.sh", "XTAB")])
+def test_a_poll_on_a_bare_machine_says_so_at_once(tmp_path, script, var):
+    """A machine given back takes its job along; the next call's poll must not wait out its seconds for a job that
+    is not there (one did, for 500 s of device time): it exits 3 at once, saying what to run again."""
+    import os
+    import time
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / script), "poll", "60"], capture_output=True, text=True,
+                       env={**os.environ, var: str(tmp_path / "none")})
+    assert r.returncode == 3 and "no " in r.stderr and "given back" in r.stderr
+    assert time.monotonic() - t0 < 30

@@ -21,7 +21,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
-J=/tmp/xtab  # the jobs' logs and done-files
+J=${XTAB:-/tmp/xtab}  # the jobs' logs and done-files
 ENVS="PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1"
 
 bench_job() {  # the AR and verify steps with and without the batch-invariant tiles, at both presets' shapes
@@ -64,6 +64,8 @@ case "${1:-}" in
     sleep 5; tail -n 3 $J/bench.log
     ;;
   poll)
+    [[ -f $J/tables.log ]] || { echo "error: no tables job on this machine ($J/tables.log is missing): it was" \
+        "given back and the job died with it; run setup, gguf and start again" >&2; exit 3; }
     end=$(( $(date +%s) + ${2:-540} ))
     while [[ ! -f $J/tables.done ]] && (( $(date +%s) < end )); do sleep 5; done
     cat $J/bench.done $J/tables.done 2>/dev/null || echo running

@@ -62,6 +62,10 @@ case "${1:-}" in
     sleep 20; tail -n 5 $XRUN.log
     ;;
   poll)
+    # a machine given back takes the job with it, and the next call gets a bare one: say so at once instead of
+    # waiting out the poll (a 2026-12-02 call spent 500 s of device time waiting for a job that was not there)
+    [[ -f $XRUN.t0 ]] || { echo "error: no training job on this machine ($XRUN.t0 is missing): it was given back" \
+        "and the job died with it; run setup, warm and start again" >&2; exit 3; }
     end=$(( $(date +%s) + ${2:-540} ))
     while [[ ! -f $XRUN.done ]] && (( $(date +%s) < end )); do sleep 5; done
     echo "elapsed $(( $(date +%s) - $(cat $XRUN.t0) )) s; $(cat $XRUN.done 2>/dev/null || echo running)"
