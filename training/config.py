@@ -37,7 +37,7 @@ DEFAULTS = {
     "train": {"device": "auto", "attn_impl": "auto", "compile": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
               "weight_decay": 0.0, "scheduler": "cosine", "warmup_ratio": 0.04, "save_every": 0,
               "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
-              "num_workers": 0, "stop_after_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
+              "num_workers": 0, "stop_after_step": 0, "cut_at_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
               "eval_k": [1], "val_batches": 16, "eval_max_seconds": 60, "eval_share": 0.05, "log_every": 1,
               "warm_start": None, "fit_box": False, "fit_probe_steps": 50, "fit_reserve": 0.1,
               # loss_impl auto: speculators' fused Triton losses on CUDA, its eager ones elsewhere; rows_in_memory: the
@@ -188,7 +188,8 @@ def validate_steps(cfg: dict) -> None:
     for key in ("dtype", "target_dtype"):
         if h[key] not in DTYPE_NAMES:
             raise UsageError(f"config hidden.{key} {h[key]!r} is not one of {', '.join(DTYPE_NAMES)}")
-    for key, low in (("total_seq_len", 1), ("val_batches", 0), ("log_every", 1), ("profile_steps", 0)):
+    for key, low in (("total_seq_len", 1), ("val_batches", 0), ("log_every", 1), ("profile_steps", 0),
+                     ("cut_at_step", 0)):
         if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < low:
             raise UsageError(f"config train.{key} must be an integer >= {low} (got {t[key]!r})")
     if not isinstance(t["eval_max_seconds"], (int, float)) or t["eval_max_seconds"] < 0:
@@ -273,8 +274,8 @@ def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
-RUN_CONTROL = ("stop_after_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens", "num_workers",
-               "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
+RUN_CONTROL = ("stop_after_step", "cut_at_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens",
+               "num_workers", "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
                "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps",
                "compile_target")
 

@@ -195,6 +195,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                           max_steps=m["max_steps"])
     trainer = PipelineTrainer(model, tconf, train_loader, val_loader, device=device, seed=cfg["seed"],
                               eval_fn=held_out, eval_every=tc["eval_every"], stop_after_step=tc["stop_after_step"],
+                              cut_at_step=tc["cut_at_step"],
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
                               warm_step=warm_step, fit=fit_plan(tc, total), profile=_profile(tc, out, device))
@@ -240,6 +241,10 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
         if trainer.fit_reached and not trainer.deadline_hit:
             print(f"train {name}: finished the plan fitted to the box at step {stop.args[0]} (of {total} planned "
                   "before the fit)")
+        elif trainer.cut_hit:
+            print(f"train {name}: train.cut_at_step reached at step {stop.args[0]} of {trainer.planned_steps or total}; "
+                  "that checkpoint is the final model, exported with its step (a later session's train.warm_start "
+                  "continues the schedule)")
         elif not (trainer.deadline_hit and tc["on_deadline"] == "finish"):
             print(f"train {name}: stopped after step {stop.args[0]} with a checkpoint; run again to resume")
             return None

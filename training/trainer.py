@@ -13,7 +13,10 @@
   which raises without an accelerator; on a CPU a timer that skips the synchronisation is swapped in.
 * hooks: `run_training` passes no step callback; `train_epoch` is called with one here (held-out acceptance every
   `eval_every` steps). `stop_after_step` ends a run right after a checkpoint, and `max_seconds` checkpoints and
-  ends it once the time is up (a long run split across calls resumes from there).
+  ends it once the time is up (a long run split across calls resumes from there). `cut_at_step` (train.cut_at_step)
+  ends it at that global step as a spent box with on_deadline=finish does: the checkpoint is the final model, its
+  export records the step, and a later session's warm start continues the same schedule (a run planned over
+  several sessions, cut where each session's device time ends, not where a clock happens to stop it).
 * box accounting (training/box.py): `val_epoch`, `maybe_save_checkpoint` and the held-out evaluation are timed
   around speculators' own methods, the steps between the step callbacks; a forward pre-hook counts each training
   batch's tokens. Held-out evaluation is capped at `eval_max_seconds` each, and a periodic one is skipped while
@@ -77,7 +80,7 @@ class PipelineTrainer(Trainer):
     def __init__(self, model, config, train_loader, val_loader, *, device: torch.device, seed: int,
                  eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
                  max_seconds: float = 0.0, box=None, eval_max_seconds: float = 0.0, eval_share: float = 1.0,
-                 warm_step: int = 0, fit: dict | None = None, profile=None):
+                 warm_step: int = 0, fit: dict | None = None, profile=None, cut_at_step: int = 0):
         from training.box import Box
         self._device, self._seed = device, seed
         self.box = box or Box(device)
@@ -85,7 +88,8 @@ class PipelineTrainer(Trainer):
         self.warm_started = False
         model.register_forward_pre_hook(self._count, with_kwargs=True)
         self._deadline = time.monotonic() + max_seconds if max_seconds else None
-        self.deadline_hit = self.fit_reached = False
+        self.deadline_hit = self.fit_reached = self.cut_hit = False
+        self._cut = cut_at_step  # train.cut_at_step: this session ends the run at that global step, as a box would
         self._fit = fit if fit and max_seconds else None  # training/fit.py; needs a box
         self.fit_record: dict | None = None
         self._fit_steps, self._fit_t1 = 0, None  # this process's steps while probing; the probe's start
@@ -169,6 +173,9 @@ class PipelineTrainer(Trainer):
             self._maybe_fit()
         if self.planned_steps is not None and self.global_step >= self.planned_steps:  # the fitted plan's end
             self.fit_reached = True
+            self._finish_here()
+        if self._cut and self.global_step >= self._cut:  # the session's share of the schedule is done
+            self.deadline_hit = self.cut_hit = True
             self._finish_here()
         if self._deadline is not None and time.monotonic() > self._deadline:  # out of time: checkpoint and stop
             self.deadline_hit = True
