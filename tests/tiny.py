@@ -39,8 +39,10 @@ def tiny_target(family: str = "qwen3", seed: int = 0, taps=(), capacity: int = 6
     return Target(model, backend, capacity=capacity, taps=tuple(taps))
 
 
-def tiny_drafter(target: Target, block: int = 4, layers: int = 2, seed: int = 1, backend=CPU32) -> DFlashDrafter:
-    cfg = config_for_target(target.config, layers, block, MASK_ID)
+def tiny_drafter(target: Target, block: int = 4, layers: int = 2, seed: int = 1, backend=CPU32,
+                 target_layer_ids=None) -> DFlashDrafter:
+    """target_layer_ids: the taps (default: the z-lab rule, which needs >= 4 target layers for 2 drafter layers)."""
+    cfg = config_for_target(target.config, layers, block, MASK_ID, target_layer_ids=target_layer_ids)
     target.set_taps(cfg.target_layer_ids)
     model = random_dflash(cfg, seed=seed).to(backend.device, backend.dtype)
     return DFlashDrafter(model, target.embed, target.lm_head, backend)
