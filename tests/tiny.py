@@ -82,7 +82,7 @@ XPRESS_ARGS = dict(markov_rank=8, mlp_ratio=2, no_residual=True, input_mode="con
 
 
 def write_run_fixture(root, rows: list[dict], xpress_std: float = 0.3, markov_std: float = 0.3):
-    """Everything a CLI run needs on disk: target/, drafter/ (block 4), xpress.pt and markov.pt (random heads with
+    """Everything a CLI run needs on disk: target/ (2 layers), drafter/ (block 4, taps [0, 1]), xpress.pt and markov.pt (random heads with
     their own co-trained drafter weights), and data/mini.jsonl holding `rows`."""
     import argparse
     import json
@@ -90,8 +90,8 @@ def write_run_fixture(root, rows: list[dict], xpress_std: float = 0.3, markov_st
     from drafters.dflash import random_dflash, save_dflash
     from refiners.markov import random_markov_head
     from refiners.xpress import random_xpress_head
-    save_tiny_checkpoint(root / "target")
-    base = tiny_drafter(tiny_target("qwen3"), block=4)
+    save_tiny_checkpoint(root / "target", layers=2)  # 2 layers: each run decodes hundreds of steps
+    base = tiny_drafter(tiny_target("qwen3", layers=2), block=4, target_layer_ids=[0, 1])
     save_dflash(base.model, root / "drafter")
     cotrained = random_dflash(base.model.config, seed=11).state_dict()
     head = random_xpress_head(VOCAB, 64, 8, 4, seed=2, std=xpress_std)
