@@ -51,18 +51,37 @@ def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_pa
     monkeypatch.setenv("XPRESS_BENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(gguf_cache.ENV, raising=False)
     where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
-    ref_tok = AutoTokenizer.from_pretrained(**where)
+    assert gguf_cache.cached(str(gguf)) is None  # the config check never converts
+    # The reference is what transformers' GGUF loader returns. The conversion calls that loader (a tokenizer and a
+    # fp32 model: one parse of the GGUF each, ~30 s on 2 cores); its results are recorded as it returns them,
+    # copied before the conversion touches them (save_plain drops the quantizer marks), instead of parsing the
+    # GGUF twice more here. Used only when the calls were the plain GGUF load; otherwise loaded here as before.
+    seen = {}
+
+    def record(cls, name):
+        real = cls.from_pretrained
+
+        def spy(*a, **k):
+            out = real(*a, **k)
+            if "gguf_file" in k:  # (the tokenizer's load then reads the converted directory: not recorded)
+                seen.setdefault(name, (a, k, copy.deepcopy(out)))
+            return out
+        return spy
+    with pytest.MonkeyPatch.context() as mp:
+        for cls, name in ((AutoTokenizer, "tok"), (AutoModelForCausalLM, "model")):
+            mp.setattr(cls, "from_pretrained", record(cls, name))
+        load_tokenizer(str(gguf))  # the first load converts
+    plain = ((str(gguf.parent),), {"gguf_file": gguf.name})
+    ref_tok = seen["tok"][2] if seen.get("tok", ())[:2] == plain else AutoTokenizer.from_pretrained(**where)
     # transformers' GGUF reader dequantizes to fp32 and casts to the dtype asked for; the bf16 reference is that
-    # fp32 model cast (one parse of the GGUF, about 20 s on 2 cores, instead of two)
-    ref = {torch.float32: AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32,
-                                                               attn_implementation="sdpa")}
+    # fp32 model cast (one parse of the GGUF instead of two)
+    ref = {torch.float32: seen["model"][2] if seen.get("model", ())[:2] == (plain[0], {**plain[1], "dtype":
+           torch.float32}) else AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)}
     ref[torch.bfloat16] = copy.deepcopy(ref[torch.float32]).to(torch.bfloat16)
     # the config that load read from the GGUF (a parse saved, as above), less the quantizer mark the load adds
     ref_config = copy.deepcopy(ref[torch.float32].config)
     del ref_config.quantization_config
 
-    assert gguf_cache.cached(str(gguf)) is None  # the config check never converts
-    load_tokenizer(str(gguf))  # the first load converts
     folder = gguf_cache.cached(str(gguf))
     assert folder and folder.startswith(str(tmp_path / "cache"))
     assert not [p for p in os.listdir(os.path.dirname(folder)) if p.endswith(".part")]

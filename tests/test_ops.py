@@ -156,10 +156,11 @@ def test_decode_sized_calls_the_kernels_cannot_take_are_counted():
 
 
 def test_a_decode_with_refiners_hands_nothing_to_the_torch_ops():
-    """Every decode-sized call of a fused target, the drafter and both refiners reaches a kernel."""
+    """Every decode-sized call of a fused target, the drafter and both refiners reaches a kernel (2 target layers and
+    a 1-layer drafter: every layer makes the same calls, and each costs ~0.5 s a step on the interpreter)."""
     from tiny import VOCAB
-    t = fast_target(capacity=64)
-    d = tiny_drafter(t, block=4, backend=F32)
+    t = fast_target(capacity=64, layers=2)
+    d = tiny_drafter(t, block=4, layers=1, backend=F32)
     d.ops = t.ops
     for r in (None, XPressRefiner(random_xpress_head(VOCAB, 64, 16, 4, seed=7, std=0.3).to(DEV), 2, ops=t.ops),
               MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 16, seed=2, std=0.3).to(DEV), ops=t.ops)):
@@ -171,12 +172,16 @@ def test_a_decode_with_refiners_hands_nothing_to_the_torch_ops():
 @pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
 @pytest.mark.parametrize("drafter", [False, True])
 def test_greedy_tokens_same_on_both_ops(drafter, graph):
-    """fp32 greedy: the torch ops and the Triton ops (eagerly, and inside whole-step graphs on CUDA) agree."""
-    n = 24 if DEV.type == "cuda" else 8  # the CPU interpreter is slow (8 tokens: two speculative blocks and more)
+    """fp32 greedy: the torch ops and the Triton ops (eagerly, and inside whole-step graphs on CUDA) agree. On the
+    CPU interpreter 2 layers (every layer runs the same kernels; 6 took 25 s) and 8 tokens: two speculative blocks
+    and more."""
+    n, layers = (24, 6) if DEV.type == "cuda" else (8, 2)
     outs = []
     for fast in (False, True):
-        t = fast_target(capacity=64) if fast else tiny_target("qwen3", backend=F32, capacity=64)
-        d = tiny_drafter(t, block=4, backend=F32) if drafter else None
+        t = fast_target(capacity=64, layers=layers) if fast else tiny_target("qwen3", backend=F32, capacity=64,
+                                                                             layers=layers)
+        d = tiny_drafter(t, block=4, backend=F32, target_layer_ids=[0, 1] if layers == 2 else None) \
+            if drafter else None
         if d is not None:
             d.ops = t.ops
         s = DecodeSettings(n, 512, (), use_graph=graph and fast, graph_bucket=16)

@@ -39,8 +39,10 @@ def tiny_target(family: str = "qwen3", seed: int = 0, taps=(), capacity: int = 6
     return Target(model, backend, capacity=capacity, taps=tuple(taps))
 
 
-def tiny_drafter(target: Target, block: int = 4, layers: int = 2, seed: int = 1, backend=CPU32) -> DFlashDrafter:
-    cfg = config_for_target(target.config, layers, block, MASK_ID)
+def tiny_drafter(target: Target, block: int = 4, layers: int = 2, seed: int = 1, backend=CPU32,
+                 target_layer_ids=None) -> DFlashDrafter:
+    """target_layer_ids: the taps (default: the z-lab rule, which needs >= 4 target layers for 2 drafter layers)."""
+    cfg = config_for_target(target.config, layers, block, MASK_ID, target_layer_ids=target_layer_ids)
     target.set_taps(cfg.target_layer_ids)
     model = random_dflash(cfg, seed=seed).to(backend.device, backend.dtype)
     return DFlashDrafter(model, target.embed, target.lm_head, backend)
@@ -80,7 +82,7 @@ XPRESS_ARGS = dict(markov_rank=8, mlp_ratio=2, no_residual=True, input_mode="con
 
 
 def write_run_fixture(root, rows: list[dict], xpress_std: float = 0.3, markov_std: float = 0.3):
-    """Everything a CLI run needs on disk: target/, drafter/ (block 4), xpress.pt and markov.pt (random heads with
+    """Everything a CLI run needs on disk: target/ (2 layers), drafter/ (block 4, taps [0, 1]), xpress.pt and markov.pt (random heads with
     their own co-trained drafter weights), and data/mini.jsonl holding `rows`."""
     import argparse
     import json
@@ -88,8 +90,8 @@ def write_run_fixture(root, rows: list[dict], xpress_std: float = 0.3, markov_st
     from drafters.dflash import random_dflash, save_dflash
     from refiners.markov import random_markov_head
     from refiners.xpress import random_xpress_head
-    save_tiny_checkpoint(root / "target")
-    base = tiny_drafter(tiny_target("qwen3"), block=4)
+    save_tiny_checkpoint(root / "target", layers=2)  # 2 layers: each run decodes hundreds of steps
+    base = tiny_drafter(tiny_target("qwen3", layers=2), block=4, target_layer_ids=[0, 1])
     save_dflash(base.model, root / "drafter")
     cotrained = random_dflash(base.model.config, seed=11).state_dict()
     head = random_xpress_head(VOCAB, 64, 8, 4, seed=2, std=xpress_std)
