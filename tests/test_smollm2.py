@@ -95,11 +95,12 @@ def test_the_warm_start_drafter_is_a_complete_export():
 
 
 def test_the_embedded_default_is_lossless_and_accepts_with_the_shipped_weights(smollm2, tmp_path):
-    """The main job's models on CPU fp32 (2 gsm8k prompts, 32 tokens): every arm's output equals AR's, and the
-    trained drafter accepts (random weights give tau ~1.0; the shipped drafter's held-out tau is about 2)."""
+    """The main job's models on CPU fp32 (2 gsm8k prompts, 16 tokens; the warmup decodes as many): every arm's
+    output equals AR's, and the trained drafter accepts (random weights give tau ~1.0; the shipped drafter's
+    held-out tau is about 2; here, measured: drafter-only 3.33, Markov 3.75, xPress K=2 3.33)."""
     import json
     import benchmark_compile_all as cli
-    rc = cli.main(["--device", "cpu", "--max-samples", "2", "--max-new-tokens", "32", "--fair-k-list", "2",
+    rc = cli.main(["--device", "cpu", "--max-samples", "2", "--max-new-tokens", "16", "--fair-k-list", "2",
                    "--fair-interleave", "1", "--fair-warmup-rounds", "0", "--results-dir", str(tmp_path),
                    "--run-id", "shipped", "--quiet"])
     assert rc == 0
