@@ -11,7 +11,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BOX_MINUTES = 0.05  # 3 s
 
 
-def test_box_accounting_sums_to_the_box(tmp_path):
+def test_box_accounting_sums_to_the_box(tmp_path, capsys):
     """A 3-second time-boxed run with checkpoints, validation each epoch and held-out evaluation every 2 steps:
     box.json's parts, each timed on its own, add up to its wall time (the gaps between them under 2% + 0.15 s), the
     steps fill most of it, and the rates follow from the counts. Without the accounting there is no box.json."""
@@ -44,6 +44,12 @@ def test_box_accounting_sums_to_the_box(tmp_path):
         box["packed_tokens"] * (box["steps"] - 1) / box["steps"] / (parts["steps"] - first), rel=1e-3)
     # held-out evaluations are capped by eval_share: far fewer than one every 2 steps would be, but the final one runs
     assert 1 <= len(manifest["evals"]) < box["steps"] // 2
+    # each evaluation's log line names the split and the prompts it measured (it once said "held-out" for the
+    # selection split's first 8 prompts)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("acceptance during training @")]
+    last = manifest["evals"][-1]
+    assert len(lines) == len(manifest["evals"]) and last["set"] != "held-out"
+    assert f"({last['set']}, {last['prompts']} of {last['of']} prompts)" in lines[-1], lines[-1]
 
 
 def _rows(work, name="drafter"):

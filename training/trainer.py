@@ -199,8 +199,11 @@ class PipelineTrainer(Trainer):
         result = {"global_step": self.global_step, **self._eval_fn(raw, max_seconds=self._eval_cap)}
         raw.train(was)
         self.evals.append(result)
-        logging.getLogger("speculators").info(f"held-out acceptance: {result}")
-        print(f"held-out acceptance @ step {self.global_step}: " +
+        where = result.get("set", "held-out")  # the pipeline evaluates on its selection split, not the held-out set
+        if "prompts" in result:
+            where += f", {result['prompts']}" + (f" of {result['of']}" if "of" in result else "") + " prompts"
+        logging.getLogger("speculators").info(f"acceptance during training ({where}): {result}")
+        print(f"acceptance during training @ step {self.global_step} ({where}): " +
               ", ".join(f"{k}={v:.3f}" for k, v in result.items() if isinstance(v, float)), flush=True)
         if self._metrics_file is not None:
             with self._metrics_file.open("a") as f:
