@@ -110,10 +110,7 @@ def resolve_config_path(name: str) -> Path:
 
 def load_config(name: str, overrides: list[str] = (), workdir: str | None = None) -> dict:
     path = resolve_config_path(name)
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"config {path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    raw = read_raw(path)
     cfg = _merge(DEFAULTS, raw, "")
     for item in overrides:
         apply_override(cfg, item)
@@ -124,6 +121,35 @@ def load_config(name: str, overrides: list[str] = (), workdir: str | None = None
     cfg["models"] = {n: _merge(MODEL_DEFAULTS, m, "model") for n, m in cfg["models"].items()}
     validate(cfg)
     return cfg
+
+
+def read_raw(path: Path, seen: tuple = ()) -> dict:
+    """A config file's JSON with its `extends` chain resolved: `"extends": "NAME"` (a preset name or a .json path)
+    starts from that config and lays this file's sections over it, field by field, except `models`, which a child
+    that names it replaces whole (a variant that trains fewer models, e.g. smollm2-gpu-drafter)."""
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"config {path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str):
+        raise UsageError(f"config {path}: extends must be a config name or a .json path, not {parent!r}")
+    base_path = resolve_config_path(parent)
+    if base_path.resolve() in seen + (path.resolve(),):
+        raise UsageError(f"config {path}: extends {parent!r} makes a cycle; a config cannot extend itself")
+    return _overlay(read_raw(base_path, seen + (path.resolve(),)), raw)
+
+
+def _overlay(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if k != "models" and isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _overlay(out[k], v)
+        else:
+            out[k] = v
+    return out
 
 
 def validate(cfg: dict) -> None:

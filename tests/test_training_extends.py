@@ -1,0 +1,45 @@
+"""Config `extends` (training/config.py read_raw): a variant config names its base and the sections it changes;
+`models` is replaced whole, every other section merged field by field, and bad chains are refused in one line."""
+import json
+
+import pytest
+
+from core.errors import UsageError
+from training.config import load_config, resolve_config_path
+
+
+def test_the_drafter_only_preset_is_smollm2_gpu_with_one_model():
+    """smollm2-gpu-drafter (the third H200 run's config) equals smollm2-gpu in every section but `models`, and
+    there it holds only the drafter, the same as smollm2-gpu's: so its stages' keys (prompts, responses) are the
+    base's, and data packed by either run unpacks for the other."""
+    from training import prompts
+    base, child = load_config("smollm2-gpu"), load_config("smollm2-gpu-drafter")
+    assert {k for k in base if base[k] != child[k]} == {"models", "name", "workdir"}
+    assert list(child["models"]) == ["drafter"] and child["models"]["drafter"] == base["models"]["drafter"]
+    assert prompts.stage_key(child, ["a.jsonl"]) == prompts.stage_key(base, ["a.jsonl"])
+
+
+def test_sections_merge_field_by_field_and_models_replace(tmp_path):
+    base = json.loads(resolve_config_path("toy").read_text())
+    child = tmp_path / "child.json"
+    child.write_text(json.dumps({"extends": "toy", "train": {"epochs": 9},
+                                 "models": {"drafter": base["models"]["drafter"]}}))
+    cfg = load_config(str(child))
+    assert cfg["train"]["epochs"] == 9
+    assert cfg["train"]["lr"] == load_config("toy")["train"]["lr"]  # the other fields of the section: the base's
+    assert list(cfg["models"]) == ["drafter"] and len(base["models"]) > 1
+    # a chain: a grandchild over the child
+    grand = tmp_path / "grand.json"
+    grand.write_text(json.dumps({"extends": str(child), "seed": 7}))
+    g = load_config(str(grand))
+    assert g["seed"] == 7 and g["train"]["epochs"] == 9 and list(g["models"]) == ["drafter"]
+
+
+@pytest.mark.parametrize("extends, msg", [("no-such-preset", "no such config file"),
+                                          (3, "extends must be a config name"),
+                                          ("SELF", "makes a cycle")])
+def test_bad_extends_is_refused(tmp_path, extends, msg):
+    p = tmp_path / "bad.json"
+    p.write_text(json.dumps({"extends": str(p) if extends == "SELF" else extends}))
+    with pytest.raises(UsageError, match=msg):
+        load_config(str(p))
