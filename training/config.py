@@ -169,16 +169,19 @@ def validate(cfg: dict) -> None:
         if not isinstance(m["num_layers"], int) or m["num_layers"] < 1:
             raise UsageError(f"{where}: num_layers must be an integer >= 1")
         src = m["init_from"]
+        if src is not None and not isinstance(src, str):
+            raise UsageError(f"{where}: init_from must be a model name of this config or an exported drafter "
+                             f"folder (got {src!r})")
         if src is not None and src not in cfg["models"]:
-            raise UsageError(f"{where}: init_from {src!r} names no model of this config")
-        if src is not None and cfg["models"][src]["type"] != "dflash":
+            check_init_export(cfg, name)
+        elif src is not None and cfg["models"][src]["type"] != "dflash":
             raise UsageError(f"{where}: init_from must name a dflash model (got {cfg['models'][src]['type']})")
         if m["freeze_backbone"] and src is None:
             raise UsageError(f"{where}: freeze_backbone needs init_from (a trained drafter to freeze)")
         mm = m["max_minutes"]
         if mm is not None and (not isinstance(mm, (int, float)) or isinstance(mm, bool) or mm <= 0):
             raise UsageError(f"{where}: max_minutes must be a number > 0 (this model's own box) or null")
-        if src is not None:
+        if src is not None and src in cfg["models"]:
             for key in ("num_layers", "block_size", "intermediate_size"):
                 if cfg["models"][src][key] != m[key]:
                     raise UsageError(f"{where}: {key}={m[key]} differs from its init_from model {src!r} "
@@ -278,6 +281,60 @@ def validate_acceptance(cfg: dict) -> None:
             raise UsageError(f"config acceptance.bench {name!r} (read from prompts.eval_dir): {e}") from None
 
 
+def init_export(cfg: dict, name: str) -> Path | None:
+    """models.NAME.init_from as an exported drafter folder (a path, absolute or relative to the repository), or
+    None when it names a model of this config (or is unset)."""
+    src = cfg["models"][name]["init_from"]
+    return None if src is None or src in cfg["models"] else repo_path(src)
+
+
+def check_init_export(cfg: dict, name: str) -> None:
+    """An init_from folder is a dflash export (config.json as the export stage and training.ship write it) whose
+    depth and block size are this model's and whose taps are the hidden stage's, checked before anything loads."""
+    where, m, d = f"config models.{name}", cfg["models"][name], init_export(cfg, name)
+    f = d / "config.json"
+    if not f.is_file():
+        raise UsageError(f"{where}: init_from {m['init_from']!r} names no model of this config "
+                         f"({', '.join(cfg['models'])}) and no exported drafter folder ({f} is missing)")
+    try:
+        spec = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{where}: init_from {f}: invalid JSON ({e.msg}); export the drafter again") from None
+    if spec.get("speculators_model_type") != "dflash":
+        raise UsageError(f"{where}: init_from {d} is a {spec.get('speculators_model_type')!r} export; give a dflash "
+                         "drafter's folder (e.g. runs/X/export/drafter or weights/smollm2-135m/drafter)")
+    layer = spec.get("transformer_layer_config") or {}
+    theirs = {"num_layers": layer.get("num_hidden_layers"), "block_size": spec.get("block_size"),
+              "intermediate_size": layer.get("intermediate_size")}
+    for key, v in theirs.items():
+        if m[key] is not None and v != m[key]:
+            raise UsageError(f"{where}: {key}={m[key]} differs from its init_from drafter {d} ({v}); set "
+                             f"models.{name}.{key}={v}")
+    taps, want = spec.get("aux_hidden_state_layer_ids"), cfg["hidden"].get("layer_ids")
+    if want and taps and list(taps) != list(want):
+        raise UsageError(f"{where}: init_from drafter {d} taps the target's layers {taps}, and hidden.layer_ids is "
+                         f"{want}; set hidden.layer_ids to {taps}")
+
+
+_DIGESTS: dict = {}
+
+
+def export_digest(d: Path) -> str:
+    """The bytes of an exported folder's config and shards, hashed (cached per file size and mtime): a head's
+    fingerprint carries its init_from folder's, so another drafter at the same path is not resumed."""
+    files = sorted(p for p in d.iterdir() if p.suffix in (".json", ".safetensors") and p.name != "train_state.json")
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if _DIGESTS.get(d, (None,))[0] != stamp:
+        h = hashlib.sha256()
+        for p in files:
+            h.update(p.name.encode())
+            with open(p, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+        _DIGESTS[d] = (stamp, h.hexdigest()[:16])
+    return _DIGESTS[d][1]
+
+
 def train_order(cfg: dict) -> list[str]:
     """Models in an order where every init_from source trains first."""
     order, seen = [], set()
@@ -286,7 +343,7 @@ def train_order(cfg: dict) -> list[str]:
         if n in seen:
             return
         src = cfg["models"][n]["init_from"]
-        if src is not None:
+        if src is not None and src in cfg["models"]:  # an exported folder trains nothing first
             visit(src)
         seen.add(n)
         order.append(n)
@@ -311,5 +368,8 @@ def model_fingerprint(cfg: dict, name: str) -> str:
     target and the data's fingerprint. A resume with another fingerprint is refused."""
     train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL}
     model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"}  # a box is run control
+    init = init_export(cfg, name)
+    if init is not None:  # the folder's content, not its path
+        model["init_from"] = export_digest(init)
     return fingerprint({"model": model, "train": train, "target": cfg["target"], "seed": cfg["seed"],
                         "hidden": cfg["hidden"]})

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UsageError
+from training.config import init_export
 from training.store import staged, write_json
 from training.train import final_dir, model_dir
 
@@ -122,8 +123,8 @@ def run(cfg: dict, num_target_layers: int) -> Path:
         for n, m in cfg["models"].items():
             if m["type"] != "dflash":
                 t = time.perf_counter()
-                src = m["init_from"] if m["freeze_backbone"] else None
-                cotrain_pt(tmp / n, tmp / src if src else None, tmp / "pt" / f"{n}_refiner_cotrain.pt")
+                src = (init_export(cfg, n) or tmp / m["init_from"]) if m["freeze_backbone"] else None
+                cotrain_pt(tmp / n, src, tmp / "pt" / f"{n}_refiner_cotrain.pt")
                 seconds[n] += time.perf_counter() - t
         write_json(tmp / "manifest.json", {"models": {n: cfg["models"][n] for n in cfg["models"]}, "files": files,
                                            "total_bytes": total, "dtype": ec["dtype"]})

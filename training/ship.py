@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from core.errors import UsageError, cli_exit
+from training.config import repo_path
 from training.store import staged, write_json
 
 FILE_LIMIT = 16 * 2**20
@@ -51,6 +52,11 @@ def tried(work: Path) -> dict:
     return out
 
 
+def _train_state(d: Path) -> dict:
+    f = d / "train_state.json"
+    return {"train_state": json.loads(f.read_text())} if f.is_file() else {}
+
+
 def choose_markov(models: dict, named: str | None) -> str:
     markov = [n for n, m in models.items() if m["type"] == "dspark"]
     if named:
@@ -62,14 +68,34 @@ def choose_markov(models: dict, named: str | None) -> str:
     return max(markov, key=lambda n: (models[n]["selection"].get("tau_markov", 0.0), -markov.index(n)))
 
 
+def external_drafter(models: dict, chosen: dict, drafter: str) -> str:
+    """The drafter of a run that trained heads only: the exported folder both shipped heads were initialised from
+    and froze (models.X.init_from), when --drafter names no model of the run."""
+    heads = [chosen["xpress"], chosen["markov"]]
+    inits = {models[h]["init_from"] for h in heads}
+    if len(inits) != 1 or None in inits or inits & set(models):
+        raise UsageError(f"ship: --drafter {drafter}: no such exported model (have: {', '.join(models)}), and the "
+                         f"shipped heads {', '.join(heads)} start from no one exported drafter folder "
+                         f"(init_from: {', '.join(str(models[h]['init_from']) for h in heads)})")
+    path = inits.pop()
+    if not (repo_path(path) / "config.json").is_file():
+        raise UsageError(f"ship: the heads' init_from drafter {path} is not here (no config.json); run ship where "
+                         "that folder is, or copy it there")
+    return path
+
+
 def ship(work: Path, out: Path, drafter="drafter", xpress="xpress", markov: str | None = None,
          max_mb: float = 60.0) -> dict:
     models = tried(work)
-    for role, name in (("drafter", drafter), ("xpress", xpress)):
-        if name not in models:
-            raise UsageError(f"ship: --{role} {name}: no such exported model (have: {', '.join(models)})")
+    if xpress not in models:
+        raise UsageError(f"ship: --xpress {xpress}: no such exported model (have: {', '.join(models)})")
     chosen = {"drafter": drafter, "xpress": xpress, "markov": choose_markov(models, markov)}
-    files = {role: sorted((work / "export" / name).iterdir()) for role, name in chosen.items()}
+    folders = {role: work / "export" / name for role, name in chosen.items()}
+    external = None
+    if drafter not in models:
+        external = external_drafter(models, chosen, drafter)
+        folders["drafter"], chosen["drafter"] = repo_path(external), external
+    files = {role: sorted(f for f in d.iterdir() if f.is_file()) for role, d in folders.items()}
     big = [f for fs in files.values() for f in fs if f.stat().st_size > FILE_LIMIT]
     if big:
         raise UsageError(f"ship: {big[0]} is over 16 MiB; lower export.max_shard_mib and export again")
@@ -83,6 +109,8 @@ def ship(work: Path, out: Path, drafter="drafter", xpress="xpress", markov: str 
             for f in fs:
                 shutil.copy2(f, tmp / role / f.name)
         manifest = {"shipped": chosen, "total_bytes": total,
+                    **({"drafter_from": {"init_from": external, **_train_state(repo_path(external))}}
+                       if external else {}),
                     "markov_choice": ("given by --markov" if markov else "the dspark variant with the highest "
                                       "selection-set tau_markov (prompts/selection.jsonl); held-out tau is "
                                       "reported only"),

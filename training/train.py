@@ -83,20 +83,38 @@ def build_model(cfg: dict, name: str, verifier: str, layer_ids: list[int], attn_
         kwargs["mask_token_id"] = tl.vocab_size - 1
     model = SpeculatorModel.registry[m["type"]].from_training_args(tl, **kwargs)
     if m["init_from"]:
-        src = final_dir(cfg, m["init_from"])
-        if src is None:
-            raise UsageError(f"models.{name}: init_from {m['init_from']!r} has not finished training")
-        from safetensors.torch import load_file
-        state = load_file(str(src / "model.safetensors"))
-        missing = [k for k in state if k not in model.state_dict()]
-        if missing:
-            raise UsageError(f"models.{name}: {m['init_from']}'s tensor {missing[0]} does not fit this model")
-        model.load_state_dict(state, strict=False)
+        state = init_state(cfg, name, layer_ids)
+        own = model.state_dict()
+        bad = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
+        if bad:
+            k = bad[0]
+            raise UsageError(f"models.{name}: {m['init_from']}'s tensor {k} {tuple(state[k].shape)} does not fit "
+                             f"this model ({tuple(own[k].shape) if k in own else 'no such tensor'})")
+        model.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=False)
         if m["freeze_backbone"]:
             for k, p in model.named_parameters():
                 if k in state:
                     p.requires_grad_(False)
     return model
+
+
+def init_state(cfg: dict, name: str, layer_ids: list[int]) -> dict:
+    """The drafter a model starts from: a model of this config that finished training, or an exported drafter
+    folder (bf16 shards as the export stage or training.ship wrote them; its taps must be the hidden stage's)."""
+    from training.config import init_export
+    m, d = cfg["models"][name], init_export(cfg, name)
+    if d is None:
+        src = final_dir(cfg, m["init_from"])
+        if src is None:
+            raise UsageError(f"models.{name}: init_from {m['init_from']!r} has not finished training")
+        from safetensors.torch import load_file
+        return load_file(str(src / "model.safetensors"))
+    from core.checkpoints import read_tensors, shard_files
+    taps = json.loads((d / "config.json").read_text()).get("aux_hidden_state_layer_ids")
+    if taps and list(taps) != list(layer_ids):
+        raise UsageError(f"models.{name}: init_from drafter {d} taps the target's layers {list(taps)}, and the "
+                         f"hidden stage wrote {list(layer_ids)}; set hidden.layer_ids to {list(taps)}")
+    return read_tensors(shard_files(d, f"models.{name}.init_from"))
 
 
 def loss_impl(tc: dict, device: torch.device) -> str:

@@ -9,12 +9,21 @@
 #                                                              # in .gpu3/; then harness/lab/device_tree.sh stash DIR
 #   device:  bash harness/lab/training_gpu.sh setup            # carry .whl .gpu1: installs, keeps GGUF part 1
 #            bash harness/lab/training_gpu.sh warm             # carry .gpu3 (with a warm start only): keeps it
+#            bash harness/lab/training_gpu.sh data DIR NAME    # carry DIR (pieces of `python -m training.travel
+#                                                              # pack`): stages made in an earlier session
 #            bash harness/lab/training_gpu.sh start [ARGS...]  # carry .gpu2: the GGUF whole, the job started
 #                                                              # in its own session (ARGS: more --set overrides)
 #            bash harness/lab/training_gpu.sh poll [SECONDS]   # until the job ends or SECONDS (default 540) pass
 #            bash harness/lab/training_gpu.sh back [WHAT...]   # into $OUT: records.tgz, and WHAT (e.g. drafter, or
 #                                                              # xpress markov_gated) of the export in tar parts of
 #                                                              # 15 MB (8 files of 16 MiB at most come back a call)
+#            bash harness/lab/training_gpu.sh tables DS:T...   # after the job: ship its export (training.ship) to
+#                                                              # /tmp/w/smollm2-135m and start those table cells
+#                                                              # (smollm2_gpu.sh tables; TABLE_ARGS, K_LIST pass on)
+#            bash harness/lab/training_gpu.sh tpoll [SECONDS]  # until the cells end; `back tables` brings them
+#
+# With a warm export (warm), the job's copy of the code holds it at weights/smollm2-135m-warm/, so a config whose
+# heads start from that folder (smollm2-gpu-heads: init_from weights/smollm2-135m-warm/drafter) finds it there.
 #   here:    harness/lab/device_tree.sh restore DIR; tar xzf records.tgz; cat parts | tar xf -
 #
 # Make the calls back to back (the job dies with the machine). The job runs from a copy of the code in /tmp/code,
@@ -47,11 +56,17 @@ case "${1:-}" in
   warm)  # its own call: the GGUF's part 2 (47 MB) and a warm export (37 MB) are over 64 MiB together
     rm -rf /tmp/warm && cp -r .gpu3/warm /tmp/warm && du -sh /tmp/warm
     ;;
+  data)
+    dir=${2:?data DIR NAME: the folder of travel pieces}; name=${3:?data DIR NAME: the pack name}
+    PYTHONPATH=/tmp/site:. python3 -m training.travel unpack "$dir" --workdir $XRUN --name "$name"
+    ls $XRUN
+    ;;
   start)
     shift
     cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
     sha256sum /tmp/xb/$GGUF | cut -c1-16
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
+    if [[ -d /tmp/warm ]]; then mkdir -p /tmp/code/weights && cp -r /tmp/warm /tmp/code/weights/smollm2-135m-warm; fi
     args=("$@")
     if [[ -d /tmp/warm ]]; then args+=(--set train.warm_start=/tmp/warm); fi
     rm -f $XRUN.done
@@ -72,8 +87,30 @@ case "${1:-}" in
     grep -E "^(prompts|responses|hidden|train|fit|held-out|box|acceptance|export|error)|Traceback" $XRUN.log | tail -n 40
     tail -c 1500 $XRUN.log
     ;;
+  tables)
+    shift
+    [[ -f $XRUN.done ]] || { echo "error: the training job has not ended ($XRUN.done is missing); poll first" >&2; exit 3; }
+    cells=("$@")
+    (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
+        PYTHONUNBUFFERED=1 setsid nohup bash -c 'python3 -m training.ship --workdir "$0" --out /tmp/w/smollm2-135m &&
+        for c in "${@}"; do DATASETS=${c%%:*} RES=/tmp/res XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m \
+          bash harness/lab/smollm2_gpu.sh tables "${c##*:}"; done; echo "rc=$?" > "$0.tables.done"' \
+        "$XRUN" "${cells[@]}" > $XRUN.tables.log 2>&1 < /dev/null &)
+    sleep 10; tail -n 5 $XRUN.tables.log
+    ;;
+  tpoll)
+    [[ -f $XRUN.tables.log ]] || { echo "error: no tables job on this machine: it was given back" >&2; exit 3; }
+    end=$(( $(date +%s) + ${2:-540} ))
+    while [[ ! -f $XRUN.tables.done ]] && (( $(date +%s) < end )); do sleep 5; done
+    cat $XRUN.tables.done 2>/dev/null || echo running
+    grep -E "^ship|^== |: (done|skipped|failed)|^\| (AR|drafter|Markov|xPress)|error|Traceback" $XRUN.tables.log | tail -n 40
+    ;;
   back)
     : "${OUT:?back runs on the device machine, where \$OUT is set}"
+    if [[ ${2:-} == tables ]]; then
+      tar czf "$OUT/tables.tgz" -C /tmp/res . $XRUN.tables.log && tar czf "$OUT/shipped.tgz" -C /tmp/w smollm2-135m/manifest.json
+      ls -la "$OUT"; exit 0
+    fi
     cd "$XRUN"
     find . -maxdepth 3 \( -name '*.json' -o -name metrics.jsonl \) -not -path './prompts/*' -not -path './export/*/*' \
         -not -path './responses/parts/*' | tar czf "$OUT/records.tgz" -T - $XRUN.log

@@ -1,0 +1,129 @@
+"""models.X.init_from as an exported drafter folder (training/config.py check_init_export, training/train.py
+init_state): heads train on a drafter that an earlier run exported (e.g. weights/smollm2-135m-warm/drafter), with
+no drafter in the config; training.ship then ships that folder as the drafter. Bad folders are refused in one line
+before anything loads, and a head's fingerprint follows the folder's bytes, not its path."""
+import json
+import shutil
+
+import pytest
+import torch
+
+from core.errors import UsageError
+from training_fixtures import harness_from_export, run_cli, tiny_models, write_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def heads_on(folder) -> dict:
+    models = tiny_models()
+    del models["drafter"]
+    for m in models.values():
+        m["init_from"] = str(folder)
+    return models
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A drafter-only run, its export copied aside (the export stage of the next run replaces export/ whole), then a
+    heads-only run in the same workdir (its data stages are the first run's, skipped)."""
+    root = tmp_path_factory.mktemp("initfrom")
+    work = root / "work"
+    assert run_cli("all", "--config", write_config(root, tiny_models(heads=False)), "--workdir", work) == 0
+    shutil.copytree(work / "export" / "drafter", root / "warm" / "drafter")
+    heads = write_config(root, heads_on(root / "warm" / "drafter"))
+    assert run_cli("all", "--config", heads, "--workdir", work) == 0
+    return root
+
+
+def test_heads_train_on_the_exported_drafter_and_keep_it_frozen(runs):
+    from core.checkpoints import read_tensors, shard_files
+    from safetensors.torch import load_file
+    w = runs / "work"
+    warm = read_tensors(shard_files(runs / "warm" / "drafter", "warm"))
+    assert sorted(json.loads((w / "export" / "manifest.json").read_text())["models"]) == ["markov", "xpress"]
+    for name in ("xpress", "markov"):
+        m = json.loads((w / "train" / name / "manifest.json").read_text())
+        assert m["complete"]
+        final = load_file(str(w / "train" / name / m["final"] / "model.safetensors"))
+        assert set(warm) <= set(final)
+        for k, v in warm.items():  # the backbone is the folder's (bf16 there, exact in fp32) and stayed frozen
+            assert torch.equal(final[k], v.to(final[k].dtype)), k
+        acc = json.loads((w / "train" / name / "acceptance.json").read_text())
+        assert acc["heldout"]["tau_drafter"] >= 1.0
+
+
+def test_ship_takes_the_drafter_from_the_heads_folder_and_it_decodes(runs):
+    from harness.decode.loop import DecodeSettings, generate
+    from refiners.formats import load_refiner_checkpoint
+    from refiners.xpress import XPressRefiner, xpress_head_from_state
+    from training.ship import ship
+    out = runs / "shipped"
+    manifest = ship(runs / "work", out)
+    warm = runs / "warm" / "drafter"
+    assert manifest["shipped"]["drafter"] == str(warm)
+    assert manifest["drafter_from"]["train_state"]["global_step"] == \
+        json.loads((warm / "train_state.json").read_text())["global_step"]
+    assert sorted(f.name for f in (out / "drafter").iterdir()) == sorted(f.name for f in warm.iterdir())
+    backend, target, drafter = harness_from_export(runs / "target", out)
+    xp = load_refiner_checkpoint(out / "xpress", "xpress")
+    s = DecodeSettings(max_new_tokens=16, max_model_len=128, stop_ids=(3, 5))
+    prompt = [11, 40, 23, 77, 9]
+    want = generate(target, prompt, s, backend).tokens
+    got = generate(target, prompt, s, backend, drafter=drafter,
+                   refiner=XPressRefiner(xpress_head_from_state(xp.head_state), 2)).tokens
+    assert got == want
+
+
+def test_bad_init_from_folders_are_refused_before_loading(runs, tmp_path):
+    from training.config import load_config
+
+    def refused(models, **sections):
+        with pytest.raises(UsageError) as e:
+            load_config(str(write_config(tmp_path, models, **sections)))
+        msg = str(e.value)
+        assert "\n" not in msg
+        return msg
+
+    assert "no exported drafter folder" in refused(heads_on(tmp_path / "nowhere"))
+    assert "is a 'xpress' export" in refused(heads_on(runs / "work" / "export" / "xpress"))
+    deeper = heads_on(runs / "warm" / "drafter")
+    deeper["xpress"]["num_layers"] = 2
+    assert "num_layers=2 differs from its init_from drafter" in refused(deeper)
+    assert "set hidden.layer_ids to [1, 3, 5]" in refused(heads_on(runs / "warm" / "drafter"),
+                                                          hidden={"layer_ids": [1, 2, 5]})
+    models = heads_on(runs / "warm" / "drafter")
+    models["xpress"]["init_from"] = 3
+    assert "init_from must be a model name of this config or an exported drafter folder" in refused(models)
+
+
+def test_the_fingerprint_follows_the_folders_bytes_not_its_path(runs, tmp_path):
+    from safetensors.torch import load_file, save_file
+    from training.config import load_config, model_fingerprint
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(runs / "warm" / "drafter", a)
+    shutil.copytree(runs / "warm" / "drafter", b)
+
+    def key(folder):
+        return model_fingerprint(load_config(str(write_config(tmp_path, heads_on(folder)))), "xpress")
+
+    assert key(a) == key(b)
+    shard = sorted(b.glob("*.safetensors"))[0]
+    t = load_file(str(shard))
+    k = sorted(t)[0]
+    t[k] = t[k].clone()
+    t[k].view(-1)[0] += 1
+    save_file(t, str(shard), metadata={"format": "pt"})
+    assert key(a) != key(b)
+
+
+def test_the_heads_preset_starts_every_head_from_the_warm_drafter_and_shares_the_data_keys():
+    """smollm2-gpu-heads trains the three heads on weights/smollm2-135m-warm/drafter (checked against that folder
+    when the config loads) and keeps smollm2-gpu's data sections, so stages packed by a drafter run unpack for it."""
+    from training import prompts
+    from training.config import load_config
+    base, heads = load_config("smollm2-gpu"), load_config("smollm2-gpu-heads")
+    assert sorted(heads["models"]) == ["markov_gated", "markov_vanilla", "xpress"]
+    assert {m["init_from"] for m in heads["models"].values()} == {"weights/smollm2-135m-warm/drafter"}
+    assert all(m["freeze_backbone"] for m in heads["models"].values())
+    assert {k for k in base if base[k] != heads[k]} == {"models", "name", "workdir"}
+    assert prompts.stage_key(heads, ["a.jsonl"]) == prompts.stage_key(base, ["a.jsonl"])
