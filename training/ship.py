@@ -1,6 +1,6 @@
 """The shipped weights of one finished pipeline run: the drafter, the xPress head and the best Markov head.
 
-    python -m training.ship --workdir runs/smollm2-gpu --out weights/smollm2-135m [--max-mb 60]
+    python -m training.ship --workdir runs/smollm2-gpu --out weights/smollm2-135m [--max-mb 80]
 
 Reads the export stage's folders, every trained model's manifest (steps) and its acceptance.json (training/
 evaluate.py: τ on the selection set and on the held-out set). The Markov head shipped is the variant with the
@@ -23,6 +23,9 @@ from training.config import repo_path
 from training.store import staged, write_json
 
 FILE_LIMIT = 16 * 2**20
+# smollm2-gpu's 5-layer drafter (37.4 MB in bf16) with the xPress and a Markov head (16 MB each) is 69.3 MB: the
+# 60 MB this was refused on the H200 (2026-12-03); the tracked tree's weights travel apart (device_tree.sh) anyway
+MAX_MB = 80.0
 
 
 def _manifest(work: Path, name: str, file: str = "manifest.json") -> dict:
@@ -85,7 +88,7 @@ def external_drafter(models: dict, chosen: dict, drafter: str) -> str:
 
 
 def ship(work: Path, out: Path, drafter="drafter", xpress="xpress", markov: str | None = None,
-         max_mb: float = 60.0) -> dict:
+         max_mb: float = MAX_MB) -> dict:
     models = tried(work)
     if xpress not in models:
         raise UsageError(f"ship: --xpress {xpress}: no such exported model (have: {', '.join(models)})")
@@ -127,7 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafter", default="drafter")
     p.add_argument("--xpress", default="xpress")
     p.add_argument("--markov", default=None, help="ship this Markov model (default: best selection-set tau)")
-    p.add_argument("--max-mb", type=float, default=60.0)
+    p.add_argument("--max-mb", type=float, default=MAX_MB,
+                   help=f"refuse a total over this many MB (default {MAX_MB:g})")
     args = p.parse_args(argv)
     return cli_exit(lambda: ship(Path(args.workdir), Path(args.out), args.drafter, args.xpress, args.markov,
                                  args.max_mb))

@@ -32,7 +32,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 XRUN=${XRUN:-/tmp/xrun}  # the workdir on the device (its log: $XRUN.log)
-CODE="core data drafters harness refiners training scripts benchmark_compile_all.py requirements.txt"
+CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
 
 case "${1:-}" in
   prepare)
