@@ -81,7 +81,8 @@ def test_the_warm_start_drafter_is_a_complete_export():
     w = REPO / "weights" / "smollm2-135m-warm"
     d = warm.source({"train": {"warm_start": str(w)}}, "drafter")
     assert d == w / "drafter" and warm.train_state(d)["global_step"] == 2248
-    assert warm.source({"train": {"warm_start": str(w)}}, "xpress") is None
+    # the heads trained on it (smollm2-gpu-heads): xpress/ is also what a warm start of a model named xpress reads
+    assert warm.train_state(warm.source({"train": {"warm_start": str(w)}}, "xpress"))["global_step"] == 494
     sizes = json.loads((w / "manifest.json").read_text())["files"]["drafter"]
     assert {f.name: f.stat().st_size for f in d.iterdir()} == sizes
     assert max(sizes.values()) < 16 * 2**20
@@ -92,6 +93,29 @@ def test_the_warm_start_drafter_is_a_complete_export():
         with safe_open(str(d / shard), "pt") as f:
             held.update(dict.fromkeys(f.keys(), shard))
     assert held == index
+
+
+def test_the_candidate_heads_fit_the_warm_drafter():
+    """weights/smollm2-135m-warm's xpress/ and markov/ (the heads run of 2026-12-03): what training.ship put there
+    (heads.json names the folders it copied and their bytes), files under 16 MiB, each head a serving directory that
+    loads and fits the drafter beside it (SmolLM2's vocab and hidden size, block 16), the backbone not repeated."""
+    import json
+    from drafters.dflash import read_dflash_config
+    from harness.protocol.setups import REPO
+    from refiners.formats import load_refiner_checkpoint, validate_against
+    w = REPO / "weights" / "smollm2-135m-warm"
+    ship = json.loads((w / "heads.json").read_text())
+    assert ship["shipped"] == {"drafter": "weights/smollm2-135m-warm/drafter", "xpress": "xpress",
+                               "markov": "markov_gated"}
+    files = [f for sub in ("drafter", "xpress", "markov") for f in (w / sub).iterdir()]
+    assert sum(f.stat().st_size for f in files) == ship["total_bytes"]
+    assert max(f.stat().st_size for f in files) < 16 * 2**20
+    dcfg = read_dflash_config(w / "drafter")
+    for sub, kind, block in (("xpress", "xpress", 16), ("markov", "markov", None)):
+        ck = load_refiner_checkpoint(w / sub, kind)
+        assert ck.draft_state is None  # the frozen backbone is the drafter's: only the head is stored
+        validate_against(ck, 49152, dcfg.hidden_size, block, dcfg.expected_shapes())
+    assert load_refiner_checkpoint(w / "markov", "markov").variant == "gated"
 
 
 def test_the_embedded_default_is_lossless_and_accepts_with_the_shipped_weights(smollm2, tmp_path):
