@@ -38,7 +38,7 @@ def test_rebuild_reads_a_folder_written_before_schema_versions(tmp_path, capsys)
     assert "schema_version" not in json.loads((folder / "summary.json").read_text())
     assert report.main(["--rebuild", str(folder)]) == 0
     # README.md: the old lines but for the conventions that version 3 changed (scope, tau_source) or added
-    changed = ("scope", "tau_source", "tau_gain", "design")
+    changed = ("scope", "tau_source", "tau_gain", "design", "tau_order")
     kept = [x for x in (src / "README.md").read_text().splitlines()
             if not x.lstrip("- *").startswith(changed)]
     assert set(kept) <= set((folder / "README.md").read_text().splitlines())
@@ -48,6 +48,8 @@ def test_rebuild_reads_a_folder_written_before_schema_versions(tmp_path, capsys)
     assert old.pop("schema") == "xpress-bench/summary/1"
     assert new.pop("design")["imbalance"] is None  # the rows of version 1 do not record their slots
     assert new.pop("run")["dtype"] == "unknown"  # the old config.json stored "dtype": null
+    order = new.pop("tau_order")  # added in 3: the run has drafter-only, Markov and xPress at K 1, 2, 4, 6, 8
+    assert order["markov"] == "Markov" and [x["K"] for x in order["xpress"]] == [1, 2, 4, 6, 8]
     added = ("speedup_e2e", "steps", "step_s", "break_even_tau")
     for arm in new["arms"].values():  # version 3's keys; T=0: one tau replicate, the first measured round
         assert arm.pop("tau_seeds") == 1 and arm.pop("tau_rounds") == arm["rounds"][:1]

@@ -99,6 +99,35 @@ def add_tau_gains(rows: list[dict], out_arms: dict, ref: str | None, prompts: li
         s["tau_gain"] = tau_gain(rows, a, ref, rounds_of, prompts, n_boot, seed) if ref and a != ref else None
 
 
+def _above(g: dict | None) -> bool:
+    """The paired CI's lower bound is above zero (the difference is shown, not equality)."""
+    lo = (g or {}).get("diff_ci95", [None])[0]
+    return lo is not None and np.isfinite(lo) and lo > 0
+
+
+def tau_order(rows: list[dict], arms: dict, out_arms: dict, optimal: dict, base: str | None, prompts: list[int],
+              n_boot: int, seed: int) -> dict | None:
+    """The xPress paper's claim in tau, xPress > Markov > drafter-only, as paired comparisons over the shared
+    replicates (metrics.paired_tau_ci, the tau_gain statistic): the throughput-optimal Markov arm against
+    drafter-only, and every xPress arm against that Markov arm and against drafter-only. `shown` for an xPress arm:
+    both of its steps' CIs exclude equality (lower bounds above zero); the top-level `shown` is the throughput-optimal
+    xPress arm's. None unless the run has all three methods."""
+    markov = (optimal.get("markov") or {}).get("arm")
+    xpress = [a for a, i in arms.items() if i["method"] == "xpress"]
+    if base is None or markov is None or not xpress:
+        return None
+    rounds_of = {a: s.get("tau_rounds") or [] for a, s in out_arms.items()}
+    m_vs_d = tau_gain(rows, markov, base, rounds_of, prompts, n_boot, seed)
+    per = []
+    for a in xpress:
+        x_vs_m = tau_gain(rows, a, markov, rounds_of, prompts, n_boot, seed)
+        per.append({"arm": a, "K": arms[a]["K"], "vs_markov": x_vs_m, "vs_drafter_only": out_arms[a].get("tau_gain"),
+                    "shown": _above(x_vs_m) and _above(m_vs_d)})
+    best = (optimal.get("xpress") or {}).get("arm")
+    return {"markov": markov, "drafter_only": base, "markov_vs_drafter_only": m_vs_d, "xpress": per,
+            "optimal_xpress": best, "shown": next((p["shown"] for p in per if p["arm"] == best), False)}
+
+
 def labels(out_arms: dict, design_: dict, deterministic: bool) -> list[str]:
     """Table labels: a sampled run with fewer than MIN_SEEDS replicates, and an unbalanced rotation."""
     out = []

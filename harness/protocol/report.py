@@ -231,6 +231,7 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
     replicates.add_tau_gains(g.rows, out_arms, base, g.prompts, n_boot, seed)
     design = replicates.design(g.rows, g.warm_rounds)
     costs.add(out_arms, g.by, g.used, ar, n_boot, seed)
+    optimal = comparisons.optimal(g.arms, out_arms, rows, g.prompts)
     untimed = [UNTIMED_LABEL] if any(r.get("timed") is False for r in g.measured) else []
     return _clean({
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "run": run or facts.run_facts(None), "dataset": g.dataset, "temperature": g.temperature,
@@ -239,7 +240,8 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
                    "measured": [x for x in g.all_rounds if x not in g.warm_rounds]},
         "prompts": len(g.prompts), "reference_arm": ar, "drafter_only_arm": base,
         "incomplete_rounds": _incomplete(g), "duplicate_rows_dropped": duplicates,
-        "arms": out_arms, "optimal": comparisons.optimal(g.arms, out_arms, rows, g.prompts),
+        "arms": out_arms, "optimal": optimal,
+        "tau_order": replicates.tau_order(g.rows, g.arms, out_arms, optimal, base, g.prompts, n_boot, seed),
         "ar_rounds_off_median": _ar_off_median(g, out_arms, ar),
         "design": design, "labels": list(labels or []) + untimed + replicates.labels(out_arms, design, g.deterministic),
         "conventions": conventions(),

@@ -15,6 +15,7 @@ Versions (`schema_version`; readers accept every version up to SCHEMA_VERSION):
      Also in 3, per arm: `reference_match` (AR against an AR decoded in --reference-dtype); `token_match` gains `divergence`
      and each first divergence the replay's gaps, bound and near_tie (harness.protocol.divergence). Rows of an
      older run have no replay records: --rebuild writes version 3 with those fields empty (measured 0).
+     Also in 3: top-level `tau_order` (xPress > Markov > drafter-only as paired tau CIs; older summaries lack it).
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ TOP = {
     "duplicate_rows_dropped": (int, "rows repeated by a resume (same arm, prompt, turn, round); the last kept"),
     "arms": (dict, "arm name -> the per-arm dict (ARM), in method order (AR, drafter-only, Markov, xPress by K)"),
     "optimal": (dict, "method -> {arm, K, pooled_tok_s, selected_on, selection_tok_s}: the throughput-optimal K"),
+    "tau_order": ((dict, OPT), "xPress > Markov > drafter-only in tau, paired over prompts x seeds: {markov, "
+                               "drafter_only, markov_vs_drafter_only, xpress: [{arm, K, vs_markov, vs_drafter_only, "
+                               "shown}], optimal_xpress, shown} (each comparison as tau_gain; shown: every CI's lower "
+                               "bound above zero; the Markov arm and optimal_xpress the throughput-optimal ones); "
+                               "null without all three methods"),
     "ar_rounds_off_median": (list, "[{round, pooled_tok_s, off_median}]: AR rounds far from the AR median"),
     "design": (dict, "{rounds, arms, latin_square, imbalance, slots, note}: the measured rounds' rotation; "
                      "imbalance = max - min times an arm ran in a slot (0: balanced); slots: arm -> times per slot"),
@@ -157,6 +163,9 @@ def conventions() -> dict[str, str]:
                        "decodes on its own seeded streams; fewer than 5 is labelled). A speculative arm's plain "
                        "target steps near the context limit are counted apart (tail_steps), not as tau entries")
     c["tau_gain"] = metrics.CONVENTIONS["paired_tau_ci"]
+    c["tau_order"] = ("the paper's claim xPress > Markov > drafter-only in tau: xPress against the throughput-optimal "
+                      "Markov arm and that arm against drafter-only, each the tau_gain statistic; shown = both "
+                      "paired CIs exclude equality")
     c["design"] = ("balanced = the measured rounds form a Latin square over the arms (each arm in each slot equally "
                    "often); otherwise labelled with the imbalance, max - min times an arm ran in a slot")
     c["speedup"] = ("Sp. = the primary statistic: median over measured rounds of the per-round paired speedup, with "

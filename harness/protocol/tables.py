@@ -66,6 +66,7 @@ def _notes(summary: dict) -> list[str]:
         k = f" (K={o['K']})" if o.get("K") is not None else ""
         lines.append(f"throughput-optimal {method}: {o['arm']}{k} at {_num(o['pooled_tok_s'], '.1f')} POOLED tok/s "
                      f"over the measured rounds; " + _chosen(o.get("selected_on", "the measured rounds")))
+    lines += _order(summary.get("tau_order"))
     for name, s in summary["arms"].items():
         lines.append(f"{name}: tau from {s.get('tau_source')}; TTFT {_num(_ms(s['ttft_s']), '.1f')} ms, drafter "
                      f"prefill {_num(_ms(s['drafter_prefill_s']), '.1f')} ms; stop reasons {s['stop_reasons']}")
@@ -87,6 +88,24 @@ def _notes(summary: dict) -> list[str]:
     if summary.get("reference_arm") is None:
         lines.append("no AR arm in this run: no speedup")
     return lines
+
+
+def _diff(g: dict | None) -> str:
+    if not g:
+        return "-"
+    lo, hi = g.get("diff_ci95") or [None, None]
+    return f"{_num(g.get('diff'), '+.3f')} [{_num(lo, '+.3f')}, {_num(hi, '+.3f')}]"
+
+
+def _order(o: dict | None) -> list[str]:
+    """The tau order line: xPress > Markov > drafter-only, each step a paired tau difference with its 95% CI."""
+    if not o:
+        return []
+    shown = [x["arm"] for x in o["xpress"] if x["shown"]]
+    steps = "; ".join(f"{x['arm']} - {o['markov']} {_diff(x['vs_markov'])}" for x in o["xpress"])
+    verdict = (f"shown for {', '.join(shown)}" if shown else "NOT shown (a CI includes zero or is below it)")
+    return [f"tau order xPress > Markov > drafter-only (paired over prompts and seeds, 95% CI): {o['markov']} - "
+            f"{o['drafter_only']} {_diff(o['markov_vs_drafter_only'])}; {steps}: {verdict}"]
 
 
 def _why(summary: dict) -> list[str]:
