@@ -155,6 +155,23 @@ def test_fit_box_plans_the_steps_the_box_holds_and_anneals(tmp_path, monkeypatch
     assert max(lr) > 10 * lr[-1]  # annealed by the re-planned cosine
 
 
+def test_the_fit_probe_starts_after_a_profile(tmp_path, monkeypatch):
+    """train.profile_steps=2 with fit_box: the profile covers the process's steps 4-5 and the probe's clock starts
+    after them, so its steps and its summary are spent before the fit measures what the box has left (a profile after
+    the probe, as before, was outside the fit's reserve: 90-second boxes on the H200 ran 5 s over). A 30 s box, the
+    fit capped at 2 steps past the probe so that the run ends there."""
+    import training.fit
+    monkeypatch.setattr(training.fit, "fitted_total", lambda step, *a: step + 2)
+    cfg = write_config(tmp_path, tiny_models(heads=False),
+                       train={"epochs": 200, "eval_prompts": 0, "max_minutes": 0.5, "on_deadline": "finish",
+                              "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2, "warmup_ratio": 0.1,
+                              "profile_steps": 2})
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
+    assert box["profiled_steps"] == [4, 5] and box["fit"]["probe_steps"] == [5, 8]
+    assert box["parts_s"]["profile"] > 0
+
+
 def test_fitted_total_arithmetic():
     from training.fit import fitted_total
     assert fitted_total(100, 20.0, 50.0, 0.1, 10_000) == 100 + 900  # 20 steps/s x 45 s

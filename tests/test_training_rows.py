@@ -210,15 +210,16 @@ def test_profile_summary_counts_each_kernel_once():
     assert host["device_busy_s_per_step"] == pytest.approx(400e-6) and host["top"][0]["op"] == "aten::mm"
 
 
-def test_profiling_starts_after_the_fit_probe():
-    """With train.fit_box the profiled steps come after the probe's timed steps (1 + probe), else after step 3;
-    a StepProfile started at step s covers steps s+1 .. s+N."""
+def test_profiling_starts_after_step_3_with_or_without_the_fit():
+    """The profiled steps follow the process's third, with train.fit_box too (its probe then starts after them:
+    test_training_box.py::test_the_fit_probe_starts_after_a_profile); a StepProfile started at step s covers steps
+    s+1 .. s+N."""
     from training.profiling import StepProfile
     from training.train import _profile
     from pathlib import Path
     import tempfile
     tc = {"profile_steps": 2, "fit_box": True, "fit_probe_steps": 50}
-    assert _profile(tc, Path("."), torch.device("cpu")).start == 52
+    assert _profile(tc, Path("."), torch.device("cpu")).start == 3
     assert _profile({**tc, "fit_box": False}, Path("."), torch.device("cpu")).start == 3
     assert _profile({**tc, "profile_steps": 0}, Path("."), torch.device("cpu")) is None
     with tempfile.TemporaryDirectory() as d:

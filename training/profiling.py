@@ -1,7 +1,8 @@
 """`train.profile_steps` = N: torch.profiler over N training steps, from the third step of the process (the first
-compiles, the second may still warm up) or, with train.fit_box, from the step after the fit's probe (profiled
-steps are slower: inside the probe they made the H200 run of 2026-12-02 fit 914 steps to a box that held about
-1,400 at the steady rate), written to `train/<model>/profile.json`:
+compiles, the second may still warm up); with train.fit_box the fit's probe starts after them (profiled steps are
+slower: inside the probe they made the H200 run of 2026-12-02 fit 914 steps to a box that held about 1,400 at the
+steady rate; after the probe their time was outside the fit, and 90-second boxes of 2026-12-03 ran 5 s over),
+written to `train/<model>/profile.json`:
 
     steps, wall_s_per_step       the profiled steps and their wall time each (synchronised at both ends)
     device_busy_s_per_step       the kernels' time summed, per step (CUDA; 0 on a CPU)
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-START = 3  # the process's step after which profiling starts (with train.fit_box: after the fit's probe)
+START = 3  # the process's step after which profiling starts (with train.fit_box the fit's probe follows it)
 
 
 def _own_device_us(e) -> float:

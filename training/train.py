@@ -225,8 +225,9 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
 
 def _profile(tc: dict, out: Path, device: torch.device):
     from training.profiling import START, StepProfile
-    start = tc["fit_probe_steps"] + 2 if tc["fit_box"] else START  # never inside the fit's timed probe
-    return StepProfile(out / "profile.json", tc["profile_steps"], device, start) if tc["profile_steps"] else None
+    # before the fit's probe, which starts after it (PipelineTrainer._fit_skip): never inside the timed probe, and
+    # its time is spent before the fit measures what the box has left
+    return StepProfile(out / "profile.json", tc["profile_steps"], device, START) if tc["profile_steps"] else None
 
 
 def fit_plan(tc: dict, total: int) -> dict | None:

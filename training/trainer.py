@@ -97,6 +97,9 @@ class PipelineTrainer(Trainer):
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
         self.step_profile = profile  # training/profiling.StepProfile, or None
+        # the fit's clock starts after the first step (it compiles) and after a profile (its steps and its summary
+        # are spent before the fit measures what the box has left: a profile after the fit overran small boxes)
+        self._fit_skip = profile.start + profile.steps if profile is not None and profile.steps else 1
         self.evals: list[dict] = []
         train_loader.generator = torch.Generator().manual_seed(seed)
         super().__init__(model, config, train_loader, val_loader)
@@ -137,14 +140,15 @@ class PipelineTrainer(Trainer):
         self.maybe_save_checkpoint(epoch, local_step=l0 + self.global_step - g0)
 
     def _maybe_fit(self):
-        """training/fit.py: time this process's steps 2 .. 1 + probe, then fit the plan to what the box has left."""
+        """training/fit.py: time this process's `probe` steps after the first one and any profile, then fit the plan
+        to what the box has left."""
         from training.fit import fitted_total, replan
         f = self._fit
         self._fit_steps += 1
-        if self._fit_steps == 1:  # the first step (it compiles) is over: the clock starts
+        if self._fit_steps == self._fit_skip:  # the first step (it compiles) and any profile are over: the clock starts
             self.box.sync()
             self._fit_t1 = (self.global_step, time.monotonic())
-        elif self._fit_steps == 1 + f["probe"]:
+        elif self._fit_steps == self._fit_skip + f["probe"]:
             self.box.sync()
             g1, t1 = self._fit_t1
             rate = (self.global_step - g1) / (time.monotonic() - t1)
