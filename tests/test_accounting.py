@@ -13,6 +13,9 @@ from doubles import ScriptedDrafter
 from test_loop import reference, scripted_case
 from tiny import CPU32, VOCAB, tiny_drafter, tiny_target
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def test_compat_stops_on_the_tokenizer_eos_only():
     """REFERENCE.md 11.2 item 15: the reference stops only on tokenizer.eos_token_id (151645 for Qwen3), though

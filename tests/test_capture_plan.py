@@ -12,6 +12,9 @@ from core.errors import UsageError
 from harness.protocol.rounds import refuse_captures
 from tiny import CPU32, tiny_drafter, tiny_target
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 class FakeGraphs:
     """StepGraphs' interface on CPU: a new key is a capture; a step runs eagerly at the graph's bucket length. As in

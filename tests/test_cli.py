@@ -12,6 +12,10 @@ import benchmark_compile_all as cli
 from drafters.dflash import save_dflash
 from tiny import save_tiny_checkpoint, tiny_drafter, tiny_target
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

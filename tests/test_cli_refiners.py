@@ -6,6 +6,10 @@ import pytest
 import benchmark_compile_all as cli
 from tiny import write_run_fixture
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     rows = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour."]}, {"turns": ["Count to five."]}]

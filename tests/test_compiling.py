@@ -9,6 +9,9 @@ from harness.decode.compiling import CompileWatch, recompile_error_types
 from harness.protocol.results_io import read_rows
 from tiny import write_run_fixture
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):

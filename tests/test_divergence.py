@@ -14,6 +14,10 @@ from harness.protocol import comparisons, divergence
 from harness.protocol.results_io import read_rows
 from tiny import write_run_fixture
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 PLANT = 3  # the new token at which the target double plants its divergence
 
 

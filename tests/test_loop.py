@@ -8,6 +8,10 @@ from doubles import ScriptedDrafter
 from tiny import CPU32, VOCAB, tiny_drafter, tiny_target
 from tolerance import assert_close
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 STOPS = (3, 5)
 
 

@@ -11,6 +11,10 @@ import harness.protocol.runner as runner
 from harness.protocol.results_io import read_rows
 from tiny import write_run_fixture
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"ttft_s", "drafter_prefill_s", "decode_s", "run_id"}
 

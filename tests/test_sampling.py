@@ -83,7 +83,22 @@ def refiner_for(name):
 
 SETTINGS = {"T1": dict(temperature=1.0), "T0.7": dict(temperature=0.7), "topk": dict(temperature=1.0, top_k=3),
             "topp": dict(temperature=1.0, top_p=0.8)}
-N = 1200
+# N = 600 draws a case (1200 before; the dishonest-q test draws 2N), the same fixed seeds. The test: Pearson's
+# chi-square over the 216 joint cells (expected < 5 pooled), failing at p <= 1e-3 as before (so the false-failure
+# rate of a lossless method is unchanged). POWER, the probability of failing, simulated (400 replicates of N draws
+# from each bug's law; the law estimated from 3000 draws of the bug itself through generate, de-biased for their
+# noise), N = 1200 -> 600:
+#   every draft accepted (tokens from the draft's q instead of the target's p), drafter-only, Markov, xPress K=1
+#     and K=4 at T=1 (TV 0.34 to 0.84 from the target's law): 1.0 -> 1.0 (still 1.0 at N = 400);
+#   the dishonest q of test_a_dishonest_q_is_detected (TV 0.68; asserted there at p < 1e-6 with 2N = 1200):
+#     1.0 -> 1.0;
+#   AR at the wrong temperature or filter (T=1 drawn at 0.7, T=0.7 at 1: TV 0.15; top-k / top-p not applied): 1.0
+#     -> >= 0.975;
+#   the rejection's residual max(p - q, 0) replaced by p (TV 0.12 to 0.22): xPress and Markov cases (T=1, T=0.7,
+#     top-k, top-p, uniform noise) 1.0 -> 0.93 to 1.0; drafter-only 0.78 -> 0.06. That bug is a row law of
+#     `rejection` itself, and test_verify.py's row test fails on it at p ~ 1e-23 (5000 verifies, power >= 0.998
+#     against any 10% row distortion, tests/stats.py); here the end-to-end wiring (q, noise, filters) is the target.
+N = 600
 
 
 # Every method at T=1; the filters (temperature, top-k, top-p) on p through AR and on p and q through xPress.

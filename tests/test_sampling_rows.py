@@ -25,6 +25,10 @@ from stats import ALPHA, pearson_pvalue
 from test_sampling import B, PROMPT, V, model, refiner_for  # noqa: F401  (model is a fixture)
 from tiny import CPU32
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 N, NEW = 400, 9  # 9 new tokens: the first token, then at least two steps of block 4
 MIN_ROLLBACK = 300
 

@@ -13,6 +13,10 @@ from harness.protocol import plots, results_io
 from harness.protocol.results_io import read_rows
 from tiny import write_run_fixture
 
+# tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
