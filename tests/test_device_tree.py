@@ -85,3 +85,22 @@ def test_a_poll_on_a_bare_machine_says_so_at_once(tmp_path, script, var):
                        env={**os.environ, var: str(tmp_path / "none")})
     assert r.returncode == 3 and "no " in r.stderr and "given back" in r.stderr
     assert time.monotonic() - t0 < 30
+
+
+def test_a_tables_poll_without_a_bench_log_still_lists_and_brings_back_the_cells(tmp_path):
+    """With NOBENCH there is no bench log; the poll must still list the finished cells and put them in $OUT (on
+    2026-12-03 its grep of the missing log ended it under set -e before either, and the machine was lost after)."""
+    import os
+    import tarfile
+    jobs, res, out = tmp_path / "xtab", tmp_path / "res", tmp_path / "out"
+    for d in (jobs, res / "gsm8k_t1", out):
+        d.mkdir(parents=True)
+    (jobs / "bench.done").write_text("rc=skipped\n")
+    (jobs / "tables.log").write_text("== gsm8k_t1\n")
+    (res / "gsm8k_t1" / "summary.json").write_text("{}")
+    r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / "tables_gpu.sh"), "poll", "0"], capture_output=True,
+                       text=True, env={**os.environ, "XTAB": str(jobs), "XRES": str(res), "OUT": str(out)})
+    assert r.returncode == 0, r.stderr
+    assert "gsm8k_t1" in r.stdout and "== gsm8k_t1" in r.stdout
+    with tarfile.open(out / "tables.tgz") as t:
+        assert "./gsm8k_t1/summary.json" in t.getnames()

@@ -9,7 +9,11 @@
 #            bash harness/lab/device_tree.sh stash DIR   # the tree without weights/ and results/
 #   device:  bash harness/lab/tables_gpu.sh setup        # carry .whl .gpu1: installs, starts the step benchmarks
 #            bash harness/lab/tables_gpu.sh gguf         # carry .gpu2: the GGUF whole
-#            bash harness/lab/tables_gpu.sh start [T...] # carry .gpuw: the tables job (after the benchmarks end)
+#            bash harness/lab/tables_gpu.sh part DIR     # carry DIR (only when the weights are over 64 MiB: a
+#                                                        # piece, e.g. DIR/markov/, carried apart from .gpuw)
+#            bash harness/lab/tables_gpu.sh start [T...] # carry .gpuw: the tables job (after the SmolLM2 step
+#                                                        # benchmarks end; Qwen3-8B's after the tables, if the
+#                                                        # deadline leaves 240 s)
 #            bash harness/lab/tables_gpu.sh poll [S]     # until the job ends or S seconds (default 540) pass
 #            bash harness/lab/tables_gpu.sh back         # into $OUT: tables.tgz (the folders), bench.tgz
 #   here:    harness/lab/device_tree.sh restore DIR; tar xzf tables.tgz -C results/smollm2-135m; tar xzf bench.tgz
@@ -22,11 +26,12 @@ cd "$(dirname "$0")/../.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
 J=${XTAB:-/tmp/xtab}  # the jobs' logs and done-files
+R=${XRES:-/tmp/res}   # the tables' folders
 ENVS="PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1"
 
-bench_job() {  # the AR and verify steps with and without the batch-invariant tiles, at both presets' shapes
+bench_job() {  # bench_job PRESET...: the AR and verify steps with and without the batch-invariant tiles
   local p inv
-  for p in smollm2-135m qwen3-8b; do
+  for p in "$@"; do
     for inv in "" --batch-invariant; do
       python3 -m harness.lab.bench_step --preset "$p" --kernels triton --ks 1 --topc 0 --taus 4 \
         --sweep-arms drafter-only --skip-hf --long-prompt 0 --loop-tokens 128 $inv \
@@ -43,25 +48,35 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
     if [[ -n ${NOBENCH:-} ]]; then echo "rc=skipped" > $J/bench.done; exit 0; fi   # the tables only
     export -f bench_job
-    (cd /tmp/code && env $ENVS setsid nohup bash -c 'bench_job; echo "rc=$?" > '$J'/bench.done' \
+    (cd /tmp/code && env $ENVS setsid nohup bash -c 'bench_job smollm2-135m; echo "rc=$?" > '$J'/bench.done' \
         > $J/bench.log 2>&1 < /dev/null &)
     sleep 15; tail -n 3 $J/bench.log
     ;;
   gguf)
     cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
     sha256sum /tmp/xb/$GGUF | cut -c1-16
-    tail -n 2 $J/bench.log
+    tail -n 2 $J/bench.log 2>/dev/null || true   # none with NOBENCH
+    ;;
+  part)  # part DIR: a piece of the weights carried apart (DIR/markov/ ...) goes to /tmp/w/smollm2-135m/
+    d=${2:?part DIR}; mkdir -p /tmp/w/smollm2-135m && cp -r "$d"/. /tmp/w/smollm2-135m/ && ls /tmp/w/smollm2-135m
+    tail -n 2 $J/bench.log 2>/dev/null || true   # none with NOBENCH
     ;;
   start)
     shift
-    rm -rf /tmp/w && cp -r .gpuw /tmp/w
+    mkdir -p /tmp/w && cp -r .gpuw/. /tmp/w/ && ls /tmp/w/smollm2-135m
+    for m in drafter xpress markov; do
+      [[ -d /tmp/w/smollm2-135m/$m ]] || { echo "error: /tmp/w/smollm2-135m/$m is missing: carry it (part DIR)" >&2; exit 3; }
+    done
     ts=${*:-0 1}
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
-    (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m RES=/tmp/res DEADLINE=$deadline \
+    export -f bench_job
+    (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m RES=$R DEADLINE=$deadline \
         TABLE_ARGS="${TABLE_ARGS:-}" CELL_S=${CELL_S:-150} setsid nohup bash -c \
         'while [[ ! -f '$J'/bench.done ]]; do sleep 2; done; bash harness/lab/smollm2_gpu.sh tables '"$ts"';
-         echo "rc=$?" > '$J'/tables.done' > $J/tables.log 2>&1 < /dev/null &)
-    sleep 5; tail -n 3 $J/bench.log
+         echo "rc=$?" > '$J'/tables.done
+         if [[ -z ${NOBENCH:-} ]] && (( $(date +%s) + 240 < DEADLINE )); then bench_job qwen3-8b; fi' \
+        > $J/tables.log 2>&1 < /dev/null &)
+    sleep 5; tail -n 3 $J/bench.log $J/tables.log 2>/dev/null || true
     ;;
   poll)
     [[ -f $J/tables.log ]] || { echo "error: no tables job on this machine ($J/tables.log is missing): it was" \
@@ -69,17 +84,21 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${2:-540} ))
     while [[ ! -f $J/tables.done ]] && (( $(date +%s) < end )); do sleep 5; done
     cat $J/bench.done $J/tables.done 2>/dev/null || echo running
-    grep -E "^\[bench\] (AR|drafter)|error|Traceback" $J/bench.log | tail -n 12
-    grep -E "^== |: (done|skipped|failed)|^\| (AR|drafter|Markov|xPress)" $J/tables.log | tail -n 30
-    ls /tmp/res 2>/dev/null
+    # every line below must survive a missing file (set -e and pipefail): on 2026-12-03 a grep of the bench log,
+    # absent with NOBENCH, ended the poll before it listed or brought back the finished cells
+    { grep -E "^\[bench\] (AR|drafter)|error|Traceback" $J/bench.log 2>/dev/null || true; } | tail -n 12
+    { grep -E "^== |: (done|skipped|failed)|^\| (AR|drafter|Markov|xPress)" $J/tables.log || true; } | tail -n 30
+    ls $R 2>/dev/null || true
+    # what is done comes back with every poll: a machine given back between calls takes the rest with it
+    if [[ -n ${OUT:-} ]]; then tar czf "$OUT/tables.tgz" -C $R . 2>/dev/null || true; fi
     ;;
   back)
     : "${OUT:?back runs on the device machine, where \$OUT is set}"
-    tar czf "$OUT/tables.tgz" -C /tmp/res . 2>/dev/null || true   # the folders and each cell's log
+    tar czf "$OUT/tables.tgz" -C $R . 2>/dev/null || true   # the folders and each cell's log
     tar czf "$OUT/bench.tgz" -C /tmp bench xtab
     ls -la "$OUT"
     ;;
   *)
-    sed -n 2,20p "$0"; exit 2
+    sed -n 2,23p "$0"; exit 2
     ;;
 esac
