@@ -10,17 +10,20 @@ WEIGHTS = "weights/smollm2-135m/manifest.json"
 
 
 # --- bench_step (`python -m harness.lab.bench_step`, JSON under results/perf/gpu_check/) --------------------------
-def bench(root, name: str) -> dict:
-    return _json(root / GPU_CHECK / f"{name}.json")
+INVARIANT = "results/perf/batch_invariant_h200"  # bench_step with and without --batch-invariant (issue 28)
 
 
-def bench_arm(root, name: str, a: str) -> dict:
+def bench(root, name: str, folder: str = GPU_CHECK) -> dict:
+    return _json(root / folder / f"{name}.json")
+
+
+def bench_arm(root, name: str, a: str, folder: str = GPU_CHECK) -> dict:
     from harness.lab.readme_numbers_keys import arm_name
     want = arm_name(a)
-    for row in bench(root, name)["arms"]:
+    for row in bench(root, name, folder)["arms"]:
         if row["arm"] == want:
             return row
-    raise UsageError(f"readme_numbers: {GPU_CHECK}/{name}.json has no arm {want!r}")
+    raise UsageError(f"readme_numbers: {folder}/{name}.json has no arm {want!r}")
 
 
 def stage(row: dict, field: str) -> float:
@@ -52,6 +55,15 @@ def q_roofline(root, name, what, d=None):
     if what == "gb":
         return fmt(b["weight_bytes"] / 1e9, 2 if d is None else d)
     raise UsageError(f"readme_numbers: roofline takes ratio, ms or gb, not {what!r}")
+
+
+@quantity("invariant_cost")
+def q_invariant_cost(root, preset, a, d=1):
+    """How much the batch-invariant tiles change an arm's graphed step at PRESET's shapes, in percent, unsigned
+    (the prose says faster or slower): results/perf/batch_invariant_h200/h200_PRESET[_invariant].json."""
+    fast = stage(bench_arm(root, f"h200_{preset}", a, INVARIANT), "step")
+    inv = stage(bench_arm(root, f"h200_{preset}_invariant", a, INVARIANT), "step")
+    return fmt(abs(100 * (inv / fast - 1)), d)
 
 
 def predicted(root, name, folder, a) -> float:
