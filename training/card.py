@@ -4,6 +4,8 @@ and card.json, every number the card gives, from which the card's Markdown is ge
     python -m training.card --train runs/smollm2-gpu/train --out results/smollm2-135m/training \
         [--ship weights/smollm2-135m] [--markdown weights/smollm2-135m/README.md]
     python -m training.card --from-json results/smollm2-135m/training/card.json --markdown CARD.md
+    python -m training.card --lineage NAME=DIR [--lineage NAME=DIR ...] --out OUT [--ship S] [--markdown MD]
+        (one card over runs made in turn: training/card_lineage.py)
 
 Reads <train>/<model>/metrics.jsonl (or .jsonl.gz) and manifest.json for every model folder; writes OUT/loss_curves.png
 (train loss per step, a 25-step running mean over the raw points, and the validation loss after each epoch),
@@ -58,13 +60,17 @@ def running_mean(ys: list[float], n: int) -> list[float]:
 
 def summarise(name: str, c: dict, manifest: dict) -> dict:
     steady = sorted(c["step_ms"][1:]) or [0.0]
-    return {"model": name, "steps": len(c["train"]), "planned_steps": manifest.get("planned_steps"),
+    # the step reached: the manifest's global_step (the metrics may log every Nth step only; a warm-started run's
+    # steps continue the schedule it resumed, so box.json's steps/first_step say how many this run made)
+    return {"model": name, "steps": manifest.get("global_step", len(c["train"])), "logged_steps": len(c["train"]),
+            "planned_steps": manifest.get("planned_steps"),
             "truncated": manifest.get("truncated", False), "first_loss": c["train"][0][1] if c["train"] else None,
             "last_loss_mean25": running_mean([y for _, y in c["train"]], WINDOW)[-1] if c["train"] else None,
             "val_loss_per_epoch": [round(v, 4) for _, v in c["val"]],
             "first_step_s": round(c["step_ms"][0] / 1000, 1) if c["step_ms"] else None,
             "median_step_ms": round(steady[len(steady) // 2], 1),
-            "train_s_excluding_first_step": round(sum(c["step_ms"][1:]) / 1000, 1),
+            "train_s_excluding_first_step": round(sum(c["step_ms"][1:]) / 1000, 1)
+            if len(c["step_ms"]) == manifest.get("global_step", len(c["step_ms"])) else None,  # every step logged
             "last_training_eval": (manifest.get("evals") or [{}])[-1]}
 
 
@@ -122,10 +128,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.card", description=__doc__.split("\n\n")[0])
     p.add_argument("--train", help="the train stage's folder (one sub-folder per model)")
     p.add_argument("--out", help="where the records and card.json go")
-    p.add_argument("--ship", default=None, help="the shipped folder (training.ship's --out): what was shipped")
+    p.add_argument("--ship", default=None, help="the shipped folder (training.ship's --out) or its manifest file: "
+                                                "what was shipped")
     p.add_argument("--markdown", default=None, help="write the card's Markdown here, generated from card.json")
     p.add_argument("--title", default=None, help="the card's title (default: the workdir's name)")
     p.add_argument("--from-json", default=None, help="only render this card.json to --markdown")
+    p.add_argument("--lineage", action="append", default=None, metavar="NAME=DIR",
+                   help="a run of a lineage, in the order they ran (repeat): its workdir or its flat records "
+                        "folder; one card over all of them (training/card_lineage.py)")
     args = p.parse_args(argv)
 
     def work():
@@ -134,6 +144,12 @@ def main(argv=None) -> int:
             if not args.markdown:
                 raise UsageError("card: --from-json needs --markdown (where the card goes)")
             return render_file(Path(args.from_json), Path(args.markdown))
+        if args.lineage:
+            if args.train or not args.out:
+                raise UsageError("card: --lineage takes --out (and no --train: each run names its folder)")
+            from training.card_lineage import build as build_lineage
+            return build_lineage(args.lineage, Path(args.out), Path(args.ship) if args.ship else None,
+                                 Path(args.markdown) if args.markdown else None, args.title)
         if not (args.train and args.out):
             raise UsageError("card: give --train and --out (or --from-json with --markdown)")
         return build(Path(args.train), Path(args.out), Path(args.ship) if args.ship else None,

@@ -5,7 +5,9 @@ it (τ to 3 decimals, seconds to 1, losses to 4), so that the card (training/car
      {sequences, response_tokens, prompt_tokens}, "hidden": {sequences, tokens, mode, dtype, layer_ids}},
      "stages": {stage: {seconds}}, "models": [{model, steps, planned_steps, truncated, first_loss,
      last_loss_mean25, val_loss_per_epoch, median_step_ms, box: {...}, selection: {...}, heldout: {...}}],
-     "shipped": {drafter, xpress, markov, total_mb, markov_choice} or null}
+     "shipped": {drafter, xpress, markov, total_mb, markov_choice[, drafter_from, drafter_step]} or null}
+A card over several runs (training/card_lineage.py) is {"title", "lineage": [{"name", "records", "card"}],
+"shipped"}, each "card" one run's record as above (its "shipped" null).
 A record the run lacks (a stage not run, a model without box.json or acceptance.json) is null, and the card says so.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 from core.errors import UsageError
 
 BOX_KEYS = ("wall_s", "train_wall_s", "unaccounted_s", "steps_share", "steps_per_s", "packed_tokens", "loss_tokens",
-            "tokens_per_s", "box_s")
+            "tokens_per_s", "box_s", "steps", "first_step", "last_step", "steady_tokens_per_s")
 
 
 def _json(path: Path) -> dict | None:
@@ -60,12 +62,19 @@ def model_record(d: Path, summary: dict) -> dict:
 
 
 def shipped_record(ship_dir: Path | None) -> dict | None:
+    """training.ship's manifest: SHIP_DIR/manifest.json, or SHIP_DIR itself when it is that file (a copy kept under
+    another name, e.g. heads.json beside weights whose manifest.json is the drafter's export)."""
     if ship_dir is None:
         return None
-    m = _json(ship_dir / "manifest.json")
-    if m is None:
-        raise UsageError(f"card: --ship {ship_dir} has no manifest.json (training.ship's --out folder)")
-    return {**m["shipped"], "total_mb": round(m["total_bytes"] / 1e6, 1), "markov_choice": m["markov_choice"]}
+    m = _json(ship_dir if ship_dir.is_file() else ship_dir / "manifest.json")
+    if m is None or "shipped" not in m:
+        raise UsageError(f"card: --ship {ship_dir} is not training.ship's manifest (nor a folder holding it as "
+                         f"manifest.json)")
+    rec = {**m["shipped"], "total_mb": round(m["total_bytes"] / 1e6, 1), "markov_choice": m["markov_choice"]}
+    if m.get("drafter_from"):
+        rec["drafter_from"] = m["drafter_from"]["init_from"]
+        rec["drafter_step"] = (m["drafter_from"].get("train_state") or {}).get("global_step")
+    return rec
 
 
 def card_record(work: Path, summary: list[dict], ship_dir: Path | None = None, title: str | None = None) -> dict:

@@ -1,0 +1,101 @@
+"""`python -m training.card --lineage NAME=DIR ...`: one model card over weights that several runs made in turn (the
+candidate's drafter from random weights in one session, warm-started in the next, heads trained on it in a third),
+read from the flat records folders results/perf keeps (or from workdirs). Guards issue 26 item 7 ("the model card
+gives the data, steps, GPU time, box accounting, loss curves and held-out tau for every model tried") for weights
+no single run made, and the step count of records that log every 20th step."""
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_run(folder: Path, flat: bool, models: dict, stages=True):
+    """models: name -> (first_step, last_step): train rows logged every 20 steps, a box.json and acceptance.json."""
+    for m, (first, last) in models.items():
+        d = folder if flat else folder / "train" / m
+        d.mkdir(parents=True, exist_ok=True)
+        pre = f"{m}_" if flat else ""
+        rows = [{"train": {"loss": 1.0 / (1 + s)}, "profile": {"step_ms": 100.0 + s % 7}, "global_step": s}
+                for s in range(first, last, 20)] + [{"val": {"loss_epoch": 0.25}}]
+        (d / f"{pre}metrics.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+        (d / f"{pre}manifest.json").write_text(json.dumps({"global_step": last, "planned_steps": last,
+                                                          "truncated": False}))
+        (d / f"{pre}box.json").write_text(json.dumps({
+            "wall_s": 10.0, "train_wall_s": 9.9, "parts_s": {"startup": 1.0, "steps": 8.9}, "unaccounted_s": 0.0,
+            "steps_share": 0.9, "steps_per_s": 3.0, "packed_tokens": 1000, "loss_tokens": 800, "tokens_per_s": 100.0,
+            "box_s": 12.0, "steps": last - first, "first_step": first, "last_step": last,
+            "steady_tokens_per_s": 120.0}))
+        (d / f"{pre}acceptance.json").write_text(json.dumps({
+            "heldout": {"set": "heldout", "of": 64, "prompts": 64, "seconds": 1.0, "tau_drafter": 2.3 + first / 1e4}}))
+    (folder / ("responses_manifest.json" if flat else "responses/manifest.json")).parent.mkdir(exist_ok=True)
+    (folder / ("responses_manifest.json" if flat else "responses/manifest.json")).write_text(
+        json.dumps({"sequences": 7, "response_tokens": 700, "prompt_tokens": 70}))
+    if stages:
+        (folder / "stages.json").write_text(json.dumps({"train": {"seconds": 10.0}}))
+
+
+def ship_manifest(path: Path):
+    path.write_text(json.dumps({"shipped": {"drafter": "w/drafter", "xpress": "xpress", "markov": "markov_gated"},
+                                "total_bytes": 69_316_729, "markov_choice": "the best selection tau",
+                                "drafter_from": {"init_from": "w/drafter", "train_state": {"global_step": 2248}}}))
+
+
+def card_cli(*args):
+    return subprocess.run([sys.executable, "-m", "training.card", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT)
+
+
+@pytest.fixture
+def lineage(tmp_path):
+    write_run(tmp_path / "run2", True, {"drafter": (0, 914)})
+    write_run(tmp_path / "run3", False, {"drafter": (914, 2248)})  # a workdir, not flat records
+    write_run(tmp_path / "heads", True, {"xpress": (0, 494), "markov_gated": (0, 594)}, stages=False)
+    ship_manifest(tmp_path / "heads.json")
+    return tmp_path
+
+
+def test_a_lineage_card_gives_every_run_in_order_with_the_steps_each_made(lineage):
+    pytest.importorskip("matplotlib")
+    t, out, md = lineage, lineage / "out", lineage / "CARD.md"
+    r = card_cli("--lineage", f"run2={t / 'run2'}", "--lineage", f"run3={t / 'run3'}", "--lineage",
+                 f"heads={t / 'heads'}", "--ship", t / "heads.json", "--out", out, "--markdown", md, "--title", "cand")
+    assert r.returncode == 0, r.stderr
+    card = json.loads((out / "card.json").read_text())
+    assert [x["name"] for x in card["lineage"]] == ["run2", "run3", "heads"]
+    run3 = card["lineage"][1]["card"]["models"][0]
+    # the step reached is the manifest's, not the 67 logged rows; this run's own steps and start come from box.json
+    assert run3["steps"] == 2248 and run3["box"]["steps"] == 1334 and run3["box"]["first_step"] == 914
+    assert card["lineage"][2]["card"]["stages"] == {}  # a run without stages.json says n/a, it is not invented
+    assert card["shipped"]["drafter_from"] == "w/drafter" and card["shipped"]["drafter_step"] == 2248
+    text = md.read_text()
+    heads = [line for line in text.splitlines() if line.startswith("## Run")]
+    assert heads == ["## Run `run2`", "## Run `run3`", "## Run `heads`"]
+    assert "| drafter | 2248 | 2248 | 1334 (from 914) |" in text and "| drafter | 914 | 914 | 914 (from 0) |" in text
+    assert f"per-step records: `{t / 'run3'}`" in text and "(step 2248)" in text and "69.3 MB" in text
+    assert "### GPU time" in text and "n/a (no stages.json)" in text
+    for n in ("run2", "run3", "heads"):
+        assert (out / f"loss_curves_{n}.png").stat().st_size > 0
+    again = lineage / "again.md"
+    assert card_cli("--from-json", out / "card.json", "--markdown", again).returncode == 0
+    assert again.read_text() == text  # the card is card.json's rendering
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--lineage", "run2"], "give NAME=DIR"),
+    (["--lineage", "a={run2}", "--lineage", "a={run2}"], "must differ"),
+    (["--lineage", "a={run2}", "--lineage", "b={tmp}/nothing"], "no such folder"),
+    (["--lineage", "a={run2}", "--lineage", "b={tmp}/empty"], "not a run's records"),
+    (["--lineage", "a={run2}", "--ship", "{run2}/drafter_box.json"], "not training.ship's manifest"),
+])
+def test_bad_lineages_fail_in_one_line_and_write_nothing(lineage, args, says):
+    (lineage / "empty").mkdir()
+    out = lineage / "out"
+    args = [a.format(run2=lineage / "run2", tmp=lineage) for a in args]
+    r = card_cli(*args, "--out", out)
+    assert r.returncode != 0 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists()

@@ -1,0 +1,88 @@
+"""A model card over a lineage of runs: weights that several pipeline runs made in turn (a drafter trained from
+random weights, then warm-started in a later session, then heads trained on it with the backbone frozen), each
+run's card (training/card_data.py) from the records it brought back, in the order they ran.
+
+    python -m training.card --lineage run2=results/perf/training_scale_h200_32k \
+        --lineage run3=results/perf/training_scale_h200_run3 --lineage heads=results/perf/training_scale_h200_heads \
+        --ship weights/smollm2-135m-warm/heads.json --out results/smollm2-135m-warm/training \
+        --markdown weights/smollm2-135m-warm/CARD.md --title "SmolLM2-135M candidate"
+
+A run's DIR is either its workdir (train/<model>/manifest.json, metrics.jsonl, box.json, acceptance.json; the
+stage manifests) or the flat records folder that results/perf keeps of it (<model>_manifest.json,
+<model>_metrics.jsonl.gz, <model>_box.json, <model>_acceptance.json, <stage>_manifest.json, stages.json).
+OUT gets card.json ({"title", "lineage": [{"name", "records", "card"}], "shipped"}) and loss_curves_<name>.png;
+the per-step records stay where they are (each run names its folder).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from core.errors import UsageError
+
+MODEL_FILES = ("manifest.json", "metrics.jsonl.gz", "metrics.jsonl", "box.json", "acceptance.json")
+STAGE_MANIFESTS = ("prompts", "responses", "hidden")
+
+
+def parse(spec: str) -> tuple[str, Path]:
+    name, sep, folder = spec.partition("=")
+    if not sep or not name or not folder:
+        raise UsageError(f"card: --lineage {spec!r}: give NAME=DIR (e.g. run3=results/perf/training_scale_h200_run3)")
+    d = Path(folder)
+    if not d.is_dir():
+        raise UsageError(f"card: --lineage {name}={folder}: no such folder")
+    return name, d
+
+
+def as_workdir(records: Path, into: Path) -> Path:
+    """A workdir layout of RECORDS: itself when it is one, else the flat files copied into INTO's layout."""
+    if (records / "train").is_dir():
+        return records
+    models = sorted(p.name[:-len("_manifest.json")] for p in records.glob("*_manifest.json")
+                    if (records / (p.name[:-len("_manifest.json")] + "_metrics.jsonl.gz")).is_file())
+    if not models:
+        raise UsageError(f"card: {records} holds neither train/<model>/ nor <model>_manifest.json with "
+                         f"<model>_metrics.jsonl.gz: not a run's records")
+    for m in models:
+        d = into / "train" / m
+        d.mkdir(parents=True)
+        for f in MODEL_FILES:
+            src = records / f"{m}_{f}"
+            if src.is_file():
+                shutil.copy(src, d / f)
+    for s in STAGE_MANIFESTS:
+        src = records / f"{s}_manifest.json"
+        if src.is_file():
+            (into / s).mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, into / s / "manifest.json")
+    if (records / "stages.json").is_file():
+        shutil.copy(records / "stages.json", into / "stages.json")
+    return into
+
+
+def build(specs: list[str], out: Path, ship: Path | None, markdown: Path | None, title: str | None) -> dict:
+    from training.card import curves, plot, read_rows, summarise
+    from training.card_data import card_record, shipped_record, write_card
+    runs = [parse(s) for s in specs]
+    names = [n for n, _ in runs]
+    if len(set(names)) != len(names):
+        raise UsageError(f"card: --lineage names must differ, got {names}")
+    shipped = shipped_record(ship)
+    lineage, curves_of = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, records in runs:  # every run read and checked before anything is written
+            work = as_workdir(records, Path(tmp) / name)
+            named, summary = {}, []
+            for d in sorted(p for p in (work / "train").iterdir() if (p / "manifest.json").is_file()):
+                named[d.name] = curves(read_rows(d))
+                summary.append(summarise(d.name, named[d.name], json.loads((d / "manifest.json").read_text())))
+            curves_of[name] = named
+            lineage.append({"name": name, "records": str(records), "card": card_record(work, summary, None, name)})
+    out.mkdir(parents=True, exist_ok=True)
+    for name, named in curves_of.items():
+        plot(named, out / f"loss_curves_{name}.png", f"{name}: speculators training losses")
+    card = {"title": title or out.resolve().name, "lineage": lineage, "shipped": shipped}
+    write_card(card, out / "card.json", markdown)
+    return card
