@@ -163,14 +163,14 @@ def test_the_float32_reference_counts_rows(tmp_path):
 
 def test_reference_dtype_float32_end_to_end_on_a_bfloat16_run(files, tmp_path, capsys):
     """--dtype bfloat16 --reference-dtype float32 on the CPU, 3 rounds: every AR row (warmup included) is compared
-    with the float32 AR decode of its prompt, decoded once per prompt (counted against a float32 run's own AR
+    with the float32 reference of its prompt, scored once per prompt (counted against a float32 run's own AR
     tokens); table.md has the reference row."""
     assert cli.main(args(files, tmp_path, "fp32", "--ar-only")) == 0
     fp32 = {r["question_id"]: r["tokens"] for r in read_rows(tmp_path / "fp32" / "samples.jsonl")}
     capsys.readouterr()
     assert cli.main(args(files, tmp_path, "bf16", "--dtype", "bfloat16", "--fair-interleave", "3",
                          "--reference-dtype", "float32")) == 0
-    assert "replay(s) up to a first divergence, 2 float32 AR decode(s)" in capsys.readouterr().out  # per prompt
+    assert "replay(s) up to a first divergence, 2 float32 scoring(s) of AR's text" in capsys.readouterr().out
     rows = [r for r in read_rows(tmp_path / "bf16" / "samples.jsonl") if r["arm"] == "AR"]
     rm = json.loads((tmp_path / "bf16" / "summary.json").read_text())["arms"]["AR"]["reference_match"]
     assert rm["rows_compared"] == len(rows) == 6 and rm["dtype"] == "float32" and not rm["same_run"]
@@ -206,3 +206,36 @@ def test_reference_dtype_auto_is_float32_for_the_embedded_default_only():
     assert replays.reference_dtype(C(temperature=1.0, reference_dtype="auto", preset=EMBEDDED)) is None
     assert replays.reference_dtype(C(temperature=0.0, reference_dtype="none", preset=EMBEDDED)) is None
     assert replays.reference_dtype(C(temperature=0.0, reference_dtype="float32", preset=None)) == "float32"
+
+
+@pytest.mark.parametrize("plant", [None, 0, 5, 29])
+def test_the_teacher_forced_reference_finds_what_a_full_reference_decode_finds(plant):
+    """replays.teacher_forced scores AR's text in forward passes of CHUNK rows instead of decoding it a step at a
+    time: against a full float32 greedy decode (record_gaps) of the same tiny target, it must give the same first
+    divergence from a text planted to differ at `plant` (None: the decode's own text, no divergence), with the same
+    gaps there. The prompt and 40 tokens span two chunks (CHUNK 16 here), so a pass that lost the KV of the one
+    before would choose other tokens. Gap tolerance: float32 passes that sum in another order than one-row steps
+    differ by a few ulps at these logits (|top| < 8): 1e-4 is some 100 ulps, far below any divergence gap."""
+    from harness.decode.loop import DecodeSettings, generate
+    from harness.protocol import metrics
+    from tiny import CPU32, tiny_target
+    target = tiny_target(capacity=128)
+    prompt = [3, 17, 42, 8, 99, 5, 61, 23, 7, 11, 2, 19]
+    g = generate(target, prompt, DecodeSettings(40, 128, (), record_gaps=True), CPU32)
+    text = list(g.tokens)
+    if plant is not None:
+        text[plant] = (text[plant] + 1) % target.vocab_size
+    old = replays.CHUNK
+    replays.CHUNK = 16
+    try:
+        got = replays.teacher_forced(target, prompt, text, CPU32)
+    finally:
+        replays.CHUNK = old
+    assert metrics.first_divergence(text, got.tokens) == metrics.first_divergence(text, g.tokens) == plant
+    if plant is None:
+        assert got.tokens == text and len(got.top2_gaps) == len(text)
+    else:
+        assert len(got.tokens) == plant + 1 and got.tokens[plant] == g.tokens[plant]
+    for i in range(len(got.tokens)):
+        assert got.top2_gaps[i] == pytest.approx(g.top2_gaps[i], abs=1e-4)
+        assert got.top_logits[i] == pytest.approx(g.top_logits[i], abs=1e-4)

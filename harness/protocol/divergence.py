@@ -78,8 +78,9 @@ def convention() -> str:
             f"divergence is a near-tie when gap <= 2 (e_A + e_B), e = {NEAR_TIE_ULPS:g} ulp of the run's dtype at "
             "its largest logit (half an ulp for rounding lm_head's fp32 accumulation, half for the final norm's "
             "rounded output). A heuristic: the layers' accumulated rounding is not covered; a divergence above the "
-            "bound is printed as a BUG REPORT. reference_match: AR against an AR of the same prompts decoded in "
-            "--reference-dtype (float32) after the measured rounds, untimed, with the same gaps")
+            "bound is printed as a BUG REPORT. reference_match: AR against a greedy reference of the same prompts in "
+            "--reference-dtype (float32; AR's text scored teacher-forced, the same as a decode through the first "
+            "divergence) after the measured rounds, untimed, with the same gaps")
 
 
 def _g(x) -> str:

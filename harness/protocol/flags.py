@@ -151,8 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="store the target's top-2 logit gap of every token, so each divergence from AR is reported with its gap "
            "in both runs (one top-2 per step inside the timer: the run is labelled)")
     o("--reference-dtype", default="auto", choices=["auto", "float32", "none"],
-      help="T=0: after the measured rounds, decode AR again untimed with a second target in this dtype and report "
-           "where the run's AR leaves it, with both logit gaps (auto: float32 for the embedded default, else none)")
+      help="T=0: after the measured rounds, untimed, score AR's text with a second target in this dtype "
+           "(teacher-forced: a greedy decode in this dtype through its first divergence) and report where the "
+           "run's AR leaves it, with both logit gaps (auto: float32 for the embedded default, else none)")
     o("--quiet", action="store_true", help="no progress bar (it is off anyway when the output is not a terminal)")
     u = p.add_argument_group("CUDA").add_argument
     u("--use-graph", action=argparse.BooleanOptionalAction, default=False,

@@ -342,7 +342,9 @@ def _measure(plan: RunPlan, models: Models, settings: DecodeSettings, work: Work
         cfg.seed, r["dataset_row"], r["turn"], r["round"]), out)
     if done.get("replays") or done.get("reference_decodes"):
         print(f"[divergence] after the rounds, untimed: {done['replays']} replay(s) up to a first divergence, "
-              f"{done['reference_decodes']} {replays.reference_dtype(cfg)} AR decode(s)", file=out)
+              f"{done['reference_decodes']} {replays.reference_dtype(cfg)} scoring(s) of AR's text "
+              f"(teacher-forced: a {replays.reference_dtype(cfg)} greedy decode through its first divergence)",
+              file=out)
     return _report(plan, models, work, order, shard, watch, out)
 
 

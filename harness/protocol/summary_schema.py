@@ -12,7 +12,8 @@ Versions (`schema_version`; readers accept every version up to SCHEMA_VERSION):
      Also in 3: `run` (the run's facts: model, quantization, device, dtype, kernels, ...: harness.protocol.facts) and, per arm,
      `speedup_e2e`, `steps`, `step_s` and `break_even_tau` (harness.protocol.costs) added. Older summaries lack
      them: readers show "unknown" / "-" there.
-     Also in 3, per arm: `reference_match` (AR against an AR decoded in --reference-dtype); `token_match` gains `divergence`
+     Also in 3, per arm: `reference_match` (AR against a greedy reference in --reference-dtype, AR's text scored
+     teacher-forced); `token_match` gains `divergence`
      and each first divergence the replay's gaps, bound and near_tie (harness.protocol.divergence). Rows of an
      older run have no replay records: --rebuild writes version 3 with those fields empty (measured 0).
      Also in 3: top-level `tau_order` (xPress > Markov > drafter-only as paired tau CIs; older summaries lack it).
