@@ -63,7 +63,7 @@ def as_workdir(records: Path, into: Path) -> Path:
 
 
 def build(specs: list[str], out: Path, ship: Path | None, markdown: Path | None, title: str | None) -> dict:
-    from training.card import curves, plot, read_rows, summarise
+    from training.card_curves import curves, plot, read_rows, summarise
     from training.card_data import card_record, shipped_record, write_card
     runs = [parse(s) for s in specs]
     names = [n for n, _ in runs]
