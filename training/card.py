@@ -23,7 +23,7 @@ from pathlib import Path
 
 from core.errors import UsageError, cli_exit
 
-from training.card_curves import WINDOW, curves, plot, read_rows, running_mean, summarise  # noqa: F401
+from training.card_curves import WINDOW, curves, plot, read_models, read_rows, running_mean, summarise  # noqa: F401
 
 
 def build(train_dir: Path, out: Path, ship_dir: Path | None = None, markdown: Path | None = None,
@@ -36,15 +36,12 @@ def build(train_dir: Path, out: Path, ship_dir: Path | None = None, markdown: Pa
 
 
 def records(train_dir: Path, out: Path) -> list[dict]:
-    models = sorted(d for d in train_dir.iterdir() if d.is_dir() and (d / "manifest.json").is_file())
-    if not models:
-        raise UsageError(f"card: no model folders with a manifest.json under {train_dir}")
     named, summary = {}, []
+    models = read_models(train_dir)  # read and checked before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    for d in models:
-        rows = read_rows(d)
-        named[d.name] = curves(rows)
-        summary.append(summarise(d.name, named[d.name], json.loads((d / "manifest.json").read_text())))
+    for d, rows, c, summ in models:
+        named[d.name] = c
+        summary.append(summ)
         if out.resolve() != train_dir.resolve():
             (out / f"{d.name}.metrics.jsonl.gz").write_bytes(
                 gzip.compress("".join(json.dumps(r) + "\n" for r in rows).encode(), mtime=0))

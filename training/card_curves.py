@@ -59,6 +59,20 @@ def summarise(name: str, c: dict, manifest: dict) -> dict:
             "last_training_eval": (manifest.get("evals") or [{}])[-1]}
 
 
+def read_models(train_dir: Path) -> list[tuple[Path, list[dict], dict, dict]]:
+    """Each model folder under a train stage's folder (those with a manifest.json), sorted by name: (folder, its
+    logged rows, their curves, its summary). Raises UsageError when there is none."""
+    models = sorted(d for d in train_dir.iterdir() if d.is_dir() and (d / "manifest.json").is_file())
+    if not models:
+        raise UsageError(f"card: no model folders with a manifest.json under {train_dir}")
+    out = []
+    for d in models:
+        rows = read_rows(d)
+        c = curves(rows)
+        out.append((d, rows, c, summarise(d.name, c, json.loads((d / "manifest.json").read_text()))))
+    return out
+
+
 def plot(named: dict, out: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")

@@ -15,7 +15,6 @@ the per-step records stay where they are (each run names its folder).
 """
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -63,7 +62,7 @@ def as_workdir(records: Path, into: Path) -> Path:
 
 
 def build(specs: list[str], out: Path, ship: Path | None, markdown: Path | None, title: str | None) -> dict:
-    from training.card_curves import curves, plot, read_rows, summarise
+    from training.card_curves import plot, read_models
     from training.card_data import card_record, shipped_record, write_card
     runs = [parse(s) for s in specs]
     names = [n for n, _ in runs]
@@ -74,10 +73,8 @@ def build(specs: list[str], out: Path, ship: Path | None, markdown: Path | None,
     with tempfile.TemporaryDirectory() as tmp:
         for name, records in runs:  # every run read and checked before anything is written
             work = as_workdir(records, Path(tmp) / name)
-            named, summary = {}, []
-            for d in sorted(p for p in (work / "train").iterdir() if (p / "manifest.json").is_file()):
-                named[d.name] = curves(read_rows(d))
-                summary.append(summarise(d.name, named[d.name], json.loads((d / "manifest.json").read_text())))
+            models = read_models(work / "train")
+            named, summary = {d.name: c for d, _, c, _ in models}, [s for *_, s in models]
             curves_of[name] = named
             lineage.append({"name": name, "records": str(records), "card": card_record(work, summary, None, name)})
     out.mkdir(parents=True, exist_ok=True)

@@ -222,6 +222,12 @@ def top2(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack((top[..., 0] - top[..., 1], top[..., 0]), dim=-1)
 
 
+def gap_lists(pairs: list) -> tuple[list[float], list[float]]:
+    """top2's [gap, largest] rows (as lists) -> (gaps, largest logits) at 6 significant digits, not decimals: a
+    float32 near-tie's gap is a few 1e-7."""
+    return ([float(f"{x[0]:.6g}") for x in pairs], [float(f"{x[1]:.6g}") for x in pairs])
+
+
 def check_prompt(p: int, limit: int) -> None:
     if p == 0:
         raise UsageError("empty prompt: the chat template produced no tokens")
@@ -340,9 +346,7 @@ class _Decode:
         p = gen.prompt_len
         gen.tokens = self.out[p: p + produced].tolist()
         if self.stepper.gaps is not None:  # read after the timer stopped
-            pairs = self.stepper.gaps[p: p + produced].tolist()
-            # 6 significant digits, not decimals: a float32 near-tie's gap is a few 1e-7
-            gen.top2_gaps, gen.top_logits = ([float(f"{x[i]:.6g}") for x in pairs] for i in (0, 1))
+            gen.top2_gaps, gen.top_logits = gap_lists(self.stepper.gaps[p: p + produced].tolist())
         gen.stop_reason = stop
         return gen
 

@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from harness.decode.loop import generate, top2
+from harness.decode.loop import gap_lists, generate, top2
 from harness.protocol import divergence, metrics
 from harness.protocol.results_io import atomic_write, read_rows
 
@@ -141,8 +141,8 @@ def teacher_forced(target, prompt: list[int], tokens: list[int], backend) -> Sco
             choices += rows.argmax(dim=-1).tolist()
             pairs += top2(rows).tolist()
     cut = next((i for i, (c, t) in enumerate(zip(choices, tokens)) if c != t), len(tokens) - 1)
-    return Scored(tokens=choices[: cut + 1], top2_gaps=[float(f"{x[0]:.6g}") for x in pairs[: cut + 1]],
-                  top_logits=[float(f"{x[1]:.6g}") for x in pairs[: cut + 1]])
+    gaps, tops = gap_lists(pairs[: cut + 1])
+    return Scored(tokens=choices[: cut + 1], top2_gaps=gaps, top_logits=tops)
 
 
 def reference_target(plan, models, dtype: str):
