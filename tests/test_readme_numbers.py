@@ -143,3 +143,39 @@ def test_the_protocol_families_read_the_divergence_and_ratio_fields(tmp_path):
     assert R["ref_identical_of"](root, f) == "10/35" and R["ref_divergences"](root, f) == "2"
     assert (R["ref_gap_end"](root, f, "min", 3), R["ref_gap_end"](root, f, "max", 3)) == ("0.002", "0.112")
     assert R["beyond_bound"](root, f) == "1"
+
+
+def test_the_shipping_families_read_gain_order_card_and_ranges_over_folders(tmp_path):
+    """The families the shipped weights' tables quote: xPress's throughput over drafter-only's with its CI (gain),
+    its τ over Markov's (tau_order's vs_markov), a range's end over several folders (comma-separated), and a field
+    of the lineage card; a run or model the card lacks fails with its name."""
+    from core.errors import UsageError
+    from harness.lab.readme_numbers_keys import REGISTRY as R
+    root = tiny_repo(tmp_path, "none\n")
+    runs = root / "results" / "smollm2-135m"
+    s = json.loads((runs / "gsm8k_t0" / "summary.json").read_text())
+    s["arms"]["xPress(K=1)"] = {"method": "xpress", "arm": "xPress(K=1)", "tau_per_step": 2.94,
+                                "gain": {"value": 1.0232, "ci95": [1.0039, 1.0410]}}
+    s["tau_order"] = {"xpress": [{"arm": "xPress(K=1)", "vs_markov": {"ratio": 0.9746, "ratio_ci95": [0.9489, 1.0124]}}]}
+    (runs / "gsm8k_t0" / "summary.json").write_text(json.dumps(s))
+    other = json.loads(json.dumps(s))
+    other["arms"]["drafter-only"]["tau_per_step"] = 2.887
+    (runs / "math500_t0").mkdir()
+    (runs / "math500_t0" / "summary.json").write_text(json.dumps(other))
+    f = "gsm8k_t0"
+    assert [R["xgain"](root, f, "x1", w) for w in ("value", "lo", "hi")] == ["1.023", "1.004", "1.041"]
+    assert [R["tau_vs_markov"](root, f, "x1", w) for w in ("value", "lo", "hi")] == ["0.975", "0.949", "1.012"]
+    both = "gsm8k_t0,math500_t0"
+    assert (R["tau_end"](root, both, "drafter", "min"), R["tau_end"](root, both, "drafter", "max")) == ("2.148", "2.887")
+    card = {"lineage": [{"name": "run3", "card": {"models": [{"model": "drafter", "steps": 2248,
+                                                              "heldout": {"tau_drafter": 2.295},
+                                                              "val_loss_per_epoch": [0.2888, 0.2706]}]}}]}
+    (runs / "training").mkdir()
+    (runs / "training" / "card.json").write_text(json.dumps(card))
+    assert R["card"](root, "run3", "drafter", "heldout.tau_drafter") == "2.295"
+    assert R["card"](root, "run3", "drafter", "steps") == "2248"
+    assert R["card"](root, "run3", "drafter", "val_loss_per_epoch.1", 4) == "0.2706"
+    with pytest.raises(UsageError, match="no run 'run9'"):
+        R["card"](root, "run9", "drafter", "steps")
+    with pytest.raises(UsageError, match="no model 'xpress'"):
+        R["card"](root, "run3", "xpress", "steps")

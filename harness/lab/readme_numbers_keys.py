@@ -28,7 +28,8 @@ from core.errors import UsageError
 
 REGISTRY: dict = {}
 RUNS = "results/smollm2-135m"
-H200 = [f"{RUNS}/h200_96tok/{d}_t{t}" for t in (0, 1) for d in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")]
+# the first trained weights' tables of the previous protocol (opt_k, opt_gain_end)
+H200 = [f"results/smollm2-135m-v1/h200_96tok/{d}_t{t}" for t in (0, 1) for d in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")]
 ALIASES = {"ar": "AR", "drafter": "drafter-only", "markov": "Markov"}
 
 
@@ -104,10 +105,11 @@ def sp(a: dict) -> float:
 
 # --- one run folder's summary.json -----------------------------------------------------------------------------
 def arm_stat(name: str, get, d_one: int, d_end: int) -> None:
-    """Two families per statistic: NAME:FOLDER:ARM[:D] (one arm) and NAME_end:FOLDER:ARMS:END[:D] (a range's end)."""
+    """Two families per statistic: NAME:FOLDER:ARM[:D] (one arm) and NAME_end:FOLDERS:ARMS:END[:D] (a range's end
+    over the arms of one folder, or of several, comma-separated)."""
     REGISTRY[name] = lambda root, folder, a, d=d_one: fmt(get(arm(root, folder, a)), d)
-    REGISTRY[name + "_end"] = lambda root, folder, spec, which, d=d_end: end([get(x) for x in arms(root, folder, spec)],
-                                                                           which, d)
+    REGISTRY[name + "_end"] = lambda root, folders, spec, which, d=d_end: end(
+        [get(x) for f in folders.split(",") for x in arms(root, f, spec)], which, d)
 
 
 # tau: τ/step; tps: POOLED decode tok/s (mean over measured rounds); sp: Sp., the median over measured rounds of
@@ -131,6 +133,24 @@ def q_sp_ci(root, folder, a, which, d=2):
 def q_tau_ratio(root, folder, a, which="value", d=3):
     """τ over drafter-only's, paired over prompts (x seeds at T>0): the ratio, or one end (lo, hi) of its CI."""
     g = arm(root, folder, a)["tau_gain"]
+    return fmt(g["ratio"] if which == "value" else g["ratio_ci95"][("lo", "hi").index(which)], d)
+
+
+@quantity("xgain")
+def q_xgain(root, folder, a, which="value", d=3):
+    """An arm's throughput over drafter-only's (the median over rounds of the per-round paired ratio, the tables'
+    "x gain"): the value, or one end (lo, hi) of its paired 95% CI over prompts and rounds."""
+    g = arm(root, folder, a)["gain"]
+    return fmt(g["value"] if which == "value" else g["ci95"][("lo", "hi").index(which)], d)
+
+
+@quantity("tau_vs_markov")
+def q_tau_vs_markov(root, folder, a="x1", which="value", d=3):
+    """An xPress arm's τ over Markov's, paired over prompts (x seeds at T>0; summary.json's tau_order): the ratio,
+    or one end (lo, hi) of its 95% CI."""
+    name = arm(root, folder, a)["arm"]
+    order = summary(root, folder)["tau_order"]
+    g = next(x for x in order["xpress"] if x["arm"] == name)["vs_markov"]
     return fmt(g["ratio"] if which == "value" else g["ratio_ci95"][("lo", "hi").index(which)], d)
 
 

@@ -6,7 +6,7 @@ from core.errors import UsageError
 from harness.lab.readme_numbers_keys import _json, arm, end, fmt, quantity, sp, tau
 
 GPU_CHECK = "results/perf/gpu_check"
-WEIGHTS = "weights/smollm2-135m/manifest.json"
+WEIGHTS = "weights/smollm2-135m/heads.json"  # training.ship's manifest of the shipped weights
 
 
 # --- bench_step (`python -m harness.lab.bench_step`, JSON under results/perf/gpu_check/) --------------------------
@@ -120,9 +120,15 @@ def q_cli_ar_ms_end(root, run, which, d=1):
     return end([r["AR_ms_per_step"] for r in reps], which, d)
 
 
-# --- the shipped weights (weights/smollm2-135m/manifest.json) -----------------------------------------------------
+# --- the shipped weights (weights/smollm2-135m/heads.json) ---------------------------------------------------------
 def model(root, name: str) -> dict:
     return _json(root / WEIGHTS)["models"][name]
+
+
+def held_out(rec: dict) -> dict:
+    """A model's held-out acceptance record: "heldout" in training.ship's manifests since the 64-prompt held-out
+    set (its prompts, of and by_source beside the taus), "held_out" in the first shipped weights' manifest."""
+    return rec["heldout"] if "heldout" in rec else rec["held_out"]
 
 
 @quantity("weights_mb")
@@ -134,13 +140,13 @@ def q_weights_mb(root, d=1):
 @quantity("held_out")
 def q_held_out(root, name, key, d=2):
     """A trained model's held-out τ as the manifest records it (MODEL drafter, xpress, markov_gated ...)."""
-    return fmt(model(root, name)["held_out"][key], d)
+    return fmt(held_out(model(root, name))[key], d)
 
 
 @quantity("held_out_end")
 def q_held_out_end(root, name, prefix, which, d=2):
     """One end of a model's held-out τ over the keys starting with PREFIX (tau_xpress_K: every K)."""
-    vals = [v for k, v in model(root, name)["held_out"].items() if k.startswith(prefix)]
+    vals = [v for k, v in held_out(model(root, name)).items() if k.startswith(prefix)]
     return end(vals, which, d)
 
 
@@ -158,4 +164,23 @@ def q_shipped(root, role, what):
     fields = {"layers": "num_layers", "step": "global_step",
               "rank": "markov_rank" if role == "markov" else "xpress_rank"}
     return str(rec[fields[what]])
+
+
+# --- the shipped weights' model card (results/smollm2-135m/training/card.json) ------------------------------------
+CARD = "results/smollm2-135m/training/card.json"
+
+
+@quantity("card")
+def q_card(root, run, name, path, d=3):
+    """A model's field in the shipped weights' lineage card: RUN (run2, run3, heads), MODEL (drafter, xpress,
+    markov_gated ...), PATH dotted into its record (heldout.tau_drafter, box.box_s, val_loss_per_epoch.2, steps)."""
+    lineage = {r["name"]: r["card"] for r in _json(root / CARD)["lineage"]}
+    if run not in lineage:
+        raise UsageError(f"readme_numbers: {CARD} has no run {run!r} (runs: {', '.join(lineage)})")
+    rec = next((m for m in lineage[run]["models"] if m["model"] == name), None)
+    if rec is None:
+        raise UsageError(f"readme_numbers: run {run!r} of {CARD} has no model {name!r}")
+    for k in path.split("."):
+        rec = rec[int(k)] if isinstance(rec, list) else rec[k]
+    return str(rec) if isinstance(rec, int) else fmt(rec, d)
 
