@@ -1,5 +1,5 @@
 """models.X.init_from as an exported drafter folder (training/config.py check_init_export, training/train.py
-init_state): heads train on a drafter that an earlier run exported (e.g. weights/smollm2-135m-warm/drafter), with
+init_state): heads train on a drafter that an earlier run exported (e.g. weights/smollm2-135m/drafter), with
 no drafter in the config; training.ship then ships that folder as the drafter. Bad folders are refused in one line
 before anything loads, and a head's fingerprint follows the folder's bytes, not its path."""
 import json
@@ -117,13 +117,13 @@ def test_the_fingerprint_follows_the_folders_bytes_not_its_path(runs, tmp_path):
 
 
 def test_the_heads_preset_starts_every_head_from_the_warm_drafter_and_shares_the_data_keys():
-    """smollm2-gpu-heads trains the three heads on weights/smollm2-135m-warm/drafter (checked against that folder
+    """smollm2-gpu-heads trains the three heads on weights/smollm2-135m/drafter, the shipped drafter (checked against that folder
     when the config loads) and keeps smollm2-gpu's data sections, so stages packed by a drafter run unpack for it."""
     from training import prompts
     from training.config import load_config
     base, heads = load_config("smollm2-gpu"), load_config("smollm2-gpu-heads")
     assert sorted(heads["models"]) == ["markov_gated", "markov_vanilla", "xpress"]
-    assert {m["init_from"] for m in heads["models"].values()} == {"weights/smollm2-135m-warm/drafter"}
+    assert {m["init_from"] for m in heads["models"].values()} == {"weights/smollm2-135m/drafter"}
     assert all(m["freeze_backbone"] for m in heads["models"].values())
     assert {k for k in base if base[k] != heads[k]} == {"models", "name", "workdir"}
     assert prompts.stage_key(heads, ["a.jsonl"]) == prompts.stage_key(base, ["a.jsonl"])

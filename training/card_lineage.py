@@ -4,8 +4,8 @@ run's card (training/card_data.py) from the records it brought back, in the orde
 
     python -m training.card --lineage run2=results/perf/training_scale_h200_32k \
         --lineage run3=results/perf/training_scale_h200_run3 --lineage heads=results/perf/training_scale_h200_heads \
-        --ship weights/smollm2-135m-warm/heads.json --out results/smollm2-135m-warm/training \
-        --markdown weights/smollm2-135m-warm/CARD.md --title "SmolLM2-135M candidate"
+        --ship weights/smollm2-135m/heads.json --out results/smollm2-135m/training \
+        --markdown weights/smollm2-135m/CARD.md --title "SmolLM2-135M"
 
 A run's DIR is either its workdir (train/<model>/manifest.json, metrics.jsonl, box.json, acceptance.json; the
 stage manifests) or the flat records folder that results/perf keeps of it (<model>_manifest.json,

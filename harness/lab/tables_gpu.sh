@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The embedded default's ten tables (results/smollm2-135m/<dataset>_t<T>/) and the batch-invariant kernels' step cost
 # (issue 28) on a lent GPU machine, within the device tool's limits (64 MiB a call, 10 minutes a command, the machine
-# given back after ~30 s idle, at most 8 files of 16 MiB back). How the tables of 2026-12-02 were made:
+# given back after ~30 s idle, at most 8 files of 16 MiB back). How the tables of 2026-12-03 were made:
 #
 #   here:    bash harness/lab/training_gpu.sh prepare    # the GGUF in .gpu1/ and .gpu2/ (and wheels in .whl/: only
 #                                                        # gguf is needed here)
-#            mkdir -p .gpuw && cp -r weights/smollm2-135m .gpuw/   # the shipped weights, carried apart
+#            mkdir -p .gpuw/smollm2-135m .gpum && cp -r weights/smollm2-135m/{drafter,xpress} .gpuw/smollm2-135m/ &&
+#                cp -r weights/smollm2-135m/markov .gpum/   # the shipped weights (69 MB), carried apart in two
 #            bash harness/lab/device_tree.sh stash DIR   # the tree without weights/ and results/
 #   device:  bash harness/lab/tables_gpu.sh setup        # carry .whl .gpu1: installs, starts the step benchmarks
 #            bash harness/lab/tables_gpu.sh gguf         # carry .gpu2: the GGUF whole

@@ -5,7 +5,7 @@
 # on the H200, the second run"), as one script:
 #
 #   here:    bash harness/lab/training_gpu.sh prepare [WARM]   # wheels in .whl/, the GGUF in .gpu1/ and .gpu2/, a
-#                                                              # warm-start export (e.g. weights/smollm2-135m-warm)
+#                                                              # warm-start export (e.g. weights/smollm2-135m)
 #                                                              # in .gpu3/; then harness/lab/device_tree.sh stash DIR
 #   device:  bash harness/lab/training_gpu.sh setup            # carry .whl .gpu1: installs, keeps GGUF part 1
 #            bash harness/lab/training_gpu.sh warm             # carry .gpu3 (with a warm start only): keeps it
@@ -22,8 +22,9 @@
 #                                                              # (smollm2_gpu.sh tables; TABLE_ARGS, K_LIST pass on)
 #            bash harness/lab/training_gpu.sh tpoll [SECONDS]  # until the cells end; `back tables` brings them
 #
-# With a warm export (warm), the job's copy of the code holds it at weights/smollm2-135m-warm/, so a config whose
-# heads start from that folder (smollm2-gpu-heads: init_from weights/smollm2-135m-warm/drafter) finds it there.
+# With a warm export (warm), the job's copy of the code holds it at weights/smollm2-135m/ (the tree travels without
+# weights/), so a config whose heads start from that folder (smollm2-gpu-heads: init_from
+# weights/smollm2-135m/drafter) finds it there.
 #   here:    harness/lab/device_tree.sh restore DIR; tar xzf records.tgz; cat parts | tar xf -
 #
 # Make the calls back to back (the job dies with the machine). The job runs from a copy of the code in /tmp/code,
@@ -44,7 +45,9 @@ case "${1:-}" in
     src=$(python3 -m harness.protocol.assets smollm2)
     split -b 50000000 "$src" /tmp/gguf.part.
     mv /tmp/gguf.part.aa .gpu1/ && mv /tmp/gguf.part.ab .gpu2/
-    if [[ -n $warm ]]; then rm -rf .gpu3 && mkdir -p .gpu3 && cp -r "$warm" .gpu3/warm; fi
+    # the export's manifest and drafter/ (37 MB): what a warm start of the drafter and heads trained on it read; the
+    # shipped folder's heads (xpress/, markov/) would take the carry over 64 MiB
+    if [[ -n $warm ]]; then rm -rf .gpu3 && mkdir -p .gpu3/warm && cp -r "$warm"/manifest.json "$warm"/drafter .gpu3/warm/; fi
     for d in /.gpu1/ /.gpu2/ /.gpu3/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
     du -sh .whl .gpu1 .gpu2 ${warm:+.gpu3}
     ;;
@@ -66,7 +69,7 @@ case "${1:-}" in
     cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
     sha256sum /tmp/xb/$GGUF | cut -c1-16
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
-    if [[ -d /tmp/warm ]]; then mkdir -p /tmp/code/weights && cp -r /tmp/warm /tmp/code/weights/smollm2-135m-warm; fi
+    if [[ -d /tmp/warm ]]; then mkdir -p /tmp/code/weights && rm -rf /tmp/code/weights/smollm2-135m && cp -r /tmp/warm /tmp/code/weights/smollm2-135m; fi
     args=("$@")
     if [[ -d /tmp/warm ]]; then args+=(--set train.warm_start=/tmp/warm); fi
     rm -f $XRUN.done

@@ -49,16 +49,17 @@ TARGET_FLAGS = ("model_name_or_path", "random_weights")
 #   * 4 measured rounds over 4 arms are one rotation, a Latin square: each arm takes each slot once (balance 0).
 #   * 5 rounds = 5 sampling replicates for tau at T=1 (every round has its own seeded streams, the warmup's too),
 #     the paper's 5 seeds; timing comes from the 4 measured rounds.
-#   * xPress at one K, K=1: the throughput-optimal K of all ten H200 cells of the old size (results/smollm2-135m/
-#     h200_96tok/table_h200.md); K=2 was 2.6-4.3% slower in 9 of them, and tau stops rising by K=4. One K costs the
+#   * xPress at one K, K=1: the throughput-optimal K of all ten H200 cells of the old size (results/smollm2-135m-v1/
+#     h200_96tok/table_h200.md, the first weights); K=2 was 2.6-4.3% slower in 9 of them, and tau stops rising by K=4. One K costs the
 #     throughput-optimal-K scan; --fair-k-list 1,2,4,6,8 brings it back (and needs 8 measured rounds to balance).
 #   * 7 prompts keep the decoded tokens (prompts x new tokens x arms x rounds, the cap reached everywhere) at 71,680,
 #     0.97x the old size's 73,728 (32 x 96 x 8 arms x 3 rounds), which took 91-125 s a cell on an H200.
 #     ESTIMATE, not a measurement: 0.97 x 91-125 s = 88-122 s a cell, 15-20 min for the ten real cells (5 datasets x
 #     T=0,1). It is an upper estimate where answers end before 512 tokens, and it assumes the fixed costs inside the
 #     old 91-125 s (loading, warmup, graph capture) do not grow; capturing graphs for a longer context may add some.
-#     Measured since (2026-12-02, with --batch-invariant, results/smollm2-135m/): about 110 s a T=0 cell, 70-80 s a
-#     T=1 cell (read off the device calls' wall times).
+#     Measured since, with --batch-invariant: about 110 s a T=0 cell and 70-80 s a T=1 cell (2026-12-02, the first
+#     weights, results/smollm2-135m-v1/: read off the device calls' wall times); 60-80 s either (2026-12-03, the
+#     shipped weights and the teacher-forced fp32 reference, results/smollm2-135m/: the folders' env.json times).
 #   * What it costs: prompt-to-prompt spread rests on 7 prompts (tau's CIs resample 7 prompts x 5 seeds), against 32.
 # CPU, the first thing a new user runs: 3 prompts x 48 new tokens x 4 arms (AR, drafter-only, Markov, xPress K=2) x 4
 # measured rounds, no warmup: one rotation, a Latin square (issue 27: the defaults are balanced; the older 4
@@ -68,7 +69,8 @@ EMBEDDED_CUDA = dict(max_samples=7, max_new_tokens=512, fair_k_list="1", fair_in
 
 # The CPU main job's wall time on the idle 2-core development machine (shipped weights, GGUF cached, model fetch
 # excluded; results/perf/NOTES.md): --help quotes it, and README.md must quote the same (tests/test_help_facts.py).
-CPU_MAIN_JOB_WALL_S = 234  # 2026-12-02, the balanced size (the older, unbalanced one: 154 s on another day)
+CPU_MAIN_JOB_WALL_S = 234  # 2026-12-03, the shipped 5-layer weights (234 s with the first weights, 2026-12-02;
+#                           the older, unbalanced size: 154 s on another day)
 
 
 def wall_time(seconds: int) -> str:
