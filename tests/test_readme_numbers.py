@@ -179,3 +179,20 @@ def test_the_shipping_families_read_gain_order_card_and_ranges_over_folders(tmp_
         R["card"](root, "run9", "drafter", "steps")
     with pytest.raises(UsageError, match="no model 'xpress'"):
         R["card"](root, "run3", "xpress", "steps")
+
+
+def test_ar_self_counts_prompts_whose_ar_text_agrees_across_two_runs(tmp_path):
+    """ar_self: prompts both runs decoded whose AR rows agree through the shorter text; one token changed in one
+    round of one prompt makes that prompt count as different, other arms and later turns are not read."""
+    from harness.lab.readme_numbers_keys import REGISTRY as R
+    root = tiny_repo(tmp_path, "none\n")
+    runs = root / "results" / "smollm2-135m"
+
+    def write(folder, rows):
+        (runs / folder).mkdir(exist_ok=True)
+        (runs / folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    row = lambda q, toks, arm="AR", turn=0: {"dataset_row": q, "arm": arm, "turn": turn, "tokens": toks}
+    write("a", [row(1, [5, 6, 7, 8]), row(1, [5, 6, 7, 8]), row(2, [1, 2, 3]), row(3, [9]), row(2, [0], "drafter-only")])
+    write("b", [row(1, [5, 6]), row(2, [1, 2, 3, 4]), row(2, [1, 2, 4]), row(4, [1]), row(1, [0], turn=1)])
+    assert R["ar_self"](root, "a", "b") == "1/2"  # prompt 1 agrees through 2 tokens; prompt 2's second round differs
+    assert R["ar_self"](root, "a", "b", "of") == "1 of 2"

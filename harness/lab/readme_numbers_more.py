@@ -2,8 +2,10 @@
 under `results/perf/gpu_check/`, the `--trace` A/B of `results/trace_ab/`, and the shipped weights' manifest."""
 from __future__ import annotations
 
+import json
+
 from core.errors import UsageError
-from harness.lab.readme_numbers_keys import _json, arm, end, fmt, quantity, sp, tau
+from harness.lab.readme_numbers_keys import RUNS, _json, arm, end, fmt, quantity, sp, tau
 
 GPU_CHECK = "results/perf/gpu_check"
 WEIGHTS = "weights/smollm2-135m/heads.json"  # training.ship's manifest of the shipped weights
@@ -183,4 +185,32 @@ def q_card(root, run, name, path, d=3):
     for k in path.split("."):
         rec = rec[int(k)] if isinstance(rec, list) else rec[k]
     return str(rec) if isinstance(rec, int) else fmt(rec, d)
+
+
+# --- AR's text in two runs (samples.jsonl) -------------------------------------------------------------------------
+def _ar_texts(root, folder: str) -> dict:
+    path = root / (folder if "/" in folder else f"{RUNS}/{folder}") / "samples.jsonl"
+    if not path.is_file():
+        raise UsageError(f"readme_numbers: {path} is not a committed file; fix the marker's key or commit the file")
+    out: dict = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        r = json.loads(line)
+        if r["arm"] == "AR" and r["turn"] == 0:
+            out.setdefault(r["dataset_row"], []).append(r["tokens"])
+    return out
+
+
+@quantity("ar_self")
+def q_ar_self(root, a, b, sep="/"):
+    """AR's greedy text in two runs of the same prompts (two processes, maybe other token caps): prompts both ran
+    whose every AR row of one equals every AR row of the other through the shorter text, over the prompts both
+    ran ("7/7")."""
+    ta, tb = _ar_texts(root, a), _ar_texts(root, b)
+    common = sorted(set(ta) & set(tb))
+
+    def same(x, y):
+        n = min(len(x), len(y))
+        return x[:n] == y[:n]
+    k = sum(all(same(x, y) for x in ta[q] for y in tb[q]) for q in common)
+    return f"{k}{' of ' if sep == 'of' else sep}{len(common)}"
 
