@@ -148,7 +148,7 @@ def test_committed_results_folders_still_merge(capsys):
     """Older folders (summary schema 1, config.json without the resolved dtype) merge, 'unknown' where they do not
     say; the committed files are read, never rewritten."""
     from test_report import ROOT
-    folders = sorted(str(p) for p in (ROOT / "results" / "smollm2-135m").glob("*_t0"))
+    folders = sorted(str(p) for p in (ROOT / "results" / "smollm2-135m-v1").glob("*_t0"))
     before = {f: (ROOT / f / "summary.json").read_bytes() for f in folders}
     assert report.main(folders) == 0
     text = capsys.readouterr().out

@@ -32,7 +32,7 @@ def test_rebuild_reads_a_folder_written_before_schema_versions(tmp_path, capsys)
     summary comes out unchanged, the new summary is the current version (its added fields filled, "unknown" where
     the old config.json does not say) and the old tables' lines are all still there; a newer version is refused."""
     import shutil
-    src = ROOT / "results" / "smollm2-135m" / "h200_96tok" / "gsm8k_t0"  # written at schema 1
+    src = ROOT / "results" / "smollm2-135m-v1" / "h200_96tok" / "gsm8k_t0"  # written at schema 1
     folder = tmp_path / "gsm8k_t0"
     shutil.copytree(src, folder)
     assert "schema_version" not in json.loads((folder / "summary.json").read_text())
