@@ -142,6 +142,9 @@ def test_the_float32_reference_counts_rows(tmp_path):
         def at(self, arm, row, pos):
             return (0.01, 12.0), True
 
+        def gaps_before(self, arm, row, pos):
+            return [1.0, 1.25][:pos]
+
     class Ref:
         def __init__(self, q):
             self.tokens = [1, 2, 9, 4] if q == 1 else [1, 2, 3, 4]
@@ -153,6 +156,9 @@ def test_the_float32_reference_counts_rows(tmp_path):
     (e,) = [e for e in rm["first_divergence"] if e["position"] is not None]
     assert (e["question_id"], e["position"], e["gap"]) == (1, 2, pytest.approx(0.03))
     assert e["bound"] == pytest.approx(2 * (2 ** 3 * 2 ** -7 + 2 ** 3 * 2 ** -23)) and e["near_tie"]
+    # the gap error where both chose the same token (positions 0 and 1): |1.0 - 1.0| and |1.25 - 1.0|
+    assert (e["gap_err_max"], e["gap_err_n"]) == (0.25, 2)
+    assert (rm["divergence"]["gap_err_max"], rm["divergence"]["gap_err_n"]) == (0.25, 2)
     same = [dict(r, reference=None) for r in rows]
     for r in same:
         del r["reference"]
@@ -239,3 +245,24 @@ def test_the_teacher_forced_reference_finds_what_a_full_reference_decode_finds(p
     for i in range(len(got.tokens)):
         assert got.top2_gaps[i] == pytest.approx(g.top2_gaps[i], abs=1e-4)
         assert got.top_logits[i] == pytest.approx(g.top_logits[i], abs=1e-4)
+
+
+def test_a_flag_beyond_the_bound_says_whether_the_measured_gap_error_covers_it():
+    """Two flagged divergences of AR from float32 (summed gaps 0.3 and 0.9 over a bound of 0.25) in a comparison
+    whose largest measured gap error before its divergences is 0.5: the bug reports stay (the flag is the bound's),
+    one says within the measured error and one beyond it, and table.md's line counts the one beyond."""
+    def entry(q, gap, err, n):
+        return {"question_id": q, "round": 1, "position": 3, "gap_arm": gap / 2, "gap_ref": gap / 2, "top_arm": 20.0,
+                "top_ref": 20.0, "gap": gap, "bound": 0.25, "near_tie": gap <= 0.25, "dtype": "bfloat16",
+                "dtype_ref": "float32", "gap_err_max": err, "gap_err_n": n}
+    entries = [entry(0, 0.3, 0.5, 10), entry(1, 0.9, 0.125, 4), entry(2, 0.1, None, 0)]
+    d = divergence.stats(entries)
+    assert (d["gap_err_max"], d["gap_err_n"], d["beyond_measured"], len(d["not_near_tie"])) == (0.5, 14, 1, 2)
+    rm = {"dtype": "float32", "same_run": False, "rows_compared": 3, "rows_identical": 0, "first_divergence": entries,
+          "divergence": d}
+    summary = {"arms": {"AR": {"reference_match": rm}}}
+    reports = divergence.bug_reports(summary)
+    assert len(reports) == 2 and "within the largest gap error" in reports[0] and "beyond the largest" in reports[1]
+    assert any("of the 2 divergence(s) beyond the near-tie bound, 1 exceed it too" in line
+               for line in divergence.markdown(summary))
+    assert divergence.stats([entry(0, 0.3, None, 0)])["beyond_measured"] is None  # nothing measured: no claim

@@ -17,6 +17,13 @@ size). That covers the final norm and matmul only: the layers' accumulated round
 verify block and a single-token step, has no simple bound. So the bound is a heuristic: a divergence above it is
 not proven to be a bug, but the rounding of the last layer cannot explain it, and it is reported as a bug report
 to investigate, never as a footnote.
+
+For AR against a reference dtype (float32) the layers' rounding is the larger part, so the reference records
+beside the bound what that rounding does to a gap on the same text: at every position before the first divergence
+the two runs chose the same token from the same context, and |gap_A - gap_B| there is the dtype's error on a top-2
+gap (gap_error: its maximum and the positions it was taken over). stats pools it over a comparison's prompts, and a
+divergence beyond the bound that is also beyond the largest such error measured in the same run says so in its bug
+report (the flag itself stays the bound's).
 """
 from __future__ import annotations
 
@@ -60,15 +67,29 @@ def record(position: int, one: tuple[float, float] | None, ref: tuple[float, flo
     return out
 
 
+def gap_error(gaps: list[float], gaps_ref: list[float]) -> dict:
+    """Two runs' top-2 gaps at the positions where both chose the same token from the same context (before their
+    first divergence): the largest |difference| (gap_err_max; None without a position) over gap_err_n positions."""
+    errs = [abs(a - b) for a, b in zip(gaps, gaps_ref)]
+    return {"gap_err_max": float(f"{max(errs):.6g}") if errs else None, "gap_err_n": len(errs)}
+
+
 def stats(entries: list[dict]) -> dict:
     """Over one arm's first divergences (one per prompt): how many were measured, the median and maximum summed
-    gap, and every divergence that is no near-tie (a bug report) or could not be measured."""
+    gap, every divergence that is no near-tie (a bug report) or could not be measured, and where the entries carry
+    it, the largest gap error measured before them (gap_err_max over gap_err_n positions, pooled) with the bug
+    reports beyond it too (beyond_measured)."""
     measured = [e for e in entries if e.get("gap") is not None]
     gaps = [e["gap"] for e in measured]
+    errs = [e["gap_err_max"] for e in entries if e.get("gap_err_max") is not None]
+    err = max(errs) if errs else None
+    flagged = [e for e in measured if not e["near_tie"]]
     return {"divergences": len(entries), "measured": len(measured),
             "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps) if gaps else None,
-            "not_near_tie": [e for e in measured if not e["near_tie"]],
-            "unmeasured": [e.get("question_id") for e in entries if e.get("gap") is None]}
+            "not_near_tie": flagged,
+            "unmeasured": [e.get("question_id") for e in entries if e.get("gap") is None],
+            "gap_err_max": err, "gap_err_n": sum(e.get("gap_err_n") or 0 for e in entries),
+            "beyond_measured": None if err is None else sum(e["gap"] > err for e in flagged)}
 
 
 def convention() -> str:
@@ -80,7 +101,10 @@ def convention() -> str:
             "rounded output). A heuristic: the layers' accumulated rounding is not covered; a divergence above the "
             "bound is printed as a BUG REPORT. reference_match: AR against a greedy reference of the same prompts in "
             "--reference-dtype (float32; AR's text scored teacher-forced, the same as a decode through the first "
-            "divergence) after the measured rounds, untimed, with the same gaps")
+            "divergence) after the measured rounds, untimed, with the same gaps, and gap_err_max: the largest "
+            "|difference| of the two runs' top-2 gaps at the positions before the first divergence (both chose the "
+            "same token there), the dtype's measured error on a gap, which a bug report beyond the bound is "
+            "compared with")
 
 
 def _g(x) -> str:
@@ -101,11 +125,17 @@ def bug_reports(summary: dict) -> list[str]:
     """One line per divergence whose gap exceeds the near-tie bound: the rounding of the logits cannot explain it."""
     out = []
     for name, against, c in _comparisons(summary):
-        for e in (c.get("divergence") or {}).get("not_near_tie", []):
+        d = c.get("divergence") or {}
+        err = d.get("gap_err_max")
+        for e in d.get("not_near_tie", []):
+            measured = "" if err is None else (
+                f"; {'beyond' if e['gap'] > err else 'within'} the largest gap error measured before this "
+                f"comparison's divergences, {_g(err)} over {d['gap_err_n']} positions")
             out.append(f"BUG REPORT: {name} left {against} on prompt {e['question_id']} (round {e.get('round')}) at "
                        f"token {e['position']} with top-2 gaps {_g(e['gap_arm'])} + {_g(e['gap_ref'])} = "
                        f"{_g(e['gap'])} > the near-tie bound {_g(e['bound'])} ({e['dtype']} vs {e['dtype_ref']}, top "
-                       f"logits {_g(e['top_arm'])} / {_g(e['top_ref'])}): not a rounding tie; investigate")
+                       f"logits {_g(e['top_arm'])} / {_g(e['top_ref'])}{measured}): not a rounding tie of the last "
+                       "layer; investigate")
     return out
 
 
@@ -126,6 +156,14 @@ def markdown(summary: dict) -> list[str]:
         lines.append(f"| {name} | {against} | {c['rows_identical']}/{c['rows_compared']} | "
                      f"{d.get('divergences', 0)} ({d.get('measured', 0)}) | {_g(d.get('gap_median'))} | "
                      f"{_g(d.get('gap_max'))} | {'**' + str(flag) + ' BUG**' if flag else '0'} |")
+    for name, against, c in rows:
+        d = c.get("divergence") or {}
+        if d.get("gap_err_max") is not None:
+            lines.append(f"\n{name} vs {against}: the largest difference of the two runs' top-2 gaps where they "
+                         f"chose the same token (before each first divergence) is {_g(d['gap_err_max'])}, over "
+                         f"{d['gap_err_n']} positions (the dtype's measured error on a gap); of the "
+                         f"{len(d.get('not_near_tie', []))} divergence(s) beyond the near-tie bound, "
+                         f"{d['beyond_measured']} exceed it too.")
     unmeasured = [f"{name} vs {against}: {len(c['divergence']['unmeasured'])}" for name, against, c in rows
                   if (c.get("divergence") or {}).get("unmeasured")]
     if unmeasured:

@@ -43,6 +43,7 @@ class Replayer:
         self.target, self.backend, self.arms, self.prompts, self.seed_of = target, backend, arms, prompts, seed_of
         self.settings = dataclasses.replace(settings, record_gaps=True, use_graph=False)
         self.cache: dict = {}
+        self.before: dict = {}  # (arm, prompt, pos) -> the replay's top-2 gaps at the positions before pos
         self.replays = 0
 
     def at(self, arm: str, row: dict, pos: int) -> tuple[tuple[float, float] | None, bool]:
@@ -58,7 +59,14 @@ class Replayer:
             self.replays += 1
             ok = pos < len(g.tokens) and g.tokens[: pos + 1] == row["tokens"][: pos + 1]
             self.cache[key] = ((g.top2_gaps[pos], g.top_logits[pos]) if pos < len(g.tokens) else None, ok)
+            self.before[key] = list(g.top2_gaps[:pos]) if ok else []
         return self.cache[key]
+
+    def gaps_before(self, arm: str, row: dict, pos: int) -> list[float]:
+        """The top-2 gaps of the replay that `at` made, at the positions before `pos` (where it reproduced the
+        row's tokens; empty when it did not)."""
+        self.at(arm, row, pos)
+        return self.before[(arm, row["question_id"], pos)]
 
 
 def mark_divergences(rows: list[dict], ar: str, replayer: Replayer, dtype: str) -> int:
@@ -99,6 +107,8 @@ def mark_reference(rows: list[dict], ar: str, replayer: Replayer, reference, run
             one, ok = replayer.at(ar, r, pos)
             two = (g.top2_gaps[pos], g.top_logits[pos]) if pos < len(g.tokens) else None
             rec.update(divergence.record(pos, one, two, run_dtype, ref_dtype, ok))
+            if ok:  # the dtype's error on a gap, measured where both texts agree (divergence.gap_error)
+                rec.update(divergence.gap_error(replayer.gaps_before(ar, r, pos), g.top2_gaps[:pos]))
         r["reference"] = rec
     return n
 

@@ -104,10 +104,13 @@ ARM = {
     "token_match": ((dict, OPT), "{ref, rows_compared, rows_identical, token_match_rate, first_divergence "
                                  "[{question_id, position, round, gap_arm, gap_ref, top_arm, top_ref, gap, bound, "
                                  "near_tie, dtype, dtype_ref, replay_ok}], divergence {divergences, measured, "
-                                 "gap_median, gap_max, not_near_tie, unmeasured}} against AR; null for AR or "
+                                 "gap_median, gap_max, not_near_tie, unmeasured, gap_err_max, gap_err_n, "
+                                 "beyond_measured}} against AR; null for AR or "
                                  "without it"),
     "reference_match": ((dict, OPT), "{dtype, same_run, rows_compared, rows_identical, first_divergence, "
-                                     "divergence} of the arm against its decode in --reference-dtype (AR only); "
+                                     "divergence} of the arm against its decode in --reference-dtype (AR only; "
+                                     "its first divergences add gap_err_max and gap_err_n, the dtype's measured "
+                                     "error on a top-2 gap before them); "
                                      "null without a reference pass"),
 }
 
