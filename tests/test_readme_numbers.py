@@ -196,3 +196,18 @@ def test_ar_self_counts_prompts_whose_ar_text_agrees_across_two_runs(tmp_path):
     write("b", [row(1, [5, 6]), row(2, [1, 2, 3, 4]), row(2, [1, 2, 4]), row(4, [1]), row(1, [0], turn=1)])
     assert R["ar_self"](root, "a", "b") == "1/2"  # prompt 1 agrees through 2 tokens; prompt 2's second round differs
     assert R["ar_self"](root, "a", "b", "of") == "1 of 2"
+
+
+def test_the_weights_families_read_heads_json_else_the_ship_manifest(tmp_path):
+    """weights_mb and held_out read training.ship's manifest: heads.json where a heads run shipped beside a drafter
+    export (whose own manifest.json lists no total), else manifest.json as `training.ship` writes it for a run that
+    trained every model; the held-out record is "heldout" (the 64-prompt set) or "held_out" (the first weights)."""
+    from harness.lab.readme_numbers_keys import REGISTRY as R
+    w = tmp_path / "weights" / "smollm2-135m"
+    w.mkdir(parents=True)
+    (w / "manifest.json").write_text(json.dumps({"total_bytes": 55.2e6, "models": {
+        "drafter": {"held_out": {"tau_drafter": 2.05}}}}))
+    assert R["weights_mb"](tmp_path) == "55.2" and R["held_out"](tmp_path, "drafter", "tau_drafter") == "2.05"
+    (w / "heads.json").write_text(json.dumps({"total_bytes": 69.3167e6, "models": {
+        "xpress": {"heldout": {"tau_drafter": 2.3018, "tau_xpress_K1": 2.4703}}}}))
+    assert R["weights_mb"](tmp_path) == "69.3" and R["held_out"](tmp_path, "xpress", "tau_xpress_K1") == "2.47"

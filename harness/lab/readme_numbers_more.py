@@ -8,7 +8,15 @@ from core.errors import UsageError
 from harness.lab.readme_numbers_keys import RUNS, _json, arm, end, fmt, quantity, sp, tau
 
 GPU_CHECK = "results/perf/gpu_check"
-WEIGHTS = "weights/smollm2-135m/heads.json"  # training.ship's manifest of the shipped weights
+# training.ship's manifest of the shipped weights: heads.json where the folder's manifest.json is the drafter's
+# export (weights that a heads run shipped beside a drafter it did not train, as now), else manifest.json (what
+# `python -m training.ship --out weights/smollm2-135m` writes for a run that trained all of them)
+WEIGHTS_DIR = "weights/smollm2-135m"
+
+
+def ship_manifest(root) -> dict:
+    heads = root / WEIGHTS_DIR / "heads.json"
+    return _json(heads if heads.is_file() else root / WEIGHTS_DIR / "manifest.json")
 
 
 # --- bench_step (`python -m harness.lab.bench_step`, JSON under results/perf/gpu_check/) --------------------------
@@ -124,7 +132,7 @@ def q_cli_ar_ms_end(root, run, which, d=1):
 
 # --- the shipped weights (weights/smollm2-135m/heads.json) ---------------------------------------------------------
 def model(root, name: str) -> dict:
-    return _json(root / WEIGHTS)["models"][name]
+    return ship_manifest(root)["models"][name]
 
 
 def held_out(rec: dict) -> dict:
@@ -136,7 +144,7 @@ def held_out(rec: dict) -> dict:
 @quantity("weights_mb")
 def q_weights_mb(root, d=1):
     """The shipped files' size in MB (1e6 bytes)."""
-    return fmt(_json(root / WEIGHTS)["total_bytes"] / 1e6, d)
+    return fmt(ship_manifest(root)["total_bytes"] / 1e6, d)
 
 
 @quantity("held_out")
@@ -161,7 +169,7 @@ def q_steps(root, name):
 @quantity("shipped")
 def q_shipped(root, role, what):
     """A shipped model's record (ROLE drafter, xpress, markov) field: layers, rank, step."""
-    m = _json(root / WEIGHTS)
+    m = ship_manifest(root)
     rec = m["models"][m["shipped"][role]]
     fields = {"layers": "num_layers", "step": "global_step",
               "rank": "markov_rank" if role == "markov" else "xpress_rank"}
