@@ -47,8 +47,13 @@ def _json(path: Path):
     return json.loads(path.read_text(encoding="utf-8"))
 
 
+def run_dir(root: Path, folder: str) -> Path:
+    """A run folder: a bare name is under RUNS, a name with a `/` is relative to the repository."""
+    return root / (folder if "/" in folder else f"{RUNS}/{folder}")
+
+
 def summary(root: Path, folder: str) -> dict:
-    return _json(root / (folder if "/" in folder else f"{RUNS}/{folder}") / "summary.json")
+    return _json(run_dir(root, folder) / "summary.json")
 
 
 def arm_name(a: str) -> str:
@@ -129,19 +134,22 @@ def q_sp_ci(root, folder, a, which, d=2):
     return fmt(arm(root, folder, a)["speedup"]["ci95"][("lo", "hi").index(which)], d)
 
 
+def value_or_end(g: dict, value: str, ci: str, which: str, d) -> str:
+    """A paired statistic's g[value], or one end (lo, hi) of its CI g[ci]."""
+    return fmt(g[value] if which == "value" else g[ci][("lo", "hi").index(which)], d)
+
+
 @quantity("tau_ratio")
 def q_tau_ratio(root, folder, a, which="value", d=3):
     """τ over drafter-only's, paired over prompts (x seeds at T>0): the ratio, or one end (lo, hi) of its CI."""
-    g = arm(root, folder, a)["tau_gain"]
-    return fmt(g["ratio"] if which == "value" else g["ratio_ci95"][("lo", "hi").index(which)], d)
+    return value_or_end(arm(root, folder, a)["tau_gain"], "ratio", "ratio_ci95", which, d)
 
 
 @quantity("xgain")
 def q_xgain(root, folder, a, which="value", d=3):
     """An arm's throughput over drafter-only's (the median over rounds of the per-round paired ratio, the tables'
     "x gain"): the value, or one end (lo, hi) of its paired 95% CI over prompts and rounds."""
-    g = arm(root, folder, a)["gain"]
-    return fmt(g["value"] if which == "value" else g["ci95"][("lo", "hi").index(which)], d)
+    return value_or_end(arm(root, folder, a)["gain"], "value", "ci95", which, d)
 
 
 @quantity("tau_vs_markov")
@@ -150,8 +158,8 @@ def q_tau_vs_markov(root, folder, a="x1", which="value", d=3):
     or one end (lo, hi) of its 95% CI."""
     name = arm(root, folder, a)["arm"]
     order = summary(root, folder)["tau_order"]
-    g = next(x for x in order["xpress"] if x["arm"] == name)["vs_markov"]
-    return fmt(g["ratio"] if which == "value" else g["ratio_ci95"][("lo", "hi").index(which)], d)
+    return value_or_end(next(x for x in order["xpress"] if x["arm"] == name)["vs_markov"], "ratio", "ratio_ci95",
+                        which, d)
 
 
 @quantity("ref_identical_of")

@@ -2,10 +2,8 @@
 under `results/perf/gpu_check/`, the `--trace` A/B of `results/trace_ab/`, and the shipped weights' manifest."""
 from __future__ import annotations
 
-import json
-
 from core.errors import UsageError
-from harness.lab.readme_numbers_keys import RUNS, _json, arm, end, fmt, quantity, sp, tau
+from harness.lab.readme_numbers_keys import _json, arm, end, fmt, quantity, run_dir, sp, tau
 
 GPU_CHECK = "results/perf/gpu_check"
 # training.ship's manifest of the shipped weights: heads.json where the folder's manifest.json is the drafter's
@@ -197,12 +195,9 @@ def q_card(root, run, name, path, d=3):
 
 # --- AR's text in two runs (samples.jsonl) -------------------------------------------------------------------------
 def _ar_texts(root, folder: str) -> dict:
-    path = root / (folder if "/" in folder else f"{RUNS}/{folder}") / "samples.jsonl"
-    if not path.is_file():
-        raise UsageError(f"readme_numbers: {path} is not a committed file; fix the marker's key or commit the file")
+    from harness.protocol.results_io import read_rows
     out: dict = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        r = json.loads(line)
+    for r in read_rows(run_dir(root, folder) / "samples.jsonl"):
         if r["arm"] == "AR" and r["turn"] == 0:
             out.setdefault(r["dataset_row"], []).append(r["tokens"])
     return out

@@ -42,8 +42,7 @@ class Replayer:
     def __init__(self, target, backend, settings, arms: dict, prompts: dict, seed_of):
         self.target, self.backend, self.arms, self.prompts, self.seed_of = target, backend, arms, prompts, seed_of
         self.settings = dataclasses.replace(settings, record_gaps=True, use_graph=False)
-        self.cache: dict = {}
-        self.before: dict = {}  # (arm, prompt, pos) -> the replay's top-2 gaps at the positions before pos
+        self.cache: dict = {}  # (arm, prompt, pos) -> (gap and top logit at pos, ok, the gaps before pos)
         self.replays = 0
 
     def at(self, arm: str, row: dict, pos: int) -> tuple[tuple[float, float] | None, bool]:
@@ -58,15 +57,15 @@ class Replayer:
                          refiner=a.refiner, generator=gen)
             self.replays += 1
             ok = pos < len(g.tokens) and g.tokens[: pos + 1] == row["tokens"][: pos + 1]
-            self.cache[key] = ((g.top2_gaps[pos], g.top_logits[pos]) if pos < len(g.tokens) else None, ok)
-            self.before[key] = list(g.top2_gaps[:pos]) if ok else []
-        return self.cache[key]
+            self.cache[key] = ((g.top2_gaps[pos], g.top_logits[pos]) if pos < len(g.tokens) else None, ok,
+                               g.top2_gaps[:pos] if ok else [])
+        return self.cache[key][:2]
 
     def gaps_before(self, arm: str, row: dict, pos: int) -> list[float]:
         """The top-2 gaps of the replay that `at` made, at the positions before `pos` (where it reproduced the
         row's tokens; empty when it did not)."""
         self.at(arm, row, pos)
-        return self.before[(arm, row["question_id"], pos)]
+        return self.cache[(arm, row["question_id"], pos)][2]
 
 
 def mark_divergences(rows: list[dict], ar: str, replayer: Replayer, dtype: str) -> int:
