@@ -94,10 +94,15 @@ class DFlashGroup:
         self._last = (tokens.view(b, w - 1), logits.view(b, w - 1, -1), rows)
 
     def proposal(self, b: int) -> Proposal:
+        tokens, logits, hidden = self.proposals()
+        return Proposal(tokens=tokens[b], logits=logits[b], hidden=hidden[b])
+
+    def proposals(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row's (drafts [B, W-1], q [B, W-1, V], hidden [B, W, H]) of the last prefetch (the batch loop's
+        batched step reads them whole)."""
         if self._last is None:
             raise RuntimeError("DFlashGroup.prefetch must run before a member proposes")
-        tokens, logits, hidden = self._last
-        return Proposal(tokens=tokens[b], logits=logits[b], hidden=hidden[b])
+        return self._last
 
     @torch.no_grad()
     def observe(self, features: torch.Tensor, counts: torch.Tensor) -> None:

@@ -53,10 +53,15 @@ class BatchRefiner:
         return out.tokens, out.logits
 
     @torch.no_grad()
+    def refine_stacked(self, tokens, logits, hidden, anchors, prev_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same over stacked rows (drafts [N, W-1], q [N, W-1, V], hidden [N, W, H], anchors [N], tokens
+        before them [N]): (refined drafts [N, W-1], their q [N, W-1, V])."""
+        return self._stacked(tokens, logits, hidden, anchors.reshape(-1), prev_tokens.reshape(-1))
+
+    @torch.no_grad()
     def refine(self, proposals: list[Proposal], anchors: torch.Tensor, prev_tokens: torch.Tensor) -> list[Proposal]:
         """Greedy: row b is refiner.refine(proposals[b], RefineContext(anchors[b], prev_tokens[b])); one call."""
-        tokens, logits = self._stacked(torch.stack([p.tokens for p in proposals]),
-                                       torch.stack([p.logits for p in proposals]),
-                                       torch.stack([p.hidden for p in proposals]),
-                                       anchors.reshape(-1), prev_tokens.reshape(-1))
+        tokens, logits = self.refine_stacked(torch.stack([p.tokens for p in proposals]),
+                                             torch.stack([p.logits for p in proposals]),
+                                             torch.stack([p.hidden for p in proposals]), anchors, prev_tokens)
         return [p.with_tokens(tokens[b], logits[b]) for b, p in enumerate(proposals)]

@@ -41,7 +41,7 @@ def test_bad_batches_are_one_line_usage_errors(pair, monkeypatch):
     refused("one drafter object for several requests", t, two, S, CPU32, drafters=[d, d])
     refused("block sizes differ", t, two, S, CPU32, drafters=[d, tiny_drafter(t, block=3)])
     refused("needs a DecodeState of >= 2 slots", t, two, S, CPU32, state=DecodeState(t, slots=1))
-    refused("runs eagerly", t, two, DecodeSettings(8, 64, (), use_graph=True), CPU32)
+    refused("needs --device cuda", t, two, DecodeSettings(8, 64, (), use_graph=True), CPU32)
     refused("prompt 1 of the batch: empty prompt", t, [[9], []], S, CPU32)
     e = refused("prompt 0 of the batch: prompt has 64 tokens but --max-model-len is 64", t, [[9] * 64, [9]], S,
                 CPU32)

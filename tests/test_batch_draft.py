@@ -10,7 +10,9 @@ from core.errors import UsageError
 from drafters.dflash import DFlashDrafter
 from drafters.dflash_batch import DFlashGroup
 from harness.decode.batch_loop import generate_batch
+from core.protocols import Proposal
 from harness.decode.loop import DecodeSettings, generate
+from harness.decode.state import DecodeState
 from refiners.xpress import XPressRefiner, random_xpress_head
 from tiny import CPU32, VOCAB, tiny_drafter, tiny_target
 
@@ -55,8 +57,16 @@ def test_each_request_drafts_in_the_group_what_it_drafts_alone(case, refined):
         idx = [(b + j) % len(prompts) for j in range(b)]
         group = DFlashGroup(fresh(t, base), b)
         logs = {j: [] for j in range(b)}
-        real = group.proposal
-        group.proposal = lambda j, real=real: logs[j].append(real(j)) or logs[j][-1]
+        real = group.proposals
+
+        def proposals(real=real, b=b):  # the batched step reads every row; log those of the requests drafting
+            got = real()
+            bt = DecodeState.batched(t, b).rows_target  # generate_batch's default state
+            for j, on in enumerate((bt.live & bt.spec).tolist()):
+                if on:
+                    logs[j].append(Proposal(got[0][j].clone(), got[1][j].clone(), got[2][j].clone()))
+            return got
+        group.proposals = proposals
         gens = generate_batch(t, [prompts[i] for i in idx], settings(), CPU32, drafters=group.members,
                               refiner=refiner, max_new_tokens=[BUDGETS[i] for i in idx])
         for j, (i, g) in enumerate(zip(idx, gens)):

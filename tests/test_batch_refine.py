@@ -15,6 +15,7 @@ from drafters.dflash_batch import DFlashGroup
 from harness.decode import batch_loop
 from harness.decode.batch_loop import generate_batch
 from harness.decode.loop import DecodeSettings, generate
+from harness.decode.state import DecodeState
 from refiners.batch import BatchRefiner, batch_refiner
 from refiners.markov import MarkovRefiner, random_markov_head
 from refiners.xpress import XPressRefiner, random_xpress_head
@@ -210,40 +211,39 @@ def test_each_request_equals_its_own_b1_decode(case, singles, monkeypatch, kind,
     tokens, accepted counts, tau entries and stop reason equal its B=1 decode with the per-request refiner, and
     each step's refined proposal (tokens, drafted, q) is the one its own refine() made at B=1."""
     t, _, prompts, _ = case
-    calls, steps = [], []
-    real_refine, real_rows = BatchRefiner.refine, batch_loop._Batch._refine_rows
+    steps = []  # per batched step: the refined rows of the requests that drafted, by row
+    real = BatchRefiner.refine_stacked
 
-    def refine(self, proposals, anchors, prev):
-        calls.append(len(proposals))
-        return real_refine(self, proposals, anchors, prev)
-
-    def rows(self, spec, anchors):
-        steps.append(real_rows(self, spec, anchors))
-        return steps[-1]
-    monkeypatch.setattr(BatchRefiner, "refine", refine)
-    monkeypatch.setattr(batch_loop._Batch, "_refine_rows", rows)
+    def refine_stacked(self, tokens, q, hidden, anchors, prev):
+        got = real(self, tokens, q, hidden, anchors, prev)
+        bt = DecodeState.batched(t, tokens.shape[0]).rows_target  # generate_batch's default state
+        drafting = (bt.live & bt.spec).tolist()
+        steps.append({j: Proposal(got[0][j], got[1][j], hidden[j], drafted=tokens[j])
+                      for j in range(tokens.shape[0]) if drafting[j]})
+        return got
+    monkeypatch.setattr(BatchRefiner, "refine_stacked", refine_stacked)
     accepted, swaps = set(), 0
     for b in (2, 3):
         idx = [(b + j) % len(prompts) for j in range(b)]
-        calls.clear(), steps.clear()
+        steps.clear()
         group = group_of(kind, drafters_for(kind, case, idx))
         gens = generate_batch(t, [prompts[i] for i in idx], settings(), CPU32, drafters=group.members,
                               refiner=REFINERS[arm], max_new_tokens=[BUDGETS[i] for i in idx],
                               refine_batch=batch_refiner(REFINERS[arm]))
-        assert calls and len(calls) == len(steps)  # one call per step, for the requests that draft
-        assert calls == [len(s) for s in steps] and max(calls) == b
+        # one call per step, over every row of the batch (the batched step's fixed shape)
+        assert len(steps) == max(g.host_syncs for g in gens) and max(map(len, steps)) == b
         for j, (i, g) in enumerate(zip(idx, gens)):
             single, log = singles[kind, arm, i]
             assert g.tokens == single.tokens, (kind, arm, b, i)
             assert (g.accepted, g.accept_lengths, g.spec_steps, g.stop_reason) == \
                 (single.accepted, single.accept_lengths, single.spec_steps, single.stop_reason), (kind, arm, b, i)
-            mine = [s[j][2] for s in steps if j in s]
+            mine = [s[j] for s in steps if j in s]
             assert len(mine) == len(log) == single.spec_steps
             for k, (x, y) in enumerate(zip(mine, log)):
                 assert_same_proposal(x, y, (kind, arm, b, i, k))
             accepted.update(g.accepted)
         # the rows of a step differ, so a request handed a neighbour's row would fail the checks above
-        swaps += sum(distinct_rows([p for _, _, p in s.values()]) for s in steps if len(s) > 1)
+        swaps += sum(distinct_rows(list(s.values())) for s in steps if len(s) > 1)
     assert swaps > 0
     if kind == "scripted":
         assert len(accepted) >= 2, accepted  # tau varies: it has something to get wrong
@@ -256,6 +256,7 @@ def test_a_sampled_draft_refines_per_request(case, monkeypatch):
     def refuse(*a):
         raise AssertionError("a sampled draft took the batched refinement")
     monkeypatch.setattr(BatchRefiner, "refine", refuse)
+    monkeypatch.setattr(BatchRefiner, "refine_stacked", refuse)
     group = group_of("scripted", drafters_for("scripted", case, [0, 1]))
     s = DecodeSettings(max_new_tokens=4, max_model_len=512, stop_ids=STOPS, temperature=1.0)
     gens = generate_batch(t, prompts[:2], s, CPU32, drafters=group.members, refiner=REFINERS["xpress1"],

@@ -26,6 +26,27 @@ arm, so a step's cost is always compared at the batch size asked for (the shape 
 needs), and no arm gets a smaller batch because its requests ended sooner; each arm pays for its own longest
 request. No new prompt takes a freed slot here (a static batch).
 
+The batched step (`_Batch.rows_step`), used whenever the step is greedy (T=0 with greedy drafts, or AR) and the
+drafts come from one DrafterGroup (or there are none; not under record_gaps, not on Spyre, whose compiled path
+keeps the per-request step): one fixed-shape function of the batch's persistent state (BatchTarget's pos, cache,
+output rows and live/spec masks; the group's cache and context) that runs EVERY row, finished or not: the group's
+draft, the refinement of every row (one BatchRefiner call, else the refiner's own refine() per row), one verify,
+the exact-match verdict of every row at once ([B, W] argmax, the accepted run, the next token: the same argmax
+and leading-run rule as verify.exact_match; scripted acceptance forces min(N, W-1) as at B=1), the emitted
+tokens written to each row, the first stop per row, and the commit and the group's observe masked by `live`
+(a finished row's pos and context do not move; what it writes lands past its committed length, in its own row).
+A request near the context limit (spec False) keeps row 0 of its block only: n = 0, its next token the target's
+choice after its anchor, as its plain target step at B=1. Each request's tokens are therefore its B=1 tokens
+wherever the batched kernels give a row the bits they give it at B=1 (fp32 on the CPU: tests/test_batch_graphs).
+
+use_graph (CUDA): that function is captured as one CUDA graph per (arm, batch size, KV-length bucket) in the
+batch's DecodeState (DecodeState.batched: one per batch size), and replayed each step. Every bucket a batch can
+reach (from its longest prompt to its longest request's end) is captured BEFORE its decode clock starts, so no
+capture runs inside decode_s (Generation.setup_captures / setup_capture_s count them, once per batch: every
+generation of the batch carries the batch's count); a later batch of the same size and arm, on buffers of the
+same addresses, captures nothing. A step the batched function cannot take (sampled, per-request drafters,
+record_gaps) runs eagerly, and each Generation's graph_note says why.
+
 Per-request generators (one torch.Generator per request, or None: greedy, or the default generator) make a
 request's draws the ones it makes at B=1 with the same generator, in the same order: a request's sampled output
 does not depend on its neighbours. Timing per request: ttft_s its own prefill (the prefills run one after
@@ -40,8 +61,9 @@ import torch
 
 from core.devices import Backend
 from core.errors import UsageError
-from core.protocols import Drafter, Refiner
+from core.protocols import Drafter, IdentityRefiner, Proposal, RefineContext, Refiner
 from harness.decode.batch_target import BatchTarget
+from harness.decode.graphs import StepGraphs
 from harness.decode.loop import DecodeSettings, Generation, _check, _Decode, check_prompt
 from harness.decode.state import DecodeState
 
@@ -74,9 +96,6 @@ def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state,
     if state is not None and len(state.slots) < b:
         raise UsageError(f"batched decoding of {b} prompts needs a DecodeState of >= {b} slots, "
                          f"got {len(state.slots)}")
-    if settings.use_graph:
-        raise UsageError("batched decoding runs eagerly: whole-step CUDA graphs per (arm, batch bucket) are not "
-                         "built yet; decode without use_graph")
     for i, p in enumerate(prompts):
         try:
             check_prompt(len(p), settings.max_model_len)
@@ -85,20 +104,28 @@ def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state,
     return b
 
 
+def _rows_target(state: DecodeState, target, rows: int) -> BatchTarget:
+    """The state's BatchTarget for `rows` requests over `target` (made on first need, kept across batches)."""
+    bt = state.rows_target
+    if bt is None or bt.rows != rows or bt.target is not target:
+        bt = state.rows_target = BatchTarget(target, rows)
+    return bt
+
+
 class _Batch:
     """One batch: each request's `_Decode` (prefilled here), the BatchTarget their rows share, and the step."""
 
     def __init__(self, target, prompts, settings: DecodeSettings, backend: Backend, drafters, refiner, generators,
                  state: DecodeState, limits, refine_batch=None):
         b, self.backend = len(prompts), backend
-        self.batch = BatchTarget(target, b)
+        self.batch = batch = _rows_target(state, target, b)
         self.width = width = drafters[0].block_size if drafters is not None else 1
         self.spec_arm, self.limit = drafters is not None, settings.max_model_len
-        own = [settings if limits is None else dataclasses.replace(settings, max_new_tokens=m)
+        # each request's _Decode runs eagerly (its prefill and, off the batched step, its Stepper): the batch's
+        # graphs are the batch's own (below)
+        eager = dataclasses.replace(settings, use_graph=False)
+        own = [eager if limits is None else dataclasses.replace(eager, max_new_tokens=m)
                for m in (limits or [settings.max_new_tokens] * b)]
-        # + width: a masked (finished) request's block still writes past its end, in its own row
-        self.batch.ensure_capacity(max(min(self.limit, len(p) + s.max_new_tokens + width)
-                                       for p, s in zip(prompts, own)) + width)
         # drafters of one DrafterGroup (drafters.dflash_batch): every request's draft in one forward, observed
         # together; else each request's own drafter drafts and observes alone
         self.group = getattr(drafters[0], "group", None) if drafters is not None else None
@@ -107,17 +134,44 @@ class _Batch:
         self.refines = None
         if self.group is not None and refine_batch is not None and settings.draft_params.greedy:
             self.refines = refine_batch
+        greedy = settings.target_params.greedy and (drafters is None or settings.draft_params.greedy)
+        why = ("a sampled step (each request draws from its own generator)" if not greedy else
+               "per-request drafters (no DrafterGroup)" if drafters is not None and self.group is None else
+               "record_gaps" if settings.record_gaps else
+               "Spyre (its compiled per-request step)" if backend.kind == "spyre" else None)
+        self.rows_step_on = why is None  # the batched step (`rows_step`), else each request's own Stepper
+        self.graphs: StepGraphs | None = state.step_graphs() if settings.use_graph and why is None else None
+        self.graph_note = f"batched steps ran eagerly under use_graph: {why}" if settings.use_graph and why else ""
+        self.bucket = settings.graph_bucket
+        # + width: a masked (finished) request's block still writes past its end, in its own row
+        need = max(min(self.limit, len(p) + s.max_new_tokens + width) for p, s in zip(prompts, own)) + width
+        batch.ensure_capacity(StepGraphs.capacity_for(need, self.bucket) if self.graphs is not None else need)
+        out = batch.outputs(batch.capacity + width + 1)
         self.runs = []
         for i, prompt in enumerate(prompts):
             slot = state.slots[i]
             run = _Decode(target, prompt, own[i], backend, None if drafters is None else drafters[i], refiner,
                           None if generators is None else generators[i], state, slot=slot,
-                          row=self.batch.row(slot.row))
+                          row=batch.row(slot.row))
             run.request.first_token(run.prefill(), settings.stop_ids)
-            self.batch.load_prompt(slot.row, len(prompt))
+            batch.load_prompt(slot.row, len(prompt))
+            # the request's output is its row of the batch's: the batched step writes every row at once
+            n = len(prompt) + 1
+            out[slot.row, :n] = run.out[:n]
+            run.out = run.stepper.out = out[slot.row]
             self.runs.append(run)
+        self.out, self.refiner = out, self.runs[0].stepper.refiner
+        self.stops = state.slots[0].stop_ids(settings.stop_ids)
+        self.offsets = torch.arange(width, device=backend.device)
+        self.forced = None if settings.scripted_accept is None else min(settings.scripted_accept, width - 1)
         self.idle = torch.tensor([0, width], dtype=torch.long, device=backend.device)
         self.zero = torch.zeros((), dtype=torch.long, device=backend.device)
+        self.masks: tuple | None = None
+        self.captures, self.capture_s, self.captures_inside = 0, 0.0, 0
+        if self.graphs is not None:
+            if self.group is not None:  # the group's cache too holds every bucket's slots (the bucket's length)
+                self.group.ensure_capacity(batch.capacity)
+            self._capture_ahead(prompts, own)
         self.clock = backend.now()
         self.ends = [self.clock] * b
 
@@ -178,11 +232,114 @@ class _Batch:
             self.group.observe(feats, torch.stack(counts))
         return _read(torch.stack(packed))
 
+    # --- the batched step ---------------------------------------------------------------------------------------
+    def _set_masks(self, live: list[bool], spec: list[bool]) -> None:
+        """The host's live/spec lists into the batch's device masks, when they change (a request finished or
+        reached the context limit: after a step's read, when the device is idle)."""
+        if self.masks != (live, spec):
+            self.batch.live.copy_(torch.tensor(live))
+            self.batch.spec.copy_(torch.tensor(spec))
+            self.masks = (list(live), list(spec))
+
+    def _drafts(self, anchors: torch.Tensor, length: int):
+        """Every row's (drafts [B, W-1], q [B, W-1, V], hidden [B, W, H]) from the group's prefetch."""
+        g = self.group
+        g.prefetch(anchors, self.batch.pos, length)
+        if hasattr(g, "proposals"):
+            return g.proposals()
+        ps = [m.propose(anchors[b], self.batch.pos[b], length) for b, m in enumerate(g.members)]
+        return (torch.stack([p.tokens for p in ps]), torch.stack([p.logits for p in ps]),
+                torch.stack([p.hidden for p in ps]))
+
+    def _refine_all(self, drafts, q, hidden, anchors, prev) -> torch.Tensor:
+        """Every row's refined drafts: one BatchRefiner call, else the refiner's own refine() row by row."""
+        if isinstance(self.refiner, IdentityRefiner):
+            return drafts
+        if self.refines is not None:
+            return self.refines.refine_stacked(drafts, q, hidden, anchors, prev)[0]
+        return torch.stack([self.refiner.refine(Proposal(drafts[b], q[b], hidden[b]),
+                                                RefineContext(anchor=anchors[b], prev_token=prev[b])).tokens
+                            for b in range(drafts.shape[0])])
+
+    def rows_step(self, length: int) -> torch.Tensor:
+        """The device work of one greedy step for every row at once (see the module's docstring); returns the
+        packed [B, 2] (accepted, first stop) the host reads, a finished row's being (0, width)."""
+        bt, w, out = self.batch, self.width, self.out
+        pos, live, spec = bt.pos, bt.live, bt.spec
+        anchors = out.gather(1, pos.view(-1, 1)).view(-1)
+        if self.spec_arm:
+            drafts, q, hidden = self._drafts(anchors, length)
+            prev = out.gather(1, (pos - 1).view(-1, 1)).view(-1)
+            drafts = self._refine_all(drafts, q, hidden, anchors, prev)
+            blocks = torch.cat((anchors.view(-1, 1), drafts), 1)
+        else:
+            drafts, blocks = anchors.new_zeros((anchors.shape[0], 0)), anchors.view(-1, 1)
+        logits, feats = bt.verify(blocks, length, want_features=self.spec_arm)
+        choice = logits.argmax(-1)  # [B, W]: the target's greedy token after each block row
+        if self.forced is not None:
+            n = torch.full_like(pos, self.forced)
+        else:  # the run of drafts equal to the target's choices (verify.leading_run, per row)
+            n = (drafts == choice[:, :-1]).long().cumprod(1).sum(1)
+        n = torch.where(spec, n, 0)  # a plain target step (AR, or a row near the context limit): row 0 only
+        nxt = choice.gather(1, n.view(-1, 1))
+        idx = self.offsets[:w]
+        emitted = torch.where(idx < n.view(-1, 1), torch.cat((drafts, nxt), 1), nxt)
+        out.scatter_(1, pos.view(-1, 1) + 1 + idx, emitted)
+        width = 1 + (w - 1) * spec.long()
+        hits = (emitted.unsqueeze(-1) == self.stops).any(-1) & (idx <= n.view(-1, 1)) & (idx < width.view(-1, 1))
+        first_stop = torch.where(hits.any(1), hits.long().argmax(1), width)
+        step = torch.where(live, n + 1, 0)
+        pos.add_(step)
+        if self.spec_arm:
+            self.group.observe(feats, torch.where(spec, step, 0))
+        return torch.where(live.view(-1, 1), torch.stack((n, first_stop), 1), self.idle)
+
+    def _length(self, needed: int) -> int:
+        if self.graphs is None:
+            return needed
+        return self.graphs.length(needed, self.bucket, self.batch.capacity)
+
+    def _graph_key(self, length: int) -> tuple:
+        return ("batch", self.batch.rows, id(self.group), id(self.refiner), id(self.refines), self.forced,
+                self.width, length)
+
+    def _graph_args(self, length: int) -> tuple:
+        bt, g = self.batch, self.group
+        layout = (self.out.data_ptr(), bt.kv.k.data_ptr(), getattr(getattr(g, "kv", None), "k", bt.kv.k).data_ptr())
+        live = [bt.pos] + ([g.ctx] if hasattr(g, "ctx") else [])
+        return (self._graph_key(length), layout, lambda: self.rows_step(length), live, False,
+                (g, self.refiner, self.refines, bt, self.stops))
+
+    def _capture_ahead(self, prompts, own) -> None:
+        """Capture every KV-length bucket this batch can reach before its clock starts (see the module's
+        docstring): from its longest prompt's first step to its longest request's last."""
+        first = max(map(len, prompts)) + self.width
+        last = max(min(self.limit, len(p) + s.max_new_tokens + self.width) for p, s in zip(prompts, own)) + self.width
+        lengths = sorted({self._length(x) for x in range(first, last + 1)})
+        self._set_masks(*[[True] * len(prompts)] * 2)
+        g = self.graphs
+        before, t0 = g.captures, g.capture_s
+        for length in lengths:
+            g.ensure(*self._graph_args(length))
+        self.captures, self.capture_s = g.captures - before, g.capture_s - t0
+
+    def _rows_read(self, live: list[bool], spec: list[bool]) -> list[list[int]]:
+        self._set_masks(live, spec)
+        length = self._length(max(run.request.pos for run in self.runs) + self.width)
+        if self.graphs is None:
+            return _read(self.rows_step(length))
+        before = self.graphs.captures
+        packed = self.graphs.replay(*self._graph_args(length))
+        self.captures_inside += self.graphs.captures - before
+        for run, on in zip(self.runs, live):
+            run.gen.graph_steps += on
+        return _read(packed)
+
     def decode(self) -> list[Generation]:
         while any(live := self.live()):
             spec = [self.spec_arm and on and run.request.pos + self.width < self.limit
                     for on, run in zip(live, self.runs)]
-            read = self.step(live, spec)
+            read = self._rows_read(live, spec) if self.rows_step_on else self.step(live, spec)
             for i, run in enumerate(self.runs):
                 if not live[i]:
                     continue
@@ -196,6 +353,9 @@ class _Batch:
         gens = [run.finish(run.request.produced, run.request.stop) for run in self.runs]
         for gen, end in zip(gens, self.ends):
             gen.decode_s = end - self.clock
+            gen.setup_captures, gen.setup_capture_s = self.captures, self.capture_s
+            gen.graph_captures = self.captures_inside  # inside the clock: none unless a bucket was missed
+            gen.graph_note = gen.graph_note or self.graph_note
         return gens
 
 
@@ -218,6 +378,6 @@ def generate_batch(target, prompts: Sequence[list[int]], settings: DecodeSetting
     if refine_batch is not None and getattr(refine_batch, "refiner", None) is not refiner:
         raise UsageError("generate_batch: refine_batch batches another refiner than `refiner`; pass "
                          "harness.protocol.algorithms.batch_refiner(refiner), or None")
-    state = state if state is not None else DecodeState(target, slots=b)
+    state = state if state is not None else DecodeState.batched(target, b)
     return _Batch(target, prompts, settings, backend, drafters, refiner, generators, state, max_new_tokens,
                   refine_batch).decode()

@@ -16,6 +16,10 @@ its numbers are exactly those of B=1, and then copied into the request's row (`l
 
 `Row` is what one request's Stepper (harness.decode.loop) sees as its target: `pos` (a view of element b of
 `pos`) and `commit`.
+
+Persistent beside the cache (a captured step graph reads them by address, harness.decode.batch_loop): `out` [rows,
+n], every request's output tokens (request b's output buffer is row b), and `live` / `spec` [rows], which requests
+still step and which of them take a whole block this step (set by the host between steps).
 """
 from __future__ import annotations
 
@@ -59,6 +63,15 @@ class BatchTarget:
         b = target.backend
         self.kv = StaticKV(target.n_layers, target.n_kv_heads, target.head_dim, 0, b.dtype, b.device, rows=rows)
         self.pos = torch.zeros(rows, dtype=torch.long, device=b.device)
+        self.out = torch.full((rows, 0), -1, dtype=torch.long, device=b.device)
+        self.live = torch.zeros(rows, dtype=torch.bool, device=b.device)
+        self.spec = torch.zeros(rows, dtype=torch.bool, device=b.device)
+
+    def outputs(self, n: int) -> torch.Tensor:
+        """`out`, at least n tokens a row (a larger one is a new address: graphs reading the old one recapture)."""
+        if self.out.shape[1] < n:
+            self.out = torch.full((self.rows, n), -1, dtype=torch.long, device=self.out.device)
+        return self.out
 
     @property
     def capacity(self) -> int:

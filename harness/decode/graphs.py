@@ -135,28 +135,40 @@ class StepGraphs:
 
     def run(self, stepper, speculative: bool, width: int, length: int):
         """Replay (capturing first if needed) the step of `stepper`'s arm at this shape; returns its StepOut."""
-        layout = self._layout(stepper)
         key = (id(stepper.drafter), id(stepper.refiner), id(stepper.sampler), id(stepper.stops),
                stepper.params, stepper.scripted, getattr(stepper, "gaps", None) is not None, speculative, width, length)
+        live = [stepper.target.pos] + ([stepper.drafter.ctx] if hasattr(stepper.drafter, "ctx") else [])
+        return self.replay(key, self._layout(stepper), lambda: stepper.step(speculative, width, length), live,
+                           uses_rng=stepper.generator is self.rng,
+                           refs=(stepper, stepper.drafter, stepper.refiner, stepper.sampler, stepper.stops))
+
+    def ensure(self, key, layout: tuple, step: Callable, live: list, uses_rng: bool = False, refs: tuple = ()):
+        """The graph of `step` under `key`, captured now unless one with this buffer layout is held; returns
+        (entry, captured now). `step()` is a fixed-shape function of persistent state whose only state changes
+        that matter are to the tensors in `live` (restored after each warmup run); layout: the addresses of the
+        buffers it reads, whose change drops every graph that read the old ones (the first two elements)."""
         entry = self.entries.get(key)
-        if entry is None or entry.layout != layout:
-            # a cache or the output buffer was reallocated: graphs reading the old ones are useless
-            kept = {k: e for k, e in self.entries.items() if e.layout[:2] == layout[:2] and k != key}
-            if len(kept) < len(self.entries):
-                # graphs were dropped: their pool may be released with them, and a released pool cannot take
-                # new captures, so later captures go to a fresh pool
-                self.pool = torch.cuda.graph_pool_handle()
-            self.entries = kept
-            entry = self._capture(stepper, speculative, width, length, layout)
-            self.entries[key] = entry
+        if entry is not None and entry.layout == layout:
+            return entry, False
+        # a cache or the output buffer was reallocated: graphs reading the old ones are useless
+        kept = {k: e for k, e in self.entries.items() if e.layout[:2] == layout[:2] and k != key}
+        if len(kept) < len(self.entries):
+            # graphs were dropped: their pool may be released with them, and a released pool cannot take
+            # new captures, so later captures go to a fresh pool
+            self.pool = torch.cuda.graph_pool_handle()
+        self.entries = kept
+        entry = self.entries[key] = self._capture(step, live, uses_rng, refs, layout)
+        return entry, True
+
+    def replay(self, key, layout: tuple, step: Callable, live: list, uses_rng: bool = False, refs: tuple = ()):
+        """Replay the graph of `step` under `key` (captured first if needed: `ensure`); returns its output."""
+        entry, _ = self.ensure(key, layout, step, live, uses_rng, refs)
         entry.graph.replay()
         return entry.out
 
-    def _capture(self, stepper, speculative, width, length, layout) -> _Entry:
+    def _capture(self, step: Callable, live: list, uses_rng: bool, refs: tuple, layout: tuple) -> _Entry:
         t0 = time.perf_counter()
-        live = [stepper.target.pos] + ([stepper.drafter.ctx] if hasattr(stepper.drafter, "ctx") else [])
         saved = [x.clone() for x in live]
-        uses_rng = stepper.generator is self.rng
         rng_state = self.rng.get_state() if uses_rng else None
 
         def restore():
@@ -171,20 +183,20 @@ class StepGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                stepper.step(speculative, width, length)
+                step()
                 restore()
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if uses_rng:
             graph.register_generator_state(self.rng)
         with torch.cuda.graph(graph, pool=self.pool):
-            out = stepper.step(speculative, width, length)
+            out = step()
         restore()  # capture launches nothing, but keep the invariant explicit
         torch.cuda.synchronize(self.device)
         self.captures += 1
         self.capture_s += time.perf_counter() - t0
-        # the stepper too: its own small tensors (offsets, scripted counts) are read by the graph
-        return _Entry(graph, out, (stepper, stepper.drafter, stepper.refiner, stepper.sampler, stepper.stops), layout)
+        # refs: the stepper too, whose own small tensors (offsets, scripted counts) the graph reads
+        return _Entry(graph, out, refs, layout)
 
     def stats(self) -> dict:
         return {"graphs": len(self.entries), "captures": self.captures, "capture_s": round(self.capture_s, 3)}

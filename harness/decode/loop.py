@@ -94,6 +94,8 @@ class Generation:
     graph_steps: int = 0               # steps replayed from a whole-step CUDA graph
     graph_captures: int = 0            # whole-step graphs captured during this generation (inside its decode_s)
     graph_note: str = ""               # why steps ran eagerly although use_graph was set ("" when none did)
+    setup_captures: int = 0            # graphs captured for it before its decode clock started (a batch's, all of
+    setup_capture_s: float = 0.0       # them; harness.decode.batch_loop), and their host seconds (outside decode_s)
     top2_gaps: list[float] | None = None  # per token: the target's top-2 logit gap (settings.record_gaps)
     top_logits: list[float] | None = None  # per token: the target's largest logit (beside top2_gaps)
 

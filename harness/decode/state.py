@@ -22,6 +22,10 @@ it.
 
 `DecodeState.of(target)` is a target's default state (in a weak registry: it lives as long as the target and does
 not keep it alive); generate() uses it unless handed another, and so do the runner's presize and capture plan.
+`DecodeState.batched(target, rows)` is its default state for batches of `rows` requests (the same registry, one
+per batch size): generate_batch keeps its BatchTarget there (`rows_target`), so that the batch's cache, output
+rows and masks keep their addresses from one batch to the next and its step graphs (per arm and KV-length bucket)
+are captured once per batch size, not once per batch.
 """
 from __future__ import annotations
 
@@ -140,11 +144,14 @@ class DecodeState:
     """The decode's state for one target: its step graphs and its slots (see the module's docstring)."""
 
     _defaults: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _batched: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, target, slots: int = 1):
         self._target = weakref.ref(target)
         self.device = target.backend.device
         self.slots = [Slot(self.device, row) for row in range(slots)]
+        # the batched loop's harness.decode.batch_target.BatchTarget over these slots (set by it on first use)
+        self.rows_target = None
         self._graphs: StepGraphs | None = None
         self._graphs_version: int | None = None  # the target's version when the graphs were made
 
@@ -155,6 +162,14 @@ class DecodeState:
         if state is None:
             state = cls._defaults[target] = cls(target)
         return state
+
+    @classmethod
+    def batched(cls, target, rows: int) -> "DecodeState":
+        """The target's default state for batches of `rows` requests (created on first use)."""
+        states = cls._batched.setdefault(target, {})
+        if rows not in states:
+            states[rows] = cls(target, slots=rows)
+        return states[rows]
 
     @property
     def target(self):

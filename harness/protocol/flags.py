@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     f("--resume", metavar="RUN_DIR", help="continue an interrupted run in this folder; its config.json supplies "
                                           "every setting not typed")
     f("--batch-sizes", metavar="B,B,...",
-      help="a sweep: the paired protocol at each batch size (1..64 requests decoding together, eager), e.g. "
+      help="a sweep: the paired protocol at each batch size (1..64 requests decoding together; with --use-graph "
+           "one CUDA graph per arm, batch size and KV bucket, captured before each batch's clock), e.g. "
            "1,2,4,8,16,32,64; results in one folder (sweep.json, sweep.md, plots)")
     f("--context-lengths", metavar="C,C,...",
       help="a sweep: the paired protocol at each context length (prompts filled to at least C tokens with other "
@@ -213,8 +214,7 @@ def settle(values: dict, typed: set[str]) -> dict:
     * --drafter-only compares AR with the drafter alone: a setup's refiner heads are left out;
     * a refiner path not typed comes from its env variable (XPRESS_CKPT / MK_CKPT; empty: no such arm), read here
       and nowhere else (not with --random-weights or --ar-only, which take no checkpoint);
-    * --refine-numerics spyre copies to the host inside the step, so a setup does not turn --use-graph on;
-    * a sweep (--batch-sizes, --context-lengths) decodes eagerly, so a setup does not turn --use-graph on."""
+    * --refine-numerics spyre copies to the host inside the step, so a setup does not turn --use-graph on."""
     from harness.protocol.setups import ENV_OF
     out = dict(values)
     for key, var in ENV_OF.items():
@@ -226,8 +226,6 @@ def settle(values: dict, typed: set[str]) -> dict:
             out[key] = os.environ[var] or None
     if out["refine_numerics"] == "spyre" and "use_graph" not in typed:
         out["use_graph"] = False
-    if (out["batch_sizes"] is not None or out["context_lengths"] is not None) and "use_graph" not in typed:
-        out["use_graph"] = False  # a sweep's batched decoding runs eagerly (harness.protocol.sweep)
     return out
 
 

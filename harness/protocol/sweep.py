@@ -9,8 +9,11 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   the other prompts' texts, whole, in dataset order after the request's own (cycled), added until the rendered
   prompt has at least C tokens; C = 0 is the prompt itself. The lengths reached are recorded per point
   (`prompt_tokens`). Every prompt must leave room for --max-new-tokens and a block below --max-model-len.
-- One batch is one harness.decode.batch_loop.generate_batch call (eager: whole-step CUDA graphs per batch bucket
-  are not built yet, so a sweep refuses --use-graph). The target's verify is one forward of B x block rows, and so
+- One batch is one harness.decode.batch_loop.generate_batch call, over the batch size's DecodeState
+  (DecodeState.batched), so that with --use-graph (CUDA) each (arm, batch size, KV bucket) is captured once, as one
+  whole-step graph, before the first batch's clock starts (a capture never runs inside decode_s: the rows record
+  batch_setup_captures and batch_capture_s, and batch_prefill_s leaves them out); greedy steps only, a sampled
+  one runs eagerly and the labels say so. The target's verify is one forward of B x block rows, and so
   is the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the
   refiners run batched where they can (refiners.batch). The labels say which ran. --device spyre decodes 3
   requests as 4 rows (its compiled batch shapes are 1, 2 and 4): the fourth is a padding row, masked from the first
@@ -145,12 +148,12 @@ def run(cfg, out=None) -> dict:
     order = rotation(plan.arm_names, plan.rounds)
     describe(plan, models, settings, samples, out)
     print(f"[sweep] batch sizes {batches} x context lengths {contexts}: {len(points)} points, each with "
-          f"{plan.rounds} rounds (first {plan.warmup_rounds} excluded) of {len(plan.arm_names)} arms; eager, "
-          "first turns only", file=out)
+          f"{plan.rounds} rounds (first {plan.warmup_rounds} excluded) of {len(plan.arm_names)} arms; "
+          f"{'CUDA graphs per (arm, B, KV bucket)' if cfg.use_graph else 'eager'}, first turns only", file=out)
     os.makedirs(folder, exist_ok=True)
     config = {**dataclasses.asdict(cfg), "resolved": {
         **plan.resolved(), "stop_ids": list(models.stops), "rotation": order, "sweep": {
-            "batch_sizes": batches, "context_lengths": contexts, "graphs": False, "first_turn_only": True},
+            "batch_sizes": batches, "context_lengths": contexts, "graphs": cfg.use_graph, "first_turn_only": True},
         "dataset": dataset_provenance(cfg.dataset, cfg.data_dir), "label": label(cfg),
         "kernels": models.target.kernels}}
     atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
@@ -166,7 +169,7 @@ def run(cfg, out=None) -> dict:
     ar = next((a.name for a in models.arms if a.spec.method == "ar"), None)
     summary = summarize(read_rows(rows_path), plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
                         labels=[x for x in [label(cfg), f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
-                                            f"kernels {models.target.kernels}", "eager", *sorted(how)] if x])
+                                            f"kernels {models.target.kernels}", *sorted(how)] if x])
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     atomic_write(os.path.join(folder, "environment.json"),
@@ -219,12 +222,16 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
         wall = backend.now() - start
         gens = gens[:pt.batch]  # the padding rows are not requests
         decode_s = max(x.decode_s for x in gens)
+        capture_s = gens[0].setup_capture_s  # the batch's graphs, captured before its clock (each gen says so)
+        how.add("CUDA graphs per (arm, B, KV bucket)" if any(x.graph_steps for x in gens) else "eager")
+        how.update(x.graph_note for x in gens if x.graph_note)
         for j, (i, gen) in enumerate(zip(ids, gens)):
             row = runner.sample_row(plan.run_id, cfg, arm, i, samples[i], 0, round_, round_ <= plan.warmup_rounds, gen)
             row.update(batch_size=pt.batch, batch_rows=rows_run, context_len=pt.context, batch_index=g, batch_row=j,
                        slot=slot,
                        stream_seed=None if greedy else seeds[j], batch_decode_s=decode_s,
-                       batch_prefill_s=wall - decode_s)
+                       batch_prefill_s=wall - decode_s - capture_s, batch_capture_s=capture_s,
+                       batch_setup_captures=gens[0].setup_captures, graph_steps=gen.graph_steps)
             rows.append(row)
     return rows
 

@@ -46,9 +46,7 @@ def context_lengths(cfg) -> list[int]:
 def check(cfg) -> None:
     """Everything a sweep refuses, from the flags alone (harness.protocol.config.validate calls it)."""
     batch_sizes(cfg), context_lengths(cfg)
-    refused = [(cfg.use_graph, "--use-graph (batched decoding runs eagerly: CUDA graphs per batch bucket are not "
-                               "built yet); add --no-use-graph"),
-               (cfg.resume, "--resume (a sweep runs whole; start it again)"),
+    refused = [(cfg.resume, "--resume (a sweep runs whole; start it again)"),
                (cfg.compat_reference, "--compat-reference (one global random stream cannot be shared by a batch)"),
                (cfg.trace, "--trace (the step tracer follows one request)"),
                (cfg.answer_file, "--answer-file (the reference's schema has no batches)")]
