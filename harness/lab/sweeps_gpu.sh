@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 29's sweeps on a lent GPU, within the device tool's limits (see tables_gpu.sh, whose setup, gguf and part
+# calls come first: wheels, the SmolLM2 GGUF, the shipped weights carried in .gpuw and .gpum):
+#   device:  bash harness/lab/tables_gpu.sh setup; bash harness/lab/tables_gpu.sh gguf; tables_gpu.sh part .gpum
+#            bash harness/lab/sweeps_gpu.sh start       # carry .gpuw: the job below, in its own session
+#            bash harness/lab/sweeps_gpu.sh poll [S]    # until the job ends or S seconds pass; sweeps.tgz in $OUT
+#   here:    tar xzf sweeps.tgz -C results/sweeps
+# The job: the GPU tests of the batched graphs, then each sweep while DEADLINE_S (seconds from start) allows:
+# the embedded default's batch sweep on gsm8k and mt-bench, its context sweep on gsm8k, and Qwen3-8B with random
+# weights and scripted acceptance (3 and 6 accepted drafts a step: tau 4 and 7) on gsm8k prompts.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+J=/tmp/xsw
+R=/tmp/sweeps
+CODE="core data drafters harness refiners training scripts tests conftest.py pytest.ini benchmark_compile_all.py requirements.txt"
+ENVS="PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1"
+COMMON="--temperature 0 --use-graph --fair-interleave 5 --fair-warmup-rounds 1 --results-dir $R"
+
+sweep() {  # sweep ID ARGS...: one sweep, unless the deadline has passed
+  local id=$1; shift
+  if (( $(date +%s) + ${SWEEP_S:-120} > DEADLINE )); then echo "$id: skipped (deadline)"; return 0; fi
+  echo "== $id $(date +%T)"
+  python3 benchmark_compile_all.py --run-id "$id" $COMMON "$@" > "$R/$id.log" 2>&1 || echo "$id: failed"
+  tail -n 40 "$R/$id.log"
+}
+
+case "${1:-}" in
+  start)
+    mkdir -p /tmp/w $J $R && cp -r .gpuw/. /tmp/w/ && ls /tmp/w/smollm2-135m
+    rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
+    deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
+    (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m DEADLINE=$deadline setsid nohup \
+        bash harness/lab/sweeps_gpu.sh job > $J/job.log 2>&1 < /dev/null &)
+    sleep 20; tail -n 5 $J/job.log
+    ;;
+  job)
+    export -f sweep; export R COMMON
+    python3 -m pytest -o addopts="" -q tests/test_batch_graphs_gpu.py 2>&1 | tail -n 15
+    S=smollm2-135m; B=1,2,4,8,16,32,64
+    sweep ${S}_gsm8k_batch --preset $S --dataset gsm8k --batch-sizes $B --max-samples 16 --max-new-tokens 128
+    sweep qwen3-8b_tau4_batch --random-weights qwen3-8b --scripted-accept 3 --dataset gsm8k \
+        --batch-sizes $B --max-samples 8 --max-new-tokens 64
+    sweep ${S}_mt-bench_batch --preset $S --dataset mt-bench --first-turn-only --batch-sizes $B --max-samples 16 \
+        --max-new-tokens 128
+    sweep ${S}_gsm8k_context --preset $S --dataset gsm8k --batch-sizes 1,8 --context-lengths 0,1024,4096 \
+        --max-samples 8 --max-new-tokens 128
+    sweep qwen3-8b_tau7_batch --random-weights qwen3-8b --scripted-accept 6 --dataset gsm8k \
+        --batch-sizes $B --max-samples 8 --max-new-tokens 64
+    echo "rc=0" > $J/done
+    ;;
+  poll)
+    t=${2:-540}; end=$(( $(date +%s) + t ))
+    while [[ ! -f $J/done ]] && (( $(date +%s) < end )); do sleep 5; done
+    tail -n 60 $J/job.log
+    mkdir -p "${OUT:-/tmp/out}"
+    (cd $R && tar czf "${OUT:-/tmp/out}/sweeps.tgz" . 2>/dev/null) || true
+    [[ -f $J/done ]] && echo "job: done" || echo "job: running"
+    ;;
+  *)
+    sed -n 2,10p "$0"; exit 2
+    ;;
+esac
