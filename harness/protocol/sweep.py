@@ -9,12 +9,9 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   the other prompts' texts, whole, in dataset order after the request's own (cycled), added until the rendered
   prompt has at least C tokens; C = 0 is the prompt itself. The lengths reached are recorded per point
   (`prompt_tokens`). Every prompt must leave room for --max-new-tokens and a block below --max-model-len.
-- One batch is one harness.decode.batch_loop.generate_batch call, over the batch size's DecodeState
-  (DecodeState.batched), so that with --use-graph (CUDA) each (arm, batch size, KV bucket) is captured once, as one
-  whole-step graph, before the first batch's clock starts (a capture never runs inside decode_s: the rows record
-  batch_setup_captures and batch_capture_s, and batch_prefill_s leaves them out); greedy steps only, a sampled
-  one runs eagerly and the labels say so. The target's verify is one forward of B x block rows, and so
-  is the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the
+- One batch is one harness.decode.batch_loop.generate_batch call; with --use-graph (CUDA) each (arm, B, KV bucket)
+  is one whole-step graph captured before a batch's clock (rows: batch_capture_s, left out of batch_prefill_s);
+  sampled steps run eagerly (labelled). The target's verify is one forward of B x block rows, and so is the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the
   refiners run batched where they can (refiners.batch). The labels say which ran. --device spyre decodes 3
   requests as 4 rows (its compiled batch shapes are 1, 2 and 4): the fourth is a padding row, masked from the first
   step and left out of every number (`padded_requests`; labelled). A finished request is masked and keeps its slot until the
