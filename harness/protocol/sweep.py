@@ -9,9 +9,8 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   the other prompts' texts, whole, in dataset order after the request's own (cycled), added until the rendered
   prompt has at least C tokens; C = 0 is the prompt itself. The lengths reached are recorded per point
   (`prompt_tokens`). Every prompt must leave room for --max-new-tokens and a block below --max-model-len.
-- One batch is one harness.decode.batch_loop.generate_batch call; with --use-graph (CUDA) each (arm, B, KV bucket)
-  is one whole-step graph captured before a batch's clock (rows: batch_capture_s, left out of batch_prefill_s);
-  sampled steps run eagerly (labelled). The target's verify is one forward of B x block rows, and so is the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the
+- One batch is one batch_loop.generate_batch call (--use-graph: a graph per arm, B, KV bucket, captured before the
+  clock; batch_capture_s, not in batch_prefill_s). The target's verify is one forward of B x block rows, and so is the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the
   refiners run batched where they can (refiners.batch). The labels say which ran. --device spyre decodes 3
   requests as 4 rows (its compiled batch shapes are 1, 2 and 4): the fourth is a padding row, masked from the first
   step and left out of every number (`padded_requests`; labelled). A finished request is masked and keeps its slot until the
@@ -219,7 +218,6 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
         wall = backend.now() - start
         gens = gens[:pt.batch]  # the padding rows are not requests
         decode_s = max(x.decode_s for x in gens)
-        capture_s = gens[0].setup_capture_s  # the batch's graphs, captured before its clock (each gen says so)
         how.add("CUDA graphs per (arm, B, KV bucket)" if any(x.graph_steps for x in gens) else "eager")
         how.update(x.graph_note for x in gens if x.graph_note)
         for j, (i, gen) in enumerate(zip(ids, gens)):
@@ -227,7 +225,7 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
             row.update(batch_size=pt.batch, batch_rows=rows_run, context_len=pt.context, batch_index=g, batch_row=j,
                        slot=slot,
                        stream_seed=None if greedy else seeds[j], batch_decode_s=decode_s,
-                       batch_prefill_s=wall - decode_s - capture_s, batch_capture_s=capture_s,
+                       batch_prefill_s=wall - decode_s - gens[0].setup_capture_s, batch_capture_s=gens[0].setup_capture_s,
                        batch_setup_captures=gens[0].setup_captures, graph_steps=gen.graph_steps)
             rows.append(row)
     return rows
