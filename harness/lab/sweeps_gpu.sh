@@ -7,12 +7,14 @@
 #   here:    tar xzf sweeps.tgz -C results/sweeps
 # The job: the GPU tests of the batched graphs, then each sweep while DEADLINE_S (seconds from start) allows:
 # the embedded default's batch sweep on gsm8k and mt-bench, its context sweep on gsm8k, and Qwen3-8B with random
-# weights and scripted acceptance (3 and 6 accepted drafts a step: tau 4 and 7) on gsm8k prompts.
+# weights and scripted acceptance (3 and 6 accepted drafts a step: tau 4 and 7) on gsm8k prompts; after the first
+# sweep, issue 28's 32-prompt identity check on mbpp and mt-bench (check32.tgz; here: tar xzf into results/smollm2-135m).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 J=/tmp/xsw
 R=/tmp/sweeps
-CODE="core data drafters harness refiners training scripts tests conftest.py pytest.ini benchmark_compile_all.py requirements.txt"
+CODE="core data drafters harness refiners training scripts tests conftest.py pytest.ini benchmark_compile_all.py bench_fair_fast.sh
+  requirements.txt"
 ENVS="PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1"
 COMMON="--temperature 0 --use-graph --fair-interleave 5 --fair-warmup-rounds 1 --results-dir $R"
 
@@ -38,6 +40,11 @@ case "${1:-}" in
     python3 -m pytest -o addopts="" -q tests/test_batch_graphs_gpu.py 2>&1 | tail -n 15
     S=smollm2-135m; B=1,2,4,8,16,32,64
     sweep ${S}_gsm8k_batch --preset $S --dataset gsm8k --batch-sizes $B --max-samples 16 --max-new-tokens 128
+    if (( $(date +%s) + 240 < DEADLINE )); then  # issue 28: 32 prompts, batch-invariant kernels, AR vs every arm
+      echo "== check32 $(date +%T)"
+      RES=/tmp/res32 DATASETS="mbpp mt-bench" CELL_S=100 TABLE_ARGS="--kernels triton --batch-invariant \
+        --max-samples 32 --max-new-tokens 256 --fair-interleave 2" bash harness/lab/smollm2_gpu.sh tables 0 || true
+    fi
     sweep qwen3-8b_tau4_batch --random-weights qwen3-8b --scripted-accept 3 --dataset gsm8k \
         --batch-sizes $B --max-samples 8 --max-new-tokens 64
     sweep ${S}_mt-bench_batch --preset $S --dataset mt-bench --first-turn-only --batch-sizes $B --max-samples 16 \
@@ -54,6 +61,7 @@ case "${1:-}" in
     tail -n 60 $J/job.log
     mkdir -p "${OUT:-/tmp/out}"
     (cd $R && tar czf "${OUT:-/tmp/out}/sweeps.tgz" . 2>/dev/null) || true
+    [[ -d /tmp/res32 ]] && (cd /tmp/res32 && tar czf "${OUT:-/tmp/out}/check32.tgz" . 2>/dev/null) || true
     [[ -f $J/done ]] && echo "job: done" || echo "job: running"
     ;;
   *)
