@@ -1,5 +1,5 @@
-"""The batched step (harness.decode.batch_loop._Batch.rows_step: every row of a greedy batch in one fixed-shape
-function, finished rows masked) and the plan that captures it as CUDA graphs before a batch's clock starts.
+"""The batched step (harness.decode.batch_step.RowsStep, run by harness.decode.batch_loop: every row of a greedy
+batch in one fixed-shape function, finished rows masked) and the plan that captures it as CUDA graphs before a batch's clock starts.
 
 CPU, fp32: each request's tokens, accepted counts, tau entries and stop reason equal its own B=1 decode, for AR,
 drafter-only, xPress (batched and per row) and Markov over a DFlashGroup and over a scripted group (whose drafts
@@ -9,6 +9,8 @@ refuses to replay a key it was not given before the clock: so every step's KV bu
 warmups leave no trace in any request's output, and a second batch of the same size captures nothing. The real
 graphs on CUDA: test_batch_graphs_gpu.py."""
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
@@ -162,12 +164,14 @@ def test_rows_at_the_context_limit_in_the_batched_step(case, monkeypatch, kind):
 
 class CaptureAhead:
     """StepGraphs' capture plan without CUDA: `ensure` warms the step up twice and restores what the batch says a
-    step changes (as StepGraphs._capture does); `replay` refuses a key not ensured with this layout."""
+    step changes (as StepGraphs._capture does), then keeps the step it captured and the entry's refs; `replay`
+    refuses a key not ensured with this layout and runs the step CAPTURED, not the one it is handed (a graph
+    replays what it recorded: a later batch of the same size replays the first batch's step)."""
     length = staticmethod(StepGraphs.length)
     capacity_for = staticmethod(StepGraphs.capacity_for)
 
     def __init__(self):
-        self.held, self.captures, self.capture_s, self.replayed = {}, 0, 0.0, []
+        self.held, self.steps, self.captures, self.capture_s, self.replayed = {}, {}, 0, 0.0, []
 
     def ensure(self, key, layout, step, live, uses_rng=False, refs=()):
         if self.held.get(key) == layout:
@@ -177,14 +181,14 @@ class CaptureAhead:
             step()
             for x, y in zip(live, saved):
                 x.copy_(y)
-        self.held[key] = layout
+        self.held[key], self.steps[key] = layout, (step, refs)
         self.captures += 1
         return None, True
 
     def replay(self, key, layout, step, live, uses_rng=False, refs=()):
         assert self.held.get(key) == layout, f"step graph {key} was not captured before the clock"
         self.replayed.append(key[-1])
-        return step()
+        return self.steps[key][0]()
 
 
 @pytest.mark.parametrize("arm", ["ar", "drafter-only", "xpress1", "markov"])
@@ -193,7 +197,9 @@ def test_every_bucket_is_captured_before_the_clock_and_once_per_batch_size(case,
     captured before the batch's clock (setup_captures, none inside: graph_captures 0), the warmups change no
     request's output, and a second batch of the same size (the same state, buffers and arm) captures nothing."""
     no_per_request_step(monkeypatch)
-    graphs = {}
+    graphs, made, init = {}, [], batch_loop._Batch.__init__
+    monkeypatch.setattr(batch_loop._Batch, "__init__", lambda self, *a, **k: (made.append(weakref.ref(self)),
+                                                                               init(self, *a, **k))[1])
     monkeypatch.setattr(batch_loop, "_check", lambda s, b: None)  # use_graph on the CPU: the stand-in captures
     monkeypatch.setattr(DecodeState, "step_graphs", lambda self: graphs.setdefault(id(self), CaptureAhead()))
     s = settings(case, use_graph=True, graph_bucket=8)
@@ -209,6 +215,11 @@ def test_every_bucket_is_captured_before_the_clock_and_once_per_batch_size(case,
     again = decode(case, "dflash", arm, idx, s, grp)
     assert [x.tokens for x in again] == [x.tokens for x in first]
     assert all(x.setup_captures == 0 for x in again)
+    # what a captured step reads outlives the batch that captured it: a real graph keeps nothing of that batch,
+    # whose own tensors are freed with it (on the H200 a freed block-offset tensor became an out-of-range scatter
+    # index), so the step a graph records may hold no _Batch
+    gc.collect()
+    assert not [b for b in made if b() is not None], "a captured step holds the batch that captured it"
 
 
 def test_a_sampled_batch_under_use_graph_runs_eagerly_and_says_so(case, monkeypatch):

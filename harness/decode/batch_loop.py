@@ -26,21 +26,19 @@ arm, so a step's cost is always compared at the batch size asked for (the shape 
 needs), and no arm gets a smaller batch because its requests ended sooner; each arm pays for its own longest
 request. No new prompt takes a freed slot here (a static batch).
 
-The batched step (`_Batch.rows_step`), used whenever the step is greedy (T=0 with greedy drafts, or AR) and the
-drafts come from one DrafterGroup (or there are none; not under record_gaps, not on Spyre, whose compiled path
-keeps the per-request step): one fixed-shape function of the batch's persistent state (BatchTarget's pos, cache,
-output rows and live/spec masks; the group's cache and context) that runs EVERY row, finished or not: the group's
-draft, the refinement of every row (one BatchRefiner call, else the refiner's own refine() per row), one verify,
-the exact-match verdict of every row at once ([B, W] argmax, the accepted run, the next token: the same argmax
-and leading-run rule as verify.exact_match; scripted acceptance forces min(N, W-1) as at B=1), the emitted
-tokens written to each row, the first stop per row, and the commit and the group's observe masked by `live`
-(a finished row's pos and context do not move; what it writes lands past its committed length, in its own row).
-A request near the context limit (spec False) keeps row 0 of its block only: n = 0, its next token the target's
-choice after its anchor, as its plain target step at B=1. Each request's tokens are therefore its B=1 tokens
-wherever the batched kernels give a row the bits they give it at B=1 (fp32 on the CPU: tests/test_batch_graphs).
+The batched step (harness.decode.batch_step.RowsStep, kept in the DecodeState), used whenever the step is greedy
+(T=0 with greedy drafts, or AR) and the drafts come from one DrafterGroup (or there are none; not under
+record_gaps, not on Spyre, whose compiled path keeps the per-request step): one fixed-shape function of the
+batch's persistent state (BatchTarget's pos, cache, output rows and live/spec masks; the group's cache and
+context) that runs EVERY row, finished or not (its module says what it does). A finished row's pos and context do
+not move; what it writes lands past its committed length, in its own row. A request near the context limit (spec
+False) keeps row 0 of its block only: n = 0, its next token the target's choice after its anchor, as its plain
+target step at B=1. Each request's tokens are therefore its B=1 tokens wherever the batched kernels give a row the
+bits they give it at B=1 (fp32 on the CPU: tests/test_batch_graphs).
 
 use_graph (CUDA): that function is captured as one CUDA graph per (arm, batch size, KV-length bucket) in the
-batch's DecodeState (DecodeState.batched: one per batch size), and replayed each step. Every bucket a batch can
+batch's DecodeState (DecodeState.batched: one per batch size), and replayed each step, by this batch and every
+later one of its size and arm (so the graph reads only the state's tensors, never the batch's own). Every bucket a batch can
 reach (from its longest prompt to its longest request's end) is captured BEFORE its decode clock starts, so no
 capture runs inside decode_s (Generation.setup_captures / setup_capture_s count them, once per batch: every
 generation of the batch carries the batch's count); a later batch of the same size and arm, on buffers of the
@@ -61,7 +59,8 @@ import torch
 
 from core.devices import Backend
 from core.errors import UsageError
-from core.protocols import Drafter, IdentityRefiner, Proposal, RefineContext, Refiner
+from core.protocols import Drafter, Refiner
+from harness.decode.batch_step import RowsStep
 from harness.decode.batch_target import BatchTarget
 from harness.decode.graphs import StepGraphs
 from harness.decode.loop import DecodeSettings, Generation, _check, _Decode, check_prompt
@@ -161,10 +160,12 @@ class _Batch:
             run.out = run.stepper.out = out[slot.row]
             self.runs.append(run)
         self.out, self.refiner = out, self.runs[0].stepper.refiner
-        self.stops = state.slots[0].stop_ids(settings.stop_ids)
-        self.offsets = torch.arange(width, device=backend.device)
-        self.forced = None if settings.scripted_accept is None else min(settings.scripted_accept, width - 1)
-        self.idle = torch.tensor([0, width], dtype=torch.long, device=backend.device)
+        forced = None if settings.scripted_accept is None else min(settings.scripted_accept, width - 1)
+        # the batched step: the state's, for this arm and shape, so that a graph one batch captures reads only
+        # tensors that outlive it (harness.decode.batch_step)
+        self.rows = RowsStep.of(state, batch, width, self.group, self.refiner, self.refines, forced,
+                                state.slots[0].stop_ids(settings.stop_ids))
+        self.idle = self.rows.idle
         self.zero = torch.zeros((), dtype=torch.long, device=backend.device)
         self.masks: tuple | None = None
         self.captures, self.capture_s, self.captures_inside = 0, 0.0, 0
@@ -241,74 +242,14 @@ class _Batch:
             self.batch.spec.copy_(torch.tensor(spec))
             self.masks = (list(live), list(spec))
 
-    def _drafts(self, anchors: torch.Tensor, length: int):
-        """Every row's (drafts [B, W-1], q [B, W-1, V], hidden [B, W, H]) from the group's prefetch."""
-        g = self.group
-        g.prefetch(anchors, self.batch.pos, length)
-        if hasattr(g, "proposals"):
-            return g.proposals()
-        ps = [m.propose(anchors[b], self.batch.pos[b], length) for b, m in enumerate(g.members)]
-        return (torch.stack([p.tokens for p in ps]), torch.stack([p.logits for p in ps]),
-                torch.stack([p.hidden for p in ps]))
-
-    def _refine_all(self, drafts, q, hidden, anchors, prev) -> torch.Tensor:
-        """Every row's refined drafts: one BatchRefiner call, else the refiner's own refine() row by row."""
-        if isinstance(self.refiner, IdentityRefiner):
-            return drafts
-        if self.refines is not None:
-            return self.refines.refine_stacked(drafts, q, hidden, anchors, prev)[0]
-        return torch.stack([self.refiner.refine(Proposal(drafts[b], q[b], hidden[b]),
-                                                RefineContext(anchor=anchors[b], prev_token=prev[b])).tokens
-                            for b in range(drafts.shape[0])])
-
-    def rows_step(self, length: int) -> torch.Tensor:
-        """The device work of one greedy step for every row at once (see the module's docstring); returns the
-        packed [B, 2] (accepted, first stop) the host reads, a finished row's being (0, width)."""
-        bt, w, out = self.batch, self.width, self.out
-        pos, live, spec = bt.pos, bt.live, bt.spec
-        anchors = out.gather(1, pos.view(-1, 1)).view(-1)
-        if self.spec_arm:
-            drafts, q, hidden = self._drafts(anchors, length)
-            prev = out.gather(1, (pos - 1).view(-1, 1)).view(-1)
-            drafts = self._refine_all(drafts, q, hidden, anchors, prev)
-            blocks = torch.cat((anchors.view(-1, 1), drafts), 1)
-        else:
-            drafts, blocks = anchors.new_zeros((anchors.shape[0], 0)), anchors.view(-1, 1)
-        logits, feats = bt.verify(blocks, length, want_features=self.spec_arm)
-        choice = logits.argmax(-1)  # [B, W]: the target's greedy token after each block row
-        if self.forced is not None:
-            n = torch.full_like(pos, self.forced)
-        else:  # the run of drafts equal to the target's choices (verify.leading_run, per row)
-            n = (drafts == choice[:, :-1]).long().cumprod(1).sum(1)
-        n = torch.where(spec, n, 0)  # a plain target step (AR, or a row near the context limit): row 0 only
-        nxt = choice.gather(1, n.view(-1, 1))
-        idx = self.offsets[:w]
-        emitted = torch.where(idx < n.view(-1, 1), torch.cat((drafts, nxt), 1), nxt)
-        out.scatter_(1, pos.view(-1, 1) + 1 + idx, emitted)
-        width = 1 + (w - 1) * spec.long()
-        hits = (emitted.unsqueeze(-1) == self.stops).any(-1) & (idx <= n.view(-1, 1)) & (idx < width.view(-1, 1))
-        first_stop = torch.where(hits.any(1), hits.long().argmax(1), width)
-        step = torch.where(live, n + 1, 0)
-        pos.add_(step)
-        if self.spec_arm:
-            self.group.observe(feats, torch.where(spec, step, 0))
-        return torch.where(live.view(-1, 1), torch.stack((n, first_stop), 1), self.idle)
-
     def _length(self, needed: int) -> int:
         if self.graphs is None:
             return needed
         return self.graphs.length(needed, self.bucket, self.batch.capacity)
 
-    def _graph_key(self, length: int) -> tuple:
-        return ("batch", self.batch.rows, id(self.group), id(self.refiner), id(self.refines), self.forced,
-                self.width, length)
-
     def _graph_args(self, length: int) -> tuple:
-        bt, g = self.batch, self.group
-        layout = (self.out.data_ptr(), bt.kv.k.data_ptr(), getattr(getattr(g, "kv", None), "k", bt.kv.k).data_ptr())
-        live = [bt.pos] + ([g.ctx] if hasattr(g, "ctx") else [])
-        return (self._graph_key(length), layout, lambda: self.rows_step(length), live, False,
-                (g, self.refiner, self.refines, bt, self.stops))
+        rs = self.rows
+        return (rs.key(length), rs.layout(), lambda: rs.run(length), rs.live(), False, (rs,))
 
     def _capture_ahead(self, prompts, own) -> None:
         """Capture every KV-length bucket this batch can reach before its clock starts (see the module's
@@ -327,7 +268,7 @@ class _Batch:
         self._set_masks(live, spec)
         length = self._length(max(run.request.pos for run in self.runs) + self.width)
         if self.graphs is None:
-            return _read(self.rows_step(length))
+            return _read(self.rows.run(length))
         before = self.graphs.captures
         packed = self.graphs.replay(*self._graph_args(length))
         self.captures_inside += self.graphs.captures - before

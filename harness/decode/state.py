@@ -152,6 +152,9 @@ class DecodeState:
         self.slots = [Slot(self.device, row) for row in range(slots)]
         # the batched loop's harness.decode.batch_target.BatchTarget over these slots (set by it on first use)
         self.rows_target = None
+        # its batched steps (harness.decode.batch_step.RowsStep.of), one per arm and shape, alive while a batch
+        # or a step graph (whose entry keeps it) uses it: what their graphs read
+        self.rows_steps: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._graphs: StepGraphs | None = None
         self._graphs_version: int | None = None  # the target's version when the graphs were made
 
