@@ -161,3 +161,39 @@ def test_requests_cycle_to_fill_every_batch():
     assert sweep.request_ids(3, 1) == [0, 1, 2]
     assert sweep.request_ids(3, 2) == [0, 1, 2, 0]
     assert sweep.request_ids(3, 8) == [0, 1, 2, 0, 1, 2, 0, 1]
+
+
+def test_the_step_breakdown_follows_from_the_rows(swept):
+    """steps.md (harness.protocol.sweep_steps): a batch's steps are its longest row's, ms/step and tokens/step are
+    pooled over the measured batches, and token gain / step cost is the pooled tok/s ratio to AR."""
+    from harness.protocol import sweep_steps
+    folder, s, rows = swept
+    entries = sweep_steps.breakdown(rows, s["arms"], "AR")
+    assert len(entries) == len(s["points"]) * len(s["arms"])
+    for e in entries:
+        mine = [r for r in rows if r["arm"] == e["arm"] and r["batch_size"] == e["batch_size"]
+                and r["context_len"] == e["context_len"] and not r["warmup"]]
+        per_batch = {}
+        for r in mine:
+            k = (r["round"], r["batch_index"])
+            n = r["spec_steps"] + r["ar_steps"] + r["tail_steps"] + r["extra_steps"]
+            per_batch[k] = (max(per_batch.get(k, (0,))[0], n), r["batch_decode_s"])
+        steps = sum(v[0] for v in per_batch.values())
+        assert e["steps"] == steps
+        assert e["ms_per_step"] == pytest.approx(1e3 * sum(v[1] for v in per_batch.values()) / steps, rel=1e-3)
+        assert e["tokens_per_step"] == pytest.approx(sum(r["decode_tokens"] for r in mine) / steps, rel=1e-3)
+        point = next(p for p in s["points"] if p["batch_size"] == e["batch_size"] and
+                     p["context_len"] == e["context_len"])
+        if e["arm"] != "AR":
+            pooled = point["arms"][e["arm"]]["total_tok_s"] / point["arms"]["AR"]["total_tok_s"]
+            assert e["token_gain"] / e["step_cost"] == pytest.approx(pooled, rel=5e-3)
+    table = (folder / "steps.md").read_text()
+    assert "| 2 | 60 | xPress(K=2) |" in table and "step cost vs AR" in table
+
+
+def test_the_step_breakdown_cli_refuses_a_folder_that_is_not_a_sweep(tmp_path, capsys):
+    from harness.protocol import sweep_steps
+    assert sweep_steps.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "not a sweep folder" in err and err.count("\n") == 1
+    assert not (tmp_path / "steps.md").exists()

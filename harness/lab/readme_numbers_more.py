@@ -2,6 +2,8 @@
 under `results/perf/gpu_check/`, the `--trace` A/B of `results/trace_ab/`, and the shipped weights' manifest."""
 from __future__ import annotations
 
+from functools import lru_cache
+
 from core.errors import UsageError
 from harness.lab.readme_numbers_keys import _json, arm, end, fmt, quantity, run_dir, sp, tau
 
@@ -217,3 +219,64 @@ def q_ar_self(root, a, b, sep="/"):
     k = sum(all(same(x, y) for x in ta[q] for y in tb[q]) for q in common)
     return f"{k}{' of ' if sep == 'of' else sep}{len(common)}"
 
+
+
+# --- sweeps (results/sweeps/NAME/: sweep.json, and the step breakdown from samples.jsonl) ------------------------
+def _sweep_entry(root, folder: str, b: str, c: str, a: str) -> dict:
+    from harness.lab.readme_numbers_keys import arm_name
+    for p in _json(root / "results/sweeps" / folder / "sweep.json")["points"]:
+        if p["batch_size"] == int(b) and p["context_len"] == int(c):
+            if arm_name(a) not in p["arms"]:
+                raise UsageError(f"readme_numbers: sweep {folder} has no arm {arm_name(a)!r}")
+            return p["arms"][arm_name(a)]
+    raise UsageError(f"readme_numbers: sweep {folder} has no point B={b}, context={c}")
+
+
+@quantity("sweep")
+def q_sweep(root, folder, b, c, a, field, d=2):
+    """A sweep point's FIELD (speedup, tau, total_tok_s, ...; `lo`/`hi`: the speedup CI's ends) of ARM at B and
+    context C: results/sweeps/FOLDER/sweep.json."""
+    e = _sweep_entry(root, folder, b, c, a)
+    v = e["speedup_ci"][0 if field == "lo" else 1] if field in ("lo", "hi") else e[field]
+    return fmt(v, d)
+
+
+@quantity("run_step_ms")
+def q_run_step_ms(root, folder, a, d=2):
+    """A run folder's decode ms per step of ARM (summary.json's step_s: decode seconds over verify steps)."""
+    return fmt(1e3 * arm(root, folder, a)["step_s"], d)
+
+
+@quantity("bench_wall")
+def q_bench_wall(root, path, a, d=2):
+    """A bench_step JSON's (results/perf/PATH.json) wall ms per graphed step of ARM, host included."""
+    folder, name = path.rsplit("/", 1) if "/" in path else ("", path)
+    return fmt(bench_arm(root, name, a, f"results/perf/{folder}".rstrip("/"))["graph"]["wall_per_step_ms"], d)
+
+
+@quantity("sweep_same")
+def q_sweep_same(root, folder, b, c, a):
+    """A sweep point's `same as B=1` count of ARM ("35/80"): requests whose T=0 tokens equal the arm's B=1 ones."""
+    e = _sweep_entry(root, folder, b, c, a)["same_as_b1"]
+    return f"{e['equal']}/{e['of']}"
+
+
+@quantity("sweep_step")
+def q_sweep_step(root, folder, b, c, a, field, d=2):
+    """The step breakdown's FIELD (ms_per_step, tokens_per_step, step_cost, token_gain) of ARM at B and context C,
+    recomputed from results/sweeps/FOLDER/samples.jsonl (harness.protocol.sweep_steps)."""
+    from harness.lab.readme_numbers_keys import arm_name
+    entry = _sweep_steps(root, folder).get((int(b), int(c), arm_name(a)))
+    if entry is None:
+        raise UsageError(f"readme_numbers: sweep {folder} has no step entry for {arm_name(a)!r} at B={b}, C={c}")
+    return fmt(entry[field], d)
+
+
+@lru_cache(maxsize=8)
+def _sweep_steps(root, folder: str) -> dict:
+    from harness.protocol import sweep_steps
+    from harness.protocol.results_io import read_rows
+    summary = _json(root / "results/sweeps" / folder / "sweep.json")
+    rows = read_rows(root / "results/sweeps" / folder / "samples.jsonl")
+    return {(e["batch_size"], e["context_len"], e["arm"]): e
+            for e in sweep_steps.breakdown(rows, summary["arms"], summary["reference"])}

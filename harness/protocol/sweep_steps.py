@@ -1,0 +1,104 @@
+"""The step breakdown of a sweep: why an arm pays or stops paying at a (B, context) point.
+
+A batch of B requests runs until its longest request ends (finished rows are masked), so its step count is the
+largest of its rows' steps (spec + plain + tail + extra), and every step costs the same for every row. Per (point,
+arm), over the measured rounds:
+- `steps`: the batches' steps, summed; `ms_per_step`: the batches' decode seconds / steps;
+- `tokens_per_step`: decode tokens of the whole batch per step (B x tau at best; less when the batch's rows end
+  at different steps, since a masked row emits nothing);
+- `step_cost`: ms_per_step / AR's at the same point (the arm's break-even: it beats AR when its tokens_per_step
+  exceed step_cost x AR's); `token_gain`: tokens_per_step / AR's. The speedup of pooled tok/s is token_gain /
+  step_cost (the sweep's own speedup is the median of per-round ratios, so the two agree closely, not exactly).
+
+The sweep writes steps.md beside sweep.md (harness.protocol.sweep); for a folder written before that:
+
+    python -m harness.protocol.sweep_steps results/sweeps/NAME [...]    # (re)writes each folder's steps.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from harness.protocol.results_io import atomic_write, read_rows
+
+
+def _steps(row: dict) -> int:
+    return row["spec_steps"] + row["ar_steps"] + row["tail_steps"] + row["extra_steps"]
+
+
+def step_stats(rows: list[dict]) -> dict:
+    """One (point, arm)'s measured rows -> steps, ms_per_step, tokens_per_step (None where nothing was timed)."""
+    batches: dict = {}
+    for r in rows:
+        key = (r["round"], r["batch_index"])
+        steps, secs, tokens = batches.get(key, (0, 0.0, 0))
+        batches[key] = (max(steps, _steps(r)), r["batch_decode_s"], tokens + r["decode_tokens"])
+    steps = sum(b[0] for b in batches.values())
+    secs = sum(b[1] for b in batches.values())
+    tokens = sum(b[2] for b in batches.values())
+    if not steps:
+        return {"steps": 0, "ms_per_step": None, "tokens_per_step": None}
+    return {"steps": steps, "ms_per_step": round(1e3 * secs / steps, 4), "tokens_per_step": round(tokens / steps, 3)}
+
+
+def breakdown(rows: list[dict], arms: list[str], reference: str | None) -> list[dict]:
+    """Per measured (B, context) point and arm: step_stats, and step_cost / token_gain against `reference`."""
+    measured = [r for r in rows if not r["warmup"]]
+    points = sorted({(r["context_len"], r["batch_size"]) for r in measured})
+    out = []
+    for c, b in points:
+        here = [r for r in measured if r["context_len"] == c and r["batch_size"] == b]
+        stats = {a: step_stats([r for r in here if r["arm"] == a]) for a in arms}
+        ref = stats.get(reference) if reference else None
+        for a in arms:
+            s = stats[a]
+            if ref and ref["ms_per_step"] and s["ms_per_step"] and a != reference:
+                s["step_cost"] = round(s["ms_per_step"] / ref["ms_per_step"], 3)
+                s["token_gain"] = round(s["tokens_per_step"] / ref["tokens_per_step"], 3)
+            out.append({"batch_size": b, "context_len": c, "arm": a, **s})
+    return out
+
+
+def format_steps(entries: list[dict], labels=()) -> str:
+    head = f"**STEPS** [{'; '.join(labels)}]\n\n" if labels else "**STEPS**\n\n"
+    lines = ["| B | context | method | steps | ms/step | tokens/step (batch) | step cost vs AR | token gain vs AR |"
+             " gain / cost |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        cost, gain = e.get("step_cost"), e.get("token_gain")
+        ratio = f"{gain / cost:.3f}" if cost and gain else "-"
+        lines.append(f"| {e['batch_size']} | {e['context_len']} | {e['arm']} | {e['steps']} | "
+                     f"{e['ms_per_step'] if e['ms_per_step'] is not None else '-'} | "
+                     f"{e['tokens_per_step'] if e['tokens_per_step'] is not None else '-'} | "
+                     f"{cost if cost is not None else '-'} | {gain if gain is not None else '-'} | {ratio} |")
+    return head + "\n".join(lines) + "\n\n" + __doc__.split("\n\n")[1].replace("\n", " ").strip() + "\n"
+
+
+def write(folder: str, rows: list[dict], arms: list[str], reference: str | None, labels=()) -> str:
+    path = os.path.join(folder, "steps.md")
+    atomic_write(path, format_steps(breakdown(rows, arms, reference), labels))
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m harness.protocol.sweep_steps",
+                                 description="(Re)write a sweep folder's steps.md from its samples.jsonl.")
+    ap.add_argument("folders", nargs="+", help="sweep folders (each with sweep.json and samples.jsonl)")
+    args = ap.parse_args(argv)
+    for folder in args.folders:
+        summary_path, rows_path = os.path.join(folder, "sweep.json"), os.path.join(folder, "samples.jsonl")
+        if not (os.path.isfile(summary_path) and os.path.isfile(rows_path)):
+            print(f"error: {folder} is not a sweep folder (it needs sweep.json and samples.jsonl); pass the folder "
+                  "a sweep wrote", file=sys.stderr)
+            return 2
+    for folder in args.folders:
+        with open(os.path.join(folder, "sweep.json")) as f:
+            summary = json.load(f)
+        print(write(folder, read_rows(os.path.join(folder, "samples.jsonl")), summary["arms"],
+                    summary.get("reference"), summary.get("labels", ())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
