@@ -13,14 +13,23 @@ Numbers: the matmuls see N x rows instead of rows, so a row's refined logits mat
 (CPU BLAS picks kernels by row count: gemv for one row, gemm for several), not always bit for bit; the tokens are
 the same unless a refined argmax sits on such a near-tie.
 
-Not batched (None): draft sampling (Td > 0: each request's frozen noise is its own sampler's), other ops than
-TorchOps (a Triton kernel is not vmap-able), wrapped refiners (compiled, captured, Spyre numerics), xPress K = 0
-(its refine is the identity).
+`BatchRefiner(refiner, ops=TorchOps())` batches a refiner whose own ops cannot be vmapped (the Triton kernels)
+through a twin of it on `ops`, over the same head (`twin` True): one launch per op for the whole batch instead of
+each kernel once per request. Which refiners take a twin is the harness's choice
+(harness.protocol.algorithms.batch_refiner, which knows the backends); this module only runs it. The drafts alone,
+never the target's output, depend on it (at T=0 the verify decides every token), so the refiner need not use the
+target's kernels. The batch loop uses a twin from B = 2 (harness.decode.batch_loop): one request keeps the
+refiner's own kernels.
+
+Not batched here (None): draft sampling (Td > 0: each request's frozen noise is its own sampler's), ops other
+than TorchOps, wrapped refiners (compiled, captured, Spyre numerics), xPress K = 0 (its refine is the identity).
 
 harness.decode.batch_loop calls it once per step after the drafter group's prefetch, for the requests that draft,
 and each request's Stepper verifies and settles its own row.
 """
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch.func import vmap
@@ -31,25 +40,38 @@ from refiners.markov import MarkovRefiner
 from refiners.xpress import XPressRefiner
 
 
+def batchable(refiner) -> bool:
+    """A refiner whose refine() can run over a stack of requests (on TorchOps, or through a twin on them)."""
+    if type(refiner) not in (XPressRefiner, MarkovRefiner):
+        return False
+    return not (type(refiner) is XPressRefiner and refiner.passes == 0)
+
+
 def batch_refiner(refiner) -> "BatchRefiner | None":
-    """A BatchRefiner over `refiner` when it can refine a stack of requests at once, else None."""
-    if type(refiner) not in (XPressRefiner, MarkovRefiner) or type(refiner.ops) is not TorchOps:
-        return None
-    if type(refiner) is XPressRefiner and refiner.passes == 0:
+    """A BatchRefiner over `refiner` when it can refine a stack of requests at once on its own ops, else None."""
+    if not batchable(refiner) or type(refiner.ops) is not TorchOps:
         return None
     return BatchRefiner(refiner)
 
 
 class BatchRefiner:
-    """One refiner's refine() over a stack of requests (see the module docstring)."""
+    """One refiner's refine() over a stack of requests (see the module docstring). `refiner` is the run's refiner
+    (the batch loop checks it is the one it batches); `inner` is what runs: the refiner itself, or with `ops` its
+    twin on those ops over the same head (`twin`)."""
 
-    def __init__(self, refiner):
+    def __init__(self, refiner, ops=None):
+        if not batchable(refiner):
+            raise TypeError(f"BatchRefiner: {type(refiner).__name__} cannot refine a stack of requests")
         self.refiner = refiner
         self.name, self.passes = refiner.name, refiner.passes
+        self.twin, self.inner = ops is not None, refiner
+        if ops is not None:  # a shallow copy: the same head and settings, its own ops
+            self.inner = copy.copy(refiner)
+            self.inner.ops = ops
         self._stacked = vmap(self._one)
 
     def _one(self, tokens, logits, hidden, anchor, prev):
-        out = self.refiner.refine(Proposal(tokens, logits, hidden), RefineContext(anchor=anchor, prev_token=prev))
+        out = self.inner.refine(Proposal(tokens, logits, hidden), RefineContext(anchor=anchor, prev_token=prev))
         return out.tokens, out.logits
 
     @torch.no_grad()

@@ -129,9 +129,11 @@ class _Batch:
         # together; else each request's own drafter drafts and observes alone
         self.group = getattr(drafters[0], "group", None) if drafters is not None else None
         # and, for a greedy draft, the refiner batched (refine_batch): every request's refinement in one call after
-        # the group's prefetch (`_refine_rows`); else each request's Stepper refines alone
+        # the group's prefetch (`_refine_rows`); else each request's Stepper refines alone. A twin on other ops than
+        # the refiner's (refiners.batch) from B = 2 only: one request keeps the refiner's own kernels
         self.refines = None
-        if self.group is not None and refine_batch is not None and settings.draft_params.greedy:
+        if self.group is not None and refine_batch is not None and settings.draft_params.greedy and (
+                b > 1 or not getattr(refine_batch, "twin", False)):
             self.refines = refine_batch
         greedy = settings.target_params.greedy and (drafters is None or settings.draft_params.greedy)
         why = ("a sampled step (each request draws from its own generator)" if not greedy else

@@ -11,7 +11,8 @@ from drafters.dflash import (DFlashConfig, DFlashDrafter, DFlashModel, check_dfl
                              load_dflash, read_dflash_config)
 from drafters.dflash_batch import DFlashGroup
 from drafters.rope import inv_frequencies
-from refiners.batch import BatchRefiner, batch_refiner
+from refiners.batch import BatchRefiner, batchable
+from refiners.batch import batch_refiner as _on_own_ops
 from refiners.formats import (ENV_VARS, MARKOV, XPRESS, RefinerCheckpoint, load_refiner_checkpoint,
                               resolve_refiner_path, validate_against)
 from refiners.markov import MarkovHead, MarkovRefiner, markov_head_from_state, random_markov_head
@@ -23,3 +24,14 @@ __all__ = ["BatchRefiner", "DFlashConfig", "DFlashDrafter", "DFlashGroup", "DFla
            "batch_refiner", "check_dflash_checkpoint", "config_for_target", "inv_frequencies", "load_dflash", "load_refiner_checkpoint",
            "markov_head_from_state", "random_markov_head", "random_xpress_head", "read_dflash_config",
            "resolve_refiner_path", "validate_against", "validate_topc", "xpress_head_from_state"]
+
+
+def batch_refiner(refiner) -> BatchRefiner | None:
+    """The run's refiner batched over a step's requests (refiners.batch), or None (each request refines alone):
+    on its own ops where they are the torch ops; on the Triton kernels (which vmap cannot batch) through a twin on
+    the torch ops over the same head, since only the target's kernels decide the output (docs/DESIGN.md)."""
+    from core.ops.torch_impl import TorchOps
+    own = _on_own_ops(refiner)
+    if own is None and batchable(refiner) and getattr(refiner.ops, "name", None) == "triton":
+        return BatchRefiner(refiner, ops=TorchOps())
+    return own

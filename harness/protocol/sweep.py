@@ -10,12 +10,13 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   prompt has at least C tokens; C = 0 is the prompt itself. The lengths reached are recorded per point
   (`prompt_tokens`). Every prompt must leave room for --max-new-tokens and a block below --max-model-len.
 - One batch is one batch_loop.generate_batch call (--use-graph: a graph per arm, B, KV bucket, captured before the
-  clock; batch_capture_s, not in batch_prefill_s). The target's verify is one forward of B x block rows, and so is the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the
-  refiners run batched where they can (refiners.batch). The labels say which ran. --device spyre decodes 3
-  requests as 4 rows (its compiled batch shapes are 1, 2 and 4): the fourth is a padding row, masked from the first
-  step and left out of every number (`padded_requests`; labelled). A finished request is masked and keeps its slot until the
-  batch's longest request ends; no new prompt takes it (a static batch): every step of every arm runs at the B asked
-  for, and each arm pays for its own longest request.
+  clock; batch_capture_s, not in batch_prefill_s). The target's verify is one forward of B x block rows, and so is
+  the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the refiners
+  run batched where they can (refiners.batch). The labels say which ran. --device spyre decodes 3 requests as 4
+  rows (its compiled batch shapes are 1, 2 and 4): the fourth is a padding row, masked from the first step and left
+  out of every number (`padded_requests`; labelled). A finished request is masked and keeps its slot until the
+  batch's longest request ends; no new prompt takes it (a static batch): every step of every arm runs at the B
+  asked for, and each arm pays for its own longest request.
 - Timing, per batch: decode_s = from the batch's first step until its last request finished (the prefills, one
   after another before the first step, are timed apart: prefill_s). Total tok/s = decode tokens / decode_s, pooled
   over the point's batches and measured rounds; per-request tok/s = a request's decode tokens / its own decode_s,
@@ -24,12 +25,13 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   matrices (a batch is the paired unit, as a prompt is in a single run), with its paired bootstrap CI over batches
   and rounds. tau per point: accepted tokens per verify step over every request of the measured rounds (T > 0:
   every round is a sampling replicate, the warmup included, as in a single run).
-- Crossover: per arm and context, the smallest swept B at which its speedup's point estimate falls below 1
-  (and per B, the smallest swept context); `null` when it beats AR at every point swept.
+- Crossover: per arm and context, the smallest swept B at which its speedup's point estimate falls below 1 (and
+  per B, the smallest swept context); `null` when it beats AR at every point swept.
 - T = 0: each request's tokens are compared with the same arm's B = 1 tokens of the same point and round
   (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ unless the target's kernels
   are batch-invariant (--batch-invariant).
-The results folder holds config.json, samples.jsonl (one row per request), sweep.json, sweep.md and the plots.
+The results folder holds config.json, samples.jsonl (one row per request), sweep.json, sweep.md, steps.md (the
+step breakdown: harness.protocol.sweep_steps) and the plots.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ import sys
 import numpy as np
 
 from core.errors import UsageError
-from harness.protocol import runner
+from harness.protocol import runner, sweep_steps
 from harness.protocol.algorithms import DFlashDrafter, DFlashGroup, batch_refiner
 from harness.protocol.build import prepare
 from harness.protocol.console import describe, label
@@ -85,8 +87,7 @@ def _drafters(arm, b: int, pool: dict, backend, how: set) -> list | None:
     for a drafter the group refuses (sliding-window layers), one drafter per request; `how` collects which ran."""
     if arm.drafter is None:
         return None
-    base = arm.drafter
-    key = (id(base), b)
+    base, key = arm.drafter, (id(arm.drafter), b)
     if key not in pool:
         try:  # capacities: each generation's _Decode sizes its drafters, as for a single request
             pool[key] = DFlashGroup(base, b).members
@@ -107,17 +108,15 @@ def _batched(refiner, pool: dict, how: set):
     if refiner is None:
         return None
     key = ("refine", id(refiner))
-    if key not in pool:
-        pool[key] = batch_refiner(refiner)
-    how.add("refinements batched" if pool[key] is not None else "refinements per request")
+    r = pool[key] = pool[key] if key in pool else batch_refiner(refiner)
+    how.add("refinements per request" if r is None else "refinements batched from B=2 on torch ops (B=1: the "
+            "refiner's Triton kernels)" if r.twin else "refinements batched")
     return pool[key]
 
 
 def run(cfg, out=None) -> dict:
     """The whole sweep (the module docstring); returns sweep.json's content."""
-    out = out or sys.stdout
-    batches, contexts = batch_sizes(cfg), context_lengths(cfg)
-    folder = run_folder(cfg)
+    out, batches, contexts, folder = out or sys.stdout, batch_sizes(cfg), context_lengths(cfg), run_folder(cfg)
     plan = prepare(cfg, device=cfg.device, folder=folder)
     need = max(contexts) + cfg.max_new_tokens + plan.block_size + 1
     if need > plan.max_model_len:
@@ -126,8 +125,7 @@ def run(cfg, out=None) -> dict:
                          f"{plan.max_model_len}; lower the context or --max-new-tokens")
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
     models = runner.load_models(plan, samples, runner.choose_ops(plan), None)
-    settings = runner.settings_for(cfg, plan.max_model_len, models.stops)
-    points = []
+    settings, points = runner.settings_for(cfg, plan.max_model_len, models.stops), []
     for c in contexts:
         prompts = context_prompts(models.tokenizer, samples, models.firsts, c)
         longest = max(map(len, prompts))
@@ -162,12 +160,13 @@ def run(cfg, out=None) -> dict:
                 arm.activate()
                 append_rows(rows_path, _decode_point(plan, models, settings, arm, pt, r, slot, samples, pool, how))
         print(f"[sweep] B={pt.batch} context={pt.context}: done", file=out)
-    ar = next((a.name for a in models.arms if a.spec.method == "ar"), None)
-    summary = summarize(read_rows(rows_path), plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
+    ar, rows = next((a.name for a in models.arms if a.spec.method == "ar"), None), read_rows(rows_path)
+    summary = summarize(rows, plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
                         labels=[x for x in [label(cfg), f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
                                             f"kernels {models.target.kernels}", *sorted(how)] if x])
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
+    sweep_steps.write(folder, rows, plan.arm_names, ar, summary["labels"])
     atomic_write(os.path.join(folder, "environment.json"),
                  json.dumps(environment(exclude=[folder]), indent=1, default=str) + "\n")
     for path in write_plots(folder, summary):
@@ -346,8 +345,9 @@ def format_table(summary: dict) -> str:
         at = ", ".join(f"context {c}: {'B=' + str(v) if v is not None else 'beats AR at every B swept'}"
                        for c, v in x["batch_at_context"].items())
         lines.append(f"- {a} stops beating AR at {at}")
-    lines += ["", f"Speedup: {summary['conventions']['speedup']}; {summary['conventions']['unit']}. Total tok/s: "
-              f"{summary['conventions']['total_tok_s']}. Crossover: {summary['conventions']['crossover']}.", ""]
+    c = summary["conventions"]
+    lines += ["", f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Crossover: "
+              f"{c['crossover']}.", ""]
     return "\n".join(lines)
 
 
