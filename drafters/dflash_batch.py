@@ -13,7 +13,9 @@ capacity, head_dim]) at its own positions, so a request's drafts are computed fr
   written past it is stale and overwritten before anything reads it).
 Numbers: the matmuls see B x W rows instead of W, so a row's drafts match its B=1 drafts up to the kernels' tiling
 by row count (bitwise where they do not tile by it). The drafts never change the target's output at T=0; they
-change tau only through such rounding. Sliding-window drafters (Gemma 4's) are refused: BatchOps has no window.
+change tau only through such rounding. One row (B = 1) runs on the base drafter's own ops, its single-request
+attention included, over row 0 of the group's cache. Sliding-window drafters (Gemma 4's) are refused: BatchOps has
+no window.
 """
 from __future__ import annotations
 
@@ -75,8 +77,15 @@ class DFlashGroup:
         self.kv.v[:, b, :, :n] = self.base.kv.v[:, 0, :, :n]
         self.ctx[b] = n
 
-    def _ops(self, n_rows: int) -> BatchOps:
-        return BatchOps(self.base.ops.sized(n_rows, self._groups))
+    def _ops(self, n_rows: int):
+        """The rows' ops; for one request the base drafter's own (its single-request attention, over row 0 of this
+        cache, whose layout is the base's own cache's): B = 1 drafts on the kernels of the single-request loop."""
+        ops = self.base.ops.sized(n_rows, self._groups)
+        return ops if self.rows == 1 else BatchOps(ops)
+
+    def _at(self, t: torch.Tensor) -> torch.Tensor:
+        """[B, ...] per-row positions (limits) as the ops take them: one request's without the row dimension."""
+        return t[0] if self.rows == 1 else t
 
     @torch.no_grad()
     def prefetch(self, anchors: torch.Tensor, positions: torch.Tensor, length: int) -> None:
@@ -85,8 +94,8 @@ class DFlashGroup:
         ids = torch.cat((anchors.view(b, 1), self._masks), 1)
         pos = positions.view(b, 1) + self._offsets
         model = self.base.model
-        hidden = model.block(self.base.embed(ids.reshape(-1)), pos, self.kv, positions + w, length,
-                             self._ops(b * w))
+        hidden = model.block(self.base.embed(ids.reshape(-1)), self._at(pos), self.kv, self._at(positions + w),
+                             length, self._ops(b * w))
         rows = hidden.view(b, w, -1)
         lm = self.base.lm_head
         logits, tokens = self._ops(b * (w - 1)).linear(rows[:, 1:].reshape(b * (w - 1), -1), lm.weight,
@@ -109,5 +118,5 @@ class DFlashGroup:
         """features [B, W, F] of every row's verified block at its context; counts [B] (0: the row did not draft)."""
         b, w = features.shape[0], features.shape[1]
         pos = self.ctx.view(b, 1) + self._offsets[:w]
-        self.base.model.write_context(features.reshape(b * w, -1), pos, self.kv, self._ops(b * w))
+        self.base.model.write_context(features.reshape(b * w, -1), self._at(pos), self.kv, self._ops(b * w))
         self.ctx.add_(counts)

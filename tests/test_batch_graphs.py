@@ -232,3 +232,24 @@ def test_a_sampled_batch_under_use_graph_runs_eagerly_and_says_so(case, monkeypa
                           generators=[torch.Generator().manual_seed(k) for k in (1, 2)])
     assert not graphs and all("ran eagerly" in g.graph_note and "sampled" in g.graph_note for g in gens)
     assert all(g.graph_steps == 0 for g in gens)
+
+
+def test_one_request_runs_on_the_single_request_kernels(case, monkeypatch):
+    """At B = 1 the batched loop's verify is the target's own single-request forward (its ops, whose fused attention
+    the Triton path has) over the batch's cache row, and the drafter group's block is the base drafter's own, so
+    B = 1 costs what the single-request loop costs (the H200 sweeps measured the rows' ops at B = 1 at about twice
+    the single-request step); from B = 2 the rows' ops (core.ops.batch.BatchOps). AR and drafter-only."""
+    from core.ops.batch import BatchOps
+    no_per_request_step(monkeypatch)
+    calls = []
+    attention, write_kv = BatchOps.attention, BatchOps.write_kv
+    monkeypatch.setattr(BatchOps, "attention", lambda self, *a, **k: (calls.append(1), attention(self, *a, **k))[1])
+    monkeypatch.setattr(BatchOps, "write_kv", lambda self, *a, **k: (calls.append(1), write_kv(self, *a, **k))[1])
+    t, _, prompts, refs, _ = case
+    for arm in ("ar", "drafter-only"):
+        for b in (1, 2):
+            calls.clear()
+            members = None if arm == "ar" else group(case, "dflash", list(range(b))).members
+            gens = generate_batch(t, prompts[:b], DecodeSettings(8, 512, ()), CPU32, drafters=members)
+            assert [g.tokens for g in gens] == [r[:8] for r in refs[:b]]
+            assert (len(calls) > 0) == (b > 1), (arm, b, len(calls))

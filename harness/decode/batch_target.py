@@ -11,8 +11,11 @@ causal mask are the B=1 ones.
 matmul and norm takes all rows at once; these are row-wise, so batching changes a row's numbers only as far as
 the kernels tile by row count (as AR's 1 row and verify's W rows already differ at B=1). Attention (`BatchOps`)
 writes each row's K/V at its request's positions in that request's cache row and attends there: one SDPA over
-[R, ...] with a causal mask per request (core.ops.batch). The prompt is prefilled by the target itself, one request at a time, so
-its numbers are exactly those of B=1, and then copied into the request's row (`load_prompt`).
+[R, ...] with a causal mask per request (core.ops.batch). One request (R = 1) runs on the target's own
+single-request ops instead, its fused attention included, over this cache's one row (the target's own cache's
+layout): the kernels, and so the numbers and the step cost, of the single-request loop. The prompt is prefilled
+by the target itself, one request at a time, so its numbers are exactly those of B=1, and then copied into the
+request's row (`load_prompt`).
 
 `Row` is what one request's Stepper (harness.decode.loop) sees as its target: `pos` (a view of element b of
 `pos`) and `commit`.
@@ -97,6 +100,11 @@ class BatchTarget:
         t = self.target
         r, w = blocks.shape
         positions = self.pos.unsqueeze(1) + torch.arange(w, device=blocks.device)
-        rows = BatchRows(BatchOps(t.ops.sized(r * w, t.groups)), self.kv, Span(positions, length, impl=t.attn_impl))
+        if r == 1:  # one request: the target's own single-request ops (its fused attention) over this cache's row,
+            # whose layout is the target's own cache's: B = 1 runs the kernels of the single-request loop
+            rows = BatchRows(t.ops.sized(w, t.groups), self.kv, Span(positions.view(-1), length, impl=t.attn_impl))
+        else:
+            rows = BatchRows(BatchOps(t.ops.sized(r * w, t.groups)), self.kv,
+                             Span(positions, length, impl=t.attn_impl))
         logits, feats = t.forward(blocks.reshape(-1), positions.reshape(-1), length, want_features, batch=rows)
         return logits.view(r, w, -1), None if feats is None else feats.view(r, w, -1)
