@@ -45,13 +45,13 @@ case "${1:-}" in
       RES=/tmp/res32 DATASETS="mbpp mt-bench" CELL_S=100 TABLE_ARGS="--kernels triton --batch-invariant \
         --max-samples 32 --max-new-tokens 256 --fair-interleave 2" bash harness/lab/smollm2_gpu.sh tables 0 || true
     fi
-    sweep qwen3-8b_tau4_batch --random-weights qwen3-8b --scripted-accept 3 --dataset gsm8k \
+    sweep qwen3-8b_tau4_batch --random-weights qwen3-8b --scripted-accept 3 --dataset gsm8k --data-dir data/eval \
         --batch-sizes $B --max-samples 8 --max-new-tokens 64
     sweep ${S}_mt-bench_batch --preset $S --dataset mt-bench --first-turn-only --batch-sizes $B --max-samples 16 \
         --max-new-tokens 128
     sweep ${S}_gsm8k_context --preset $S --dataset gsm8k --batch-sizes 1,8 --context-lengths 0,1024,4096 \
         --max-samples 8 --max-new-tokens 128
-    sweep qwen3-8b_tau7_batch --random-weights qwen3-8b --scripted-accept 6 --dataset gsm8k \
+    sweep qwen3-8b_tau7_batch --random-weights qwen3-8b --scripted-accept 6 --dataset gsm8k --data-dir data/eval \
         --batch-sizes $B --max-samples 8 --max-new-tokens 64
     echo "rc=0" > $J/done
     ;;
