@@ -29,9 +29,22 @@ def test_every_point_is_timed_against_its_floor(tmp_path):
 
 @pytest.mark.parametrize("args,says", [(["--batch-sizes", "0"], "out of range"),
                                        (["--contexts", "2000"], "max_position_embeddings"),
-                                       (["--reps", "0"], "--reps")])
-def test_bad_arguments_are_one_line(tmp_path, capsys, args, says):
+                                       (["--reps", "0"], "--reps"),
+                                       (["--contexts", "8", "--graphs"], "--graphs captures CUDA graphs")])
+def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch, args, says):
     out = tmp_path / "b.json"
+    monkeypatch.setattr(bench_batch, "build_random", lambda *a, **k: pytest.fail("a model was built"))
     assert bench_batch.main(["--preset", "tiny", "--device", "cpu", "--out", str(out), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and says in err[0] and not out.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_points_are_timed_on_a_gpu(tmp_path):
+    out = tmp_path / "g.json"
+    assert bench_batch.main(["--preset", "tiny", "--device", "cuda", "--batch-sizes", "1,3", "--contexts", "8",
+                             "--block-size", "4", "--reps", "3", "--warmup", "1", "--graphs", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["graphs"] is True and all(r["ms"] > 0 for r in res["rows"])
+    assert "one CUDA graph per point" in (tmp_path / "g.md").read_text()

@@ -8,8 +8,9 @@ batched KV cache (harness.decode.batch_target.BatchTarget), and one step is the 
 - floor: (the weight bytes one step reads + the KV bytes it reads: B x (C + W) slots x layers x 2 x kv heads x
   head_dim x element size) / the measured device-to-device copy bandwidth (read + write bytes);
 - ratio = measured / floor; the goal is <= 1.15 at every B <= 16.
-The forward is eager (no CUDA graph per batch bucket yet), so a small step's launch gaps are inside its time.
-Writes JSON (--out) and a markdown table beside it.
+Eager by default, so a small step's launch gaps are inside its time; --graphs (CUDA) captures each point's
+forward as one CUDA graph (warmed up on a side stream first, captured outside the timing) and times its replays,
+as the batched decode loop replays its whole-step graphs. Writes JSON (--out) and a markdown table beside it.
 """
 from __future__ import annotations
 
@@ -58,7 +59,23 @@ def _time(fn, device: torch.device, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, reps: int, warmup: int) -> list[dict]:
+def graphed(fn, device: torch.device):
+    """fn captured as one CUDA graph (two warmup calls on a side stream first); returns the graph's replay."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize(device)
+    return graph.replay
+
+
+def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, reps: int, warmup: int,
+            graphs: bool = False) -> list[dict]:
     t, rows = m.target, []
     weights = m.target_weight_bytes(include_embedding=False)
     g = torch.Generator(device=m.backend.device).manual_seed(0)
@@ -69,7 +86,8 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
             batch.pos.fill_(c)  # the slots' values do not change the cost; their count does
             for w in (1, block):
                 ids = torch.randint(10, t.vocab_size, (b, w), generator=g, device=m.backend.device)
-                ms = _time(lambda: batch.verify(ids, c + w, want_features=False), m.backend.device, reps, warmup)
+                step = lambda: batch.verify(ids, c + w, want_features=False)  # noqa: E731
+                ms = _time(graphed(step, m.backend.device) if graphs else step, m.backend.device, reps, warmup)
                 kvb = kv_bytes(t, b, c + w)
                 floor = 1000 * (weights + kvb) / bw
                 rows.append({"batch": b, "context": c, "width": w, "step": "AR" if w == 1 else "verify",
@@ -86,7 +104,7 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
 
 def markdown(res: dict) -> str:
     lines = [f"**{res['label']}**: {res['preset']} on {res['device_name']}, {res['dtype']}, kernels {res['kernels']}, "
-             f"eager, copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
+             f"{'one CUDA graph per point' if res['graphs'] else 'eager'}, copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
              "| step | B | context | ms | tok/s | floor ms | ratio |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['step']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['tokens_per_s']:.0f} | "
@@ -107,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--graphs", action="store_true", help="time each point's forward as one CUDA graph (CUDA)")
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/bench_batch_<preset>.json")
     a = p.parse_args(argv)
 
@@ -121,15 +140,17 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--contexts {max(contexts)}: with block {a.block_size} it passes the preset's "
                              f"max_position_embeddings {limit}; use smaller contexts")
         backend = resolve_backend(a.device, a.dtype)
+        if a.graphs and backend.kind != "cuda":
+            raise UsageError(f"--graphs captures CUDA graphs and needs --device cuda; drop it on {backend.kind}")
         ops = make_ops(a.kernels, backend.device, backend.dtype, config)
         m = build_random(a.preset, backend, block_size=a.block_size, capacity=max(contexts) + a.block_size + 1,
                          ops=ops)
         bw = copy_bandwidth(backend.device, nbytes=(1 << 31) if backend.kind == "cuda" else (1 << 24))
         name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else "cpu"
         res = {"label": RANDOM_LABEL.split(" / ")[0], "preset": a.preset, "device_name": name,
-               "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels, "graphs": False,
+               "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels, "graphs": a.graphs,
                "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__, "goal_ratio": GOAL,
-               "rows": measure(m, batches, contexts, a.block_size, bw, a.reps, a.warmup)}
+               "rows": measure(m, batches, contexts, a.block_size, bw, a.reps, a.warmup, a.graphs)}
         out = a.out or os.path.join("results", "perf", f"bench_batch_{a.preset}.json")
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
         with open(out, "w") as f:

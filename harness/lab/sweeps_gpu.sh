@@ -5,10 +5,11 @@
 #            bash harness/lab/sweeps_gpu.sh start       # carry .gpuw: the job below, in its own session
 #            bash harness/lab/sweeps_gpu.sh poll [S]    # until the job ends or S seconds pass; sweeps.tgz in $OUT
 #   here:    tar xzf sweeps.tgz -C results/sweeps
-# The job: the GPU tests of the batched graphs, then each sweep while DEADLINE_S (seconds from start) allows:
+# The job: the GPU tests of the batched graphs, bench_batch --graphs at Qwen3-8B's shape (results/perf/), then each
+# sweep while DEADLINE_S (seconds from start) allows:
 # the embedded default's batch sweep on gsm8k and mt-bench, its context sweep on gsm8k, and Qwen3-8B with random
-# weights and scripted acceptance (3 and 6 accepted drafts a step: tau 4 and 7) on gsm8k prompts; after the first
-# sweep, issue 28's 32-prompt identity check on mbpp and mt-bench (check32.tgz; here: tar xzf into results/smollm2-135m).
+# weights and scripted acceptance (3 and 6 accepted drafts a step: tau 4 and 7) on gsm8k prompts. (Issue 28's
+# 32-prompt check on mbpp and mt-bench ran in this job on 2026-12-04: results/smollm2-135m/check32/.)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 J=/tmp/xsw
@@ -37,14 +38,13 @@ case "${1:-}" in
     ;;
   job)
     export -f sweep; export R COMMON
-    python3 -m pytest -o addopts="" -q tests/test_batch_graphs_gpu.py 2>&1 | tail -n 15
+    python3 -m pytest -o addopts="" -q tests/test_batch_graphs_gpu.py tests/test_bench_batch.py 2>&1 | tail -n 15
+    # issue 29 item 5: the batched AR and verify steps against their byte floors, graphed, at Qwen3-8B's shape
+    python3 -m harness.lab.bench_batch --preset qwen3-8b --kernels triton --graphs \
+        --out $R/bench_batch_qwen3-8b_graphs.json > $R/bench_batch.log 2>&1 || echo "bench_batch: failed"
+    tail -n 3 $R/bench_batch.log
     S=smollm2-135m; B=1,2,4,8,16,32,64
     sweep ${S}_gsm8k_batch --preset $S --dataset gsm8k --batch-sizes $B --max-samples 16 --max-new-tokens 128
-    if (( $(date +%s) + 240 < DEADLINE )); then  # issue 28: 32 prompts, batch-invariant kernels, AR vs every arm
-      echo "== check32 $(date +%T)"
-      RES=/tmp/res32 DATASETS="mbpp mt-bench" CELL_S=100 TABLE_ARGS="--kernels triton --batch-invariant \
-        --max-samples 32 --max-new-tokens 256 --fair-interleave 2" bash harness/lab/smollm2_gpu.sh tables 0 || true
-    fi
     sweep qwen3-8b_tau4_batch --random-weights qwen3-8b --scripted-accept 3 --dataset gsm8k --data-dir data/eval \
         --batch-sizes $B --max-samples 8 --max-new-tokens 64
     sweep ${S}_mt-bench_batch --preset $S --dataset mt-bench --first-turn-only --batch-sizes $B --max-samples 16 \
