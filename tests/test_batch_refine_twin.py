@@ -77,3 +77,31 @@ def test_generate_batch_keeps_the_refiners_own_kernels_at_b1_and_the_twin_from_b
                               refine_batch=b)
         assert [x.tokens for x in gens] == singles[:n], n
         assert (len(calls) > 0) == (n > 1), (n, len(calls))
+
+
+def test_one_request_on_triton_kernels_decodes_what_the_single_request_loop_does():
+    """A target on the Triton kernels (the interpreter here): at B = 1 the batched loop's verify runs the target's
+    own single-request ops, split attention and its counters included, over the batch's one cache row; its tokens
+    and accepted counts equal the single-request loop's with the same drafter and refiner. At B = 2 the rows' ops
+    run and each request still decodes its B = 1 tokens (fp32)."""
+    from drafters.dflash import DFlashDrafter
+    from drafters.dflash_batch import DFlashGroup
+    from harness.decode.batch_loop import generate_batch
+    from harness.decode.loop import DecodeSettings, generate
+    from tiny import CPU32, tiny_drafter, tiny_target
+    if DEV.type != "cpu":
+        pytest.skip("the CPU interpreter's check; the GPU's is tests/test_batch_graphs_gpu.py")
+    t = tiny_target("qwen3", capacity=128)
+    base = tiny_drafter(t, block=BLOCK)
+    t.use_ops(triton_ops(DEV))
+    r = _refiners()["xpress2"]
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(8, 104, (n,), generator=g).tolist() for n in (7, 19)]
+    s = DecodeSettings(10, 512, (3,))
+    fresh = lambda: DFlashDrafter(base.model, t.embed, t.lm_head, CPU32)
+    singles = [generate(t, p, s, CPU32, drafter=fresh(), refiner=r) for p in prompts]
+    for n in (1, 2):
+        gens = generate_batch(t, prompts[:n], s, CPU32, drafters=DFlashGroup(fresh(), n).members, refiner=r,
+                              refine_batch=batch_refiner(r))
+        assert [x.tokens for x in gens] == [x.tokens for x in singles[:n]], n
+        assert [x.accepted for x in gens] == [x.accepted for x in singles[:n]], n

@@ -176,7 +176,7 @@ def test_the_step_breakdown_follows_from_the_rows(swept):
         per_batch = {}
         for r in mine:
             k = (r["round"], r["batch_index"])
-            n = r["spec_steps"] + r["ar_steps"] + r["tail_steps"] + r["extra_steps"]
+            n = len(r["accept_lengths"]) + r["tail_steps"]  # a tau entry per step but the tail's (state.advance)
             per_batch[k] = (max(per_batch.get(k, (0,))[0], n), r["batch_decode_s"])
         steps = sum(v[0] for v in per_batch.values())
         assert e["steps"] == steps
@@ -197,3 +197,14 @@ def test_the_step_breakdown_cli_refuses_a_folder_that_is_not_a_sweep(tmp_path, c
     err = capsys.readouterr().err
     assert "not a sweep folder" in err and err.count("\n") == 1
     assert not (tmp_path / "steps.md").exists()
+
+
+def test_tail_and_extra_steps_are_counted_once():
+    """A row's tail steps (plain steps near the context limit) and extra step (after an EOS) are among its spec and
+    plain steps (harness.decode.state.Request.advance): a batch of rows 5+2 and 6+0 steps ran 7 steps, not 9."""
+    from harness.protocol import sweep_steps
+    row = dict(round=2, batch_index=0, batch_decode_s=0.07, decode_tokens=10)
+    rows = [dict(row, spec_steps=5, ar_steps=2, tail_steps=1, extra_steps=1),
+            dict(row, spec_steps=6, ar_steps=0, tail_steps=0, extra_steps=0)]
+    got = sweep_steps.step_stats(rows)
+    assert got == {"steps": 7, "ms_per_step": 10.0, "tokens_per_step": round(20 / 7, 3)}

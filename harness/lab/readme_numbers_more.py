@@ -237,7 +237,11 @@ def q_sweep(root, folder, b, c, a, field, d=2):
     """A sweep point's FIELD (speedup, tau, total_tok_s, ...; `lo`/`hi`: the speedup CI's ends) of ARM at B and
     context C: results/sweeps/FOLDER/sweep.json."""
     e = _sweep_entry(root, folder, b, c, a)
-    v = e["speedup_ci"][0 if field == "lo" else 1] if field in ("lo", "hi") else e[field]
+    key = "speedup_ci" if field in ("lo", "hi") else field
+    if e.get(key) is None:
+        raise UsageError(f"readme_numbers: sweep {folder} B={b} C={c} {a} has no {key} (the reference arm has no "
+                         "speedup); fix the marker")
+    v = e[key][0 if field == "lo" else 1] if key == "speedup_ci" else e[key]
     return fmt(v, d)
 
 

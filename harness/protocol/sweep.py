@@ -102,15 +102,15 @@ def _drafters(arm, b: int, pool: dict, backend, how: set) -> list | None:
     return pool[key]
 
 
-def _batched(refiner, pool: dict, how: set):
+def _batched(refiner, pool: dict, how: set, b: int):
     """The arm's refiner batched over a step's requests (algorithms.batch_refiner; None where it cannot be: each
-    request then refines alone), built once per refiner; `how` collects which ran."""
+    request then refines alone), built once per refiner; `how` collects which ran at batch size b."""
     if refiner is None:
         return None
     key = ("refine", id(refiner))
     r = pool[key] = pool[key] if key in pool else batch_refiner(refiner)
-    how.add("refinements per request" if r is None else "refinements batched from B=2 on torch ops (B=1: the "
-            "refiner's Triton kernels)" if r.twin else "refinements batched")
+    how.add("refinements per request" if r is None or (r.twin and b == 1) else
+            "refinements batched on torch ops (B>1)" if r.twin else "refinements batched")
     return pool[key]
 
 
@@ -213,7 +213,7 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
         gens = generate_batch(models.target, prompts, settings, backend,
                               drafters=_drafters(arm, rows_run, pool, backend, how), refiner=arm.refiner,
                               generators=None if greedy else [backend.generator(s) for s in seeds_run],
-                              refine_batch=_batched(arm.refiner, pool, how), max_new_tokens=limits)
+                              refine_batch=_batched(arm.refiner, pool, how, rows_run), max_new_tokens=limits)
         wall = backend.now() - start
         gens = gens[:pt.batch]  # the padding rows are not requests
         decode_s = max(x.decode_s for x in gens)

@@ -1,8 +1,8 @@
 """The step breakdown of a sweep: why an arm pays or stops paying at a (B, context) point.
 
 A batch of B requests runs until its longest request ends (finished rows are masked), so its step count is the
-largest of its rows' steps (spec + plain + tail + extra), and every step costs the same for every row. Per (point,
-arm), over the measured rounds:
+largest of its rows' steps (speculative + plain; tail and extra steps are among those), and every step costs the
+same for every row. Per (point, arm), over the measured rounds:
 - `steps`: the batches' steps, summed; `ms_per_step`: the batches' decode seconds / steps;
 - `tokens_per_step`: decode tokens of the whole batch per step (B x tau at best; less when the batch's rows end
   at different steps, since a masked row emits nothing);
@@ -25,7 +25,8 @@ from harness.protocol.results_io import atomic_write, read_rows
 
 
 def _steps(row: dict) -> int:
-    return row["spec_steps"] + row["ar_steps"] + row["tail_steps"] + row["extra_steps"]
+    """A row's verify steps: every step is speculative or plain (its tail and extra steps are among them)."""
+    return row["spec_steps"] + row["ar_steps"]
 
 
 def step_stats(rows: list[dict]) -> dict:
@@ -72,7 +73,7 @@ def format_steps(entries: list[dict], labels=()) -> str:
                      f"{e['ms_per_step'] if e['ms_per_step'] is not None else '-'} | "
                      f"{e['tokens_per_step'] if e['tokens_per_step'] is not None else '-'} | "
                      f"{cost if cost is not None else '-'} | {gain if gain is not None else '-'} | {ratio} |")
-    return head + "\n".join(lines) + "\n\n" + __doc__.split("\n\n")[1].replace("\n", " ").strip() + "\n"
+    return head + "\n".join(lines) + "\n\n" + __doc__.split("\n\n")[1].strip() + "\n"
 
 
 def write(folder: str, rows: list[dict], arms: list[str], reference: str | None, labels=()) -> str:
