@@ -28,8 +28,8 @@ At each point every arm decodes the same requests, in the same rounds, with the 
 - Crossover: per arm and context, the smallest swept B at which its speedup's point estimate falls below 1 (and
   per B, the smallest swept context); `null` when it beats AR at every point swept.
 - T = 0: each request's tokens are compared with the same arm's B = 1 tokens of the same point and round
-  (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ unless the target's kernels
-  are batch-invariant (--batch-invariant).
+  (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ, --batch-invariant too (from
+  B = 2 the rows attend through the torch ops, core.ops.batch, which promise no row invariance).
 The results folder holds config.json, samples.jsonl (one row per request), sweep.json, sweep.md, steps.md (the
 step breakdown: harness.protocol.sweep_steps) and the plots.
 """
