@@ -208,3 +208,18 @@ def test_tail_and_extra_steps_are_counted_once():
             dict(row, spec_steps=6, ar_steps=0, tail_steps=0, extra_steps=0)]
     got = sweep_steps.step_stats(rows)
     assert got == {"steps": 7, "ms_per_step": 10.0, "tokens_per_step": round(20 / 7, 3)}
+
+
+def test_a_long_label_line_is_wrapped_to_the_figure(swept, tmp_path, monkeypatch):
+    """The labels' suptitle is wrapped to the figure's width (one 5-inch panel: 70 characters a line); unwrapped,
+    a single-panel figure cut the labels off at both sides."""
+    import matplotlib.figure
+    from harness.protocol import sweep
+    _, s, _ = swept
+    titles = []
+    real = matplotlib.figure.Figure.suptitle
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
+                        lambda self, t, **k: (titles.append(t), real(self, t, **k))[1])
+    one = dict(s, context_lengths=[s["context_lengths"][0]], labels=s["labels"] + ["a long label " * 6])
+    sweep.write_plots(str(tmp_path), one)
+    assert titles and all(len(line) <= 70 for line in titles[0].split("\n")) and "\n" in titles[0]

@@ -39,6 +39,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 
 import numpy as np
 
@@ -390,11 +391,10 @@ def write_plots(folder: str, summary: dict) -> list[str]:
             ax.set_ylabel("speedup over AR at the same point (95% CI)")
             ax.set_title(f"{'context' if name.endswith('batch.png') else 'B'} = {panel}", fontsize=9)
             ax.legend(fontsize=7)
-        if summary["labels"]:  # once for the figure: a panel's title is too narrow for them
-            fig.suptitle("; ".join(summary["labels"]), fontsize=8)
+        if summary["labels"]:  # once for the figure, wrapped to its width: a panel's title is too narrow for them
+            fig.suptitle(textwrap.fill("; ".join(summary["labels"]), 70 * len(panels)), fontsize=8)
         fig.tight_layout()
-        path = os.path.join(folder, name)
-        fig.savefig(path, dpi=110)
+        fig.savefig(path := os.path.join(folder, name), dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths
