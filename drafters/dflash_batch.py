@@ -99,8 +99,8 @@ class DFlashGroup:
         rows = hidden.view(b, w, -1)
         lm = self.base.lm_head
         # (one request: sized as the base drafter sizes its lm_head, by the block)
-        logits, tokens = self._ops(w if b == 1 else b * (w - 1)).linear(rows[:, 1:].reshape(b * (w - 1), -1), lm.weight,
-                                                       bias=lm.bias, argmax=True)
+        lm_ops = self._ops(w if b == 1 else b * (w - 1))
+        logits, tokens = lm_ops.linear(rows[:, 1:].reshape(b * (w - 1), -1), lm.weight, bias=lm.bias, argmax=True)
         self._last = (tokens.view(b, w - 1), logits.view(b, w - 1, -1), rows)
 
     def proposal(self, b: int) -> Proposal:

@@ -1,5 +1,6 @@
 """The batched step (harness.decode.batch_step.RowsStep, run by harness.decode.batch_loop: every row of a greedy
-batch in one fixed-shape function, finished rows masked) and the plan that captures it as CUDA graphs before a batch's clock starts.
+batch in one fixed-shape function, finished rows masked) and the plan that captures it as CUDA graphs before a
+batch's clock starts.
 
 CPU, fp32: each request's tokens, accepted counts, tau entries and stop reason equal its own B=1 decode, for AR,
 drafter-only, xPress (batched and per row) and Markov over a DFlashGroup and over a scripted group (whose drafts

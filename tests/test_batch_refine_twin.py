@@ -1,8 +1,9 @@
-"""Batched refinement on the Triton kernels (harness.protocol.algorithms.batch_refiner over refiners.batch): a
-refiner whose ops are TritonOps is batched through its twin on TorchOps over the same head (Triton's CPU interpreter here, CUDA where there is one). Each row of one batched call gives
-the tokens the refiner's own Triton refine() gives that request alone (its q to fp32 rounding), and in
-generate_batch the twin runs from B = 2 only: at B = 1 the refiner's own kernels refine, as in a single-request
-decode. Rows differ from each other, so a twin that handed a request another row's result fails."""
+"""Batched refinement on the Triton kernels (harness.protocol.algorithms.batch_refiner over refiners.batch): a refiner
+whose ops are TritonOps is batched through its twin on TorchOps over the same head (Triton's CPU interpreter here,
+CUDA where there is one). Each row of one batched call gives the tokens the refiner's own Triton refine() gives that
+request alone (its q to fp32 rounding), and in generate_batch the twin runs from B = 2 only: at B = 1 the refiner's
+own kernels refine, as in a single-request decode. Rows differ from each other, so a twin that handed a request
+another row's result fails."""
 import pytest
 import torch
 

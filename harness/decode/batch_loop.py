@@ -38,8 +38,9 @@ bits they give it at B=1 (fp32 on the CPU: tests/test_batch_graphs).
 
 use_graph (CUDA): that function is captured as one CUDA graph per (arm, batch size, KV-length bucket) in the
 batch's DecodeState (DecodeState.batched: one per batch size), and replayed each step, by this batch and every
-later one of its size and arm (so the graph reads only the state's tensors, never the batch's own). Every bucket a batch can
-reach (from its longest prompt to its longest request's end) is captured BEFORE its decode clock starts, so no
+later one of its size and arm (so the graph reads only the state's tensors, never the batch's own). Every bucket
+a batch can reach (from its longest prompt to its longest request's end) is captured BEFORE its decode clock
+starts, so no
 capture runs inside decode_s (Generation.setup_captures / setup_capture_s count them, once per batch: every
 generation of the batch carries the batch's count); a later batch of the same size and arm, on buffers of the
 same addresses, captures nothing. A step the batched function cannot take (sampled, per-request drafters,

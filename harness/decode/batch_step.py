@@ -2,12 +2,13 @@
 
 `RowsStep.run(length)` is one fixed-shape function of persistent state: the BatchTarget's pos, cache, output rows
 and live/spec masks (harness.decode.batch_target), the drafter group's cache and context, the refiner, the state
-slot's stop ids, and this object's own constants (block offsets, the idle row). A CUDA graph of it (harness.decode.
-graphs.StepGraphs) is captured by one batch and replayed by every later batch of the same size and arm, so
-everything it reads must live as long as the graph: the graph entry keeps this object (its `refs`), and the
-DecodeState finds it again for the next batch (`RowsStep.of`; a weak map: an eager batch's step goes with it). A tensor of the batch that captured the graph (a
-`_Batch` is made per generate_batch call) would be freed with it, and a replay would read whatever took its memory:
-on the H200 that was a block offset read as an out-of-range scatter index (a device-side assert).
+slot's stop ids, and this object's own constants (block offsets, the idle row). A CUDA graph of it
+(harness.decode.graphs.StepGraphs) is captured by one batch and replayed by every later batch of the same size and
+arm, so everything it reads must live as long as the graph: the graph entry keeps this object (its `refs`), and the
+DecodeState finds it again for the next batch (`RowsStep.of`; a weak map: an eager batch's step goes with it). A
+tensor of the batch that captured the graph (a `_Batch` is made per generate_batch call) would be freed with it, and
+a replay would read whatever took its memory: on the H200 that was a block offset read as an out-of-range scatter
+index (a device-side assert).
 
 What the step does, per row, finished or not (the batch loop's docstring has the why): the group's draft, the
 refinement of every row (one BatchRefiner call, else the refiner's own refine() per row), one verify, the

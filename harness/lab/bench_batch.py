@@ -26,6 +26,7 @@ from core.devices import resolve_backend
 from core.errors import UsageError, cli_exit
 from core.ops import make_ops
 from harness.decode.batch_target import BatchTarget
+from harness.decode.graphs import StepGraphs
 from harness.decode.timing import copy_bandwidth
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random, hf_config, preset
 from harness.protocol.sweep_points import MAX_BATCH, points_of
@@ -59,19 +60,11 @@ def _time(fn, device: torch.device, reps: int, warmup: int) -> float:
     return statistics.median(times)
 
 
-def graphed(fn, device: torch.device):
-    """fn captured as one CUDA graph (two warmup calls on a side stream first); returns the graph's replay."""
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    torch.cuda.synchronize(device)
-    return graph.replay
+def graphed(graphs: StepGraphs, key: tuple, fn):
+    """fn captured as one CUDA graph by the decode loop's own capture (StepGraphs: warmup on a side stream, then
+    the capture); returns the graph's replay. A verify commits nothing, so no state needs restoring."""
+    entry, _ = graphs.ensure(key, (), fn, [])
+    return entry.graph.replay
 
 
 def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, reps: int, warmup: int,
@@ -82,12 +75,15 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
     for b in batches:
         batch = BatchTarget(t, b)
         batch.ensure_capacity(max(contexts) + block + 1)
+        steps = StepGraphs(m.backend.device) if graphs else None  # this batch size's graphs, dropped with it
         for c in contexts:
             batch.pos.fill_(c)  # the slots' values do not change the cost; their count does
             for w in (1, block):
                 ids = torch.randint(10, t.vocab_size, (b, w), generator=g, device=m.backend.device)
                 step = lambda: batch.verify(ids, c + w, want_features=False)  # noqa: E731
-                ms = _time(graphed(step, m.backend.device) if graphs else step, m.backend.device, reps, warmup)
+                if graphs:
+                    step = graphed(steps, (b, c, w), step)
+                ms = _time(step, m.backend.device, reps, warmup)
                 kvb = kv_bytes(t, b, c + w)
                 floor = 1000 * (weights + kvb) / bw
                 rows.append({"batch": b, "context": c, "width": w, "step": "AR" if w == 1 else "verify",
@@ -96,7 +92,7 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
                              "ratio": round(ms / floor, 3)})
                 print(f"[bench-batch] B={b} C={c} W={w}: {ms:.3f} ms, floor {floor:.3f} ms, "
                       f"ratio {ms / floor:.2f}", flush=True)
-        del batch
+        del batch, steps
         if m.backend.device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -104,7 +100,8 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
 
 def markdown(res: dict) -> str:
     lines = [f"**{res['label']}**: {res['preset']} on {res['device_name']}, {res['dtype']}, kernels {res['kernels']}, "
-             f"{'one CUDA graph per point' if res['graphs'] else 'eager'}, copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
+             f"{'one CUDA graph per point' if res['graphs'] else 'eager'}, "
+             f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
              "| step | B | context | ms | tok/s | floor ms | ratio |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['step']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['tokens_per_s']:.0f} | "

@@ -61,7 +61,6 @@ case "${1:-}" in
     tail -n 60 $J/job.log
     mkdir -p "${OUT:-/tmp/out}"
     (cd $R && tar czf "${OUT:-/tmp/out}/sweeps.tgz" . 2>/dev/null) || true
-    [[ -d /tmp/res32 ]] && (cd /tmp/res32 && tar czf "${OUT:-/tmp/out}/check32.tgz" . 2>/dev/null) || true
     [[ -f $J/done ]] && echo "job: done" || echo "job: running"
     ;;
   *)
