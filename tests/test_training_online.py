@@ -75,11 +75,13 @@ def test_online_and_offline_give_the_same_loss_on_the_same_batch(pair):
     assert real > 4096 and int(off["document_ids"].max()) >= 10  # > 4096 real tokens from many sequences
     target, _ = load_hf(cfg["target"], torch.device("cpu"))
     taps = OnlineTaps(target, hm["layer_ids"], torch.float32, torch.float32)
-    hs, last = taps.compute(on["input_ids"], on["position_ids"], on["document_ids"])
     scale = off["hidden_states"].abs().max()
     tol = 64 * torch.finfo(torch.float32).eps * scale
-    assert (hs - off["hidden_states"]).abs().max() <= tol
-    assert (last - off["verifier_last_hidden_states"]).abs().max() <= tol
+    for groups in (4, 1):  # train.target_groups: the row as four padded batches of similar lengths, then as one
+        taps.groups = groups
+        hs, last = taps.compute(on["input_ids"], on["position_ids"], on["document_ids"])
+        assert (hs - off["hidden_states"]).abs().max() <= tol, groups
+        assert (last - off["verifier_last_hidden_states"]).abs().max() <= tol, groups
     one = torch.where(on["document_ids"] >= 0, 0, -1)  # the row as one sequence: attention across sequences
     naive, _ = taps.compute(on["input_ids"], on["position_ids"], one)
     assert (naive - off["hidden_states"]).abs().max() > 1000 * tol
@@ -106,3 +108,69 @@ def test_online_run_trains_as_the_offline_run(pair):
     box = json.loads((root / "on" / "train" / "drafter" / "box.json").read_text())
     assert box["total_seq_len"] == WIDE and box["hidden_mode"] == "online"
     assert box["packed_tokens"] / box["steps"] > 4096  # steps of more than 4096 tokens
+
+
+def test_length_groups_are_the_fewest_positions():
+    """length_groups against every way to cut the sorted lengths into at most k runs (brute force): the same
+    fewest positions (rows x longest length, summed), every sequence once, longest first. Power: cutting into runs
+    of equal row counts, the obvious shortcut, computes more positions on these lengths."""
+    import itertools
+    import random
+    from training.online import length_groups
+    rng = random.Random(3)
+    for trial in range(40):
+        lengths = [rng.choice([rng.randint(1, 40), 512, rng.randint(100, 300)]) for _ in range(rng.randint(1, 9))]
+        for k in (1, 2, 3, 4):
+            groups = length_groups(lengths, k)
+            assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+            assert 1 <= len(groups) <= k
+            cost = sum(len(g) * lengths[g[0]] for g in groups)
+            assert all(lengths[g[0]] == max(lengths[i] for i in g) for g in groups)
+            s = sorted(lengths, reverse=True)
+            best = min(sum((b - a) * s[a] for a, b in zip((0, *cuts), (*cuts, len(s))))
+                       for r in range(min(k, len(s))) for cuts in itertools.combinations(range(1, len(s)), r))
+            assert cost == best, (lengths, k, groups)
+    lengths = [512, 500, 490, 60, 50, 40, 30, 20]
+    even = sum(len(g) * max(g) for g in ([512, 500, 490, 60], [50, 40, 30, 20]))
+    assert sum(len(g) * lengths[g[0]] for g in length_groups(lengths, 2)) < even
+
+
+def test_online_target_runs_unmasked_batches_of_similar_lengths():
+    """What the target sees for one packed row with train.target_groups = 3: three right-padded batches, no
+    attention mask, widths the groups' longest sequences, every sequence once from position 0; the packed-back
+    states equal one masked forward of each sequence alone (fp32 rounding). Power: a left-padded or shuffled
+    unpacking, or a mask that lets a row see another, breaks the per-sequence equality."""
+    from tiny import tiny_hf_model
+    from training.online import OnlineTaps
+    torch.manual_seed(0)
+    target = tiny_hf_model("llama", seed=2).eval()
+    lengths = [37, 5, 120, 118, 9, 60, 64]
+    total = sum(lengths) + 11  # the row's padding at the end (document id -1)
+    ids = torch.randint(0, target.config.vocab_size, (1, total))
+    doc = torch.cat([torch.full((n,), d) for d, n in enumerate(lengths)] + [torch.full((11,), -1)])[None]
+    pos = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(11)])[None]
+    seen = []
+    hook = target.model.register_forward_pre_hook(lambda m, a, kw: seen.append(
+        (tuple(kw["input_ids"].shape), kw.get("attention_mask"))), with_kwargs=True)
+    taps = OnlineTaps(target, [1, 2], torch.float32, torch.float32)
+    taps.groups = 3
+    hs, last = taps.compute(ids, pos, doc)
+    hook.remove()
+    assert [m for _, m in seen] == [None] * 3
+    assert sorted(seen, key=lambda s: s[0]) == sorted([((2, 120), None), ((3, 64), None), ((2, 9), None)],
+                                                     key=lambda s: s[0])
+    ref = OnlineTaps(target, [1, 2], torch.float32, torch.float32)
+    start = 0
+    for d, n in enumerate(lengths):
+        one = ids[:, start:start + n]
+        with torch.no_grad():
+            target.model(input_ids=one, attention_mask=torch.ones_like(one), use_cache=False)
+        full = ref.capture.stacked()[0]
+        ref.capture.store.clear()
+        tol = 64 * torch.finfo(torch.float32).eps * full.abs().max()
+        assert (hs[0, start:start + n] - full[:, :-1].flatten(1)).abs().max() <= tol, d
+        assert (last[0, start:start + n] - full[:, -1]).abs().max() <= tol, d
+        start += n
+    assert hs[0, start:].abs().max() == 0 and last[0, start:].abs().max() == 0  # the row's padding stays zero
+    taps.close()
+    ref.close()

@@ -68,7 +68,9 @@ def test_unpacking_syncs_once_without_lengths_and_never_with_them(taps):
     """Guards the sync count of the online step's unpacking (a CUDA device waits at each): the old code made six
     (int(sum), bincount's min and max, tolist, a blocking copy, boolean indexing; five visible to the counter). Now
     one copy of the document ids to the host, none when the collate's lengths come with the batch. The target's
-    own forward is counted apart (transformers' mask check, `fast_all`, is its own)."""
+    own forward is counted apart: with a padding mask (the old code's) transformers makes two syncs checking it,
+    without one (the online step's, training/online.py _plan) one, checking the position ids for packed sequences
+    (`find_packed_sequence_indices`; transformers 5.17-5.19)."""
     from training.step_cost import StepCounter, total_syncs
     ids, pos, doc = _row()
     kwargs = {"input_ids": ids, "position_ids": pos, "document_ids": doc, "hidden_states": torch.empty(1, WIDTH, 0)}
@@ -78,13 +80,15 @@ def test_unpacking_syncs_once_without_lengths_and_never_with_them(taps):
         with counter, torch.no_grad():
             fn()
         return total_syncs(counter)
-    forward_only = syncs(lambda: taps.target.model(input_ids=ids[:, :4].expand(2, 4),
-                                                    attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])))
+    masked = syncs(lambda: taps.target.model(input_ids=ids[:, :4].expand(2, 4),
+                                              attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])))
+    plain = syncs(lambda: taps.target.model(input_ids=ids[:, :4].expand(2, 4), use_cache=False))
     taps.capture.store.clear()
-    old = syncs(lambda: _masked_reference(taps, ids, doc)) - forward_only
+    assert (masked, plain) == (2, 1)
+    old = syncs(lambda: _masked_reference(taps, ids, doc)) - masked
     assert old == 5
-    read = syncs(lambda: taps(None, (), dict(kwargs))) - forward_only
-    given = syncs(lambda: taps(None, (), {**kwargs, "document_lengths": list(LENGTHS)})) - forward_only
+    read = syncs(lambda: taps(None, (), dict(kwargs))) - plain
+    given = syncs(lambda: taps(None, (), {**kwargs, "document_lengths": list(LENGTHS)})) - plain
     assert (read, given) == (1, 0)
 
 

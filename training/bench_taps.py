@@ -1,13 +1,15 @@
 """The online target forward of a training step (training/online.py, OnlineTaps.compute), eager against
 compiled decoder layers (train.compile_target=layers), on one device:
 
-    python -m training.bench_taps --config-json target_hf/config.json --device cuda [--out F.json]
+    python -m training.bench_taps --config-json target_hf/config.json --device cuda [--groups N] [--out F.json]
 
 The target is the config's architecture with RANDOM weights (the cost of a forward does not depend on them); the
 rows are packed by speculators' collate from simulated lengths like the GPU run's data (training/step_cost.py,
 `simulated_lengths`). Reports the median milliseconds a packed row of --total-seq-len tokens over --batches rows
 (after --warmup rows, which hold the compile), and how far the compiled hidden states are from the eager ones
-(max |diff| over max |eager|, against the dtype's rounding). Nothing is written but --out.
+(max |diff| over max |eager|, against the dtype's rounding). `--groups` is train.target_groups (a row run as that
+many padded batches of similar lengths); `target_positions_per_row` counts what the target computes with it.
+Nothing is written but --out.
 """
 from __future__ import annotations
 
@@ -38,6 +40,12 @@ def rows(total: int, n: int, layers: list[int], seed: int, vocab: int) -> list[d
     return out
 
 
+def positions(lengths: list[int], groups: int) -> int:
+    """The positions the target computes for one packed row run as `groups` padded batches."""
+    from training.online import length_groups
+    return sum(len(g) * lengths[g[0]] for g in length_groups(lengths, groups))
+
+
 def timed(taps, batches, device) -> tuple[list[float], list[torch.Tensor]]:
     ms, outs = [], []
     for b in batches:
@@ -60,10 +68,11 @@ def run(args) -> dict:
     layers = [2, n // 2, n - 3]
     batches = rows(args.total_seq_len, args.warmup + args.batches, layers, args.seed, target.config.vocab_size)
     real = sum(sum(b["document_lengths"]) for b in batches) / len(batches)
-    padded = sum(len(b["document_lengths"]) * max(b["document_lengths"]) for b in batches) / len(batches)
+    padded = sum(positions(b["document_lengths"], args.groups) for b in batches) / len(batches)
     taps = OnlineTaps(target, layers, dtype, dtype)
+    taps.groups = args.groups
     rec = {"config": args.config_json, "weights": "random", "device": str(device), "dtype": args.dtype,
-           "backend": args.backend,
+           "backend": args.backend, "target_groups": args.groups,
            "total_seq_len": args.total_seq_len, "rows_timed": args.batches, "warmup_rows": args.warmup,
            "real_tokens_per_row": round(real, 1), "target_positions_per_row": round(padded, 1)}
     ms_eager, eager = timed(taps, batches, device)
@@ -92,13 +101,15 @@ def main(argv=None) -> int:
     p.add_argument("--batches", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--groups", type=int, default=1,
+                   help="train.target_groups: the padded batches a packed row is run as (1: one)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (the tests use aot_eager)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     def work():
-        if args.batches < 1 or args.warmup < 1 or args.total_seq_len < 16:
-            raise UsageError("--batches and --warmup must be >= 1 and --total-seq-len >= 16")
+        if args.batches < 1 or args.warmup < 1 or args.total_seq_len < 16 or args.groups < 1:
+            raise UsageError("--batches, --warmup and --groups must be >= 1 and --total-seq-len >= 16")
         from pathlib import Path
         cj = Path(args.config_json)
         if not (cj.is_file() or (cj / "config.json").is_file()):

@@ -10,26 +10,34 @@ offline files would hold. Glue around speculators 0.9.0, nothing of it copied:
 
 Packing: the collate packs several sequences into one row of `total_seq_len` tokens (`document_ids` 0, 1, ... and
 -1 on padding; the last sequence may be cut short). The offline stage ran the target on each sequence alone, in
-right-padded batches with an attention mask; here the row is unpacked into such a batch (one row per sequence,
+right-padded batches with an attention mask; here the row is unpacked into such batches (one row per sequence,
 positions from 0, no attention across sequences), run through the target's base model (no lm_head), and the
-tapped rows are packed back; padding rows are zero, as in the collate's zero-filled buffer. (A packed row with
-restarting position ids would give the same numbers through a dense T x T mask: O(T^2) attention per step.)
+tapped rows are packed back; padding rows are zero, as in the collate's zero-filled buffer. The sequences go in
+`train.target_groups` batches of similar lengths (`length_groups`), with no attention mask: padding sits only
+after each row's sequence, so the causal mask alone keeps it out. One batch padded to the longest sequence makes
+the target compute about 1.42 positions a packed token on lengths like the GPU run's (training/step_cost.py
+`simulated_lengths`), four batches 1.10; yet on the H200 (training/bench_taps.py, random weights, bf16, compiled
+layers) four batches took 108 ms a 32K-token row and one 36 ms (eager 497 and 128: the cost is per batch, not per
+position; its cause is not measured), so the default is one. Without the mask one batch took 36 ms against 40 ms
+with it (results/perf/bench_taps_groups/). (A packed row
+with restarting position ids would give the same numbers through a dense T x T mask: O(T^2) attention per step.)
 Dtypes follow the offline path: computed in the target's dtype (autocast off), rounded to `hidden.dtype` (what the
 files would store), then cast to the training dtype (what the collate's buffer would hold).
 
-Host-device syncs: the unpacking needs the sequence lengths on the host (the batch's shape). They are read once,
+Host-device syncs: the unpacking needs the sequence lengths on the host (the batches' shapes). They are read once,
 with one copy of the row's document ids to the host (or none: `LengthsCollate` puts the collate's own lengths in the
-batch as a list, `document_lengths`, which the trainer passes through untouched). The batch is then built and
-packed back by index copies (token t of the row sits at [document_ids[t], position_ids[t]] of the padded
-batch: the collate's positions restart at 0 for each sequence), so nothing else waits for the device. (It was six
-syncs a step: `.sum()` to int, bincount's min and max, `.tolist()`, a blocking copy of the lengths to the device,
-boolean-mask indexing.) The numbers are bitwise those of the masked version: the same padded batch goes in, the
-same rows come out.
+batch as a list, `document_lengths`, which the trainer passes through untouched). The batches are then built and
+packed back by index copies, whose indices are made on the host from the lengths and moved in one pinned,
+non-blocking copy, so nothing else waits for the device. (It was six syncs a step once: `.sum()` to int,
+bincount's min and max, `.tolist()`, a blocking copy of the lengths to the device, boolean-mask indexing.) Each
+sequence's numbers are those of its own padded row in math; the rounding may differ from the one-batch masked
+forward's (other batch shapes, the causal kernels), within the dtype's rounding (tests/test_training_online.py).
 """
 from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import torch
 from hs_connectors import HiddenStatesTransfer
 
@@ -69,6 +77,7 @@ class OnlineTaps:
         self.capture = Capture(target, layer_ids)
         self.store_dtype, self.train_dtype = store_dtype, train_dtype
         self.compile = "none"  # train.compile_target as resolved (training/train.py online_taps)
+        self.groups = 1  # train.target_groups: the padded batches a packed row is run as (length_groups)
 
     @torch.no_grad()
     def compute(self, input_ids, position_ids, document_ids, lengths: list[int] | None = None
@@ -79,19 +88,45 @@ class OnlineTaps:
         dev = next(self.target.parameters()).device
         if lengths is None:
             lengths = row_lengths(document_ids[0].tolist())  # the one host-device sync of a step
-        n, rows, width = sum(lengths), len(lengths), max(lengths)
+        n = sum(lengths)
         ids = input_ids[0, :n].to(dev)
-        flat = document_ids[0, :n].to(dev) * width + position_ids[0, :n].to(dev)  # token t at [doc, pos] of [B, Lmax]
-        x = ids.new_zeros(rows * width).index_copy_(0, flat, ids).view(rows, width)  # = pad_sequence(split)
-        mask = torch.zeros(rows * width, dtype=torch.long, device=dev).index_fill_(0, flat, 1).view(rows, width)
+        out = None
         with torch.autocast(dev.type, enabled=False), torch.profiler.record_function("xb.online_target"):
-            self.target.model(input_ids=x, attention_mask=mask, use_cache=False)
-        full = self.capture.stacked()  # [B, Lmax, L+1, H]
-        self.capture.store.clear()
-        out = full.new_zeros((document_ids.shape[-1], *full.shape[2:]))
-        out[:n] = full.flatten(0, 1).index_select(0, flat)  # row-major: sequence 0's tokens, then sequence 1's ...
+            for packed, local, rows, width in self._plan(lengths, dev):
+                x = ids.new_zeros(rows * width).index_copy_(0, local, ids.index_select(0, packed)).view(rows, width)
+                self.target.model(input_ids=x, use_cache=False)  # right-padded rows, causal: no mask (_plan)
+                full = self.capture.stacked()  # [rows, width, L+1, H]
+                self.capture.store.clear()
+                if out is None:
+                    out = full.new_zeros((document_ids.shape[-1], *full.shape[2:]))
+                out.index_copy_(0, packed, full.flatten(0, 1).index_select(0, local))
         out = out.to(self.store_dtype).to(self.train_dtype)
         return out[:, :-1].flatten(1)[None], out[:, -1][None]
+
+    def _plan(self, lengths: list[int], dev) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+        """For each group of `length_groups(lengths, self.groups)`: the packed row's positions of its tokens, where
+        they sit in the group's flattened [rows, width] batch (sequence r of the group in row r, from position 0),
+        and rows and width. Built on the host (the lengths are there) and moved in one pinned, non-blocking copy,
+        so the step still waits for nothing on the device.
+
+        No attention mask: every row holds one sequence from position 0 and padding only after it, so under the
+        causal mask a real token never attends to padding; the padded positions' outputs are computed and dropped.
+        Without a mask the target's SDPA runs its causal kernels (flash on CUDA) instead of the masked ones."""
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        parts, shapes = [], []
+        for group in length_groups(lengths, self.groups):
+            width = lengths[group[0]]
+            parts.append(torch.cat([torch.arange(starts[d], starts[d] + lengths[d]) for d in group]))
+            parts.append(torch.cat([torch.arange(r * width, r * width + lengths[d]) for r, d in enumerate(group)]))
+            shapes.append((len(group), width))
+        flat = torch.cat(parts)
+        if dev.type == "cuda":
+            flat = flat.pin_memory()
+        flat = flat.to(dev, non_blocking=True)
+        pieces = flat.split([len(p) for p in parts])
+        return [(pieces[2 * i], pieces[2 * i + 1], rows, width) for i, (rows, width) in enumerate(shapes)]
 
     def __call__(self, module, args, kwargs):
         hs = kwargs.get("hidden_states")
@@ -121,6 +156,41 @@ def compile_layers(target, backend: str = "inductor") -> int:
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True, backend=backend)
     return len(layers)
+
+
+def length_groups(lengths: list[int], most: int) -> list[list[int]]:
+    """The packed sequences (indices into `lengths`) in at most `most` groups, each run through the target as one
+    right-padded batch: sorted by length, longest first, and cut where the positions the target computes (the sum
+    over groups of rows x the group's longest length) are fewest. One group is the whole row as one padded batch
+    (what the online step did before train.target_groups). Exact (a dynamic programme over the sorted lengths,
+    vectorised over the cut point), and deterministic: ties keep the packed order."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    s = np.array([lengths[i] for i in order], dtype=np.int64)
+    n, k = len(s), max(1, min(most, len(s)))
+    idx = np.arange(n + 1)
+    # best[j]: fewest positions for the first j sequences in the groups so far; cut[g][j]: where its last group starts
+    best = np.where(idx == 0, 0, np.iinfo(np.int64).max // 4)
+    cuts = []
+    for _ in range(k):
+        new, cut = best.copy(), np.zeros(n + 1, dtype=np.int64)
+        for j in range(1, n + 1):  # last group = sequences i..j-1, its width s[i] (sorted: the first is the longest)
+            cost = best[:j] + (j - idx[:j]) * s[:j]
+            i = int(np.argmin(cost))
+            if cost[i] < new[j]:
+                new[j], cut[j] = cost[i], i
+            else:
+                cut[j] = -1  # fewer groups did as well: keep them
+        cuts.append(cut)
+        best = new
+    groups, j = [], n
+    for cut in reversed(cuts):
+        if j == 0:
+            break
+        if cut[j] < 0:
+            continue
+        groups.append(order[cut[j]:j])
+        j = int(cut[j])
+    return groups[::-1]
 
 
 def row_lengths(doc: list[int]) -> list[int]:

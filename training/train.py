@@ -287,6 +287,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                   "loss_impl": trainer.loss_impl,
                                   "profiled_steps": trainer.step_profile.profiled if trainer.step_profile else None,
                                   "compile_target": getattr(taps, "compile", None),
+                                  "target_groups": getattr(taps, "groups", None),
                                   "fit": trainer.fit_record}), name)
     return out / str(last)
 
@@ -304,6 +305,7 @@ def online_taps(cfg: dict, load):
     target = target_in_dtype(load()[0], DTYPES[cfg["hidden"]["target_dtype"]])
     taps = OnlineTaps(target, hm["layer_ids"], DTYPES[cfg["hidden"]["dtype"]], train_dtype(device_of(cfg)))
     taps.compile = resolve_compile(cfg["train"]["compile_target"], device_of(cfg).type)
+    taps.groups = cfg["train"]["target_groups"]
     if taps.compile == "layers":  # 163 -> 40 ms a 32K-token row on the H200 (training/bench_taps.py)
         compile_layers(target)
         print(f"train: the online target's {len(target.model.layers)} decoder layers are compiled "
