@@ -19,9 +19,10 @@ class StaticKV:
         self.dtype, self.device = dtype, device
         self.capacity = 0
         self.k = self.v = torch.empty(0)
-        # split attention's arrival counters, one row per layer (core.kernels.attention): this cache's
-        # own, so that no other cache or stream shares them; 0 between launches, never reallocated
-        self.counters = torch.zeros((n_layers, max(n_kv_heads, 1)), dtype=torch.int32, device=device)
+        # split attention's arrival counters, one row per layer (core.kernels.attention), one per K/V head of
+        # each request row: this cache's own, so that no other cache or stream shares them; 0 between
+        # launches, never reallocated
+        self.counters = torch.zeros((n_layers, max(n_kv_heads, 1) * rows), dtype=torch.int32, device=device)
         self.ensure(capacity)
 
     def ensure(self, capacity: int) -> None:

@@ -193,6 +193,46 @@ def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, grou
         kernels.attention(qkv, qn, kn, 1e-6, cos, sin, positions, kc, vc, n_q, d ** -0.5, splits=2)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("splits,least", [(None, 4), (3, 1)])
+def test_attention_over_rows_of_several_requests_is_each_request_alone(causal, splits, least):
+    """Rows of R = 3 requests in one launch (positions [R, T], a batched cache [R, n_kv, capacity, d]): each
+    request's output and cache writes are bitwise those of a launch of its own T rows over its own cache row, at
+    its own KV length (40, 105 and 7 slots: one, several and partly empty splits), causal and not (the drafter's
+    block); other requests' slots are never read (NaN there would show). Power: a launch that reads the first
+    request's positions for all fails every case. Counters and partial results shared across requests would race
+    on a GPU only (the interpreter runs programs one at a time); the launch refuses counters for fewer heads."""
+    r, t, n_kv, groups, d, cap = 3, 4, 2, 2, 16, 160
+    n_q = n_kv * groups
+    starts = [36, 101, 3]
+    qkv = rnd(r * t, (n_q + 2 * n_kv) * d, seed=11)
+    qn, kn = rnd(d, seed=12), rnd(d, seed=13)
+    pos = torch.stack([torch.arange(a, a + t) for a in starts]).to(DEV)
+    ang = (pos.flatten().float().cpu()[:, None] * 0.3 ** torch.arange(d // 2).float()).repeat(1, 2)
+    cos, sin = ang.cos().to(DEV), ang.sin().to(DEV)
+    kc, vc = rnd(r, n_kv, cap, d, seed=14), rnd(r, n_kv, cap, d, seed=15)
+    for i, a in enumerate(starts):
+        kc[i, :, a + t:] = float("nan")
+        vc[i, :, a + t:] = float("nan")
+    k1, v1 = kc.clone(), vc.clone()
+    own = []
+    for i in range(r):
+        rows = slice(i * t, (i + 1) * t)
+        cnt = torch.zeros(n_kv, dtype=torch.int32, device=DEV)
+        own.append(kernels.attention(qkv[rows], qn, kn, 1e-6, cos[rows], sin[rows], pos[i], k1[i], v1[i], n_q,
+                                     d ** -0.5, causal=causal, counters=cnt, splits=splits, min_blocks=least))
+    counters = torch.zeros(r * n_kv, dtype=torch.int32, device=DEV)
+    o = kernels.attention(qkv, qn, kn, 1e-6, cos, sin, pos, kc, vc, n_q, d ** -0.5, causal=causal,
+                          counters=counters, splits=splits, min_blocks=least)
+    assert o.shape == (r * t, n_q * d)
+    assert torch.equal(o, torch.cat(own))
+    assert torch.equal(kc.nan_to_num(7.0), k1.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), v1.nan_to_num(7.0))
+    assert not counters.any()
+    with pytest.raises(ValueError, match="3 requests x 2"):
+        kernels.attention(qkv, qn, kn, 1e-6, cos, sin, pos, kc, vc, n_q, d ** -0.5, counters=counters[:n_kv],
+                          splits=2)
+
+
 def test_launch_settings_are_checked_and_pdl_needs_a_hopper_gpu():
     with pytest.raises(ValueError, match="attention_splits"):
         kernels.Launch(attention_splits=kernels.MAX_SPLITS + 1)

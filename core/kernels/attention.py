@@ -80,7 +80,7 @@ if triton is not None:
 
     @triton.jit
     def _attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr, pl_ptr,
-                          pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr,
+                          pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kr, s_kh, s_ks, s_ot, HQ, scale, eps, NORM: tl.constexpr,
                           GROUPS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr, CAUSAL: tl.constexpr,
                           BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
                           MIN_BLOCKS: tl.constexpr, PDL: tl.constexpr):
@@ -89,9 +89,20 @@ if triton is not None:
         # attend over its share of the slots [0, last position]: causally, or all of them (the drafter's
         # block). With several splits each leaves its running max, sum and output in pm/pl/pa, and the head's
         # last split to arrive (a counter at cnt_ptr + head, left at 0) merges them in split order.
+        # Axis 2: the request (rows of several requests, each with its own T rows, positions and cache row at
+        # s_kr; one request: axis 2 has one program and every offset below is 0).
         after_previous(PDL)
         h = tl.program_id(0)
         sp = tl.program_id(1)
+        rq = tl.program_id(2)
+        qkv_ptr += rq * T * s_qkv
+        pos_ptr += rq * T
+        cos_ptr += rq * T * s_cs
+        sin_ptr += rq * T * s_cs
+        kc_ptr += rq.to(tl.int64) * s_kr
+        vc_ptr += rq.to(tl.int64) * s_kr
+        o_ptr += rq * T * s_ot
+        hh = rq * tl.num_programs(0) + h  # this request's head among all: its counter and partial results
         d = tl.arange(0, D)
         dt = kc_ptr.dtype.element_ty
         kv_len = (tl.load(pos_ptr + T - 1) + 1).to(tl.int32)
@@ -147,13 +158,13 @@ if triton is not None:
         elif active == 1:
             tl.store(dst, (acc / l_i[:, None]).to(dt), mask=r_ok[:, None])
         else:
-            part = (h * SPLITS + sp) * BLOCK_R + r
+            part = (hh * SPLITS + sp) * BLOCK_R + r
             tl.store(pm_ptr + part, m_i)
             tl.store(pl_ptr + part, l_i)
             tl.store(pa_ptr + part[:, None] * D + d[None, :], acc)
             tl.debug_barrier()  # all of this split's stores come before its arrival
-            if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == active - 1:
-                first = h * SPLITS * BLOCK_R + r
+            if tl.atomic_add(cnt_ptr + hh, 1, sem="acq_rel") == active - 1:
+                first = hh * SPLITS * BLOCK_R + r
                 mx = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
                 for j in range(active):
                     mx = tl.maximum(mx, tl.load(pm_ptr + first + j * BLOCK_R, cache_modifier=".cg"))
@@ -165,7 +176,7 @@ if triton is not None:
                     den += tl.load(pl_ptr + at, cache_modifier=".cg") * wj
                     num += tl.load(pa_ptr + at[:, None] * D + d[None, :], cache_modifier=".cg") * wj[:, None]
                 tl.store(dst, (num / den[:, None]).to(dt), mask=r_ok[:, None])
-                tl.atomic_xchg(cnt_ptr + h, 0)
+                tl.atomic_xchg(cnt_ptr + hh, 0)
 
 
 def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
@@ -175,11 +186,23 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
               block: int = BLOCK) -> torch.Tensor:
     """See the module docstring; returns [T, n_q * d]. splits: programs per K/V head (None: `launch`'s, else by
     the cache's capacity); min_blocks, block: as the constants (the tests vary them). A split launch needs
-    `counters`."""
-    t = qkv.shape[0]
-    n_kv, d = k_cache.shape[0], k_cache.shape[-1]
+    `counters`.
+
+    Rows of R requests in one launch: positions [R, T] (request r's T rows at its own positions), qkv and cos/sin
+    [R * T, ...] (request r's rows r*T..), caches [R, n_kv, capacity, d] (a batched StaticKV layer, one row per
+    request) and counters [>= R * n_kv]; returns [R * T, n_q * d]. Each request is computed as a launch of its own
+    T rows over its own cache row would compute it, with the same splits (bitwise: the programs of one request
+    read and write only its rows)."""
+    batched = positions.dim() == 2
+    r, t = positions.shape if batched else (1, qkv.shape[0])
+    if batched:
+        positions = positions.contiguous()
+        if qkv.shape[0] != r * t or cos.shape[0] != r * t:
+            raise ValueError(f"kernels.attention: {r} requests of {t} rows need qkv and cos/sin of {r * t} rows")
+    n_kv, d = k_cache.shape[-3], k_cache.shape[-1]
+    s_kr = k_cache.stride(0) if batched else 0
     groups = n_q // n_kv
-    o = torch.empty((t, n_q * d), dtype=qkv.dtype, device=qkv.device)
+    o = torch.empty((r * t, n_q * d), dtype=qkv.dtype, device=qkv.device)
     rows = pow2_at_least(groups * t, 16)
     norm = q_norm is not None
     block_s = block if rows <= 32 else 32
@@ -187,22 +210,23 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     if block_s > 64:  # the minimum counts 64-slot blocks
         min_blocks = max(1, min_blocks * 64 // block_s)
     if splits is None:  # one block of slots per split up to MAX_SPLITS, by the cache's capacity (a host bound)
-        splits = max(1, min(MAX_SPLITS, -(-k_cache.shape[1] // block_s)))
+        splits = max(1, min(MAX_SPLITS, -(-k_cache.shape[-2] // block_s)))
     if splits > 1:
-        if counters is None or counters.numel() < n_kv or counters.dtype != torch.int32:
-            raise ValueError(f"kernels.attention: a split launch needs int32 counters for its {n_kv} K/V heads")
-        pm = torch.empty((n_kv, splits, rows), dtype=torch.float32, device=qkv.device)
+        if counters is None or counters.numel() < r * n_kv or counters.dtype != torch.int32:
+            raise ValueError(f"kernels.attention: a split launch needs int32 counters for its {r * n_kv} K/V heads"
+                             + (f" ({r} requests x {n_kv})" if batched else ""))
+        pm = torch.empty((r * n_kv, splits, rows), dtype=torch.float32, device=qkv.device)
         pl = torch.empty_like(pm)
-        pa = torch.empty((n_kv, splits, rows, d), dtype=torch.float32, device=qkv.device)
+        pa = torch.empty((r * n_kv, splits, rows, d), dtype=torch.float32, device=qkv.device)
         cnt = counters
     else:
         pm = pl = pa = cnt = o
-    _attention_kernel[(n_kv, splits)](
+    _attention_kernel[(n_kv, splits, r)](
         qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o,
-        pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q,
-        scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=prec(qkv.dtype), CAUSAL=causal,
+        pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), s_kr, k_cache.stride(-3), k_cache.stride(-2), o.stride(0),
+        n_q, scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=prec(qkv.dtype), CAUSAL=causal,
         BLOCK_T=pow2_at_least(t, 1), BLOCK_R=rows, BLOCK_S=block_s, SPLITS=splits, MIN_BLOCKS=min_blocks,
-        num_warps=8 if block_s >= 128 else 4, **launch_opts(launch, qkv.device, t))
+        num_warps=8 if block_s >= 128 else 4, **launch_opts(launch, qkv.device, r * t))
     return o
 
 

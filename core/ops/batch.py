@@ -23,7 +23,11 @@ class BatchOps(Ops):
     """A model's ops for the rows of several requests: linear and rms_norm are the model's own (row-wise);
     attention and write_kv take positions [R, T] (request r's rows at its own positions) and a StaticKV of R rows,
     and keep each request in its own row. A causal span (the target's) masks by position; a span with a `limit`
-    [R] (the dFlash drafter's block, harness.decode.batch_draft) shows row r every slot below limit[r]."""
+    [R] (the dFlash drafter's block, harness.decode.batch_draft) shows row r every slot below limit[r], which is
+    its last position + 1 (core.ops.Span). Attention runs as one launch of the Triton attention kernel for every
+    request's rows where the inner ops are the Triton ops and the kernel takes the shape (TritonOps.rows_attention:
+    each request computed as its own launch would compute it), else on the torch ops: SDPA under a per-row mask
+    over the slots up to the span's host bound."""
 
     def __init__(self, inner: Ops):
         self.inner, self.name = inner, inner.name
@@ -36,6 +40,10 @@ class BatchOps(Ops):
 
     def attention(self, qkv, kv: StaticKV, layer, span: Span, cos, sin, n_q, scale, q_norm=None, k_norm=None,
                   eps=0.0):
+        fused = getattr(self.inner, "rows_attention", None)  # the Triton ops: one launch for every request's rows
+        o = fused(qkv, kv, layer, span, cos, sin, n_q, scale, q_norm, k_norm, eps) if fused is not None else None
+        if o is not None:
+            return o
         r, t = span.positions.shape
         d, n_kv = kv.head_dim, kv.n_kv_heads
         q, k, v = qkv.split((n_q * d, n_kv * d, n_kv * d), dim=-1)

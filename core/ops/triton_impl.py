@@ -112,6 +112,22 @@ class TritonOps(Ops):
         return kernels.attention(qkv, q_norm, k_norm, eps, cos, sin, span.positions, kv.k[layer, 0], kv.v[layer, 0],
                                  n_q, scale, causal=span.causal, counters=kv.counters[layer], launch=self.launch)
 
+    def rows_attention(self, qkv, kv, layer, span, cos, sin, n_q, scale, q_norm=None, k_norm=None, eps=0.0):
+        """core.ops.BatchOps' attention for the rows of R requests (positions [R, T], a StaticKV of R rows) in one
+        launch of the attention kernel, each request over its own cache row as its own launch would compute it;
+        None where the kernel does not take the call (the torch ops then run it): a sliding window, more rows
+        than one program keeps, or a batch-invariant launch (its kernel takes one request; the torch path keeps
+        what batched bf16 output promises, README)."""
+        r, t = span.positions.shape
+        if (self.launch.batch_invariant or span.window is not None or qkv.dtype != kv.dtype
+                or not kernels.fits(t, n_q // kv.n_kv_heads)):
+            return None
+        if self.debug and not _capturing(qkv.device):
+            kv.check_counters()
+        return kernels.attention(qkv, q_norm, k_norm, eps, cos.reshape(r * t, -1), sin.reshape(r * t, -1),
+                                 span.positions, kv.k[layer], kv.v[layer], n_q, scale, causal=span.causal,
+                                 counters=kv.counters[layer], launch=self.launch)
+
     def write_kv(self, rows, kv, layer, positions, cos, sin, k_norm=None, eps=0.0):
         if rows.shape[0] > kernels.MAX_ROWS:
             return self.torch.write_kv(rows, kv, layer, positions, cos, sin, k_norm, eps)
