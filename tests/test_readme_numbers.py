@@ -211,3 +211,27 @@ def test_the_weights_families_read_heads_json_else_the_ship_manifest(tmp_path):
     (w / "heads.json").write_text(json.dumps({"total_bytes": 69.3167e6, "models": {
         "xpress": {"heldout": {"tau_drafter": 2.3018, "tau_xpress_K1": 2.4703}}}}))
     assert R["weights_mb"](tmp_path) == "69.3" and R["held_out"](tmp_path, "xpress", "tau_xpress_K1") == "2.47"
+
+
+def test_the_json_and_bench_batch_families_read_their_files_and_name_what_is_missing(tmp_path):
+    """json reads one number at a dotted key of a committed JSON file; bench_batch one field of the row of a
+    bench_batch JSON at (B, context, width). A missing key, a value that is not a number or a row that is not there
+    is a clear error naming it, not a wrong number."""
+    from core.errors import UsageError
+    from harness.lab.readme_numbers_keys import REGISTRY as R
+    perf = tmp_path / "results" / "perf"
+    perf.mkdir(parents=True)
+    (perf / "b.json").write_text(json.dumps({"compiled_ms": 36.174, "label": "random weights", "runs": [{"ms": 4.5}],
+                                             "rows": [{"batch": 2, "context": 512, "width": 16, "ms": 4.971,
+                                                       "ratio": 1.377},
+                                                      {"batch": 2, "context": 512, "width": 1, "ms": 4.41,
+                                                       "ratio": 1.22}]}))
+    assert R["json"](tmp_path, "results/perf/b.json", "compiled_ms") == "36.17"
+    assert R["json"](tmp_path, "results/perf/b.json", "runs.0.ms", 1) == "4.5"
+    assert R["bench_batch"](tmp_path, "b", "2", "512", "16", "ratio") == "1.38"
+    assert R["bench_batch"](tmp_path, "b", "2", "512", "1", "ms") == "4.41"
+    for call, says in ((lambda: R["json"](tmp_path, "results/perf/b.json", "eager_ms"), "no 'eager_ms'"),
+                       (lambda: R["json"](tmp_path, "results/perf/b.json", "label"), "is not a number"),
+                       (lambda: R["bench_batch"](tmp_path, "b", "4", "512", "16", "ms"), "0 rows at B=4")):
+        with pytest.raises(UsageError, match=says):
+            call()

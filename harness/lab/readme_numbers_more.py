@@ -258,6 +258,32 @@ def q_bench_wall(root, path, a, d=2):
     return fmt(bench_arm(root, name, a, f"results/perf/{folder}".rstrip("/"))["graph"]["wall_per_step_ms"], d)
 
 
+@quantity("json")
+def q_json(root, path, key, d=2):
+    """One number of a committed JSON file (PATH from the repository's root), at KEY (dotted: `a.b`, a list
+    index as a number)."""
+    value = _json(root / path)
+    for k in key.split("."):
+        try:
+            value = value[int(k)] if isinstance(value, list) else value[k]
+        except (KeyError, IndexError, ValueError):
+            raise UsageError(f"readme_numbers: {path} has no {key!r} (at {k!r})") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UsageError(f"readme_numbers: {path}'s {key!r} is not a number")
+    return fmt(value, d)
+
+
+@quantity("bench_batch")
+def q_bench_batch(root, path, b, c, w, field, d=2):
+    """A bench_batch JSON's (results/perf/PATH.json) FIELD (ms, floor_ms, ratio) of the step of width W (1: the
+    batched AR step, else the verify) at batch size B and context C."""
+    rows = [r for r in _json(root / "results/perf" / f"{path}.json")["rows"]
+            if (r["batch"], r["context"], r["width"]) == (int(b), int(c), int(w))]
+    if len(rows) != 1:
+        raise UsageError(f"readme_numbers: results/perf/{path}.json has {len(rows)} rows at B={b}, C={c}, W={w}")
+    return fmt(rows[0][field], d)
+
+
 @quantity("sweep_same")
 def q_sweep_same(root, folder, b, c, a):
     """A sweep point's `same as B=1` count of ARM ("35/80"): requests whose T=0 tokens equal the arm's B=1 ones."""
