@@ -2,7 +2,8 @@
 # Issue 29's sweeps on a lent GPU, within the device tool's limits (see tables_gpu.sh, whose setup, gguf and part
 # calls come first: wheels, the SmolLM2 GGUF, the shipped weights carried in .gpuw and .gpum):
 #   device:  bash harness/lab/tables_gpu.sh setup; bash harness/lab/tables_gpu.sh gguf; tables_gpu.sh part .gpum
-#            bash harness/lab/sweeps_gpu.sh start       # carry .gpuw: the job below, in its own session
+#            bash harness/lab/sweeps_gpu.sh start       # carry .gpuw: the job below, in its own session (ONLY="ID
+#                                                       # ...": just those sweeps; DEADLINE_S: seconds for all)
 #            bash harness/lab/sweeps_gpu.sh poll [S]    # until the job ends or S seconds pass; sweeps.tgz in $OUT
 #   here:    tar xzf sweeps.tgz -C results/sweeps
 # The job: the GPU tests of the batched graphs, bench_batch --graphs at Qwen3-8B's shape (results/perf/), then each
@@ -19,8 +20,9 @@ CODE="core data drafters harness refiners training scripts tests conftest.py pyt
 ENVS="PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1"
 COMMON="--temperature 0 --use-graph --fair-interleave 5 --fair-warmup-rounds 1 --results-dir $R"
 
-sweep() {  # sweep ID ARGS...: one sweep, unless the deadline has passed
+sweep() {  # sweep ID ARGS...: one sweep, unless the deadline has passed or ONLY (sweep ids) leaves it out
   local id=$1; shift
+  if [[ -n ${ONLY:-} && " $ONLY " != *" $id "* ]]; then echo "$id: skipped (ONLY)"; return 0; fi
   if (( $(date +%s) + ${SWEEP_S:-120} > DEADLINE )); then echo "$id: skipped (deadline)"; return 0; fi
   echo "== $id $(date +%T)"
   python3 benchmark_compile_all.py --run-id "$id" $COMMON "$@" > "$R/$id.log" 2>&1 || echo "$id: failed"
@@ -32,7 +34,7 @@ case "${1:-}" in
     mkdir -p /tmp/w $J $R && cp -r .gpuw/. /tmp/w/ && ls /tmp/w/smollm2-135m
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
-    (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m DEADLINE=$deadline setsid nohup \
+    (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m DEADLINE=$deadline ONLY="${ONLY:-}" setsid nohup \
         bash harness/lab/sweeps_gpu.sh job > $J/job.log 2>&1 < /dev/null &)
     sleep 20; tail -n 5 $J/job.log
     ;;

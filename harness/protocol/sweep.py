@@ -29,7 +29,8 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   per B, the smallest swept context); `null` when it beats AR at every point swept.
 - T = 0: each request's tokens are compared with the same arm's B = 1 tokens of the same point and round
   (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ, --batch-invariant too (from
-  B = 2 the rows attend through the torch ops, core.ops.batch, which promise no row invariance).
+  B = 2 the matmuls take every request's rows at once and tile by their count; under --batch-invariant the rows
+  attend through the torch ops, core.ops.batch, whose SDPA promises no row invariance).
 The results folder holds config.json, samples.jsonl (one row per request), sweep.json, sweep.md, steps.md (the
 step breakdown: harness.protocol.sweep_steps) and the plots.
 """
