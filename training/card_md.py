@@ -27,7 +27,7 @@ def data_section(d: dict) -> list[str]:
     out = ["## Data", ""]
     p, r, h = d.get("prompts"), d.get("responses"), d.get("hidden")
     if p is None:
-        out += ["- **Prompts**: n/a (no prompts stage in this run)"]
+        out += ["- **Prompts**: n/a (no prompts manifest among this run's records)"]
     else:
         out += [f"- **Prompts**: {fmt(p['train'])} train, {fmt(p['selection'])} selection (every choice reads "
                 f"these), {fmt(p['heldout'])} held-out (reported only). Magpie prompts generated: "

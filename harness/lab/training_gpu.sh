@@ -115,8 +115,9 @@ case "${1:-}" in
       ls -la "$OUT"; exit 0
     fi
     cd "$XRUN"
-    find . -maxdepth 3 \( -name '*.json' -o -name metrics.jsonl \) -not -path './prompts/*' -not -path './export/*/*' \
-        -not -path './responses/parts/*' | tar czf "$OUT/records.tgz" -T - $XRUN.log
+    { find . -maxdepth 3 \( -name '*.json' -o -name metrics.jsonl \) -not -path './prompts/*' -not -path './export/*/*' \
+        -not -path './responses/parts/*'; ls ./prompts/manifest.json 2>/dev/null || true; } |
+        tar czf "$OUT/records.tgz" -T - $XRUN.log  # the prompts stage's manifest, not its prompts
     shift
     if (( $# )); then tar cf - export/manifest.json "${@/#/export/}" | split -b 15000000 - "$OUT/$1.tar.part."; fi
     ls -la "$OUT"
