@@ -52,13 +52,15 @@ def test_rows_attention_is_one_kernel_launch_and_equals_the_torch_rows(monkeypat
     assert not kv_k.counters.any()
 
 
-def test_rows_attention_leaves_what_the_kernel_cannot_take_to_the_torch_ops():
-    """A batch-invariant launch (its kernel takes one request) and a sliding window go to the torch rows."""
+def test_rows_attention_runs_the_invariant_kernel_under_batch_invariant_and_leaves_windows_to_torch():
+    """Under Launch.batch_invariant the rows go to the batch-invariant attention kernel, to the torch rows' outputs
+    at fp32 rounding; a sliding window goes to the torch rows (None)."""
     import dataclasses
-    args, (_, kv), span = _case(False)
+    args, (kv_t, kv_k), span = _case(False)
     ops = triton_ops(DEV)
-    assert ops.rows_attention(kv=kv, layer=0, span=span, **args) is not None
     inv = triton_ops(DEV, launch=dataclasses.replace(ops.launch, batch_invariant=True))
-    assert inv.rows_attention(kv=kv, layer=0, span=span, **args) is None
+    ref = BatchOps(TorchOps()).attention(kv=kv_t, layer=0, span=span, **args)
+    out = inv.rows_attention(kv=kv_k, layer=0, span=span, **args)
+    torch.testing.assert_close(out, ref, **tol(torch.float32))
     windowed = Span(span.positions, span.length, window=8)
-    assert ops.rows_attention(kv=kv, layer=0, span=windowed, **args) is None
+    assert ops.rows_attention(kv=kv_k, layer=0, span=windowed, **args) is None

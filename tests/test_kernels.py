@@ -194,16 +194,18 @@ def test_attention_writes_cache_and_attends_causally(dtype, norm, t, start, grou
 
 
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("splits,least", [(None, 4), (3, 1)])
-def test_attention_over_rows_of_several_requests_is_each_request_alone(causal, splits, least):
+@pytest.mark.parametrize("splits,least,inv", [(None, 4, False), (3, 1, False), (None, 1, True)])
+def test_attention_over_rows_of_several_requests_is_each_request_alone(causal, splits, least, inv):
     """Rows of R = 3 requests in one launch (positions [R, T], a batched cache [R, n_kv, capacity, d]): each
     request's output and cache writes are bitwise those of a launch of its own T rows over its own cache row, at
     its own KV length (40, 105 and 7 slots: one, several and partly empty splits), causal and not (the drafter's
-    block); other requests' slots are never read (NaN there would show). Power: a launch that reads the first
+    block), on the default kernel and on the batch-invariant one (inv); other requests' slots are never read (NaN
+    there would show). Power: a launch that reads the first
     request's positions for all fails every case. Counters and partial results shared across requests would race
     on a GPU only (the interpreter runs programs one at a time); the launch refuses counters for fewer heads."""
     r, t, n_kv, groups, d, cap = 3, 4, 2, 2, 16, 160
     n_q = n_kv * groups
+    launch = kernels.Launch(batch_invariant=inv)
     starts = [36, 101, 3]
     qkv = rnd(r * t, (n_q + 2 * n_kv) * d, seed=11)
     qn, kn = rnd(d, seed=12), rnd(d, seed=13)
@@ -220,17 +222,21 @@ def test_attention_over_rows_of_several_requests_is_each_request_alone(causal, s
         rows = slice(i * t, (i + 1) * t)
         cnt = torch.zeros(n_kv, dtype=torch.int32, device=DEV)
         own.append(kernels.attention(qkv[rows], qn, kn, 1e-6, cos[rows], sin[rows], pos[i], k1[i], v1[i], n_q,
-                                     d ** -0.5, causal=causal, counters=cnt, splits=splits, min_blocks=least))
+                                     d ** -0.5, causal=causal, counters=cnt, splits=splits, min_blocks=least,
+                                     launch=launch))
     counters = torch.zeros(r * n_kv, dtype=torch.int32, device=DEV)
     o = kernels.attention(qkv, qn, kn, 1e-6, cos, sin, pos, kc, vc, n_q, d ** -0.5, causal=causal,
-                          counters=counters, splits=splits, min_blocks=least)
+                          counters=counters, splits=splits, min_blocks=least, launch=launch)
     assert o.shape == (r * t, n_q * d)
     assert torch.equal(o, torch.cat(own))
     assert torch.equal(kc.nan_to_num(7.0), k1.nan_to_num(7.0)) and torch.equal(vc.nan_to_num(7.0), v1.nan_to_num(7.0))
     assert not counters.any()
-    with pytest.raises(ValueError, match="3 requests x 2"):
+    with pytest.raises(ValueError, match="counters"):
         kernels.attention(qkv, qn, kn, 1e-6, cos, sin, pos, kc, vc, n_q, d ** -0.5, counters=counters[:n_kv],
-                          splits=2)
+                          splits=None if inv else 2, min_blocks=1, launch=launch)
+    with pytest.raises(ValueError, match="3 requests of 4 rows"):
+        kernels.attention(qkv[:t], qn, kn, 1e-6, cos, sin, pos, kc, vc, n_q, d ** -0.5, counters=counters,
+                          launch=launch)
 
 
 def test_launch_settings_are_checked_and_pdl_needs_a_hopper_gpu():

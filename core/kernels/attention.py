@@ -179,6 +179,19 @@ if triton is not None:
                 tl.atomic_xchg(cnt_ptr + hh, 0)
 
 
+def requests(qkv: torch.Tensor, cos: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor):
+    """(positions, R, T, the cache's stride between requests) of an attention call: one request (positions [T],
+    caches [n_kv, capacity, d]; stride 0) or R (positions [R, T], caches [R, n_kv, capacity, d], qkv and cos/sin of
+    R * T rows)."""
+    if positions.dim() == 1:
+        return positions, 1, qkv.shape[0], 0
+    r, t = positions.shape
+    if qkv.shape[0] != r * t or cos.shape[0] != r * t or k_cache.dim() != 4 or k_cache.shape[0] != r:
+        raise ValueError(f"kernels.attention: {r} requests of {t} rows need qkv and cos/sin of {r * t} rows and "
+                         f"caches of {r} rows, got {qkv.shape[0]}, {cos.shape[0]} and {tuple(k_cache.shape)}")
+    return positions.contiguous(), r, t, k_cache.stride(0)
+
+
 def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
               cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
               v_cache: torch.Tensor, n_q: int, scale: float, causal: bool = True, counters: torch.Tensor | None = None,
@@ -193,14 +206,9 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
     request) and counters [>= R * n_kv]; returns [R * T, n_q * d]. Each request is computed as a launch of its own
     T rows over its own cache row would compute it, with the same splits (bitwise: the programs of one request
     read and write only its rows)."""
-    batched = positions.dim() == 2
-    r, t = positions.shape if batched else (1, qkv.shape[0])
-    if batched:
-        positions = positions.contiguous()
-        if qkv.shape[0] != r * t or cos.shape[0] != r * t:
-            raise ValueError(f"kernels.attention: {r} requests of {t} rows need qkv and cos/sin of {r * t} rows")
+    positions, r, t, s_kr = requests(qkv, cos, positions, k_cache)
     n_kv, d = k_cache.shape[-3], k_cache.shape[-1]
-    s_kr = k_cache.stride(0) if batched else 0
+    batched = positions.dim() == 2
     groups = n_q // n_kv
     o = torch.empty((r * t, n_q * d), dtype=qkv.dtype, device=qkv.device)
     rows = pow2_at_least(groups * t, 16)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from core.kernels.attention import BLOCK, MIN_BLOCKS
+from core.kernels.attention import BLOCK, MIN_BLOCKS, requests
 from core.kernels.common import MAX_ROWS, Launch, after_previous, interpreted, launch_opts, pow2_at_least, prec, \
     shared_memory_limit, triton, tl
 from core.kernels.matmul import PREFETCH_TILES, LinearConfig, choose_linear
@@ -175,7 +175,7 @@ if triton is not None:  # (the default kernels' helpers exist only with Triton)
 
     @triton.jit
     def _inv_attention_kernel(qkv_ptr, qn_ptr, kn_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, pm_ptr,
-                              pl_ptr, pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kh, s_ks, s_ot, HQ, ROWS_PER, scale, eps,
+                              pl_ptr, pa_ptr, cnt_ptr, T, s_qkv, s_cs, s_kr, s_kh, s_ks, s_ot, HQ, ROWS_PER, scale, eps,
                               NORM: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, PREC: tl.constexpr,
                               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, BLOCK_R: tl.constexpr,
                               BLOCK_S: tl.constexpr, PER: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
@@ -183,9 +183,20 @@ if triton is not None:  # (the default kernels' helpers exist only with Triton)
         # (none past it: it returns). Each writes the head's T new keys/values, BLOCK_R tokens at a time (the
         # splits write the same values), then its query rows attend, BLOCK_R at a time. With several active
         # splits each leaves partials (ROWS_PER rows a split) and the head's last to arrive merges them.
+        # Axis 2: the request (as in attention._attention_kernel: each request's own rows, positions, cache row at
+        # s_kr, counters and partials; one request: every offset below is 0).
         after_previous(PDL)
         h = tl.program_id(0)
         sp = tl.program_id(1)
+        rq = tl.program_id(2)
+        qkv_ptr += rq * T * s_qkv
+        pos_ptr += rq * T
+        cos_ptr += rq * T * s_cs
+        sin_ptr += rq * T * s_cs
+        kc_ptr += rq.to(tl.int64) * s_kr
+        vc_ptr += rq.to(tl.int64) * s_kr
+        o_ptr += rq * T * s_ot
+        hh = rq * tl.num_programs(0) + h  # this request's head among all: its counter and partials
         dt = kc_ptr.dtype.element_ty
         kv_len = (tl.load(pos_ptr + T - 1) + 1).to(tl.int32)
         active = tl.cdiv(kv_len, PER)
@@ -208,22 +219,22 @@ if triton is not None:  # (the default kernels' helpers exist only with Triton)
             elif active == 1:
                 tl.store(o_ptr + dst, (acc / total[:, None]).to(dt), mask=real[:, None])
             else:
-                part = (h * SPLITS + sp) * ROWS_PER + r0 + tl.arange(0, BLOCK_R)
+                part = (hh * SPLITS + sp) * ROWS_PER + r0 + tl.arange(0, BLOCK_R)
                 tl.store(pm_ptr + part, top)
                 tl.store(pl_ptr + part, total)
                 tl.store(pa_ptr + part[:, None] * D + d[None, :], acc)
         if SPLITS > 1:  # (a constexpr test first: a launch of one split is passed no counter)
             if active > 1:
                 tl.debug_barrier()  # all of this split's stores come before its arrival
-                if tl.atomic_add(cnt_ptr + h, 1, sem="acq_rel") == active - 1:
+                if tl.atomic_add(cnt_ptr + hh, 1, sem="acq_rel") == active - 1:
                     for r0 in range(0, GROUPS * T, BLOCK_R):
                         r = r0 + tl.arange(0, BLOCK_R)
                         tok, qh = r % T, h * GROUPS + r // T
-                        res = _merge(pm_ptr, pl_ptr, pa_ptr, h * SPLITS * ROWS_PER + r, active, ROWS_PER, D,
+                        res = _merge(pm_ptr, pl_ptr, pa_ptr, hh * SPLITS * ROWS_PER + r, active, ROWS_PER, D,
                                      BLOCK_R)
                         tl.store(o_ptr + tok[:, None] * s_ot + qh[:, None] * D + d[None, :], res.to(dt),
                                  mask=(r < GROUPS * T)[:, None])
-                    tl.atomic_xchg(cnt_ptr + h, 0)
+                    tl.atomic_xchg(cnt_ptr + hh, 0)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
@@ -278,23 +289,25 @@ def attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tens
               block: int = BLOCK) -> torch.Tensor:
     """attention.attention's contract (any T * n_q / n_kv), a row's outputs and K/V writes the same bits at any T
     and any KV length past its position: `block` slots read at a time, a split per min_blocks 64-slot blocks
-    (whole blocks) from slot 0, as many splits as the cache's capacity needs (so `splits` may not be given)."""
+    (whole blocks) from slot 0, as many splits as the cache's capacity needs (so `splits` may not be given).
+    Rows of R requests in one launch as attention.attention takes them (positions [R, T], caches [R, n_kv, capacity,
+    d], counters [>= R * n_kv]): each request's the same bits as its own launch's."""
     if splits is not None or launch.attention_splits is not None:
         raise ValueError("kernels.attention: a batch-invariant launch splits the slots by index; give no splits")
-    t = qkv.shape[0]
-    n_kv, cap, d = k_cache.shape[0], k_cache.shape[1], k_cache.shape[-1]
+    positions, r, t, s_kr = requests(qkv, cos, positions, k_cache)
+    n_kv, cap, d = k_cache.shape[-3], k_cache.shape[-2], k_cache.shape[-1]
     groups = n_q // n_kv
     rows = triton.cdiv(groups * t, ROWS) * ROWS
     per = triton.cdiv(max(min_blocks * 64, block), block) * block
     n_splits = triton.cdiv(cap, per)
-    o = torch.empty((t, n_q * d), dtype=qkv.dtype, device=qkv.device)
-    pm, pl, pa, cnt = _partials(n_kv, n_splits, rows, d, counters, o)
+    o = torch.empty((r * t, n_q * d), dtype=qkv.dtype, device=qkv.device)
+    pm, pl, pa, cnt = _partials(r * n_kv, n_splits, rows, d, counters, o)
     norm = q_norm is not None
-    _inv_attention_kernel[(n_kv, n_splits)](
+    _inv_attention_kernel[(n_kv, n_splits, r)](
         qkv, q_norm if norm else k_cache, k_norm if norm else k_cache, cos, sin, positions, k_cache, v_cache, o,
-        pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1), o.stride(0), n_q,
-        rows, scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=prec(qkv.dtype), CAUSAL=causal,
+        pm, pl, pa, cnt, t, qkv.stride(0), cos.stride(0), s_kr, k_cache.stride(-3), k_cache.stride(-2), o.stride(0),
+        n_q, rows, scale, eps, NORM=norm, GROUPS=groups, D=d, PREC=prec(qkv.dtype), CAUSAL=causal,
         UPCAST=upcast(qkv.dtype), BLOCK_R=ROWS, BLOCK_S=block, PER=per, SPLITS=n_splits,
         num_warps=8 if block >= 128 else 4,
-        **launch_opts(launch, qkv.device, t))
+        **launch_opts(launch, qkv.device, r * t))
     return o

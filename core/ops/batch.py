@@ -24,10 +24,10 @@ class BatchOps(Ops):
     attention and write_kv take positions [R, T] (request r's rows at its own positions) and a StaticKV of R rows,
     and keep each request in its own row. A causal span (the target's) masks by position; a span with a `limit`
     [R] (the dFlash drafter's block, harness.decode.batch_draft) shows row r every slot below limit[r], which is
-    its last position + 1 (core.ops.Span). Attention runs as one launch of the Triton attention kernel for every
-    request's rows where the inner ops are the Triton ops and the kernel takes the shape (TritonOps.rows_attention:
-    each request computed as its own launch would compute it), else on the torch ops: SDPA under a per-row mask
-    over the slots up to the span's host bound."""
+    its last position + 1 (core.ops.Span). Attention runs as one launch of the Triton attention kernel (the
+    batch-invariant one under Launch.batch_invariant) for every request's rows where the inner ops are the Triton
+    ops and the kernel takes the shape (TritonOps.rows_attention: each request the bits of its own launch), else on
+    the torch ops: SDPA under a per-row mask over the slots up to the span's host bound."""
 
     def __init__(self, inner: Ops):
         self.inner, self.name = inner, inner.name

@@ -114,13 +114,12 @@ class TritonOps(Ops):
 
     def rows_attention(self, qkv, kv, layer, span, cos, sin, n_q, scale, q_norm=None, k_norm=None, eps=0.0):
         """core.ops.BatchOps' attention for the rows of R requests (positions [R, T], a StaticKV of R rows) in one
-        launch of the attention kernel, each request over its own cache row as its own launch would compute it;
-        None where the kernel does not take the call (the torch ops then run it): a sliding window, more rows
-        than one program keeps, or a batch-invariant launch (its kernel takes one request; the torch path keeps
-        what batched bf16 output promises, README)."""
+        launch of the attention kernel (the batch-invariant one under Launch.batch_invariant), each request over
+        its own cache row, the same bits as its own launch; None where the kernel does not take the call (the
+        torch ops then run it): a sliding window, or more rows than one program keeps."""
         r, t = span.positions.shape
-        if (self.launch.batch_invariant or span.window is not None or qkv.dtype != kv.dtype
-                or not kernels.fits(t, n_q // kv.n_kv_heads)):
+        inv = self.launch.batch_invariant
+        if span.window is not None or qkv.dtype != kv.dtype or not kernels.fits(t, n_q // kv.n_kv_heads, inv):
             return None
         if self.debug and not _capturing(qkv.device):
             kv.check_counters()

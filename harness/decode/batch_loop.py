@@ -34,7 +34,8 @@ context) that runs EVERY row, finished or not (its module says what it does). A 
 not move; what it writes lands past its committed length, in its own row. A request near the context limit (spec
 False) keeps row 0 of its block only: n = 0, its next token the target's choice after its anchor, as its plain
 target step at B=1. Each request's tokens are therefore its B=1 tokens wherever the batched kernels give a row the
-bits they give it at B=1 (fp32 on the CPU: tests/test_batch_graphs).
+bits they give it at B=1 (fp32 on the CPU: tests/test_batch_graphs; the Triton kernels with
+Launch(batch_invariant=True) at B x W <= 64 rows: tests/test_batch_neighbours*.py).
 
 use_graph (CUDA): that function is captured as one CUDA graph per (arm, batch size, KV-length bucket) in the
 batch's DecodeState (DecodeState.batched: one per batch size), and replayed each step, by this batch and every
