@@ -40,7 +40,8 @@ case "${1:-}" in
     ;;
   job)
     export -f sweep; export R COMMON
-    python3 -m pytest -o addopts="" -q tests/test_batch_graphs_gpu.py tests/test_bench_batch.py 2>&1 | tail -n 15
+    python3 -m pytest -o addopts="" -q tests/test_batch_graphs_gpu.py tests/test_bench_batch.py \
+        tests/test_batch_rows_attention.py tests/test_batch_neighbours_gpu.py 2>&1 | tail -n 15
     # issue 29 item 5: the batched AR and verify steps against their byte floors, graphed, at Qwen3-8B's shape
     python3 -m harness.lab.bench_batch --preset qwen3-8b --kernels triton --graphs \
         --out $R/bench_batch_qwen3-8b_graphs.json > $R/bench_batch.log 2>&1 || echo "bench_batch: failed"
