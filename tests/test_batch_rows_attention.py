@@ -14,9 +14,9 @@ from core.ops.torch_impl import TorchOps
 
 
 def _case(limit: bool):
-    r, t, n_kv, groups, d, cap = 3, 4, 2, 3, 16, 96
+    r, t, n_kv, groups, d, cap = 3, 4, 2, 3, 16, 384  # 300.. reads two of three 256-slot splits
     n_q = n_kv * groups
-    starts = torch.tensor([5, 60, 0])
+    starts = torch.tensor([5, 300, 0])
     pos = (starts[:, None] + torch.arange(t)).to(DEV)
     ang = (pos.flatten().float().cpu()[:, None] * 0.3 ** torch.arange(d // 2).float()).repeat(1, 2)
     args = dict(qkv=rnd(r * t, (n_q + 2 * n_kv) * d, seed=21), cos=ang.cos().to(DEV), sin=ang.sin().to(DEV),
@@ -33,7 +33,7 @@ def _case(limit: bool):
 
 @pytest.mark.parametrize("limit", [False, True])
 def test_rows_attention_is_one_kernel_launch_and_equals_the_torch_rows(monkeypatch, limit):
-    """Three requests at positions 5.., 60.. and 0.., causal (the target's verify) and with a limit (the drafter's
+    """Three requests at positions 5.., 300.. (two active splits, merged) and 0.., causal (the target's verify) and with a limit (the drafter's
     block): the Triton rows give the torch rows' outputs and cache contents to fp32 rounding, in one kernel launch
     with 2-d positions and no SDPA. Power: falling back to the torch path (e.g. a `fits` that refuses every
     batched shape) launches no kernel, and a launch over one request's positions gives other outputs."""
@@ -54,7 +54,7 @@ def test_rows_attention_is_one_kernel_launch_and_equals_the_torch_rows(monkeypat
 
 def test_rows_attention_runs_the_invariant_kernel_under_batch_invariant_and_leaves_windows_to_torch():
     """Under Launch.batch_invariant the rows go to the batch-invariant attention kernel, to the torch rows' outputs
-    at fp32 rounding; a sliding window goes to the torch rows (None)."""
+    at fp32 rounding; a sliding window goes to the torch rows (None), counted among the fallbacks."""
     import dataclasses
     args, (kv_t, kv_k), span = _case(False)
     ops = triton_ops(DEV)
@@ -64,3 +64,18 @@ def test_rows_attention_runs_the_invariant_kernel_under_batch_invariant_and_leav
     torch.testing.assert_close(out, ref, **tol(torch.float32))
     windowed = Span(span.positions, span.length, window=8)
     assert ops.rows_attention(kv=kv_k, layer=0, span=windowed, **args) is None
+    assert ops.fallbacks == {("batched attention", "a sliding window"): 1}  # counted, as the one-request path counts
+
+
+def test_the_debug_check_refuses_a_limit_the_kernel_would_not_honour_and_positions_outside_the_cache():
+    """XPRESS_BENCH_DEBUG's check (host syncs): the kernel attends over [0, last position] and writes unchecked,
+    so a limit other than last + 1, or a position past the cache, is an error instead of other numbers."""
+    args, (_, kv), span = _case(True)
+    ops = triton_ops(DEV, debug=True)
+    assert ops.rows_attention(kv=kv, layer=0, span=span, **args) is not None
+    with pytest.raises(RuntimeError, match="limit is not its last position"):
+        ops.rows_attention(kv=kv, layer=0, span=Span(span.positions, span.length, limit=span.limit + 1), **args)
+    far = span.positions.clone()
+    far[1] += kv.capacity
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.rows_attention(kv=kv, layer=0, span=Span(far, span.length), **args)

@@ -118,11 +118,16 @@ class TritonOps(Ops):
         its own cache row, the same bits as its own launch; None where the kernel does not take the call (the
         torch ops then run it): a sliding window, or more rows than one program keeps."""
         r, t = span.positions.shape
-        inv = self.launch.batch_invariant
-        if span.window is not None or qkv.dtype != kv.dtype or not kernels.fits(t, n_q // kv.n_kv_heads, inv):
+        groups = n_q // kv.n_kv_heads
+        why = ("a sliding window" if span.window is not None else "mixed dtypes" if qkv.dtype != kv.dtype else
+               None if kernels.fits(t, groups, self.launch.batch_invariant) else
+               f"{t} rows x {groups} query heads per K/V head a request")
+        if why is not None:
+            self.fallbacks["batched attention", why] += 1
             return None
         if self.debug and not _capturing(qkv.device):
             kv.check_counters()
+            _check_rows(span, kv)
         return kernels.attention(qkv, q_norm, k_norm, eps, cos.reshape(r * t, -1), sin.reshape(r * t, -1),
                                  span.positions, kv.k[layer], kv.v[layer], n_q, scale, causal=span.causal,
                                  counters=kv.counters[layer], launch=self.launch)
@@ -131,6 +136,18 @@ class TritonOps(Ops):
         if rows.shape[0] > kernels.MAX_ROWS:
             return self.torch.write_kv(rows, kv, layer, positions, cos, sin, k_norm, eps)
         kernels.write_kv(rows, k_norm, eps, cos, sin, positions, kv.k[layer, 0], kv.v[layer, 0], self.launch)
+
+
+def _check_rows(span, kv) -> None:
+    """The debug check of a batched attention (host syncs): the kernel attends over [0, last position] and writes
+    at the positions unchecked, so a drafter's limit must be its block's last position + 1 (core.ops.Span) and
+    every position inside the cache (the torch path would raise there)."""
+    last = span.positions[:, -1]
+    if span.limit is not None and not torch.equal(span.limit.view(-1), last + 1):
+        raise RuntimeError("batched attention: a span's limit is not its last position + 1 in every row; the "
+                           "kernel would attend over other slots than the torch path")
+    if int(span.positions.max()) >= kv.capacity or int(span.positions.min()) < 0:
+        raise RuntimeError(f"batched attention: a position outside the cache's {kv.capacity} slots")
 
 
 def _linear_misfit(x, w, bias, act, residual) -> str | None:
