@@ -113,7 +113,9 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
     ("train.rows_in_memory=1", "train.rows_in_memory must be true or false"),
     ("train.profile_steps=-1", "train.profile_steps must be an integer >= 0"),
     ("train.compile_target=all", "train.compile_target 'all': use one of auto, layers, none"),
-    ("train.target_groups=0", "train.target_groups must be an integer >= 1"),
+    ("train.target_groups=0", "train.target_groups must be an integer in 1..64"),
+    ("train.target_groups=65", "train.target_groups must be an integer in 1..64"),
+    ("train.profile_start=0", "train.profile_start must be an integer >= 1"),
 ])
 def test_bad_step_and_hidden_settings_are_refused(tmp_path, capsys, item, message):
     """The new keys are checked before any model loads: one error line, exit 2, nothing written."""

@@ -111,6 +111,14 @@ def test_profile_steps_writes_a_profile(tmp_path):
     assert all(r["own_s_per_step"] > 0 for r in prof["top"])
     assert any(r["op"].startswith("aten::") for r in prof["top"])
     assert prof["ranges"]["xb.online_target"]["count"] == 2 and prof["ranges"]["xb.online_target"]["host_s"] > 0
+    # train.profile_start: later steps (past the compile's warm-up on a GPU), the fit's probe after them
+    import shutil
+    for stage in ("prompts", "responses", "hidden"):
+        shutil.copytree(tmp_path / "w" / stage, tmp_path / "w2" / stage)
+    assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w2", "--set", "models.drafter.max_steps=9",
+                   "--set", "train.epochs=50", "--set", "train.profile_steps=2", "--set", "train.profile_start=6") == 0
+    later = json.loads((tmp_path / "w2" / "train" / "drafter" / "profile.json").read_text())
+    assert later["global_steps"] == [7, 8]
 
 
 def test_a_failing_profiler_does_not_stop_training(tmp_path, monkeypatch, capsys):
@@ -218,9 +226,11 @@ def test_profiling_starts_after_step_3_with_or_without_the_fit():
     from training.train import _profile
     from pathlib import Path
     import tempfile
-    tc = {"profile_steps": 2, "fit_box": True, "fit_probe_steps": 50}
+    from training.config import DEFAULTS
+    tc = {**DEFAULTS["train"], "profile_steps": 2, "fit_box": True, "fit_probe_steps": 50}
     assert _profile(tc, Path("."), torch.device("cpu")).start == 3
     assert _profile({**tc, "fit_box": False}, Path("."), torch.device("cpu")).start == 3
+    assert _profile({**tc, "profile_start": 40}, Path("."), torch.device("cpu")).start == 40  # train.profile_start
     assert _profile({**tc, "profile_steps": 0}, Path("."), torch.device("cpu")) is None
     with tempfile.TemporaryDirectory() as d:
         prof = StepProfile(Path(d) / "p.json", 2, torch.device("cpu"), start=5)

@@ -47,7 +47,9 @@ DEFAULTS = {
               # target runs a packed row as at most that many right-padded batches of similar lengths
               # (training/online.py length_groups; 1: one batch padded to the row's longest sequence, the
               # faster on the H200: 36 ms a 32K-token row against 108 ms with 4, results/perf/bench_taps_groups/)
-              "loss_impl": "auto", "rows_in_memory": True, "profile_steps": 0, "compile_target": "auto",
+              # profile_start: the process's step after which the profile starts (warm-up steps are not steady)
+              "loss_impl": "auto", "rows_in_memory": True, "profile_steps": 0, "profile_start": 3,
+              "compile_target": "auto",
               "target_groups": 1},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
@@ -222,6 +224,7 @@ def validate_steps(cfg: dict) -> None:
         if h[key] not in DTYPE_NAMES:
             raise UsageError(f"config hidden.{key} {h[key]!r} is not one of {', '.join(DTYPE_NAMES)}")
     for key, low in (("total_seq_len", 1), ("val_batches", 0), ("log_every", 1), ("profile_steps", 0),
+                     ("profile_start", 1),
                      ("cut_at_step", 0)):
         if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < low:
             raise UsageError(f"config train.{key} must be an integer >= {low} (got {t[key]!r})")
@@ -248,9 +251,10 @@ def validate_steps(cfg: dict) -> None:
     if t["compile_target"] not in TARGET_COMPILE:
         raise UsageError(f"config train.compile_target {t['compile_target']!r}: use one of {', '.join(TARGET_COMPILE)} "
                          "(layers: the online target's decoder layers compiled; auto: on CUDA)")
-    if not isinstance(t["target_groups"], int) or isinstance(t["target_groups"], bool) or t["target_groups"] < 1:
-        raise UsageError("config train.target_groups must be an integer >= 1 (the padded batches the online target "
-                         "runs a packed row as; 1: one)")
+    if not isinstance(t["target_groups"], int) or isinstance(t["target_groups"], bool) \
+            or not 1 <= t["target_groups"] <= 64:
+        raise UsageError("config train.target_groups must be an integer in 1..64 (the padded batches the online "
+                         "target runs a packed row as; 1: one)")
     if t["loss_impl"] not in LOSS_IMPLS:
         raise UsageError(f"config train.loss_impl {t['loss_impl']!r}: use one of {', '.join(LOSS_IMPLS)} (fused: "
                          "speculators' Triton kernels, CUDA only)")
@@ -366,7 +370,7 @@ def fingerprint(obj) -> str:
 
 RUN_CONTROL = ("stop_after_step", "cut_at_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens",
                "num_workers", "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
-               "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps",
+               "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps", "profile_start",
                "compile_target", "target_groups")
 
 

@@ -112,16 +112,17 @@ class OnlineTaps:
         No attention mask: every row holds one sequence from position 0 and padding only after it, so under the
         causal mask a real token never attends to padding; the padded positions' outputs are computed and dropped.
         Without a mask the target's SDPA runs its causal kernels (flash on CUDA) instead of the masked ones."""
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
+        n = np.asarray(lengths, dtype=np.int64)
+        starts = np.cumsum(n) - n
         parts, shapes = [], []
         for group in length_groups(lengths, self.groups):
-            width = lengths[group[0]]
-            parts.append(torch.cat([torch.arange(starts[d], starts[d] + lengths[d]) for d in group]))
-            parts.append(torch.cat([torch.arange(r * width, r * width + lengths[d]) for r, d in enumerate(group)]))
-            shapes.append((len(group), width))
-        flat = torch.cat(parts)
+            g = np.asarray(group, dtype=np.int64)
+            gn, width = n[g], int(n[g[0]])
+            within = np.arange(int(gn.sum())) - np.repeat(np.cumsum(gn) - gn, gn)  # each token's position
+            parts.append(np.repeat(starts[g], gn) + within)  # in the packed row
+            parts.append(np.repeat(np.arange(len(g)) * width, gn) + within)  # in the group's [rows, width]
+            shapes.append((len(g), width))
+        flat = torch.from_numpy(np.concatenate(parts))
         if dev.type == "cuda":
             flat = flat.pin_memory()
         flat = flat.to(dev, non_blocking=True)
@@ -161,35 +162,36 @@ def compile_layers(target, backend: str = "inductor") -> int:
 def length_groups(lengths: list[int], most: int) -> list[list[int]]:
     """The packed sequences (indices into `lengths`) in at most `most` groups, each run through the target as one
     right-padded batch: sorted by length, longest first, and cut where the positions the target computes (the sum
-    over groups of rows x the group's longest length) are fewest. One group is the whole row as one padded batch
-    (what the online step did before train.target_groups). Exact (a dynamic programme over the sorted lengths,
-    vectorised over the cut point), and deterministic: ties keep the packed order."""
+    over groups of rows x the group's longest length) are fewest. One group is the whole row as one padded batch.
+    Exact: a dynamic programme over the cuts between distinct lengths (a cut inside a run of equal lengths never
+    saves a position), vectorised over the cut point; deterministic: ties keep the packed order."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if most <= 1 or len(order) <= 1:
+        return [order] if order else []
     s = np.array([lengths[i] for i in order], dtype=np.int64)
-    n, k = len(s), max(1, min(most, len(s)))
-    idx = np.arange(n + 1)
-    # best[j]: fewest positions for the first j sequences in the groups so far; cut[g][j]: where its last group starts
-    best = np.where(idx == 0, 0, np.iinfo(np.int64).max // 4)
-    cuts = []
+    cuts_at = np.concatenate(([0], np.flatnonzero(s[1:] != s[:-1]) + 1, [len(s)]))  # where a new length starts
+    m, k = len(cuts_at) - 1, min(most, len(cuts_at) - 1)
+    width = s[cuts_at[:-1]]  # a group starting at cut a is as wide as the sequence there
+    # best[j]: fewest positions for the sequences before cut j in the groups so far; back[g][j]: where its last
+    # group starts (a cut index), -1 where fewer groups did as well
+    best = np.where(np.arange(m + 1) == 0, 0, np.iinfo(np.int64).max // 4)
+    back = []
     for _ in range(k):
-        new, cut = best.copy(), np.zeros(n + 1, dtype=np.int64)
-        for j in range(1, n + 1):  # last group = sequences i..j-1, its width s[i] (sorted: the first is the longest)
-            cost = best[:j] + (j - idx[:j]) * s[:j]
-            i = int(np.argmin(cost))
-            if cost[i] < new[j]:
-                new[j], cut[j] = cost[i], i
-            else:
-                cut[j] = -1  # fewer groups did as well: keep them
-        cuts.append(cut)
+        new, prev = best.copy(), np.full(m + 1, -1)
+        for j in range(1, m + 1):
+            cost = best[:j] + (cuts_at[j] - cuts_at[:j]) * width[:j]
+            a = int(np.argmin(cost))
+            if cost[a] < new[j]:
+                new[j], prev[j] = cost[a], a
+        back.append(prev)
         best = new
-    groups, j = [], n
-    for cut in reversed(cuts):
+    groups, j = [], m
+    for prev in reversed(back):
         if j == 0:
             break
-        if cut[j] < 0:
-            continue
-        groups.append(order[cut[j]:j])
-        j = int(cut[j])
+        if prev[j] >= 0:
+            groups.append(order[cuts_at[prev[j]]:cuts_at[j]])
+            j = int(prev[j])
     return groups[::-1]
 
 
