@@ -127,3 +127,10 @@ def test_the_heads_preset_starts_every_head_from_the_warm_drafter_and_shares_the
     assert all(m["freeze_backbone"] for m in heads["models"].values())
     assert {k for k in base if base[k] != heads[k]} == {"models", "name", "workdir"}
     assert prompts.stage_key(heads, ["a.jsonl"]) == prompts.stage_key(base, ["a.jsonl"])
+    # the longer heads recipe (xPress and gated Markov only) shares the same data and the same starting drafter
+    long = load_config("smollm2-gpu-heads-long")
+    assert sorted(long["models"]) == ["markov_gated", "xpress"]
+    assert {m["init_from"] for m in long["models"].values()} == {"weights/smollm2-135m/drafter"}
+    assert all(m["freeze_backbone"] for m in long["models"].values())
+    assert all(long["models"][k]["epochs"] > heads["models"][k]["epochs"] for k in long["models"])
+    assert {k for k in base if base[k] != long[k]} == {"models", "name", "workdir"}

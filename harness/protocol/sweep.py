@@ -28,12 +28,10 @@ At each point every arm decodes the same requests, in the same rounds, with the 
 - Crossover: per arm and context, the smallest swept B at which its speedup's point estimate falls below 1 (and
   per B, the smallest swept context); `null` when it beats AR at every point swept.
 - T = 0: each request's tokens are compared with the same arm's B = 1 tokens of the same point and round
-  (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ on the default tiles (from
-  B = 2 the matmuls take every request's rows at once and tile by their count); with --batch-invariant and B x W
-  <= 64 rows every matmul and attention runs on row-invariant kernels (tests/test_batch_neighbours*.py; its GPU
-  check not yet run), beyond that the torch ops take the forward.
-The results folder holds config.json, samples.jsonl (one row per request), sweep.json, sweep.md, steps.md (the
-step breakdown: harness.protocol.sweep_steps) and the plots.
+  (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ on the default tiles (the
+  matmuls tile by the rows of every request); with --batch-invariant and B x W <= 64 rows every matmul and
+  attention is row-invariant (tests/test_batch_neighbours*.py, GPU check not yet run), beyond that torch ops.
+The folder holds config.json, samples.jsonl (a row a request), sweep.json, sweep.md, steps.md and the plots.
 """
 from __future__ import annotations
 
