@@ -80,8 +80,9 @@ class DFlashGroup:
     def _ops(self, n_rows: int):
         """The rows' ops; for one request the base drafter's own (its single-request attention, over row 0 of this
         cache, whose layout is the base's own cache's): B = 1 drafts on the kernels of the single-request loop."""
-        ops = self.base.ops.sized(n_rows, self._groups)
-        return ops if self.rows == 1 else BatchOps(ops)
+        if self.rows == 1:
+            return self.base.ops.sized(n_rows, self._groups)
+        return BatchOps(self.base.ops.sized(n_rows, self._groups, request_rows=n_rows // self.rows))
 
     def _at(self, t: torch.Tensor) -> torch.Tensor:
         """[B, ...] per-row positions (limits) as the ops take them: one request's without the row dimension."""

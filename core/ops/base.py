@@ -56,9 +56,10 @@ class Ops:
     """The operations of a decode step. Every method takes and returns rows as described in the module."""
     name = "abstract"
 
-    def sized(self, rows: int, groups: int, prefill: bool = False) -> "Ops":
+    def sized(self, rows: int, groups: int, prefill: bool = False, request_rows: int | None = None) -> "Ops":
         """The ops for a forward of `rows` tokens with `groups` query heads per K/V head (prefill: a prompt):
-        these, or ones whose limits that forward fits."""
+        these, or ones whose limits that forward fits. request_rows: the forward holds the rows of several
+        requests, `request_rows` each, and each request attends alone (core.ops.BatchOps over these ops)."""
         return self
 
     @property

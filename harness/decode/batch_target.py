@@ -10,8 +10,11 @@ causal mask are the B=1 ones.
 `verify(blocks [R, W], length)`: the R blocks as R*W rows of one Target.forward (its `batch` argument). Every
 matmul and norm takes all rows at once; these are row-wise, so batching changes a row's numbers only as far as
 the kernels tile by row count (as AR's 1 row and verify's W rows already differ at B=1). Attention (`BatchOps`)
-writes each row's K/V at its request's positions in that request's cache row and attends there: one SDPA over
-[R, ...] with a causal mask per request (core.ops.batch). One request (R = 1) runs on the target's own
+writes each row's K/V at its request's positions in that request's cache row and attends there: on the Triton
+ops one launch of the attention kernel for every request's rows, else one SDPA over [R, ...] with a causal mask
+per request (core.ops.batch). The ops are sized by one request's W rows (Ops.sized(request_rows=W)): what the
+attention kernel takes is one request's shape, and matmuls past the linear kernels' rows take the torch ops call
+by call. One request (R = 1) runs on the target's own
 single-request ops instead, its fused attention included, over this cache's one row (the target's own cache's
 layout): the kernels, and so the numbers and the step cost, of the single-request loop. The prompt is prefilled
 by the target itself, one request at a time, so its numbers are exactly those of B=1, and then copied into the
@@ -104,7 +107,7 @@ class BatchTarget:
             # whose layout is the target's own cache's: B = 1 runs the kernels of the single-request loop
             rows = BatchRows(t.ops.sized(w, t.groups), self.kv, Span(positions.view(-1), length, impl=t.attn_impl))
         else:
-            rows = BatchRows(BatchOps(t.ops.sized(r * w, t.groups)), self.kv,
+            rows = BatchRows(BatchOps(t.ops.sized(r * w, t.groups, request_rows=w)), self.kv,
                              Span(positions, length, impl=t.attn_impl))
         logits, feats = t.forward(blocks.reshape(-1), positions.reshape(-1), length, want_features, batch=rows)
         return logits.view(r, w, -1), None if feats is None else feats.view(r, w, -1)
