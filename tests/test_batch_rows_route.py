@@ -3,9 +3,10 @@ the rows' attention is one request's launch shape, so Qwen3-8B's verify at B = 4
 K/V head: 256 query rows in all, 64 a request) runs on the Triton kernels instead of sending every op of the
 forward to the torch ops, and past 64 rows only the matmuls and norms take the torch ops, call by call, while the
 rows still attend on the kernel. Checked here on a tiny Qwen3 with Qwen3-8B's 4 query heads per K/V head (Triton's
-CPU interpreter, fp32): the batched verify's logits equal the torch ops' and each request's own B = 1 verify, no
-fallback is counted, and every layer attends in one launch over 2-d positions. Power: the old sizing (all rows at
-once) counts a "forward" fallback and launches no attention kernel at B = 4."""
+CPU interpreter, fp32) at B = 4 (64 rows) and B = 8 (128 rows: the matmuls on the torch ops): the batched verify's
+logits equal the torch ops' and each request's own B = 1 verify, no fallback is counted, and every layer attends
+in one launch over 2-d positions. Power: the old sizing (all rows at once) counts a "forward" fallback and
+launches no attention kernel at B = 4 and B = 8."""
 import pytest
 import torch
 
@@ -22,6 +23,8 @@ def test_sizing_takes_one_request_rows_for_the_attention():
     assert ops.sized(64, 4, request_rows=16) is ops  # 16 x 4 query rows a request: the kernel's
     assert ops.sized(8 * 16, 4, request_rows=16) is ops  # 128 rows: matmuls on torch call by call, attention here
     assert not ops.fallbacks
+    with pytest.raises(ValueError, match="not whole requests"):
+        ops.sized(60, 4, request_rows=16)
     assert ops.sized(64, 4) is ops.torch  # one request of 64 rows x 4: more query rows than one program keeps
     assert ops.fallbacks == {("forward", "64 rows x 4 query heads per K/V head"): 1}
 
@@ -40,14 +43,14 @@ def _verify(t, prompts, blocks):
     return logits
 
 
-@pytest.mark.parametrize("requests", [1, 4])
+@pytest.mark.parametrize("requests", [1, 4, 8])
 def test_four_verify_blocks_at_four_query_heads_per_kv_head_run_on_the_kernels(monkeypatch, requests):
     from tiny import CPU32, tiny_target
     if DEV.type != "cpu":
         pytest.skip("the CPU interpreter's route check")
     t = tiny_target("qwen3", capacity=128, backend=CPU32, layers=2, num_attention_heads=8, num_key_value_heads=2)
     g = torch.Generator().manual_seed(9)
-    prompts = [torch.randint(8, 104, (n,), generator=g).tolist() for n in (7, 12, 3, 9)][:requests]
+    prompts = [torch.randint(8, 104, (n,), generator=g).tolist() for n in (7, 12, 3, 9, 5, 1, 10, 4)][:requests]
     blocks = torch.randint(8, 104, (requests, W), generator=g)
     want = _verify(t, prompts, blocks)  # the torch ops
     alone = [_verify(t, [p], blocks[i:i + 1]) for i, p in enumerate(prompts)]

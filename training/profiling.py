@@ -1,5 +1,6 @@
-"""`train.profile_steps` = N: torch.profiler over N training steps, from the third step of the process (the first
-compiles, the second may still warm up); with train.fit_box the fit's probe starts after them (profiled steps are
+"""`train.profile_steps` = N: torch.profiler over N training steps after the process's `train.profile_start`-th
+(default 3: the first compiles, the second may still warm up; smollm2-gpu takes 40, past the H200's warm-up steps);
+with train.fit_box the fit's probe starts after them, so a later start also delays the probe (profiled steps are
 slower: inside the probe they made the H200 run of 2026-12-02 fit 914 steps to a box that held about 1,400 at the
 steady rate; after the probe their time was outside the fit, and 90-second boxes of 2026-12-03 ran 5 s over),
 written to `train/<model>/profile.json`:
