@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-START = 3  # the process's step after which profiling starts (with train.fit_box the fit's probe follows it)
+from training.config import DEFAULTS
+
+START = DEFAULTS["train"]["profile_start"]  # the step after which profiling starts by default (one source: the config)
 
 
 def _own_device_us(e) -> float:

@@ -64,13 +64,14 @@ class TritonOps(Ops):
     def sized(self, rows, groups, prefill=False, request_rows=None):
         if prefill:
             return self.torch
-        if request_rows is not None:  # several requests (BatchOps): each call decides for itself. The rows'
+        if request_rows is not None:
+            # several requests (BatchOps): each call decides for itself. The rows' attention runs one request's
+            # launch shape (rows_attention: `request_rows` x groups, SDPA where that does not fit, counted), and
+            # linear and rms_norm over more than MAX_ROWS rows take the torch ops call by call; sizing the whole
+            # forward by every request's rows at once sent 4 x 16 rows at 4 query heads per K/V head (Qwen3-8B's
+            # verify at B = 4) to the torch ops for every op
             if request_rows < 1 or rows % request_rows:
                 raise ValueError(f"a batched forward of {rows} rows is not whole requests of {request_rows} rows")
-            # attention runs one request's launch shape (rows_attention: `request_rows` x groups, SDPA where that
-            # does not fit, counted), and linear and rms_norm over more than MAX_ROWS rows take the torch ops call
-            # by call; sizing the whole forward by every request's rows at once sent 4 x 16 rows at 4 query heads
-            # per K/V head (Qwen3-8B's verify at B = 4) to the torch ops for every op
             return self
         if not kernels.fits(rows, groups, self.launch.batch_invariant):
             if rows <= kernels.MAX_ROWS:
