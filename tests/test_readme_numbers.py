@@ -179,6 +179,14 @@ def test_the_shipping_families_read_gain_order_card_and_ranges_over_folders(tmp_
         R["card"](root, "run9", "drafter", "steps")
     with pytest.raises(UsageError, match="no model 'xpress'"):
         R["card"](root, "run3", "xpress", "steps")
+    older = root / "results" / "smollm2-135m-v2" / "training"  # a card kept beside earlier weights' tables
+    older.mkdir(parents=True)
+    card["lineage"][0]["card"]["models"][0]["steps"] = 914
+    (older / "card.json").write_text(json.dumps(card))
+    assert R["card_of"](root, "results/smollm2-135m-v2/training", "run3", "drafter", "steps") == "914"
+    assert R["card"](root, "run3", "drafter", "steps") == "2248"
+    with pytest.raises(UsageError, match="v2/training/card.json has no run 'run9'"):
+        R["card_of"](root, "results/smollm2-135m-v2/training", "run9", "drafter", "steps")
 
 
 def test_ar_self_counts_prompts_whose_ar_text_agrees_across_two_runs(tmp_path):

@@ -45,8 +45,7 @@ from harness.lab.readme_numbers_keys import REGISTRY
 ROOT = Path(__file__).resolve().parents[2]
 MARK = re.compile(r"<!--(n|i|u):(.*?)-->(.*?)<!--/\1-->", re.S)
 BLOCK = re.compile(r"^<!--block:(.*?)-->\n(.*?)^<!--/block-->$", re.S | re.M)
-CARDS = (("results/smollm2-135m/training/card.json", "weights/smollm2-135m/CARD.md"),
-         ("results/perf/training_scale_h200_run4/card/card.json", "weights/smollm2-135m-next/CARD.md"))
+CARDS = (("results/smollm2-135m/training/card.json", "weights/smollm2-135m/CARD.md"),)
 
 UNIT = r"(?:×|%|ms\b|s\b|min\b|tok/s|MB\b|GB\b)"
 NUMBER = re.compile(r"(?<![\w.])[+-]?\d+(?:\.\d+)?(?:\s?" + UNIT + r")?")

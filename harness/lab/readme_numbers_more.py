@@ -184,12 +184,23 @@ CARD = "results/smollm2-135m/training/card.json"
 def q_card(root, run, name, path, d=3):
     """A model's field in the shipped weights' lineage card: RUN (run2, run3, heads), MODEL (drafter, xpress,
     markov_gated ...), PATH dotted into its record (heldout.tau_drafter, box.box_s, val_loss_per_epoch.2, steps)."""
-    lineage = {r["name"]: r["card"] for r in _json(root / CARD)["lineage"]}
+    return _card_field(root, CARD, run, name, path, d)
+
+
+@quantity("card_of")
+def q_card_of(root, folder, run, name, path, d=3):
+    """The same field in the card.json under FOLDER (relative to the repository): the card of weights shipped
+    before, kept beside their tables (results/smollm2-135m-v2/training)."""
+    return _card_field(root, f"{folder}/card.json", run, name, path, d)
+
+
+def _card_field(root, card: str, run, name, path, d):
+    lineage = {r["name"]: r["card"] for r in _json(root / card)["lineage"]}
     if run not in lineage:
-        raise UsageError(f"readme_numbers: {CARD} has no run {run!r} (runs: {', '.join(lineage)})")
+        raise UsageError(f"readme_numbers: {card} has no run {run!r} (runs: {', '.join(lineage)})")
     rec = next((m for m in lineage[run]["models"] if m["model"] == name), None)
     if rec is None:
-        raise UsageError(f"readme_numbers: run {run!r} of {CARD} has no model {name!r}")
+        raise UsageError(f"readme_numbers: run {run!r} of {card} has no model {name!r}")
     for k in path.split("."):
         rec = rec[int(k)] if isinstance(rec, list) else rec[k]
     return str(rec) if isinstance(rec, int) else fmt(rec, d)

@@ -10,7 +10,7 @@
 # sweep while DEADLINE_S (seconds from start) allows:
 # the embedded default's batch sweep on gsm8k and mt-bench, its context sweep on gsm8k, and Qwen3-8B with random
 # weights and scripted acceptance (3 and 6 accepted drafts a step: tau 4 and 7) on gsm8k prompts. (Issue 28's
-# 32-prompt check on mbpp and mt-bench ran in this job on 2026-12-04: results/smollm2-135m/check32/.)
+# 32-prompt check on mbpp and mt-bench ran in this job on 2026-12-04: results/smollm2-135m-v2/check32/.)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 J=/tmp/xsw
