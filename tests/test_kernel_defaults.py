@@ -9,7 +9,10 @@ buffers) that linear, rms_norm, silu_mul, the argmax reduction, attention and wr
 with and without PDL and a shared-memory limit. A deliberate change to the default path updates the pins, with
 the GPU measurement that justifies it (results/perf/NOTES.md). Updated for fab8c94's change to the attention kernel, its
 request axis (a grid of (n_kv, splits, 1) and one more stride for one request; B = 1 on the H200 unchanged: the
-graphed AR step 4.42 ms against 4.40 before at Qwen3-8B's shape, results/perf/bench_batch_qwen3-8b_{rows,sdpa})."""
+graphed AR step 4.42 ms against 4.40 before at Qwen3-8B's shape, results/perf/bench_batch_qwen3-8b_{rows,sdpa}).
+Updated for the shared-memory count of 64-row tiles (matmul.buffers): Qwen3-8B's q/k/v tile at 33-64 rows, which
+the H200 refused in a B = 4 verify (262144 bytes of shared memory against 232448, 2026-12-04, results/perf/NOTES.md);
+every tile up to 32 rows, and every launch that ran on the GPU, unchanged."""
 import hashlib
 import inspect
 import json
@@ -160,8 +163,8 @@ PINNED_TILES = {
     '49152,576 elem=2 limit=232448': '1-64: 64,64,4,3,1',
     '49152,576 elem=4 limit=232448': '1-64: 64,64,4,3,1',
     '6144,4096 elem=2 limit=None': '1-1: 8,512,4,1,0 2-64: 64,256,4,4,1',
-    '6144,4096 elem=2 limit=232448': '1-1: 8,512,4,1,0 2-64: 64,256,4,4,1',
-    '6144,4096 elem=4 limit=232448': '1-1: 8,512,4,1,0 2-64: 64,128,4,4,1',
+    '6144,4096 elem=2 limit=232448': '1-1: 8,512,4,1,0 2-32: 64,256,4,4,1 33-64: 64,128,4,4,1',
+    '6144,4096 elem=4 limit=232448': '1-1: 8,512,4,1,0 2-32: 64,128,4,4,1 33-64: 64,64,4,4,1',
     '4096,4096 elem=2 limit=None': '1-1: 16,1024,4,1,0 2-64: 32,512,4,4,1',
     '4096,4096 elem=2 limit=232448': '1-1: 16,1024,4,1,0 2-32: 32,512,4,4,1 33-64: 32,256,4,4,1',
     '4096,4096 elem=4 limit=232448': '1-1: 16,1024,4,1,0 2-32: 32,256,4,4,1 33-64: 32,128,4,4,1',
@@ -192,8 +195,8 @@ PINNED_LAUNCHES = {
     'attention Qwen3-8B pdl=False': 'c49eea05ec8cc6d8',
     'linear SmolLM2-135M torch.bfloat16 pdl=True': '2e500308d3aca32b',
     'linear SmolLM2-135M torch.float32 pdl=True': '7a3d4fe5f820b8e9',
-    'linear Qwen3-8B torch.bfloat16 pdl=True': '53d6f7fbee4ee11e',
-    'linear Qwen3-8B torch.float32 pdl=True': 'e6176766e1ba6f18',
+    'linear Qwen3-8B torch.bfloat16 pdl=True': '08ca8a826b36b439',
+    'linear Qwen3-8B torch.float32 pdl=True': 'a7cd04ade35936d4',
     'attention SmolLM2-135M pdl=True': 'f99d404f6abed260',
     'attention Qwen3-8B pdl=True': '7d77c38a5318bc71',
 }

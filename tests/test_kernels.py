@@ -57,14 +57,31 @@ def test_tiles_fit_the_shared_memory_they_are_given():
     """The tiles were chosen for bf16 at up to 16 rows. fp32 (or more rows) must not ask for more shared memory
     than the device has: an fp32 16-row down_proj at SmolLM2-135M's shapes asked an H200 for 294912 bytes."""
     from core.kernels.common import pow2_at_least, shared_memory_limit
-    from core.kernels.matmul import SHARED_SPARE, fit_shared
+    from core.kernels.matmul import SHARED_SPARE, buffers, fit_shared
     h200, small = 232448, 101376  # an H200's per-program limit; an sm_86/89 card's
     cfg = kernels.choose_linear(16, 576, 1536)
     assert fit_shared(cfg, 16, 512, 4, h200) == (256, cfg.stages)  # fp32: block_k halved
     assert fit_shared(cfg, 16, 512, 2, h200) == (512, cfg.stages)  # bf16: the measured tile, unchanged
     assert fit_shared(cfg, 16, 512, 4, None) == (512, cfg.stages)  # no limit known: as chosen
     assert fit_shared(cfg, 64, 512, 4, h200) == (128, cfg.stages)  # 64 rows: halved twice
-    assert fit_shared(cfg, 64, 16, 4, 4096)[1] == 2  # then the stages, down to two (one buffers as much)
+    assert fit_shared(cfg, 64, 16, 4, 4096)[1] == 2  # then the stages, down to two
+    # a B = 4 verify at Qwen3-8B's q/k/v shape (64 rows, bf16): 4 x (64 + 64) x 256 x 2 = 262144 bytes, which the
+    # H200 refused (Triton 3.6 buffered all four stages there); the count of stages - 1 let it through
+    from core.kernels import matmul
+    qkv = kernels.choose_linear(64, 6144, 4096)
+    assert (qkv.block_k, qkv.stages) == (256, 4)  # no limit given: the measured tile
+    bk, st = fit_shared(qkv, 64, 256, 2, h200)
+    assert st * (64 + qkv.block_n) * bk * 2 <= h200 - SHARED_SPARE and (bk, st) == (128, 4)
+    # while 32 rows keep stages - 1: the bf16 o_proj tile that ran in the B = 2 verify (3 x 64 x 512 x 2 bytes)
+    o = kernels.choose_linear(32, 4096, 4096)
+    assert fit_shared(o, 32, 512, 2, h200) == (512, 4)
+    # and the measured bf16 tiles of the models' own shapes at up to 16 rows stay as measured
+    for n, k in ((6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (960, 576), (576, 576),
+                 (3072, 576), (576, 1536), (49152, 576)):
+        for m in (2, 8, 16):
+            measured = matmul._measured_tiles(m, n, k)
+            if measured.dot:
+                assert kernels.choose_linear(m, n, k, 2, h200) == measured, (m, n, k)
     for limit in (h200, small):
         for elem in (2, 4):
             for m in (1, 2, 16, 17, 33, 64):
@@ -75,7 +92,7 @@ def test_tiles_fit_the_shared_memory_they_are_given():
                             continue
                         bm, bk0 = pow2_at_least(m, 16), min(cfg.block_k, pow2_at_least(k, 16))
                         bk, st = fit_shared(cfg, bm, bk0, elem, limit)
-                        assert max(st - 1, 1) * (bm + cfg.block_n) * bk * elem <= limit - SHARED_SPARE, \
+                        assert buffers(st, bm) * (bm + cfg.block_n) * bk * elem <= limit - SHARED_SPARE, \
                             (m, n, k, elem, limit)
                         if elem == 2 and m <= 16 and limit == h200:
                             assert (bk, st) == (bk0, cfg.stages), (m, n, k)

@@ -154,20 +154,28 @@ if triton is not None:
 
 
 def fit_shared(cfg: LinearConfig, block_m: int, block_k: int, elem: int, limit: int | None) -> tuple[int, int]:
-    """(block_k, stages) for a tensor-core launch whose pipelined tiles fit `limit` bytes of shared memory. Triton
-    buffers stages - 1 tiles of x [block_m, block_k] and of w [block_n, block_k] (what its out-of-resources error
-    reported for an fp32 16-row down_proj on an H200: 3 x (16 + 32) x 512 x 4 = 294912 > 232448). The tiles were
-    chosen for bf16 at up to 16 rows; fp32, or more rows, halves block_k (not below 16), then the stages. The count
-    is calibrated on that one case: SHARED_SPARE bytes stay free for what it did not show (epilogue scratch)."""
+    """(block_k, stages) for a tensor-core launch whose pipelined tiles fit `limit` bytes of shared memory: `buffers`
+    tiles of x [block_m, block_k] and of w [block_n, block_k]. The tiles were chosen for bf16 at up to 16 rows;
+    fp32, or more rows, halves block_k (not below 16), then the stages. SHARED_SPARE bytes stay free for what the
+    count does not show (epilogue scratch)."""
     if limit is None:
         return block_k, cfg.stages
     bk, stages, room = block_k, cfg.stages, limit - SHARED_SPARE
-    need = lambda: max(stages - 1, 1) * (block_m + cfg.block_n) * bk * elem  # noqa: E731
+    need = lambda: buffers(stages, block_m) * (block_m + cfg.block_n) * bk * elem  # noqa: E731
     while need() > room and bk > 16:
         bk //= 2
-    while need() > room and stages > 2:  # one stage buffers as much as two in this count
+    while need() > room and stages > 2:
         stages -= 1
     return bk, stages
+
+
+def buffers(stages: int, block_m: int) -> int:
+    """The tiles Triton 3.6 keeps in shared memory for a pipelined dot, as an H200 showed them: stages - 1 up to 32
+    rows (its out-of-resources error for an fp32 16-row down_proj at SmolLM2-135M's shapes: 3 x (16 + 32) x 512 x 4 =
+    294912 > 232448; bf16 32-row launches at Qwen3-8B's o_proj, 3 x (32 + 32) x 512 x 2, ran in the B = 2 verify),
+    all `stages` from 64 rows, where Hopper's warp-group dots take the tile (a bf16 64-row q/k/v launch of a B = 4
+    verify at Qwen3-8B's shapes: 4 x (64 + 64) x 256 x 2 = 262144 > 232448, results/perf/NOTES.md)."""
+    return stages if block_m >= 64 else max(stages - 1, 1)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None, eps: float = 0.0,
