@@ -91,6 +91,10 @@ def test_the_warm_start_drafter_is_a_complete_export():
     assert warm.train_state(d)["global_step"] == 3588
     xpress = warm.train_state(warm.source({"train": {"warm_start": str(w)}}, "xpress"))
     assert xpress["global_step"] == ship["models"][ship["shipped"]["xpress"]]["global_step"] == 903
+    for role in ("xpress", "markov"):  # each head's own record against what ship recorded of its run
+        rec, state = ship["models"][ship["shipped"][role]], json.loads((w / role / "train_state.json").read_text())
+        assert (state["global_step"], state["planned_steps"], state["truncated"]) == \
+            (rec["global_step"], rec["planned_steps"], rec["truncated"]), role
     sizes = json.loads((w / "manifest.json").read_text())["files"]["drafter"]
     assert {f.name: f.stat().st_size for f in d.iterdir()} == sizes
     assert max(sizes.values()) < 16 * 2**20

@@ -8,7 +8,7 @@ and card.json, every number the card gives, from which the card's Markdown is ge
         (one card over runs made in turn: training/card_lineage.py)
 
 Reads <train>/<model>/metrics.jsonl (or .jsonl.gz) and manifest.json for every model folder; writes OUT/loss_curves.png
-(train loss per step, a 25-step running mean over the raw points, and the validation loss after each epoch),
+(train loss per step, a running mean over the last 25 logged points (the metrics may log every Nth step), and the validation loss after each epoch),
 OUT/summary.json and OUT/<model>.metrics.jsonl.gz (the records, compressed) unless OUT is where they came from.
 OUT/card.json (training/card_data.py) takes the rest from the run's workdir (the folder above --train): the prompt,
 response and hidden-state manifests, stages.json, each model's box.json and acceptance.json, and --ship's manifest.

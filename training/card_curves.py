@@ -81,7 +81,7 @@ def plot(named: dict, out: Path, title: str) -> None:
     for ax, (name, c) in zip(axes[0], named.items()):
         xs, ys = [x for x, _ in c["train"]], [y for _, y in c["train"]]
         ax.plot(xs, ys, color="0.8", lw=0.6, label="train (per step)")
-        ax.plot(xs, running_mean(ys, WINDOW), color="C0", lw=1.4, label=f"train ({WINDOW}-step mean)")
+        ax.plot(xs, running_mean(ys, WINDOW), color="C0", lw=1.4, label=f"train (mean of {WINDOW} logged steps)")
         if c["val"]:
             ax.plot([x for x, _ in c["val"]], [v for _, v in c["val"]], "o-", color="C3",
                     label="validation (per epoch)")
