@@ -63,6 +63,32 @@ def test_ship_never_chooses_on_held_out_tau(tmp_path):
         ship.ship(work, tmp_path / "o2")
 
 
+def test_ship_takes_the_xpress_recipe_with_the_best_selection_tau_at_k1(tmp_path):
+    """A heads run that trains xPress recipes side by side (e.g. consistency weights): the one with the best
+    selection-set tau at K=1 ships, never the held-out one; --xpress names one instead. One xPress model ships as
+    before, its manifest unchanged (no xpress_choice)."""
+    import shutil
+    work = _workdir(tmp_path / "w", {"markov_gated": 2.0})
+    assert "xpress_choice" not in ship.ship(work, tmp_path / "o0")
+    em = json.loads((work / "export" / "manifest.json").read_text())
+    for name, sel, held in (("xpress", 2.30, 2.60), ("xpress_cw1", 2.40, 2.20), ("xpress_lr3", 2.35, 2.70)):
+        if name != "xpress":
+            shutil.copytree(work / "export" / "xpress", work / "export" / name)
+            shutil.copytree(work / "train" / "xpress", work / "train" / name)
+            em["models"][name], em["files"][name] = em["models"]["xpress"], em["files"]["xpress"]
+        acc = work / "train" / name / "acceptance.json"
+        a = json.loads(acc.read_text())
+        a["selection"]["tau_xpress_K1"], a["heldout"]["tau_xpress_K1"] = sel, held
+        acc.write_text(json.dumps(a))
+    (work / "export" / "manifest.json").write_text(json.dumps(em))
+    m = ship.ship(work, tmp_path / "o1")
+    assert m["shipped"]["xpress"] == "xpress_cw1" and "selection-set tau_xpress_K1" in m["xpress_choice"]
+    assert m["models"]["xpress_lr3"]["heldout"]["tau_xpress_K1"] == 2.70  # reported, not chosen on
+    assert ship.ship(work, tmp_path / "o2", xpress="xpress_lr3")["shipped"]["xpress"] == "xpress_lr3"
+    with pytest.raises(UsageError, match="--xpress markov_gated: not a trained xPress model"):
+        ship.ship(work, tmp_path / "o3", xpress="markov_gated")
+
+
 def test_ship_refuses_over_budget_and_leaves_nothing(tmp_path, capsys):
     work = _workdir(tmp_path / "w", {"markov_gated": 2.0}, sizes={"drafter": 40_000, "xpress": 30_000})
     assert ship.main(["--workdir", str(work), "--out", str(tmp_path / "out"), "--max-mb", "0.05"]) == 2

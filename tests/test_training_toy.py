@@ -182,3 +182,17 @@ def test_xpress_later_passes_train_at_the_gpu_preset_lr(toy, tmp_path):
     assert heldout["tau_drafter"] == fixture["tau_drafter"] and heldout["prompts"] == heldout["of"]
     assert selection["tau_xpress_K1"] > selection["tau_drafter"], selection
     assert heldout["tau_xpress_K3"] > heldout["tau_xpress_K1"] > heldout["tau_drafter"], heldout
+
+
+def test_the_toy_cli_reads_its_flags_and_writes_nothing_on_help(tmp_path, monkeypatch, capsys):
+    """`python -m training.toy --help` prints its usage; before it had a parser it trained a toy target into a
+    folder named `--help`. An unknown flag is refused, nothing written."""
+    from training import toy
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        toy.main(["--help"])
+    assert e.value.code == 0 and "usage: python -m training.toy" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        toy.main(["--steps", "3"])
+    assert e.value.code == 2 and "unrecognized arguments: --steps" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

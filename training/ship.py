@@ -4,7 +4,8 @@
 
 Reads the export stage's folders, every trained model's manifest (steps) and its acceptance.json (training/
 evaluate.py: τ on the selection set and on the held-out set). The Markov head shipped is the variant with the
-highest SELECTION-set τ (ties: the first in the config's order) unless --markov names one; the held-out τ is
+highest SELECTION-set τ (ties: the first in the config's order) unless --markov names one, and so is the xPress head
+when the run trained several (recipes side by side: K=1's τ) unless --xpress names one; the held-out τ is
 reported and read by no choice. Writes OUT/{drafter,xpress,markov}/ and OUT/manifest.json (what was shipped, and
 the selection and held-out τ, steps and size of every model tried, each τ under the name of its set), staged and
 renamed into place; refuses a total over --max-mb or a file over 16 MiB (the most a
@@ -60,15 +61,19 @@ def _train_state(d: Path) -> dict:
     return {"train_state": json.loads(f.read_text())} if f.is_file() else {}
 
 
-def choose_markov(models: dict, named: str | None) -> str:
-    markov = [n for n, m in models.items() if m["type"] == "dspark"]
+def choose(models: dict, named: str | None, kind: str) -> str:
+    """The head of `kind` (markov: the dspark models; xpress) that ships: `named`, else the one with the highest
+    selection-set τ (tau_markov; xPress at K=1), the first in the config's order on a tie."""
+    what, mtype, key = {"markov": ("Markov", "dspark", "tau_markov"),
+                        "xpress": ("xPress", "xpress", "tau_xpress_K1")}[kind]
+    heads = [n for n, m in models.items() if m["type"] == mtype]
     if named:
-        if named not in markov:
-            raise UsageError(f"ship: --markov {named}: not a trained Markov model (have: {', '.join(markov)})")
+        if named not in heads:
+            raise UsageError(f"ship: --{kind} {named}: not a trained {what} model (have: {', '.join(heads)})")
         return named
-    if not markov:
-        raise UsageError("ship: the run has no Markov (dspark) model")
-    return max(markov, key=lambda n: (models[n]["selection"].get("tau_markov", 0.0), -markov.index(n)))
+    if not heads:
+        raise UsageError(f"ship: the run has no {what} ({mtype}) model")
+    return max(heads, key=lambda n: (models[n]["selection"].get(key, 0.0), -heads.index(n)))
 
 
 def external_drafter(models: dict, chosen: dict, drafter: str) -> str:
@@ -87,12 +92,12 @@ def external_drafter(models: dict, chosen: dict, drafter: str) -> str:
     return path
 
 
-def ship(work: Path, out: Path, drafter="drafter", xpress="xpress", markov: str | None = None,
+def ship(work: Path, out: Path, drafter="drafter", xpress: str | None = None, markov: str | None = None,
          max_mb: float = MAX_MB) -> dict:
     models = tried(work)
-    if xpress not in models:
+    if xpress is not None and xpress not in models:
         raise UsageError(f"ship: --xpress {xpress}: no such exported model (have: {', '.join(models)})")
-    chosen = {"drafter": drafter, "xpress": xpress, "markov": choose_markov(models, markov)}
+    chosen = {"drafter": drafter, "xpress": choose(models, xpress, "xpress"), "markov": choose(models, markov, "markov")}
     folders = {role: work / "export" / name for role, name in chosen.items()}
     external = None
     if drafter not in models:
@@ -117,6 +122,9 @@ def ship(work: Path, out: Path, drafter="drafter", xpress="xpress", markov: str 
                     "markov_choice": ("given by --markov" if markov else "the dspark variant with the highest "
                                       "selection-set tau_markov (prompts/selection.jsonl); held-out tau is "
                                       "reported only"),
+                    **({"xpress_choice": "given by --xpress" if xpress else "the xpress model with the highest "
+                        "selection-set tau_xpress_K1 (prompts/selection.jsonl); held-out tau is reported only"}
+                       if xpress or sum(m["type"] == "xpress" for m in models.values()) > 1 else {}),
                     "models": models}
         write_json(tmp / "manifest.json", manifest)
     print(f"ship: {', '.join(f'{r}={n}' for r, n in chosen.items())}, {total / 1e6:.1f} MB -> {out}")
@@ -128,7 +136,8 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", required=True, help="the pipeline's workdir (holds export/ and train/)")
     p.add_argument("--out", required=True, help="the folder to write (replaced as a whole)")
     p.add_argument("--drafter", default="drafter")
-    p.add_argument("--xpress", default="xpress")
+    p.add_argument("--xpress", default=None,
+                   help="ship this xPress model (default: the best selection-set tau at K=1 when there are several)")
     p.add_argument("--markov", default=None, help="ship this Markov model (default: best selection-set tau)")
     p.add_argument("--max-mb", type=float, default=MAX_MB,
                    help=f"refuse a total over this many MB (default {MAX_MB:g})")

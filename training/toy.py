@@ -129,6 +129,17 @@ def build(out: Path, seed: int = 0, steps: int = 60, train_prompts: int = 160, e
     return {"loss": loss, "next": nxt}
 
 
+def main(argv=None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m training.toy", description="Train the toy target and write its "
+                                "prompts: OUT/target, OUT/prompts.jsonl, OUT/eval/toy_eval.jsonl.")
+    p.add_argument("out", nargs="?", default="runs/toy-target", help="the folder to write (default: runs/toy-target)")
+    p.add_argument("--seed", type=int, default=0, help="the permutation's and the weights' seed (default 0)")
+    args = p.parse_args(argv)
+    target = Path(args.out)
+    print(f"toy target trained to loss {build(target, seed=args.seed)['loss']:.4f} -> {target}")
+    return 0
+
+
 if __name__ == "__main__":
-    target = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/toy-target")
-    print(f"toy target trained to loss {build(target)['loss']:.4f} -> {target}")
+    sys.exit(main())
