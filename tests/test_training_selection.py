@@ -106,3 +106,58 @@ def test_magpie_domains_on_the_tiny_target(tmp_path, monkeypatch, engine):
     for g, n in {"q.jsonl": 12, "magpie:code": 5, "magpie:math": 3}.items():
         assert abs(m["sources"]["selection"].get(g, 0) - 4 * n / 20) < 1, g
     assert not {r["text"] for r in rows["selection"]} & {r["text"] for r in rows["heldout"]}
+
+
+def test_more_prompts_extend_the_pool_without_moving_its_split_or_parts(tmp_path):
+    """prompts.more_magpie (issue 26, data at scale): more Magpie prompts after the pool is split, in more.jsonl,
+    never duplicating a pool prompt; the pool's train/selection/held-out files, its stage key and its response
+    parts are exactly those of a run without them, and the new prompts come as parts after the pool's. Another
+    round draws other prompts."""
+    from tiny import save_tiny_checkpoint
+    from training import prompts, responses
+    from training.config import load_config
+    from training.domains import group_of
+    from training.target import load_hf
+    save_tiny_checkpoint(tmp_path / "target")
+    data = tmp_path / "q.jsonl"
+    data.write_text("".join(json.dumps({"question": f"What is {a} times {a + 3} plus seven?"}) + "\n"
+                            for a in range(12)))
+    (tmp_path / "eval").mkdir()
+    doms = [{"name": "code", "share": 5, "seeds": ["Write a Python function"]}, {"name": "math", "share": 3}]
+    base = {"target": str(tmp_path / "target"), "models": {"d": {}},
+            "prompts": {"jsonl": [str(data)], "magpie": 8, "magpie_batch": 4, "magpie_max_new_tokens": 8,
+                        "min_chars": 4, "dedup_jaccard": 1.1, "heldout": 4, "selection": 4, "magpie_domains": doms,
+                        "eval_dir": str(tmp_path / "eval")}}
+    hf = load_hf(str(tmp_path / "target"), __import__("torch").device("cpu"))
+    cfgs, outs = {}, {}
+    for name, more in (("pool", {}), ("r1", {"more_magpie": 6}), ("r2", {"more_magpie": 6, "more_round": 2})):
+        c = json.loads(json.dumps(base))
+        c["prompts"].update(more)
+        (tmp_path / f"{name}.json").write_text(json.dumps(c))
+        cfgs[name] = load_config(str(tmp_path / f"{name}.json"), workdir=str(tmp_path / name))
+        outs[name] = prompts.run(cfgs[name], load=lambda: hf)
+    for f in ("train.jsonl", "selection.jsonl", "heldout.jsonl"):
+        assert (outs["r1"] / f).read_bytes() == (outs["pool"] / f).read_bytes() == (outs["r2"] / f).read_bytes()
+    assert not (outs["pool"] / "more.jsonl").exists()
+    old_style = dict(cfgs["pool"], prompts={k: v for k, v in cfgs["pool"]["prompts"].items()
+                                            if not k.startswith("more_")})
+    assert prompts.stage_key(cfgs["pool"], []) == prompts.stage_key(old_style, []) != prompts.stage_key(cfgs["r1"], [])
+    read = lambda p: [json.loads(x) for x in p.read_text().splitlines()]  # noqa: E731
+    pool = {r["text"] for f in ("train", "selection", "heldout") for r in read(outs["pool"] / f"{f}.jsonl")}
+    more1, more2 = read(outs["r1"] / "more.jsonl"), read(outs["r2"] / "more.jsonl")
+    m = json.loads((outs["r1"] / "manifest.json").read_text())["more"]
+    assert m["round"] == 1 and m["generated"] == 6 and m["kept"] == len(more1) > 0
+    assert m["kept"] + m["dropped"]["duplicate"] + m["dropped"]["length"] + \
+        m["dropped"]["benchmark_overlap_generated"] == 6
+    assert all(r["source"].split(":")[2].startswith("r1.") for r in more1)
+    assert {group_of(r["source"]) for r in more1} <= {"magpie:code", "magpie:math"}
+    assert not {r["text"] for r in more1} & pool and {r["text"] for r in more1} != {r["text"] for r in more2}
+    with_more, without = responses.prompt_parts(cfgs["r1"]), responses.prompt_parts(cfgs["pool"])
+    assert with_more[:len(without)] == without and \
+        sorted(r["text"] for g in with_more[len(without):] for r in g) == sorted(r["text"] for r in more1)
+    for bad in ({"more_magpie": -1}, {"more_round": 0}):
+        c = json.loads(json.dumps(base))
+        c["prompts"].update(bad)
+        (tmp_path / "bad.json").write_text(json.dumps(c))
+        with pytest.raises(UsageError, match=f"prompts.{next(iter(bad))} must be an integer"):
+            load_config(str(tmp_path / "bad.json"), workdir=str(tmp_path / "bad"))

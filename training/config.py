@@ -26,7 +26,10 @@ DEFAULTS = {
     "prompts": {"jsonl": [], "jsonl_limit": 0, "magpie": 0, "magpie_max_new_tokens": 64,
                 "magpie_temperature": 1.0, "magpie_top_p": 0.95, "magpie_batch": 16, "min_chars": 16,
                 "max_chars": 2000, "dedup_jaccard": 0.8, "overlap_jaccard": 0.5, "ngram": 3,
-                "eval_dir": "data/eval", "heldout": 8, "selection": 8, "magpie_domains": [], "templates": []},
+                "eval_dir": "data/eval", "heldout": 8, "selection": 8, "magpie_domains": [], "templates": [],
+                # more_magpie: N more Magpie prompts (round more_round) after the pool is split, written apart
+                # (more.jsonl) and taken as parts after the pool's: fresh data for a later run, the same split
+                "more_magpie": 0, "more_round": 1},
     "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
                   "max_prompt_tokens": 512, "engine": "fast", "max_minutes": 0,   # engine: fast (harness.decode.batched_gen) | hf
                   # first_part: the parts (in the seeded shuffle) before it are not generated: a later session's

@@ -24,9 +24,9 @@ TEMPLATE_KEYS = ("sources", "prefix", "suffix", "share")
 
 def validate_prompts(cfg: dict) -> None:
     pc = cfg["prompts"]
-    for key in ("heldout", "selection"):
-        if not isinstance(pc[key], int) or isinstance(pc[key], bool) or pc[key] < 1:
-            raise UsageError(f"config prompts.{key} must be an integer >= 1 (got {pc[key]!r})")
+    for key, low in (("heldout", 1), ("selection", 1), ("more_magpie", 0), ("more_round", 1)):
+        if not isinstance(pc[key], int) or isinstance(pc[key], bool) or pc[key] < low:
+            raise UsageError(f"config prompts.{key} must be an integer >= {low} (got {pc[key]!r})")
     doms = pc["magpie_domains"]
     if not isinstance(doms, list):
         raise UsageError("config prompts.magpie_domains must be a list of {name, share, seeds, system}")

@@ -26,7 +26,10 @@ def out_dir(cfg: dict) -> Path:
 
 
 def stage_key(cfg: dict, eval_files: list[str]) -> str:
-    key = {"prompts": cfg["prompts"], "target": cfg["target"], "seed": cfg["seed"], "eval": eval_files}
+    pc = cfg["prompts"]
+    if not pc.get("more_magpie"):  # no extension: the key of a pool made before the field existed
+        pc = {k: v for k, v in pc.items() if k not in ("more_magpie", "more_round")}
+    key = {"prompts": pc, "target": cfg["target"], "seed": cfg["seed"], "eval": eval_files}
     if cfg["prompts"]["magpie"]:  # the generated prompts depend on the engine that wrote them
         key["magpie_engine"] = cfg["responses"]["engine"]
     return fingerprint(key)
@@ -99,6 +102,34 @@ def magpie_prompts(cfg: dict, model, tokenizer) -> list[dict]:
     return rows
 
 
+def more_prompts(cfg: dict, model, tokenizer, pool: list[dict], index) -> tuple[list[dict], dict]:
+    """prompts.more_magpie more Magpie prompts, drawn with round more_round's seeds (never the pool's), over the
+    same domains; kept when they pass the length and benchmark-overlap filters and duplicate neither each other
+    nor any prompt of the pool (train, selection or held-out). Sources `magpie:<domain>:r<round>.<i>`, so they
+    count in their domain's group."""
+    pc = cfg["prompts"]
+    rnd = pc["more_round"]
+    ext = dict(cfg, seed=cfg["seed"] + 7919 * rnd, prompts=dict(pc, magpie=pc["more_magpie"]))
+    made = [dict(r, source=f"{r['source'].rsplit(':', 1)[0]}:r{rnd}.{r['source'].rsplit(':', 1)[1]}")
+            for r in magpie_prompts(ext, model, tokenizer)]
+    fresh = check_overlap(made, index, pc["overlap_jaccard"], refuse=False)
+    texts = [r["text"] for r in pool + fresh]
+    seen = NgramIndex(pc["ngram"], pc["dedup_jaccard"], gram_frequencies(texts, pc["ngram"]))
+    for r in pool:
+        seen.add(r["text"], r["source"])
+    kept, dropped = [], {"length": 0, "duplicate": 0, "benchmark_overlap_generated": len(made) - len(fresh)}
+    for r in fresh:
+        if not pc["min_chars"] <= len(r["text"]) <= pc["max_chars"]:
+            dropped["length"] += 1
+        elif seen.best(r["text"])[1] >= pc["dedup_jaccard"]:
+            dropped["duplicate"] += 1
+        else:
+            seen.add(r["text"], r["source"])
+            kept.append(r)
+    return kept, {"round": rnd, "generated": len(made), "kept": len(kept), "dropped": dropped,
+                  "sources": group_counts(kept)}
+
+
 def check_overlap(rows: list[dict], index: NgramIndex, threshold: float, refuse: bool) -> list[dict]:
     """Rows from files that overlap a benchmark prompt are refused (UsageError); generated rows are dropped."""
     kept = []
@@ -146,11 +177,12 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
         print(f"note: no benchmark prompts under {edir}; the overlap check had nothing to compare against "
               "(pass --eval-dir)")
     generated, magpie_counts = 0, {}
-    if pc["magpie"]:
+    if pc["magpie"] or pc["more_magpie"]:
         if cfg["responses"]["engine"] == "fast":
             from training.gen import check_engine
             check_engine(cfg)
         model, tokenizer = load()
+    if pc["magpie"]:
         magpie = magpie_prompts(cfg, model, tokenizer)
         generated, magpie_counts = len(magpie), group_counts(magpie)
         rows += check_overlap(magpie, index, pc["overlap_jaccard"], refuse=False)
@@ -158,17 +190,21 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
     dropped["benchmark_overlap_generated"] = generated - sum(r["source"].startswith("magpie:") for r in rows)
     kept = apply_templates(kept, pc["templates"], cfg["seed"])
     train, selection, held = split(kept, pc["heldout"], pc["selection"], cfg["seed"])
+    more, more_info = ([], None) if not pc["more_magpie"] else more_prompts(cfg, model, tokenizer, kept, index)
     with staged(out) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "selection.jsonl", selection)
         write_jsonl(tmp / "heldout.jsonl", held)
+        if more_info:
+            write_jsonl(tmp / "more.jsonl", more)
         write_json(tmp / "manifest.json", {
             "key": key, "train": len(train), "selection": len(selection), "heldout": len(held),
             "sources": {"train": group_counts(train), "selection": group_counts(selection),
                         "heldout": group_counts(held)},
             "magpie_generated": generated, "magpie_domains": magpie_counts, "dropped": dropped,
             "templated": sum("template" in r for r in kept),
-            "eval_files": eval_files, "eval_dir": str(edir)})
-    print(f"prompts: {len(train)} train + {len(selection)} selection + {len(held)} held-out -> {out} "
+            "eval_files": eval_files, "eval_dir": str(edir), **({"more": more_info} if more_info else {})})
+    extra = f" + {len(more)} more (round {pc['more_round']})" if more_info else ""
+    print(f"prompts: {len(train)} train + {len(selection)} selection + {len(held)} held-out{extra} -> {out} "
           f"(dropped {dropped})")
     return out

@@ -100,6 +100,25 @@ def _fast_parts(cfg, model, tokenizer, parts: list[tuple[int, list[dict]]]) -> d
             for g, _ in parts}
 
 
+def prompt_parts(cfg: dict) -> list[list[dict]]:
+    """The training prompts in parts of PART_PROMPTS: the pool's (train.jsonl) in a seeded random order (it lists
+    them source by source), so that the parts a box cuts short leave every source in proportion (an H200 run cut
+    at 96 of 230 parts kept only GSM8K and Magpie chat); then, when the prompts stage drew more
+    (prompts.more_magpie: more.jsonl), theirs in their own seeded order, as parts after the pool's. The pool's
+    parts do not move, so `responses.first_part` = the pool's part count starts a run on the new prompts alone."""
+    def chunks(rows):
+        return [rows[i:i + PART_PROMPTS] for i in range(0, len(rows), PART_PROMPTS)]
+    pool = read_jsonl(prompts_dir(cfg) / "train.jsonl")
+    random.Random(cfg["seed"] * 7919 + 3).shuffle(pool)
+    groups = chunks(pool)
+    more = prompts_dir(cfg) / "more.jsonl"
+    if more.is_file():
+        rows = read_jsonl(more)
+        random.Random(cfg["seed"] * 7919 + 5 + cfg["prompts"]["more_round"]).shuffle(rows)
+        groups += chunks(rows)
+    return groups
+
+
 def parts_per_call(cfg) -> int:
     """Parts the fast engine generates together: about 4 x batch_size prompts, so that rows are refilled."""
     return max(1, -(-4 * cfg["responses"]["batch_size"] // PART_PROMPTS))
@@ -112,12 +131,7 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     key = stage_key(cfg)
     if resumable(out, key, force, "responses") == "done":
         return out
-    prompts = read_jsonl(prompts_dir(cfg) / "train.jsonl")
-    # parts in a seeded random order of the prompts (train.jsonl lists them source by source), so that the parts
-    # a box cuts short leave every source in proportion (an H200 run cut at 96 of 230 parts kept only GSM8K and
-    # Magpie chat)
-    random.Random(cfg["seed"] * 7919 + 3).shuffle(prompts)
-    groups = [prompts[i:i + PART_PROMPTS] for i in range(0, len(prompts), PART_PROMPTS)]
+    groups = prompt_parts(cfg)
     first = cfg["responses"]["first_part"]
     if first >= len(groups):
         raise UsageError(f"responses.first_part {first}: there are only {len(groups)} parts of {PART_PROMPTS} prompts; "
