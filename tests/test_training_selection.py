@@ -161,3 +161,19 @@ def test_more_prompts_extend_the_pool_without_moving_its_split_or_parts(tmp_path
         (tmp_path / "bad.json").write_text(json.dumps(c))
         with pytest.raises(UsageError, match=f"prompts.{next(iter(bad))} must be an integer"):
             load_config(str(tmp_path / "bad.json"), workdir=str(tmp_path / "bad"))
+
+
+def test_filter_rows_drops_near_duplicates_of_the_pool_too():
+    """filter_rows(rows, cfg, pool): more prompts that near-duplicate a pool prompt are dropped like duplicates of
+    each other (what keeps more_magpie's prompts fresh); without a pool it filters as before."""
+    from training.prompts import filter_rows
+    cfg = {"prompts": {"ngram": 3, "dedup_jaccard": 0.8, "min_chars": 4, "max_chars": 200}}
+    pool = [{"text": "Write a function that sorts a list of numbers in place", "source": "magpie:code:1"}]
+    rows = [{"text": "Write a function that sorts a list of numbers in place", "source": "magpie:code:r1.0"},
+            {"text": "Explain why the sky looks blue during the day", "source": "magpie:chat:r1.1"},
+            {"text": "Explain why the sky looks blue during the day", "source": "magpie:chat:r1.2"},
+            {"text": "Hi", "source": "magpie:chat:r1.3"}]
+    kept, dropped = filter_rows(rows, cfg, pool)
+    assert [r["source"] for r in kept] == ["magpie:chat:r1.1"] and dropped == {"length": 1, "duplicate": 2}
+    kept, dropped = filter_rows(rows, cfg)
+    assert [r["source"] for r in kept] == ["magpie:code:r1.0", "magpie:chat:r1.1"] and dropped["duplicate"] == 1

@@ -113,19 +113,8 @@ def more_prompts(cfg: dict, model, tokenizer, pool: list[dict], index) -> tuple[
     made = [dict(r, source=f"{r['source'].rsplit(':', 1)[0]}:r{rnd}.{r['source'].rsplit(':', 1)[1]}")
             for r in magpie_prompts(ext, model, tokenizer)]
     fresh = check_overlap(made, index, pc["overlap_jaccard"], refuse=False)
-    texts = [r["text"] for r in pool + fresh]
-    seen = NgramIndex(pc["ngram"], pc["dedup_jaccard"], gram_frequencies(texts, pc["ngram"]))
-    for r in pool:
-        seen.add(r["text"], r["source"])
-    kept, dropped = [], {"length": 0, "duplicate": 0, "benchmark_overlap_generated": len(made) - len(fresh)}
-    for r in fresh:
-        if not pc["min_chars"] <= len(r["text"]) <= pc["max_chars"]:
-            dropped["length"] += 1
-        elif seen.best(r["text"])[1] >= pc["dedup_jaccard"]:
-            dropped["duplicate"] += 1
-        else:
-            seen.add(r["text"], r["source"])
-            kept.append(r)
+    kept, dropped = filter_rows(fresh, cfg, pool)
+    dropped["benchmark_overlap_generated"] = len(made) - len(fresh)
     return kept, {"round": rnd, "generated": len(made), "kept": len(kept), "dropped": dropped,
                   "sources": group_counts(kept)}
 
@@ -145,9 +134,14 @@ def check_overlap(rows: list[dict], index: NgramIndex, threshold: float, refuse:
     return kept
 
 
-def filter_rows(rows: list[dict], cfg: dict) -> tuple[list[dict], dict]:
+def filter_rows(rows: list[dict], cfg: dict, pool: list[dict] = ()) -> tuple[list[dict], dict]:
+    """The rows within prompts.min_chars..max_chars that near-duplicate (prompts.dedup_jaccard) no row kept before
+    them, nor any row of `pool` (prompts already kept: more_prompts' pool)."""
     pc = cfg["prompts"]
-    seen = NgramIndex(pc["ngram"], pc["dedup_jaccard"], gram_frequencies((r["text"] for r in rows), pc["ngram"]))
+    seen = NgramIndex(pc["ngram"], pc["dedup_jaccard"],
+                      gram_frequencies([r["text"] for r in [*pool, *rows]], pc["ngram"]))
+    for r in pool:
+        seen.add(r["text"], r["source"])
     kept, dropped = [], {"length": 0, "duplicate": 0}
     for r in rows:
         if not pc["min_chars"] <= len(r["text"]) <= pc["max_chars"]:
