@@ -68,7 +68,9 @@ def graphed(graphs: StepGraphs, key: tuple, fn):
 
 
 def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, reps: int, warmup: int,
-            graphs: bool = False) -> list[dict]:
+            graphs: bool = False, on_row=None) -> list[dict]:
+    """Every point's row, in order; on_row(rows) after each one (main writes the files then, so a point that fails,
+    e.g. a kernel the device refuses, leaves the points before it written)."""
     t, rows = m.target, []
     weights = m.target_weight_bytes(include_embedding=False)
     g = torch.Generator(device=m.backend.device).manual_seed(0)
@@ -92,6 +94,8 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
                              "ratio": round(ms / floor, 3)})
                 print(f"[bench-batch] B={b} C={c} W={w}: {ms:.3f} ms, floor {floor:.3f} ms, "
                       f"ratio {ms / floor:.2f}", flush=True)
+                if on_row is not None:
+                    on_row(rows)
         del batch, steps
         if m.backend.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -99,7 +103,10 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
 
 
 def markdown(res: dict) -> str:
-    lines = [f"**{res['label']}**: {res['preset']} on {res['device_name']}, {res['dtype']}, kernels {res['kernels']}, "
+    lines = [] if res.get("complete", True) else [
+        f"**Incomplete**: the run stopped after {len(res['rows'])} of {res['planned_points']} points "
+        f"({res.get('stopped_by') or 'still running'}).", ""]
+    lines += [f"**{res['label']}**: {res['preset']} on {res['device_name']}, {res['dtype']}, kernels {res['kernels']}, "
              f"{'one CUDA graph per point' if res['graphs'] else 'eager'}, "
              f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
              "| step | B | context | ms | tok/s | floor ms | ratio |", "|---|---|---|---|---|---|---|"]
@@ -147,13 +154,25 @@ def main(argv: list[str] | None = None) -> int:
         res = {"label": RANDOM_LABEL.split(" / ")[0], "preset": a.preset, "device_name": name,
                "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels, "graphs": a.graphs,
                "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__, "goal_ratio": GOAL,
-               "rows": measure(m, batches, contexts, a.block_size, bw, a.reps, a.warmup, a.graphs)}
+               "complete": False, "planned_points": len(batches) * len(contexts) * 2, "rows": []}
         out = a.out or os.path.join("results", "perf", f"bench_batch_{a.preset}.json")
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-        with open(out, "w") as f:
-            f.write(json.dumps(res, indent=1) + "\n")
-        with open(os.path.splitext(out)[0] + ".md", "w") as f:
-            f.write(markdown(res))
+
+        def write(rows):
+            res["rows"] = rows
+            with open(out, "w") as f:
+                f.write(json.dumps(res, indent=1) + "\n")
+            with open(os.path.splitext(out)[0] + ".md", "w") as f:
+                f.write(markdown(res))
+        try:
+            rows = measure(m, batches, contexts, a.block_size, bw, a.reps, a.warmup, a.graphs, on_row=write)
+        except Exception as e:  # the points measured so far stay written, marked incomplete, and the error goes on
+            res["stopped_by"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            write(res["rows"])
+            print(f"[bench-batch] stopped after {len(res['rows'])} points ({res['stopped_by']}); they are in {out}")
+            raise
+        res["complete"] = True
+        write(rows)
         print(f"[bench-batch] wrote {out}")
     return cli_exit(work)
 
