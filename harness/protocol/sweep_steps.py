@@ -9,6 +9,11 @@ same for every row. Per (point, arm), over the measured rounds:
 - `step_cost`: ms_per_step / AR's at the same point (the arm's break-even: it beats AR when its tokens_per_step
   exceed step_cost x AR's); `token_gain`: tokens_per_step / AR's. The speedup of pooled tok/s is token_gain /
   step_cost (the sweep's own speedup is the median of per-round ratios, so the two agree closely, not exactly).
+- `slot_use`: the share of the batches' row-steps that held an unfinished request (each row's steps over the
+  batch's steps, pooled); the rest ran masked rows. `refill_gain`: token_gain if every slot had always held a
+  request at the rate its rows kept (tokens_per_step / slot_use, over AR's the same): an upper bound on what
+  refilling freed slots with new prompts could buy, leaving out the refills' prefills and any change of step cost.
+  refill_gain / step_cost bounds such a batch's speedup.
 
 The sweep writes steps.md beside sweep.md (harness.protocol.sweep); for a folder written before that:
 
@@ -34,14 +39,17 @@ def step_stats(rows: list[dict]) -> dict:
     batches: dict = {}
     for r in rows:
         key = (r["round"], r["batch_index"])
-        steps, secs, tokens = batches.get(key, (0, 0.0, 0))
-        batches[key] = (max(steps, _steps(r)), r["batch_decode_s"], tokens + r["decode_tokens"])
+        steps, secs, tokens, row_steps, n = batches.get(key, (0, 0.0, 0, 0, 0))
+        batches[key] = (max(steps, _steps(r)), r["batch_decode_s"], tokens + r["decode_tokens"],
+                        row_steps + _steps(r), n + 1)
     steps = sum(b[0] for b in batches.values())
     secs = sum(b[1] for b in batches.values())
     tokens = sum(b[2] for b in batches.values())
     if not steps:
-        return {"steps": 0, "ms_per_step": None, "tokens_per_step": None}
-    return {"steps": steps, "ms_per_step": round(1e3 * secs / steps, 4), "tokens_per_step": round(tokens / steps, 3)}
+        return {"steps": 0, "ms_per_step": None, "tokens_per_step": None, "slot_use": None}
+    slots = sum(b[0] * b[4] for b in batches.values())
+    return {"steps": steps, "ms_per_step": round(1e3 * secs / steps, 4), "tokens_per_step": round(tokens / steps, 3),
+            "slot_use": round(sum(b[3] for b in batches.values()) / slots, 4)}
 
 
 def breakdown(rows: list[dict], arms: list[str], reference: str | None) -> list[dict]:
@@ -58,6 +66,10 @@ def breakdown(rows: list[dict], arms: list[str], reference: str | None) -> list[
             if ref and ref["ms_per_step"] and s["ms_per_step"] and a != reference:
                 s["step_cost"] = round(s["ms_per_step"] / ref["ms_per_step"], 3)
                 s["token_gain"] = round(s["tokens_per_step"] / ref["tokens_per_step"], 3)
+                s["refill_gain"] = round(s["tokens_per_step"] / s["slot_use"]
+                                         / (ref["tokens_per_step"] / ref["slot_use"]), 3)
+                s["gain_per_cost"] = round(s["token_gain"] / s["step_cost"], 3)
+                s["refill_per_cost"] = round(s["refill_gain"] / s["step_cost"], 3)
             out.append({"batch_size": b, "context_len": c, "arm": a, **s})
     return out
 
@@ -65,14 +77,15 @@ def breakdown(rows: list[dict], arms: list[str], reference: str | None) -> list[
 def format_steps(entries: list[dict], labels=()) -> str:
     head = f"**STEPS** [{'; '.join(labels)}]\n\n" if labels else "**STEPS**\n\n"
     lines = ["| B | context | method | steps | ms/step | tokens/step (batch) | step cost vs AR | token gain vs AR |"
-             " gain / cost |", "|---|---|---|---|---|---|---|---|---|"]
+             " gain / cost | slot use | refill gain | refill gain / cost |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    dash = lambda v: "-" if v is None else v  # noqa: E731
     for e in entries:
-        cost, gain = e.get("step_cost"), e.get("token_gain")
+        cost, gain, full = e.get("step_cost"), e.get("token_gain"), e.get("refill_gain")
         ratio = f"{gain / cost:.3f}" if cost and gain else "-"
+        bound = f"{full / cost:.3f}" if cost and full else "-"
         lines.append(f"| {e['batch_size']} | {e['context_len']} | {e['arm']} | {e['steps']} | "
-                     f"{e['ms_per_step'] if e['ms_per_step'] is not None else '-'} | "
-                     f"{e['tokens_per_step'] if e['tokens_per_step'] is not None else '-'} | "
-                     f"{cost if cost is not None else '-'} | {gain if gain is not None else '-'} | {ratio} |")
+                     f"{dash(e['ms_per_step'])} | {dash(e['tokens_per_step'])} | {dash(cost)} | {dash(gain)} | "
+                     f"{ratio} | {dash(e.get('slot_use'))} | {dash(full)} | {bound} |")
     return head + "\n".join(lines) + "\n\n" + __doc__.split("\n\n")[1].strip() + "\n"
 
 
