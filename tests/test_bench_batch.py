@@ -16,6 +16,7 @@ def test_every_point_is_timed_against_its_floor(tmp_path):
     res = json.loads(out.read_text())
     assert res["label"] == "random weights" and res["graphs"] is False and res["kernels"] == "torch"
     assert res["complete"] is True and res["planned_points"] == 8 and "Incomplete" not in (tmp_path / "b.md").read_text()
+    assert not list(tmp_path.glob("*.partial.*"))  # a finished run leaves only OUT
     got = {(r["batch"], r["context"], r["width"]) for r in res["rows"]}
     assert got == {(b, c, w) for b in (1, 3) for c in (8, 40) for w in (1, 4)}
     bw = res["copy_bandwidth_GBps"] * 1e9
@@ -53,9 +54,10 @@ def test_graphed_points_are_timed_on_a_gpu(tmp_path):
 
 def test_a_point_that_fails_leaves_the_points_before_it_written(tmp_path, monkeypatch, capsys):
     """A run stopped by a point (on the H200 a verify's kernel was refused for shared memory, and every point
-    before it was lost with the process) keeps the measured points in the JSON and the table, marked incomplete
-    with what stopped it; the error still ends the run."""
+    before it was lost with the process) keeps the measured points in OUT's .partial JSON and table, marked
+    incomplete with what stopped it, and leaves an earlier complete OUT as it was; the error still ends the run."""
     out = tmp_path / "b.json"
+    out.write_text("{\"complete\": true}\n")  # an earlier run's result
     real = bench_batch.BatchTarget.verify
 
     def refuse_wide(self, ids, *a, **k):
@@ -66,9 +68,10 @@ def test_a_point_that_fails_leaves_the_points_before_it_written(tmp_path, monkey
     with pytest.raises(RuntimeError, match="out of resource"):
         bench_batch.main(["--preset", "tiny", "--device", "cpu", "--batch-sizes", "1,3", "--contexts", "8",
                           "--block-size", "4", "--reps", "1", "--warmup", "0", "--out", str(out)])
-    res = json.loads(out.read_text())
+    assert json.loads(out.read_text()) == {"complete": True} and not (tmp_path / "b.md").exists()
+    res = json.loads((tmp_path / "b.partial.json").read_text())
     assert res["complete"] is False and res["planned_points"] == 4
     assert [(r["batch"], r["width"]) for r in res["rows"]] == [(1, 1), (1, 4), (3, 1)]
     assert res["stopped_by"].startswith("RuntimeError: out of resource")
-    assert "**Incomplete**: the run stopped after 3 of 4 points" in (tmp_path / "b.md").read_text()
+    assert "**Incomplete**: 3 of 4 points measured (RuntimeError" in (tmp_path / "b.partial.md").read_text()
     assert "stopped after 3 points" in capsys.readouterr().out

@@ -177,3 +177,39 @@ def test_filter_rows_drops_near_duplicates_of_the_pool_too():
     assert [r["source"] for r in kept] == ["magpie:chat:r1.1"] and dropped == {"length": 1, "duplicate": 2}
     kept, dropped = filter_rows(rows, cfg)
     assert [r["source"] for r in kept] == ["magpie:code:r1.0", "magpie:chat:r1.1"] and dropped["duplicate"] == 1
+
+
+def test_more_prompts_never_copy_a_templated_pool_prompt_and_take_the_templates(tmp_path, monkeypatch):
+    """The pool's prompts are templated after the filters compared their bare text (prompts.templates); a more
+    round compares its prompts with that bare text too, so a copy of a templated selection or held-out prompt is
+    dropped (compared with the templated text it passed: the review's case), and its own prompts take the
+    templates as the pool's do."""
+    from training import prompts
+    from training.config import load_config
+    pool_texts = [f"Solve: a train leaves station {k} at noon and travels far" for k in range(10)] + \
+                 [f"Write a Python function number {k} that merges two sorted lists" for k in range(10)]
+    fresh = ["Solve: how many legs do three spiders and two ants have", "Write a Python class for a bank account"]
+
+    def fake(cfg, model, tokenizer):
+        more = cfg["seed"] != 0
+        texts = pool_texts[:2] + fresh if more else pool_texts
+        return [{"text": t, "source": f"magpie:{'math' if t.startswith('Solve') else 'code'}:{i}"}
+                for i, t in enumerate(texts)]
+    monkeypatch.setattr(prompts, "magpie_prompts", fake)
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "c.json").write_text(json.dumps({
+        "target": str(tmp_path / "target"), "models": {"d": {}},
+        "prompts": {"magpie": 20, "more_magpie": 4, "min_chars": 4, "heldout": 4, "selection": 4,
+                    "eval_dir": str(tmp_path / "eval"),
+                    "templates": [{"sources": ["magpie:math"], "suffix": " Put the answer in a box."}]},
+        "responses": {"engine": "hf"}}))
+    cfg = load_config(str(tmp_path / "c.json"), workdir=str(tmp_path / "work"))
+    out = prompts.run(cfg, load=lambda: (None, None))
+    read = lambda f: [json.loads(x) for x in (out / f).read_text().splitlines()]  # noqa: E731
+    pool = [r for f in ("train.jsonl", "selection.jsonl", "heldout.jsonl") for r in read(f)]
+    assert all(r["text"].endswith(" Put the answer in a box.") for r in pool if r["source"].startswith("magpie:math"))
+    more = read("more.jsonl")
+    assert sorted(r["text"] for r in more) == sorted(
+        [fresh[1], fresh[0] + " Put the answer in a box."])  # the two copies dropped, the new math one templated
+    m = json.loads((out / "manifest.json").read_text())["more"]
+    assert m["dropped"]["duplicate"] == 2 and m["kept"] == 2

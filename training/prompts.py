@@ -30,7 +30,7 @@ def stage_key(cfg: dict, eval_files: list[str]) -> str:
     if not pc.get("more_magpie"):  # no extension: the key of a pool made before the field existed
         pc = {k: v for k, v in pc.items() if k not in ("more_magpie", "more_round")}
     key = {"prompts": pc, "target": cfg["target"], "seed": cfg["seed"], "eval": eval_files}
-    if cfg["prompts"]["magpie"]:  # the generated prompts depend on the engine that wrote them
+    if cfg["prompts"]["magpie"] or cfg["prompts"].get("more_magpie"):  # generated prompts depend on the engine
         key["magpie_engine"] = cfg["responses"]["engine"]
     return fingerprint(key)
 
@@ -105,8 +105,10 @@ def magpie_prompts(cfg: dict, model, tokenizer) -> list[dict]:
 def more_prompts(cfg: dict, model, tokenizer, pool: list[dict], index) -> tuple[list[dict], dict]:
     """prompts.more_magpie more Magpie prompts, drawn with round more_round's seeds (never the pool's), over the
     same domains; kept when they pass the length and benchmark-overlap filters and duplicate neither each other
-    nor any prompt of the pool (train, selection or held-out). Sources `magpie:<domain>:r<round>.<i>`, so they
-    count in their domain's group."""
+    nor any prompt of the pool (train, selection or held-out; `pool`: their text before templates, as the filters
+    compare), then take prompts.templates as the pool's do (the round's own draws). Sources
+    `magpie:<domain>:r<round>.<i>`, so they count in their domain's group. A round is filtered against the pool,
+    not against other rounds' prompts."""
     pc = cfg["prompts"]
     rnd = pc["more_round"]
     ext = dict(cfg, seed=cfg["seed"] + 7919 * rnd, prompts=dict(pc, magpie=pc["more_magpie"]))
@@ -115,6 +117,7 @@ def more_prompts(cfg: dict, model, tokenizer, pool: list[dict], index) -> tuple[
     fresh = check_overlap(made, index, pc["overlap_jaccard"], refuse=False)
     kept, dropped = filter_rows(fresh, cfg, pool)
     dropped["benchmark_overlap_generated"] = len(made) - len(fresh)
+    kept = apply_templates(kept, pc["templates"], ext["seed"])
     return kept, {"round": rnd, "generated": len(made), "kept": len(kept), "dropped": dropped,
                   "sources": group_counts(kept)}
 
@@ -182,9 +185,10 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
         rows += check_overlap(magpie, index, pc["overlap_jaccard"], refuse=False)
     kept, dropped = filter_rows(rows, cfg)
     dropped["benchmark_overlap_generated"] = generated - sum(r["source"].startswith("magpie:") for r in rows)
+    bare = kept  # what the filters compare: the text before any template (more_prompts compares against it too)
     kept = apply_templates(kept, pc["templates"], cfg["seed"])
     train, selection, held = split(kept, pc["heldout"], pc["selection"], cfg["seed"])
-    more, more_info = ([], None) if not pc["more_magpie"] else more_prompts(cfg, model, tokenizer, kept, index)
+    more, more_info = ([], None) if not pc["more_magpie"] else more_prompts(cfg, model, tokenizer, bare, index)
     with staged(out) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "selection.jsonl", selection)

@@ -104,8 +104,8 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
 
 def markdown(res: dict) -> str:
     lines = [] if res.get("complete", True) else [
-        f"**Incomplete**: the run stopped after {len(res['rows'])} of {res['planned_points']} points "
-        f"({res.get('stopped_by') or 'still running'}).", ""]
+        f"**Incomplete**: {len(res['rows'])} of {res['planned_points']} points measured "
+        f"({res.get('stopped_by') or 'the run stopped without a recorded error, or is still running'}).", ""]
     lines += [f"**{res['label']}**: {res['preset']} on {res['device_name']}, {res['dtype']}, kernels {res['kernels']}, "
              f"{'one CUDA graph per point' if res['graphs'] else 'eager'}, "
              f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
@@ -157,22 +157,28 @@ def main(argv: list[str] | None = None) -> int:
                "complete": False, "planned_points": len(batches) * len(contexts) * 2, "rows": []}
         out = a.out or os.path.join("results", "perf", f"bench_batch_{a.preset}.json")
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+        # the points so far go to OUT's .partial files (an earlier complete OUT is left alone until this run ends)
+        partial = os.path.splitext(out)[0] + ".partial"
 
-        def write(rows):
+        def write(rows, base=partial):
             res["rows"] = rows
-            with open(out, "w") as f:
+            with open(base + ".json", "w") as f:
                 f.write(json.dumps(res, indent=1) + "\n")
-            with open(os.path.splitext(out)[0] + ".md", "w") as f:
+            with open(base + ".md", "w") as f:
                 f.write(markdown(res))
         try:
             rows = measure(m, batches, contexts, a.block_size, bw, a.reps, a.warmup, a.graphs, on_row=write)
         except Exception as e:  # the points measured so far stay written, marked incomplete, and the error goes on
             res["stopped_by"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             write(res["rows"])
-            print(f"[bench-batch] stopped after {len(res['rows'])} points ({res['stopped_by']}); they are in {out}")
+            print(f"[bench-batch] stopped after {len(res['rows'])} points ({res['stopped_by']}); they are in "
+                  f"{partial}.json")
             raise
         res["complete"] = True
-        write(rows)
+        write(rows, os.path.splitext(out)[0])
+        for ext in (".json", ".md"):
+            if os.path.exists(partial + ext):
+                os.remove(partial + ext)
         print(f"[bench-batch] wrote {out}")
     return cli_exit(work)
 

@@ -9,8 +9,9 @@ same for every row. Per (point, arm), over the measured rounds:
 - `step_cost`: ms_per_step / AR's at the same point (the arm's break-even: it beats AR when its tokens_per_step
   exceed step_cost x AR's); `token_gain`: tokens_per_step / AR's. The speedup of pooled tok/s is token_gain /
   step_cost (the sweep's own speedup is the median of per-round ratios, so the two agree closely, not exactly).
-- `slot_use`: the share of the batches' row-steps that held an unfinished request (each row's steps over the
-  batch's steps, pooled); the rest ran masked rows. `refill_gain`: token_gain if every slot had always held a
+- `slot_use`: the share of the batches' row-steps that held an unfinished request (each request's steps over the
+  batch's steps, pooled); the rest ran masked rows. Requests only: Spyre's padding row (3 requests run as 4
+  rows) is not a slot here, as it is in no other number of the sweep. `refill_gain`: token_gain if every slot had always held a
   request at the rate its rows kept (tokens_per_step / slot_use, over AR's the same): an upper bound on what
   refilling freed slots with new prompts could buy, leaving out the refills' prefills and any change of step cost.
   refill_gain / step_cost bounds such a batch's speedup.
