@@ -111,6 +111,29 @@ def shipped_lines(shipped: dict) -> list[str]:
     return [line, ""]
 
 
+def totals_section(runs: list[dict]) -> list[str]:
+    """One row a run: the responses it generated and what each of its models trained on (box.json's packed tokens,
+    this run's steps), then the sums over the lineage."""
+    lines = ["## The lineage in numbers", "",
+             "| run | sequences generated | response tokens | models: steps this run, packed tokens |", "|---|---|---|---|"]
+    seqs = toks = 0
+    packed: dict = {}
+    for r in runs:
+        resp = (r["card"]["data"] or {}).get("responses") or {}
+        seqs, toks = seqs + resp.get("sequences", 0), toks + resp.get("response_tokens", 0)
+        trained = []
+        for m in r["card"]["models"]:
+            box = m.get("box") or {}
+            if box.get("packed_tokens") is not None:
+                packed[m["model"]] = packed.get(m["model"], 0) + box["packed_tokens"]
+            trained.append(f"{m['model']}: {fmt(box.get('steps'))}, {fmt(box.get('packed_tokens'))}")
+        lines.append(f"| `{r['name']}` | {fmt(resp.get('sequences'))} | {fmt(resp.get('response_tokens'))} | "
+                     f"{'; '.join(trained) or 'none'} |")
+    lines.append(f"| all | {seqs} | {toks} | " + "; ".join(f"{k}: {v}" for k, v in packed.items()) + " |")
+    return lines + ["", "A model name trained in several runs sums its packed tokens over them: one model's total only "
+                    "where each run continued the one before (the training tables' \"from step\" say which).", ""]
+
+
 def render_lineage(rec: dict) -> str:
     """A card over several runs (training/card_lineage.py): the shipped files, then each run's sections, one level
     down, in the order the runs were made."""
@@ -122,6 +145,7 @@ def render_lineage(rec: dict) -> str:
              + ". Each run's models are listed as it trained them, kept or not.", ""]
     if rec.get("shipped"):
         lines += shipped_lines(rec["shipped"])
+    lines += totals_section(runs)
     for r in runs:
         c = r["card"]
         body = data_section(c["data"]) + training_section(
