@@ -69,8 +69,9 @@ EMBEDDED_CUDA = dict(max_samples=7, max_new_tokens=512, fair_k_list="1", fair_in
 
 # The CPU main job's wall time on the idle 2-core development machine (shipped weights, GGUF cached, model fetch
 # excluded; results/perf/NOTES.md): --help quotes it, and README.md must quote the same (tests/test_help_facts.py).
-CPU_MAIN_JOB_WALL_S = 234  # 2026-12-03, the shipped 5-layer weights (234 s with the first weights, 2026-12-02;
-#                           the older, unbalanced size: 154 s on another day)
+CPU_MAIN_JOB_WALL_S = 100  # 2026-12-04, the step-3,588 weights, on an Intel Xeon (234 s on 2026-12-03 with the
+#                           step-2,248 weights on an AMD EPYC, and with the first weights on 2026-12-02; the older,
+#                           unbalanced size: 154 s on another day)
 
 
 def wall_time(seconds: int) -> str:
