@@ -51,7 +51,8 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
     where = where or "Loss curves: `loss_curves.png`; per-step records: `<model>.metrics.jsonl.gz`."
     out = ["## Training", "", where, ""]
     out += table(["model", "step reached", "planned", "steps this run (from step)", "cut by the time box",
-                  "first loss", "last loss (mean of the last 25 logged steps)", "validation loss per epoch", "median step ms"],
+                  "first loss", "last loss (mean of the last 25 logged steps)", "validation loss per epoch",
+                  "median step ms"],
                  [[m["model"], m["steps"], m["planned_steps"], this_run(m.get("box") or {}), m["truncated"],
                    m["first_loss"], m["last_loss_mean25"], m["val_loss_per_epoch"], m["median_step_ms"]]
                   for m in models])
@@ -115,7 +116,8 @@ def totals_section(runs: list[dict]) -> list[str]:
     """One row a run: the responses it generated and what each of its models trained on (box.json's packed tokens,
     this run's steps), then the sums over the lineage."""
     lines = ["## The lineage in numbers", "",
-             "| run | sequences generated | response tokens | models: steps this run, packed tokens |", "|---|---|---|---|"]
+             "| run | sequences generated | response tokens | models: steps this run, packed tokens |",
+             "|---|---|---|---|"]
     seqs = toks = 0
     packed: dict = {}
     for r in runs:

@@ -30,7 +30,7 @@ At each point every arm decodes the same requests, in the same rounds, with the 
 - T = 0: each request's tokens are compared with the same arm's B = 1 tokens of the same point and round
   (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ on the default tiles (the
   matmuls tile by the rows of every request); with --batch-invariant and B x W <= 64 rows every matmul and
-  attention is row-invariant (tests/test_batch_neighbours*.py, GPU check not yet run), beyond it torch matmuls.
+  attention is row-invariant (tests/test_batch_neighbours*.py; GPU check passed on an H200), beyond: torch matmuls.
 The folder holds config.json, samples.jsonl (a row a request), sweep.json, sweep.md, steps.md and the plots.
 """
 from __future__ import annotations

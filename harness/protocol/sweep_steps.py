@@ -11,9 +11,10 @@ same for every row. Per (point, arm), over the measured rounds:
   step_cost (the sweep's own speedup is the median of per-round ratios, so the two agree closely, not exactly).
 - `slot_use`: the share of the batches' row-steps that held an unfinished request (each request's steps over the
   batch's steps, pooled); the rest ran masked rows. Requests only: Spyre's padding row (3 requests run as 4
-  rows) is not a slot here, as it is in no other number of the sweep. `refill_gain`: token_gain if every slot had always held a
-  request at the rate its rows kept (tokens_per_step / slot_use, over AR's the same): an upper bound on what
-  refilling freed slots with new prompts could buy, leaving out the refills' prefills and any change of step cost.
+  rows) is not a slot here, as it is in no other number of the sweep. `refill_gain`: token_gain if every slot
+  had always held a request at the rate its rows kept (tokens_per_step / slot_use, over AR's the same): an upper
+  bound on what refilling freed slots with new prompts could buy, leaving out the refills' prefills and any change
+  of step cost.
   refill_gain / step_cost bounds such a batch's speedup.
 
 The sweep writes steps.md beside sweep.md (harness.protocol.sweep); for a folder written before that:
@@ -78,15 +79,14 @@ def breakdown(rows: list[dict], arms: list[str], reference: str | None) -> list[
 def format_steps(entries: list[dict], labels=()) -> str:
     head = f"**STEPS** [{'; '.join(labels)}]\n\n" if labels else "**STEPS**\n\n"
     lines = ["| B | context | method | steps | ms/step | tokens/step (batch) | step cost vs AR | token gain vs AR |"
-             " gain / cost | slot use | refill gain | refill gain / cost |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             " gain / cost | slot use | refill gain | refill gain / cost |", "|" + "---|" * 12]
     dash = lambda v: "-" if v is None else v  # noqa: E731
     for e in entries:
-        cost, gain, full = e.get("step_cost"), e.get("token_gain"), e.get("refill_gain")
-        ratio = f"{gain / cost:.3f}" if cost and gain else "-"
-        bound = f"{full / cost:.3f}" if cost and full else "-"
+        ratio, bound = (f"{e[k]:.3f}" if k in e else "-" for k in ("gain_per_cost", "refill_per_cost"))
         lines.append(f"| {e['batch_size']} | {e['context_len']} | {e['arm']} | {e['steps']} | "
-                     f"{dash(e['ms_per_step'])} | {dash(e['tokens_per_step'])} | {dash(cost)} | {dash(gain)} | "
-                     f"{ratio} | {dash(e.get('slot_use'))} | {dash(full)} | {bound} |")
+                     f"{dash(e['ms_per_step'])} | {dash(e['tokens_per_step'])} | {dash(e.get('step_cost'))} | "
+                     f"{dash(e.get('token_gain'))} | {ratio} | {dash(e.get('slot_use'))} | "
+                     f"{dash(e.get('refill_gain'))} | {bound} |")
     return head + "\n".join(lines) + "\n\n" + __doc__.split("\n\n")[1].strip() + "\n"
 
 
