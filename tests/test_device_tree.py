@@ -104,3 +104,29 @@ def test_a_tables_poll_without_a_bench_log_still_lists_and_brings_back_the_cells
     assert "gsm8k_t1" in r.stdout and "== gsm8k_t1" in r.stdout
     with tarfile.open(out / "tables.tgz") as t:
         assert "./gsm8k_t1/summary.json" in t.getnames()
+
+
+def test_shipped_puts_the_shipped_heads_beside_the_warm_drafter_and_tables_then_skips_the_ship(tmp_path):
+    """`shipped`: the tables measure the shipped folder (its heads from `heads`, the drafter from `warm`) as it is,
+    so a run whose new heads lost can still make tables of the weights that stay shipped."""
+    import os
+    warm, wdir, carry = tmp_path / "warm", tmp_path / "w", tmp_path / "gpu4"
+    (warm / "drafter").mkdir(parents=True)
+    (warm / "drafter" / "model.safetensors").write_text("d")
+    (warm / "manifest.json").write_text("{}")
+    for name in ("xpress/model.safetensors", "markov/model.safetensors", "heads.json"):
+        (carry / "shipped" / name).parent.mkdir(parents=True, exist_ok=True)
+        (carry / "shipped" / name).write_text(name)
+    env = {**os.environ, "WARM": str(warm), "WDIR": str(wdir), "SHIPPED_DIR": str(carry)}
+    script = ROOT / "harness" / "lab" / "training_gpu.sh"
+    subprocess.run(["bash", str(script), "shipped"], env=env, check=True, capture_output=True)
+    got = sorted(str(p.relative_to(wdir / "smollm2-135m")) for p in (wdir / "smollm2-135m").rglob("*") if p.is_file())
+    assert got == ["drafter/model.safetensors", "heads.json", "manifest.json", "markov/model.safetensors",
+                   "xpress/model.safetensors"]
+    assert (wdir / ".shipped").exists()
+    text = script.read_text()
+    assert '[[ -f $WDIR/.shipped ]] && shipped=1' in text and 'if [[ -n $SHIPPED ]]' in text
+    # without a warm drafter there is nothing to put the heads beside: it says so and exits 3
+    r = subprocess.run(["bash", str(script), "shipped"], env={**env, "WARM": str(tmp_path / "none")},
+                       capture_output=True, text=True)
+    assert r.returncode == 3 and "run warm first" in r.stderr

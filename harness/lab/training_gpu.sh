@@ -21,6 +21,11 @@
 #                                                              # /tmp/w/smollm2-135m and start those table cells
 #                                                              # (smollm2_gpu.sh tables; TABLE_ARGS, K_LIST pass on)
 #            bash harness/lab/training_gpu.sh tpoll [SECONDS]  # until the cells end; `back tables` brings them
+#            bash harness/lab/training_gpu.sh shipped          # carry .gpu4 (after `warm`): the shipped folder's
+#                                                              # heads and files beside the warm drafter make
+#                                                              # /tmp/w/smollm2-135m, and `tables` then measures
+#                                                              # those weights instead of shipping the job's export
+#   here, for `shipped`:  bash harness/lab/training_gpu.sh heads weights/smollm2-135m   # into .gpu4/ (32 MB)
 #
 # With a warm export (warm), the job's copy of the code holds it at weights/smollm2-135m/ (the tree travels without
 # weights/), so a config whose heads start from that folder (smollm2-gpu-heads: init_from
@@ -33,6 +38,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 XRUN=${XRUN:-/tmp/xrun}  # the workdir on the device (its log: $XRUN.log)
+WARM=${WARM:-/tmp/warm}  # the warm export on the device (`warm`); SHIPPED_DIR: the shipped heads' carry (`heads`)
+WDIR=${WDIR:-/tmp/w}     # where the weights that `tables` measures are put together
+SHIPPED_DIR=${SHIPPED_DIR:-.gpu4}
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
 
 case "${1:-}" in
@@ -50,6 +58,18 @@ case "${1:-}" in
     if [[ -n $warm ]]; then rm -rf .gpu3 && mkdir -p .gpu3/warm && cp -r "$warm"/manifest.json "$warm"/drafter .gpu3/warm/; fi
     for d in /.gpu1/ /.gpu2/ /.gpu3/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
     du -sh .whl .gpu1 .gpu2 ${warm:+.gpu3}
+    ;;
+  heads)  # here: the shipped folder without its drafter (which `warm` carries), for `shipped`
+    src=${2:?heads DIR: the shipped weights folder, e.g. weights/smollm2-135m}
+    rm -rf "$SHIPPED_DIR" && mkdir -p "$SHIPPED_DIR/shipped"
+    find "$src" -mindepth 1 -maxdepth 1 ! -name drafter -exec cp -r {} "$SHIPPED_DIR/shipped/" \;
+    grep -qx /.gpu4/ .git/info/exclude 2>/dev/null || echo /.gpu4/ >> .git/info/exclude
+    du -sh "$SHIPPED_DIR"
+    ;;
+  shipped)
+    [[ -d $WARM/drafter ]] || { echo "error: no warm drafter on this machine ($WARM/drafter); run warm first" >&2; exit 3; }
+    rm -rf "$WDIR/smollm2-135m" && mkdir -p "$WDIR" && cp -r "$WARM" "$WDIR/smollm2-135m"
+    cp -r "$SHIPPED_DIR/shipped/." "$WDIR/smollm2-135m/" && touch "$WDIR/.shipped" && ls "$WDIR/smollm2-135m"
     ;;
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -94,8 +114,12 @@ case "${1:-}" in
     shift
     [[ -f $XRUN.done ]] || { echo "error: the training job has not ended ($XRUN.done is missing); poll first" >&2; exit 3; }
     cells=("$@")
+    # after `shipped`, the shipped weights are measured as they are; otherwise the job's export is shipped first
+    shipped=; [[ -f $WDIR/.shipped ]] && shipped=1
     (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
-        PYTHONUNBUFFERED=1 setsid nohup bash -c 'python3 -m training.ship --workdir "$0" --out /tmp/w/smollm2-135m &&
+        SHIPPED=$shipped PYTHONUNBUFFERED=1 setsid nohup bash -c '{ if [[ -n $SHIPPED ]]; then
+          echo "ship: the shipped weights as they are (training_gpu.sh shipped), not the job export"; else
+          python3 -m training.ship --workdir "$0" --out /tmp/w/smollm2-135m; fi; } &&
         for c in "${@}"; do DATASETS=${c%%:*} RES=/tmp/res XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m \
           bash harness/lab/smollm2_gpu.sh tables "${c##*:}"; done; echo "rc=$?" > "$0.tables.done"' \
         "$XRUN" "${cells[@]}" > $XRUN.tables.log 2>&1 < /dev/null &)
