@@ -88,6 +88,31 @@ def test_a_lineage_card_gives_every_run_in_order_with_the_steps_each_made(lineag
     assert again.read_text() == text  # the card is card.json's rendering
 
 
+def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_totals(lineage):
+    """--tried: a recipe run on the shipped weights that lost (its models not shipped) is in the card, as the issue's
+    "every model tried" asks, without being counted as a run that made the weights."""
+    pytest.importorskip("matplotlib")
+    t, out, md = lineage, lineage / "out", lineage / "CARD.md"
+    write_run(t / "cons", True, {"xpress": (0, 353), "xpress_cw1": (0, 701)})
+    r = card_cli("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried",
+                 f"cons={t / 'cons'}", "--ship", t / "heads.json", "--out", out, "--markdown", md)
+    assert r.returncode == 0, r.stderr
+    card = json.loads((out / "card.json").read_text())
+    assert [x["name"] for x in card["lineage"]] == ["run2", "heads"] and [x["name"] for x in card["tried"]] == ["cons"]
+    text = md.read_text()
+    assert "made by 2 runs in turn" in text and "## Tried on these weights, not shipped" in text
+    assert text.index("## Run `heads`") < text.index("## Tried run `cons`")
+    assert "| all | 14 | 1400 | drafter: 1000; markov_gated: 1000; xpress: 1000 |" in text  # cons is not summed
+    assert "| xpress_cw1 | 701 |" in text and (out / "loss_curves_cons.png").stat().st_size > 0
+    assert card_cli("--from-json", out / "card.json", "--markdown", lineage / "again.md").returncode == 0
+    assert (lineage / "again.md").read_text() == text
+    # a tried run needs the lineage it was tried on, and its name must differ from the lineage's
+    for args, says in ((["--tried", f"cons={t / 'cons'}"], "--tried needs --lineage"),
+                       (["--lineage", f"cons={t / 'run2'}", "--tried", f"cons={t / 'cons'}"], "must differ")):
+        r = card_cli(*args, "--out", t / "out2")
+        assert r.returncode != 0 and says in r.stderr and not (t / "out2").exists(), r.stderr
+
+
 @pytest.mark.parametrize("args, says", [
     (["--lineage", "run2"], "give NAME=DIR"),
     (["--lineage", "a={run2}", "--lineage", "a={run2}"], "must differ"),

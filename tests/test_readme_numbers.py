@@ -189,6 +189,28 @@ def test_the_shipping_families_read_gain_order_card_and_ranges_over_folders(tmp_
         R["card_of"](root, "results/smollm2-135m-v2/training", "run9", "drafter", "steps")
 
 
+def test_xopt_is_the_xpress_arm_the_run_chose_and_a_tried_run_is_found_in_the_card(tmp_path):
+    """`xopt`: the README's xPress columns follow each run's throughput-optimal K (summary.json's optimal.xpress),
+    not a fixed K; `card` finds a run the card lists as tried (not shipped) as well as the lineage's."""
+    from harness.lab.readme_numbers_keys import REGISTRY as R
+    root = tiny_repo(tmp_path, "none\n")
+    run = root / "results" / "smollm2-135m" / "gsm8k_t0"
+    s = json.loads((run / "summary.json").read_text())
+    for k, tau, gain in ((1, 3.16, 0.996), (2, 3.28, 1.017), (4, 3.39, 1.001)):
+        s["arms"][f"xPress(K={k})"] = {"method": "xpress", "arm": f"xPress(K={k})", "tau_per_step": tau,
+                                       "gain": {"value": gain, "ci95": [gain - 0.03, gain + 0.05]}}
+    s["optimal"] = {"xpress": {"arm": "xPress(K=2)", "K": 2}}
+    (run / "summary.json").write_text(json.dumps(s))
+    assert (R["tau"](root, "gsm8k_t0", "xopt"), R["xgain"](root, "gsm8k_t0", "xopt")) == ("3.28", "1.017")
+    assert R["tau"](root, "gsm8k_t0", "x4") == "3.39" and R["opt_k"](root, "gsm8k_t0") == "2"
+    (root / "results" / "smollm2-135m" / "training").mkdir()
+    (root / "results" / "smollm2-135m" / "training" / "card.json").write_text(json.dumps({
+        "lineage": [{"name": "heads", "card": {"models": [{"model": "xpress", "steps": 903}]}}],
+        "tried": [{"name": "consistency", "card": {"models": [{"model": "xpress_cw1", "steps": 701}]}}]}))
+    assert R["card"](root, "consistency", "xpress_cw1", "steps") == "701"
+    assert R["card"](root, "heads", "xpress", "steps") == "903"
+
+
 def test_ar_self_counts_prompts_whose_ar_text_agrees_across_two_runs(tmp_path):
     """ar_self: prompts both runs decoded whose AR rows agree through the shorter text; one token changed in one
     round of one prompt makes that prompt count as different, other arms and later turns are not read."""

@@ -4,7 +4,8 @@ and card.json, every number the card gives, from which the card's Markdown is ge
     python -m training.card --train runs/smollm2-gpu/train --out results/smollm2-135m/training \
         [--ship weights/smollm2-135m] [--markdown weights/smollm2-135m/README.md]
     python -m training.card --from-json results/smollm2-135m/training/card.json --markdown CARD.md
-    python -m training.card --lineage NAME=DIR [--lineage NAME=DIR ...] --out OUT [--ship S] [--markdown MD]
+    python -m training.card --lineage NAME=DIR [--lineage NAME=DIR ...] [--tried NAME=DIR ...] --out OUT [--ship S]
+        [--markdown MD]
         (one card over runs made in turn: training/card_lineage.py)
 
 Reads <train>/<model>/metrics.jsonl (or .jsonl.gz) and manifest.json for every model folder; writes OUT/loss_curves.png
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
     p.add_argument("--lineage", action="append", default=None, metavar="NAME=DIR",
                    help="a run of a lineage, in the order they ran (repeat): its workdir or its flat records "
                         "folder; one card over all of them (training/card_lineage.py)")
+    p.add_argument("--tried", action="append", default=None, metavar="NAME=DIR",
+                   help="with --lineage: a run made on the shipped weights whose models were not shipped (repeat); "
+                        "listed after the lineage, outside its count and totals")
     args = p.parse_args(argv)
 
     def work():
@@ -71,12 +75,14 @@ def main(argv=None) -> int:
             if not args.markdown:
                 raise UsageError("card: --from-json needs --markdown (where the card goes)")
             return render_file(Path(args.from_json), Path(args.markdown))
+        if args.tried and not args.lineage:
+            raise UsageError("card: --tried needs --lineage (the runs that made the shipped weights)")
         if args.lineage:
             if args.train or not args.out:
                 raise UsageError("card: --lineage takes --out (and no --train: each run names its folder)")
             from training.card_lineage import build as build_lineage
             return build_lineage(args.lineage, Path(args.out), Path(args.ship) if args.ship else None,
-                                 Path(args.markdown) if args.markdown else None, args.title)
+                                 Path(args.markdown) if args.markdown else None, args.title, args.tried)
         if not (args.train and args.out):
             raise UsageError("card: give --train and --out (or --from-json with --markdown)")
         return build(Path(args.train), Path(args.out), Path(args.ship) if args.ship else None,

@@ -61,25 +61,32 @@ def as_workdir(records: Path, into: Path) -> Path:
     return into
 
 
-def build(specs: list[str], out: Path, ship: Path | None, markdown: Path | None, title: str | None) -> dict:
+def build(specs: list[str], out: Path, ship: Path | None, markdown: Path | None, title: str | None,
+          tried: list[str] | None = None) -> dict:
+    """The card of the lineage SPECS; TRIED: runs made on the shipped weights whose models were not shipped (a
+    recipe that lost), listed after the lineage with the same sections and left out of its count and totals."""
     from training.card_curves import plot, read_models
     from training.card_data import card_record, shipped_record, write_card
-    runs = [parse(s) for s in specs]
-    names = [n for n, _ in runs]
+    runs, extra = [parse(s) for s in specs], [parse(s) for s in tried or []]
+    names = [n for n, _ in runs + extra]
     if len(set(names)) != len(names):
-        raise UsageError(f"card: --lineage names must differ, got {names}")
+        raise UsageError(f"card: --lineage and --tried names must differ, got {names}")
     shipped = shipped_record(ship)
-    lineage, curves_of = [], {}
+    records_of: dict = {"lineage": [], "tried": []}
+    curves_of = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, records in runs:  # every run read and checked before anything is written
-            work = as_workdir(records, Path(tmp) / name)
-            models = read_models(work / "train")
-            named, summary = {d.name: c for d, _, c, _ in models}, [s for *_, s in models]
-            curves_of[name] = named
-            lineage.append({"name": name, "records": str(records), "card": card_record(work, summary, None, name)})
+        for kind, group in (("lineage", runs), ("tried", extra)):
+            for name, records in group:  # every run read and checked before anything is written
+                work = as_workdir(records, Path(tmp) / name)
+                models = read_models(work / "train")
+                named, summary = {d.name: c for d, _, c, _ in models}, [s for *_, s in models]
+                curves_of[name] = named
+                records_of[kind].append({"name": name, "records": str(records),
+                                         "card": card_record(work, summary, None, name)})
     out.mkdir(parents=True, exist_ok=True)
     for name, named in curves_of.items():
         plot(named, out / f"loss_curves_{name}.png", f"{name}: speculators training losses")
-    card = {"title": title or out.resolve().name, "lineage": lineage, "shipped": shipped}
+    card = {"title": title or out.resolve().name, "lineage": records_of["lineage"], "shipped": shipped,
+            **({"tried": records_of["tried"]} if extra else {})}
     write_card(card, out / "card.json", markdown)
     return card

@@ -182,7 +182,7 @@ CARD = "results/smollm2-135m/training/card.json"
 
 @quantity("card")
 def q_card(root, run, name, path, d=3):
-    """A model's field in the shipped weights' lineage card: RUN (run2, run3, heads), MODEL (drafter, xpress,
+    """A model's field in the shipped weights' lineage card: RUN (run2, run3, heads, or a tried run), MODEL (drafter, xpress,
     markov_gated ...), PATH dotted into its record (heldout.tau_drafter, box.box_s, val_loss_per_epoch.2, steps)."""
     return _card_field(root, CARD, run, name, path, d)
 
@@ -195,7 +195,8 @@ def q_card_of(root, folder, run, name, path, d=3):
 
 
 def _card_field(root, card: str, run, name, path, d):
-    lineage = {r["name"]: r["card"] for r in _json(root / card)["lineage"]}
+    rec = _json(root / card)  # the lineage's runs, then those tried on its weights and not shipped (--tried)
+    lineage = {r["name"]: r["card"] for r in rec["lineage"] + rec.get("tried", [])}
     if run not in lineage:
         raise UsageError(f"readme_numbers: {card} has no run {run!r} (runs: {', '.join(lineage)})")
     rec = next((m for m in lineage[run]["models"] if m["model"] == name), None)
