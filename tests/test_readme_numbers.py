@@ -101,6 +101,10 @@ def test_run_folder_readmes_are_left_to_the_harness(tmp_path):
     (root / "results" / "smollm2-135m" / "gsm8k_t0" / "README.md").write_text("τ 9.99\n")
     (root / "results" / "smollm2-135m" / "README.md").write_text("τ 9.99\n")
     assert [str(p.relative_to(root)) for p in rn.readmes(root)] == ["README.md", "results/smollm2-135m/README.md"]
+    # the shipped weights' README quotes their training numbers too: it is scanned
+    (root / "weights" / "smollm2-135m").mkdir(parents=True)
+    (root / "weights" / "smollm2-135m" / "README.md").write_text("τ 9.99\n")
+    assert [str(p.relative_to(root)) for p in rn.readmes(root)][-1] == "weights/smollm2-135m/README.md"
 
 
 def test_a_generated_model_card_must_equal_its_card_json_rendering(tmp_path, monkeypatch):
@@ -258,6 +262,9 @@ def test_the_json_and_bench_batch_families_read_their_files_and_name_what_is_mis
                                                        "ratio": 1.22}]}))
     assert R["json"](tmp_path, "results/perf/b.json", "compiled_ms") == "36.17"
     assert R["json"](tmp_path, "results/perf/b.json", "runs.0.ms", 1) == "4.5"
+    (perf / "acc.json").write_text(json.dumps({"bench:gsm8k": {"tau_drafter": 2.8629}}))  # the acceptance stage's key
+    assert R["json"](tmp_path, "results/perf/acc.json", "bench", "gsm8k.tau_drafter", "3") == "2.863"
+    assert R["json"](tmp_path, "results/perf/acc.json", "bench", "gsm8k.tau_drafter") == "2.86"
     assert R["bench_batch"](tmp_path, "b", "2", "512", "16", "ratio") == "1.38"
     assert R["bench_batch"](tmp_path, "b", "2", "512", "1", "ms") == "4.41"
     for call, says in ((lambda: R["json"](tmp_path, "results/perf/b.json", "eager_ms"), "no 'eager_ms'"),

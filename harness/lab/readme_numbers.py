@@ -65,12 +65,13 @@ class Finding:
 
 
 def readmes(root: Path) -> list[Path]:
-    """README.md and the results READMEs a person writes (run folders' READMEs are the harness's)."""
+    """README.md, the results READMEs a person writes (run folders' READMEs are the harness's) and the shipped
+    weights' READMEs."""
     out = [root / "README.md"] if (root / "README.md").is_file() else []
     for p in sorted((root / "results").rglob("README.md")) if (root / "results").is_dir() else []:
         if not (p.parent / "summary.json").is_file():
             out.append(p)
-    return out
+    return out + (sorted((root / "weights").glob("*/README.md")) if (root / "weights").is_dir() else [])
 
 
 def evaluate(root: Path, key: str) -> str:
