@@ -104,6 +104,8 @@ def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_total
     assert text.index("## Run `heads`") < text.index("## Tried run `cons`")
     assert "| all | 14 | 1400 | drafter: 1000; markov_gated: 1000; xpress: 1000 |" in text  # cons is not summed
     assert "| xpress_cw1 | 701 |" in text and (out / "loss_curves_cons.png").stat().st_size > 0
+    tried = text[text.index("## Tried run `cons`"):]
+    assert "Nothing of this run was shipped" in tried and "(the Markov variant shipped)" not in tried
     assert card_cli("--from-json", out / "card.json", "--markdown", lineage / "again.md").returncode == 0
     assert (lineage / "again.md").read_text() == text
     # a tried run needs the lineage it was tried on, and its name must differ from the lineage's

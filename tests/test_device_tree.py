@@ -124,9 +124,26 @@ def test_shipped_puts_the_shipped_heads_beside_the_warm_drafter_and_tables_then_
     assert got == ["drafter/model.safetensors", "heads.json", "manifest.json", "markov/model.safetensors",
                    "xpress/model.safetensors"]
     assert (wdir / ".shipped").exists()
-    text = script.read_text()
-    assert '[[ -f $WDIR/.shipped ]] && shipped=1' in text and 'if [[ -n $SHIPPED ]]' in text
+    # without `shipped` (and with no finished job) tables refuses, naming both ways on
+    (wdir / ".shipped").unlink()
+    r = subprocess.run(["bash", str(script), "tables", "gsm8k:0"], env={**env, "XRUN": str(tmp_path / "xrun")},
+                       capture_output=True, text=True)
+    assert r.returncode == 3 and "poll first, or run shipped" in r.stderr
     # without a warm drafter there is nothing to put the heads beside: it says so and exits 3
     r = subprocess.run(["bash", str(script), "shipped"], env={**env, "WARM": str(tmp_path / "none")},
                        capture_output=True, text=True)
     assert r.returncode == 3 and "run warm first" in r.stderr
+
+
+def test_heads_carries_the_shipped_folder_without_its_drafter(tmp_path):
+    """`heads DIR` (here): every file of the shipped folder but drafter/ (which `warm` carries) into the carry."""
+    import os
+    src, carry = tmp_path / "w", tmp_path / "gpu4"
+    for name in ("drafter/model.safetensors", "xpress/model.safetensors", "markov/model.safetensors", "heads.json"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        (src / name).write_text(name)
+    env = {**os.environ, "SHIPPED_DIR": str(carry)}
+    subprocess.run(["bash", str(ROOT / "harness" / "lab" / "training_gpu.sh"), "heads", str(src)], env=env,
+                   check=True, capture_output=True)
+    got = sorted(str(p.relative_to(carry / "shipped")) for p in carry.rglob("*") if p.is_file())
+    assert got == ["heads.json", "markov/model.safetensors", "xpress/model.safetensors"]

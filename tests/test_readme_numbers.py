@@ -207,6 +207,13 @@ def test_xopt_is_the_xpress_arm_the_run_chose_and_a_tried_run_is_found_in_the_ca
     (run / "summary.json").write_text(json.dumps(s))
     assert (R["tau"](root, "gsm8k_t0", "xopt"), R["xgain"](root, "gsm8k_t0", "xopt")) == ("3.28", "1.017")
     assert R["tau"](root, "gsm8k_t0", "x4") == "3.39" and R["opt_k"](root, "gsm8k_t0") == "2"
+    s["optimal"] = {"xpress": None}  # a run without xPress arms chose none: a clear error, not a KeyError
+    (run / "summary.json").write_text(json.dumps(s))
+    from core.errors import UsageError
+    from harness.lab.readme_numbers_keys import _json
+    _json.cache_clear()  # the families cache each file read
+    with pytest.raises(UsageError, match="chose no throughput-optimal xPress arm"):
+        R["tau"](root, "gsm8k_t0", "xopt")
     (root / "results" / "smollm2-135m" / "training").mkdir()
     (root / "results" / "smollm2-135m" / "training" / "card.json").write_text(json.dumps({
         "lineage": [{"name": "heads", "card": {"models": [{"model": "xpress", "steps": 903}]}}],

@@ -75,8 +75,8 @@ def main(argv=None) -> int:
             if not args.markdown:
                 raise UsageError("card: --from-json needs --markdown (where the card goes)")
             return render_file(Path(args.from_json), Path(args.markdown))
-        if args.tried and not args.lineage:
-            raise UsageError("card: --tried needs --lineage (the runs that made the shipped weights)")
+        if args.tried and (args.from_json or not args.lineage):
+            raise UsageError("card: --tried needs --lineage (the runs that made the shipped weights), not --from-json")
         if args.lineage:
             if args.train or not args.out:
                 raise UsageError("card: --lineage takes --out (and no --train: each run names its folder)")

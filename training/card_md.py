@@ -83,12 +83,16 @@ def time_section(stages: dict, models: list[dict]) -> list[str]:
     return out
 
 
-def tau_section(models: list[dict], shipped: dict | None) -> list[str]:
+def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True) -> list[str]:
+    """CHOOSES: the run's models were candidates for shipping (False: a run tried on shipped weights, whose
+    models were compared with the shipped ones and none replaced them)."""
     keys = sorted({k for m in models for s in SET_NAMES for k in (m.get(s) or {}) if k.startswith("tau_")},
                   key=lambda k: (k != "tau_drafter", k))
+    what = ("The selection set chooses (the Markov variant shipped)" if chooses else
+            "Nothing of this run was shipped; its selection set is the one the shipped models were chosen on")
     out = ["## Acceptance τ", "",
            "Greedy, the harness's own decode loop (training/acceptance.py), on every final model after training "
-           "(training/evaluate.py). The selection set chooses (the Markov variant shipped); the held-out set is "
+           f"(training/evaluate.py). {what}; the held-out set is "
            "reported only and read by no choice. τ = accepted tokens per verify step, the bonus token included.", ""]
     rows = []
     for m in models:
@@ -164,7 +168,7 @@ def run_section(r: dict, kind: str) -> list[str]:
     c = r["card"]
     body = data_section(c["data"]) + training_section(
         c["models"], f"Loss curves: `loss_curves_{r['name']}.png`; per-step records: `{r['records']}`.")
-    body += time_section(c["stages"], c["models"]) + tau_section(c["models"], None)
+    body += time_section(c["stages"], c["models"]) + tau_section(c["models"], None, chooses=kind == "Run")
     return [f"## {kind} `{r['name']}`", ""] + ["#" + x if x.startswith("## ") else x for x in body]
 
 

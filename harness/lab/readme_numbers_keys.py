@@ -7,8 +7,9 @@ as the README prints it; units and signs that sit outside the marker stay prose.
 Conventions of the arguments:
 - FOLDER: a run folder; a bare name is under `results/smollm2-135m/` (`gsm8k_t0`), a name with a `/` is relative
   to the repository (`results/perf/cli_qwen3-8b_bf16_graph_scripted6`).
-- ARM: `ar`, `drafter`, `markov`, `x1` ... `x8` (xPress at K), `xopt` (the xPress arm the run chose as
-  throughput-optimal, summary.json's optimal.xpress), or an arm name as summary.json spells it.
+- ARM: `ar`, `drafter`, `markov`, `x1` ... `x8` (xPress at K), or an arm name as summary.json spells it; the
+  families that read a run's summary.json (`arm()`) also take `xopt`, the xPress arm the run chose as
+  throughput-optimal (summary.json's optimal.xpress).
 - ARMS: `,`-separated ARMs; `spec` = every arm but AR; `xpress` = every xPress arm.
 - D: decimals (each family has a default: the README's usual precision).
 - BENCH: a bench_step JSON under `results/perf/gpu_check/` without `.json` (`after`).
@@ -68,7 +69,13 @@ def arm_name(a: str) -> str:
 def arm(root: Path, folder: str, a: str) -> dict:
     s = summary(root, folder)
     arms = s["arms"]
-    name = s["optimal"]["xpress"]["arm"] if a == "xopt" else arm_name(a)
+    if a == "xopt":
+        opt = (s.get("optimal") or {}).get("xpress") or {}
+        if not opt.get("arm"):
+            raise UsageError(f"readme_numbers: {folder} chose no throughput-optimal xPress arm (summary.json's "
+                             "optimal.xpress); name the arm's K instead (x1, x2, ...)")
+        return arms[opt["arm"]]
+    name = arm_name(a)
     if name not in arms:
         raise UsageError(f"readme_numbers: {folder} has no arm {name!r} (arms: {', '.join(arms)})")
     return arms[name]

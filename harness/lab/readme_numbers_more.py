@@ -274,7 +274,8 @@ def q_bench_wall(root, path, a, d=2):
 def q_json(root, path, *key_d):
     """One number of a committed JSON file (PATH from the repository's root), at KEY (dotted: `a.b`, a list
     index as a number), then D, the decimals (default 2). A key holding colons (`bench:gsm8k.tau_drafter`) arrives
-    split at them and is joined again; a last part of digits alone is D."""
+    split at them and is joined again; a last part of digits alone is D, so a key whose last colon part is digits
+    (`a:0`) needs D after it (`json:P:a:0:2`)."""
     parts = [str(x) for x in key_d]
     has_d = len(parts) > 1 and parts[-1].isdigit()
     d, key = (int(parts[-1]) if has_d else 2), ":".join(parts[:-1] if has_d else parts)

@@ -77,7 +77,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
     ;;
   warm)  # its own call: the GGUF's part 2 (47 MB) and a warm export (37 MB) are over 64 MiB together
-    rm -rf /tmp/warm && cp -r .gpu3/warm /tmp/warm && du -sh /tmp/warm
+    rm -rf "$WARM" && cp -r .gpu3/warm "$WARM" && du -sh "$WARM"
     ;;
   data)
     dir=${2:?data DIR NAME: the folder of travel pieces}; name=${3:?data DIR NAME: the pack name}
@@ -89,10 +89,10 @@ case "${1:-}" in
     cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
     sha256sum /tmp/xb/$GGUF | cut -c1-16
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
-    if [[ -d /tmp/warm ]]; then mkdir -p /tmp/code/weights && rm -rf /tmp/code/weights/smollm2-135m && cp -r /tmp/warm /tmp/code/weights/smollm2-135m; fi
+    if [[ -d $WARM ]]; then mkdir -p /tmp/code/weights && rm -rf /tmp/code/weights/smollm2-135m && cp -r "$WARM" /tmp/code/weights/smollm2-135m; fi
     args=("$@")
-    if [[ -d /tmp/warm ]]; then args+=(--set train.warm_start=/tmp/warm); fi
-    rm -f $XRUN.done
+    if [[ -d $WARM ]]; then args+=(--set train.warm_start="$WARM"); fi
+    rm -f $XRUN.done "$WDIR/.shipped"  # a new job's tables ship its own export unless `shipped` runs again after it
     date +%s > $XRUN.t0
     (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
         PYTHONUNBUFFERED=1 setsid nohup bash -c 'python3 -m training all --config smollm2-gpu --workdir "$0" "${@}";
@@ -112,15 +112,17 @@ case "${1:-}" in
     ;;
   tables)
     shift
-    [[ -f $XRUN.done ]] || { echo "error: the training job has not ended ($XRUN.done is missing); poll first" >&2; exit 3; }
+    shipped=; [[ -f $WDIR/.shipped ]] && shipped=1
+    if [[ -z $shipped && ! -f $XRUN.done ]]; then
+      echo "error: the training job has not ended ($XRUN.done is missing); poll first, or run shipped" >&2; exit 3
+    fi
     cells=("$@")
     # after `shipped`, the shipped weights are measured as they are; otherwise the job's export is shipped first
-    shipped=; [[ -f $WDIR/.shipped ]] && shipped=1
     (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
-        SHIPPED=$shipped PYTHONUNBUFFERED=1 setsid nohup bash -c '{ if [[ -n $SHIPPED ]]; then
+        SHIPPED=$shipped W="$WDIR/smollm2-135m" PYTHONUNBUFFERED=1 setsid nohup bash -c '{ if [[ -n $SHIPPED ]]; then
           echo "ship: the shipped weights as they are (training_gpu.sh shipped), not the job export"; else
-          python3 -m training.ship --workdir "$0" --out /tmp/w/smollm2-135m; fi; } &&
-        for c in "${@}"; do DATASETS=${c%%:*} RES=/tmp/res XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m \
+          python3 -m training.ship --workdir "$0" --out "$W"; fi; } &&
+        for c in "${@}"; do DATASETS=${c%%:*} RES=/tmp/res XPRESS_BENCH_WEIGHTS=$W \
           bash harness/lab/smollm2_gpu.sh tables "${c##*:}"; done; echo "rc=$?" > "$0.tables.done"' \
         "$XRUN" "${cells[@]}" > $XRUN.tables.log 2>&1 < /dev/null &)
     sleep 10; tail -n 5 $XRUN.tables.log
@@ -135,7 +137,7 @@ case "${1:-}" in
   back)
     : "${OUT:?back runs on the device machine, where \$OUT is set}"
     if [[ ${2:-} == tables ]]; then
-      tar czf "$OUT/tables.tgz" -C /tmp/res . $XRUN.tables.log && tar czf "$OUT/shipped.tgz" -C /tmp/w smollm2-135m/manifest.json
+      tar czf "$OUT/tables.tgz" -C /tmp/res . $XRUN.tables.log && tar czf "$OUT/shipped.tgz" -C "$WDIR" smollm2-135m/manifest.json
       ls -la "$OUT"; exit 0
     fi
     cd "$XRUN"
