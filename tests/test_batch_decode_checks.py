@@ -34,7 +34,11 @@ def test_bad_batches_are_one_line_usage_errors(pair, monkeypatch):
     monkeypatch.setattr(t, "prefill", lambda *a, **k: calls.append(a))
     two = [[9, 10], [11, 12, 13]]
     refused("no prompts", t, [], S, CPU32)
-    refused("got 1 drafters for 2 prompts", t, two, S, CPU32, drafters=[d])
+    refused("got 1 drafters for 2 rows: pass one per row", t, two, S, CPU32, drafters=[d])
+    # continuous batching: rows from 1 to the prompt count, one drafter per row (not per prompt)
+    refused("rows must be an integer from 1 to the 2 prompts, got 3", t, two, S, CPU32, rows=3)
+    refused("rows must be an integer from 1 to the 2 prompts, got 0", t, two, S, CPU32, rows=0)
+    refused("got 2 drafters for 1 rows", t, two, S, CPU32, drafters=[d, tiny_drafter(t)], rows=1)
     refused("got 3 generators for 2 prompts", t, two, S, CPU32, generators=[None] * 3)
     refused("got 1 output limits for 2 prompts", t, two, S, CPU32, max_new_tokens=[4])
     refused("output limits must be integers >= 1", t, two, S, CPU32, max_new_tokens=[4, 0])

@@ -24,7 +24,15 @@ past its committed length, in its own row, so no other request reads them), and 
 verified, committed or read. Masking rather than leaving keeps every step of a batch at the same B for every
 arm, so a step's cost is always compared at the batch size asked for (the shape a CUDA graph per batch bucket
 needs), and no arm gets a smaller batch because its requests ended sooner; each arm pays for its own longest
-request. No new prompt takes a freed slot here (a static batch).
+request.
+
+Continuous batching (`rows` < len(prompts)): `rows` requests decode at once, and the prompts after them wait in
+order; when a request finishes, the next waiting prompt takes its row at once (its prefill, into that row, between
+two steps: the others wait for it, as a server's step would), so a row idles only once the queue is empty. Every
+arm gets the same queue in the same order and the same number of rows; an arm whose requests end sooner takes its
+next prompts sooner, which is what refilling buys. A request's decode clock starts after its own prefill and stops
+at its finishing step; the refills' prefills fall inside the other requests' clocks. With `rows` = len(prompts)
+(the default) nothing is refilled: a static batch.
 
 The batched step (harness.decode.batch_step.RowsStep, kept in the DecodeState), used whenever the step is greedy
 (T=0 with greedy drafts, or AR) and the drafts come from one DrafterGroup (or there are none; not under
@@ -74,13 +82,19 @@ def _read(packed: torch.Tensor) -> list[list[int]]:
     return packed.tolist()
 
 
-def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state, limits) -> int:
-    b = len(prompts)
-    if b == 0:
+def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state, limits, rows=None) -> int:
+    n = len(prompts)
+    if n == 0:
         raise UsageError("batched decoding got no prompts: pass at least one")
-    for name, given in (("drafters", drafters), ("generators", generators), ("output limits", limits)):
-        if given is not None and len(given) != b:
-            raise UsageError(f"batched decoding got {len(given)} {name} for {b} prompts: pass one per prompt")
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= n):
+        raise UsageError(f"batched decoding: rows must be an integer from 1 to the {n} prompts, got {rows!r}")
+    b = n if rows is None else rows
+    if drafters is not None and len(drafters) != b:
+        raise UsageError(f"batched decoding got {len(drafters)} drafters for {b} rows: pass one per row (a row's "
+                         "drafter serves each request that takes the row)")
+    for name, given in (("generators", generators), ("output limits", limits)):
+        if given is not None and len(given) != n:
+            raise UsageError(f"batched decoding got {len(given)} {name} for {n} prompts: pass one per prompt")
     if drafters is not None:
         groups = {id(getattr(d, "group", None)) for d in drafters}
         if len(groups) > 1 or (getattr(drafters[0], "group", None) is not None and
@@ -95,7 +109,7 @@ def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state,
     if limits is not None and any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
         raise UsageError(f"batched decoding: output limits must be integers >= 1, got {list(limits)}")
     if state is not None and len(state.slots) < b:
-        raise UsageError(f"batched decoding of {b} prompts needs a DecodeState of >= {b} slots, "
+        raise UsageError(f"batched decoding on {b} rows needs a DecodeState of >= {b} slots, "
                          f"got {len(state.slots)}")
     for i, p in enumerate(prompts):
         try:
@@ -114,11 +128,12 @@ def _rows_target(state: DecodeState, target, rows: int) -> BatchTarget:
 
 
 class _Batch:
-    """One batch: each request's `_Decode` (prefilled here), the BatchTarget their rows share, and the step."""
+    """One batch: each request's `_Decode` (prefilled here, or when it takes a freed row), the BatchTarget their
+    rows share, and the step."""
 
     def __init__(self, target, prompts, settings: DecodeSettings, backend: Backend, drafters, refiner, generators,
-                 state: DecodeState, limits, refine_batch=None):
-        b, self.backend = len(prompts), backend
+                 state: DecodeState, limits, refine_batch=None, rows=None):
+        b, self.backend = rows or len(prompts), backend
         self.batch = batch = _rows_target(state, target, b)
         self.width = width = drafters[0].block_size if drafters is not None else 1
         self.spec_arm, self.limit = drafters is not None, settings.max_model_len
@@ -146,24 +161,17 @@ class _Batch:
         self.graphs: StepGraphs | None = state.step_graphs() if settings.use_graph and why is None else None
         self.graph_note = f"batched steps ran eagerly under use_graph: {why}" if settings.use_graph and why else ""
         self.bucket = settings.graph_bucket
-        # + width: a masked (finished) request's block still writes past its end, in its own row
+        # + width: a masked (finished) request's block still writes past its end, in its own row. Sized for every
+        # prompt, the waiting ones too, so that no refill grows a cache (and moves what a graph reads)
         need = max(min(self.limit, len(p) + s.max_new_tokens + width) for p, s in zip(prompts, own)) + width
         batch.ensure_capacity(StepGraphs.capacity_for(need, self.bucket) if self.graphs is not None else need)
-        out = batch.outputs(batch.capacity + width + 1)
-        self.runs = []
-        for i, prompt in enumerate(prompts):
-            slot = state.slots[i]
-            run = _Decode(target, prompt, own[i], backend, None if drafters is None else drafters[i], refiner,
-                          None if generators is None else generators[i], state, slot=slot,
-                          row=batch.row(slot.row))
-            run.request.first_token(run.prefill(), settings.stop_ids)
-            batch.load_prompt(slot.row, len(prompt))
-            # the request's output is its row of the batch's: the batched step writes every row at once
-            n = len(prompt) + 1
-            out[slot.row, :n] = run.out[:n]
-            run.out = run.stepper.out = out[slot.row]
-            self.runs.append(run)
-        self.out, self.refiner = out, self.runs[0].stepper.refiner
+        for d in drafters or ():
+            d.ensure_capacity(batch.capacity)
+        self.out = batch.outputs(batch.capacity + width + 1)
+        self.make = (target, prompts, own, drafters, refiner, generators, state)
+        self.queue = list(range(b, len(prompts)))  # prompts waiting for a row, in order
+        self.runs = [self._start(i, i) for i in range(b)]
+        self.refiner = self.runs[0].stepper.refiner
         forced = None if settings.scripted_accept is None else min(settings.scripted_accept, width - 1)
         # the batched step: the state's, for this arm and shape, so that a graph one batch captures reads only
         # tensors that outlive it (harness.decode.batch_step)
@@ -176,9 +184,35 @@ class _Batch:
         if self.graphs is not None:
             if self.group is not None:  # the group's cache too holds every bucket's slots (the bucket's length)
                 self.group.ensure_capacity(batch.capacity)
-            self._capture_ahead(prompts, own)
+            self._capture_ahead(prompts, own, refill=bool(self.queue))
         self.clock = backend.now()
-        self.ends = [self.clock] * b
+        for run in self.runs:
+            run.start = self.clock
+        self.gens: list = [None] * len(prompts)
+
+    def _start(self, i: int, k: int) -> _Decode:
+        """Prompt k into row i: its `_Decode` on the row's slot and drafter (prefilled by the target, then copied
+        into the row, as every request's prefill), its output the batch's row i."""
+        target, prompts, own, drafters, refiner, generators, state = self.make
+        slot, prompt = state.slots[i], prompts[k]
+        run = _Decode(target, prompt, own[k], self.backend, None if drafters is None else drafters[i], refiner,
+                      None if generators is None else generators[k], state, slot=slot, row=self.batch.row(slot.row))
+        run.request.first_token(run.prefill(), own[k].stop_ids)
+        self.batch.load_prompt(slot.row, len(prompt))
+        # the request's output is its row of the batch's: the batched step writes every row at once
+        n = len(prompt) + 1
+        self.out[slot.row, :n] = run.out[:n]
+        run.out = run.stepper.out = self.out[slot.row]
+        run.k = k
+        return run
+
+    def _finish(self, run: _Decode, end: float) -> None:
+        gen = run.finish(run.request.produced, run.request.stop)
+        gen.decode_s = end - run.start
+        gen.setup_captures, gen.setup_capture_s = self.captures, self.capture_s
+        gen.graph_captures = self.captures_inside  # inside the clock: none unless a bucket was missed
+        gen.graph_note = gen.graph_note or self.graph_note
+        self.gens[run.k] = gen
 
     def live(self) -> list[bool]:
         """Per request: still stepping (decoding, or the accounting's extra step to come)."""
@@ -255,13 +289,14 @@ class _Batch:
         rs = self.rows
         return (rs.key(length), rs.layout(), lambda: rs.run(length), rs.live(), False, (rs,))
 
-    def _capture_ahead(self, prompts, own) -> None:
+    def _capture_ahead(self, prompts, own, refill: bool = False) -> None:
         """Capture every KV-length bucket this batch can reach before its clock starts (see the module's
-        docstring): from its longest prompt's first step to its longest request's last."""
-        first = max(map(len, prompts)) + self.width
+        docstring): from its longest prompt's first step (refilling: its shortest prompt's, since the rows may all
+        hold short prompts) to its longest request's last."""
+        first = (min if refill else max)(map(len, prompts)) + self.width
         last = max(min(self.limit, len(p) + s.max_new_tokens + self.width) for p, s in zip(prompts, own)) + self.width
         lengths = sorted({self._length(x) for x in range(first, last + 1)})
-        self._set_masks(*[[True] * len(prompts)] * 2)
+        self._set_masks(*[[True] * len(self.runs)] * 2)
         g = self.graphs
         before, t0 = g.captures, g.capture_s
         for length in lengths:
@@ -281,10 +316,12 @@ class _Batch:
         return _read(packed)
 
     def decode(self) -> list[Generation]:
+        ends = [self.clock] * len(self.runs)
         while any(live := self.live()):
             spec = [self.spec_arm and on and run.request.pos + self.width < self.limit
                     for on, run in zip(live, self.runs)]
             read = self._rows_read(live, spec) if self.rows_step_on else self.step(live, spec)
+            freed = []
             for i, run in enumerate(self.runs):
                 if not live[i]:
                     continue
@@ -294,14 +331,15 @@ class _Batch:
                 if not extra:
                     r.check_context()
                 if r.stop and not r.extra:
-                    self.ends[i] = self.backend.now()  # just after the read: the device is idle, no wait
-        gens = [run.finish(run.request.produced, run.request.stop) for run in self.runs]
-        for gen, end in zip(gens, self.ends):
-            gen.decode_s = end - self.clock
-            gen.setup_captures, gen.setup_capture_s = self.captures, self.capture_s
-            gen.graph_captures = self.captures_inside  # inside the clock: none unless a bucket was missed
-            gen.graph_note = gen.graph_note or self.graph_note
-        return gens
+                    ends[i] = self.backend.now()  # just after the read: the device is idle, no wait
+                    freed.append(i)
+            for i in freed[:len(self.queue)]:  # refill: the next waiting prompts take the freed rows, in row order
+                self._finish(self.runs[i], ends[i])  # before its row's output is overwritten
+                self.runs[i] = run = self._start(i, self.queue.pop(0))
+                run.start = ends[i] = self.backend.now()
+        for run, end in zip(self.runs, ends):
+            self._finish(run, end)
+        return self.gens
 
 
 @torch.no_grad()
@@ -309,20 +347,23 @@ def generate_batch(target, prompts: Sequence[list[int]], settings: DecodeSetting
                    drafters: Sequence[Drafter] | None = None, refiner: Refiner | None = None,
                    generators: Sequence[torch.Generator | None] | None = None,
                    state: DecodeState | None = None,
-                   max_new_tokens: Sequence[int] | None = None, refine_batch=None) -> list[Generation]:
+                   max_new_tokens: Sequence[int] | None = None, refine_batch=None,
+                   rows: int | None = None) -> list[Generation]:
     """Decode `prompts` together; one Generation per prompt, in order (see the module's docstring).
 
-    drafters: one per prompt (each holds its request's context; they share weights), None for AR. refiner: one
+    rows: how many requests decode at once (default: all of them, a static batch); fewer is continuous batching,
+    each freed row taking the next waiting prompt. drafters: one per row (each holds the context of the request
+    on its row; they share weights), None for AR. refiner: one
     for all (a refinement keeps no state between calls). generators: one per prompt, or None. state: a
     DecodeState of >= len(prompts) slots (default: a new one); slot i serves prompt i. max_new_tokens: one
     output limit per prompt (default: settings.max_new_tokens for all). refine_batch: `refiner` batched
     (harness.protocol.algorithms.batch_refiner(refiner), or None: each request refines alone); used with a drafter
     group's members and greedy drafts."""
-    b = _check_batch(prompts, settings, drafters, generators, state, max_new_tokens)
+    b = _check_batch(prompts, settings, drafters, generators, state, max_new_tokens, rows)
     _check(settings, backend)
     if refine_batch is not None and getattr(refine_batch, "refiner", None) is not refiner:
         raise UsageError("generate_batch: refine_batch batches another refiner than `refiner`; pass "
                          "harness.protocol.algorithms.batch_refiner(refiner), or None")
     state = state if state is not None else DecodeState.batched(target, b)
     return _Batch(target, prompts, settings, backend, drafters, refiner, generators, state, max_new_tokens,
-                  refine_batch).decode()
+                  refine_batch, rows).decode()
