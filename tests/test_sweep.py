@@ -241,3 +241,37 @@ def test_a_long_label_line_is_wrapped_to_the_figure(swept, tmp_path, monkeypatch
     one = dict(s, context_lengths=[s["context_lengths"][0]], labels=s["labels"] + ["a long label " * 6])
     sweep.write_plots(str(tmp_path), one)
     assert titles and all(len(line) <= 70 for line in titles[0].split("\n")) and "\n" in titles[0]
+
+
+def test_a_refilled_sweep_decodes_each_request_as_b1_in_one_queue_per_point(files, tmp_path):
+    """--refill: at B=2 the point's requests run as ONE queue over 2 rows (batch_index 0 only, every request's row
+    numbered in queue order), each request's tokens are its B=1 tokens and AR's, the batch's decode seconds reach
+    to its last request's end, and the label says continuous batching; --refill needs --batch-sizes."""
+    assert cli.main(args(files, tmp_path, "--run-id", "r", "--batch-sizes", "1,2", "--refill")) == 0
+    folder = tmp_path / "r"
+    s, rows = json.loads((folder / "sweep.json").read_text()), read_rows(folder / "samples.jsonl")
+    assert any("continuous batching" in x for x in s["labels"])
+    b2 = [r for r in rows if r["batch_size"] == 2]
+    assert {r["batch_index"] for r in b2} == {0} and {r["batch_row"] for r in b2} == {0, 1, 2, 3}
+    for r in b2:
+        assert r["batch_decode_s"] >= r["decode_s"] > 0 and r["refill"]
+        assert r["batch_steps"] >= r["spec_steps"] + r["ar_steps"]  # the queue's steps, every request's within
+    for p in s["points"]:
+        for e in p["arms"].values():
+            assert p["batch_size"] == 1 or e["same_as_b1"]["equal"] == e["same_as_b1"]["of"] == 4 * 5
+    ar = {(r["batch_size"], r["round"], r["question_id"]): r["tokens"] for r in rows if r["arm"] == "AR"}
+    assert all(r["tokens"] == ar[(r["batch_size"], r["round"], r["question_id"])] for r in rows)
+    assert cli.main(args(files, tmp_path, "--run-id", "bad", "--refill")) == 2
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_refilled_batch_counts_its_own_steps_and_its_rows_as_slots():
+    """sweep_steps on refilled rows: the batch's steps are its own count (a queue of 4 requests on 2 rows takes
+    more steps than its longest request), and its slots are its 2 rows at every step, not its 4 requests."""
+    from harness.protocol import sweep_steps
+    rows = [{"round": 2, "batch_index": 0, "spec_steps": s, "ar_steps": 0, "batch_decode_s": 0.5, "decode_tokens": t,
+             "refill": True, "batch_steps": 10, "batch_rows": 2} for s, t in ((6, 12), (4, 8), (5, 10), (5, 9))]
+    got = sweep_steps.step_stats(rows)
+    assert got["steps"] == 10 and got["slot_use"] == 1.0 and got["tokens_per_step"] == 3.9
+    static = [{k: v for k, v in r.items() if k not in ("refill", "batch_steps", "batch_rows")} for r in rows]
+    assert sweep_steps.step_stats(static)["steps"] == 6  # a static batch: its longest row

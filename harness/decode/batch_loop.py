@@ -208,7 +208,7 @@ class _Batch:
 
     def _finish(self, run: _Decode, end: float) -> None:
         gen = run.finish(run.request.produced, run.request.stop)
-        gen.decode_s = end - run.start
+        gen.decode_s, gen.batch_end_s = end - run.start, end - self.clock
         gen.setup_captures, gen.setup_capture_s = self.captures, self.capture_s
         gen.graph_captures = self.captures_inside  # inside the clock: none unless a bucket was missed
         gen.graph_note = gen.graph_note or self.graph_note
@@ -316,8 +316,9 @@ class _Batch:
         return _read(packed)
 
     def decode(self) -> list[Generation]:
-        ends = [self.clock] * len(self.runs)
+        ends, steps = [self.clock] * len(self.runs), 0
         while any(live := self.live()):
+            steps += 1
             spec = [self.spec_arm and on and run.request.pos + self.width < self.limit
                     for on, run in zip(live, self.runs)]
             read = self._rows_read(live, spec) if self.rows_step_on else self.step(live, spec)
@@ -339,6 +340,8 @@ class _Batch:
                 run.start = ends[i] = self.backend.now()
         for run, end in zip(self.runs, ends):
             self._finish(run, end)
+        for gen in self.gens:
+            gen.batch_steps = steps
         return self.gens
 
 

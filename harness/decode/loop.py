@@ -96,6 +96,9 @@ class Generation:
     graph_note: str = ""               # why steps ran eagerly although use_graph was set ("" when none did)
     setup_captures: int = 0            # graphs captured for it before its decode clock started (a batch's, all of
     setup_capture_s: float = 0.0       # them; harness.decode.batch_loop), and their host seconds (outside decode_s)
+    batch_end_s: float = 0.0           # batched: seconds from the batch's first step to this request's end (=
+    #                                    decode_s in a static batch; with refills, later requests start later)
+    batch_steps: int = 0               # batched: the steps its batch took, every request's included
     top2_gaps: list[float] | None = None  # per token: the target's top-2 logit gap (settings.record_gaps)
     top_logits: list[float] | None = None  # per token: the target's largest logit (beside top2_gaps)
 

@@ -72,6 +72,7 @@ class RunConfig:
     quiet: bool = False
     batch_sizes: str | None = None            # --batch-sizes 1,2,4: a sweep (harness.protocol.sweep)
     context_lengths: str | None = None        # --context-lengths 0,1024: a sweep
+    refill: bool = False                      # --refill: the sweep's batches refill freed rows (continuous)
 
     @property
     def fair(self) -> bool:
@@ -190,6 +191,8 @@ def validate(c: RunConfig) -> None:
     from harness.protocol import sweep_points
     if sweep_points.is_sweep(c):
         sweep_points.check(c)
+    elif c.refill:
+        raise UsageError("--refill is a sweep's batching: give it with --batch-sizes (e.g. --batch-sizes 1,4,16)")
     for path in (c.answer_file, c.trace):
         if path:
             check_writable(path)

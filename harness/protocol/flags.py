@@ -133,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="a sweep: the paired protocol at each batch size (1..64 requests decoding together; with --use-graph "
            "one CUDA graph per arm, batch size and KV bucket, captured before each batch's clock), e.g. "
            "1,2,4,8,16,32,64; results in one folder (sweep.json, sweep.md, plots)")
+    f("--refill", action="store_true",
+      help="with --batch-sizes: continuous batching, B rows at once over the point's whole prompt queue, each "
+           "finished request's row taking the next prompt (default: static batches of B, finished rows masked)")
     f("--context-lengths", metavar="C,C,...",
       help="a sweep: the paired protocol at each context length (prompts filled to at least C tokens with other "
            "prompts' texts; 0 = as they are), e.g. 0,1024,4096; with or without --batch-sizes")

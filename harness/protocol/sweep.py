@@ -52,7 +52,8 @@ from harness.protocol.data import dataset_provenance, load_samples, render_promp
 from harness.protocol.plan import run_folder
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
 from harness.protocol.rounds import rotation
-from harness.protocol.sweep_points import batch_sizes, context_lengths, is_sweep, request_ids  # noqa: F401
+from harness.protocol.sweep_points import (batch_sizes, context_lengths, is_sweep, padded_requests,  # noqa: F401
+                                           request_ids, served_rows)
 
 SWEEP = "sweep.json"
 
@@ -177,24 +178,6 @@ def run(cfg, out=None) -> dict:
     return summary
 
 
-def served_rows(plan, batch: int) -> int:
-    """The rows a batch of `batch` requests decodes as: --device spyre serves 1, 2 or 4 rows (its compiled shapes;
-    harness.protocol.spyre_contract.padded_batch: 3 -> 4), every other device the batch itself."""
-    if plan.spyre is None:
-        return batch
-    from harness.protocol.spyre_contract import padded_batch
-    return padded_batch(batch)
-
-
-def padded_requests(prompts: list[list[int]], seeds: list[int], rows: int, limit: int):
-    """(prompts, output limits, seeds) for a batch run at `rows` rows: each padding row repeats the first prompt
-    with an output limit of 1 token, which its prefill produces, so it is finished (masked, batch_loop) from the
-    first step: it rides in every forward at its own KV row and is never proposed, verified, committed or read.
-    Its prefill runs before the first step, so decode_s does not include it (prefill_s does)."""
-    pad = rows - len(prompts)
-    return prompts + [prompts[0]] * pad, [limit] * len(prompts) + [1] * pad, seeds + [seeds[0]] * pad
-
-
 def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: int, samples, pool,
                   how: set) -> list[dict]:
     """Every batch of one (point, round, arm): one generate_batch each, one row per request."""
@@ -205,8 +188,10 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
     rows_run = served_rows(plan, pt.batch)
     if rows_run != pt.batch:
         how.add(f"{pt.batch} requests padded to {rows_run} (Spyre)")
-    for g in range(len(pt.ids) // pt.batch):
-        ids = pt.ids[g * pt.batch:(g + 1) * pt.batch]
+    if cfg.refill:  # one queue of the point's prompts over B rows (batch_loop: continuous batching)
+        how.add("continuous batching: a finished request's row takes the next prompt")
+    for g, ids in enumerate([pt.ids] if cfg.refill else
+                            [pt.ids[g * pt.batch:(g + 1) * pt.batch] for g in range(len(pt.ids) // pt.batch)]):
         seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_) for i in ids]
         prompts, limits, seeds_run = padded_requests([list(pt.prompts[i]) for i in ids], seeds, rows_run,
                                                      settings.max_new_tokens)
@@ -214,10 +199,11 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
         gens = generate_batch(models.target, prompts, settings, backend,
                               drafters=_drafters(arm, rows_run, pool, backend, how), refiner=arm.refiner,
                               generators=None if greedy else [backend.generator(s) for s in seeds_run],
-                              refine_batch=_batched(arm.refiner, pool, how, rows_run), max_new_tokens=limits)
+                              refine_batch=_batched(arm.refiner, pool, how, rows_run), max_new_tokens=limits,
+                              rows=rows_run if cfg.refill else None)
         wall = backend.now() - start
-        gens = gens[:pt.batch]  # the padding rows are not requests
-        decode_s = max(x.decode_s for x in gens)
+        gens = gens[:len(ids)]  # the padding rows are not requests
+        decode_s = max(x.batch_end_s for x in gens)  # the batch's first step to its last end (refills inside)
         how.add("CUDA graphs per (arm, B, KV bucket)" if any(x.graph_steps for x in gens) else "eager")
         how.update(x.graph_note for x in gens if x.graph_note)
         for j, (i, gen) in enumerate(zip(ids, gens)):
@@ -226,7 +212,8 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
                        slot=slot,
                        stream_seed=None if greedy else seeds[j], batch_decode_s=decode_s,
                        batch_prefill_s=wall - decode_s - gens[0].setup_capture_s, batch_capture_s=gens[0].setup_capture_s,
-                       batch_setup_captures=gens[0].setup_captures, graph_steps=gen.graph_steps)
+                       batch_setup_captures=gens[0].setup_captures, graph_steps=gen.graph_steps,
+                       **({"refill": True, "batch_steps": gen.batch_steps} if cfg.refill else {}))
             rows.append(row)
     return rows
 

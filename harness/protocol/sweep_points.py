@@ -57,6 +57,9 @@ def check(cfg) -> None:
         if given:
             raise UsageError(f"--batch-sizes/--context-lengths: a sweep does not take {why}")
     from harness.protocol.spyre_contract import budget_of, check_batches, is_spyre
+    if cfg.refill and is_spyre(cfg.device):
+        raise UsageError("--refill on --device spyre: its compiled batch shapes serve 1, 2 or 4 fixed requests; "
+                         "sweep it without --refill")
     if is_spyre(cfg.device):  # 1..4 requests (3 padded to 4) within the token budget; config.validate's
         check_batches(batch_sizes(cfg), budget_of(cfg))  # spyre_contract.check_run has said so already
 
@@ -64,3 +67,21 @@ def check(cfg) -> None:
 def request_ids(n: int, b: int) -> list[int]:
     """The prompts of a point at batch size b: 0..n-1, cycled up to the next multiple of b."""
     return [i % n for i in range(math.ceil(n / b) * b)]
+
+
+def served_rows(plan, batch: int) -> int:
+    """The rows a batch of `batch` requests decodes as: --device spyre serves 1, 2 or 4 rows (its compiled shapes;
+    harness.protocol.spyre_contract.padded_batch: 3 -> 4), every other device the batch itself."""
+    if plan.spyre is None:
+        return batch
+    from harness.protocol.spyre_contract import padded_batch
+    return padded_batch(batch)
+
+
+def padded_requests(prompts: list[list[int]], seeds: list[int], rows: int, limit: int):
+    """(prompts, output limits, seeds) for a batch run at `rows` rows: each padding row repeats the first prompt
+    with an output limit of 1 token, which its prefill produces, so it is finished (masked, batch_loop) from the
+    first step: it rides in every forward at its own KV row and is never proposed, verified, committed or read.
+    Its prefill runs before the first step, so decode_s does not include it (prefill_s does)."""
+    pad = rows - len(prompts)
+    return prompts + [prompts[0]] * pad, [limit] * len(prompts) + [1] * pad, seeds + [seeds[0]] * pad
