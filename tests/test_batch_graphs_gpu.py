@@ -59,3 +59,21 @@ def test_graphed_batches_equal_eager_and_b1_and_capture_before_the_clock(case, a
             assert g.accepted == e.accepted == one.accepted, (arm, b, i)
             assert g.graph_steps == g.host_syncs > 0 and g.graph_captures == 0 and not g.graph_note
         assert graphed[0].setup_captures >= 2 and again[0].setup_captures == 0, (arm, b)
+
+
+@pytest.mark.parametrize("arm", ["ar", "drafter-only", "xpress"])
+def test_refilled_graphed_batches_equal_b1_and_capture_before_the_clock(case, arm):
+    """Continuous batching under the graphs (rows=3 over the 8 prompts): each refill's prefill lands in a row the
+    captured step reads by address; every request equals its B=1 decode and no graph is captured inside a clock."""
+    t, base, prompts, refiners = case
+    r = refiners[arm]
+    fresh = lambda: DFlashDrafter(base.model, t.embed, t.lm_head, GPU32)
+    group = None if arm == "ar" else DFlashGroup(fresh(), 3)
+    gens = generate_batch(t, prompts, DecodeSettings(max(BUDGETS), 512, (3,), use_graph=True, graph_bucket=16), GPU32,
+                          drafters=None if group is None else group.members, refiner=r,
+                          refine_batch=None if r is None else batch_refiner(r), max_new_tokens=list(BUDGETS), rows=3)
+    for i, g in enumerate(gens):
+        one = generate(t, prompts[i], DecodeSettings(BUDGETS[i], 512, (3,)), GPU32,
+                       drafter=None if arm == "ar" else fresh(), refiner=r)
+        assert (g.tokens, g.accepted) == (one.tokens, one.accepted), (arm, i)
+        assert g.graph_steps > 0 and g.graph_captures == 0 and not g.graph_note, (arm, i)
