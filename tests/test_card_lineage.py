@@ -94,6 +94,8 @@ def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_total
     pytest.importorskip("matplotlib")
     t, out, md = lineage, lineage / "out", lineage / "CARD.md"
     write_run(t / "cons", True, {"xpress": (0, 353), "xpress_cw1": (0, 701)})
+    box = json.loads((t / "cons" / "xpress_box.json").read_text())  # the box fit cut its plan: the card says so
+    (t / "cons" / "xpress_box.json").write_text(json.dumps({**box, "fit": {"planned_steps": 702, "fitted_steps": 353}}))
     r = card_cli("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried",
                  f"cons={t / 'cons'}", "--ship", t / "heads.json", "--out", out, "--markdown", md)
     assert r.returncode == 0, r.stderr
@@ -103,6 +105,7 @@ def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_total
     assert "made by 2 runs in turn" in text and "## Tried on these weights, not shipped" in text
     assert text.index("## Run `heads`") < text.index("## Tried run `cons`")
     assert "| all | 14 | 1400 | drafter: 1000; markov_gated: 1000; xpress: 1000 |" in text  # cons is not summed
+    assert "| xpress | 353 | 353 (fitted from 702) |" in text and "| xpress_cw1 | 701 | 701 |" in text
     assert "| xpress_cw1 | 701 |" in text and (out / "loss_curves_cons.png").stat().st_size > 0
     tried = text[text.index("## Tried run `cons`"):]
     assert "Nothing of this run was shipped" in tried and "(the Markov variant shipped)" not in tried

@@ -57,6 +57,9 @@ def model_record(d: Path, summary: dict) -> dict:
     out["box"] = None if box is None else {**_pick(box, BOX_KEYS, 1),
                                            "steps_share": _round(box.get("steps_share"), 3),
                                            "parts_s": {k: _round(v, 1) for k, v in box["parts_s"].items()}}
+    fit = (box or {}).get("fit") or {}
+    if fit.get("planned_steps") not in (None, fit.get("fitted_steps")):  # the box fit shortened the plan
+        out["planned_before_fit"] = fit["planned_steps"]
     out["selection"], out["heldout"] = _tau(acc.get("selection")), _tau(acc.get("heldout"))
     return out
 

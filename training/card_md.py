@@ -53,10 +53,16 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
     out += table(["model", "step reached", "planned", "steps this run (from step)", "cut by the time box",
                   "first loss", "last loss (mean of the last 25 logged steps)", "validation loss per epoch",
                   "median step ms"],
-                 [[m["model"], m["steps"], m["planned_steps"], this_run(m.get("box") or {}), m["truncated"],
+                 [[m["model"], m["steps"], planned(m), this_run(m.get("box") or {}), m["truncated"],
                    m["first_loss"], m["last_loss_mean25"], m["val_loss_per_epoch"], m["median_step_ms"]]
                   for m in models])
     return out
+
+
+def planned(m: dict) -> str:
+    """The plan the model finished; where the box fit (training/fit.py) shortened it, the plan before the fit too."""
+    before = m.get("planned_before_fit")
+    return str(m["planned_steps"]) if before is None else f"{m['planned_steps']} (fitted from {before})"
 
 
 def this_run(box: dict) -> str:
