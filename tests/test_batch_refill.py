@@ -101,16 +101,42 @@ def test_a_refilled_batch_captures_every_bucket_before_its_clock(case, monkeypat
     assert len(set(g.replayed)) >= 3 and min(g.replayed) < max(g.replayed)
 
 
-def test_each_request_is_timed_from_its_own_prefill(case, monkeypatch):
-    """decode_s of a refilled request counts from just after its own prefill, not from the batch's first step, and
-    the refills' prefills fall inside the clocks of the requests still decoding. Each refill's prefill is made to
-    take 0.3 s: measured from the batch's start, the last request's decode_s would hold all three."""
+def test_refills_are_kept_out_of_every_decode_clock(case, monkeypatch):
+    """A refill (the finished request's read, the next one's setup and prefill, the drafter's pass over its prompt)
+    stalls every row, and is prefill, not decode: it is kept out of every request's decode_s and out of batch_end_s,
+    as a static batch keeps its prefills before its clock. Each refill's prefill is made to take 0.3 s here; the
+    decoding itself (tiny model) takes far less, so a decode_s of 0.3 s or more means a refill leaked into it."""
     import time
     t, prompts = case[0], case[2]
     prefill, slow = t.prefill, [prompts[i] for i in ORDER[2:]]
     monkeypatch.setattr(t, "prefill", lambda ids, **k: (time.sleep(0.3) if ids.tolist() in slow else None,
                                                         prefill(ids, **k))[1])
+    start = time.perf_counter()
     gens = _decode(case, "drafter-only", 2, settings(case))
-    assert all(g.ttft_s >= 0.3 for g in gens[2:]) and all(g.ttft_s < 0.3 for g in gens[:2])
-    assert gens[-1].decode_s < 0.75  # its own steps, and at most one other row's refill
-    assert max(g.decode_s for g in gens[:2]) >= 0.3  # the first wave's survivor waited for a refill
+    wall = time.perf_counter() - start
+    assert wall >= 0.9 and all(g.ttft_s >= 0.3 for g in gens[2:]) and all(g.ttft_s < 0.3 for g in gens[:2])
+    assert all(0 < g.decode_s < 0.3 and 0 < g.batch_end_s < 0.3 for g in gens), [g.decode_s for g in gens]
+    assert max(g.batch_end_s for g in gens) >= max(g.decode_s for g in gens)
+
+
+def test_a_request_that_stops_at_its_prefill_hands_its_row_on_at_once(case):
+    """Output limits of 1 (and any first token that is a stop): the request never steps, and the row takes the
+    next waiting prompt before the first step, so no row idles while prompts wait; with every limit 1 the batch
+    ends without a step. Default limits (none given) refill too."""
+    t, _, prompts, refs, _ = case
+    s = settings(case)
+    limits = [1, 6, 1, 6, 6]
+    gens = generate_batch(t, [prompts[i] for i in ORDER], s, CPU32, max_new_tokens=limits, rows=2)
+    alone = [generate(t, prompts[i], dataclasses.replace(s, max_new_tokens=m), CPU32).tokens
+             for i, m in zip(ORDER, limits)]
+    assert [g.tokens for g in gens] == alone and [gens[0].decode_s, gens[2].decode_s] == [0.0, 0.0]
+    steps = [len(x) - 1 for x in alone]  # AR: a step per token after the prefill's
+    # row 0: requests 0 and 2 stop at their prefill, so request 3 takes it before the first step, then request 4;
+    # row 1: request 1. Had row 0 idled, requests 3 and 4 would have waited for row 1
+    assert gens[0].batch_steps == max(steps[1], steps[3] + steps[4]) < steps[1] + steps[3] + steps[4]
+    ones = generate_batch(t, [prompts[i] for i in ORDER], dataclasses.replace(s, max_new_tokens=1), CPU32, rows=2)
+    assert [g.tokens for g in ones] == [refs[i][:1] for i in ORDER] and ones[0].batch_steps == 0
+    default = generate_batch(t, [prompts[i] for i in ORDER], dataclasses.replace(s, max_new_tokens=5), CPU32,
+                             rows=1)
+    assert [g.tokens for g in default] == [generate(t, prompts[i], dataclasses.replace(s, max_new_tokens=5),
+                                                    CPU32).tokens for i in ORDER]

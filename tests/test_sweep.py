@@ -254,8 +254,14 @@ def test_a_refilled_sweep_decodes_each_request_as_b1_in_one_queue_per_point(file
     b2 = [r for r in rows if r["batch_size"] == 2]
     assert {r["batch_index"] for r in b2} == {0} and {r["batch_row"] for r in b2} == {0, 1, 2, 3}
     for r in b2:
-        assert r["batch_decode_s"] >= r["decode_s"] > 0 and r["refill"]
-        assert r["batch_steps"] >= r["spec_steps"] + r["ar_steps"]  # the queue's steps, every request's within
+        assert r["batch_decode_s"] >= r["decode_s"] > 0 and r["refill"] and r["batch_rows"] == 2
+    from harness.protocol import sweep_steps
+    for (a, rnd) in {(r["arm"], r["round"]) for r in b2}:
+        batch = [r for r in b2 if r["arm"] == a and r["round"] == rnd]
+        assert len({r["batch_steps"] for r in batch}) == 1  # one queue, one count, every request's steps within it
+        steps = [r["spec_steps"] + r["ar_steps"] for r in batch]
+        assert max(steps) <= batch[0]["batch_steps"] < sum(steps)
+        assert sweep_steps.step_stats(batch)["steps"] == batch[0]["batch_steps"]
     for p in s["points"]:
         for e in p["arms"].values():
             assert p["batch_size"] == 1 or e["same_as_b1"]["equal"] == e["same_as_b1"]["of"] == 4 * 5

@@ -31,8 +31,11 @@ order; when a request finishes, the next waiting prompt takes its row at once (i
 two steps: the others wait for it, as a server's step would), so a row idles only once the queue is empty. Every
 arm gets the same queue in the same order and the same number of rows; an arm whose requests end sooner takes its
 next prompts sooner, which is what refilling buys. A request's decode clock starts after its own prefill and stops
-at its finishing step; the refills' prefills fall inside the other requests' clocks. With `rows` = len(prompts)
-(the default) nothing is refilled: a static batch.
+at its finishing step. A refill (the finished request's read, the next one's setup, prefill and drafter pass)
+stalls every row; its seconds are kept out of every request's decode_s and batch_end_s (prefill, as a static
+batch's prefills come before its clock), so decode time is the steps' alone in both modes. A request that stops at
+its prefill hands its row on at once. With `rows` = len(prompts) (the default) nothing is refilled: a static
+batch.
 
 The batched step (harness.decode.batch_step.RowsStep, kept in the DecodeState), used whenever the step is greedy
 (T=0 with greedy drafts, or AR) and the drafts come from one DrafterGroup (or there are none; not under
@@ -100,7 +103,7 @@ def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state,
         if len(groups) > 1 or (getattr(drafters[0], "group", None) is not None and
                                [getattr(d, "b", None) for d in drafters] != list(range(b))):
             raise UsageError("batched decoding: pass a drafter group's members in order, all of them "
-                             "(DFlashGroup(base, len(prompts)).members), or one drafter per prompt")
+                             "(DFlashGroup(base, rows).members), or one drafter per row")
         if len({id(d) for d in drafters}) != b:
             raise UsageError("batched decoding got one drafter object for several requests: each request needs "
                              "its own (a drafter holds its request's context), over the same weights")
@@ -141,7 +144,7 @@ class _Batch:
         # graphs are the batch's own (below)
         eager = dataclasses.replace(settings, use_graph=False)
         own = [eager if limits is None else dataclasses.replace(eager, max_new_tokens=m)
-               for m in (limits or [settings.max_new_tokens] * b)]
+               for m in (limits or [settings.max_new_tokens] * len(prompts))]
         # drafters of one DrafterGroup (drafters.dflash_batch): every request's draft in one forward, observed
         # together; else each request's own drafter drafts and observes alone
         self.group = getattr(drafters[0], "group", None) if drafters is not None else None
@@ -165,12 +168,15 @@ class _Batch:
         # prompt, the waiting ones too, so that no refill grows a cache (and moves what a graph reads)
         need = max(min(self.limit, len(p) + s.max_new_tokens + width) for p, s in zip(prompts, own)) + width
         batch.ensure_capacity(StepGraphs.capacity_for(need, self.bucket) if self.graphs is not None else need)
+        target.ensure_capacity(need)  # the prefills' scratch (each _Decode's ensure is then a no-op)
         for d in drafters or ():
             d.ensure_capacity(batch.capacity)
         self.out = batch.outputs(batch.capacity + width + 1)
         self.make = (target, prompts, own, drafters, refiner, generators, state)
         self.queue = list(range(b, len(prompts)))  # prompts waiting for a row, in order
-        self.runs = [self._start(i, i) for i in range(b)]
+        self.gens: list = [None] * len(prompts)
+        self.paused = 0.0  # seconds of refills (finish, setup, prefill) inside the batch's clock, kept out of decode
+        self.runs = [self._take(i, i) for i in range(b)]
         self.refiner = self.runs[0].stepper.refiner
         forced = None if settings.scripted_accept is None else min(settings.scripted_accept, width - 1)
         # the batched step: the state's, for this arm and shape, so that a graph one batch captures reads only
@@ -188,7 +194,6 @@ class _Batch:
         self.clock = backend.now()
         for run in self.runs:
             run.start = self.clock
-        self.gens: list = [None] * len(prompts)
 
     def _start(self, i: int, k: int) -> _Decode:
         """Prompt k into row i: its `_Decode` on the row's slot and drafter (prefilled by the target, then copied
@@ -203,16 +208,32 @@ class _Batch:
         n = len(prompt) + 1
         self.out[slot.row, :n] = run.out[:n]
         run.out = run.stepper.out = self.out[slot.row]
-        run.k = k
+        run.k, run.paused0, run.end = k, self.paused, None
         return run
 
-    def _finish(self, run: _Decode, end: float) -> None:
-        gen = run.finish(run.request.produced, run.request.stop)
-        gen.decode_s, gen.batch_end_s = end - run.start, end - self.clock
-        gen.setup_captures, gen.setup_capture_s = self.captures, self.capture_s
-        gen.graph_captures = self.captures_inside  # inside the clock: none unless a bucket was missed
-        gen.graph_note = gen.graph_note or self.graph_note
-        self.gens[run.k] = gen
+    @staticmethod
+    def _done(run: _Decode) -> bool:
+        return bool(run.request.stop) and not run.request.extra
+
+    def _take(self, i: int, k: int) -> _Decode:
+        """Prompt k into row i; while prompts wait, a request that stops at its prefill (its first token a stop,
+        an output limit of 1) hands the row on at once, never having decoded."""
+        run = self._start(i, k)
+        while self._done(run) and self.queue:
+            self._finish(run)
+            run = self._start(i, self.queue.pop(0))
+        return run
+
+    def _finish(self, run: _Decode) -> None:
+        """The request's Generation, read from its output row before the row's next request overwrites it. Its
+        decode_s runs from its start to its end (0 if it never stepped) less the refills in between."""
+        gen = self.gens[run.k] = run.finish(run.request.produced, run.request.stop)
+        if run.end is None:
+            gen.decode_s = gen.batch_end_s = 0.0
+        else:
+            end, paused = run.end
+            gen.decode_s = end - run.start - (paused - run.paused0)
+            gen.batch_end_s = end - self.clock - paused
 
     def live(self) -> list[bool]:
         """Per request: still stepping (decoding, or the accounting's extra step to come)."""
@@ -316,7 +337,7 @@ class _Batch:
         return _read(packed)
 
     def decode(self) -> list[Generation]:
-        ends, steps = [self.clock] * len(self.runs), 0
+        steps = 0
         while any(live := self.live()):
             steps += 1
             spec = [self.spec_arm and on and run.request.pos + self.width < self.limit
@@ -331,17 +352,26 @@ class _Batch:
                                      *read[i])
                 if not extra:
                     r.check_context()
-                if r.stop and not r.extra:
-                    ends[i] = self.backend.now()  # just after the read: the device is idle, no wait
+                if self._done(run):
+                    run.end = (self.backend.now(), self.paused)  # just after the read: the device is idle
                     freed.append(i)
-            for i in freed[:len(self.queue)]:  # refill: the next waiting prompts take the freed rows, in row order
-                self._finish(self.runs[i], ends[i])  # before its row's output is overwritten
-                self.runs[i] = run = self._start(i, self.queue.pop(0))
-                run.start = ends[i] = self.backend.now()
-        for run, end in zip(self.runs, ends):
-            self._finish(run, end)
+            if freed and self.queue:  # refill: the next waiting prompts take the freed rows, in row order
+                t0 = self.backend.now()
+                taken = [i for i in freed[:len(self.queue)]]
+                for i in taken:
+                    self._finish(self.runs[i])
+                    self.runs[i] = self._take(i, self.queue.pop(0))
+                t1 = self.backend.now()
+                self.paused += t1 - t0
+                for i in taken:
+                    self.runs[i].start, self.runs[i].paused0 = t1, self.paused
+        assert not self.queue, "a prompt was left waiting"
+        for run in self.runs:
+            self._finish(run)
         for gen in self.gens:
-            gen.batch_steps = steps
+            gen.setup_captures, gen.setup_capture_s, gen.batch_steps = self.captures, self.capture_s, steps
+            gen.graph_captures = self.captures_inside  # inside the clock: none unless a bucket was missed
+            gen.graph_note = gen.graph_note or self.graph_note
         return self.gens
 
 
@@ -358,7 +388,7 @@ def generate_batch(target, prompts: Sequence[list[int]], settings: DecodeSetting
     each freed row taking the next waiting prompt. drafters: one per row (each holds the context of the request
     on its row; they share weights), None for AR. refiner: one
     for all (a refinement keeps no state between calls). generators: one per prompt, or None. state: a
-    DecodeState of >= len(prompts) slots (default: a new one); slot i serves prompt i. max_new_tokens: one
+    DecodeState of >= rows slots (default: a new one); slot i serves the requests on row i. max_new_tokens: one
     output limit per prompt (default: settings.max_new_tokens for all). refine_batch: `refiner` batched
     (harness.protocol.algorithms.batch_refiner(refiner), or None: each request refines alone); used with a drafter
     group's members and greedy drafts."""

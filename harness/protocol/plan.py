@@ -27,7 +27,7 @@ RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "expla
                "given", "quiet")  # given: which flags were typed
 RESUMES = "resumes.json"
 # Flags added after runs were made: a config.json without one ran with its value here (so --resume still matches).
-ADDED_LATER = {"batch_invariant": False, "batch_sizes": None, "context_lengths": None}
+ADDED_LATER = {"batch_invariant": False, "batch_sizes": None, "context_lengths": None, "refill": False}
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,8 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
     if rows_run != pt.batch:
         how.add(f"{pt.batch} requests padded to {rows_run} (Spyre)")
     if cfg.refill:  # one queue of the point's prompts over B rows (batch_loop: continuous batching)
-        how.add("continuous batching: a finished request's row takes the next prompt")
+        how.add("continuous batching: a finished request's row takes the next prompt (refills' prefills outside "
+                "decode time, in batch_prefill_s)")
     for g, ids in enumerate([pt.ids] if cfg.refill else
                             [pt.ids[g * pt.batch:(g + 1) * pt.batch] for g in range(len(pt.ids) // pt.batch)]):
         seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_) for i in ids]
