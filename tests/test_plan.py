@@ -149,3 +149,16 @@ def test_presize_sizes_the_caches_for_later_turns(data, tmp_path, monkeypatch):
                               str(tmp_path), "--run-id", "p", "--quiet"]) == 0
     rows = [json.loads(x) for x in (tmp_path / "p" / "samples.jsonl").read_text().splitlines()]
     assert max(r["prompt_tokens"] for r in rows if r["turn"] == 1) <= seen[0]
+
+
+def test_a_folder_written_before_a_flag_existed_still_resumes(tmp_path):
+    """config.json of a run made before a flag was added lacks it; the flag's default (plan.ADDED_LATER) stands in,
+    so --resume does not report other settings (--refill's absence broke every older folder's resume)."""
+    import dataclasses
+    from harness.protocol import plan as plan_mod
+    from harness.protocol.config import RunConfig
+    cfg = RunConfig(model_name_or_path="m", draft_name_or_path="d", dataset="gsm8k")
+    saved = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in plan_mod.ADDED_LATER}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    plan_mod.check_resume(cfg, str(tmp_path))  # no error
+    assert {"refill", "batch_sizes", "context_lengths", "batch_invariant"} <= set(plan_mod.ADDED_LATER)
