@@ -43,3 +43,18 @@ def test_bad_extends_is_refused(tmp_path, extends, msg):
     p.write_text(json.dumps({"extends": str(p) if extends == "SELF" else extends}))
     with pytest.raises(UsageError, match=msg):
         load_config(str(p))
+
+
+def test_the_continue_preset_draws_fresh_data_and_trains_the_drafter_then_its_heads():
+    """smollm2-gpu-continue (the next H200 run, results/perf/NOTES.md): the pool's unused parts (192 on) and a
+    second round of Magpie prompts, the drafter continued (train.warm_start, which training_gpu.sh start sets) for
+    3 epochs, then xPress and gated Markov on it, frozen; everything else is smollm2-gpu's."""
+    base, cont = load_config("smollm2-gpu"), load_config("smollm2-gpu-continue")
+    assert {k for k in base if base[k] != cont[k]} == {"models", "name", "workdir", "prompts", "responses"}
+    assert {k for k in base["prompts"] if base["prompts"][k] != cont["prompts"][k]} == {"more_magpie"}
+    assert cont["prompts"]["more_magpie"] == 52000 and cont["prompts"]["more_round"] == 1
+    assert cont["responses"]["first_part"] == 192
+    assert list(cont["models"]) == ["drafter", "xpress", "markov_gated"]
+    assert cont["models"]["drafter"]["epochs"] == 3
+    assert all(cont["models"][h]["init_from"] == "drafter" and cont["models"][h]["freeze_backbone"]
+               for h in ("xpress", "markov_gated"))
