@@ -140,3 +140,16 @@ def test_a_request_that_stops_at_its_prefill_hands_its_row_on_at_once(case):
                              rows=1)
     assert [g.tokens for g in default] == [generate(t, prompts[i], dataclasses.replace(s, max_new_tokens=5),
                                                     CPU32).tokens for i in ORDER]
+
+
+def test_two_rows_freed_in_one_step_share_a_queue_that_a_prefill_stop_shortens(case):
+    """Both rows free at the same step and two prompts wait, the first of which stops at its prefill: the first
+    row takes both, the second row finds the queue empty and idles (it once popped an empty queue)."""
+    t, _, prompts, _, _ = case
+    s = settings(case)
+    limits = [2, 2, 1, 4]
+    gens = generate_batch(t, [prompts[i] for i in ORDER[:4]], s, CPU32, max_new_tokens=limits, rows=2)
+    alone = [generate(t, prompts[i], dataclasses.replace(s, max_new_tokens=m), CPU32).tokens
+             for i, m in zip(ORDER[:4], limits)]
+    assert [g.tokens for g in gens] == alone and [len(x) for x in alone[:3]] == [2, 2, 1]
+    assert gens[0].batch_steps == 1 + len(alone[3]) - 1 and gens[2].decode_s == 0.0

@@ -357,10 +357,13 @@ class _Batch:
                     freed.append(i)
             if freed and self.queue:  # refill: the next waiting prompts take the freed rows, in row order
                 t0 = self.backend.now()
-                taken = [i for i in freed[:len(self.queue)]]
-                for i in taken:
+                taken = []
+                for i in freed:  # a take may use up several prompts (those that stop at their prefill)
+                    if not self.queue:
+                        break
                     self._finish(self.runs[i])
                     self.runs[i] = self._take(i, self.queue.pop(0))
+                    taken.append(i)
                 t1 = self.backend.now()
                 self.paused += t1 - t0
                 for i in taken:
