@@ -73,53 +73,17 @@ import torch
 from core.devices import Backend
 from core.errors import UsageError
 from core.protocols import Drafter, Refiner
+from harness.decode.batch_checks import check_batch
 from harness.decode.batch_step import RowsStep
 from harness.decode.batch_target import BatchTarget
 from harness.decode.graphs import StepGraphs
-from harness.decode.loop import DecodeSettings, Generation, _check, _Decode, check_prompt
+from harness.decode.loop import DecodeSettings, Generation, _check, _Decode
 from harness.decode.state import DecodeState
 
 
 def _read(packed: torch.Tensor) -> list[list[int]]:
     """The one host read per step: every request's (accepted, first stop)."""
     return packed.tolist()
-
-
-def _check_batch(prompts, settings: DecodeSettings, drafters, generators, state, limits, rows=None) -> int:
-    n = len(prompts)
-    if n == 0:
-        raise UsageError("batched decoding got no prompts: pass at least one")
-    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or not 1 <= rows <= n):
-        raise UsageError(f"batched decoding: rows must be an integer from 1 to the {n} prompts, got {rows!r}")
-    b = n if rows is None else rows
-    if drafters is not None and len(drafters) != b:
-        raise UsageError(f"batched decoding got {len(drafters)} drafters for {b} rows: pass one per row (a row's "
-                         "drafter serves each request that takes the row)")
-    for name, given in (("generators", generators), ("output limits", limits)):
-        if given is not None and len(given) != n:
-            raise UsageError(f"batched decoding got {len(given)} {name} for {n} prompts: pass one per prompt")
-    if drafters is not None:
-        groups = {id(getattr(d, "group", None)) for d in drafters}
-        if len(groups) > 1 or (getattr(drafters[0], "group", None) is not None and
-                               [getattr(d, "b", None) for d in drafters] != list(range(b))):
-            raise UsageError("batched decoding: pass a drafter group's members in order, all of them "
-                             "(DFlashGroup(base, rows).members), or one drafter per row")
-        if len({id(d) for d in drafters}) != b:
-            raise UsageError("batched decoding got one drafter object for several requests: each request needs "
-                             "its own (a drafter holds its request's context), over the same weights")
-        if len({d.block_size for d in drafters}) != 1:
-            raise UsageError("batched decoding: the drafters' block sizes differ; one arm has one block")
-    if limits is not None and any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in limits):
-        raise UsageError(f"batched decoding: output limits must be integers >= 1, got {list(limits)}")
-    if state is not None and len(state.slots) < b:
-        raise UsageError(f"batched decoding on {b} rows needs a DecodeState of >= {b} slots, "
-                         f"got {len(state.slots)}")
-    for i, p in enumerate(prompts):
-        try:
-            check_prompt(len(p), settings.max_model_len)
-        except UsageError as e:
-            raise type(e)(f"prompt {i} of the batch: {e}") from None
-    return b
 
 
 def _rows_target(state: DecodeState, target, rows: int) -> BatchTarget:
@@ -395,7 +359,7 @@ def generate_batch(target, prompts: Sequence[list[int]], settings: DecodeSetting
     output limit per prompt (default: settings.max_new_tokens for all). refine_batch: `refiner` batched
     (harness.protocol.algorithms.batch_refiner(refiner), or None: each request refines alone); used with a drafter
     group's members and greedy drafts."""
-    b = _check_batch(prompts, settings, drafters, generators, state, max_new_tokens, rows)
+    b = check_batch(prompts, settings, drafters, generators, state, max_new_tokens, rows)
     _check(settings, backend)
     if refine_batch is not None and getattr(refine_batch, "refiner", None) is not refiner:
         raise UsageError("generate_batch: refine_batch batches another refiner than `refiner`; pass "
