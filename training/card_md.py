@@ -159,23 +159,23 @@ def render_lineage(rec: dict) -> str:
         lines += shipped_lines(rec["shipped"])
     lines += totals_section(runs)
     for r in runs:
-        lines += run_section(r, "Run")
+        lines += run_section(r)
     if rec.get("tried"):
         lines += ["## Tried on these weights, not shipped", "",
                   "Runs made on the shipped files after they were shipped, whose models did not replace them: "
                   + ", ".join(f"`{r['name']}`" for r in rec["tried"]) + ". They are outside the count and the totals "
                   "above; each is listed as it trained its models.", ""]
         for r in rec["tried"]:
-            lines += run_section(r, "Tried run")
+            lines += run_section(r, tried=True)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def run_section(r: dict, kind: str) -> list[str]:
+def run_section(r: dict, tried: bool = False) -> list[str]:
     c = r["card"]
     body = data_section(c["data"]) + training_section(
         c["models"], f"Loss curves: `loss_curves_{r['name']}.png`; per-step records: `{r['records']}`.")
-    body += time_section(c["stages"], c["models"]) + tau_section(c["models"], None, chooses=kind == "Run")
-    return [f"## {kind} `{r['name']}`", ""] + ["#" + x if x.startswith("## ") else x for x in body]
+    body += time_section(c["stages"], c["models"]) + tau_section(c["models"], None, chooses=not tried)
+    return [f"## {'Tried run' if tried else 'Run'} `{r['name']}`", ""] + ["#" + x if x.startswith("## ") else x for x in body]
 
 
 def render(rec: dict) -> str:

@@ -191,8 +191,8 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
     if cfg.refill:  # one queue of the point's prompts over B rows (batch_loop: continuous batching)
         how.add("continuous batching: a finished request's row takes the next prompt (refills' prefills outside "
                 "decode time, in batch_prefill_s)")
-    for g, ids in enumerate([pt.ids] if cfg.refill else
-                            [pt.ids[g * pt.batch:(g + 1) * pt.batch] for g in range(len(pt.ids) // pt.batch)]):
+    queues = [pt.ids] if cfg.refill else [pt.ids[k:k + pt.batch] for k in range(0, len(pt.ids), pt.batch)]
+    for g, ids in enumerate(queues):
         seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_) for i in ids]
         prompts, limits, seeds_run = padded_requests([list(pt.prompts[i]) for i in ids], seeds, rows_run,
                                                      settings.max_new_tokens)

@@ -3,7 +3,8 @@
 A batch of B requests runs until its longest request ends (finished rows are masked), so its step count is the
 largest of its rows' steps (speculative + plain; tail and extra steps are among those), and every step costs the
 same for every row. A refilled batch (--refill: rows marked `refill`) is one queue of requests over B rows; its
-step count is the batch's own (`batch_steps`), and its slots are its B rows at every step. Per (point, arm), over the measured rounds:
+step count is the batch's own (`batch_steps`), and its slots are its B rows at every step. Per (point, arm), over
+the measured rounds:
 - `steps`: the batches' steps, summed; `ms_per_step`: the batches' decode seconds / steps;
 - `tokens_per_step`: decode tokens of the whole batch per step (B x tau at best; less when the batch's rows end
   at different steps, since a masked row emits nothing);
@@ -41,19 +42,20 @@ def step_stats(rows: list[dict]) -> dict:
     """One (point, arm)'s measured rows -> steps, ms_per_step, tokens_per_step (None where nothing was timed)."""
     batches: dict = {}
     for r in rows:
-        key = (r["round"], r["batch_index"])
-        steps, _, tokens, row_steps, n, _ = batches.get(key, (0, 0.0, 0, 0, 0, None))
-        batches[key] = (max(steps, r["batch_steps"] if r.get("refill") else _steps(r)), r["batch_decode_s"],
-                        tokens + r["decode_tokens"], row_steps + _steps(r), n + 1,
-                        r["batch_rows"] if r.get("refill") else None)
-    steps = sum(b[0] for b in batches.values())
-    secs = sum(b[1] for b in batches.values())
-    tokens = sum(b[2] for b in batches.values())
+        b = batches.setdefault((r["round"], r["batch_index"]),
+                               {"steps": 0, "secs": 0.0, "tokens": 0, "row_steps": 0, "slots": 0})
+        # a refilled batch's own step count and its rows; a static batch's longest row and its requests
+        b["steps"] = r["batch_steps"] if r.get("refill") else max(b["steps"], _steps(r))
+        b["slots"] = r["batch_rows"] if r.get("refill") else b["slots"] + 1
+        b["secs"], b["tokens"], b["row_steps"] = r["batch_decode_s"], b["tokens"] + r["decode_tokens"], \
+            b["row_steps"] + _steps(r)
+    total = {k: sum(b[k] for b in batches.values()) for k in ("steps", "secs", "tokens", "row_steps")}
+    steps = total["steps"]
     if not steps:
         return {"steps": 0, "ms_per_step": None, "tokens_per_step": None, "slot_use": None}
-    slots = sum(b[0] * (b[5] or b[4]) for b in batches.values())  # rows x steps; static: the requests x steps
-    return {"steps": steps, "ms_per_step": round(1e3 * secs / steps, 4), "tokens_per_step": round(tokens / steps, 3),
-            "slot_use": round(sum(b[3] for b in batches.values()) / slots, 4)}
+    slots = sum(b["steps"] * b["slots"] for b in batches.values())
+    return {"steps": steps, "ms_per_step": round(1e3 * total["secs"] / steps, 4),
+            "tokens_per_step": round(total["tokens"] / steps, 3), "slot_use": round(total["row_steps"] / slots, 4)}
 
 
 def breakdown(rows: list[dict], arms: list[str], reference: str | None) -> list[dict]:
