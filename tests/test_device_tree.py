@@ -147,3 +147,18 @@ def test_heads_carries_the_shipped_folder_without_its_drafter(tmp_path):
                    check=True, capture_output=True)
     got = sorted(str(p.relative_to(carry / "shipped")) for p in carry.rglob("*") if p.is_file())
     assert got == ["heads.json", "markov/model.safetensors", "xpress/model.safetensors"]
+
+
+def test_every_carry_folder_is_ignored_by_the_committed_gitignore():
+    """The carry folders training_gpu.sh makes are ignored by .gitignore itself, not by .git/info/exclude (which a
+    checkout may lack: CI's did, and `heads` failed writing to it), so they never travel as tracked files."""
+    import fnmatch
+    import re
+    script = (ROOT / "harness" / "lab" / "training_gpu.sh").read_text()
+    folders = set(re.findall(r"\.gpu\d", script)) | {".whl"}
+    assert {".gpu1", ".gpu2", ".gpu3", ".whl"} <= folders
+    patterns = [ln.strip().strip("/") for ln in (ROOT / ".gitignore").read_text().splitlines()
+                if ln.strip() and not ln.startswith("#")]
+    for name in sorted(folders):
+        assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in .gitignore"
+    assert ".git/info" not in script

@@ -56,14 +56,12 @@ case "${1:-}" in
     # the export's manifest and drafter/ (37 MB): what a warm start of the drafter and heads trained on it read; the
     # shipped folder's heads (xpress/, markov/) would take the carry over 64 MiB
     if [[ -n $warm ]]; then rm -rf .gpu3 && mkdir -p .gpu3/warm && cp -r "$warm"/manifest.json "$warm"/drafter .gpu3/warm/; fi
-    for d in /.gpu1/ /.gpu2/ /.gpu3/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
     du -sh .whl .gpu1 .gpu2 ${warm:+.gpu3}
     ;;
   heads)  # here: the shipped folder without its drafter (which `warm` carries), for `shipped`
     src=${2:?heads DIR: the shipped weights folder, e.g. weights/smollm2-135m}
     rm -rf "$SHIPPED_DIR" && mkdir -p "$SHIPPED_DIR/shipped"
     find "$src" -mindepth 1 -maxdepth 1 ! -name drafter -exec cp -r {} "$SHIPPED_DIR/shipped/" \;
-    grep -qx /.gpu4/ .git/info/exclude 2>/dev/null || echo /.gpu4/ >> .git/info/exclude
     du -sh "$SHIPPED_DIR"
     ;;
   shipped)
