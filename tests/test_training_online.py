@@ -110,6 +110,27 @@ def test_online_run_trains_as_the_offline_run(pair):
     assert box["packed_tokens"] / box["steps"] > 4096  # steps of more than 4096 tokens
 
 
+def test_a_cached_run_trains_as_the_online_run(pair):
+    """train.taps_cache_gib (training/online.py TapsCache): the online run again with the target's output kept
+    across epochs logs the same losses (fp32 compute, bf16 store: each sequence's kept numbers are those of the
+    batch it was first computed in), and its box record says the later epochs were served from the cache: every
+    train and val sequence computed once, then copied. Power: a cache that served nothing would record no hits."""
+    root, cfg = pair
+    for stage in ("prompts", "responses"):
+        shutil.copytree(root / "off" / stage, root / "cache" / stage)
+    assert run_cli("all", "--config", cfg, "--workdir", root / "cache", "--set", "hidden.mode=online",
+                   "--set", "train.taps_cache_gib=1") == 0
+    (t_on, v_on), (t_c, v_c) = _losses(root / "on"), _losses(root / "cache")
+    assert t_c == pytest.approx(t_on, rel=1e-4) and v_c == pytest.approx(v_on, rel=1e-4)
+    box = json.loads((root / "cache" / "train" / "drafter" / "box.json").read_text())
+    rec = box["taps_cache"]
+    assert rec["budget_gib"] == 1 and rec["refused_sequences"] == 0 and rec["sequences"] > 0
+    # 3 epochs: the first computes every token of its rows, the next two copy them (validation likewise)
+    assert rec["hit_tokens"] == pytest.approx(2 * rec["computed_tokens"], rel=0.02)
+    plain = json.loads((root / "on" / "train" / "drafter" / "box.json").read_text())
+    assert plain["taps_cache"] is None
+
+
 def test_length_groups_are_the_fewest_positions():
     """length_groups against every way to cut the sorted lengths into at most k runs (brute force): the same
     fewest positions (rows x longest length, summed), every sequence once, longest first. Power: cutting into runs

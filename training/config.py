@@ -51,9 +51,12 @@ DEFAULTS = {
               # (training/online.py length_groups; 1: one batch padded to the row's longest sequence, the
               # faster on the H200: 36 ms a 32K-token row against 108 ms with 4, results/perf/bench_taps_groups/)
               # profile_start: the process's step after which the profile starts (warm-up steps are not steady)
+              # taps_cache_gib: the online target's output kept per sequence on its device, up to that many GiB,
+              # so later epochs (and later models of the stage) copy it instead of running the target (0: off;
+              # training/online.py TapsCache)
               "loss_impl": "auto", "rows_in_memory": True, "profile_steps": 0, "profile_start": 3,
               "compile_target": "auto",
-              "target_groups": 1},
+              "target_groups": 1, "taps_cache_gib": 0},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
     # dtype auto: bfloat16 on CUDA (the decode's CUDA graphs too), the target's float32 elsewhere; bench: data/eval
@@ -258,6 +261,13 @@ def validate_steps(cfg: dict) -> None:
             or not 1 <= t["target_groups"] <= 64:
         raise UsageError("config train.target_groups must be an integer in 1..64 (the padded batches the online "
                          "target runs a packed row as; 1: one)")
+    if not isinstance(t["taps_cache_gib"], (int, float)) or isinstance(t["taps_cache_gib"], bool) \
+            or not 0 <= t["taps_cache_gib"] <= 4096:
+        raise UsageError("config train.taps_cache_gib must be a number of GiB in [0, 4096] (the online target's "
+                         "output kept on its device across epochs; 0: off)")
+    if t["taps_cache_gib"] and cfg["hidden"]["mode"] != "online":
+        raise UsageError("config train.taps_cache_gib keeps the online target's output: it needs hidden.mode=online "
+                         "(an offline run reads its hidden states from files); set it to 0 or use online")
     if t["loss_impl"] not in LOSS_IMPLS:
         raise UsageError(f"config train.loss_impl {t['loss_impl']!r}: use one of {', '.join(LOSS_IMPLS)} (fused: "
                          "speculators' Triton kernels, CUDA only)")
@@ -374,7 +384,7 @@ def fingerprint(obj) -> str:
 RUN_CONTROL = ("stop_after_step", "cut_at_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens",
                "num_workers", "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
                "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps", "profile_start",
-               "compile_target", "target_groups")
+               "compile_target", "target_groups", "taps_cache_gib")
 
 
 def model_fingerprint(cfg: dict, name: str) -> str:

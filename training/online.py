@@ -32,9 +32,20 @@ non-blocking copy, so nothing else waits for the device. (It was six syncs a ste
 bincount's min and max, `.tolist()`, a blocking copy of the lengths to the device, boolean-mask indexing.) Each
 sequence's numbers are those of its own padded row in math; the rounding may differ from the one-batch masked
 forward's (other batch shapes, the causal kernels), within the dtype's rounding (tests/test_training_online.py).
+
+The taps cache (`train.taps_cache_gib`, 0: off): every epoch runs the target again over the same sequences, and the
+loader packs them into other rows each epoch, so a cache must be per sequence. `LengthsCollate` also puts each packed
+sequence's key in the batch (`document_keys`: a 16-byte BLAKE2b digest of its token ids as packed, so a sequence cut
+short at the row's end has its own key); a sequence whose key is cached is copied from the cache, and the target runs
+only over the others, as their own padded batches. A computed sequence is kept, in `hidden.dtype` (what the output is
+rounded to anyway), until the budget is spent; nothing is evicted. A cached sequence keeps the numbers of the batch
+it was first computed in (the offline files' behaviour); a recomputed one may round differently in another batch
+shape, within the dtype's rounding. The cache lives as long as the train stage (every model it trains on the same
+data reads it) and is not saved: a resumed stage fills it again.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import numpy as np
@@ -78,63 +89,86 @@ class OnlineTaps:
         self.store_dtype, self.train_dtype = store_dtype, train_dtype
         self.compile = "none"  # train.compile_target as resolved (training/train.py online_taps)
         self.groups = 1  # train.target_groups: the padded batches a packed row is run as (length_groups)
+        self.cache = TapsCache(0)  # train.taps_cache_gib (training/train.py online_taps)
 
     @torch.no_grad()
-    def compute(self, input_ids, position_ids, document_ids, lengths: list[int] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute(self, input_ids, position_ids, document_ids, lengths: list[int] | None = None,
+                keys: list[bytes] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """([1, T, L*H], [1, T, H]) for one packed row, as ArrowDataset would read them from the offline files.
         `position_ids` are the collate's (each sequence from 0); the target gets them through its own padding.
-        `lengths`: the packed sequences' lengths in order (the collate's), else read from `document_ids`."""
+        `lengths`: the packed sequences' lengths in order (the collate's), else read from `document_ids`.
+        `keys`: the sequences' cache keys (the collate's `document_keys`); with the cache on, cached sequences are
+        copied and only the others go through the target."""
         dev = next(self.target.parameters()).device
         if lengths is None:
             lengths = row_lengths(document_ids[0].tolist())  # the one host-device sync of a step
         n = sum(lengths)
+        kept = self.cache.lookup(keys, lengths)  # per sequence: its cached [len, L+1, H], or None
+        todo = [i for i, k in enumerate(kept) if k is None]
+        plan, hit_pos = self._plan(lengths, dev, todo, [i for i, k in enumerate(kept) if k is not None])
         ids = input_ids[0, :n].to(dev)
         out = None
         with torch.autocast(dev.type, enabled=False), torch.profiler.record_function("xb.online_target"):
-            for packed, local, rows, width in self._plan(lengths, dev):
+            for packed, local, rows, width in plan:
                 x = ids.new_zeros(rows * width).index_copy_(0, local, ids.index_select(0, packed)).view(rows, width)
                 self.target.model(input_ids=x, use_cache=False)  # right-padded rows, causal: no mask (_plan)
                 full = self.capture.stacked()  # [rows, width, L+1, H]
                 self.capture.store.clear()
                 if out is None:
-                    out = full.new_zeros((document_ids.shape[-1], *full.shape[2:]))
-                out.index_copy_(0, packed, full.flatten(0, 1).index_select(0, local))
-        out = out.to(self.store_dtype).to(self.train_dtype)
+                    out = full.new_zeros((document_ids.shape[-1], *full.shape[2:]), dtype=self.store_dtype)
+                out.index_copy_(0, packed, full.flatten(0, 1).index_select(0, local).to(self.store_dtype))
+        hits = [k for k in kept if k is not None]
+        if hits:
+            if out is None:
+                out = hits[0].new_zeros((document_ids.shape[-1], *hits[0].shape[1:]))
+            out.index_copy_(0, hit_pos, torch.cat(hits))
+        if keys is not None:
+            self.cache.keep(keys, lengths, todo, out)
+        out = out.to(self.train_dtype)
         return out[:, :-1].flatten(1)[None], out[:, -1][None]
 
-    def _plan(self, lengths: list[int], dev) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
-        """For each group of `length_groups(lengths, self.groups)`: the packed row's positions of its tokens, where
-        they sit in the group's flattened [rows, width] batch (sequence r of the group in row r, from position 0),
-        and rows and width. Built on the host (the lengths are there) and moved in one pinned, non-blocking copy,
-        so the step still waits for nothing on the device.
+    def _plan(self, lengths: list[int], dev, todo: list[int] | None = None, hits: list[int] = ()
+              ) -> tuple[list[tuple[torch.Tensor, torch.Tensor, int, int]], torch.Tensor | None]:
+        """For each group of `length_groups` over the sequences `todo` (default: all): the packed row's positions
+        of its tokens, where they sit in the group's flattened [rows, width] batch (sequence r of the group in row
+        r, from position 0), and rows and width; and the packed positions of the tokens of the sequences `hits`
+        (the cached ones, in order), or None. Built on the host (the lengths are there) and moved in one pinned,
+        non-blocking copy, so the step still waits for nothing on the device.
 
         No attention mask: every row holds one sequence from position 0 and padding only after it, so under the
         causal mask a real token never attends to padding; the padded positions' outputs are computed and dropped.
         Without a mask the target's SDPA runs its causal kernels (flash on CUDA) instead of the masked ones."""
         n = np.asarray(lengths, dtype=np.int64)
         starts = np.cumsum(n) - n
+        todo = list(range(len(lengths))) if todo is None else todo
         parts, shapes = [], []
-        for group in length_groups(lengths, self.groups):
-            g = np.asarray(group, dtype=np.int64)
+        for group in length_groups([lengths[i] for i in todo], self.groups):
+            g = np.asarray([todo[i] for i in group], dtype=np.int64)
             gn, width = n[g], int(n[g[0]])
             within = np.arange(int(gn.sum())) - np.repeat(np.cumsum(gn) - gn, gn)  # each token's position
             parts.append(np.repeat(starts[g], gn) + within)  # in the packed row
             parts.append(np.repeat(np.arange(len(g)) * width, gn) + within)  # in the group's [rows, width]
             shapes.append((len(g), width))
+        if hits:
+            h = np.asarray(hits, dtype=np.int64)
+            parts.append(np.concatenate([np.arange(starts[i], starts[i] + n[i]) for i in h]))
+        if not parts:
+            return [], None
         flat = torch.from_numpy(np.concatenate(parts))
         if dev.type == "cuda":
             flat = flat.pin_memory()
         flat = flat.to(dev, non_blocking=True)
         pieces = flat.split([len(p) for p in parts])
-        return [(pieces[2 * i], pieces[2 * i + 1], rows, width) for i, (rows, width) in enumerate(shapes)]
+        plan = [(pieces[2 * i], pieces[2 * i + 1], rows, width) for i, (rows, width) in enumerate(shapes)]
+        return plan, (pieces[-1] if hits else None)
 
     def __call__(self, module, args, kwargs):
         hs = kwargs.get("hidden_states")
         lengths = kwargs.pop("document_lengths", None)
+        keys = kwargs.pop("document_keys", None)
         if hs is None or hs.shape[-1] != 0:
             return args, kwargs
-        h, last = self.compute(kwargs["input_ids"], kwargs["position_ids"], kwargs["document_ids"], lengths)
+        h, last = self.compute(kwargs["input_ids"], kwargs["position_ids"], kwargs["document_ids"], lengths, keys)
         return args, {**kwargs, "hidden_states": h.to(hs.device), "verifier_last_hidden_states": last.to(hs.device)}
 
     def close(self):
@@ -203,7 +237,8 @@ def row_lengths(doc: list[int]) -> list[int]:
 
 class LengthsCollate:
     """speculators' collate with the packed sequences' lengths added as a list (`document_lengths`), so the
-    online step reads them from the host. Picklable (the loader's workers are spawned)."""
+    online step reads them from the host, and their cache keys (`document_keys`, from `sequence_keys`). Picklable (the
+    loader's workers are spawned)."""
 
     def __init__(self, collate):
         self.collate = collate
@@ -211,7 +246,60 @@ class LengthsCollate:
     def __call__(self, batch):
         out = self.collate(batch)
         out["document_lengths"] = row_lengths(out["document_ids"][0].tolist())
+        out["document_keys"] = sequence_keys(out["input_ids"][0], out["document_lengths"])
         return out
+
+
+def sequence_keys(ids: torch.Tensor, lengths: list[int]) -> list[bytes]:
+    """A key for each packed sequence of a row of token ids (on the host): the 16-byte BLAKE2b digest of its ids as
+    int64, the same in every process (Python's own hash of bytes is salted per process, and the workers are
+    spawned)."""
+    flat = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+    ends = np.cumsum(lengths)
+    return [hashlib.blake2b(flat[e - k:e].tobytes(), digest_size=16).digest() for k, e in zip(lengths, ends)]
+
+
+class TapsCache:
+    """The online target's output per sequence key, on the target's device, up to `budget` bytes (0: off). What it
+    kept and served is counted, for the box record (`record`)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = int(budget), 0
+        self.store: dict[bytes, torch.Tensor] = {}
+        self.hit_tokens = self.computed_tokens = self.refused = 0
+
+    def lookup(self, keys: list[bytes] | None, lengths: list[int]) -> list[torch.Tensor | None]:
+        got = [self.store.get(k) for k in keys] if self.budget and keys is not None else [None] * len(lengths)
+        hit = sum(k for k, g in zip(lengths, got) if g is not None)
+        self.hit_tokens += hit
+        self.computed_tokens += sum(lengths) - hit
+        return got
+
+    def keep(self, keys: list[bytes], lengths: list[int], todo: list[int], out: torch.Tensor) -> None:
+        """Keep the computed sequences `todo` of the packed row `out` ([T, L+1, H], in the stored dtype)."""
+        if not self.budget:
+            return
+        starts = np.cumsum(lengths) - np.asarray(lengths)
+        per_token = out[0].numel() * out.element_size()
+        for i in todo:
+            size = lengths[i] * per_token
+            if keys[i] in self.store:
+                continue
+            if self.used + size > self.budget:
+                self.refused += 1
+                continue
+            s = int(starts[i])
+            self.store[keys[i]] = out[s:s + lengths[i]].clone()
+            self.used += size
+
+    def record(self) -> dict | None:
+        """Counts since the train stage began (the cache is shared by every model the stage trains), or None
+        when off."""
+        if not self.budget:
+            return None
+        return {"budget_gib": round(self.budget / 2**30, 3), "kept_gib": round(self.used / 2**30, 3),
+                "sequences": len(self.store), "refused_sequences": self.refused, "hit_tokens": self.hit_tokens,
+                "computed_tokens": self.computed_tokens}
 
 
 def carry_lengths(loader) -> None:

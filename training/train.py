@@ -290,6 +290,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                   "profiled_steps": trainer.step_profile.profiled if trainer.step_profile else None,
                                   "compile_target": getattr(taps, "compile", None),
                                   "target_groups": getattr(taps, "groups", None),
+                                  "taps_cache": taps.cache.record() if taps is not None else None,
                                   "fit": trainer.fit_record}), name)
     return out / str(last)
 
@@ -297,7 +298,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
 def online_taps(cfg: dict, load):
     """The forward pre-hook that computes the hidden states in the step (hidden.mode=online), else None."""
     from training.hidden import DTYPES, target_in_dtype
-    from training.online import OnlineTaps
+    from training.online import OnlineTaps, TapsCache
     hm = read_manifest(hidden_dir(cfg))
     if hm.get("mode") != "online":
         return None
@@ -308,6 +309,7 @@ def online_taps(cfg: dict, load):
     taps = OnlineTaps(target, hm["layer_ids"], DTYPES[cfg["hidden"]["dtype"]], train_dtype(device_of(cfg)))
     taps.compile = resolve_compile(cfg["train"]["compile_target"], device_of(cfg).type)
     taps.groups = cfg["train"]["target_groups"]
+    taps.cache = TapsCache(int(cfg["train"]["taps_cache_gib"] * 2**30))
     if taps.compile == "layers":  # 163 -> 40 ms a 32K-token row on the H200 (training/bench_taps.py)
         compile_layers(target)
         print(f"train: the online target's {len(target.model.layers)} decoder layers are compiled "

@@ -1,0 +1,177 @@
+"""The online target's cache (training/online.py TapsCache, `train.taps_cache_gib`): a sequence the target has run
+over once is copied from the cache in later rows, whatever row and position the loader packs it at, and the target
+runs only over the sequences not kept."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tiny import tiny_hf_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+WIDTH = 128
+
+
+def _row(seqs: list[list[int]], width=WIDTH):
+    """A packed row of the given sequences (token ids), as speculators' collate lays it out, with lengths and
+    keys as LengthsCollate adds them."""
+    from training.online import LengthsCollate
+    n = sum(map(len, seqs))
+    ids = torch.zeros(1, width, dtype=torch.long)
+    ids[0, :n] = torch.tensor([t for s in seqs for t in s])
+    doc = torch.full((1, width), -1)
+    doc[0, :n] = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor([len(s) for s in seqs]))
+    pos = torch.zeros(1, width, dtype=torch.long)
+    pos[0, :n] = torch.cat([torch.arange(len(s)) for s in seqs])
+    b = LengthsCollate(lambda _: {"input_ids": ids, "document_ids": doc})([])
+    return ids, pos, doc, b["document_lengths"], b["document_keys"]
+
+
+def _seqs(seed, lengths):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(8, 100, (k,), generator=g).tolist() for k in lengths]
+
+
+class Calls:
+    """The target's forwards: the [rows, width] batches it was given."""
+
+    def __init__(self, taps):
+        self.shapes = []
+        self.handle = taps.target.model.register_forward_pre_hook(
+            lambda m, a, kw: self.shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+
+
+@pytest.fixture
+def taps():
+    from training.online import OnlineTaps, TapsCache
+    t = OnlineTaps(tiny_hf_model("llama", layers=4), [1, 2], torch.bfloat16, torch.float32)
+    t.cache = TapsCache(2**30)
+    yield t
+    t.close()
+
+
+def _plain(taps, row):
+    """The same row with the cache off (the reference)."""
+    from training.online import TapsCache
+    kept, taps.cache = taps.cache, TapsCache(0)
+    try:
+        return taps.compute(*row[:4], row[4])
+    finally:
+        taps.cache = kept
+
+
+def test_a_kept_row_is_copied_bitwise_and_the_target_not_run(taps):
+    """First time: the target runs as without a cache and gives bitwise the same tensors; the same row again: no
+    target forward, bitwise the same. Power: a cache that served nothing would run the target the second time."""
+    a = _row(_seqs(0, [17, 30, 5, 41]))
+    calls = Calls(taps)
+    first = taps.compute(*a)
+    assert len(calls.shapes) == 1
+    ref = _plain(taps, a)
+    assert all(torch.equal(x, y) for x, y in zip(first, ref))
+    calls.shapes.clear()
+    again = taps.compute(*a)
+    assert calls.shapes == []
+    assert all(torch.equal(x, y) for x, y in zip(again, first))
+    rec = taps.cache.record()
+    assert rec["sequences"] == 4 and rec["hit_tokens"] == 93 and rec["computed_tokens"] == 93
+    per_token = 3 * 64 * 2  # (2 taps + the last hidden state) x hidden 64 x bf16
+    assert rec["kept_gib"] == round(93 * per_token / 2**30, 3)
+
+
+def test_a_repacked_row_runs_the_target_only_on_sequences_not_kept(taps):
+    """Row B holds two of row A's sequences at other positions, a new sequence of the same length as one of A's,
+    and A's last sequence cut short (the row's end): the target runs over those two only (one padded batch of 2
+    rows), and B's tensors equal B computed without a cache, to the stored dtype's rounding (A's sequences were
+    computed in another batch shape). Power: keys by length or by position would serve the new sequence A's
+    numbers, and a cut-short sequence keyed as its whole would serve 41 tokens for 20; both are far outside."""
+    s = _seqs(1, [17, 30, 5, 41])
+    new = _seqs(2, [17])[0]
+    taps.compute(*_row(s))
+    b = _row([s[1], new, s[2], s[3][:20]], width=80)
+    calls = Calls(taps)
+    got = taps.compute(*b)
+    assert calls.shapes == [(2, 20)]  # the new 17 and the cut-short 20, padded to 20
+    ref = _plain(taps, b)
+    for x, y in zip(got, ref):
+        scale = y.abs().max()
+        assert (x - y).abs().max() <= 2 * torch.finfo(torch.bfloat16).eps * scale
+    assert not torch.equal(got[0][0, 30:47], torch.zeros_like(got[0][0, 30:47]))
+    assert got[0][0, 72:].abs().sum() == 0  # padding rows stay zero
+
+
+def test_the_budget_bounds_what_is_kept_and_the_rest_is_computed(taps):
+    """A budget of 40 tokens' worth keeps what fits (17 + 5 tokens: 30 and 41 do not fit after 17) and refuses the
+    rest; the row is right either way. Power: an unbounded cache keeps all four."""
+    from training.online import TapsCache
+    per_token = 3 * 64 * 2
+    taps.cache = TapsCache(40 * per_token)
+    a = _row(_seqs(3, [17, 30, 5, 41]))
+    got = taps.compute(*a)
+    rec = taps.cache.record()
+    assert (rec["sequences"], rec["refused_sequences"]) == (2, 2)
+    assert taps.cache.used == 22 * per_token <= taps.cache.budget
+    assert all(torch.equal(x, y) for x, y in zip(got, _plain(taps, a)))
+    calls = Calls(taps)
+    assert all(torch.equal(x, y) for x, y in zip(taps.compute(*a), got))
+    assert calls.shapes == [(2, 41)]  # the two refused sequences, run again
+
+
+def test_a_kept_row_makes_no_host_device_sync(taps):
+    """The cache adds no sync to the step: with the lengths given, a row wholly from the cache counts none (the
+    target's own forward, one sync in transformers 5.17-5.19, is not run). Power: the same row without the
+    collate's lengths (the document ids read on the host) counts one."""
+    from training.step_cost import StepCounter, total_syncs
+    a = _row(_seqs(4, [17, 30, 5, 41]))
+    taps.compute(*a)
+    kw = {"input_ids": a[0], "position_ids": a[1], "document_ids": a[2], "hidden_states": torch.empty(1, WIDTH, 0),
+          "document_keys": a[4]}
+    counts = []
+    for lengths in (a[3], None):
+        counter = StepCounter()
+        with counter:
+            taps(None, (), {**kw, "document_lengths": lengths})
+        counts.append(total_syncs(counter))
+    assert counts == [0, 1]
+
+
+def test_keys_are_by_content_and_the_same_in_every_process():
+    """A sequence's key does not depend on its place in the row, differs for other ids or a cut-short copy, and a
+    spawned loader worker (another hash seed) makes the same key. Power: Python's hash() of the bytes differs
+    between processes with different PYTHONHASHSEED."""
+    from training.online import sequence_keys
+    s = _seqs(5, [9, 12])
+    k1 = sequence_keys(torch.tensor(s[0] + s[1]), [9, 12])
+    k2 = sequence_keys(torch.tensor(s[1] + s[0] + s[1][:5]), [12, 9, 5])
+    assert k1 == [k2[1], k2[0]] and len(set(k1 + k2)) == 3 and all(len(k) == 16 for k in k1)
+    code = ("import torch, sys; from training.online import sequence_keys; "
+            f"sys.stdout.write(sequence_keys(torch.tensor({s[0]}), [9])[0].hex())")
+    env = {**os.environ, "PYTHONHASHSEED": "123", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout == k1[0].hex()
+
+
+def test_the_hook_drops_the_keys_online_and_offline(taps):
+    a = _row(_seqs(6, [17, 30]))
+    kw = {"input_ids": a[0], "position_ids": a[1], "document_ids": a[2], "hidden_states": torch.empty(1, WIDTH, 0),
+          "document_lengths": a[3], "document_keys": a[4]}
+    _, out = taps(None, (), kw)
+    assert "document_keys" not in out and out["hidden_states"].shape == (1, WIDTH, 2 * 64)
+    _, off = taps(None, (), {"hidden_states": torch.ones(1, WIDTH, 3), "document_keys": a[4]})
+    assert "document_keys" not in off
+
+
+@pytest.mark.parametrize("value,mode,says", [(-1, "online", "must be a number of GiB"),
+                                             (True, "online", "must be a number of GiB"),
+                                             (8, "offline", "needs hidden.mode=online")])
+def test_config_refuses_a_bad_cache(value, mode, says):
+    from training.config import UsageError, validate_steps, DEFAULTS
+    import copy
+    cfg = copy.deepcopy(DEFAULTS)
+    cfg["train"]["taps_cache_gib"], cfg["hidden"]["mode"] = value, mode
+    with pytest.raises(UsageError, match=says):
+        validate_steps(cfg)
+    cfg["train"]["taps_cache_gib"], cfg["hidden"]["mode"] = 8, "online"
+    validate_steps(cfg)
