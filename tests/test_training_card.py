@@ -79,3 +79,18 @@ def test_card_json_and_markdown_from_the_run(run_dir, tmp_path):
     assert f"| drafter | held-out | 2 | 2 | {m['heldout']['seconds']} | {m['heldout']['tau_drafter']} |" in text
     assert card.main(["--from-json", str(tmp_path / "rec" / "card.json"), "--markdown", str(tmp_path / "b.md")]) == 0
     assert (tmp_path / "b.md").read_text() == text
+
+
+def test_time_section_shows_the_taps_cache_only_where_a_box_has_one():
+    """A model whose box.json records the online target's cache (train.taps_cache_gib) gets a row of its counts;
+    a card with none has no such table."""
+    from training.card_md import time_section
+    rec = {"budget_gib": 60.0, "kept_gib": 41.2, "sequences": 24000, "refused_sequences": 0,
+           "hit_tokens": 20_000_000, "computed_tokens": 10_000_000}
+    models = [{"model": "drafter", "box": {"wall_s": 10, "taps_cache": rec}}, {"model": "xpress", "box": {}}]
+    text = "\n".join(time_section({}, models))
+    assert "The online target's cache" in text
+    row = [ln for ln in text.splitlines() if ln.startswith("| drafter") and "24000" in ln]
+    assert len(row) == 1 and "20000000" in row[0] and "10000000" in row[0]
+    assert "| xpress" not in text.split("The online target's cache")[1]  # no row for a box without one
+    assert "online target's cache" not in "\n".join(time_section({}, [models[1]]))
