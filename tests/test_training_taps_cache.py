@@ -175,3 +175,23 @@ def test_config_refuses_a_bad_cache(value, mode, says):
         validate_steps(cfg)
     cfg["train"]["taps_cache_gib"], cfg["hidden"]["mode"] = 8, "online"
     validate_steps(cfg)
+
+
+def test_kept_sequences_are_views_of_few_slabs_and_stay_right(taps, monkeypatch):
+    """With slabs of 45 tokens, four sequences of 17, 30, 5 and 41 tokens take three slabs (30 does not fit the
+    first's tail, 41 not the second's), each sequence a view of its slab, and every one is served bitwise as first
+    computed after all were written (a bump pointer that overlapped would overwrite one). Power: a slab per
+    sequence, or clones, make four storages; an off-by-one in the pointer changes a served row."""
+    from training.online import TapsCache
+    per_token = 3 * 64 * 2
+    monkeypatch.setattr(TapsCache, "SLAB", 45 * per_token)
+    taps.cache = TapsCache(2**30)
+    a = _row(_seqs(7, [17, 30, 5, 41]))
+    first = taps.compute(*a)
+    kept = [taps.cache.store[k] for k in a[4]]
+    storages = {t.untyped_storage().data_ptr() for t in kept}
+    assert len(storages) == 3 and taps.cache.allocated == 3 * 45 * per_token
+    assert [t.shape[0] for t in kept] == [17, 30, 5, 41]
+    calls = Calls(taps)
+    assert all(torch.equal(x, y) for x, y in zip(taps.compute(*a), first)) and calls.shapes == []
+    assert taps.cache.record()["slabs_gib"] == round(3 * 45 * per_token / 2**30, 3)

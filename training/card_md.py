@@ -91,10 +91,10 @@ def time_section(stages: dict, models: list[dict]) -> list[str]:
     if cached:  # train.taps_cache_gib (training/online.py TapsCache)
         out += ["The online target's cache (train.taps_cache_gib; counts since the train stage began, as its models "
                 "share it; tokens from the cache are tokens the target did not run over):", ""]
-        out += table(["model", "budget GiB", "kept GiB", "sequences kept", "refused", "tokens from the cache",
-                      "tokens computed"],
-                     [[n, c["budget_gib"], c["kept_gib"], c["sequences"], c["refused_sequences"], c["hit_tokens"],
-                       c["computed_tokens"]] for n, c in cached])
+        out += table(["model", "budget GiB", "kept GiB", "slabs GiB", "sequences kept", "refused",
+                      "tokens from the cache", "tokens computed"],
+                     [[n, c["budget_gib"], c["kept_gib"], c.get("slabs_gib"), c["sequences"], c["refused_sequences"],
+                       c["hit_tokens"], c["computed_tokens"]] for n, c in cached])
     return out
 
 

@@ -261,12 +261,21 @@ def sequence_keys(ids: torch.Tensor, lengths: list[int]) -> list[bytes]:
 
 class TapsCache:
     """The online target's output per sequence key, on the target's device, up to `budget` bytes (0: off). What it
-    kept and served is counted, for the box record (`record`)."""
+    kept and served is counted, for the box record (`record`).
+
+    Kept sequences are copied into slabs of at most `SLAB` bytes, each one allocation, and each is a view of its
+    slab: a separate small tensor per sequence (tens of thousands a run) would be placed by the caching allocator
+    in the blocks the training step frees between steps, splitting the large blocks its activations reuse. A
+    sequence that does not fit a slab's tail starts the next slab (the tail stays unused: at most one sequence's
+    bytes a slab); the slabs' bytes count against the budget."""
+
+    SLAB = 2**30
 
     def __init__(self, budget: int):
-        self.budget, self.used = int(budget), 0
+        self.budget, self.used, self.allocated = int(budget), 0, 0
         self.store: dict[bytes, torch.Tensor] = {}
         self.hit_tokens = self.computed_tokens = self.refused = 0
+        self._slab, self._at = None, 0  # the slab being filled ([tokens, L+1, H]) and its next free token
 
     def lookup(self, keys: list[bytes] | None, lengths: list[int]) -> list[torch.Tensor | None]:
         got = [self.store.get(k) for k in keys] if self.budget and keys is not None else [None] * len(lengths)
@@ -282,23 +291,38 @@ class TapsCache:
         starts = np.cumsum(lengths) - np.asarray(lengths)
         per_token = out[0].numel() * out.element_size()
         for i in todo:
-            size = lengths[i] * per_token
+            n = lengths[i]
             if keys[i] in self.store:
                 continue
-            if self.used + size > self.budget:
+            if not self._room(n, out, per_token):
                 self.refused += 1
                 continue
             s = int(starts[i])
-            self.store[keys[i]] = out[s:s + lengths[i]].clone()
-            self.used += size
+            view = self._slab[self._at:self._at + n]
+            view.copy_(out[s:s + n])
+            self.store[keys[i]] = view
+            self._at += n
+            self.used += n * per_token
+
+    def _room(self, n: int, like: torch.Tensor, per_token: int) -> bool:
+        """Whether `n` tokens fit the slab being filled, or a new slab within the budget (then it is made)."""
+        if self._slab is not None and self._at + n <= self._slab.shape[0]:
+            return True
+        tokens = min(self.SLAB, self.budget - self.allocated) // per_token
+        if tokens < n:
+            return False
+        self._slab, self._at = like.new_empty((tokens, *like.shape[1:])), 0
+        self.allocated += tokens * per_token
+        return True
 
     def record(self) -> dict | None:
         """Counts since the train stage began (the cache is shared by every model the stage trains), or None
-        when off."""
+        when off. kept_gib: the kept sequences' bytes; slabs_gib: the slabs' (what the device holds)."""
         if not self.budget:
             return None
         return {"budget_gib": round(self.budget / 2**30, 3), "kept_gib": round(self.used / 2**30, 3),
-                "sequences": len(self.store), "refused_sequences": self.refused, "hit_tokens": self.hit_tokens,
+                "slabs_gib": round(self.allocated / 2**30, 3), "sequences": len(self.store),
+                "refused_sequences": self.refused, "hit_tokens": self.hit_tokens,
                 "computed_tokens": self.computed_tokens}
 
 
