@@ -195,3 +195,43 @@ def test_kept_sequences_are_views_of_few_slabs_and_stay_right(taps, monkeypatch)
     calls = Calls(taps)
     assert all(torch.equal(x, y) for x, y in zip(taps.compute(*a), first)) and calls.shapes == []
     assert taps.cache.record()["slabs_gib"] == round(3 * 45 * per_token / 2**30, 3)
+
+
+def test_refusals_count_sequences_once_and_a_long_sequence_gets_its_own_slab(taps, monkeypatch):
+    """A refused sequence seen again (the next epoch) is one refused sequence, not two; a sequence longer than a
+    slab is kept in a slab of its own size while the budget allows. Power: counting refusals, or slabs capped at
+    SLAB, give 4 and a refused 41."""
+    from training.online import TapsCache
+    per_token = 3 * 64 * 2
+    monkeypatch.setattr(TapsCache, "SLAB", 35 * per_token)
+    taps.cache = TapsCache(76 * per_token)  # 17 + 5 in a 35-token slab, 41 in its own: 30 does not fit after
+    a = _row(_seqs(8, [17, 5, 41, 30]))
+    taps.compute(*a)
+    taps.compute(*a)
+    rec = taps.cache.record()
+    assert (rec["sequences"], rec["refused_sequences"]) == (3, 1) and a[4][3] in taps.cache.refused
+    assert taps.cache.store[a[4][2]].shape[0] == 41 and taps.cache.allocated == 76 * per_token
+
+
+def test_an_empty_row_says_what_it_is(taps):
+    ids, pos, doc, _, _ = _row([[5, 6]])
+    with pytest.raises(RuntimeError, match="holds no sequence"):
+        taps.compute(ids, pos, torch.full_like(doc, -1), [], [])
+
+
+def test_the_cache_stops_growing_when_the_device_would_run_short(taps, monkeypatch):
+    """A slab is made only while FREE_RESERVE stays free beside it: with the device's free bytes faked at one slab
+    plus the reserve, then one byte less, the first slab is made (it keeps the 17 and the 5) and the second (for the
+    30) is not; the stop is recorded and later rows still come
+    out right. Power: without the check every sequence is kept."""
+    from training.online import TapsCache
+    per_token = 3 * 64 * 2
+    monkeypatch.setattr(TapsCache, "SLAB", 30 * per_token)
+    free = iter([30 * per_token + TapsCache.FREE_RESERVE, 30 * per_token + TapsCache.FREE_RESERVE - 1])
+    monkeypatch.setattr(TapsCache, "free_bytes", staticmethod(lambda dev: next(free)))
+    taps.cache = TapsCache(2**30)
+    a = _row(_seqs(9, [17, 30, 5, 41]))
+    got = taps.compute(*a)
+    rec = taps.cache.record()
+    assert rec["stopped_for_memory"] and rec["sequences"] == 2 and rec["slabs_gib"] == round(30 * per_token / 2**30, 3)
+    assert all(torch.equal(x, y) for x, y in zip(got, _plain(taps, a)))

@@ -102,6 +102,10 @@ class OnlineTaps:
         dev = next(self.target.parameters()).device
         if lengths is None:
             lengths = row_lengths(document_ids[0].tolist())  # the one host-device sync of a step
+        if not lengths:
+            raise RuntimeError("hidden.mode=online: a packed row holds no sequence (speculators' placeholder for a "
+                               "batch whose samples were all dropped); the loaders run with on_missing=raise, so "
+                               "report this with the dataset")
         n = sum(lengths)
         kept = self.cache.lookup(keys, lengths)  # per sequence: its cached [len, L+1, H], or None
         todo = [i for i, k in enumerate(kept) if k is None]
@@ -267,14 +271,20 @@ class TapsCache:
     slab: a separate small tensor per sequence (tens of thousands a run) would be placed by the caching allocator
     in the blocks the training step frees between steps, splitting the large blocks its activations reuse. A
     sequence that does not fit a slab's tail starts the next slab (the tail stays unused: at most one sequence's
-    bytes a slab); the slabs' bytes count against the budget."""
+    bytes a slab); the slabs' bytes count against the budget. A sequence larger than `SLAB` gets a slab of its
+    own size. On CUDA a slab is made only while the device keeps `FREE_RESERVE` bytes free beside it (the
+    training step's own blocks are already reserved after its first step), so a budget larger than the device
+    holds stops the cache from growing (`stopped_for_memory`) instead of failing the stage out of memory."""
 
     SLAB = 2**30
+    FREE_RESERVE = 4 * 2**30
 
     def __init__(self, budget: int):
         self.budget, self.used, self.allocated = int(budget), 0, 0
         self.store: dict[bytes, torch.Tensor] = {}
-        self.hit_tokens = self.computed_tokens = self.refused = 0
+        self.hit_tokens = self.computed_tokens = 0
+        self.refused: set[bytes] = set()  # keys of sequences that did not fit (each once, whatever the epochs)
+        self.stopped_for_memory = False
         self._slab, self._at = None, 0  # the slab being filled ([tokens, L+1, H]) and its next free token
 
     def lookup(self, keys: list[bytes] | None, lengths: list[int]) -> list[torch.Tensor | None]:
@@ -295,7 +305,7 @@ class TapsCache:
             if keys[i] in self.store:
                 continue
             if not self._room(n, out, per_token):
-                self.refused += 1
+                self.refused.add(keys[i])
                 continue
             s = int(starts[i])
             view = self._slab[self._at:self._at + n]
@@ -308,12 +318,21 @@ class TapsCache:
         """Whether `n` tokens fit the slab being filled, or a new slab within the budget (then it is made)."""
         if self._slab is not None and self._at + n <= self._slab.shape[0]:
             return True
-        tokens = min(self.SLAB, self.budget - self.allocated) // per_token
-        if tokens < n:
+        tokens = min(max(self.SLAB, n * per_token), self.budget - self.allocated) // per_token
+        if tokens < n or self.stopped_for_memory:
+            return False
+        free = self.free_bytes(like.device)
+        if free is not None and free < tokens * per_token + self.FREE_RESERVE:
+            self.stopped_for_memory = True
             return False
         self._slab, self._at = like.new_empty((tokens, *like.shape[1:])), 0
         self.allocated += tokens * per_token
         return True
+
+    @staticmethod
+    def free_bytes(device: torch.device) -> int | None:
+        """The device's free bytes (CUDA), else None (host memory is not checked)."""
+        return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
     def record(self) -> dict | None:
         """Counts since the train stage began (the cache is shared by every model the stage trains), or None
@@ -322,7 +341,8 @@ class TapsCache:
             return None
         return {"budget_gib": round(self.budget / 2**30, 3), "kept_gib": round(self.used / 2**30, 3),
                 "slabs_gib": round(self.allocated / 2**30, 3), "sequences": len(self.store),
-                "refused_sequences": self.refused, "hit_tokens": self.hit_tokens,
+                "refused_sequences": len(self.refused), "stopped_for_memory": self.stopped_for_memory,
+                "hit_tokens": self.hit_tokens,
                 "computed_tokens": self.computed_tokens}
 
 
