@@ -42,6 +42,16 @@ def test_box_accounting_sums_to_the_box(tmp_path, capsys):
     assert box["steady_steps_per_s"] == pytest.approx((box["steps"] - 1) / (parts["steps"] - first), rel=1e-3)
     assert box["steady_tokens_per_s"] == pytest.approx(
         box["packed_tokens"] * (box["steps"] - 1) / box["steps"] / (parts["steps"] - first), rel=1e-3)
+    # per pass of the loop (each epoch): the passes' steps, seconds and tokens sum to the box's; the first pass's
+    # steady rate leaves the process's first step out, the others are their plain rates
+    ep = box["epochs"]
+    assert len(ep) >= 2 and sum(e["steps"] for e in ep) == box["steps"]
+    assert sum(e["packed_tokens"] for e in ep) == box["packed_tokens"]
+    assert sum(e["steps_s"] for e in ep) == pytest.approx(parts["steps"], abs=1e-3 * len(ep))
+    e0 = ep[0]
+    assert e0["steady_tokens_per_s"] == pytest.approx(
+        e0["packed_tokens"] * (e0["steps"] - 1) / e0["steps"] / (e0["steps_s"] - first), rel=1e-3)
+    assert all(e["steady_tokens_per_s"] == e["tokens_per_s"] for e in ep[1:] if e["steps"] > 0)
     # held-out evaluations are capped by eval_share: far fewer than one every 2 steps would be, but the final one runs
     assert 1 <= len(manifest["evals"]) < box["steps"] // 2
     # each evaluation's log line names the split and the prompts it measured (it once said "held-out" for the

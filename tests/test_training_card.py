@@ -87,8 +87,11 @@ def test_time_section_shows_the_taps_cache_only_where_a_box_has_one():
     from training.card_md import time_section
     rec = {"budget_gib": 60.0, "kept_gib": 41.2, "sequences": 24000, "refused_sequences": 0,
            "hit_tokens": 20_000_000, "computed_tokens": 10_000_000}
-    models = [{"model": "drafter", "box": {"wall_s": 10, "taps_cache": rec}}, {"model": "xpress", "box": {}}]
+    epochs = [{"steps": 40, "steady_tokens_per_s": 101000.5}, {"steps": 45, "steady_tokens_per_s": 140000.0}]
+    models = [{"model": "drafter", "box": {"wall_s": 10, "taps_cache": rec, "epochs": epochs}},
+              {"model": "xpress", "box": {}}]
     text = "\n".join(time_section({}, models))
+    assert "| drafter | 101000.5 (40), 140000.0 (45) |" in text, text
     assert "The online target's cache" in text
     row = [ln for ln in text.splitlines() if ln.startswith("| drafter") and "24000" in ln]
     assert len(row) == 1 and "20000000" in row[0] and "10000000" in row[0]

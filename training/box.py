@@ -16,7 +16,10 @@ every model has trained); `unaccounted_s` = wall_s - the parts (the gaps between
 trained on (`document_ids != -1`, padding excluded; what speculators' profile calls num_tokens) and `loss_tokens`
 those with loss_mask 1; tokens_per_s = packed_tokens / steps_s. `first_step_s` is the process's first step (compile,
 loader workers, warm-up: 118.9 s of a box on the H200), `steady_steps_per_s` and `steady_tokens_per_s` the rates of
-the steps after it (tokens: an average step's share taken out for the first).
+the steps after it (tokens: an average step's share taken out for the first). `epochs`: the same per pass of the
+training loop (one an epoch, the resumed one partial), each closed where the device is synchronised anyway (its
+validation follows): where the rate changes from epoch to epoch (the online target's cache, train.taps_cache_gib,
+serves the epochs after the first) it shows there.
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ class Box:
         self._packed = self._loss = None
         self.steps = 0
         self.first_step_s = None  # this process's first step: compile, loader workers starting, CUDA warm-up
+        self.epochs: list[dict] = []  # per pass of the training loop (start_steps .. stop_steps)
+        self._epoch0 = None
 
     def now(self) -> float:
         return time.perf_counter()
@@ -63,6 +68,7 @@ class Box:
 
     def start_steps(self) -> None:
         self._mark = self.now()
+        self._epoch0 = (self.steps, self.parts["steps"], self._packed_now())
 
     def step_done(self) -> None:
         t = self.now()
@@ -77,6 +83,23 @@ class Box:
             self.sync()
             self.parts["steps"] += self.now() - self._mark
             self._mark = None
+            self._close_epoch()
+
+    def _packed_now(self) -> int:
+        """The packed tokens so far (a read of the device's running sum: only where the device is idle anyway)."""
+        return int(self._packed.item()) if self._packed is not None else 0
+
+    def _close_epoch(self) -> None:
+        steps0, secs0, packed0 = self._epoch0
+        n, secs, packed = self.steps - steps0, self.parts["steps"] - secs0, self._packed_now() - packed0
+        if not n:
+            return
+        first = self.first_step_s if steps0 == 0 else 0.0  # the process's first step fell in this pass
+        rest = secs - first
+        self.epochs.append({"steps": n, "steps_s": round(secs, 4), "packed_tokens": packed,
+                            "tokens_per_s": round(packed / secs, 1) if secs else 0.0,
+                            "steady_tokens_per_s": round(packed * (n - (1 if first else 0)) / n / rest, 1)
+                            if rest > 0 and n > (1 if first else 0) else None})
 
     def count(self, document_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
         """Tokens of one training batch, summed on its device (no synchronisation per step)."""
@@ -95,7 +118,7 @@ class Box:
                 "steps_per_s": round(self.steps / steps_s, 3) if steps_s else 0.0, "packed_tokens": packed,
                 "loss_tokens": loss, "tokens_per_s": round(packed / steps_s, 1) if steps_s else 0.0,
                 "loss_tokens_per_s": round(loss / steps_s, 1) if steps_s else 0.0,
-                **self._steady(steps_s, packed), **(extra or {})}
+                **self._steady(steps_s, packed), "epochs": self.epochs, **(extra or {})}
 
     def _steady(self, steps_s: float, packed: int) -> dict:
         """The steps after the first: their rate, and the tokens' (the first step's share of the tokens taken out

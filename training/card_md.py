@@ -86,6 +86,14 @@ def time_section(stages: dict, models: list[dict]) -> list[str]:
     out += table(["model", "wall", "train wall", "box"] + list(PARTS) +
                  ["unaccounted", "steps share", "steps/s", "packed tokens", "loss tokens", "packed tokens/s",
                   "steady packed tokens/s"], rows)
+    per_epoch = [(m["model"], (m.get("box") or {}).get("epochs")) for m in models]
+    per_epoch = [(n, e) for n, e in per_epoch if e]
+    if per_epoch:  # box.json's epochs (training/box.py): the rate of each pass of the training loop
+        out += ["Packed tokens/s per pass of the training loop (an epoch; steady: the process's first step left "
+                "out), with its steps:", ""]
+        out += table(["model", "per pass: steady packed tokens/s (steps)"],
+                     [[n, ", ".join(f"{fmt(e['steady_tokens_per_s'])} ({e['steps']})" for e in ep)]
+                      for n, ep in per_epoch])
     cached = [(m["model"], (m.get("box") or {}).get("taps_cache")) for m in models]
     cached = [(n, c) for n, c in cached if c]
     if cached:  # train.taps_cache_gib (training/online.py TapsCache)
