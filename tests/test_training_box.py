@@ -1,5 +1,6 @@
 """Box accounting (train/<model>/box.json) on a time-boxed run, and the warm start from an exported drafter."""
 import json
+import math
 import shutil
 
 import pytest
@@ -149,7 +150,7 @@ def test_fit_box_plans_the_steps_the_box_holds_and_anneals(tmp_path, monkeypatch
     def capped(step, rate, left_s, reserve, planned):
         seen.append((step, rate, left_s, reserve, planned))
         assert real(step, rate, left_s, reserve, planned) > step  # the arithmetic itself: test_fitted_total_arithmetic
-        return step + 12
+        return step + 12 if len(seen) == 1 else step  # the next pass's fit again: never shorter (test below)
     monkeypatch.setattr(training.fit, "fitted_total", capped)
     cfg = write_config(tmp_path, tiny_models(heads=False),
                        train={"epochs": 200, "eval_prompts": 0, "max_minutes": BOX_MINUTES, "on_deadline": "finish",
@@ -160,12 +161,43 @@ def test_fit_box_plans_the_steps_the_box_holds_and_anneals(tmp_path, monkeypatch
     box = json.loads((d / "box.json").read_text())
     fit = manifest["fit"]
     step, rate, left, reserve, planned = seen[0]
-    assert len(seen) == 1 and step == 4 and rate > 0 and 0 < left < BOX_MINUTES * 60 and reserve == 0.2
+    assert len(seen) == 2 and step == 4 and rate > 0 and 0 < left < BOX_MINUTES * 60 and reserve == 0.2
     assert fit == box["fit"] and fit["probe_steps"] == [1, 4] and fit["planned_steps"] == planned
     assert fit["fitted_steps"] == 16 < planned and manifest["planned_steps"] == 16 and fit["warmup_steps"] == 2
+    assert fit["refit"]["fitted_steps"] == 16 and fit["refit"]["warmup_steps"] is None  # a shorter fit is not taken
     assert not manifest["truncated"] and manifest["global_step"] == 16
     lr = [v if isinstance(v, float) else next(iter(v.values())) for v in (r["lr"] for r in _rows(tmp_path / "w"))]
     assert max(lr) > 10 * lr[-1]  # annealed by the re-planned cosine
+
+
+def test_the_next_pass_fits_again_when_the_box_holds_more(tmp_path, monkeypatch):
+    """The fit cut the plan to 12 steps past its probe; the next pass (epoch) probes again over 3 steps after its
+    first and finds the box holds 10 more steps past there (a faster pass: the online target's cache serves the
+    epochs after the first): the plan is fitted again, longer, the schedule re-planned over it, and the run ends
+    there, annealed. Power: without the second fit the run ends at the first fit's 16 steps."""
+    import training.fit
+    seen = []
+
+    def fitted(step, rate, left_s, reserve, planned):
+        seen.append(step)
+        return step + (12 if len(seen) == 1 else 10)
+    monkeypatch.setattr(training.fit, "fitted_total", fitted)
+    cfg = write_config(tmp_path, tiny_models(heads=False),
+                       train={"epochs": 200, "eval_prompts": 0, "max_minutes": 0.5, "on_deadline": "finish",
+                              "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2, "warmup_ratio": 0.1})
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    d = tmp_path / "w" / "train" / "drafter"
+    manifest = json.loads((d / "manifest.json").read_text())
+    box = json.loads((d / "box.json").read_text())
+    fit, per_pass = manifest["fit"], box["epochs"][0]["steps"]
+    assert len(seen) == 2 and seen[0] == 4 and fit["fitted_steps"] == seen[1] + 10 > 16
+    assert per_pass >= 4  # the fit (after step 4) fell in the first pass, so the second probes again
+    r = fit["refit"]  # its clock starts after the second pass's first step, global step per_pass + 1
+    assert r["probe_steps"] == [per_pass + 1, per_pass + 4] and r["probe_steps"][1] == seen[1]
+    assert r["warmup_steps"] == math.ceil(0.1 * fit["fitted_steps"]) and r["fitted_steps"] == fit["fitted_steps"]
+    assert manifest["global_step"] == manifest["planned_steps"] == fit["fitted_steps"] and not manifest["truncated"]
+    lr = [v if isinstance(v, float) else next(iter(v.values())) for v in (r["lr"] for r in _rows(tmp_path / "w"))]
+    assert max(lr) > 10 * lr[-1]
 
 
 def test_the_fit_probe_starts_after_a_profile(tmp_path, monkeypatch):

@@ -8,6 +8,12 @@ export). When that is fewer than planned, the run plans that many instead: specu
 is re-planned over them (the warmup keeps its ratio), and the run ends there as a finished run, not a truncated
 one. The fit is recorded in the manifest and box.json. It depends on the machine's speed, so a rerun elsewhere
 may plan another number of steps; a resumed checkpoint plans from its own box.
+
+Where the fit shortened the plan, the next pass of the training loop (the next epoch) probes its rate again, over
+as many steps after its first, and where the box now holds more, the plan is fitted again, longer, never shorter
+(`refit` in the record): the online target's cache (train.taps_cache_gib) makes the epochs after the first faster
+than the first, where the first probe ran. The schedule is re-planned from the step it is at: its LR rises by what
+the longer decay puts there (a cosine at step s of T then of T' > T).
 """
 from __future__ import annotations
 

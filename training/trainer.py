@@ -93,6 +93,7 @@ class PipelineTrainer(Trainer):
         self._fit = fit if fit and max_seconds else None  # training/fit.py; needs a box
         self.fit_record: dict | None = None
         self._fit_steps, self._fit_t1 = 0, None  # this process's steps while probing; the probe's start
+        self._refit = None  # training/fit.py: the second probe's steps and start, in the pass after the fit's
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
@@ -162,6 +163,33 @@ class PipelineTrainer(Trainer):
                   f"(reserve {100 * f['reserve']:.0f}%): plan {f['planned']} -> {total} steps"
                   + (f", warmup {warm}" if warm is not None else " (all of it fits)"), flush=True)
 
+    def _maybe_refit(self):
+        """training/fit.py: the pass after the fit's probes its rate again, over as many steps after its first; where
+        the box now holds more of the plan (a faster pass: the online target's cache serves the epochs after the
+        first), the plan is fitted again, longer (never shorter: the deadline still stops a slower run)."""
+        from training.fit import fitted_total, replan
+        f, r = self._fit, self._refit
+        r["steps"] += 1
+        if r["steps"] == 1:
+            self.box.sync()
+            r["t1"] = (self.global_step, time.monotonic())
+        elif r["steps"] == 1 + f["probe"]:
+            self._refit = None
+            self.box.sync()
+            g1, t1 = r["t1"]
+            rate = (self.global_step - g1) / (time.monotonic() - t1)
+            left = self._deadline - time.monotonic()
+            before = self.fit_record["fitted_steps"]
+            total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
+            warm = replan(self.schedulers, total, f["warmup_ratio"]) if total > before else None
+            self.fit_record["refit"] = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
+                                        "box_left_s": round(left, 1), "fitted_steps": max(total, before),
+                                        "warmup_steps": warm}
+            if total > before:
+                self.fit_record["fitted_steps"] = total
+            print(f"fit again, in the next pass: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s "
+                  f"left: plan {before} -> {max(total, before)} steps", flush=True)
+
     @property
     def planned_steps(self) -> int | None:
         """The fitted plan when it is shorter than the planned one, else None."""
@@ -175,6 +203,8 @@ class PipelineTrainer(Trainer):
         self._reseed()
         if self._fit and self.fit_record is None:
             self._maybe_fit()
+        elif self._refit is not None:
+            self._maybe_refit()
         if self.planned_steps is not None and self.global_step >= self.planned_steps:  # the fitted plan's end
             self.fit_reached = True
             self._finish_here()
@@ -215,6 +245,9 @@ class PipelineTrainer(Trainer):
 
     def train_epoch(self, epoch, *, step_callback=None):
         self._reseed()
+        if self.fit_record is not None and "refit" not in self.fit_record and self._refit is None \
+                and self.fit_record["fitted_steps"] < self.fit_record["planned_steps"]:
+            self._refit = {"steps": 0}  # the fit cut the plan: this pass probes again (_maybe_refit)
         skip = getattr(self, "_resume_local_step", 0) if epoch == getattr(self, "current_epoch", epoch) else 0
         self._epoch_start = (epoch, self.global_step, skip)
         swap = not torch.accelerator.is_available()
