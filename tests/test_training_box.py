@@ -50,8 +50,12 @@ def test_box_accounting_sums_to_the_box(tmp_path, capsys):
     assert sum(e["packed_tokens"] for e in ep) == box["packed_tokens"]
     assert sum(e["steps_s"] for e in ep) == pytest.approx(parts["steps"], abs=1e-3 * len(ep))
     e0 = ep[0]
+    assert [e["epoch"] for e in ep] == list(range(len(ep))) and e0["first_step"] == 0
+    assert all(b["first_step"] == a["first_step"] + a["steps"] for a, b in zip(ep, ep[1:]))
+    # steps_s and first_step_s are written to 1e-4 s: their rounding bounds the recomputed rate's error
     assert e0["steady_tokens_per_s"] == pytest.approx(
-        e0["packed_tokens"] * (e0["steps"] - 1) / e0["steps"] / (e0["steps_s"] - first), rel=1e-3)
+        e0["packed_tokens"] * (e0["steps"] - 1) / e0["steps"] / (e0["steps_s"] - first),
+        rel=1e-4 / (e0["steps_s"] - first) + 1e-5, abs=0.1)
     assert all(e["steady_tokens_per_s"] == e["tokens_per_s"] for e in ep[1:] if e["steps"] > 0)
     # held-out evaluations are capped by eval_share: far fewer than one every 2 steps would be, but the final one runs
     assert 1 <= len(manifest["evals"]) < box["steps"] // 2
@@ -108,6 +112,38 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
         assert torch.allclose(v.float(), cut[k], rtol=2 ** -8, atol=0), k
 
 
+def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(tmp_path, capsys):
+    """train.warm_mode=extend (a drafter continued on fresh data): a 1-epoch run's export, warm-started with 2 more
+    epochs, trains 2 whole passes over the data from its start, from the export's step E to 3E, with the LR of an
+    uninterrupted 3-epoch run at every step. Power: resume (the default) with the same 2 epochs plans 2E steps in
+    all and trains only the pass from E (one), and with 1 epoch it is refused as having nothing left to train."""
+    cfg = write_config(tmp_path, tiny_models(heads=False),
+                       train={"epochs": 1, "warmup_ratio": 0.3, "eval_prompts": 0})
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "one") == 0
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "three", "--set", "train.epochs=3") == 0
+    export = tmp_path / "one" / "export"
+    e = json.loads((export / "drafter" / "train_state.json").read_text())["global_step"]
+    for work in ("extend", "resume"):
+        for stage in ("prompts", "responses", "hidden"):
+            shutil.copytree(tmp_path / "one" / stage, tmp_path / work / stage)
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "extend", "--set", f"train.warm_start={export}",
+                   "--set", "train.warm_mode=extend", "--set", "train.epochs=2") == 0
+    box = json.loads((tmp_path / "extend" / "train" / "drafter" / "box.json").read_text())
+    assert e >= 2 and [p["steps"] for p in box["epochs"]] == [e, e] and box["first_step"] == e
+    three = {r["global_step"]: r["lr"] for r in _rows(tmp_path / "three")}
+    ext = {r["global_step"]: r["lr"] for r in _rows(tmp_path / "extend")}
+    assert min(ext) == e and max(ext) == max(three) == 3 * e - 1 and ext == {g: three[g] for g in ext}
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "resume", "--set", f"train.warm_start={export}",
+                   "--set", "train.epochs=2") == 0
+    box = json.loads((tmp_path / "resume" / "train" / "drafter" / "box.json").read_text())
+    assert [p["steps"] for p in box["epochs"]] == [e]
+    shutil.rmtree(tmp_path / "resume" / "train")
+    capsys.readouterr()
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "resume", "--set", f"train.warm_start={export}") == 2
+    err = capsys.readouterr().err
+    assert "nothing is left to train" in err and "train.warm_mode=extend" in err, err
+
+
 @pytest.mark.parametrize("item, message", [
     ("hidden.mode=ram", "hidden.mode 'ram': use online"),
     ("hidden.target_dtype=fp8", "hidden.target_dtype 'fp8' is not one of"),
@@ -124,6 +160,7 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
     ("train.rows_in_memory=1", "train.rows_in_memory must be true or false"),
     ("train.profile_steps=-1", "train.profile_steps must be an integer >= 0"),
     ("train.compile_target=all", "train.compile_target 'all': use one of auto, layers, none"),
+    ("train.warm_mode=restart", "train.warm_mode 'restart': use resume"),
     ("train.target_groups=0", "train.target_groups must be an integer in 1..64"),
     ("train.target_groups=65", "train.target_groups must be an integer in 1..64"),
     ("train.profile_start=0", "train.profile_start must be an integer >= 1"),
@@ -194,10 +231,29 @@ def test_the_next_pass_fits_again_when_the_box_holds_more(tmp_path, monkeypatch)
     assert per_pass >= 4  # the fit (after step 4) fell in the first pass, so the second probes again
     r = fit["refit"]  # its clock starts after the second pass's first step, global step per_pass + 1
     assert r["probe_steps"] == [per_pass + 1, per_pass + 4] and r["probe_steps"][1] == seen[1]
-    assert r["warmup_steps"] == math.ceil(0.1 * fit["fitted_steps"]) and r["fitted_steps"] == fit["fitted_steps"]
+    # the warmup (the first fit's: ceil(0.1 x 16) = 2) is long over: it keeps its length, not 0.1 of the new plan
+    assert fit["warmup_steps"] == 2 and math.ceil(0.1 * fit["fitted_steps"]) > 2
+    assert r["warmup_steps"] == 2 and r["before"] == 16 and r["fitted_steps"] == fit["fitted_steps"]
     assert manifest["global_step"] == manifest["planned_steps"] == fit["fitted_steps"] and not manifest["truncated"]
     lr = [v if isinstance(v, float) else next(iter(v.values())) for v in (r["lr"] for r in _rows(tmp_path / "w"))]
     assert max(lr) > 10 * lr[-1]
+
+
+def test_the_fit_probe_leaves_out_held_out_evaluations(tmp_path, monkeypatch):
+    """A held-out evaluation after every step, each made to take 0.5 s: the fit's rate is the steps' own (tiny
+    CPU steps, tens a second), not steps over the evaluations' seconds (3 steps in about 1.5 s: 2 a second).
+    Power: the probe without the evaluations' time taken out measures under 3 steps a second."""
+    import time as _time
+    import training.fit
+    from training import trainer
+    monkeypatch.setattr(trainer.PipelineTrainer, "_log_eval", lambda self: _time.sleep(0.5))
+    monkeypatch.setattr(training.fit, "fitted_total", lambda step, *a: step + 2)
+    cfg = write_config(tmp_path, tiny_models(heads=False),
+                       train={"epochs": 200, "eval_every": 1, "eval_share": 1.0, "max_minutes": 0.5,
+                              "on_deadline": "finish", "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2})
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
+    assert box["parts_s"]["held_out"] >= 1.5 and box["fit"]["steps_per_s"] > 6, box["fit"]
 
 
 def test_the_fit_probe_starts_after_a_profile(tmp_path, monkeypatch):

@@ -72,10 +72,12 @@ def test_card_json_and_markdown_from_the_run(run_dir, tmp_path):
     (m,) = rec["models"]
     box = json.loads((w / "train" / "drafter" / "box.json").read_text())
     assert m["box"]["packed_tokens"] == box["packed_tokens"] and set(m["box"]["parts_s"]) == set(box["parts_s"])
+    assert [e["steps"] for e in m["box"]["epochs"]] == [e["steps"] for e in box["epochs"]] and box["epochs"]
     acc = json.loads((w / "train" / "drafter" / "acceptance.json").read_text())
     assert m["selection"]["tau_drafter"] == round(acc["selection"]["tau_drafter"], 3)
     assert m["heldout"]["tau_drafter"] == round(acc["heldout"]["tau_drafter"], 3)
     text = md.read_text()
+    assert "Packed tokens/s per pass of the training loop" in text  # box.json's epochs reach the card
     assert f"| drafter | held-out | 2 | 2 | {m['heldout']['seconds']} | {m['heldout']['tau_drafter']} |" in text
     assert card.main(["--from-json", str(tmp_path / "rec" / "card.json"), "--markdown", str(tmp_path / "b.md")]) == 0
     assert (tmp_path / "b.md").read_text() == text
@@ -97,3 +99,26 @@ def test_time_section_shows_the_taps_cache_only_where_a_box_has_one():
     assert len(row) == 1 and "20000000" in row[0] and "10000000" in row[0]
     assert "| xpress" not in text.split("The online target's cache")[1]  # no row for a box without one
     assert "online target's cache" not in "\n".join(time_section({}, [models[1]]))
+
+
+def test_model_record_carries_the_cache_and_a_second_fit(tmp_path):
+    """card_data.model_record passes box.json's taps_cache and epochs on, and a plan that a second fit lengthened
+    reads as such in the card (it read as a plain "36" before: the first fit's 20 lost). Power: a record built
+    from BOX_KEYS alone has neither, and the time section then shows no cache table."""
+    from training.card_data import model_record
+    from training.card_md import planned, time_section
+    cache = {"budget_gib": 1.0, "kept_gib": 0.5, "slabs_gib": 1.0, "sequences": 9, "refused_sequences": 0,
+             "stopped_for_memory": False, "hit_tokens": 300, "computed_tokens": 150}
+    box = {"parts_s": {"steps": 1.0}, "steps": 36, "epochs": [{"epoch": 0, "first_step": 0, "steps": 12,
+                                                               "steady_tokens_per_s": 1000.04}],
+           "taps_cache": cache,
+           "fit": {"planned_steps": 36, "fitted_steps": 36, "refit": {"before": 20, "fitted_steps": 36}}}
+    (tmp_path / "box.json").write_text(json.dumps(box))
+    m = model_record(tmp_path, {"model": "drafter", "steps": 36, "planned_steps": 36})
+    assert m["box"]["taps_cache"] == cache and m["box"]["epochs"][0]["steady_tokens_per_s"] == 1000.0
+    assert planned(m) == "36 (fitted from 36 to 20, then to 36 by a second fit)"
+    assert "The online target's cache" in "\n".join(time_section({}, [m]))
+    box["fit"] = {"planned_steps": 36, "fitted_steps": 20, "refit": {"before": 20, "fitted_steps": 20}}
+    (tmp_path / "box.json").write_text(json.dumps(box))
+    assert planned(model_record(tmp_path, {"model": "drafter", "steps": 20, "planned_steps": 20})) == \
+        "20 (fitted from 36)"

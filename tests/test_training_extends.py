@@ -48,9 +48,13 @@ def test_bad_extends_is_refused(tmp_path, extends, msg):
 def test_the_continue_preset_draws_fresh_data_and_trains_the_drafter_then_its_heads():
     """smollm2-gpu-continue (the next H200 run, results/perf/NOTES.md): the pool's unused parts (192 on) and a
     second round of Magpie prompts, the drafter continued (train.warm_start, which training_gpu.sh start sets) for
-    3 epochs, then xPress and gated Markov on it, frozen; everything else is smollm2-gpu's."""
+    3 epochs of that fresh data after its step (train.warm_mode=extend: with resume, the shipped drafter's step
+    3,588 would be past 3 epochs of about 460 steps (an estimate: about 15 M tokens in 32K-token steps), and the train stage would refuse after the data stages), the
+    online target's cache on, then xPress and gated Markov on it, frozen; everything else is smollm2-gpu's."""
     base, cont = load_config("smollm2-gpu"), load_config("smollm2-gpu-continue")
-    assert {k for k in base if base[k] != cont[k]} == {"models", "name", "workdir", "prompts", "responses"}
+    assert {k for k in base if base[k] != cont[k]} == {"models", "name", "workdir", "prompts", "responses", "train"}
+    assert {k for k in base["train"] if base["train"][k] != cont["train"][k]} == {"taps_cache_gib", "warm_mode"}
+    assert cont["train"]["warm_mode"] == "extend" and cont["train"]["taps_cache_gib"] == 60
     assert {k for k in base["prompts"] if base["prompts"][k] != cont["prompts"][k]} == {"more_magpie"}
     assert cont["prompts"]["more_magpie"] == 52000 and cont["prompts"]["more_round"] == 1
     assert cont["responses"]["first_part"] == 192

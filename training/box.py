@@ -66,9 +66,9 @@ class Box:
             if self._mark is not None:
                 self._mark = end
 
-    def start_steps(self) -> None:
+    def start_steps(self, epoch: int | None = None, global_step: int | None = None) -> None:
         self._mark = self.now()
-        self._epoch0 = (self.steps, self.parts["steps"], self._packed_now())
+        self._epoch0 = (self.steps, self.parts["steps"], self._packed_now(), epoch, global_step)
 
     def step_done(self) -> None:
         t = self.now()
@@ -90,13 +90,13 @@ class Box:
         return int(self._packed.item()) if self._packed is not None else 0
 
     def _close_epoch(self) -> None:
-        steps0, secs0, packed0 = self._epoch0
+        steps0, secs0, packed0, epoch, global_step = self._epoch0
         n, secs, packed = self.steps - steps0, self.parts["steps"] - secs0, self._packed_now() - packed0
         if not n:
             return
         first = self.first_step_s if steps0 == 0 else 0.0  # the process's first step fell in this pass
         rest = secs - first
-        self.epochs.append({"steps": n, "steps_s": round(secs, 4), "packed_tokens": packed,
+        self.epochs.append({"epoch": epoch, "first_step": global_step, "steps": n, "steps_s": round(secs, 4), "packed_tokens": packed,
                             "tokens_per_s": round(packed / secs, 1) if secs else 0.0,
                             "steady_tokens_per_s": round(packed * (n - (1 if first else 0)) / n / rest, 1)
                             if rest > 0 and n > (1 if first else 0) else None})

@@ -57,8 +57,16 @@ def model_record(d: Path, summary: dict) -> dict:
     out["box"] = None if box is None else {**_pick(box, BOX_KEYS, 1),
                                            "steps_share": _round(box.get("steps_share"), 3),
                                            "parts_s": {k: _round(v, 1) for k, v in box["parts_s"].items()}}
+    if box is not None:
+        if box.get("epochs"):  # per pass of the training loop (training/box.py)
+            out["box"]["epochs"] = [{k: _round(v, 1) for k, v in e.items()} for e in box["epochs"]]
+        if box.get("taps_cache"):  # train.taps_cache_gib (training/online.py TapsCache)
+            out["box"]["taps_cache"] = box["taps_cache"]
     fit = (box or {}).get("fit") or {}
-    if fit.get("planned_steps") not in (None, fit.get("fitted_steps")):  # the box fit shortened the plan
+    refit = fit.get("refit") or {}
+    if refit.get("before") is not None and refit["fitted_steps"] > refit["before"]:  # a second fit lengthened it
+        out["planned_before_fit"], out["first_fit"] = fit["planned_steps"], refit["before"]
+    elif fit.get("planned_steps") not in (None, fit.get("fitted_steps")):  # the box fit shortened the plan
         out["planned_before_fit"] = fit["planned_steps"]
     out["selection"], out["heldout"] = _tau(acc.get("selection")), _tau(acc.get("heldout"))
     return out

@@ -61,7 +61,9 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
 
 def planned(m: dict) -> str:
     """The plan the model finished; where the box fit (training/fit.py) shortened it, the plan before the fit too."""
-    before = m.get("planned_before_fit")
+    before, first = m.get("planned_before_fit"), m.get("first_fit")
+    if first is not None:  # training/fit.py's second fit, in the next epoch, lengthened the first fit's plan
+        return f"{m['planned_steps']} (fitted from {before} to {first}, then to {m['planned_steps']} by a second fit)"
     return str(m["planned_steps"]) if before is None else f"{m['planned_steps']} (fitted from {before})"
 
 

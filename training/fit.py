@@ -13,7 +13,10 @@ Where the fit shortened the plan, the next pass of the training loop (the next e
 as many steps after its first, and where the box now holds more, the plan is fitted again, longer, never shorter
 (`refit` in the record): the online target's cache (train.taps_cache_gib) makes the epochs after the first faster
 than the first, where the first probe ran. The schedule is re-planned from the step it is at: its LR rises by what
-the longer decay puts there (a cosine at step s of T then of T' > T).
+the longer decay puts there (a cosine at step s of T then of T' > T); a warmup already over keeps its length (its
+ratio of the longer plan would start a second warmup). Both probes leave out the time of what the box times apart
+inside them (held-out evaluations, checkpoints, validation, a profile's summary), so a probe that spans a pass's
+end (its checkpoint and validation) still measures steps.
 """
 from __future__ import annotations
 
@@ -39,9 +42,15 @@ def fitted_total(step: int, rate: float, left_s: float, reserve: float, planned:
     return max(step + 1, min(planned, step + math.floor(rate * left_s * (1.0 - reserve))))
 
 
-def replan(schedulers, total: int, warmup_ratio: float) -> int:
-    """Every schedule's warmup and decay re-planned over `total` steps; returns the warmup steps."""
-    warm = math.ceil(warmup_ratio * total)
+def warmup_of(schedulers) -> int:
+    """The warmup steps the schedules are planned with now."""
+    return int(schedulers[0].lr_lambdas[0].keywords["num_warmup_steps"])
+
+
+def replan(schedulers, total: int, warmup_ratio: float, warmup: int | None = None) -> int:
+    """Every schedule's warmup and decay re-planned over `total` steps (the warmup `warmup` steps where given, else
+    its ratio of them); returns the warmup steps."""
+    warm = math.ceil(warmup_ratio * total) if warmup is None else warmup
     for s in schedulers:
         s.lr_lambdas = [functools.partial(f.func, *f.args, **{**f.keywords, "num_warmup_steps": warm,
                                                                "num_training_steps": total})

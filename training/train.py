@@ -197,10 +197,12 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
         print(f"train {name}: speculators' {impl} losses (train.loss_impl={tc['loss_impl']})")
     steps_per_epoch = len(train_loader)
     epochs = m["epochs"] or tc["epochs"]
-    total = m["max_steps"] or epochs * steps_per_epoch
+    extend = tc["warm_mode"] == "extend" and warm_step > 0
+    total = m["max_steps"] or (warm_step if extend else 0) + epochs * steps_per_epoch
     if warm_step >= total:
         raise UsageError(f"train.warm_start: {src} is at step {warm_step}, the end of this run's {total} steps; "
-                         "nothing is left to train (raise train.epochs or train from scratch)")
+                         "nothing is left to train (raise train.epochs, set train.warm_mode=extend for fresh data, "
+                         "or train from scratch)")
     save_every = tc["save_every"]
     out = model_dir(cfg, name)
     out.mkdir(parents=True, exist_ok=True)
@@ -216,10 +218,12 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               cut_at_step=tc["cut_at_step"],
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
-                              warm_step=warm_step, fit=fit_plan(tc, total), profile=_profile(tc, out, device))
+                              warm_step=warm_step, warm_extend=extend, fit=fit_plan(tc, total),
+                              profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl = mode, impl
     if trainer.warm_started:
-        print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer)")
+        print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer"
+              + (f"; {epochs} epochs of this data after it, train.warm_mode=extend)" if extend else ")"))
     return trainer, total, out
 
 

@@ -23,8 +23,9 @@
   held-out time exceeds `eval_share` of the elapsed box (the final one always runs).
 * profiling (training/profiling.py): `train.profile_steps` steps under torch.profiler, from the step callback.
 * warm start (training/warm.py): with `warm_step` and no checkpoint, the Trainer starts at that global step: the
-  epoch and in-epoch position the uninterrupted run had there (speculators' own mid-epoch resume skip) and the LR
-  schedulers stepped to it; the optimizer is fresh (Adam's moments and step counts start from zero).
+  epoch and in-epoch position the uninterrupted run had there (speculators' own mid-epoch resume skip; with
+  `warm_extend`, the data's start) and the LR schedulers stepped to it; the optimizer is fresh (Adam's moments and
+  step counts start from zero).
 """
 from __future__ import annotations
 
@@ -80,11 +81,13 @@ class PipelineTrainer(Trainer):
     def __init__(self, model, config, train_loader, val_loader, *, device: torch.device, seed: int,
                  eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
                  max_seconds: float = 0.0, box=None, eval_max_seconds: float = 0.0, eval_share: float = 1.0,
-                 warm_step: int = 0, fit: dict | None = None, profile=None, cut_at_step: int = 0):
+                 warm_step: int = 0, fit: dict | None = None, profile=None, cut_at_step: int = 0,
+                 warm_extend: bool = False):
         from training.box import Box
         self._device, self._seed = device, seed
         self.box = box or Box(device)
         self._eval_cap, self._eval_share, self._warm_step = eval_max_seconds, eval_share, warm_step
+        self._warm_extend = warm_extend  # train.warm_mode=extend: fresh data, its epochs from the start
         self.warm_started = False
         model.register_forward_pre_hook(self._count, with_kwargs=True)
         self._deadline = time.monotonic() + max_seconds if max_seconds else None
@@ -111,7 +114,8 @@ class PipelineTrainer(Trainer):
         super().setup_trainer()
         if self._warm_step and self.checkpointer.previous_epoch == -1:  # warm start: where the run had got to
             per_epoch = len(self.train_loader)
-            self.current_epoch, self._resume_local_step = divmod(self._warm_step, per_epoch)
+            self.current_epoch, self._resume_local_step = (0, 0) if self._warm_extend else \
+                divmod(self._warm_step, per_epoch)
             self._resume_global_step = self.global_step = self._warm_step
             self.warm_started = True
 
@@ -148,11 +152,11 @@ class PipelineTrainer(Trainer):
         self._fit_steps += 1
         if self._fit_steps == self._fit_skip:  # the first step (it compiles) and any profile are over: the clock starts
             self.box.sync()
-            self._fit_t1 = (self.global_step, time.monotonic())
+            self._fit_t1 = (self.global_step, time.monotonic(), self._apart())
         elif self._fit_steps == self._fit_skip + f["probe"]:
             self.box.sync()
-            g1, t1 = self._fit_t1
-            rate = (self.global_step - g1) / (time.monotonic() - t1)
+            g1, t1, a1 = self._fit_t1
+            rate = (self.global_step - g1) / (time.monotonic() - t1 - (self._apart() - a1))
             left = self._deadline - time.monotonic()
             total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
             warm = replan(self.schedulers, total, f["warmup_ratio"]) if total < f["planned"] else None
@@ -163,28 +167,35 @@ class PipelineTrainer(Trainer):
                   f"(reserve {100 * f['reserve']:.0f}%): plan {f['planned']} -> {total} steps"
                   + (f", warmup {warm}" if warm is not None else " (all of it fits)"), flush=True)
 
+    def _apart(self) -> float:
+        """The seconds of what the box times apart from the steps (a probe leaves them out)."""
+        return sum(self.box.parts.get(k, 0.0) for k in ("held_out", "checkpoints", "validation", "profile"))
+
     def _maybe_refit(self):
         """training/fit.py: the pass after the fit's probes its rate again, over as many steps after its first; where
         the box now holds more of the plan (a faster pass: the online target's cache serves the epochs after the
         first), the plan is fitted again, longer (never shorter: the deadline still stops a slower run)."""
-        from training.fit import fitted_total, replan
+        from training.fit import fitted_total, replan, warmup_of
         f, r = self._fit, self._refit
         r["steps"] += 1
         if r["steps"] == 1:
             self.box.sync()
-            r["t1"] = (self.global_step, time.monotonic())
+            r["t1"] = (self.global_step, time.monotonic(), self._apart())
         elif r["steps"] == 1 + f["probe"]:
             self._refit = None
             self.box.sync()
-            g1, t1 = r["t1"]
-            rate = (self.global_step - g1) / (time.monotonic() - t1)
+            g1, t1, a1 = r["t1"]
+            rate = (self.global_step - g1) / (time.monotonic() - t1 - (self._apart() - a1))
             left = self._deadline - time.monotonic()
             before = self.fit_record["fitted_steps"]
             total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
-            warm = replan(self.schedulers, total, f["warmup_ratio"]) if total > before else None
+            warm = None
+            if total > before:  # a warmup already over keeps its length (its ratio of more steps would restart it)
+                now = warmup_of(self.schedulers)
+                warm = replan(self.schedulers, total, f["warmup_ratio"], now if self.global_step >= now else None)
             self.fit_record["refit"] = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
-                                        "box_left_s": round(left, 1), "fitted_steps": max(total, before),
-                                        "warmup_steps": warm}
+                                        "box_left_s": round(left, 1), "before": before,
+                                        "fitted_steps": max(total, before), "warmup_steps": warm}
             if total > before:
                 self.fit_record["fitted_steps"] = total
             print(f"fit again, in the next pass: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s "
@@ -254,7 +265,7 @@ class PipelineTrainer(Trainer):
         original = trainer_module._StepTimer
         if swap:
             trainer_module._StepTimer = _HostTimer
-        self.box.start_steps()
+        self.box.start_steps(epoch, self.global_step)
         try:
             return super().train_epoch(epoch, step_callback=self._after_step)
         finally:

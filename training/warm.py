@@ -8,6 +8,13 @@ Adam's are), the fp32 master weights (the weights are the bf16 export's, rounded
 metrics history and best-validation record of the earlier session. Kept: the weights, the step, and so the LR
 schedule, the data position (epoch and in-epoch step follow from the step and the same data) and the anchor draws
 (reseeded from the seed and the step).
+
+`train.warm_mode`: `resume` (the default) is the above, the same run on the same data continued: the run's total is
+its epochs times the steps an epoch, counted from step 0, and it starts where the step puts it in the data. `extend`
+is for a model continued on fresh data: its epochs run from the data's start, after the warm step, so the total is
+the warm step plus the epochs' steps, and the LR continues at the warm step of that longer schedule (a cosine's
+remaining decay stretched over the new epochs; its warmup, a share of the longer total, is normally long past).
+With `resume`, a warm step at or past the total is refused at the train stage (nothing left to train).
 """
 from __future__ import annotations
 
