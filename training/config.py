@@ -42,24 +42,18 @@ DEFAULTS = {
               "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
               "num_workers": 0, "stop_after_step": 0, "cut_at_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
               "eval_k": [1], "val_batches": 16, "eval_max_seconds": 60, "eval_share": 0.05, "log_every": 1,
-              # warm_mode (with warm_start): resume, the same run continued (its data position and schedule:
-              # the epochs count from step 0); extend, fresh data (train.warm_mode, training/warm.py): the epochs
-              # run from the data's start and the schedule is extended by them past the warm step
+              # warm_mode: resume (the same run continued) | extend (fresh data, its epochs after the warm step; warm.py)
               "warm_start": None, "warm_mode": "resume", "fit_box": False, "fit_probe_steps": 50, "fit_reserve": 0.1,
               # loss_impl auto: speculators' fused Triton losses on CUDA, its eager ones elsewhere; rows_in_memory: the
               # loaders read the dataset from memory (training/rows.py); profile_steps: torch.profiler over that
               # many steps after the first (training/profiling.py); compile_target: the online target's decoder
-              # layers compiled (auto: on CUDA; training/online.py compile_layers); target_groups: the online
-              # target runs a packed row as at most that many right-padded batches of similar lengths
-              # (training/online.py length_groups; 1: one batch padded to the row's longest sequence, the
-              # faster on the H200: 36 ms a 32K-token row against 108 ms with 4, results/perf/bench_taps_groups/)
+              # layers compiled (auto: on CUDA; training/online.py compile_layers); target_groups: a packed row
+              # as at most that many right-padded batches of similar lengths (training/online.py length_groups;
+              # 1, one batch, the faster on the H200: 36 ms a 32K-token row against 108 with 4, bench_taps_groups/)
               # profile_start: the process's step after which the profile starts (warm-up steps are not steady)
-              # taps_cache_gib: the online target's output kept per sequence on its device, up to that many GiB,
-              # so later epochs (and later models of the stage) copy it instead of running the target (0: off;
-              # training/online.py TapsCache)
+              # taps_cache_gib: the online target's output kept on its device, GiB (0: off; training/online.py TapsCache)
               "loss_impl": "auto", "rows_in_memory": True, "profile_steps": 0, "profile_start": 3,
-              "compile_target": "auto",
-              "target_groups": 1, "taps_cache_gib": 0},
+              "compile_target": "auto", "target_groups": 1, "taps_cache_gib": 0},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
     # dtype auto: bfloat16 on CUDA (the decode's CUDA graphs too), the target's float32 elsewhere; bench: data/eval
@@ -265,13 +259,13 @@ def validate_steps(cfg: dict) -> None:
             or not 1 <= t["target_groups"] <= 64:
         raise UsageError("config train.target_groups must be an integer in 1..64 (the padded batches the online "
                          "target runs a packed row as; 1: one)")
-    if not isinstance(t["taps_cache_gib"], (int, float)) or isinstance(t["taps_cache_gib"], bool) \
-            or not 0 <= t["taps_cache_gib"] <= 4096:
+    gib = t["taps_cache_gib"]
+    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib <= 4096:
         raise UsageError("config train.taps_cache_gib must be a number of GiB in [0, 4096] (the online target's "
                          "output kept on its device across epochs; 0: off)")
-    if t["taps_cache_gib"] and cfg["hidden"]["mode"] != "online":
-        raise UsageError("config train.taps_cache_gib keeps the online target's output: it needs hidden.mode=online "
-                         "(an offline run reads its hidden states from files); set it to 0 or use online")
+    if gib and cfg["hidden"]["mode"] != "online":
+        raise UsageError("config train.taps_cache_gib needs hidden.mode=online (an offline run reads its hidden states "
+                         "from files); set it to 0 or use online")
     if t["loss_impl"] not in LOSS_IMPLS:
         raise UsageError(f"config train.loss_impl {t['loss_impl']!r}: use one of {', '.join(LOSS_IMPLS)} (fused: "
                          "speculators' Triton kernels, CUDA only)")
