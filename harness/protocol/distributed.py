@@ -45,6 +45,7 @@ class Shard:
     launched: bool = False  # started by torchrun / accelerate launch (even with one process)
     info: dict = dataclasses.field(default_factory=dict)  # this rank's environment, GPU state and loop seconds
     _group: bool = False
+    _ended: bool = False  # this rank's run finished (ended): close() meets the others at a barrier first
 
     @property
     def main(self) -> bool:
@@ -191,9 +192,21 @@ class Shard:
                                    r["turn"]))
         return merged
 
+    def ended(self, value):
+        """Marks this rank's run as finished (rank 0: after writing the merged report); returns `value`."""
+        self._ended = True
+        return value
+
     def close(self) -> None:
+        """The process group destroyed. Where this rank's run ended (`ended`), every rank's did, so they first meet
+        at a barrier and tear the group down together: a rank that destroyed its side while rank 0 still held the
+        group once died with SIGABRT in a fresh-clone CI run (1 of 4 that day; not reproduced in 17 runs since, so
+        the cause is not known). After an error a rank leaves at once (another rank may be inside a collective the
+        barrier would not match; the launcher stops the group)."""
         if self._group:
             import torch.distributed as dist
+            if self._ended:
+                dist.barrier()
             dist.destroy_process_group()
             self._group = False
 
