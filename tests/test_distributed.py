@@ -239,19 +239,21 @@ def test_the_training_pipeline_refuses_several_processes(monkeypatch, capsys):
     assert err.startswith("error: python -m training runs in one process") and "2 processes" in err
 
 
-def test_close_meets_at_a_barrier_only_after_a_finished_run(monkeypatch):
-    """Shard.close: after `ended` (the run finished on this rank) the ranks meet at a barrier before tearing the
-    group down; after an error a rank destroys its side at once (a barrier could meet another rank's unfinished
-    collective). Power: a close without the barrier, or with it on every path, fails one of the two."""
+def test_close_meets_at_a_barrier_only_past_the_merge(monkeypatch):
+    """Shard.close: past the merge (the last collective) the ranks meet at a barrier before tearing the group down,
+    rank 0 too if its report then fails; a rank that fails before it destroys its side at once (a barrier could meet
+    another rank's unfinished collective). Power: a close without the barrier, or with it on every path, fails one
+    of the two."""
     import torch.distributed as dist
     from harness.protocol.distributed import Shard
     calls = []
     monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
     monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
+    monkeypatch.setattr(dist, "gather_object", lambda obj, parts, dst: calls.append("gather"))
     done = Shard(rank=1, world=2, launched=True, _group=True)
-    assert done.ended("value") == "value"
+    assert done.merge([], []) is None
     done.close()
-    assert calls == ["barrier", "destroy"] and not done._group
+    assert calls == ["gather", "barrier", "destroy"] and not done._group
     calls.clear()
     Shard(rank=1, world=2, launched=True, _group=True).close()
     assert calls == ["destroy"]

@@ -113,33 +113,56 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
 
 
 def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(tmp_path, capsys):
-    """train.warm_mode=extend (a drafter continued on fresh data): a 1-epoch run's export, warm-started with 2 more
-    epochs, trains 2 whole passes over the data from its start, from the export's step E to 3E, with the LR of an
-    uninterrupted 3-epoch run at every step. Power: resume (the default) with the same 2 epochs plans 2E steps in
-    all and trains only the pass from E (one), and with 1 epoch it is refused as having nothing left to train."""
-    cfg = write_config(tmp_path, tiny_models(heads=False),
-                       train={"epochs": 1, "warmup_ratio": 0.3, "eval_prompts": 0})
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "one") == 0
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "three", "--set", "train.epochs=3") == 0
-    export = tmp_path / "one" / "export"
-    e = json.loads((export / "drafter" / "train_state.json").read_text())["global_step"]
-    for work in ("extend", "resume"):
-        for stage in ("prompts", "responses", "hidden"):
-            shutil.copytree(tmp_path / "one" / stage, tmp_path / work / stage)
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "extend", "--set", f"train.warm_start={export}",
-                   "--set", "train.warm_mode=extend", "--set", "train.epochs=2") == 0
-    box = json.loads((tmp_path / "extend" / "train" / "drafter" / "box.json").read_text())
-    assert e >= 2 and [p["steps"] for p in box["epochs"]] == [e, e] and box["first_step"] == e
-    three = {r["global_step"]: r["lr"] for r in _rows(tmp_path / "three")}
-    ext = {r["global_step"]: r["lr"] for r in _rows(tmp_path / "extend")}
-    assert min(ext) == e and max(ext) == max(three) == 3 * e - 1 and ext == {g: three[g] for g in ext}
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "resume", "--set", f"train.warm_start={export}",
-                   "--set", "train.epochs=2") == 0
-    box = json.loads((tmp_path / "resume" / "train" / "drafter" / "box.json").read_text())
-    assert [p["steps"] for p in box["epochs"]] == [e]
-    shutil.rmtree(tmp_path / "resume" / "train")
+    """train.warm_mode=extend (a drafter continued on fresh data): a run cut at step W = E + 2 (off an epoch's
+    boundary), warm-started with 2 more epochs, trains 2 whole passes (epochs 0 and 1) from W to W + 2E, with the LR
+    at every step of one schedule over W + 2E steps; the same extend run cut at W + E + 3 and continued from its
+    export with resume (the default) ends where the uncut one does, on the same LRs, its data where it was (3 steps
+    into epoch 1: data_start recorded). Power: resume from W with the same 2 epochs plans 2E steps from step 0 and
+    trains one partial pass; a resume that ignored data_start plans 2E too; skipping W mod E batches shortens the
+    first pass."""
+    cfg = write_config(tmp_path, tiny_models(heads=False), train={"epochs": 2, "warmup_ratio": 0.3, "eval_prompts": 0})
+
+    def run(work, *sets, data="cut"):
+        if data:
+            for stage in ("prompts", "responses", "hidden"):
+                shutil.copytree(tmp_path / data / stage, tmp_path / work / stage)
+        return run_cli("all", "--config", cfg, "--workdir", tmp_path / work,
+                       *[x for item in sets for x in ("--set", item)])
+
+    def passes(work):
+        box = json.loads((tmp_path / work / "train" / "drafter" / "box.json").read_text())
+        return [(p["epoch"], p["first_step"], p["steps"]) for p in box["epochs"]]
+
+    def lrs(work):
+        return {r["global_step"]: r["lr"] for r in _rows(tmp_path / work)}
+
+    assert run("one", data=None) == 0
+    e = passes("one")[0][2]
+    w = e + 2
+    assert e >= 4 and run("cut", f"train.cut_at_step={w}", data="one") == 0
+    export = tmp_path / "cut" / "export"
+    assert json.loads((export / "drafter" / "train_state.json").read_text())["global_step"] == w
+    assert run("ext", f"train.warm_start={export}", "train.warm_mode=extend") == 0
+    assert passes("ext") == [(0, w, e), (1, w + e, e)]
+    ext = lrs("ext")
+    assert min(ext) == w and max(ext) == w + 2 * e - 1 and len(set(ext.values())) > 3
+    m = json.loads((tmp_path / "ext" / "train" / "drafter" / "manifest.json").read_text())
+    assert m["planned_steps"] == w + 2 * e and m["data_start"] == w
+    # the extend run cut short, then continued with resume from its export
+    assert run("ext_cut", f"train.warm_start={export}", "train.warm_mode=extend",
+               f"train.cut_at_step={w + e + 3}") == 0
+    export2 = tmp_path / "ext_cut" / "export"
+    assert json.loads((export2 / "drafter" / "train_state.json").read_text())["data_start"] == w
+    assert run("cont", f"train.warm_start={export2}") == 0
+    assert passes("cont") == [(1, w + e + 3, e - 3)]
+    cont = lrs("cont")
+    assert max(cont) == max(ext) and cont == {g: ext[g] for g in cont}
+    # resume from the first cut: its 2 epochs count from step 0, so one partial pass is left
+    assert run("res", f"train.warm_start={export}") == 0
+    assert passes("res") == [(1, w, e - 2)]
+    shutil.rmtree(tmp_path / "res" / "train")
     capsys.readouterr()
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "resume", "--set", f"train.warm_start={export}") == 2
+    assert run("res", f"train.warm_start={export}", "train.epochs=1", data=None) == 2
     err = capsys.readouterr().err
     assert "nothing is left to train" in err and "train.warm_mode=extend" in err, err
 
@@ -240,20 +263,22 @@ def test_the_next_pass_fits_again_when_the_box_holds_more(tmp_path, monkeypatch)
 
 
 def test_the_fit_probe_leaves_out_held_out_evaluations(tmp_path, monkeypatch):
-    """A held-out evaluation after every step, each made to take 0.5 s: the fit's rate is the steps' own (tiny
-    CPU steps, tens a second), not steps over the evaluations' seconds (3 steps in about 1.5 s: 2 a second).
-    Power: the probe without the evaluations' time taken out measures under 3 steps a second."""
+    """A held-out evaluation after every step, each made to take 1 s: the fit's rate is the steps' own (tiny CPU
+    steps, 5 to 50 a second; CI's loaded machine measured 5.0), within a factor 2 of the box's steady step rate, not
+    3 steps over the evaluations' 3 s or more. Power: the probe without the evaluations' time taken out measures at
+    most 1 step a second."""
     import time as _time
     import training.fit
     from training import trainer
-    monkeypatch.setattr(trainer.PipelineTrainer, "_log_eval", lambda self: _time.sleep(0.5))
+    monkeypatch.setattr(trainer.PipelineTrainer, "_log_eval", lambda self: _time.sleep(1.0))
     monkeypatch.setattr(training.fit, "fitted_total", lambda step, *a: step + 2)
     cfg = write_config(tmp_path, tiny_models(heads=False),
                        train={"epochs": 200, "eval_every": 1, "eval_share": 1.0, "max_minutes": 0.5,
                               "on_deadline": "finish", "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2})
     assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
     box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
-    assert box["parts_s"]["held_out"] >= 1.5 and box["fit"]["steps_per_s"] > 6, box["fit"]
+    rate = box["fit"]["steps_per_s"]
+    assert box["parts_s"]["held_out"] >= 3 and rate > 1.5 and rate > 0.5 * box["steady_steps_per_s"], box
 
 
 def test_the_fit_probe_starts_after_a_profile(tmp_path, monkeypatch):

@@ -389,9 +389,9 @@ RUN_CONTROL = ("stop_after_step", "cut_at_step", "eval_every", "eval_prompts", "
 
 
 def model_fingerprint(cfg: dict, name: str) -> str:
-    """What a checkpoint was trained with: its model spec, the train section (minus run-control fields), the
-    target and the data's fingerprint. A resume with another fingerprint is refused."""
-    train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL}
+    """What a checkpoint was trained with: its model spec, the train section (less run control and a default
+    warm_mode, so older fingerprints stay), the target and the data's. A resume with another one is refused."""
+    train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL and (k, v) != ("warm_mode", "resume")}
     model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"}  # a box is run control
     init = init_export(cfg, name)
     if init is not None:  # the folder's content, not its path

@@ -198,11 +198,15 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
     steps_per_epoch = len(train_loader)
     epochs = m["epochs"] or tc["epochs"]
     extend = tc["warm_mode"] == "extend" and warm_step > 0
-    total = m["max_steps"] or (warm_step if extend else 0) + epochs * steps_per_epoch
+    # the step where this data's epoch 0 began: extend, the warm step; resume, the warmed run's own (0 unless it was
+    # an extend run itself), so that a cut run continues where it was in its data and schedule
+    data_start = warm_step if extend else (warm.data_start(src) if src is not None else 0)
+    total = m["max_steps"] or data_start + epochs * steps_per_epoch
     if warm_step >= total:
         raise UsageError(f"train.warm_start: {src} is at step {warm_step}, the end of this run's {total} steps; "
-                         "nothing is left to train (raise train.epochs, set train.warm_mode=extend for fresh data, "
-                         "or train from scratch)")
+                         "nothing is left to train (" + ("train.max_steps counts from step 0: raise it" if extend else
+                                                         "raise train.epochs, set train.warm_mode=extend for fresh "
+                                                         "data, or train from scratch") + ")")
     save_every = tc["save_every"]
     out = model_dir(cfg, name)
     out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +222,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               cut_at_step=tc["cut_at_step"],
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
-                              warm_step=warm_step, warm_extend=extend, fit=fit_plan(tc, total),
+                              warm_step=warm_step, data_start=data_start, fit=fit_plan(tc, total),
                               profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl = mode, impl
     if trainer.warm_started:
@@ -285,6 +289,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
         write_json(out / "manifest.json", {"key": key, "complete": True, "final": str(last),
                                            "global_step": trainer.global_step,
                                            "planned_steps": trainer.planned_steps or total,
+                                           "data_start": trainer.data_start,
                                            "truncated": trainer.deadline_hit, "evals": trainer.evals,
                                            "fit": trainer.fit_record})
     write(out / FILE, box.record({"first_step": start_step, "last_step": trainer.global_step,

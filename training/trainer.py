@@ -23,8 +23,9 @@
   held-out time exceeds `eval_share` of the elapsed box (the final one always runs).
 * profiling (training/profiling.py): `train.profile_steps` steps under torch.profiler, from the step callback.
 * warm start (training/warm.py): with `warm_step` and no checkpoint, the Trainer starts at that global step: the
-  epoch and in-epoch position the uninterrupted run had there (speculators' own mid-epoch resume skip; with
-  `warm_extend`, the data's start) and the LR schedulers stepped to it; the optimizer is fresh (Adam's moments and
+  epoch and in-epoch position the uninterrupted run had there, counted from `data_start` (speculators' own
+  mid-epoch resume skip; train.warm_mode=extend starts this data at the warm step) and the LR schedulers stepped to
+  it; the optimizer is fresh (Adam's moments and
   step counts start from zero).
 """
 from __future__ import annotations
@@ -82,12 +83,12 @@ class PipelineTrainer(Trainer):
                  eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
                  max_seconds: float = 0.0, box=None, eval_max_seconds: float = 0.0, eval_share: float = 1.0,
                  warm_step: int = 0, fit: dict | None = None, profile=None, cut_at_step: int = 0,
-                 warm_extend: bool = False):
+                 data_start: int = 0):
         from training.box import Box
         self._device, self._seed = device, seed
         self.box = box or Box(device)
         self._eval_cap, self._eval_share, self._warm_step = eval_max_seconds, eval_share, warm_step
-        self._warm_extend = warm_extend  # train.warm_mode=extend: fresh data, its epochs from the start
+        self.data_start = data_start  # the global step where this data's epoch 0 began (train.warm_mode)
         self.warm_started = False
         model.register_forward_pre_hook(self._count, with_kwargs=True)
         self._deadline = time.monotonic() + max_seconds if max_seconds else None
@@ -114,8 +115,7 @@ class PipelineTrainer(Trainer):
         super().setup_trainer()
         if self._warm_step and self.checkpointer.previous_epoch == -1:  # warm start: where the run had got to
             per_epoch = len(self.train_loader)
-            self.current_epoch, self._resume_local_step = (0, 0) if self._warm_extend else \
-                divmod(self._warm_step, per_epoch)
+            self.current_epoch, self._resume_local_step = divmod(self._warm_step - self.data_start, per_epoch)
             self._resume_global_step = self.global_step = self._warm_step
             self.warm_started = True
 

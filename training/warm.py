@@ -14,7 +14,9 @@ its epochs times the steps an epoch, counted from step 0, and it starts where th
 is for a model continued on fresh data: its epochs run from the data's start, after the warm step, so the total is
 the warm step plus the epochs' steps, and the LR continues at the warm step of that longer schedule (a cosine's
 remaining decay stretched over the new epochs; its warmup, a share of the longer total, is normally long past).
-With `resume`, a warm step at or past the total is refused at the train stage (nothing left to train).
+With `resume`, a warm step at or past the total is refused at the train stage (nothing left to train). Every
+manifest and export records `data_start`, the step where its data's epoch 0 began (the warm step of an extend run,
+else 0), so an extend run cut short continues with `resume` where it was in its data and schedule.
 """
 from __future__ import annotations
 
@@ -40,6 +42,11 @@ def train_state(d: Path) -> dict:
         raise UsageError(f"train.warm_start: {d} has no {STATE} (an export from before warm starts existed); "
                          "re-export it or train from scratch")
     return json.loads(f.read_text())
+
+
+def data_start(d: Path) -> int:
+    """The step where the warmed run's data began (0 in exports from before data_start was recorded)."""
+    return int(train_state(d).get("data_start", 0))
 
 
 def load(model, d: Path, name: str) -> int:

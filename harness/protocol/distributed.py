@@ -45,7 +45,7 @@ class Shard:
     launched: bool = False  # started by torchrun / accelerate launch (even with one process)
     info: dict = dataclasses.field(default_factory=dict)  # this rank's environment, GPU state and loop seconds
     _group: bool = False
-    _ended: bool = False  # this rank's run finished (ended): close() meets the others at a barrier first
+    _ended: bool = False  # past the merge, the last collective: close() meets the other ranks at a barrier first
 
     @property
     def main(self) -> bool:
@@ -183,6 +183,7 @@ class Shard:
         import torch.distributed as dist
         parts = [None] * self.world if self.main else None
         dist.gather_object((self.rank, rows, self.info), parts, dst=0)
+        self._ended = True  # no collective is left: close() may meet the other ranks at a barrier
         if not self.main:
             return None
         self.info = {"ranks": [info for _, _, info in sorted(parts, key=lambda p: p[0])]}
@@ -192,17 +193,13 @@ class Shard:
                                    r["turn"]))
         return merged
 
-    def ended(self, value):
-        """Marks this rank's run as finished (rank 0: after writing the merged report); returns `value`."""
-        self._ended = True
-        return value
-
     def close(self) -> None:
-        """The process group destroyed. Where this rank's run ended (`ended`), every rank's did, so they first meet
-        at a barrier and tear the group down together: a rank that destroyed its side while rank 0 still held the
-        group once died with SIGABRT in a fresh-clone CI run (1 of 4 that day; not reproduced in 17 runs since, so
-        the cause is not known). After an error a rank leaves at once (another rank may be inside a collective the
-        barrier would not match; the launcher stops the group)."""
+        """The process group destroyed. Past the merge (the last collective: every rank got through it), the ranks
+        first meet at a barrier and tear the group down together, rank 0 after its report, written or failed: a
+        rank that destroyed its side while rank 0 still held the group once died with SIGABRT in a fresh-clone CI
+        run (1 of 4 that day; not reproduced in 17 runs since, so the cause is not known; a mitigation). A rank
+        that fails before the merge leaves at once (another rank may be inside a collective the barrier would not
+        match; the launcher stops the group)."""
         if self._group:
             import torch.distributed as dist
             if self._ended:

@@ -203,7 +203,7 @@ def run(cfg: RunConfig, out=None) -> dict:
         from harness.decode.compiling import CompileWatch
         watch = CompileWatch(cfg.compile_backend)
     try:
-        return shard.ended(_run(cfg, out or sys.stdout, watch, shard))
+        return _run(cfg, out or sys.stdout, watch, shard)
     finally:
         if watch is not None:
             watch.release()
