@@ -88,16 +88,14 @@ def time_section(stages: dict, models: list[dict]) -> list[str]:
     out += table(["model", "wall", "train wall", "box"] + list(PARTS) +
                  ["unaccounted", "steps share", "steps/s", "packed tokens", "loss tokens", "packed tokens/s",
                   "steady packed tokens/s"], rows)
-    per_epoch = [(m["model"], (m.get("box") or {}).get("epochs")) for m in models]
-    per_epoch = [(n, e) for n, e in per_epoch if e]
+    per_epoch = box_field(models, "epochs")
     if per_epoch:  # box.json's epochs (training/box.py): the rate of each pass of the training loop
         out += ["Packed tokens/s per pass of the training loop (an epoch; steady: the process's first step left "
                 "out), with its steps:", ""]
         out += table(["model", "per pass: steady packed tokens/s (steps)"],
                      [[n, ", ".join(f"{fmt(e['steady_tokens_per_s'])} ({e['steps']})" for e in ep)]
                       for n, ep in per_epoch])
-    cached = [(m["model"], (m.get("box") or {}).get("taps_cache")) for m in models]
-    cached = [(n, c) for n, c in cached if c]
+    cached = box_field(models, "taps_cache")
     if cached:  # train.taps_cache_gib (training/online.py TapsCache)
         out += ["The online target's cache (train.taps_cache_gib; counts since the train stage began, as its models "
                 "share it; tokens from the cache are tokens the target did not run over):", ""]
@@ -106,6 +104,11 @@ def time_section(stages: dict, models: list[dict]) -> list[str]:
                      [[n, c["budget_gib"], c["kept_gib"], c.get("slabs_gib"), c["sequences"], c["refused_sequences"],
                        c["hit_tokens"], c["computed_tokens"]] for n, c in cached])
     return out
+
+
+def box_field(models: list[dict], key: str) -> list[tuple[str, object]]:
+    """(model, its box record's KEY) for the models whose box has one."""
+    return [(m["model"], v) for m in models if (v := (m.get("box") or {}).get(key))]
 
 
 def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True) -> list[str]:

@@ -259,8 +259,7 @@ def validate_steps(cfg: dict) -> None:
             or not 1 <= t["target_groups"] <= 64:
         raise UsageError("config train.target_groups must be an integer in 1..64 (the padded batches the online "
                          "target runs a packed row as; 1: one)")
-    gib = t["taps_cache_gib"]
-    if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not 0 <= gib <= 4096:
+    if isinstance(gib := t["taps_cache_gib"], bool) or not isinstance(gib, (int, float)) or not 0 <= gib <= 4096:
         raise UsageError("config train.taps_cache_gib must be a number of GiB in [0, 4096] (the online target's "
                          "output kept on its device across epochs; 0: off)")
     if gib and cfg["hidden"]["mode"] != "online":
@@ -382,6 +381,7 @@ def fingerprint(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
 
+ADDED_LATER = {"warm_mode": "resume"}  # train keys that change the model, at the value that ran before they existed
 RUN_CONTROL = ("stop_after_step", "cut_at_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens",
                "num_workers", "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
                "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps", "profile_start",
@@ -389,9 +389,9 @@ RUN_CONTROL = ("stop_after_step", "cut_at_step", "eval_every", "eval_prompts", "
 
 
 def model_fingerprint(cfg: dict, name: str) -> str:
-    """What a checkpoint was trained with: its model spec, the train section (less run control and a default
-    warm_mode, so older fingerprints stay), the target and the data's. A resume with another one is refused."""
-    train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL and (k, v) != ("warm_mode", "resume")}
+    """A checkpoint's training (model, train less run control and keys added later at their old value, target,
+    data); a resume with another one is refused."""
+    train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL and ADDED_LATER.get(k, ...) != v}
     model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"}  # a box is run control
     init = init_export(cfg, name)
     if init is not None:  # the folder's content, not its path

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 from core.errors import UsageError
 
@@ -56,3 +57,26 @@ def replan(schedulers, total: int, warmup_ratio: float, warmup: int | None = Non
                                                                "num_training_steps": total})
                         for f in s.lr_lambdas]
     return warm
+
+
+class Probe:
+    """The step rate over `steps` steps after the first `skip` of the steps it is told of (`tick`), the device
+    synchronised at both ends, the seconds `apart()` counts in between (what the box times apart from the steps:
+    held-out evaluations, checkpoints, validation, a profile's summary) left out."""
+
+    def __init__(self, skip: int, steps: int, sync, apart):
+        self.skip, self.steps, self.sync, self.apart = skip, steps, sync, apart
+        self.seen, self.start = 0, None
+
+    def tick(self, step: int) -> tuple[int, float] | None:
+        """After a step (the global `step` reached): (the step the clock started at, steps/s) once the probe is
+        over, else None."""
+        self.seen += 1
+        if self.seen == self.skip:
+            self.sync()
+            self.start = (step, time.monotonic(), self.apart())
+        elif self.seen == self.skip + self.steps:
+            self.sync()
+            g1, t1, a1 = self.start
+            return g1, (step - g1) / (time.monotonic() - t1 - (self.apart() - a1))
+        return None

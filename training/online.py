@@ -109,6 +109,7 @@ class OnlineTaps:
         n = sum(lengths)
         kept = self.cache.lookup(keys, lengths)  # per sequence: its cached [len, L+1, H], or None
         todo = [i for i, k in enumerate(kept) if k is None]
+        hits = [k for k in kept if k is not None]
         plan, hit_pos = self._plan(lengths, dev, todo, [i for i, k in enumerate(kept) if k is not None])
         ids = input_ids[0, :n].to(dev)
         out = None
@@ -121,7 +122,6 @@ class OnlineTaps:
                 if out is None:
                     out = full.new_zeros((document_ids.shape[-1], *full.shape[2:]), dtype=self.store_dtype)
                 out.index_copy_(0, packed, full.flatten(0, 1).index_select(0, local).to(self.store_dtype))
-        hits = [k for k in kept if k is not None]
         if hits:
             if out is None:
                 out = hits[0].new_zeros((document_ids.shape[-1], *hits[0].shape[1:]))

@@ -233,7 +233,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
 
 def _profile(tc: dict, out: Path, device: torch.device):
     from training.profiling import StepProfile
-    # before the fit's probe, which starts after it (PipelineTrainer._fit_skip): never inside the timed probe, and
+    # before the fit's probe, which starts after it (PipelineTrainer._fit_probe): never inside the timed probe, and
     # its time is spent before the fit measures what the box has left; train.profile_start steps after the
     # process's first, so the compile's warm-up is not what it measures
     return StepProfile(out / "profile.json", tc["profile_steps"], device, tc["profile_start"]) \

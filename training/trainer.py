@@ -25,8 +25,7 @@
 * warm start (training/warm.py): with `warm_step` and no checkpoint, the Trainer starts at that global step: the
   epoch and in-epoch position the uninterrupted run had there, counted from `data_start` (speculators' own
   mid-epoch resume skip; train.warm_mode=extend starts this data at the warm step) and the LR schedulers stepped to
-  it; the optimizer is fresh (Adam's moments and
-  step counts start from zero).
+  it; the optimizer is fresh (Adam's moments and step counts start from zero).
 """
 from __future__ import annotations
 
@@ -40,6 +39,8 @@ import torch
 from speculators.train.checkpointer import SingleGPUCheckpointer, convert_float_dtype, load_safetensors_state_dict
 import speculators.train.trainer as trainer_module
 from speculators.train.trainer import Trainer
+
+from training.fit import Probe
 
 FINGERPRINT = "xpress_bench_fingerprint.json"
 
@@ -96,15 +97,15 @@ class PipelineTrainer(Trainer):
         self._cut = cut_at_step  # train.cut_at_step: this session ends the run at that global step, as a box would
         self._fit = fit if fit and max_seconds else None  # training/fit.py; needs a box
         self.fit_record: dict | None = None
-        self._fit_steps, self._fit_t1 = 0, None  # this process's steps while probing; the probe's start
-        self._refit = None  # training/fit.py: the second probe's steps and start, in the pass after the fit's
+        self._refit = None  # training/fit.py: the second Probe, in the pass after the fit's
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
         self.step_profile = profile  # training/profiling.StepProfile, or None
         # the fit's clock starts after the first step (it compiles) and after a profile (its steps and its summary
         # are spent before the fit measures what the box has left: a profile after the fit overran small boxes)
-        self._fit_skip = profile.start + profile.steps if profile is not None and profile.steps else 1
+        skip = profile.start + profile.steps if profile is not None and profile.steps else 1
+        self._fit_probe = Probe(skip, fit["probe"], self.box.sync, self._apart) if self._fit else None
         self.evals: list[dict] = []
         train_loader.generator = torch.Generator().manual_seed(seed)
         super().__init__(model, config, train_loader, val_loader)
@@ -147,25 +148,21 @@ class PipelineTrainer(Trainer):
     def _maybe_fit(self):
         """training/fit.py: time this process's `probe` steps after the first one and any profile, then fit the plan
         to what the box has left."""
-        from training.fit import fitted_total, replan
+        from training.fit import fitted_total, replan  # looked up per call: tests replace fitted_total
         f = self._fit
-        self._fit_steps += 1
-        if self._fit_steps == self._fit_skip:  # the first step (it compiles) and any profile are over: the clock starts
-            self.box.sync()
-            self._fit_t1 = (self.global_step, time.monotonic(), self._apart())
-        elif self._fit_steps == self._fit_skip + f["probe"]:
-            self.box.sync()
-            g1, t1, a1 = self._fit_t1
-            rate = (self.global_step - g1) / (time.monotonic() - t1 - (self._apart() - a1))
-            left = self._deadline - time.monotonic()
-            total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
-            warm = replan(self.schedulers, total, f["warmup_ratio"]) if total < f["planned"] else None
-            self.fit_record = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
-                               "box_left_s": round(left, 1), "reserve": f["reserve"], "planned_steps": f["planned"],
-                               "fitted_steps": total, "warmup_steps": warm}
-            print(f"fit to the box: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s left "
-                  f"(reserve {100 * f['reserve']:.0f}%): plan {f['planned']} -> {total} steps"
-                  + (f", warmup {warm}" if warm is not None else " (all of it fits)"), flush=True)
+        got = self._fit_probe.tick(self.global_step)
+        if got is None:
+            return
+        g1, rate = got
+        left = self._deadline - time.monotonic()
+        total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
+        warm = replan(self.schedulers, total, f["warmup_ratio"]) if total < f["planned"] else None
+        self.fit_record = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
+                           "box_left_s": round(left, 1), "reserve": f["reserve"], "planned_steps": f["planned"],
+                           "fitted_steps": total, "warmup_steps": warm}
+        print(f"fit to the box: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s left "
+              f"(reserve {100 * f['reserve']:.0f}%): plan {f['planned']} -> {total} steps"
+              + (f", warmup {warm}" if warm is not None else " (all of it fits)"), flush=True)
 
     def _apart(self) -> float:
         """The seconds of what the box times apart from the steps (a probe leaves them out)."""
@@ -176,30 +173,25 @@ class PipelineTrainer(Trainer):
         the box now holds more of the plan (a faster pass: the online target's cache serves the epochs after the
         first), the plan is fitted again, longer (never shorter: the deadline still stops a slower run)."""
         from training.fit import fitted_total, replan, warmup_of
-        f, r = self._fit, self._refit
-        r["steps"] += 1
-        if r["steps"] == 1:
-            self.box.sync()
-            r["t1"] = (self.global_step, time.monotonic(), self._apart())
-        elif r["steps"] == 1 + f["probe"]:
-            self._refit = None
-            self.box.sync()
-            g1, t1, a1 = r["t1"]
-            rate = (self.global_step - g1) / (time.monotonic() - t1 - (self._apart() - a1))
-            left = self._deadline - time.monotonic()
-            before = self.fit_record["fitted_steps"]
-            total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
-            warm = None
-            if total > before:  # a warmup already over keeps its length (its ratio of more steps would restart it)
-                now = warmup_of(self.schedulers)
-                warm = replan(self.schedulers, total, f["warmup_ratio"], now if self.global_step >= now else None)
-            self.fit_record["refit"] = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
-                                        "box_left_s": round(left, 1), "before": before,
-                                        "fitted_steps": max(total, before), "warmup_steps": warm}
-            if total > before:
-                self.fit_record["fitted_steps"] = total
-            print(f"fit again, in the next pass: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s "
-                  f"left: plan {before} -> {max(total, before)} steps", flush=True)
+        f = self._fit
+        got = self._refit.tick(self.global_step)
+        if got is None:
+            return
+        self._refit = None
+        g1, rate = got
+        left = self._deadline - time.monotonic()
+        before = self.fit_record["fitted_steps"]
+        total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
+        warm = None
+        if total > before:  # a warmup already over keeps its length (its ratio of more steps would restart it)
+            now = warmup_of(self.schedulers)
+            warm = replan(self.schedulers, total, f["warmup_ratio"], now if self.global_step >= now else None)
+            self.fit_record["fitted_steps"] = total
+        self.fit_record["refit"] = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
+                                    "box_left_s": round(left, 1), "before": before,
+                                    "fitted_steps": max(total, before), "warmup_steps": warm}
+        print(f"fit again, in the next pass: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s "
+              f"left: plan {before} -> {max(total, before)} steps", flush=True)
 
     @property
     def planned_steps(self) -> int | None:
@@ -258,7 +250,7 @@ class PipelineTrainer(Trainer):
         self._reseed()
         if self.fit_record is not None and "refit" not in self.fit_record and self._refit is None \
                 and self.fit_record["fitted_steps"] < self.fit_record["planned_steps"]:
-            self._refit = {"steps": 0}  # the fit cut the plan: this pass probes again (_maybe_refit)
+            self._refit = Probe(1, self._fit["probe"], self.box.sync, self._apart)  # the fit cut the plan: again
         skip = getattr(self, "_resume_local_step", 0) if epoch == getattr(self, "current_epoch", epoch) else 0
         self._epoch_start = (epoch, self.global_step, skip)
         swap = not torch.accelerator.is_available()

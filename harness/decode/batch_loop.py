@@ -136,7 +136,9 @@ class _Batch:
         for d in drafters or ():
             d.ensure_capacity(batch.capacity)
         self.out = batch.outputs(batch.capacity + width + 1)
-        self.make = (target, prompts, own, drafters, refiner, generators, state)
+        # what each request's `_Decode` is made of (_start): prompt k's settings and generator, row i's drafter
+        self.target, self.prompts, self.own, self.drafters = target, prompts, own, drafters
+        self.given_refiner, self.generators, self.state = refiner, generators, state
         self.queue = list(range(b, len(prompts)))  # prompts waiting for a row, in order
         self.gens: list = [None] * len(prompts)
         self.paused = 0.0  # seconds of refills (finish, setup, prefill) inside the batch's clock, kept out of decode
@@ -162,11 +164,11 @@ class _Batch:
     def _start(self, i: int, k: int) -> _Decode:
         """Prompt k into row i: its `_Decode` on the row's slot and drafter (prefilled by the target, then copied
         into the row, as every request's prefill), its output the batch's row i."""
-        target, prompts, own, drafters, refiner, generators, state = self.make
-        slot, prompt = state.slots[i], prompts[k]
-        run = _Decode(target, prompt, own[k], self.backend, None if drafters is None else drafters[i], refiner,
-                      None if generators is None else generators[k], state, slot=slot, row=self.batch.row(slot.row))
-        run.request.first_token(run.prefill(), own[k].stop_ids)
+        slot, prompt, own = self.state.slots[i], self.prompts[k], self.own[k]
+        run = _Decode(self.target, prompt, own, self.backend, None if self.drafters is None else self.drafters[i],
+                      self.given_refiner, None if self.generators is None else self.generators[k], self.state,
+                      slot=slot, row=self.batch.row(slot.row))
+        run.request.first_token(run.prefill(), own.stop_ids)
         self.batch.load_prompt(slot.row, len(prompt))
         # the request's output is its row of the batch's: the batched step writes every row at once
         n = len(prompt) + 1
