@@ -2,16 +2,20 @@
 memory is turned into the harness's drafter and refiner (the same name mapping the checkpoint loaders use), and
 greedy tau (tau/step, harness.protocol.metrics) is measured on held-out prompts for drafter-only and, when the
 model has one, its Markov or xPress head. With `max_seconds` the drafter-only arm decodes prompts in order until its
-share of the cap (1 / number of arms) is spent (one prompt at least), and every arm then uses those prompts.
+share of the cap (1 / number of arms) is spent (one prompt at least), and every arm then uses those prompts. Each
+result keeps every prompt's accepted tokens and steps per arm ("per_prompt", keyed by the prompt's ids), so two
+results on the same prompts compare with a paired CI (training/compare_tau.py).
 
 Which prompts: during training (periodic and final evaluations), the first `train.eval_prompts` of the selection
 set (prompts/selection.jsonl); after training (training/evaluate.py), every final model on the whole selection set
 and the whole held-out set. Every result names its set."""
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
+import numpy as np
 import torch
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel
@@ -105,10 +109,23 @@ class HeldOut:
         elif kind == "xpress":
             for k in self.k_list:
                 per_arm[f"tau_xpress_K{k}"] = [self._lengths(p, drafter, make(k)) for p in prompts[:n]]
-        out = {**{arm: tau_per_step(v) for arm, v in per_arm.items()}, "prompts": n}
+        out = {**{arm: tau_per_step(v) for arm, v in per_arm.items()}, "prompts": n,
+               "per_prompt": per_prompt(per_arm, prompts[:n])}
         if groups is not None:
             out["by_source"] = by_group(per_arm, list(groups)[:n])
         return out
+
+
+def prompt_key(ids) -> str:
+    """8 hex digits of a prompt's token ids (BLAKE2b, the same in every process): which prompt a record is of."""
+    return hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=4).hexdigest()
+
+
+def per_prompt(per_arm: dict, prompts) -> dict:
+    """{"keys": each prompt's prompt_key, arm: [[accepted tokens summed, steps], ...] per prompt}: what pairs two
+    records prompt by prompt (training/compare_tau.py); each arm's tau is its tokens summed over its steps summed."""
+    return {"keys": [prompt_key(p) for p in prompts],
+            **{arm: [[int(sum(v)), len(v)] for v in lengths] for arm, lengths in per_arm.items()}}
 
 
 def by_group(per_arm: dict, groups: list[str]) -> dict:

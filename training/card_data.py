@@ -36,7 +36,8 @@ def _pick(rec: dict | None, keys, digits: int = 1) -> dict | None:
 def _tau(rec: dict | None) -> dict | None:
     if rec is None:
         return None
-    return {k: _round(v, 3 if k.startswith("tau_") else 1) for k, v in rec.items() if k != "set"}
+    # per_prompt stays in acceptance.json (training/compare_tau.py reads it there), out of the card
+    return {k: _round(v, 3 if k.startswith("tau_") else 1) for k, v in rec.items() if k not in ("set", "per_prompt")}
 
 
 def data_record(work: Path) -> dict:
