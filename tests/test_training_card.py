@@ -122,3 +122,21 @@ def test_model_record_carries_the_cache_and_a_second_fit(tmp_path):
     (tmp_path / "box.json").write_text(json.dumps(box))
     assert planned(model_record(tmp_path, {"model": "drafter", "steps": 20, "planned_steps": 20})) == \
         "20 (fitted from 36)"
+
+
+def test_the_box_table_shows_the_share_of_steps_after_the_compiling_first_step(tmp_path):
+    """The continue run's drafter: 437.2 s of steps in a 463.2-s box reads as 94.4% steps, but 93.0 s of them were
+    the first step (compiling); the card shows that step and the share without it, (437.2 - 93.0) / 463.2 = 0.743.
+    A box.json without first_step_s (written before it was kept) gets neither, not a made-up share."""
+    from training.card_data import model_record
+    from training.card_md import time_section
+    box = {"parts_s": {"steps": 437.2}, "wall_s": 463.2, "steps_share": 0.944, "first_step_s": 92.9883, "steps": 1210}
+    (tmp_path / "box.json").write_text(json.dumps(box))
+    m = model_record(tmp_path, {"model": "drafter", "steps": 1210})
+    assert m["box"]["first_step_s"] == 93.0 and m["box"]["steady_steps_share"] == 0.743
+    row = [ln for ln in "\n".join(time_section({}, [m])).splitlines() if ln.startswith("| drafter")][0]
+    assert "| 0.944 | 93.0 | 0.743 |" in row, row
+    del box["first_step_s"]
+    (tmp_path / "box.json").write_text(json.dumps(box))
+    m = model_record(tmp_path, {"model": "drafter", "steps": 1210})
+    assert "steady_steps_share" not in m["box"] and "first_step_s" not in m["box"]

@@ -59,6 +59,11 @@ def model_record(d: Path, summary: dict) -> dict:
                                            "steps_share": _round(box.get("steps_share"), 3),
                                            "parts_s": {k: _round(v, 1) for k, v in box["parts_s"].items()}}
     if box is not None:
+        first, steps_s, wall = box.get("first_step_s"), box["parts_s"].get("steps"), box.get("wall_s")
+        if first is not None and steps_s is not None and wall:
+            # the process's first step is mostly compile: the box's share in steps after it (training/box.py)
+            out["box"]["first_step_s"] = _round(first, 1)
+            out["box"]["steady_steps_share"] = round((steps_s - first) / wall, 3)
         if box.get("epochs"):  # per pass of the training loop (training/box.py)
             out["box"]["epochs"] = [{k: _round(v, 1) for k, v in e.items()} for e in box["epochs"]]
         if box.get("taps_cache"):  # train.taps_cache_gib (training/online.py TapsCache)

@@ -83,11 +83,14 @@ def time_section(stages: dict, models: list[dict]) -> list[str]:
         parts = b.get("parts_s") or {}
         rows.append([m["model"], b.get("wall_s"), b.get("train_wall_s"), b.get("box_s")] +
                     [parts.get(k) for k in PARTS] +
-                    [b.get(k) for k in ("unaccounted_s", "steps_share", "steps_per_s", "packed_tokens",
-                                        "loss_tokens", "tokens_per_s", "steady_tokens_per_s")])
+                    [b.get(k) for k in ("unaccounted_s", "steps_share", "first_step_s", "steady_steps_share",
+                                        "steps_per_s", "packed_tokens", "loss_tokens", "tokens_per_s",
+                                        "steady_tokens_per_s")])
     out += table(["model", "wall", "train wall", "box"] + list(PARTS) +
-                 ["unaccounted", "steps share", "steps/s", "packed tokens", "loss tokens", "packed tokens/s",
-                  "steady packed tokens/s"], rows)
+                 ["unaccounted", "steps share", "first step", "steady steps share", "steps/s", "packed tokens",
+                  "loss tokens", "packed tokens/s", "steady packed tokens/s"], rows)
+    out += ["The steps share counts the process's first step, which is mostly compiling (its seconds: first step); "
+            "the steady steps share leaves it out.", ""]
     per_epoch = box_field(models, "epochs")
     if per_epoch:  # box.json's epochs (training/box.py): the rate of each pass of the training loop
         out += ["Packed tokens/s per pass of the training loop (an epoch; steady: the process's first step left "
