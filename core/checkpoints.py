@@ -40,10 +40,17 @@ def read_config(directory: str | Path, what: str) -> dict:
     cfg = d / "config.json"
     if not cfg.is_file():
         raise UsageError(f"{what} {directory}: config.json is missing")
+    return read_json(cfg, what)
+
+
+def read_json(path: Path, what: str) -> dict:
+    """A JSON file the user named; a missing or broken one is a UsageError naming WHAT and the file."""
+    if not path.is_file():
+        raise UsageError(f"{what} {path}: no such file")
     try:
-        return json.loads(cfg.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise UsageError(f"{what} {cfg}: invalid JSON ({e.msg} at line {e.lineno})") from None
+        raise UsageError(f"{what} {path}: invalid JSON ({e.msg} at line {e.lineno})") from None
 
 
 def shard_files(directory: str | Path, what: str) -> list[Path]:

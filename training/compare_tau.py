@@ -18,21 +18,13 @@ import json
 import sys
 from pathlib import Path
 
+from core.checkpoints import read_json
 from core.errors import UsageError, cli_exit
 
 
 def parse(spec: str) -> tuple[Path, str]:
     file, _, arm = spec.partition(":")
     return Path(file), arm or "tau_drafter"
-
-
-def read(path: Path) -> dict:
-    if not path.is_file():
-        raise UsageError(f"compare_tau: {path}: no such file (give an acceptance.json)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"compare_tau: {path}: not JSON ({e.msg})") from None
 
 
 def pair(base: dict, new: dict, arm_b: str, arm_n: str, name: str) -> dict:
@@ -59,7 +51,7 @@ def pair(base: dict, new: dict, arm_b: str, arm_n: str, name: str) -> dict:
 
 def compare(base_spec: str, new_spec: str, only: str | None = None) -> list[dict]:
     (fb, arm_b), (fn, arm_n) = parse(base_spec), parse(new_spec)
-    rb, rn = read(fb), read(fn)
+    rb, rn = read_json(fb, "compare_tau: acceptance file"), read_json(fn, "compare_tau: acceptance file")
     sets = [s for s, v in rb.items() if isinstance(v, dict) and "prompts" in v and isinstance(rn.get(s), dict)]
     if only is not None:
         if only not in sets:
