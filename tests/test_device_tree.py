@@ -74,6 +74,41 @@ def test_back_takes_several_exports_in_one_set_of_parts(tmp_path):
         assert set(t.getnames()) >= {"export/xpress/model.safetensors", "export/markov_gated/model.safetensors"}
 
 
+def test_back_brings_what_one_call_can_and_rest_the_remainder(tmp_path):
+    """A whole export (69.3 MB on 2026-12-04) is over the 64 MiB that one call brings back: `back` moved all its
+    parts into $OUT, and the device tool left the last one behind. Now `back` moves records.tgz first, then parts
+    while the call's limits allow (here lowered to 32 MB), says what is left, and `rest` brings that in the next
+    call; the parts of both calls join to the export. `rest` with nothing staged refuses."""
+    import os
+    import tarfile
+    script = ROOT / "harness" / "lab" / "training_gpu.sh"
+    work = tmp_path / "xrun"
+    big = work / "export" / "drafter" / "model.safetensors"
+    big.parent.mkdir(parents=True)
+    with open(big, "wb") as f:
+        f.truncate(35_000_000)  # three parts of 15 MB
+    (work / "export" / "manifest.json").write_text("{}")
+    (tmp_path / "xrun.log").write_text("log\n")
+    outs = [tmp_path / "out1", tmp_path / "out2"]
+    for o in outs:
+        o.mkdir()
+    env = {**os.environ, "XRUN": str(work), "MAX_BACK_BYTES": "32000000"}
+    first = subprocess.run(["bash", str(script), "back", "drafter"], env={**env, "OUT": str(outs[0])}, check=True,
+                           capture_output=True, text=True).stdout
+    assert sorted(p.name for p in outs[0].iterdir()) == ["drafter.tar.part.aa", "drafter.tar.part.ab", "records.tgz"]
+    assert "left on the machine: 1 file(s)" in first
+    second = subprocess.run(["bash", str(script), "rest"], env={**env, "OUT": str(outs[1])}, check=True,
+                            capture_output=True, text=True).stdout
+    assert [p.name for p in outs[1].iterdir()] == ["drafter.tar.part.ac"] and "nothing left" in second
+    parts = sorted(p for o in outs for p in o.glob("drafter.tar.part.*"))
+    (tmp_path / "joined.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tmp_path / "joined.tar") as t:
+        assert t.getmember("export/drafter/model.safetensors").size == 35_000_000
+    env["XRUN"] = str(tmp_path / "none")
+    r = subprocess.run(["bash", str(script), "rest"], env={**env, "OUT": str(outs[1])}, capture_output=True, text=True)
+    assert r.returncode == 3 and "run back first" in r.stderr
+
+
 @pytest.mark.parametrize("script, var", [("training_gpu.sh", "XRUN"), ("tables_gpu.sh", "XTAB")])
 def test_a_poll_on_a_bare_machine_says_so_at_once(tmp_path, script, var):
     """A machine given back takes its job along; the next call's poll must not wait out its seconds for a job that

@@ -16,7 +16,9 @@
 #            bash harness/lab/training_gpu.sh poll [SECONDS]   # until the job ends or SECONDS (default 540) pass
 #            bash harness/lab/training_gpu.sh back [WHAT...]   # into $OUT: records.tgz, and WHAT (e.g. drafter, or
 #                                                              # xpress markov_gated) of the export in tar parts of
-#                                                              # 15 MB (8 files of 16 MiB at most come back a call)
+#                                                              # 15 MB, as many as one call brings back (8 files,
+#                                                              # 64 MiB together); it says what is left
+#            bash harness/lab/training_gpu.sh rest             # the parts back left, in the next call
 #            bash harness/lab/training_gpu.sh tables DS:T...   # after the job: ship its export (training.ship) to
 #                                                              # /tmp/w/smollm2-135m and start those table cells
 #                                                              # (smollm2_gpu.sh tables; TABLE_ARGS, K_LIST pass on)
@@ -42,6 +44,22 @@ WARM=${WARM:-/tmp/warm}  # the warm export on the device (`warm`); SHIPPED_DIR: 
 WDIR=${WDIR:-/tmp/w}     # where the weights that `tables` measures are put together
 SHIPPED_DIR=${SHIPPED_DIR:-.gpu4}
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
+
+BACK=${BACK:-$XRUN.back}  # what `back` staged; each call moves into $OUT what one call can bring back
+MAX_BACK=${MAX_BACK:-8}; MAX_BACK_BYTES=${MAX_BACK_BYTES:-65011712}  # 8 files, 62 MiB (64 MiB less a margin)
+
+send_back() {  # records.tgz first, then the parts in order, while a call's limits allow; the rest stays in $BACK
+  local f n=0 total=0 size
+  for f in $(ls "$BACK" | sort | awk '$0 == "records.tgz" {print; next} {rest = rest $0 "\n"} END {printf "%s", rest}'); do
+    size=$(stat -c %s "$BACK/$f")
+    (( n < MAX_BACK && total + size <= MAX_BACK_BYTES )) || break
+    mv "$BACK/$f" "$OUT/" && n=$((n + 1)) && total=$((total + size))
+  done
+  ls -la "$OUT"
+  left=$(ls "$BACK" | wc -l)
+  if (( left )); then echo "left on the machine: $left file(s); run 'training_gpu.sh rest' in the next call"
+  else echo "nothing left to bring back"; fi
+}
 
 case "${1:-}" in
   prepare)
@@ -138,13 +156,18 @@ case "${1:-}" in
       tar czf "$OUT/tables.tgz" -C /tmp/res . $XRUN.tables.log && tar czf "$OUT/shipped.tgz" -C "$WDIR" smollm2-135m/manifest.json
       ls -la "$OUT"; exit 0
     fi
-    cd "$XRUN"
+    rm -rf "$BACK" && mkdir -p "$BACK" && cd "$XRUN"
     { find . -maxdepth 3 \( -name '*.json' -o -name metrics.jsonl \) -not -path './prompts/*' -not -path './export/*/*' \
         -not -path './responses/parts/*'; ls ./prompts/manifest.json 2>/dev/null || true; } |
-        tar czf "$OUT/records.tgz" -T - $XRUN.log  # the prompts stage's manifest, not its prompts
+        tar czf "$BACK/records.tgz" -T - $XRUN.log  # the prompts stage's manifest, not its prompts
     shift
-    if (( $# )); then tar cf - export/manifest.json "${@/#/export/}" | split -b 15000000 - "$OUT/$1.tar.part."; fi
-    ls -la "$OUT"
+    if (( $# )); then tar cf - export/manifest.json "${@/#/export/}" | split -b 15000000 - "$BACK/$1.tar.part."; fi
+    send_back
+    ;;
+  rest)  # what `back` left on the machine (over the 8 files or 64 MiB that one call brings back)
+    : "${OUT:?rest runs on the device machine, where \$OUT is set}"
+    [[ -d $BACK ]] || { echo "error: nothing to bring back ($BACK is missing): run back first" >&2; exit 3; }
+    send_back
     ;;
   *)
     sed -n 2,20p "$0"; exit 2
