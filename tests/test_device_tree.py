@@ -78,7 +78,8 @@ def test_back_brings_what_one_call_can_and_rest_the_remainder(tmp_path):
     """A whole export (69.3 MB on 2026-12-04) is over the 64 MiB that one call brings back: `back` moved all its
     parts into $OUT, and the device tool left the last one behind. Now `back` moves records.tgz first, then parts
     while the call's limits allow (here lowered to 32 MB), says what is left, and `rest` brings that in the next
-    call; the parts of both calls join to the export. `rest` with nothing staged refuses."""
+    call; the parts of both calls join to the export, and the compile cache (train.compile_cache) comes after them.
+    `rest` with nothing staged refuses."""
     import os
     import tarfile
     script = ROOT / "harness" / "lab" / "training_gpu.sh"
@@ -92,14 +93,16 @@ def test_back_brings_what_one_call_can_and_rest_the_remainder(tmp_path):
     outs = [tmp_path / "out1", tmp_path / "out2"]
     for o in outs:
         o.mkdir()
-    env = {**os.environ, "XRUN": str(work), "MAX_BACK_BYTES": "32000000"}
+    (tmp_path / "cc.bin").write_bytes(b"artifacts")  # train.compile_cache's file: after the export's parts
+    env = {**os.environ, "XRUN": str(work), "MAX_BACK_BYTES": "32000000", "CC": str(tmp_path / "cc.bin")}
     first = subprocess.run(["bash", str(script), "back", "drafter"], env={**env, "OUT": str(outs[0])}, check=True,
                            capture_output=True, text=True).stdout
     assert sorted(p.name for p in outs[0].iterdir()) == ["drafter.tar.part.aa", "drafter.tar.part.ab", "records.tgz"]
-    assert "left on the machine: 1 file(s)" in first
+    assert "left on the machine: 2 file(s)" in first
     second = subprocess.run(["bash", str(script), "rest"], env={**env, "OUT": str(outs[1])}, check=True,
                             capture_output=True, text=True).stdout
-    assert [p.name for p in outs[1].iterdir()] == ["drafter.tar.part.ac"] and "nothing left" in second
+    assert sorted(p.name for p in outs[1].iterdir()) == ["compile_cache.part.aa", "drafter.tar.part.ac"]
+    assert "nothing left" in second and (outs[1] / "compile_cache.part.aa").read_bytes() == b"artifacts"
     parts = sorted(p for o in outs for p in o.glob("drafter.tar.part.*"))
     (tmp_path / "joined.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
     with tarfile.open(tmp_path / "joined.tar") as t:

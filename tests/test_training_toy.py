@@ -36,7 +36,7 @@ NEW_TOKENS = 40
 def toy_sets(root) -> list[str]:
     """The toy config's overrides for a target built under `root`."""
     return [f"seed={SEED}", f"target={root / 'target'}", f"prompts.eval_dir={root / 'eval'}",
-            "prompts.jsonl=" + json.dumps([str(root / "prompts.jsonl")])]
+            "prompts.jsonl=" + json.dumps([str(root / "prompts.jsonl")]), f"train.compile_cache={root / 'cc.bin'}"]
 
 
 def cli_sets(sets: list[str]) -> list[str]:
@@ -92,6 +92,16 @@ def test_held_out_acceptance_during_training(toy):
     assert drafter > 2.0
     for k in (1, 3):
         assert xpress[f"tau_xpress_K{k}"] > drafter, k
+
+
+def test_the_train_stage_loads_and_saves_its_compile_cache(toy):
+    """train.compile_cache: the stage looked for the file before training (none yet: this run makes it) and
+    recorded what it loaded and saved in train/compile_cache.json (training/compiling.py; the hit in a fresh
+    process is tests/test_training_compile_cache.py's)."""
+    root, _ = toy
+    rec = json.loads((root / "work" / "train" / "compile_cache.json").read_text())
+    assert rec["file"] == str(root / "cc.bin") and rec["loaded_bytes"] == 0 and "no file yet" in rec["note"]
+    assert isinstance(rec["saved_bytes"], int)
 
 
 def test_acceptance_keeps_each_prompt_and_pairs_two_records(toy, tmp_path, capsys):

@@ -14,7 +14,9 @@ compiles on its first call. On the H200 that first step took 248.7 s of a 256.9 
 """
 from __future__ import annotations
 
+import os
 import types
+from pathlib import Path
 
 MODES = ("auto", "model", "attention", "none")
 
@@ -57,3 +59,40 @@ def apply(model, mode: str, device_type: str) -> str:
     if mode == "attention":
         compile_attention_only()
     return mode
+
+
+def load_cache(path: str) -> dict:
+    """`train.compile_cache`: the artifacts of torch.compile (inductor's compiled graphs and kernels, AOTAutograd's,
+    autotuning) that an earlier run saved, on a machine with the same GPU, torch and Triton, put into this
+    process's caches before anything compiles (torch.compiler.load_cache_artifacts), so the first step finds its
+    graphs compiled. On the H200 that first step, mostly compiling, took 93.0 s of an 8-minute box
+    (results/perf/training_scale_h200_continue/drafter_box.json). A missing file is no error (the first run makes
+    it); one that does not load (corrupted, another torch) is reported, and everything compiles as without it.
+    Returns the record written to train/compile_cache.json."""
+    import torch
+    rec = {"file": path, "loaded_bytes": 0}
+    p = Path(path)
+    if not p.is_file():
+        return {**rec, "note": "no file yet: this run compiles from scratch and saves one"}
+    data = p.read_bytes()
+    info = torch.compiler.load_cache_artifacts(data)  # None (with torch's warning) when it cannot load them
+    if info is None:
+        return {**rec, "note": "not loaded (corrupted, or saved by another torch or Triton; torch's warning above "
+                               "says which): everything compiles from scratch"}
+    return {**rec, "loaded_bytes": len(data), "artifacts": {k: len(v) for k, v in info.artifacts.items()}}
+
+
+def save_cache(path: str, rec: dict) -> dict:
+    """After the stage: every artifact this process compiled or loaded, written to `path` (whole or not at all);
+    nothing compiled (a CPU run, train.compile=none) writes nothing."""
+    import torch
+    out = torch.compiler.save_cache_artifacts()
+    if not out or not out[0]:
+        return {**rec, "saved_bytes": 0}
+    data, info = out
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, p)
+    return {**rec, "saved_bytes": len(data), "saved_artifacts": {k: len(v) for k, v in info.artifacts.items()}}

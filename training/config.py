@@ -52,8 +52,9 @@ DEFAULTS = {
               # 1, one batch, the faster on the H200: 36 ms a 32K-token row against 108 with 4, bench_taps_groups/)
               # profile_start: the process's step after which the profile starts (warm-up steps are not steady)
               # taps_cache_gib: the online target's output kept on its device, GiB (0: off; training/online.py TapsCache)
+              # compile_cache: a file of torch.compile's artifacts, loaded before the stage, saved after (compiling.py)
               "loss_impl": "auto", "rows_in_memory": True, "profile_steps": 0, "profile_start": 3,
-              "compile_target": "auto", "target_groups": 1, "taps_cache_gib": 0},
+              "compile_target": "auto", "target_groups": 1, "taps_cache_gib": 0, "compile_cache": ""},
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
     # dtype auto: bfloat16 on CUDA (the decode's CUDA graphs too), the target's float32 elsewhere; bench: data/eval
@@ -213,8 +214,6 @@ HIDDEN_MODES = ("online", "offline")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 LOSS_IMPLS = ("auto", "fused", "eager")
 WARM_MODES = ("resume", "extend")  # train.warm_mode (training/warm.py)
-
-
 TARGET_COMPILE = ("auto", "layers", "none")  # train.compile_target (training/online.py compile_layers)
 
 
@@ -228,8 +227,7 @@ def validate_steps(cfg: dict) -> None:
         if h[key] not in DTYPE_NAMES:
             raise UsageError(f"config hidden.{key} {h[key]!r} is not one of {', '.join(DTYPE_NAMES)}")
     for key, low in (("total_seq_len", 1), ("val_batches", 0), ("log_every", 1), ("profile_steps", 0),
-                     ("profile_start", 1),
-                     ("cut_at_step", 0)):
+                     ("profile_start", 1), ("cut_at_step", 0)):
         if not isinstance(t[key], int) or isinstance(t[key], bool) or t[key] < low:
             raise UsageError(f"config train.{key} must be an integer >= {low} (got {t[key]!r})")
     if not isinstance(t["eval_max_seconds"], (int, float)) or t["eval_max_seconds"] < 0:
@@ -262,6 +260,8 @@ def validate_steps(cfg: dict) -> None:
     if isinstance(gib := t["taps_cache_gib"], bool) or not isinstance(gib, (int, float)) or not 0 <= gib <= 4096:
         raise UsageError("config train.taps_cache_gib must be a number of GiB in [0, 4096] (the online target's "
                          "output kept on its device across epochs; 0: off)")
+    if not isinstance(t["compile_cache"], str):
+        raise UsageError("config train.compile_cache must be a file path (torch.compile's artifacts) or \"\" (none)")
     if gib and cfg["hidden"]["mode"] != "online":
         raise UsageError("config train.taps_cache_gib needs hidden.mode=online (an offline run reads its hidden states "
                          "from files); set it to 0 or use online")
@@ -385,7 +385,7 @@ ADDED_LATER = {"warm_mode": "resume"}  # train keys that change the model, at th
 RUN_CONTROL = ("stop_after_step", "cut_at_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens",
                "num_workers", "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
                "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps", "profile_start",
-               "compile_target", "target_groups", "taps_cache_gib")
+               "compile_target", "target_groups", "taps_cache_gib", "compile_cache")
 
 
 def model_fingerprint(cfg: dict, name: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UsageError
+from training import compiling
 from training.config import model_fingerprint, train_order
 from training.hidden import out_dir as hidden_dir
 from training.store import read_manifest, write_json
@@ -180,7 +181,6 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
     hm = read_manifest(hidden_dir(cfg))
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg, name, verifier, hm["layer_ids"], attn)
-    from training import compiling
     mode = compiling.apply(model, tc["compile"], device.type)
     if device.type == "cuda":
         print(f"train {name}: torch.compile covers {mode} (train.compile={tc['compile']})")
@@ -338,6 +338,8 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
             check_resume(cfg, n)
     held = held_out_factory() if held_out_factory else None
     todo = [n for n in names if final_dir(cfg, n) is None]
+    cc = cfg["train"]["compile_cache"] if todo else ""
+    cache = compiling.load_cache(cc) if cc else None  # before anything compiles
     taps = online_taps(cfg, load) if todo else None
     budget = cfg["train"]["max_minutes"] * 60
     deadline = time.monotonic() + budget
@@ -356,4 +358,9 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
             break
     if taps is not None:
         taps.close()
+    if cache is not None:
+        cache = compiling.save_cache(cc, cache)
+        write_json(Path(cfg["workdir"]) / "train" / "compile_cache.json", cache)
+        print(f"train: compile cache {cc}: loaded {cache['loaded_bytes']} bytes, saved {cache['saved_bytes']}"
+              + (f" ({cache['note']})" if "note" in cache else ""), flush=True)
     return done

@@ -11,6 +11,8 @@
 #            bash harness/lab/training_gpu.sh warm             # carry .gpu3 (with a warm start only): keeps it
 #            bash harness/lab/training_gpu.sh data DIR NAME    # carry DIR (pieces of `python -m training.travel
 #                                                              # pack`): stages made in an earlier session
+#            bash harness/lab/training_gpu.sh cache            # carry .gpu5 (when an earlier session brought a
+#                                                              # compile cache back): train.compile_cache loads it
 #            bash harness/lab/training_gpu.sh start [ARGS...]  # carry .gpu2: the GGUF whole, the job started
 #                                                              # in its own session (ARGS: more --set overrides)
 #            bash harness/lab/training_gpu.sh poll [SECONDS]   # until the job ends or SECONDS (default 540) pass
@@ -33,6 +35,7 @@
 # weights/), so a config whose heads start from that folder (smollm2-gpu-heads: init_from
 # weights/smollm2-135m/drafter) finds it there.
 #   here:    harness/lab/device_tree.sh restore DIR; tar xzf records.tgz; cat parts | tar xf -
+#            mkdir -p .gpu5 && cat compile_cache.part.* > .gpu5/compile_cache.bin   # for the next session's `cache`
 #
 # Make the calls back to back (the job dies with the machine). The job runs from a copy of the code in /tmp/code,
 # so the tree that each call re-sends cannot change it, and writes $XRUN (default /tmp/xrun) and $XRUN.log.
@@ -42,15 +45,17 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 XRUN=${XRUN:-/tmp/xrun}  # the workdir on the device (its log: $XRUN.log)
 WARM=${WARM:-/tmp/warm}  # the warm export on the device (`warm`); SHIPPED_DIR: the shipped heads' carry (`heads`)
 WDIR=${WDIR:-/tmp/w}     # where the weights that `tables` measures are put together
+CC=${CC:-/tmp/compile_cache.bin}  # train.compile_cache on the device (training/compiling.py load_cache)
 SHIPPED_DIR=${SHIPPED_DIR:-.gpu4}
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
 
 BACK=${BACK:-$XRUN.back}  # what `back` staged; each call moves into $OUT what one call can bring back
 MAX_BACK=${MAX_BACK:-8}; MAX_BACK_BYTES=${MAX_BACK_BYTES:-65011712}  # 8 files, 62 MiB (64 MiB less a margin)
 
-send_back() {  # records.tgz first, then the parts in order, while a call's limits allow; the rest stays in $BACK
-  local f n=0 total=0 size
-  for f in $(ls "$BACK" | sort | awk '$0 == "records.tgz" {print; next} {rest = rest $0 "\n"} END {printf "%s", rest}'); do
+send_back() {  # records.tgz, the export's parts in order, then the compile cache's, while a call's limits allow;
+  local f n=0 total=0 size  # the rest stays in $BACK
+  for f in $(ls "$BACK" | sort | awk '$0 == "records.tgz" {print; next} /^compile_cache/ {cc = cc $0 "\n"; next}
+                                      {rest = rest $0 "\n"} END {printf "%s%s", rest, cc}'); do
     size=$(stat -c %s "$BACK/$f")
     (( n < MAX_BACK && total + size <= MAX_BACK_BYTES )) || break
     mv "$BACK/$f" "$OUT/" && n=$((n + 1)) && total=$((total + size))
@@ -92,6 +97,9 @@ case "${1:-}" in
     mkdir -p /tmp/g /tmp/xb && cp .gpu1/gguf.part.aa /tmp/g/
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
     ;;
+  cache)  # torch.compile's artifacts from an earlier session's job (`back` brings them as compile_cache.part.*)
+    cp .gpu5/compile_cache.bin "$CC" && ls -la "$CC"
+    ;;
   warm)  # its own call: the GGUF's part 2 (47 MB) and a warm export (37 MB) are over 64 MiB together
     rm -rf "$WARM" && cp -r .gpu3/warm "$WARM" && du -sh "$WARM"
     ;;
@@ -106,7 +114,7 @@ case "${1:-}" in
     sha256sum /tmp/xb/$GGUF | cut -c1-16
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
     if [[ -d $WARM ]]; then mkdir -p /tmp/code/weights && rm -rf /tmp/code/weights/smollm2-135m && cp -r "$WARM" /tmp/code/weights/smollm2-135m; fi
-    args=("$@")
+    args=(--set train.compile_cache="$CC" "$@")  # loaded if `cache` put one there; saved after the train stage
     if [[ -d $WARM ]]; then args+=(--set train.warm_start="$WARM"); fi
     rm -f $XRUN.done "$WDIR/.shipped"  # a new job's tables ship its own export unless `shipped` runs again after it
     date +%s > $XRUN.t0
@@ -162,6 +170,7 @@ case "${1:-}" in
         tar czf "$BACK/records.tgz" -T - $XRUN.log  # the prompts stage's manifest, not its prompts
     shift
     if (( $# )); then tar cf - export/manifest.json "${@/#/export/}" | split -b 15000000 - "$BACK/$1.tar.part."; fi
+    if [[ -f $CC ]]; then split -b 15000000 "$CC" "$BACK/compile_cache.part."; fi
     send_back
     ;;
   rest)  # what `back` left on the machine (over the 8 files or 64 MiB that one call brings back)

@@ -1,0 +1,72 @@
+"""train.compile_cache (training/compiling.py load_cache, save_cache): torch.compile's artifacts saved by one process
+are found by another that starts with empty caches, as a fresh GPU machine does; a file that does not load is
+reported and the run compiles as without it.
+
+Power: the first process compiles in an empty inductor cache and must miss (the control); the second, in another
+empty cache, must hit with no miss, which only the loaded file can give. A load_cache that read nothing, or a
+save_cache that wrote nothing, fails the second process's counts.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBE = """
+import json, sys, torch
+from torch._dynamo.utils import counters
+from training import compiling
+path = sys.argv[1]
+rec = compiling.load_cache(path)
+if sys.argv[2] == "compile":
+    f = torch.compile(lambda x, w: torch.nn.functional.silu(x @ w).sum(-1) * 2, dynamic=False)
+    f(torch.randn(4, 8), torch.randn(8, 8))
+rec = compiling.save_cache(path, rec)
+print(json.dumps({**rec, "hit": counters["inductor"]["fxgraph_cache_hit"],
+                  "miss": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def probe(tmp_path: Path, cache_dir: str, path: Path, what: str = "compile") -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache_dir), "PYTHONPATH": str(ROOT),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", PROBE, str(path), what], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_saved_cache_is_found_by_a_process_with_empty_caches(tmp_path):
+    path = tmp_path / "cc" / "compile_cache.bin"
+    first = probe(tmp_path, "inductor_a", path)
+    assert first["loaded_bytes"] == 0 and "no file yet" in first["note"]
+    assert first["miss"] >= 1 and first["hit"] == 0  # an empty cache compiles
+    assert first["saved_bytes"] == path.stat().st_size > 0 and first["saved_artifacts"]["inductor"] >= 1
+    second = probe(tmp_path, "inductor_b", path)
+    assert second["loaded_bytes"] == first["saved_bytes"] and "note" not in second
+    assert second["hit"] >= 1 and second["miss"] == 0, second
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_a_file_that_does_not_load_is_reported_and_nothing_is_saved_without_compiling(tmp_path):
+    from training import compiling
+    bad = tmp_path / "cc.bin"
+    bad.write_bytes(b"not an artifact file")
+    rec = compiling.load_cache(str(bad))
+    assert rec["loaded_bytes"] == 0 and rec["note"].startswith("not loaded")
+    fresh = tmp_path / "none.bin"  # a process that compiled nothing (a CPU run) saves nothing and writes no file
+    assert probe(tmp_path, "inductor_c", fresh, "none")["saved_bytes"] == 0 and not fresh.exists()
+
+
+def test_the_config_wants_a_path_and_keeps_it_out_of_fingerprints():
+    from training.config import load_config, model_fingerprint
+    base = load_config("toy", [], "/tmp/w")
+    withc = load_config("toy", ["train.compile_cache=/tmp/x.bin"], "/tmp/w")
+    assert model_fingerprint(base, "drafter") == model_fingerprint(withc, "drafter")  # run control
+    with pytest.raises(UsageError, match="train.compile_cache must be a file path"):
+        load_config("toy", ["train.compile_cache=3"], "/tmp/w")
