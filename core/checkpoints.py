@@ -44,13 +44,20 @@ def read_config(directory: str | Path, what: str) -> dict:
 
 
 def read_json(path: Path, what: str) -> dict:
-    """A JSON file the user named; a missing or broken one is a UsageError naming WHAT and the file."""
-    if not path.is_file():
+    """A JSON object in a file the user named; a missing, unreadable or other file is a UsageError naming WHAT."""
+    if not path.exists():
         raise UsageError(f"{what} {path}: no such file")
+    if not path.is_file():
+        raise UsageError(f"{what} {path}: not a file")
     try:
-        return json.loads(path.read_text())
+        obj = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise UsageError(f"{what} {path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{what} {path}: not a text file (a JSON object expected)") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"{what} {path}: a JSON object expected, found {type(obj).__name__}")
+    return obj
 
 
 def shard_files(directory: str | Path, what: str) -> list[Path]:

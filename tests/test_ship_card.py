@@ -31,7 +31,8 @@ def _workdir(root, taus, sizes=None, held=None):
                                                      "planned_steps": 9, "truncated": n == "markov_vanilla",
                                                      "evals": evals}))
         acc = {s: {"set": s, "of": 4, "prompts": 4, "tau_drafter": 1.5,
-                   **({"tau_markov": (held or taus if s == "heldout" else taus)[n]} if n in taus else {})}
+                   **({"tau_markov": (held or taus if s == "heldout" else taus)[n]} if n in taus else {}),
+                   "per_prompt": {"keys": ["0", "1", "2", "3"], "tau_drafter": [[6, 4]] * 4}}
                for s in ("selection", "heldout")}
         (t / "acceptance.json").write_text(json.dumps({"key": "k", "final": "0", "global_step": 5, **acc}))
     (root / "export" / "manifest.json").write_text(json.dumps({"models": models, "files": files}))
@@ -160,3 +161,24 @@ def test_card_markdown_gives_every_number_of_card_json():
     assert "| markov_gated | held-out | 64 | 64 | 33.9 | 2.061 | 2.142 |" in text
     assert "| markov_gated | selection | 31 | 32 | 17.2 | 2.054 | 2.135 |" in text
     assert "| magpie:code | 291 | 12 | 23 |" in text and "55.2 MB" in text
+
+
+def test_the_ship_manifest_leaves_the_per_prompt_counts_in_the_run(tmp_path):
+    """acceptance.json's per_prompt (training/compare_tau.py reads it there) is not copied into the shipped
+    manifest, whose sets keep their taus and counts."""
+    work = _workdir(tmp_path / "w", {"markov_gated": 2.0})
+    models = ship.tried(work)
+    for m in models.values():
+        for s in ("selection", "heldout"):
+            assert "per_prompt" not in m[s] and m[s]["tau_drafter"] == 1.5 and m[s]["prompts"] == 4
+
+
+def test_an_acceptance_record_without_per_prompt_counts_is_measured_again():
+    """training/evaluate.py keeps an acceptance.json only when its key matches and every set has per_prompt: one
+    written before the counts were kept is measured again, so it can be paired."""
+    from training.evaluate import kept
+    rec = {"key": "k", "final": "0", "heldout": {"prompts": 2, "per_prompt": {}}, "selection": {"prompts": 2,
+                                                                                               "per_prompt": {}}}
+    assert kept(rec, "k") and not kept(rec, "other")
+    del rec["selection"]["per_prompt"]
+    assert not kept(rec, "k")

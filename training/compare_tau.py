@@ -8,8 +8,9 @@ BASE and NEW: FILE or FILE:ARM, FILE an acceptance.json (train/<model>/acceptanc
 results/perf keeps, <model>_acceptance.json), ARM one of its tau keys (default tau_drafter). Every set both files
 measured with per-prompt records (training/acceptance.py per_prompt) is compared unless --set names one. Prompts
 pair by position and must be the same prompts (their recorded keys); a capped evaluation measured a prefix of its
-set, so the pair uses the shorter. The ratio is NEW's tau over BASE's; a CI that excludes 1 is a difference shown
-at 95%, one that includes it is not. Prints one line per set; --json writes them too.
+set, so the pair uses the shorter. Records decoded in another dtype, or with and without CUDA graphs, are refused.
+The ratio is NEW's tau over BASE's; a CI that excludes 1 is a difference shown at 95%, one that includes it is not.
+Prints one line per set; --json writes them too.
 """
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ from core.errors import UsageError, cli_exit
 
 
 def parse(spec: str) -> tuple[Path, str]:
-    file, _, arm = spec.partition(":")
-    return Path(file), arm or "tau_drafter"
+    """FILE or FILE:ARM (the last colon, so a path may hold one; ARM names a tau key)."""
+    file, sep, arm = spec.rpartition(":")
+    if sep and arm.startswith("tau_"):
+        return Path(file), arm
+    if sep and not arm.startswith(("/", "\\")) and "." not in arm:
+        raise UsageError(f"compare_tau: {spec!r}: the arm after ':' must be a tau key (tau_drafter, tau_markov, "
+                         f"tau_xpress_K<k>), got {arm!r}")
+    return Path(spec), "tau_drafter"
 
 
 def pair(base: dict, new: dict, arm_b: str, arm_n: str, name: str) -> dict:
@@ -35,31 +42,46 @@ def pair(base: dict, new: dict, arm_b: str, arm_n: str, name: str) -> dict:
         if pp is None:
             raise UsageError(f"compare_tau: {label}'s set {name!r} has no per-prompt records (acceptance.json "
                              f"files written before they were kept cannot be paired)")
-        if arm not in pp:
+        if arm not in pp or arm == "keys":
             raise UsageError(f"compare_tau: {label}'s set {name!r} has no arm {arm!r} (it has: "
                              f"{', '.join(sorted(k for k in pp if k != 'keys'))})")
     n = min(len(pb["keys"]), len(pn["keys"]))
+    if n == 0:
+        raise UsageError(f"compare_tau: set {name!r}: one of the two measured no prompt")
     if pb["keys"][:n] != pn["keys"][:n]:
         at = next(i for i in range(n) if pb["keys"][i] != pn["keys"][i])
         raise UsageError(f"compare_tau: set {name!r}: prompt {at} differs between the two files (keys "
                          f"{pb['keys'][at]} and {pn['keys'][at]}): they were measured on different prompts")
     b, m = pb[arm_b][:n], pn[arm_n][:n]
+    if not sum(st for _, st in b) or not sum(st for _, st in m):
+        raise UsageError(f"compare_tau: set {name!r}: an arm decoded no step on its {n} prompts (no tau to compare)")
     ci = paired_tau_ci([[t for t, _ in m]], [[s for _, s in m]], [[t for t, _ in b]], [[s for _, s in b]])
     return {"set": name, "prompts": n, "base": sum(t for t, _ in b) / sum(s for _, s in b),
             "new": sum(t for t, _ in m) / sum(s for _, s in m), **ci}
 
 
+def measured(rec: dict) -> list[str]:
+    return [s for s, v in rec.items() if isinstance(v, dict) and "prompts" in v]
+
+
 def compare(base_spec: str, new_spec: str, only: str | None = None) -> list[dict]:
+    """One comparison per set both files measured (or `only`); sets in one file alone are named in `skipped`."""
     (fb, arm_b), (fn, arm_n) = parse(base_spec), parse(new_spec)
     rb, rn = read_json(fb, "compare_tau: acceptance file"), read_json(fn, "compare_tau: acceptance file")
-    sets = [s for s, v in rb.items() if isinstance(v, dict) and "prompts" in v and isinstance(rn.get(s), dict)]
+    for key in ("dtype", "cuda_graphs"):  # the decode's numerics: a bf16 tau and an fp32 one do not pair
+        if key in rb and key in rn and rb[key] != rn[key]:
+            raise UsageError(f"compare_tau: the two files decoded with different {key} ({rb[key]} and {rn[key]}); "
+                             f"compare records made the same way")
+    sets = [s for s in measured(rb) if s in measured(rn)]
+    skipped = sorted(set(measured(rb)) ^ set(measured(rn)))
     if only is not None:
         if only not in sets:
-            raise UsageError(f"compare_tau: --set {only!r} is not in both files (both have: {', '.join(sets)})")
-        sets = [only]
+            raise UsageError(f"compare_tau: --set {only!r} is not in both files (both have: "
+                             f"{', '.join(sets) or 'none'})")
+        sets, skipped = [only], []
     if not sets:
         raise UsageError(f"compare_tau: {fb} and {fn} share no measured set")
-    return [pair(rb[s], rn[s], arm_b, arm_n, s) for s in sets]
+    return [{**pair(rb[s], rn[s], arm_b, arm_n, s), **({"skipped": skipped} if skipped else {})} for s in sets]
 
 
 def line(r: dict) -> str:
@@ -79,10 +101,15 @@ def main(argv=None) -> int:
 
     def work():
         rows = compare(args.base, args.new, args.set)
+        if args.json:  # before anything is printed: a path that cannot be written fails the command whole
+            try:
+                Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+            except OSError as e:
+                raise UsageError(f"compare_tau: --json {args.json}: cannot write it ({e.strerror})") from None
         for r in rows:
             print(line(r))
-        if args.json:
-            Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        if rows[0].get("skipped"):
+            print(f"not compared (measured in one file only): {', '.join(rows[0]['skipped'])}")
     return cli_exit(work)
 
 

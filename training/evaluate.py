@@ -66,6 +66,13 @@ def measure(held, final: Path, ids: dict, caps: dict, groups: dict) -> dict:
     return out
 
 
+def kept(rec: dict, key: str) -> bool:
+    """An acceptance.json to keep: the same model, prompts and settings, with every set's per-prompt counts (one
+    written before they were kept is measured again, so that it can be paired: training/compare_tau.py)."""
+    sets = [v for v in rec.values() if isinstance(v, dict) and "prompts" in v]
+    return rec.get("key") == key and all("per_prompt" in v for v in sets)
+
+
 def run(cfg: dict, names: list[str], make_held) -> dict:
     """`make_held(prompt_ids)`: a training.acceptance.HeldOut over every prompt given (built once, if needed)."""
     from training.train import final_dir, model_dir
@@ -78,7 +85,7 @@ def run(cfg: dict, names: list[str], make_held) -> dict:
             continue
         f = model_dir(cfg, n) / FILE
         key = eval_key(cfg, n, final)
-        if f.is_file() and json.loads(f.read_text()).get("key") == key:
+        if f.is_file() and kept(json.loads(f.read_text()), key):
             continue
         todo[n] = (final, key)
     if not todo:

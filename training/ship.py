@@ -50,10 +50,16 @@ def tried(work: Path) -> dict:
                      "xpress_rank": spec.get("xpress_rank"), "markov_rank": spec.get("markov_rank"),
                      "markov_head_type": spec.get("markov_head_type"), "init_from": spec.get("init_from"),
                      "global_step": tm.get("global_step"), "planned_steps": tm.get("planned_steps"),
-                     "truncated": tm.get("truncated", False), "selection": acc["selection"],
-                     "heldout": acc["heldout"], "acceptance_step": acc.get("global_step"),
+                     "truncated": tm.get("truncated", False), "selection": summary(acc["selection"]),
+                     "heldout": summary(acc["heldout"]), "acceptance_step": acc.get("global_step"),
                      "bytes": sum(em["files"][name].values())}
     return out
+
+
+def summary(rec: dict) -> dict:
+    """A set's acceptance record without its per-prompt counts (they stay in the run's acceptance.json, where
+    training/compare_tau.py reads them): the shipped manifest says what the set measured, not each prompt."""
+    return {k: v for k, v in rec.items() if k != "per_prompt"}
 
 
 def _train_state(d: Path) -> dict:
