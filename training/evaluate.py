@@ -12,7 +12,9 @@ choice. Each of the two has "by_source": the pooled tau of each prompt source (t
 harness.protocol.data) measured the same way, as "bench:<name>": what the harness's tables will see, reported and
 read by no choice. Caps: acceptance.selection_max_seconds / heldout_max_seconds / bench_max_seconds (0: every
 prompt); `prompts` says how many were measured. acceptance.dtype and the decode's CUDA graphs are recorded beside
-them. train.eval_prompts=0 turns acceptance off here as during training.
+them. train.eval_prompts=0 turns acceptance off here as during training. A drafter that train.warm_start continued
+is also measured as it started, its warm-start export, in train/<model>/acceptance_warm.json (the same sets,
+prompts and settings), so `python -m training.compare_tau` pairs the two.
 """
 from __future__ import annotations
 
@@ -20,11 +22,12 @@ import json
 import time
 from pathlib import Path
 
-from training.config import fingerprint, model_fingerprint, repo_path
+from training.config import export_digest, fingerprint, model_fingerprint, repo_path
 from training.overlap import read_jsonl
 from training.store import read_manifest, write_json
 
 FILE = "acceptance.json"
+WARM_FILE = "acceptance_warm.json"  # a warm-started drafter's starting weights, measured the same way
 SETS = ("selection", "heldout")
 
 
@@ -46,18 +49,21 @@ def bench_rows(cfg: dict) -> dict[str, list[dict]]:
     return out
 
 
-def eval_key(cfg: dict, name: str, final: Path) -> str:
+def eval_key(cfg: dict, name: str, final: Path, warm: Path | None = None) -> str:
+    """What a record measured: the model (or, for WARM, the warm-start export's bytes), the prompts, the settings."""
     from training.prompts import out_dir
     tc = cfg["train"]
-    return fingerprint({"model": model_fingerprint(cfg, name), "final": final.name,
-                        "prompts": read_manifest(out_dir(cfg))["key"], "acceptance": cfg["acceptance"],
+    what = {"warm_start": export_digest(warm)} if warm is not None else \
+        {"model": model_fingerprint(cfg, name), "final": final.name}
+    return fingerprint({**what, "prompts": read_manifest(out_dir(cfg))["key"], "acceptance": cfg["acceptance"],
                         "max_new_tokens": tc["eval_max_new_tokens"], "k": tc["eval_k"]})
 
 
 def measure(held, final: Path, ids: dict, caps: dict, groups: dict) -> dict:
-    from safetensors.torch import load_file
+    from core.checkpoints import read_tensors, shard_files
     cfg_dict = json.loads((final / "config.json").read_text())
-    state = load_file(str(final / "model.safetensors"), device=str(held.backend.device))
+    one = final / "model.safetensors"  # a checkpoint's weights (beside its optimizer's), else an export's shards
+    state = read_tensors([one] if one.is_file() else shard_files(final, "acceptance"))
     out = {}
     for s in ids:
         t = time.perf_counter()
@@ -73,21 +79,29 @@ def kept(rec: dict, key: str) -> bool:
     return rec.get("key") == key and all("per_prompt" in v for v in sets)
 
 
+def warm_drafters(cfg: dict, names: list[str]) -> dict:
+    """{name: its warm-start export folder} for the drafters (dflash) that train.warm_start continued: measured
+    beside the model they became, on the same prompts (WARM_FILE), so `python -m training.compare_tau
+    train/<name>/acceptance_warm.json train/<name>/acceptance.json` pairs what the run changed. Heads are left out:
+    their exports hold the head alone."""
+    from training.warm import source
+    return {n: d for n in names if cfg["models"][n]["type"] == "dflash" and (d := source(cfg, n)) is not None}
+
+
 def run(cfg: dict, names: list[str], make_held) -> dict:
     """`make_held(prompt_ids)`: a training.acceptance.HeldOut over every prompt given (built once, if needed)."""
     from training.train import final_dir, model_dir
     if not cfg["train"]["eval_prompts"]:
         return {}
-    todo = {}
+    todo = {}  # (name, file): (the folder measured, its key, whether it is a warm start)
     for n in names:
         final = final_dir(cfg, n)
-        if final is None:
-            continue
-        f = model_dir(cfg, n) / FILE
-        key = eval_key(cfg, n, final)
-        if f.is_file() and kept(json.loads(f.read_text()), key):
-            continue
-        todo[n] = (final, key)
+        if final is not None:
+            todo[(n, FILE)] = (final, eval_key(cfg, n, final), False)
+    for n, src in warm_drafters(cfg, names).items():
+        todo[(n, WARM_FILE)] = (src, eval_key(cfg, n, src, warm=src), True)
+    todo = {k: v for k, v in todo.items() if not ((f := model_dir(cfg, k[0]) / k[1]).is_file()
+                                                 and kept(json.loads(f.read_text()), v[1]))}
     if not todo:
         return {}
     from training.domains import group_of
@@ -99,13 +113,19 @@ def run(cfg: dict, names: list[str], make_held) -> dict:
     caps = {s: ac[f"{s}_max_seconds"] if s in SETS else ac["bench_max_seconds"] for s in ids}
     label = {"dtype": str(held.backend.dtype).replace("torch.", ""), "cuda_graphs": held.settings.use_graph}
     done = {}
-    for n, (final, key) in todo.items():
-        m = json.loads((model_dir(cfg, n) / "manifest.json").read_text())
-        rec = {"key": key, "final": final.name, "global_step": m.get("global_step"), **label,
-               **measure(held, final, ids, caps, groups)}
-        write_json(model_dir(cfg, n) / FILE, rec)
-        done[n] = rec
-        print(f"acceptance {n}: " + "; ".join(
+    for (n, file), (final, key, warm) in todo.items():
+        if warm:
+            from training.warm import train_state
+            src = {"warm_start": str(final), "global_step": train_state(final).get("global_step")}
+        else:
+            m = json.loads((model_dir(cfg, n) / "manifest.json").read_text())
+            src = {"final": final.name, "global_step": m.get("global_step")}
+        rec = {"key": key, **src, **label, **measure(held, final, ids, caps, groups)}
+        model_dir(cfg, n).mkdir(parents=True, exist_ok=True)
+        write_json(model_dir(cfg, n) / file, rec)
+        if not warm:
+            done[n] = rec
+        print(f"acceptance {n}{' (its warm start, ' + str(final) + ')' if warm else ''}: " + "; ".join(
             f"{s} ({rec[s]['prompts']} of {rec[s]['of']}) " +
             ", ".join(f"{k}={v:.3f}" for k, v in rec[s].items() if k.startswith("tau_")) for s in ids), flush=True)
     return done
