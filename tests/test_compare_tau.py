@@ -9,6 +9,7 @@ draws at 5% per-prompt sd, 91% at 7.5% (the spread of the per-prompt ratios in t
 shown).
 """
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -124,3 +125,14 @@ def test_sets_in_one_file_only_are_named(tmp_path, capsys):
     assert [r["set"] for r in rows] == ["heldout"] and rows[0]["skipped"] == ["bench:gsm8k", "selection"]
     assert compare_tau.main([str(a), str(b)]) == 0
     assert "not compared (measured in one file only): bench:gsm8k, selection" in capsys.readouterr().out
+
+
+def test_file_and_arm_specs_read_as_a_user_means_them(tmp_path):
+    """A file whose name holds a colon is taken whole; FILE:ARM splits at the last colon only for a tau key; a
+    misspelt arm is named as such, not reported as a missing file (review, 2026-12-04)."""
+    odd = record(tmp_path / "x:tau_base.json", spread(4))
+    assert compare_tau.parse(str(odd)) == (odd, "tau_drafter")
+    assert compare_tau.parse(f"{odd}:tau_markov") == (odd, "tau_markov")
+    with pytest.raises(UsageError, match="must be a tau key.*'drafter.tau'"):
+        compare_tau.parse(f"{tmp_path}/a.json:drafter.tau")
+    assert compare_tau.parse("runs/a:b/acceptance.json") == (Path("runs/a:b/acceptance.json"), "tau_drafter")

@@ -110,6 +110,14 @@ def test_back_brings_what_one_call_can_and_rest_the_remainder(tmp_path):
     env["XRUN"] = str(tmp_path / "none")
     r = subprocess.run(["bash", str(script), "rest"], env={**env, "OUT": str(outs[1])}, capture_output=True, text=True)
     assert r.returncode == 3 and "run back first" in r.stderr
+    # a model the export does not hold (a typo): the records still come back, the error names what it holds
+    out3 = tmp_path / "out3"
+    out3.mkdir()
+    env["XRUN"] = str(work)
+    r = subprocess.run(["bash", str(script), "back", "drafer"], env={**env, "OUT": str(out3)}, capture_output=True,
+                       text=True)
+    assert r.returncode == 3 and "no export/drafer" in r.stderr and "holds: drafter manifest.json" in r.stderr
+    assert [p.name for p in out3.iterdir()] == ["records.tgz"]
 
 
 @pytest.mark.parametrize("script, var", [("training_gpu.sh", "XRUN"), ("tables_gpu.sh", "XTAB")])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -23,12 +24,18 @@ from core.checkpoints import read_json
 from core.errors import UsageError, cli_exit
 
 
+ARM = re.compile(r"tau_\w+")
+
+
 def parse(spec: str) -> tuple[Path, str]:
-    """FILE or FILE:ARM (the last colon, so a path may hold one; ARM names a tau key)."""
+    """FILE or FILE:ARM. A FILE that exists is taken whole (its name may hold a colon); else ARM is what follows the
+    last colon and must be a tau key, and a colon followed by no path is a misspelt arm."""
+    if Path(spec).exists():
+        return Path(spec), "tau_drafter"
     file, sep, arm = spec.rpartition(":")
-    if sep and arm.startswith("tau_"):
+    if sep and ARM.fullmatch(arm):
         return Path(file), arm
-    if sep and not arm.startswith(("/", "\\")) and "." not in arm:
+    if sep and "/" not in arm:
         raise UsageError(f"compare_tau: {spec!r}: the arm after ':' must be a tau key (tau_drafter, tau_markov, "
                          f"tau_xpress_K<k>), got {arm!r}")
     return Path(spec), "tau_drafter"

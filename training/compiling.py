@@ -14,6 +14,7 @@ compiles on its first call. On the H200 that first step took 248.7 s of a 256.9 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import types
 from pathlib import Path
@@ -72,6 +73,8 @@ def load_cache(path: str) -> dict:
     import torch
     rec = {"file": path, "loaded_bytes": 0}
     p = Path(path)
+    if p.exists() and not p.is_file():
+        return {**rec, "note": "not a file: nothing loaded or saved (name a file)", "unusable": True}
     if not p.is_file():
         return {**rec, "note": "no file yet: this run compiles from scratch and saves one"}
     data = p.read_bytes()
@@ -79,20 +82,46 @@ def load_cache(path: str) -> dict:
     if info is None:
         return {**rec, "note": "not loaded (corrupted, or saved by another torch or Triton; torch's warning above "
                                "says which): everything compiles from scratch"}
-    return {**rec, "loaded_bytes": len(data), "artifacts": {k: len(v) for k, v in info.artifacts.items()}}
+    return {**rec, "loaded_bytes": len(data), "artifacts": {k: len(v) for k, v in info.artifacts.items()},
+            "merged": keep_loaded(data)}
+
+
+def keep_loaded(data: bytes) -> bool:
+    """save_cache_artifacts (torch 2.13) writes what this process compiled or used from the caches, not what it
+    loaded and never used: a heads-only run would save a file without the drafter's graphs. The loaded artifacts are
+    recorded again so that every save keeps them (torch.compiler._cache, private: where this torch lacks it, False,
+    and save_cache then never replaces the file with fewer artifacts)."""
+    try:
+        from torch.compiler._cache import CacheArtifactManager as manager
+        for kind, items in (manager.deserialize(data) or {}).items():
+            for a in items:
+                manager.record_artifact(kind, a.key, a.content)
+    except (ImportError, AttributeError, TypeError):
+        return False
+    return True
 
 
 def save_cache(path: str, rec: dict) -> dict:
-    """After the stage: every artifact this process compiled or loaded, written to `path` (whole or not at all);
-    nothing compiled (a CPU run, train.compile=none) writes nothing."""
+    """After each model of the stage: every artifact this process compiled, used or loaded, written to `path`
+    (whole or not at all: a temporary file renamed). Nothing compiled (a CPU run, train.compile=none) writes
+    nothing; a file that cannot be written is noted, not fatal (the training it follows is done)."""
     import torch
-    out = torch.compiler.save_cache_artifacts()
+    out = None if rec.get("unusable") else torch.compiler.save_cache_artifacts()
     if not out or not out[0]:
-        return {**rec, "saved_bytes": 0}
+        return {**rec, "saved_bytes": rec.get("saved_bytes", 0)}
     data, info = out
+    saved = {k: len(v) for k, v in info.artifacts.items()}
+    if not rec.get("merged", True) and sum(saved.values()) < sum(rec.get("artifacts", {}).values()):
+        return {**rec, "saved_bytes": 0, "note": "kept the loaded file: this torch cannot carry its unused "
+                                                 "artifacts into a new one, which would hold fewer"}
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, p)
-    return {**rec, "saved_bytes": len(data), "saved_artifacts": {k: len(v) for k, v in info.artifacts.items()}}
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):  # the folder itself may be what failed
+            tmp.unlink(missing_ok=True)
+        return {**rec, "saved_bytes": 0, "note": f"not saved: {e.strerror or e} ({path})"}
+    return {**rec, "saved_bytes": len(data), "saved_artifacts": saved}

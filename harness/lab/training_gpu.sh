@@ -34,7 +34,7 @@
 # With a warm export (warm), the job's copy of the code holds it at weights/smollm2-135m/ (the tree travels without
 # weights/), so a config whose heads start from that folder (smollm2-gpu-heads: init_from
 # weights/smollm2-135m/drafter) finds it there.
-#   here:    harness/lab/device_tree.sh restore DIR; tar xzf records.tgz; cat parts | tar xf -
+#   here:    harness/lab/device_tree.sh restore DIR; tar xzf records.tgz; cat WHAT.tar.part.* | tar xf -
 #            mkdir -p .gpu5 && cat compile_cache.part.* > .gpu5/compile_cache.bin   # for the next session's `cache`
 #
 # Make the calls back to back (the job dies with the machine). The job runs from a copy of the code in /tmp/code,
@@ -169,6 +169,12 @@ case "${1:-}" in
         -not -path './responses/parts/*'; ls ./prompts/manifest.json 2>/dev/null || true; } |
         tar czf "$BACK/records.tgz" -T - $XRUN.log  # the prompts stage's manifest, not its prompts
     shift
+    missing=()
+    for w in "$@"; do [[ -e export/$w ]] || missing+=("$w"); done
+    if (( ${#missing[@]} )); then  # the records still come back; the export is not split
+      send_back; echo "error: no export/${missing[0]} in $XRUN (the export holds: $(ls export 2>/dev/null | xargs))" >&2
+      exit 3
+    fi
     if (( $# )); then tar cf - export/manifest.json "${@/#/export/}" | split -b 15000000 - "$BACK/$1.tar.part."; fi
     if [[ -f $CC ]]; then split -b 15000000 "$CC" "$BACK/compile_cache.part."; fi
     send_back
@@ -179,6 +185,6 @@ case "${1:-}" in
     send_back
     ;;
   *)
-    sed -n 2,20p "$0"; exit 2
+    sed -n '2,/^set -euo pipefail/{/^set -euo/!p}' "$0"; exit 2
     ;;
 esac
