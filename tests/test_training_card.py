@@ -140,3 +140,23 @@ def test_the_box_table_shows_the_share_of_steps_after_the_compiling_first_step(t
     (tmp_path / "box.json").write_text(json.dumps(box))
     m = model_record(tmp_path, {"model": "drafter", "steps": 1210})
     assert "steady_steps_share" not in m["box"] and "first_step_s" not in m["box"]
+
+
+def test_the_card_shows_a_second_round_of_magpie_prompts_apart_from_the_pool(tmp_path):
+    """prompts.more_magpie's round has its own counts in the prompts manifest ("more"); the card printed only the
+    pool's, so the continue run's card read as if 9 prompts were dropped for length where its round dropped 5 more
+    and 1,138 duplicates. A manifest without a round gets no such line."""
+    from training.card_data import data_record
+    from training.card_md import data_section
+    more = {"round": 1, "generated": 52000, "kept": 50855, "sources": {"magpie:chat": 1},
+            "dropped": {"length": 5, "duplicate": 1138, "benchmark_overlap_generated": 2}}
+    pm = {"train": 10, "selection": 2, "heldout": 4, "magpie_generated": 8, "dropped": {"length": 9}, "sources": {},
+          "more": more}
+    (tmp_path / "prompts").mkdir()
+    (tmp_path / "prompts" / "manifest.json").write_text(json.dumps(pm))
+    text = "\n".join(data_section(data_record(tmp_path)))
+    assert "More Magpie prompts** (round 1" in text and "52000 generated, 50855 kept" in text
+    assert "duplicate 1138" in text and "length 9" in text
+    del pm["more"]
+    (tmp_path / "prompts" / "manifest.json").write_text(json.dumps(pm))
+    assert "More Magpie" not in "\n".join(data_section(data_record(tmp_path)))

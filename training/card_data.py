@@ -44,8 +44,11 @@ def data_record(work: Path) -> dict:
     pm = _json(work / "prompts" / "manifest.json")
     rm = _json(work / "responses" / "manifest.json")
     hm = _json(work / "hidden" / "manifest.json")
-    return {"prompts": None if pm is None else {k: pm.get(k) for k in ("train", "selection", "heldout",
-                                                                      "magpie_generated", "dropped", "sources")},
+    prompts = None if pm is None else {k: pm.get(k) for k in ("train", "selection", "heldout", "magpie_generated",
+                                                               "dropped", "sources")}
+    if prompts is not None and pm.get("more"):  # prompts.more_magpie: a round drawn after the pool (prompts.py)
+        prompts["more"] = {k: pm["more"].get(k) for k in ("round", "generated", "kept", "dropped")}
+    return {"prompts": prompts,
             "responses": _pick(rm, ("sequences", "response_tokens", "prompt_tokens")),
             "hidden": _pick(hm, ("sequences", "tokens", "mode", "dtype", "layer_ids"))}
 

@@ -32,6 +32,11 @@ def data_section(d: dict) -> list[str]:
         out += [f"- **Prompts**: {fmt(p['train'])} train, {fmt(p['selection'])} selection (every choice reads "
                 f"these), {fmt(p['heldout'])} held-out (reported only). Magpie prompts generated: "
                 f"{fmt(p['magpie_generated'])}. Dropped by the filters: {fmt(p['dropped'])}.", ""]
+        if p.get("more"):
+            m = p["more"]
+            out += [f"- **More Magpie prompts** (round {m['round']}, drawn after the pool, train only): "
+                    f"{fmt(m['generated'])} generated, {fmt(m['kept'])} kept. Dropped by the filters: "
+                    f"{fmt(m['dropped'])}.", ""]
         sources = p.get("sources") or {}
         names = sorted({g for part in sources.values() for g in part})
         out += table(["source", "train", "selection", "held-out"],
