@@ -160,3 +160,32 @@ def test_the_card_shows_a_second_round_of_magpie_prompts_apart_from_the_pool(tmp
     del pm["more"]
     (tmp_path / "prompts" / "manifest.json").write_text(json.dumps(pm))
     assert "More Magpie" not in "\n".join(data_section(data_record(tmp_path)))
+
+
+def test_a_warm_started_drafter_shows_its_start_and_the_paired_gain(tmp_path):
+    """train/<model>/acceptance_warm.json (the warm start measured alike) reaches the card: the start's taus and
+    the trained drafter's over them, paired over prompts. Records without per-prompt counts say n/a rather than
+    an unpaired ratio; a model without a warm start gets no line."""
+    from training.card_data import model_record
+    from training.card_md import tau_section
+
+    def acc(taus, per_prompt=True):
+        pp = {"keys": [f"{i:08x}" for i in range(len(taus))], "tau_drafter": [[int(t * 40), 40] for t in taus]}
+        tau = sum(t for t, _ in pp["tau_drafter"]) / (40 * len(taus))
+        return {s: {"set": s, "of": len(taus), "prompts": len(taus), "tau_drafter": tau,
+                    **({"per_prompt": pp} if per_prompt else {})} for s in ("selection", "heldout")}
+    start = [2.0 + 0.015 * i for i in range(64)]
+    (tmp_path / "acceptance.json").write_text(json.dumps({"key": "a", **acc([t * 1.05 for t in start])}))
+    (tmp_path / "acceptance_warm.json").write_text(json.dumps({"key": "w", "global_step": 3588, **acc(start)}))
+    m = model_record(tmp_path, {"model": "drafter"})
+    held = [p for p in m["warm_start"]["paired"] if p["set"] == "heldout"][0]
+    assert held["prompts"] == 64 and held["ratio"] == pytest.approx(1.05, abs=0.01) and held["ratio_ci95"][0] > 1
+    text = "\n".join(tau_section([m], None))
+    assert "`drafter` continued a warm start at step 3588" in text and "held-out 1.049x [1.048, 1.05]" in text, text
+    (tmp_path / "acceptance_warm.json").write_text(json.dumps({"key": "w", "global_step": 3588,
+                                                               **acc(start, per_prompt=False)}))
+    m = model_record(tmp_path, {"model": "drafter"})
+    assert m["warm_start"]["paired"] == [] and "n/a (records without per-prompt counts)" in \
+        "\n".join(tau_section([m], None))
+    (tmp_path / "acceptance_warm.json").unlink()
+    assert "warm_start" not in model_record(tmp_path, {"model": "drafter"})

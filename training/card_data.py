@@ -78,6 +78,26 @@ def model_record(d: Path, summary: dict) -> dict:
     elif fit.get("planned_steps") not in (None, fit.get("fitted_steps")):  # the box fit shortened the plan
         out["planned_before_fit"] = fit["planned_steps"]
     out["selection"], out["heldout"] = _tau(acc.get("selection")), _tau(acc.get("heldout"))
+    warm = _json(d / "acceptance_warm.json")  # a warm-started drafter's start, measured alike (training/evaluate.py)
+    if warm is not None:
+        out["warm_start"] = {"global_step": warm.get("global_step"), "selection": _tau(warm.get("selection")),
+                             "heldout": _tau(warm.get("heldout")), "paired": paired_with_start(warm, acc)}
+    return out
+
+
+def paired_with_start(warm: dict, acc: dict) -> list[dict]:
+    """Drafter-only tau of the trained model over its warm start's, paired over each set's prompts (compare_tau);
+    a set that cannot pair (measured before per-prompt counts were kept) is left out."""
+    from training.compare_tau import pair
+    out = []
+    for s in ("selection", "heldout"):
+        if isinstance(warm.get(s), dict) and isinstance(acc.get(s), dict):
+            try:
+                r = pair(warm[s], acc[s], "tau_drafter", "tau_drafter", s)
+            except UsageError:
+                continue
+            out.append({"set": s, "prompts": r["prompts"], "ratio": round(r["ratio"], 3),
+                        "ratio_ci95": [round(x, 3) for x in r["ratio_ci95"]]})
     return out
 
 

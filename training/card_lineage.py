@@ -21,7 +21,8 @@ from pathlib import Path
 
 from core.errors import UsageError
 
-MODEL_FILES = ("manifest.json", "metrics.jsonl.gz", "metrics.jsonl", "box.json", "acceptance.json")
+MODEL_FILES = ("manifest.json", "metrics.jsonl.gz", "metrics.jsonl", "box.json", "acceptance.json",
+               "acceptance_warm.json")
 STAGE_MANIFESTS = ("prompts", "responses", "hidden")
 
 

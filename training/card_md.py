@@ -138,9 +138,24 @@ def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True) 
                                                [r.get("prompts"), r.get("of"), r.get("seconds")] +
                                                [r.get(k) for k in keys]))
     out += table(["model", "set", "prompts", "of", "seconds"] + [k[4:].replace("_", " ") for k in keys], rows)
+    for m in models:
+        out += warm_start_lines(m)
     if shipped:
         out += shipped_lines(shipped)
     return out
+
+
+def warm_start_lines(m: dict) -> list[str]:
+    """A drafter continued from a warm start: that start measured the same way, and the gain paired over prompts."""
+    w = m.get("warm_start")
+    if not w:
+        return []
+    sets = "; ".join(f"{label} τ {fmt((w.get(s) or {}).get('tau_drafter'))}" for s, label in SET_NAMES.items())
+    paired = "; ".join(f"{SET_NAMES[p['set']]} {fmt(p['ratio'])}x [{fmt(p['ratio_ci95'][0])}, "
+                       f"{fmt(p['ratio_ci95'][1])}] over {p['prompts']} prompts" for p in w.get("paired", []))
+    return [f"`{m['model']}` continued a warm start at step {fmt(w.get('global_step'))}, measured the same way on the "
+            f"same prompts: {sets}. Drafter-only τ over the start's, paired over prompts (training/compare_tau.py, "
+            f"95% CI): {paired or 'n/a (records without per-prompt counts)'}.", ""]
 
 
 def shipped_lines(shipped: dict) -> list[str]:
