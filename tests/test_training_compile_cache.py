@@ -68,6 +68,10 @@ def test_a_file_that_does_not_load_is_reported_and_nothing_is_saved_without_comp
     bad.write_bytes(b"not an artifact file")
     rec = compiling.load_cache(str(bad))
     assert rec["loaded_bytes"] == 0 and rec["note"].startswith("not loaded")
+    from unittest import mock
+    with mock.patch("torch.compiler.load_cache_artifacts", side_effect=OSError(28, "No space left on device")):
+        rec = compiling.load_cache(str(bad))  # torch raising while it fills its caches: noted, not raised
+    assert rec["loaded_bytes"] == 0 and rec["note"].startswith("not loaded (OSError")
     fresh = tmp_path / "none.bin"  # a process that compiled nothing (a CPU run) saves nothing and writes no file
     assert probe(tmp_path, "inductor_d", fresh, "")["saved_bytes"] == 0 and not fresh.exists()
     folder = tmp_path / "adir"
