@@ -11,11 +11,9 @@ set (prompts/selection.jsonl); after training (training/evaluate.py), every fina
 and the whole held-out set. Every result names its set."""
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 
-import numpy as np
 import torch
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashModel
@@ -26,6 +24,7 @@ from harness.protocol.metrics import tau_per_step
 from refiners.markov import MarkovRefiner, markov_head_from_state
 from core.speculators_layout import split_tensors, zlab_config
 from refiners.xpress import XPressRefiner, xpress_head_from_state
+from training.store import ids_digest
 
 
 def speculators_config_dict(model) -> dict:
@@ -117,8 +116,8 @@ class HeldOut:
 
 
 def prompt_key(ids) -> str:
-    """8 hex digits of a prompt's token ids (BLAKE2b, the same in every process): which prompt a record is of."""
-    return hashlib.blake2b(np.asarray(ids, dtype=np.int64).tobytes(), digest_size=4).hexdigest()
+    """8 hex digits of a prompt's token ids (training.store.ids_digest): which prompt a record is of."""
+    return ids_digest(ids, 4).hex()
 
 
 def per_prompt(per_arm: dict, prompts) -> dict:

@@ -67,12 +67,9 @@ def pair(base: dict, new: dict, arm_b: str, arm_n: str, name: str) -> dict:
             "new": sum(t for t, _ in m) / sum(s for _, s in m), **ci}
 
 
-def measured(rec: dict) -> list[str]:
-    return [s for s, v in rec.items() if isinstance(v, dict) and "prompts" in v]
-
-
 def compare(base_spec: str, new_spec: str, only: str | None = None) -> list[dict]:
     """One comparison per set both files measured (or `only`); sets in one file alone are named in `skipped`."""
+    from training.evaluate import measured
     (fb, arm_b), (fn, arm_n) = parse(base_spec), parse(new_spec)
     rb, rn = read_json(fb, "compare_tau: acceptance file"), read_json(fn, "compare_tau: acceptance file")
     for key in ("dtype", "cuda_graphs"):  # the decode's numerics: a bf16 tau and an fp32 one do not pair

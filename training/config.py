@@ -260,11 +260,11 @@ def validate_steps(cfg: dict) -> None:
     if isinstance(gib := t["taps_cache_gib"], bool) or not isinstance(gib, (int, float)) or not 0 <= gib <= 4096:
         raise UsageError("config train.taps_cache_gib must be a number of GiB in [0, 4096] (the online target's "
                          "output kept on its device across epochs; 0: off)")
-    if not isinstance(t["compile_cache"], str):
-        raise UsageError("config train.compile_cache must be a file path (torch.compile's artifacts) or \"\" (none)")
     if gib and cfg["hidden"]["mode"] != "online":
         raise UsageError("config train.taps_cache_gib needs hidden.mode=online (an offline run reads its hidden states "
                          "from files); set it to 0 or use online")
+    if not isinstance(t["compile_cache"], str):
+        raise UsageError("config train.compile_cache must be a file path (torch.compile's artifacts) or \"\" (none)")
     if t["loss_impl"] not in LOSS_IMPLS:
         raise UsageError(f"config train.loss_impl {t['loss_impl']!r}: use one of {', '.join(LOSS_IMPLS)} (fused: "
                          "speculators' Triton kernels, CUDA only)")

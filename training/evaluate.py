@@ -72,11 +72,15 @@ def measure(held, final: Path, ids: dict, caps: dict, groups: dict) -> dict:
     return out
 
 
+def measured(rec: dict) -> list[str]:
+    """The sets an acceptance record measured (its entries with a prompt count)."""
+    return [s for s, v in rec.items() if isinstance(v, dict) and "prompts" in v]
+
+
 def kept(rec: dict, key: str) -> bool:
     """An acceptance.json to keep: the same model, prompts and settings, with every set's per-prompt counts (one
     written before they were kept is measured again, so that it can be paired: training/compare_tau.py)."""
-    sets = [v for v in rec.values() if isinstance(v, dict) and "prompts" in v]
-    return rec.get("key") == key and all("per_prompt" in v for v in sets)
+    return rec.get("key") == key and all("per_prompt" in rec[s] for s in measured(rec))
 
 
 def warm_drafters(cfg: dict, names: list[str]) -> dict:

@@ -45,7 +45,6 @@ data reads it) and is not saved: a resumed stage fills it again.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 
 import numpy as np
@@ -53,6 +52,7 @@ import torch
 from hs_connectors import HiddenStatesTransfer
 
 from training.hidden import Capture
+from training.store import ids_digest
 
 
 class IdsOnly(HiddenStatesTransfer):
@@ -255,12 +255,10 @@ class LengthsCollate:
 
 
 def sequence_keys(ids: torch.Tensor, lengths: list[int]) -> list[bytes]:
-    """A key for each packed sequence of a row of token ids (on the host): the 16-byte BLAKE2b digest of its ids as
-    int64, the same in every process (Python's own hash of bytes is salted per process, and the workers are
-    spawned)."""
-    flat = np.ascontiguousarray(ids.numpy(), dtype=np.int64)
+    """A key for each packed sequence of a row of token ids (on the host): its ids' 16-byte digest (ids_digest)."""
+    flat = ids.numpy()
     ends = np.cumsum(lengths)
-    return [hashlib.blake2b(flat[e - k:e].tobytes(), digest_size=16).digest() for k, e in zip(lengths, ends)]
+    return [ids_digest(flat[e - k:e], 16) for k, e in zip(lengths, ends)]
 
 
 class TapsCache:

@@ -4,11 +4,21 @@ the previous output as it was and nothing half-written under the final name."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
+
 MANIFEST = "manifest.json"
+
+
+def ids_digest(ids, size: int) -> bytes:
+    """A BLAKE2b digest of SIZE bytes of token ids as int64: the same in every process (Python's own hash of bytes
+    is salted per process, and the loaders' workers are spawned). The online target's cache keys its sequences by
+    it (training/online.py), the acceptance records their prompts (training/acceptance.py)."""
+    return hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=size).digest()
 
 
 def read_manifest(d: Path) -> dict | None:

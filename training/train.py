@@ -343,7 +343,7 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
     taps = online_taps(cfg, load) if todo else None
     budget = cfg["train"]["max_minutes"] * 60
     deadline = time.monotonic() + budget
-    done = {}
+    done, saved = {}, False  # saved: the cache file holds everything compiled so far
     try:
         for n in names:  # train.max_minutes bounds the whole stage: a model cut short resumes on the next run
             left = deadline - time.monotonic()
@@ -353,17 +353,18 @@ def run(cfg: dict, verifier: str, held_out_factory=None, only: list[str] | None 
                 break
             own = (cfg["models"][n]["max_minutes"] or 0) * 60  # a model's own box, inside the stage's
             box_s = min(left, own) if budget and own else (left if budget else own)
+            saved = False
             done[n] = train_one(cfg, n, verifier, held, max(box_s, 1e-3) if box_s else 0.0, taps,
                                 started if todo and n == todo[0] else None)
-            if cache is not None:  # after each model: what compiled survives a job that dies later
-                cache = compiling.save_cache(cc, cache)
             if done[n] is None:
                 break
+            if cache is not None and n != names[-1]:  # before the next model: survives a job that dies later
+                cache, saved = compiling.save_cache(cc, cache), True
     finally:
         if taps is not None:
             taps.close()
-        if cache is not None:  # also after a model that failed: its compiled graphs are kept
-            cache = compiling.save_cache(cc, cache)
+        if cache is not None:  # after the last model, or one that stopped or failed: its compiled graphs are kept
+            cache = cache if saved else compiling.save_cache(cc, cache)
             write_json(Path(cfg["workdir"]) / "train" / "compile_cache.json", cache)
             print(f"train: compile cache {cc}: loaded {cache['loaded_bytes']} bytes, saved {cache['saved_bytes']}"
                   + (f" ({cache['note']})" if "note" in cache else ""), flush=True)

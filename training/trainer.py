@@ -145,17 +145,25 @@ class PipelineTrainer(Trainer):
         self._stop_after = self.global_step
         self.maybe_save_checkpoint(epoch, local_step=l0 + self.global_step - g0)
 
+    def _probed(self, probe) -> tuple[int, float, float, int] | None:
+        """A finished probe (training/fit.py Probe): the step its clock started at, the steps/s, the box's seconds
+        left and the plan they fit (fitted_total, looked up per call: tests replace it); None while it runs."""
+        from training.fit import fitted_total
+        got = probe.tick(self.global_step)
+        if got is None:
+            return None
+        (g1, rate), f = got, self._fit
+        left = self._deadline - time.monotonic()
+        return g1, rate, left, fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
+
     def _maybe_fit(self):
         """training/fit.py: time this process's `probe` steps after the first one and any profile, then fit the plan
         to what the box has left."""
-        from training.fit import fitted_total, replan  # looked up per call: tests replace fitted_total
-        f = self._fit
-        got = self._fit_probe.tick(self.global_step)
+        from training.fit import replan
+        f, got = self._fit, self._probed(self._fit_probe)
         if got is None:
             return
-        g1, rate = got
-        left = self._deadline - time.monotonic()
-        total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
+        g1, rate, left, total = got
         warm = replan(self.schedulers, total, f["warmup_ratio"]) if total < f["planned"] else None
         self.fit_record = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
                            "box_left_s": round(left, 1), "reserve": f["reserve"], "planned_steps": f["planned"],
@@ -172,16 +180,13 @@ class PipelineTrainer(Trainer):
         """training/fit.py: the pass after the fit's probes its rate again, over as many steps after its first; where
         the box now holds more of the plan (a faster pass: the online target's cache serves the epochs after the
         first), the plan is fitted again, longer (never shorter: the deadline still stops a slower run)."""
-        from training.fit import fitted_total, replan, warmup_of
-        f = self._fit
-        got = self._refit.tick(self.global_step)
+        from training.fit import replan, warmup_of
+        f, got = self._fit, self._probed(self._refit)
         if got is None:
             return
         self._refit = None
-        g1, rate = got
-        left = self._deadline - time.monotonic()
+        g1, rate, left, total = got
         before = self.fit_record["fitted_steps"]
-        total = fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
         warm = None
         if total > before:  # a warmup already over keeps its length (its ratio of more steps would restart it)
             now = warmup_of(self.schedulers)
