@@ -116,6 +116,32 @@ def test_the_fingerprint_follows_the_folders_bytes_not_its_path(runs, tmp_path):
     assert key(a) != key(b)
 
 
+def test_a_warm_start_fingerprint_follows_the_folders_bytes_and_step_not_its_path(runs, tmp_path):
+    """train.warm_start: a model's fingerprint holds its folder's digest and step, so another export copied to the
+    same path trains again (the path alone kept the old checkpoint as up to date); a model with no folder there is
+    not warm-started, and its fingerprint is the one without warm_start."""
+    from training.config import load_config, model_fingerprint
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d in (a, b):
+        shutil.copytree(runs / "warm" / "drafter", d / "drafter")
+        (d / "manifest.json").write_text("{}")
+    cfg = str(write_config(tmp_path, tiny_models()))
+
+    def key(folder, name="drafter"):
+        return model_fingerprint(load_config(cfg, [f"train.warm_start={folder}"] if folder else []), name)
+
+    assert key(a) == key(b) != key(None)
+    assert key(a, "xpress") == key(b, "xpress") == key(None, "xpress")  # no xpress/ in the export
+    state = json.loads((b / "drafter" / "train_state.json").read_text())
+    (b / "drafter" / "train_state.json").write_text(json.dumps({**state, "global_step": state["global_step"] + 1}))
+    assert key(a) != key(b)
+    shutil.rmtree(b)
+    shutil.copytree(a, b)
+    cfg_b = json.loads((b / "drafter" / "config.json").read_text())
+    (b / "drafter" / "config.json").write_text(json.dumps({**cfg_b, "note": "another export"}))
+    assert key(a) != key(b)
+
+
 def test_the_heads_preset_starts_every_head_from_the_warm_drafter_and_shares_the_data_keys():
     """smollm2-gpu-heads trains the three heads on weights/smollm2-135m/drafter, the shipped drafter (checked against that folder
     when the config loads) and keeps smollm2-gpu's data sections, so stages packed by a drafter run unpack for it."""

@@ -340,25 +340,6 @@ def check_init_export(cfg: dict, name: str) -> None:
                          f"{want}; set hidden.layer_ids to {taps}")
 
 
-_DIGESTS: dict = {}
-
-
-def export_digest(d: Path) -> str:
-    """The bytes of an exported folder's config and shards, hashed (cached per file size and mtime): a head's
-    fingerprint carries its init_from folder's, so another drafter at the same path is not resumed."""
-    files = sorted(p for p in d.iterdir() if p.suffix in (".json", ".safetensors") and p.name != "train_state.json")
-    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
-    if _DIGESTS.get(d, (None,))[0] != stamp:
-        h = hashlib.sha256()
-        for p in files:
-            h.update(p.name.encode())
-            with open(p, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 22), b""):
-                    h.update(chunk)
-        _DIGESTS[d] = (stamp, h.hexdigest()[:16])
-    return _DIGESTS[d][1]
-
-
 def train_order(cfg: dict) -> list[str]:
     """Models in an order where every init_from source trains first."""
     order, seen = [], set()
@@ -393,8 +374,12 @@ def model_fingerprint(cfg: dict, name: str) -> str:
     data); a resume with another one is refused."""
     train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL and ADDED_LATER.get(k, ...) != v}
     model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"}  # a box is run control
+    from training.store import export_digest
     init = init_export(cfg, name)
     if init is not None:  # the folder's content, not its path
         model["init_from"] = export_digest(init)
+    if train.get("warm_start"):  # likewise: this model's warm-start folder (content and step), or none there
+        from training.warm import identity
+        train["warm_start"] = identity(cfg, name)
     return fingerprint({"model": model, "train": train, "target": cfg["target"], "seed": cfg["seed"],
                         "hidden": cfg["hidden"]})

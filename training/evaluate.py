@@ -22,7 +22,8 @@ import json
 import time
 from pathlib import Path
 
-from training.config import export_digest, fingerprint, model_fingerprint, repo_path
+from training.config import fingerprint, model_fingerprint, repo_path
+from training.store import export_digest
 from training.overlap import read_jsonl
 from training.store import read_manifest, write_json
 

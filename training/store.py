@@ -69,3 +69,22 @@ def resumable(d: Path, key: str, force: bool, label: str) -> str:
         return "resume"
     shutil.rmtree(d, ignore_errors=True)
     return "fresh"
+
+
+_DIGESTS: dict = {}
+
+
+def export_digest(d: Path) -> str:
+    """The bytes of an exported folder's config and shards, hashed (cached per file size and mtime): a head's
+    fingerprint carries its init_from folder's, so another drafter at the same path is not resumed."""
+    files = sorted(p for p in d.iterdir() if p.suffix in (".json", ".safetensors") and p.name != "train_state.json")
+    stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if _DIGESTS.get(d, (None,))[0] != stamp:
+        h = hashlib.sha256()
+        for p in files:
+            h.update(p.name.encode())
+            with open(p, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    h.update(chunk)
+        _DIGESTS[d] = (stamp, h.hexdigest()[:16])
+    return _DIGESTS[d][1]

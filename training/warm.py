@@ -36,6 +36,14 @@ def source(cfg: dict, name: str) -> Path | None:
     return d if d is not None and (d / "config.json").is_file() else None
 
 
+def identity(cfg: dict, name: str) -> list | None:
+    """What a model's fingerprint holds of its warm start: the folder's content digest and step (not its path, so
+    another export copied to the same path trains again), or None when the export has no folder for this model."""
+    from training.store import export_digest
+    d = source(cfg, name)
+    return None if d is None else [export_digest(d), train_state(d).get("global_step")]
+
+
 def train_state(d: Path) -> dict:
     f = d / STATE
     if not f.is_file():
