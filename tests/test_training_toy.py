@@ -162,6 +162,23 @@ def test_exported_heads_on_the_benchmark_prompts(toy):
     assert min(taus["xpress_K1"], taus["xpress_K3"]) > taus["drafter"]
 
 
+def test_anchor_runs_replay_the_decode_on_the_toy(toy, tmp_path):
+    """training.anchor_runs on the trained toy drafter (exported bf16, run in fp32) and its benchmark prompts: the
+    decode's anchor choice replayed over the teacher-forced runs gives the decode's accepted drafts step for step,
+    with runs long enough that a wrong jump (run instead of run + 1, or a run counted past a miss) would drift."""
+    from training.anchor_runs import main
+    root, _ = toy
+    out = tmp_path / "runs.json"
+    assert main(["--out", str(out), "--weights", str(root / "work" / "export"), "--model-name-or-path",
+                 str(root / "target"), "--data-dir", str(root / "eval"), "--dataset", "toy_eval",
+                 "--max-samples", "4", "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["prompts"] == 4 and rec["replay_equals_decode"] == 4 and rec["dtype"] == "float32"
+    assert all(q["decode_equals_ar"] and len(q["replay"]) >= 3 for q in rec["per_prompt"])
+    assert max(r for q in rec["per_prompt"] for r in q["replay"]) >= 3  # multi-token jumps, not all misses
+    assert rec["decoded_tau"] > 2 and rec["anchors"] == sum(len(q["runs"]) for q in rec["per_prompt"])
+
+
 GPU_PRESET = Path(__file__).resolve().parent.parent / "training" / "configs" / "smollm2-gpu.json"
 GPU_HEAD_STEPS = 123  # the xPress head's steps in the H200 32K run (results/perf/NOTES.md), its box-fitted schedule
 

@@ -1,0 +1,46 @@
+"""training.anchor_runs' arithmetic on hand-made runs, and its refusals (before any model loads)."""
+import pytest
+
+from training.anchor_runs import main, replay, summary
+
+
+def test_replay_jumps_run_plus_one_and_stops_without_a_whole_block():
+    runs = {10: 2, 11: 0, 12: 0, 13: 5, 14: 1, 15: 0, 16: 0, 17: 0, 18: 0, 19: 3}
+    assert replay(runs, 10) == [2, 5, 3]  # 10 -> 13 -> 19 -> 23 (no anchor: the decode's tail is not replayed)
+    assert replay(runs, 11) == [0, 0, 5, 3]
+
+
+def test_summary_counts():
+    q = [{"runs": {0: 3, 1: 0, 2: 1, 3: 0, 4: 2}, "replay": [3, 2], "decode_lengths": [4, 3],
+          "replay_equals_decode": True},
+         {"runs": {0: 0, 1: 1}, "replay": [0, 1], "decode_lengths": [1, 2],
+          "replay_equals_decode": False}]
+    s = summary(q, block=4)
+    assert s["anchors"] == 7 and s["all_anchor_eal"] == round((4 + 1 + 2 + 1 + 3 + 1 + 2) / 7, 4)
+    assert s["replayed_tau"] == round((4 + 3 + 1 + 2) / 4, 4) and s["decoded_tau"] == 2.5
+    assert s["decode_anchors_after_first"] == 2 and s["decode_anchor_eal"] == 2.5  # runs 2 and 1
+    assert s["first_anchor_eal"] == 2.5  # runs 3 and 0
+    assert s["p_first_draft_accepted"] == {"all_anchors": round(4 / 7, 4), "decode_anchors": 1.0}
+    assert s["run_reaches_slot"] == [round(4 / 7, 4), round(2 / 7, 4), round(1 / 7, 4)]
+    assert (s["replay_equals_decode"], s["prompts"]) == (1, 2)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--weights", "/nonexistent"], "no drafter/config.json"),
+    (["--dataset", "../x"], "bare name"),
+    (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+    (["--max-samples", "0"], "--max-samples must be >= 1"),
+])
+def test_refusals_say_what_and_write_nothing(tmp_path, capsys, args, says):
+    out = tmp_path / "runs.json"
+    assert main(["--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and says in err[0]
+    assert not out.exists()
+
+
+def test_an_existing_out_is_refused(tmp_path, capsys):
+    out = tmp_path / "runs.json"
+    out.write_text("{}")
+    assert main(["--out", str(out)]) == 2 and "exists" in capsys.readouterr().err
+    assert out.read_text() == "{}"

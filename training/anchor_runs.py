@@ -1,0 +1,168 @@
+"""Why a drafter's training `eal` reads higher than its decode τ: the accepted run at every anchor of AR's own text,
+against the anchors a greedy decode visits.
+
+    python -m training.anchor_runs --out FILE.json [--weights DIR] [--model-name-or-path SPEC] [--dataset gsm8k]
+                                   [--max-samples 16] [--max-new-tokens 96] [--device cpu] [--dtype float32]
+
+For each prompt: AR's greedy text, then, at every anchor p of it (the first new token up to the last position a
+whole block fits), the drafter's block from the target's taps before p and the token at p, teacher-forced as
+speculators' training forward computes it (tests/test_dflash_speculators.py checks the two agree): the run of
+drafts equal to AR's next tokens. speculators' `eal` is the mean of run + 1 over randomly chosen anchors, i.e.
+over all of them. A decode does not visit all of them: it starts at the first new token and jumps run + 1 ahead,
+so its next anchor is, unless the whole block was accepted, the token right after a draft the drafter got wrong.
+Replaying that jump over the recorded runs gives the decode's τ (tokens per step) from the same numbers, and the
+decode itself is run to check the replay: in fp32 the two agree step for step; in bf16 the teacher-forced taps are
+rounded differently from the decode's, and the count of prompts that agree says how far that goes.
+
+What the file holds (every number is over the prompts and anchors it names): all-anchor eal, replayed τ and
+decoded τ, the run at decode anchors (after the first) against all anchors, per-position accuracy over all anchors
+(as speculators' position_k_acc), and per prompt its anchors, steps and whether the replay equals the decode.
+Drafter-only; no refiner."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from core.errors import UsageError, cli_exit
+
+
+def teacher_forced_runs(target, drafter, ids: list[int], start: int) -> dict[int, int]:
+    """{anchor p: accepted drafts} for p in [start, len(ids) - block]: drafts compared with ids[p+1 : p+block]."""
+    block = drafter.block_size
+    t = torch.tensor(ids, device=target.pos.device)
+    n = len(ids)
+    target.ensure_capacity(n)
+    drafter.ensure_capacity(n)
+    target.reset()
+    _, feats = target.forward(t, torch.arange(n, device=t.device), n, want_features=True)
+    drafter.begin(feats)
+    runs = {}
+    for p in range(start, n - block + 1):
+        pos = torch.tensor(p, device=t.device)
+        hit = (drafter.propose(t[p], pos, p + block).tokens == t[p + 1:p + block]).int()
+        runs[p] = int(hit.cumprod(0).sum())
+        # the block wrote its K/V over slots p .. p+block-1: the context's rows go back for the next anchor
+        drafter.model.write_context(feats[p:p + block], torch.arange(p, p + block, device=t.device), drafter.kv,
+                                    drafter.ops)
+    return runs
+
+
+def replay(runs: dict[int, int], start: int) -> list[int]:
+    """The accepted drafts per step of a greedy decode that starts at `start`, while its anchor has a whole block."""
+    out, p = [], start
+    while p in runs:
+        out.append(runs[p])
+        p += runs[p] + 1
+    return out
+
+
+def summary(prompts: list[dict], block: int) -> dict:
+    """The file's totals from each prompt's runs (keyed by anchor), replay and decode."""
+    every = [r for q in prompts for r in q["runs"].values()]
+    visited = [r for q in prompts for r in q["replay"][1:]]  # the first anchor is the answer's start, not a miss
+    steps = sum(len(q["replay"]) for q in prompts)
+    hits = [0] * (block - 1)
+    for r in every:
+        for j in range(min(r, block - 1)):
+            hits[j] += 1
+    first = [sum(q["replay"][:1]) for q in prompts if q["replay"]]
+
+    def mean(xs):
+        return round(sum(xs) / len(xs), 4) if xs else None
+    dec_lengths = [n for q in prompts for n in q["decode_lengths"]]
+    return {
+        "anchors": len(every), "all_anchor_eal": mean([r + 1 for r in every]),
+        "replayed_tau": round(sum(r + 1 for q in prompts for r in q["replay"]) / steps, 4) if steps else None,
+        "replayed_steps": steps,
+        "decoded_tau": mean(dec_lengths),  # the harness's tau/step (harness.protocol.metrics.tau_per_step)
+        "decode_anchors_after_first": len(visited), "decode_anchor_eal": mean([r + 1 for r in visited]),
+        "first_anchor_eal": mean([r + 1 for r in first]),
+        "p_first_draft_accepted": {"all_anchors": mean([int(r > 0) for r in every]),
+                                   "decode_anchors": mean([int(r > 0) for r in visited])},
+        # conditional on nothing: the share of anchors whose run reaches slot j (speculators' position_j_acc
+        # counts slot j right even after a miss, so it reads higher from slot 2 on)
+        "run_reaches_slot": [round(h / len(every), 4) if every else None for h in hits],
+        "replay_equals_decode": sum(q["replay_equals_decode"] for q in prompts), "prompts": len(prompts),
+    }
+
+
+def parse(argv):
+    from harness.protocol.setups import REPO
+    ap = argparse.ArgumentParser(prog="python -m training.anchor_runs", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="the JSON file to write (refused if it exists)")
+    ap.add_argument("--weights", default=None, help="a folder with drafter/ (default: the embedded weights)")
+    ap.add_argument("--model-name-or-path", default=None, help="the target (default: the embedded SmolLM2 GGUF)")
+    ap.add_argument("--dataset", default="gsm8k")
+    ap.add_argument("--data-dir", default=str(REPO / "data" / "eval"))
+    ap.add_argument("--max-samples", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    return ap.parse_args(argv)
+
+
+def run(args) -> dict:
+    from drafters.dflash import DFlashDrafter, load_dflash, read_dflash_config
+    from core.devices import resolve_backend
+    from harness.decode.accounting import STANDARD, model_stop_ids
+    from harness.decode.loading import load_target, load_target_config
+    from harness.decode.loop import DecodeSettings, generate
+    from harness.protocol.data import load_samples, render_prompt, validate_dataset_args
+    from harness.protocol.results_io import atomic_write
+    from harness.protocol.setups import embedded_target, weights_dir
+    out = Path(args.out)
+    if out.exists():
+        raise UsageError(f"--out {out} exists; pass a new file name")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {out}: folder {out.parent} does not exist")
+    if args.max_new_tokens < 2:
+        raise UsageError(f"--max-new-tokens must be >= 2 (got {args.max_new_tokens})")
+    validate_dataset_args(args.dataset, args.data_dir, args.max_samples)
+    weights = Path(args.weights) if args.weights else weights_dir()
+    if not (weights / "drafter" / "config.json").is_file():
+        raise UsageError(f"--weights {weights}: no drafter/config.json there; pass the folder holding drafter/")
+    backend = resolve_backend(args.device, args.dtype)
+    spec = args.model_name_or_path or embedded_target()
+    dcfg = read_dflash_config(weights / "drafter")
+    dcfg.check_target(load_target_config(spec), "--weights drafter")
+    target, tok = load_target(spec, backend, taps=dcfg.target_layer_ids)
+    drafter = DFlashDrafter(load_dflash(weights / "drafter", dcfg, backend), target.embed, target.lm_head, backend)
+    settings = DecodeSettings(max_new_tokens=args.max_new_tokens, max_model_len=8192,
+                              stop_ids=model_stop_ids(target.model, tok, STANDARD))
+    prompts = []
+    for s in load_samples(args.dataset, args.data_dir, args.max_samples):
+        ids = render_prompt(tok, [{"role": "user", "content": s.turns[0]}])
+        ar = generate(target, ids, settings, backend)
+        dec = generate(target, ids, settings, backend, drafter=drafter)
+        runs = teacher_forced_runs(target, drafter, ids + ar.tokens, len(ids))
+        rep = replay(runs, len(ids))
+        prompts.append({"row": s.row, "prompt_tokens": len(ids), "new_tokens": len(ar.tokens),
+                        "decode_equals_ar": dec.tokens == ar.tokens, "runs": runs, "replay": rep,
+                        "decode_accepted": dec.accepted, "decode_lengths": dec.accept_lengths,
+                        # the decode's steps the replay covers (its last ones run out of room for a whole block)
+                        "replay_equals_decode": dec.accepted[:len(rep)] == rep})
+        print(f"row {s.row}: {len(runs)} anchors, replay {len(rep)} steps, decode {len(dec.accepted)} steps",
+              flush=True)
+    from harness.protocol.setups import REPO
+    shown = weights.resolve()
+    rec = {"what": "teacher-forced accepted runs at every anchor of AR's greedy text, and the decode's anchors",
+           "weights": str(shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown), "target": spec, "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
+           "device": backend.device.type, "dtype": str(backend.dtype).replace("torch.", ""),
+           "block_size": drafter.block_size, **summary(prompts, drafter.block_size),
+           "per_prompt": [{**q, "runs": {str(k): v for k, v in q["runs"].items()}} for q in prompts]}
+    atomic_write(out, json.dumps(rec, indent=1) + "\n")
+    print(f"all-anchor eal {rec['all_anchor_eal']}, replayed tau {rec['replayed_tau']}, decoded tau "
+          f"{rec['decoded_tau']}; decode anchors' eal {rec['decode_anchor_eal']} -> {out}")
+    return rec
+
+
+def main(argv=None) -> int:
+    return cli_exit(lambda: run(parse(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
