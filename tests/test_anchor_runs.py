@@ -1,7 +1,9 @@
 """training.anchor_runs' arithmetic on hand-made runs, and its refusals (before any model loads)."""
 import pytest
 
-from training.anchor_runs import main, replay, summary
+import random
+
+from training.anchor_runs import auc_lower, main, replay, summary
 
 
 def test_replay_jumps_run_plus_one_and_stops_without_a_whole_block():
@@ -23,6 +25,20 @@ def test_summary_counts():
     assert s["p_first_draft_accepted"] == {"all_anchors": round(4 / 7, 4), "decode_anchors": 1.0}
     assert s["run_reaches_slot"] == [round(4 / 7, 4), round(2 / 7, 4), round(1 / 7, 4)]
     assert (s["replay_equals_decode"], s["prompts"]) == (1, 2)
+    assert s["decode_anchor_auc_target_prob"] is None  # no target_prob recorded
+    q[0]["target_prob"] = {0: 0.9, 1: 0.8, 2: 0.7, 3: 0.2, 4: 0.6}  # visited: 0 (the start, left out), 4
+    s = summary(q, block=4)  # anchor 4 (0.6) against 1, 2, 3 (0.8, 0.7, 0.2): below two of three
+    assert s["decode_anchor_auc_target_prob"] == round(2 / 3, 4)
+
+
+def test_auc_counts_pairs_and_half_ties():
+    rng = random.Random(0)
+    for _ in range(50):
+        pos = [rng.choice([0.1, 0.2, 0.3, 0.5]) for _ in range(rng.randint(1, 9))]
+        neg = [rng.choice([0.2, 0.3, 0.4, 0.9]) for _ in range(rng.randint(1, 9))]
+        brute = sum(1.0 if a < b else 0.5 if a == b else 0.0 for a in pos for b in neg) / (len(pos) * len(neg))
+        assert abs(auc_lower(pos, neg) - brute) < 1e-12
+    assert auc_lower([], [1.0]) is None
 
 
 @pytest.mark.parametrize("args, says", [

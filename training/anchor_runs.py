@@ -30,62 +30,97 @@ import torch
 from core.errors import UsageError, cli_exit
 
 
-def teacher_forced_runs(target, drafter, ids: list[int], start: int) -> dict[int, int]:
-    """{anchor p: accepted drafts} for p in [start, len(ids) - block]: drafts compared with ids[p+1 : p+block]."""
+def teacher_forced_runs(target, drafter, ids: list[int], start: int) -> tuple[dict[int, int], dict[int, float]]:
+    """({anchor p: accepted drafts}, {p: the target's probability of token p after what precedes it}) for p in
+    [start, len(ids) - block]: drafts compared with ids[p+1 : p+block]."""
     block = drafter.block_size
     t = torch.tensor(ids, device=target.pos.device)
     n = len(ids)
     target.ensure_capacity(n)
     drafter.ensure_capacity(n)
     target.reset()
-    _, feats = target.forward(t, torch.arange(n, device=t.device), n, want_features=True)
+    logits, feats = target.forward(t, torch.arange(n, device=t.device), n, want_features=True)
+    chosen = logits[:-1].float().softmax(-1).gather(1, t[1:, None])[:, 0]  # chosen[i]: P(token i+1 | up to i)
     drafter.begin(feats)
-    runs = {}
+    runs, probs = {}, {}
     for p in range(start, n - block + 1):
         pos = torch.tensor(p, device=t.device)
         hit = (drafter.propose(t[p], pos, p + block).tokens == t[p + 1:p + block]).int()
-        runs[p] = int(hit.cumprod(0).sum())
+        runs[p], probs[p] = int(hit.cumprod(0).sum()), round(float(chosen[p - 1]), 5)
         # the block wrote its K/V over slots p .. p+block-1: the context's rows go back for the next anchor
         drafter.model.write_context(feats[p:p + block], torch.arange(p, p + block, device=t.device), drafter.kv,
                                     drafter.ops)
-    return runs
+    return runs, probs
+
+
+def visited(runs: dict[int, int], start: int) -> list[int]:
+    """The anchors a greedy decode from `start` visits (those replay() reads)."""
+    out, p = [], start
+    while p in runs:
+        out.append(p)
+        p += runs[p] + 1
+    return out
 
 
 def replay(runs: dict[int, int], start: int) -> list[int]:
     """The accepted drafts per step of a greedy decode that starts at `start`, while its anchor has a whole block."""
-    out, p = [], start
-    while p in runs:
-        out.append(runs[p])
-        p += runs[p] + 1
-    return out
+    return [runs[p] for p in visited(runs, start)]
+
+
+def auc_lower(pos: list[float], neg: list[float]) -> float | None:
+    """P(a value of `pos` < one of `neg`), ties counted half: how well a low value picks out `pos`."""
+    if not pos or not neg:
+        return None
+    ranked = sorted([(v, 0) for v in pos] + [(v, 1) for v in neg])
+    below = wins = 0.0
+    i = 0
+    while i < len(ranked):  # walk groups of equal values: each pos value beats the neg values above it
+        j = i
+        while j < len(ranked) and ranked[j][0] == ranked[i][0]:
+            j += 1
+        n_pos = sum(1 for k in range(i, j) if ranked[k][1] == 0)
+        n_neg = (j - i) - n_pos
+        wins += n_pos * (len(neg) - below - n_neg) + 0.5 * n_pos * n_neg
+        below += n_neg
+        i = j
+    return wins / (len(pos) * len(neg))
 
 
 def summary(prompts: list[dict], block: int) -> dict:
     """The file's totals from each prompt's runs (keyed by anchor), replay and decode."""
     every = [r for q in prompts for r in q["runs"].values()]
-    visited = [r for q in prompts for r in q["replay"][1:]]  # the first anchor is the answer's start, not a miss
+    at_decode = [r for q in prompts for r in q["replay"][1:]]  # the first anchor is the answer's start, not a miss
     steps = sum(len(q["replay"]) for q in prompts)
     hits = [0] * (block - 1)
     for r in every:
         for j in range(min(r, block - 1)):
             hits[j] += 1
-    first = [sum(q["replay"][:1]) for q in prompts if q["replay"]]
+    first_runs = [q["replay"][0] for q in prompts if q["replay"]]
 
     def mean(xs):
         return round(sum(xs) / len(xs), 4) if xs else None
     dec_lengths = [n for q in prompts for n in q["decode_lengths"]]
+    chosen, others = [], []  # the target's probability of the anchor token: the decode's anchors after the first
+    for q in prompts:       # against the anchors it never visits
+        start = min(q["runs"], default=None)
+        seen = set(visited(q["runs"], start)[1:]) if q["runs"] else set()
+        for p, v in q.get("target_prob", {}).items():
+            if p != start:
+                (chosen if p in seen else others).append(v)
     return {
         "anchors": len(every), "all_anchor_eal": mean([r + 1 for r in every]),
         "replayed_tau": round(sum(r + 1 for q in prompts for r in q["replay"]) / steps, 4) if steps else None,
         "replayed_steps": steps,
         "decoded_tau": mean(dec_lengths),  # the harness's tau/step (harness.protocol.metrics.tau_per_step)
-        "decode_anchors_after_first": len(visited), "decode_anchor_eal": mean([r + 1 for r in visited]),
-        "first_anchor_eal": mean([r + 1 for r in first]),
+        "decode_anchors_after_first": len(at_decode), "decode_anchor_eal": mean([r + 1 for r in at_decode]),
+        "first_anchor_eal": mean([r + 1 for r in first_runs]),
         "p_first_draft_accepted": {"all_anchors": mean([int(r > 0) for r in every]),
-                                   "decode_anchors": mean([int(r > 0) for r in visited])},
+                                   "decode_anchors": mean([int(r > 0) for r in at_decode])},
         # conditional on nothing: the share of anchors whose run reaches slot j (speculators' position_j_acc
         # counts slot j right even after a miss, so it reads higher from slot 2 on)
         "run_reaches_slot": [round(h / len(every), 4) if every else None for h in hits],
+        # how well a low target probability of the anchor token picks out the decode's anchors (0.5: not at all)
+        "decode_anchor_auc_target_prob": None if not chosen else round(auc_lower(chosen, others), 4),
         "replay_equals_decode": sum(q["replay_equals_decode"] for q in prompts), "prompts": len(prompts),
     }
 
@@ -138,10 +173,11 @@ def run(args) -> dict:
         ids = render_prompt(tok, [{"role": "user", "content": s.turns[0]}])
         ar = generate(target, ids, settings, backend)
         dec = generate(target, ids, settings, backend, drafter=drafter)
-        runs = teacher_forced_runs(target, drafter, ids + ar.tokens, len(ids))
+        runs, probs = teacher_forced_runs(target, drafter, ids + ar.tokens, len(ids))
         rep = replay(runs, len(ids))
         prompts.append({"row": s.row, "prompt_tokens": len(ids), "new_tokens": len(ar.tokens),
-                        "decode_equals_ar": dec.tokens == ar.tokens, "runs": runs, "replay": rep,
+                        "decode_equals_ar": dec.tokens == ar.tokens, "runs": runs, "target_prob": probs,
+                        "replay": rep,
                         "decode_accepted": dec.accepted, "decode_lengths": dec.accept_lengths,
                         # the decode's steps the replay covers (its last ones run out of room for a whole block)
                         "replay_equals_decode": dec.accepted[:len(rep)] == rep})
@@ -153,7 +189,8 @@ def run(args) -> dict:
            "weights": str(shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown), "target": spec, "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
            "device": backend.device.type, "dtype": str(backend.dtype).replace("torch.", ""),
            "block_size": drafter.block_size, **summary(prompts, drafter.block_size),
-           "per_prompt": [{**q, "runs": {str(k): v for k, v in q["runs"].items()}} for q in prompts]}
+           "per_prompt": [{**q, **{k: {str(p): v for p, v in q[k].items()} for k in ("runs", "target_prob")}}
+                          for q in prompts]}
     atomic_write(out, json.dumps(rec, indent=1) + "\n")
     print(f"all-anchor eal {rec['all_anchor_eal']}, replayed tau {rec['replayed_tau']}, decoded tau "
           f"{rec['decoded_tau']}; decode anchors' eal {rec['decode_anchor_eal']} -> {out}")
