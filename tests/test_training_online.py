@@ -131,6 +131,26 @@ def test_a_cached_run_trains_as_the_online_run(pair):
     assert plain["taps_cache"] is None
 
 
+def test_a_biased_drafter_trains_online_and_records_its_draws(pair):
+    """models.drafter.anchor_bias=0.5 (training/anchors.py) through the whole pipeline, online: every training step
+    drew with the bias (validation steps did not), the losses left the plain run's, and speculators' own draw is
+    back in place after the train stage."""
+    from speculators.models.dflash import core
+    from speculators.models.dflash.utils import select_anchors
+    root, cfg = pair
+    for stage in ("prompts", "responses", "hidden"):
+        shutil.copytree(root / "on" / stage, root / "bias" / stage)
+    assert run_cli("all", "--config", cfg, "--workdir", root / "bias", "--set", "hidden.mode=online",
+                   "--set", "models.drafter.anchor_bias=0.5") == 0
+    box = json.loads((root / "bias" / "train" / "drafter" / "box.json").read_text())
+    plain = json.loads((root / "on" / "train" / "drafter" / "box.json").read_text())
+    assert box["anchor_bias"] == {"bias": 0.5, "biased_steps": box["steps"]} and box["steps"] == plain["steps"] > 0
+    assert plain["anchor_bias"] is None
+    (t_bias, v_bias), (t_on, _) = _losses(root / "bias"), _losses(root / "on")
+    assert t_bias != pytest.approx(t_on, rel=1e-3) and len(v_bias) == 3  # other anchors, other losses
+    assert core.select_anchors is select_anchors
+
+
 def test_length_groups_are_the_fewest_positions():
     """length_groups against every way to cut the sorted lengths into at most k runs (brute force): the same
     fewest positions (rows x longest length, summed), every sequence once, longest first. Power: cutting into runs

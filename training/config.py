@@ -70,7 +70,7 @@ MODEL_DEFAULTS = {
     "xpress_rank": 64, "xpress_mlp_ratio": 2, "num_jacobi_passes": 6, "consistency_weight": 0.3,
     "consistency_passes": 3, "base_anchor_weight": 0.6,
     "markov_rank": 64, "markov_head_type": "vanilla", "enable_confidence_head": True,
-    "epochs": None, "lr": None, "max_steps": None, "max_minutes": None,
+    "epochs": None, "lr": None, "max_steps": None, "max_minutes": None, "anchor_bias": 0.0,
 }
 
 
@@ -188,6 +188,13 @@ def validate(cfg: dict) -> None:
             raise UsageError(f"{where}: init_from must name a dflash model (got {cfg['models'][src]['type']})")
         if m["freeze_backbone"] and src is None:
             raise UsageError(f"{where}: freeze_backbone needs init_from (a trained drafter to freeze)")
+        ab = m["anchor_bias"]
+        if isinstance(ab, bool) or not isinstance(ab, (int, float)) or not 0 <= ab <= 1 or \
+                (ab and m["type"] != "dflash"):
+            raise UsageError(f"{where}: anchor_bias must be a number in [0, 1], and above 0 only for a dflash drafter "
+                             f"(got {ab!r}, type {m['type']}; training/anchors.py)")
+        if ab and cfg["train"]["compile"] == "model":
+            raise UsageError(f"{where}: anchor_bias needs train.compile auto or none (model traces the anchor draw)")
         mm = m["max_minutes"]
         if mm is not None and (not isinstance(mm, (int, float)) or isinstance(mm, bool) or mm <= 0):
             raise UsageError(f"{where}: max_minutes must be a number > 0 (this model's own box) or null")
@@ -373,7 +380,8 @@ def model_fingerprint(cfg: dict, name: str) -> str:
     """A checkpoint's training (model, train less run control and keys added later at their old value, target,
     data); a resume with another one is refused."""
     train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL and ADDED_LATER.get(k, ...) != v}
-    model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"}  # a box is run control
+    model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"  # a box is run control
+             and not (k == "anchor_bias" and v == 0)}  # added later: the keys of models trained before it
     from training.store import export_digest
     init = init_export(cfg, name)
     if init is not None:  # the folder's content, not its path

@@ -188,6 +188,11 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
     warm_step = warm.load(model, src, name) if src is not None else 0
     if taps is not None:
         model.register_forward_pre_hook(taps, with_kwargs=True)
+    bias = None
+    if m["anchor_bias"]:  # after the taps' hook, whose verifier states it reads (training/anchors.py)
+        from training.anchors import AnchorBias
+        bias = AnchorBias(m["anchor_bias"])
+        model.register_forward_pre_hook(bias, with_kwargs=True)
     dtype = train_dtype(device)
     train_loader, val_loader = make_loaders(cfg, verifier, hm, dtype)
     cls = SpeculatorModel.registry[m["type"]]
@@ -224,7 +229,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
                               warm_step=warm_step, data_start=data_start, fit=fit_plan(tc, total),
                               profile=_profile(tc, out, device))
-    trainer.compile_mode, trainer.loss_impl = mode, impl
+    trainer.compile_mode, trainer.loss_impl, trainer.anchor_bias = mode, impl, bias
     if trainer.warm_started:
         print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer"
               + (f"; {epochs} epochs of this data after it, train.warm_mode=extend)" if extend else ")"))
@@ -264,8 +269,10 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
     mlog.addHandler(handler)
     mlog.setLevel(logging.INFO)
     start_step = trainer.global_step
+    from training.anchors import installed
     try:
-        trainer.run_training()
+        with installed(trainer.anchor_bias):
+            trainer.run_training()
     except StopRequested as stop:
         if trainer.fit_reached and not trainer.deadline_hit:
             print(f"train {name}: finished the plan fitted to the box at step {stop.args[0]} (of {total} planned "
@@ -300,6 +307,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                   "compile_target": getattr(taps, "compile", None),
                                   "target_groups": getattr(taps, "groups", None),
                                   "taps_cache": taps.cache.record() if taps is not None else None,
+                                  "anchor_bias": trainer.anchor_bias.record() if trainer.anchor_bias else None,
                                   "fit": trainer.fit_record}), name)
     return out / str(last)
 
