@@ -186,7 +186,8 @@ def run(args) -> dict:
     from harness.protocol.setups import REPO
     shown = weights.resolve()
     rec = {"what": "teacher-forced accepted runs at every anchor of AR's greedy text, and the decode's anchors",
-           "weights": str(shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown), "target": spec, "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
+           "weights": str(shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown), "target": spec,
+           "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
            "device": backend.device.type, "dtype": str(backend.dtype).replace("torch.", ""),
            "block_size": drafter.block_size, **summary(prompts, drafter.block_size),
            "per_prompt": [{**q, **{k: {str(p): v for p, v in q[k].items()} for k in ("runs", "target_prob")}}
