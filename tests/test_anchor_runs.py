@@ -13,22 +13,40 @@ def test_replay_jumps_run_plus_one_and_stops_without_a_whole_block():
 
 
 def test_summary_counts():
-    q = [{"runs": {0: 3, 1: 0, 2: 1, 3: 0, 4: 2}, "replay": [3, 2], "decode_lengths": [4, 3],
-          "replay_equals_decode": True},
-         {"runs": {0: 0, 1: 1}, "replay": [0, 1], "decode_lengths": [1, 2],
+    # prompt 1: anchors 0..4; the decode accepted 3 at anchor 0, then 2 at anchor 4, then 1 at 7 (no whole block
+    # there: left out); prompt 2: anchors 0..1, the decode accepted 0 at 0, then 1 at 1
+    q = [{"runs": {0: 3, 1: 0, 2: 1, 3: 0, 4: 2}, "replay": [3, 2], "decode_accepted": [3, 2, 1],
+          "decode_lengths": [4, 3, 2], "replay_equals_decode": True},
+         {"runs": {0: 0, 1: 1}, "replay": [0, 1], "decode_accepted": [0, 1], "decode_lengths": [1, 2],
           "replay_equals_decode": False}]
     s = summary(q, block=4)
     assert s["anchors"] == 7 and s["all_anchor_eal"] == round((4 + 1 + 2 + 1 + 3 + 1 + 2) / 7, 4)
-    assert s["replayed_tau"] == round((4 + 3 + 1 + 2) / 4, 4) and s["decoded_tau"] == 2.5
-    assert s["decode_anchors_after_first"] == 2 and s["decode_anchor_eal"] == 2.5  # runs 2 and 1
-    assert s["first_anchor_eal"] == 2.5  # runs 3 and 0
+    assert s["replayed_tau"] == round((4 + 3 + 1 + 2) / 4, 4) and s["decoded_tau"] == round(12 / 5, 4)
+    assert s["decode_steps"] == 5 and s["replayed_steps"] == 4
+    assert s["decode_anchors_after_first"] == 2 and s["decode_anchor_eal"] == 2.5  # accepted 2 (at 4) and 1 (at 1)
+    assert s["first_anchor_eal"] == 2.5  # accepted 3 and 0 at the starts
     assert s["p_first_draft_accepted"] == {"all_anchors": round(4 / 7, 4), "decode_anchors": 1.0}
     assert s["run_reaches_slot"] == [round(4 / 7, 4), round(2 / 7, 4), round(1 / 7, 4)]
-    assert (s["replay_equals_decode"], s["prompts"]) == (1, 2)
+    assert (s["replay_equals_decode"], s["replay_prompts"], s["prompts"]) == (1, 2, 2)
     assert s["decode_anchor_auc_target_prob"] is None  # no target_prob recorded
-    q[0]["target_prob"] = {0: 0.9, 1: 0.8, 2: 0.7, 3: 0.2, 4: 0.6}  # visited: 0 (the start, left out), 4
+    q[0]["target_prob"] = {0: 0.9, 1: 0.8, 2: 0.7, 3: 0.2, 4: 0.6}  # decode anchors: 0 (the start, left out), 4
     s = summary(q, block=4)  # anchor 4 (0.6) against 1, 2, 3 (0.8, 0.7, 0.2): below two of three
     assert s["decode_anchor_auc_target_prob"] == round(2 / 3, 4)
+    # the decode's own anchors, not the replay's: a decode that accepted differently (bf16) is what is counted
+    q[0]["decode_accepted"] = [1, 0, 0]  # anchors 0, 2, 3
+    s = summary(q, block=4)
+    assert s["decode_anchors_after_first"] == 3 and s["decode_anchor_eal"] == round((1 + 1 + 2) / 3, 4)
+    # every anchor after the first visited: nothing to compare against, no AUC (it raised before)
+    one = [{"runs": {0: 0, 1: 0}, "replay": [0, 0], "decode_accepted": [0, 0], "decode_lengths": [1, 1],
+            "replay_equals_decode": True, "target_prob": {0: 0.5, 1: 0.4}}]
+    assert summary(one, block=4)["decode_anchor_auc_target_prob"] is None
+
+
+def test_replay_takes_a_whole_blocks_jump():
+    runs = {p: 3 for p in range(20)}  # every block accepted whole (block 4): jumps of 4
+    assert replay(runs, 0) == [3] * 5 and replay(runs, 2) == [3] * 5
+    from training.anchor_runs import decode_anchors
+    assert decode_anchors([3, 0, 2], 10) == [10, 14, 15]
 
 
 def test_auc_counts_pairs_and_half_ties():
@@ -44,10 +62,16 @@ def test_auc_counts_pairs_and_half_ties():
 @pytest.mark.parametrize("args, says", [
     (["--weights", "/nonexistent"], "no drafter/config.json"),
     (["--dataset", "../x"], "bare name"),
-    (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+    (["--max-new-tokens", "15"], "under the drafter's block of 16"),
     (["--max-samples", "0"], "--max-samples must be >= 1"),
 ])
-def test_refusals_say_what_and_write_nothing(tmp_path, capsys, args, says):
+def test_refusals_say_what_and_write_nothing(tmp_path, capsys, monkeypatch, args, says):
+    import harness.decode.loading as loading
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the arguments were checked")
+    monkeypatch.setattr(loading, "load_target", no_load)
+    monkeypatch.setattr(loading, "load_target_config", no_load)
     out = tmp_path / "runs.json"
     assert main(["--out", str(out), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -66,14 +66,14 @@ def test_the_continue_preset_draws_fresh_data_and_trains_the_drafter_then_its_he
 
 def test_the_fresh_preset_trains_the_drafter_once_over_twice_the_fresh_data():
     """smollm2-gpu-fresh (a recipe for a later H200 run, results/perf/NOTES.md "Ready for the next GPU session"):
-    the continue preset with the parts after those its run used (272 on), twice its responses time, and the
+    the continue preset with the parts after those its run used (272 on), 8 minutes of responses (4.5 there), and the
     drafter over that data once (no repeated pass: the continue run's validation loss rose in its second epoch);
     the heads and everything else as smollm2-gpu-continue."""
     cont, fresh = load_config("smollm2-gpu-continue"), load_config("smollm2-gpu-fresh")
     assert {k for k in cont if cont[k] != fresh[k]} == {"models", "name", "workdir", "responses"}
     assert {k for k in cont["responses"] if cont["responses"][k] != fresh["responses"][k]} == \
         {"first_part", "max_minutes"}
-    assert fresh["responses"]["first_part"] == 272 and fresh["responses"]["max_minutes"] == 2 * 4.5
+    assert fresh["responses"]["first_part"] == 272 and fresh["responses"]["max_minutes"] == 8
     d, c = fresh["models"]["drafter"], cont["models"]["drafter"]
     assert d["epochs"] == 1 and {k for k in d if d[k] != c[k]} == {"epochs", "max_minutes"}
     assert {n: m for n, m in fresh["models"].items() if n != "drafter"} == \

@@ -25,3 +25,15 @@ def test_a_remeasure_keeps_the_training_calls_seconds(tmp_path):
     with stage_clock(tmp_path, "train"):  # trained again: its own seconds, the old note gone
         (d / "manifest.json").write_text('{"again": 1}')
     assert set(json.loads((tmp_path / FILE).read_text())["train"]) == {"seconds"}
+
+
+def test_a_remeasure_with_no_training_seconds_records_only_its_own(tmp_path):
+    """A train stage whose training call recorded nothing (interrupted after its manifest): the re-measure's
+    seconds are not given as the stage's."""
+    d = tmp_path / "train" / "drafter"
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text("{}")
+    with stage_clock(tmp_path, "train"):
+        (d / "acceptance.json").write_text("{}")
+    assert set(json.loads((tmp_path / FILE).read_text())["train"]) == {"remeasured_seconds"}
+

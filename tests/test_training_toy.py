@@ -173,7 +173,7 @@ def test_anchor_runs_replay_the_decode_on_the_toy(toy, tmp_path):
                  str(root / "target"), "--data-dir", str(root / "eval"), "--dataset", "toy_eval",
                  "--max-samples", "4", "--max-new-tokens", str(NEW_TOKENS)]) == 0
     rec = json.loads(out.read_text())
-    assert rec["prompts"] == 4 and rec["replay_equals_decode"] == 4 and rec["dtype"] == "float32"
+    assert rec["prompts"] == rec["replay_prompts"] == rec["replay_equals_decode"] == 4 and rec["dtype"] == "float32"
     assert all(q["decode_equals_ar"] and len(q["replay"]) >= 3 for q in rec["per_prompt"])
     assert max(r for q in rec["per_prompt"] for r in q["replay"]) >= 3  # multi-token jumps, not all misses
     assert rec["decoded_tau"] > 2 and rec["anchors"] == sum(len(q["runs"]) for q in rec["per_prompt"])

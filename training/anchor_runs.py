@@ -29,10 +29,13 @@ import torch
 
 from core.errors import UsageError, cli_exit
 
+ROWS = 256  # logits rows softmaxed at a time (a 49K vocabulary: 50 MB in fp32)
+
 
 def teacher_forced_runs(target, drafter, ids: list[int], start: int) -> tuple[dict[int, int], dict[int, float]]:
     """({anchor p: accepted drafts}, {p: the target's probability of token p after what precedes it}) for p in
     [start, len(ids) - block]: drafts compared with ids[p+1 : p+block]."""
+    from harness.decode.verify import leading_run
     block = drafter.block_size
     t = torch.tensor(ids, device=target.pos.device)
     n = len(ids)
@@ -40,13 +43,14 @@ def teacher_forced_runs(target, drafter, ids: list[int], start: int) -> tuple[di
     drafter.ensure_capacity(n)
     target.reset()
     logits, feats = target.forward(t, torch.arange(n, device=t.device), n, want_features=True)
-    chosen = logits[:-1].float().softmax(-1).gather(1, t[1:, None])[:, 0]  # chosen[i]: P(token i+1 | up to i)
+    chosen = torch.cat([logits[a:min(a + ROWS, n - 1)].float().softmax(-1).gather(1, t[a + 1:a + ROWS + 1, None])[:, 0]
+                        for a in range(0, n - 1, ROWS)])  # chosen[i]: P(token i+1 | up to i), ROWS rows at a time
     drafter.begin(feats)
     runs, probs = {}, {}
     for p in range(start, n - block + 1):
         pos = torch.tensor(p, device=t.device)
-        hit = (drafter.propose(t[p], pos, p + block).tokens == t[p + 1:p + block]).int()
-        runs[p], probs[p] = int(hit.cumprod(0).sum()), round(float(chosen[p - 1]), 5)
+        runs[p] = int(leading_run(drafter.propose(t[p], pos, p + block).tokens == t[p + 1:p + block]))
+        probs[p] = round(float(chosen[p - 1]), 5)
         # the block wrote its K/V over slots p .. p+block-1: the context's rows go back for the next anchor
         drafter.model.write_context(feats[p:p + block], torch.arange(p, p + block, device=t.device), drafter.kv,
                                     drafter.ops)
@@ -54,11 +58,22 @@ def teacher_forced_runs(target, drafter, ids: list[int], start: int) -> tuple[di
 
 
 def visited(runs: dict[int, int], start: int) -> list[int]:
-    """The anchors a greedy decode from `start` visits (those replay() reads)."""
+    """The anchors a greedy decode from `start` would visit over `runs` (those replay() reads)."""
     out, p = [], start
-    while p in runs:
+    for _ in range(len(runs)):  # each jump is at least one position: never more steps than anchors
+        if p not in runs:
+            break
         out.append(p)
         p += runs[p] + 1
+    return out
+
+
+def decode_anchors(accepted: list[int], start: int) -> list[int]:
+    """The anchor of each verify step of a real decode, from its accepted drafts (each step emits accepted + 1)."""
+    out, p = [], start
+    for a in accepted:
+        out.append(p)
+        p += a + 1
     return out
 
 
@@ -87,31 +102,39 @@ def auc_lower(pos: list[float], neg: list[float]) -> float | None:
 
 
 def summary(prompts: list[dict], block: int) -> dict:
-    """The file's totals from each prompt's runs (keyed by anchor), replay and decode."""
+    """The file's totals from each prompt's runs (keyed by anchor), replay and decode. The decode's anchors and
+    their runs are the real decode's (its accepted drafts, the steps whose anchor has a whole block: the replay
+    checks them against the teacher-forced runs, which are rounded otherwise in bf16)."""
+    from harness.protocol.metrics import tau_per_step
     every = [r for q in prompts for r in q["runs"].values()]
-    at_decode = [r for q in prompts for r in q["replay"][1:]]  # the first anchor is the answer's start, not a miss
     steps = sum(len(q["replay"]) for q in prompts)
     hits = [0] * (block - 1)
     for r in every:
         for j in range(min(r, block - 1)):
             hits[j] += 1
-    first_runs = [q["replay"][0] for q in prompts if q["replay"]]
+    first_runs, at_decode, chosen, others = [], [], [], []
+    for q in prompts:
+        if not q["runs"]:
+            continue
+        start = min(q["runs"])
+        real = [(p, a) for p, a in zip(decode_anchors(q["decode_accepted"], start), q["decode_accepted"])
+                if p in q["runs"]]
+        first_runs += [a for p, a in real[:1] if p == start]
+        at_decode += [a for p, a in real if p != start]  # after the first: the tokens after a miss
+        seen = {p for p, _ in real}
+        for p, v in q.get("target_prob", {}).items():  # the decode's anchors after the first against the others
+            if p != start:
+                (chosen if p in seen else others).append(v)
 
     def mean(xs):
         return round(sum(xs) / len(xs), 4) if xs else None
-    dec_lengths = [n for q in prompts for n in q["decode_lengths"]]
-    chosen, others = [], []  # the target's probability of the anchor token: the decode's anchors after the first
-    for q in prompts:       # against the anchors it never visits
-        start = min(q["runs"], default=None)
-        seen = set(visited(q["runs"], start)[1:]) if q["runs"] else set()
-        for p, v in q.get("target_prob", {}).items():
-            if p != start:
-                (chosen if p in seen else others).append(v)
+    auc = auc_lower(chosen, others)
+    compared = [q for q in prompts if q["replay"]]
     return {
         "anchors": len(every), "all_anchor_eal": mean([r + 1 for r in every]),
         "replayed_tau": round(sum(r + 1 for q in prompts for r in q["replay"]) / steps, 4) if steps else None,
-        "replayed_steps": steps,
-        "decoded_tau": mean(dec_lengths),  # the harness's tau/step (harness.protocol.metrics.tau_per_step)
+        "replayed_steps": steps, "decode_steps": sum(len(q["decode_accepted"]) for q in prompts),
+        "decoded_tau": round(tau_per_step([q["decode_lengths"] for q in prompts]), 4) if prompts else None,
         "decode_anchors_after_first": len(at_decode), "decode_anchor_eal": mean([r + 1 for r in at_decode]),
         "first_anchor_eal": mean([r + 1 for r in first_runs]),
         "p_first_draft_accepted": {"all_anchors": mean([int(r > 0) for r in every]),
@@ -120,8 +143,10 @@ def summary(prompts: list[dict], block: int) -> dict:
         # counts slot j right even after a miss, so it reads higher from slot 2 on)
         "run_reaches_slot": [round(h / len(every), 4) if every else None for h in hits],
         # how well a low target probability of the anchor token picks out the decode's anchors (0.5: not at all)
-        "decode_anchor_auc_target_prob": None if not chosen else round(auc_lower(chosen, others), 4),
-        "replay_equals_decode": sum(q["replay_equals_decode"] for q in prompts), "prompts": len(prompts),
+        "decode_anchor_auc_target_prob": None if auc is None else round(auc, 4),
+        # of the prompts with a replay (a whole block after the answer's start), those whose replay is the decode
+        "replay_equals_decode": sum(q["replay_equals_decode"] for q in compared), "replay_prompts": len(compared),
+        "prompts": len(prompts),
     }
 
 
@@ -148,21 +173,22 @@ def run(args) -> dict:
     from harness.decode.loop import DecodeSettings, generate
     from harness.protocol.data import load_samples, render_prompt, validate_dataset_args
     from harness.protocol.results_io import atomic_write
-    from harness.protocol.setups import embedded_target, weights_dir
+    from harness.protocol.setups import REPO, embedded_target, weights_dir
     out = Path(args.out)
     if out.exists():
         raise UsageError(f"--out {out} exists; pass a new file name")
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: folder {out.parent} does not exist")
-    if args.max_new_tokens < 2:
-        raise UsageError(f"--max-new-tokens must be >= 2 (got {args.max_new_tokens})")
     validate_dataset_args(args.dataset, args.data_dir, args.max_samples)
     weights = Path(args.weights) if args.weights else weights_dir()
     if not (weights / "drafter" / "config.json").is_file():
         raise UsageError(f"--weights {weights}: no drafter/config.json there; pass the folder holding drafter/")
+    dcfg = read_dflash_config(weights / "drafter")
+    if args.max_new_tokens < dcfg.block_size:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens} is under the drafter's block of {dcfg.block_size}: "
+                         "no anchor would have a whole block; raise it")
     backend = resolve_backend(args.device, args.dtype)
     spec = args.model_name_or_path or embedded_target()
-    dcfg = read_dflash_config(weights / "drafter")
     dcfg.check_target(load_target_config(spec), "--weights drafter")
     target, tok = load_target(spec, backend, taps=dcfg.target_layer_ids)
     drafter = DFlashDrafter(load_dflash(weights / "drafter", dcfg, backend), target.embed, target.lm_head, backend)
@@ -180,13 +206,14 @@ def run(args) -> dict:
                         "replay": rep,
                         "decode_accepted": dec.accepted, "decode_lengths": dec.accept_lengths,
                         # the decode's steps the replay covers (its last ones run out of room for a whole block)
-                        "replay_equals_decode": dec.accepted[:len(rep)] == rep})
+                        "replay_equals_decode": bool(rep) and dec.accepted[:len(rep)] == rep})
         print(f"row {s.row}: {len(runs)} anchors, replay {len(rep)} steps, decode {len(dec.accepted)} steps",
               flush=True)
-    from harness.protocol.setups import REPO
     shown = weights.resolve()
     rec = {"what": "teacher-forced accepted runs at every anchor of AR's greedy text, and the decode's anchors",
-           "weights": str(shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown), "target": spec,
+           "weights": str(shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown),
+           "target": Path(spec).name if spec.endswith(".gguf") else spec,
+           "target_weights": f"GGUF, de-quantized to {args.dtype}" if spec.endswith(".gguf") else args.dtype,
            "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
            "device": backend.device.type, "dtype": str(backend.dtype).replace("torch.", ""),
            "block_size": drafter.block_size, **summary(prompts, drafter.block_size),

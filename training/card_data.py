@@ -3,8 +3,8 @@ it (τ to 3 decimals, seconds to 1, losses to 4), so that the card (training/car
 
     {"title", "data": {"prompts": {train, selection, heldout, magpie_generated, dropped, sources}, "responses":
      {sequences, response_tokens, prompt_tokens}, "hidden": {sequences, tokens, mode, dtype, layer_ids}},
-     "stages": {stage: {seconds}}, "models": [{model, steps, planned_steps, truncated, first_loss,
-     last_loss_mean25, val_loss_per_epoch, median_step_ms, box: {...}, selection: {...}, heldout: {...}}],
+     "stages": {stage: {seconds[, remeasured_seconds]}}, "models": [{model, steps, planned_steps, truncated,
+     first_loss, last_loss_mean25, val_loss_per_epoch, median_step_ms, box: {...}, selection: {...}, heldout: {...}}],
      "shipped": {drafter, xpress, markov, total_mb, markov_choice[, drafter_from, drafter_step]} or null}
 A card over several runs (training/card_lineage.py) is {"title", "lineage": [{"name", "records", "card"}],
 "shipped"}, each "card" one run's record as above (its "shipped" null).

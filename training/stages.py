@@ -5,7 +5,7 @@ that did the work); a stage finished over several calls (an interrupted run resu
 finished it. The train stage's time includes the selection/held-out evaluation after training
 (training/evaluate.py); each model's own parts are in train/<model>/box.json. A call that only measured acceptance
 again (a record from before per-prompt counts, or a new warm-start record) keeps the training call's seconds and
-records its own as "remeasured_seconds" beside them.
+records its own as "remeasured_seconds" beside them (alone, when no call that trained recorded its seconds).
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ def stage_clock(work: Path, stage: str):
     rec = read(work)
     if _stamps(work, stage) != before:
         rec[stage] = {"seconds": seconds}
-    elif _stamps(work, stage, MEASURES) != measured and stage in rec:
-        rec[stage] = {**rec[stage], "remeasured_seconds": seconds}
+    elif _stamps(work, stage, MEASURES) != measured:  # no training seconds recorded: these are not them
+        rec[stage] = {**rec.get(stage, {}), "remeasured_seconds": seconds}
     else:
         return
     (work / FILE).write_text(json.dumps(rec, indent=1) + "\n")
