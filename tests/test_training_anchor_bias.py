@@ -69,7 +69,9 @@ def test_without_a_steps_u_the_draw_is_speculators_own():
     assert b.unsure is None
 
 
-def test_u_is_one_minus_the_targets_probability_of_each_token(monkeypatch):
+def test_u_is_one_minus_the_targets_largest_probability(monkeypatch):
+    """u[i] = 1 - max_v P(v | before i): the target's uncertainty at i (on greedy text, 1 - P(token i)); exact near
+    certainty, where 1 - exp(log p) rounds to 0 (a row of only such positions would make the draw index-ordered)."""
     import training.anchors as anchors
     monkeypatch.setattr(anchors, "CHUNK", 3)  # chunk edges inside the row
     torch.manual_seed(0)
@@ -80,8 +82,12 @@ def test_u_is_one_minus_the_targets_probability_of_each_token(monkeypatch):
     ids = torch.randint(0, 11, (1, 10))
     u = target_unsure(model, h, ids)
     p = model.verifier_lm_head(model.verifier_norm(h[0])).softmax(-1)
-    want = torch.cat([torch.zeros(1), 1 - p[:-1].gather(1, ids[0, 1:, None])[:, 0]])
-    torch.testing.assert_close(u, want.detach(), atol=8 * torch.finfo(torch.float32).eps, rtol=0)
+    want = torch.cat([torch.zeros(1), 1 - p[:-1].max(-1).values]).detach()
+    torch.testing.assert_close(u, want, atol=8 * torch.finfo(torch.float32).eps, rtol=0)
+    with torch.no_grad():  # a near-certain target: u about 3 exp(-79), not 0
+        model.verifier_lm_head.weight.mul_(0).add_(torch.eye(11, 8) * 30)
+    u = target_unsure(model, torch.ones(1, 4, 8) * torch.tensor([1.0] + [0.0] * 7), torch.zeros(1, 4).long())
+    assert (u[1:] > 0).all() and (u[1:] < 1e-6).all()
 
 
 def test_installed_points_speculators_at_the_draw_and_restores_it():
@@ -117,7 +123,7 @@ def test_a_bias_with_the_whole_forward_compiled_is_refused(tmp_path):
     from training_fixtures import tiny_models, write_config
     models = tiny_models(heads=False)
     models["drafter"]["anchor_bias"] = 0.5
-    with pytest.raises(UsageError, match="train.compile auto or none"):
+    with pytest.raises(UsageError, match="not tested with train.compile=model"):
         load_config(str(write_config(tmp_path, models, train={"compile": "model"})))
 
 

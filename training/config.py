@@ -194,7 +194,7 @@ def validate(cfg: dict) -> None:
             raise UsageError(f"{where}: anchor_bias must be a number in [0, 1], and above 0 only for a dflash drafter "
                              f"(got {ab!r}, type {m['type']}; training/anchors.py)")
         if ab and cfg["train"]["compile"] == "model":
-            raise UsageError(f"{where}: anchor_bias needs train.compile auto or none (model traces the anchor draw)")
+            raise UsageError(f"{where}: anchor_bias is not tested with train.compile=model; use auto or none")
         mm = m["max_minutes"]
         if mm is not None and (not isinstance(mm, (int, float)) or isinstance(mm, bool) or mm <= 0):
             raise UsageError(f"{where}: max_minutes must be a number > 0 (this model's own box) or null")
