@@ -64,6 +64,8 @@ def test_auc_counts_pairs_and_half_ties():
     (["--dataset", "../x"], "bare name"),
     (["--max-new-tokens", "15"], "under the drafter's block of 16"),
     (["--max-samples", "0"], "--max-samples must be >= 1"),
+    (["--refiner", "xpress", "--passes", "0"], "--passes must be >= 1"),
+    (["--refiner", "xpress", "--weights", "EMPTY"], "is not a folder"),
 ])
 def test_refusals_say_what_and_write_nothing(tmp_path, capsys, monkeypatch, args, says):
     import harness.decode.loading as loading
@@ -73,6 +75,11 @@ def test_refusals_say_what_and_write_nothing(tmp_path, capsys, monkeypatch, args
     monkeypatch.setattr(loading, "load_target", no_load)
     monkeypatch.setattr(loading, "load_target_config", no_load)
     out = tmp_path / "runs.json"
+    if "EMPTY" in args:  # a weights folder with a drafter and no heads
+        import shutil
+        from harness.protocol.setups import REPO
+        shutil.copytree(REPO / "weights" / "smollm2-135m" / "drafter", tmp_path / "w" / "drafter")
+        args = [str(tmp_path / "w") if a == "EMPTY" else a for a in args]
     assert main(["--out", str(out), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and says in err[0]

@@ -177,6 +177,18 @@ def test_anchor_runs_replay_the_decode_on_the_toy(toy, tmp_path):
     assert all(q["decode_equals_ar"] and len(q["replay"]) >= 3 for q in rec["per_prompt"])
     assert max(r for q in rec["per_prompt"] for r in q["replay"]) >= 3  # multi-token jumps, not all misses
     assert rec["decoded_tau"] > 2 and rec["anchors"] == sum(len(q["runs"]) for q in rec["per_prompt"])
+    assert rec["arm"] == "drafter-only"
+    # the xPress head refines every draft, teacher-forced and in the decode alike: the replay is still the decode's,
+    # and the head raises the runs (the toy's K=3 leads drafter-only by >= 1.35 tau: this module's docstring)
+    head = tmp_path / "xpress.json"
+    assert main(["--out", str(head), "--weights", str(root / "work" / "export"), "--model-name-or-path",
+                 str(root / "target"), "--data-dir", str(root / "eval"), "--dataset", "toy_eval",
+                 "--max-samples", "4", "--max-new-tokens", str(NEW_TOKENS), "--refiner", "xpress",
+                 "--passes", "3"]) == 0
+    xp = json.loads(head.read_text())
+    assert xp["arm"] == "xPress(K=3)" and xp["replay_equals_decode"] == xp["replay_prompts"] == 4
+    assert all(q["decode_equals_ar"] for q in xp["per_prompt"])
+    assert xp["decoded_tau"] > rec["decoded_tau"] and xp["all_anchor_eal"] > rec["all_anchor_eal"]
 
 
 GPU_PRESET = Path(__file__).resolve().parent.parent / "training" / "configs" / "smollm2-gpu.json"

@@ -3,6 +3,7 @@ against the anchors a greedy decode visits.
 
     python -m training.anchor_runs --out FILE.json [--weights DIR] [--model-name-or-path SPEC] [--dataset gsm8k]
                                    [--max-samples 16] [--max-new-tokens 96] [--device cpu] [--dtype float32]
+                                   [--refiner none|xpress|markov] [--passes 4]
 
 For each prompt: AR's greedy text, then, at every anchor p of it (the first new token up to the last position a
 whole block fits), the drafter's block from the target's taps before p and the token at p, teacher-forced as
@@ -17,7 +18,9 @@ rounded differently from the decode's, and the count of prompts that agree says 
 What the file holds (every number is over the prompts and anchors it names): all-anchor eal, replayed τ and
 decoded τ, the run at decode anchors (after the first) against all anchors, per-position accuracy over all anchors
 (as speculators' position_k_acc), and per prompt its anchors, steps and whether the replay equals the decode.
-Drafter-only; no refiner."""
+Drafter-only by default; `--refiner xpress` (K = `--passes`) or `markov` refines every draft, teacher-forced and
+in the decode alike, with the head in WEIGHTS/xpress or WEIGHTS/markov (heads trained on the drafter in
+WEIGHTS/drafter, as training.ship writes them; a head with its own co-trained drafter is refused)."""
 from __future__ import annotations
 
 import argparse
@@ -32,9 +35,12 @@ from core.errors import UsageError, cli_exit
 ROWS = 256  # logits rows softmaxed at a time (a 49K vocabulary: 50 MB in fp32)
 
 
-def teacher_forced_runs(target, drafter, ids: list[int], start: int) -> tuple[dict[int, int], dict[int, float]]:
+def teacher_forced_runs(target, drafter, ids: list[int], start: int, refiner=None
+                        ) -> tuple[dict[int, int], dict[int, float]]:
     """({anchor p: accepted drafts}, {p: the target's probability of token p after what precedes it}) for p in
-    [start, len(ids) - block]: drafts compared with ids[p+1 : p+block]."""
+    [start, len(ids) - block]: drafts (refined by `refiner` when given, as the decode refines them) compared with
+    ids[p+1 : p+block]."""
+    from core.protocols import RefineContext
     from harness.decode.verify import leading_run
     block = drafter.block_size
     t = torch.tensor(ids, device=target.pos.device)
@@ -49,7 +55,10 @@ def teacher_forced_runs(target, drafter, ids: list[int], start: int) -> tuple[di
     runs, probs = {}, {}
     for p in range(start, n - block + 1):
         pos = torch.tensor(p, device=t.device)
-        runs[p] = int(leading_run(drafter.propose(t[p], pos, p + block).tokens == t[p + 1:p + block]))
+        prop = drafter.propose(t[p], pos, p + block)
+        if refiner is not None:
+            prop = refiner.refine(prop, RefineContext(anchor=t[p], prev_token=t[p - 1]))
+        runs[p] = int(leading_run(prop.tokens == t[p + 1:p + block]))
         probs[p] = round(float(chosen[p - 1]), 5)
         # the block wrote its K/V over slots p .. p+block-1: the context's rows go back for the next anchor
         drafter.model.write_context(feats[p:p + block], torch.arange(p, p + block, device=t.device), drafter.kv,
@@ -162,7 +171,46 @@ def parse(argv):
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--refiner", default="none", choices=("none", "xpress", "markov"),
+                    help="refine each draft with the head in WEIGHTS/xpress or WEIGHTS/markov (default: drafter-only)")
+    ap.add_argument("--passes", type=int, default=4, help="xPress's refinement passes K (default 4)")
     return ap.parse_args(argv)
+
+
+def check_refiner_args(args, weights: Path) -> None:
+    """--refiner and --passes, from the arguments and the folder alone."""
+    if args.refiner == "xpress" and args.passes < 1:
+        raise UsageError(f"--passes must be >= 1 for --refiner xpress (got {args.passes}); K=0 is drafter-only")
+    if args.refiner != "none" and not (weights / args.refiner).is_dir():
+        raise UsageError(f"--refiner {args.refiner}: {weights / args.refiner} is not a folder; --weights must hold "
+                         f"{args.refiner}/ beside drafter/")
+
+
+def refiner_checkpoint(args, weights: Path, dcfg, vocab: int):
+    """The head's checkpoint for --refiner, checked against the drafter and target (None for drafter-only)."""
+    from refiners.formats import load_refiner_checkpoint, validate_against
+    if args.refiner == "none":
+        return None
+    ck = load_refiner_checkpoint(weights / args.refiner, args.refiner)
+    validate_against(ck, vocab, dcfg.hidden_size, dcfg.block_size if args.refiner == "xpress" else None,
+                     dcfg.expected_shapes())
+    if ck.draft_state:
+        raise UsageError(f"--refiner {args.refiner}: {weights / args.refiner} carries its own co-trained drafter; "
+                         "anchor_runs measures heads on the drafter in drafter/ only")
+    return ck
+
+
+def build_refiner(args, ck, backend):
+    """The refiner as the main CLI builds it for a head without a co-trained drafter (harness/protocol/build.py)."""
+    from refiners.markov import MarkovRefiner, markov_head_from_state
+    from refiners.xpress import XPressRefiner, xpress_head_from_state
+    if ck is None:
+        return None, "drafter-only"
+    if args.refiner == "xpress":
+        head = xpress_head_from_state(ck.head_state, mixer=ck.mixer, device=backend.device, dtype=backend.dtype)
+        return XPressRefiner(head, args.passes), f"xPress(K={args.passes})"
+    head = markov_head_from_state(ck.head_state, ck.variant, device=backend.device, dtype=backend.dtype)
+    return MarkovRefiner(head), f"Markov ({ck.variant})"
 
 
 def run(args) -> dict:
@@ -187,19 +235,23 @@ def run(args) -> dict:
     if args.max_new_tokens < dcfg.block_size:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens} is under the drafter's block of {dcfg.block_size}: "
                          "no anchor would have a whole block; raise it")
+    check_refiner_args(args, weights)
     backend = resolve_backend(args.device, args.dtype)
     spec = args.model_name_or_path or embedded_target()
-    dcfg.check_target(load_target_config(spec), "--weights drafter")
+    tcfg = load_target_config(spec)
+    dcfg.check_target(tcfg, "--weights drafter")
+    ck = refiner_checkpoint(args, weights, dcfg, tcfg.vocab_size)
     target, tok = load_target(spec, backend, taps=dcfg.target_layer_ids)
     drafter = DFlashDrafter(load_dflash(weights / "drafter", dcfg, backend), target.embed, target.lm_head, backend)
+    refiner, arm = build_refiner(args, ck, backend)
     settings = DecodeSettings(max_new_tokens=args.max_new_tokens, max_model_len=8192,
                               stop_ids=model_stop_ids(target.model, tok, STANDARD))
     prompts = []
     for s in load_samples(args.dataset, args.data_dir, args.max_samples):
         ids = render_prompt(tok, [{"role": "user", "content": s.turns[0]}])
         ar = generate(target, ids, settings, backend)
-        dec = generate(target, ids, settings, backend, drafter=drafter)
-        runs, probs = teacher_forced_runs(target, drafter, ids + ar.tokens, len(ids))
+        dec = generate(target, ids, settings, backend, drafter=drafter, refiner=refiner)
+        runs, probs = teacher_forced_runs(target, drafter, ids + ar.tokens, len(ids), refiner)
         rep = replay(runs, len(ids))
         prompts.append({"row": s.row, "prompt_tokens": len(ids), "new_tokens": len(ar.tokens),
                         "decode_equals_ar": dec.tokens == ar.tokens, "runs": runs, "target_prob": probs,
@@ -211,6 +263,7 @@ def run(args) -> dict:
               flush=True)
     shown = weights.resolve()
     rec = {"what": "teacher-forced accepted runs at every anchor of AR's greedy text, and the decode's anchors",
+           "arm": arm,
            "weights": str(shown.relative_to(REPO) if shown.is_relative_to(REPO) else shown),
            "target": Path(spec).name if spec.endswith(".gguf") else spec,
            "target_weights": f"GGUF, de-quantized to {args.dtype}" if spec.endswith(".gguf") else args.dtype,
@@ -220,7 +273,7 @@ def run(args) -> dict:
            "per_prompt": [{**q, **{k: {str(p): v for p, v in q[k].items()} for k in ("runs", "target_prob")}}
                           for q in prompts]}
     atomic_write(out, json.dumps(rec, indent=1) + "\n")
-    print(f"all-anchor eal {rec['all_anchor_eal']}, replayed tau {rec['replayed_tau']}, decoded tau "
+    print(f"{arm}: all-anchor eal {rec['all_anchor_eal']}, replayed tau {rec['replayed_tau']}, decoded tau "
           f"{rec['decoded_tau']}; decode anchors' eal {rec['decode_anchor_eal']} -> {out}")
     return rec
 
