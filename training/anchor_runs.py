@@ -141,7 +141,7 @@ def summary(prompts: list[dict], block: int) -> dict:
     compared = [q for q in prompts if q["replay"]]
     return {
         "anchors": len(every), "all_anchor_eal": mean([r + 1 for r in every]),
-        "replayed_tau": round(sum(r + 1 for q in prompts for r in q["replay"]) / steps, 4) if steps else None,
+        "replayed_tau": round(tau_per_step([[r + 1 for r in q["replay"]] for q in prompts]), 4) if steps else None,
         "replayed_steps": steps, "decode_steps": sum(len(q["decode_accepted"]) for q in prompts),
         "decoded_tau": round(tau_per_step([q["decode_lengths"] for q in prompts]), 4) if prompts else None,
         "decode_anchors_after_first": len(at_decode), "decode_anchor_eal": mean([r + 1 for r in at_decode]),

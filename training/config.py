@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from core.errors import UsageError
+from training.store import export_digest
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -382,7 +383,6 @@ def model_fingerprint(cfg: dict, name: str) -> str:
     train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL and ADDED_LATER.get(k, ...) != v}
     model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"  # a box is run control
              and not (k == "anchor_bias" and v == 0)}  # added later: the keys of models trained before it
-    from training.store import export_digest
     init = init_export(cfg, name)
     if init is not None:  # the folder's content, not its path
         model["init_from"] = export_digest(init)

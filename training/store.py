@@ -76,7 +76,8 @@ _DIGESTS: dict = {}
 
 def export_digest(d: Path) -> str:
     """The bytes of an exported folder's config and shards, hashed (cached per file size and mtime): a head's
-    fingerprint carries its init_from folder's, so another drafter at the same path is not resumed."""
+    fingerprint carries its init_from folder's and a warm-started model's its warm-start folder's (training/warm.py
+    identity), so another export at the same path is not resumed; a warm start's acceptance record is keyed by it."""
     files = sorted(p for p in d.iterdir() if p.suffix in (".json", ".safetensors") and p.name != "train_state.json")
     stamp = tuple((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files)
     if _DIGESTS.get(d, (None,))[0] != stamp:

@@ -16,6 +16,7 @@ import torch
 
 from core.errors import UsageError
 from training import compiling
+from training.anchors import AnchorBias, installed
 from training.config import model_fingerprint, train_order
 from training.hidden import out_dir as hidden_dir
 from training.store import read_manifest, write_json
@@ -190,7 +191,6 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
         model.register_forward_pre_hook(taps, with_kwargs=True)
     bias = None
     if m["anchor_bias"]:  # after the taps' hook, whose verifier states it reads (training/anchors.py)
-        from training.anchors import AnchorBias
         bias = AnchorBias(m["anchor_bias"])
         model.register_forward_pre_hook(bias, with_kwargs=True)
     dtype = train_dtype(device)
@@ -269,7 +269,6 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
     mlog.addHandler(handler)
     mlog.setLevel(logging.INFO)
     start_step = trainer.global_step
-    from training.anchors import installed
     try:
         with installed(trainer.anchor_bias):
             trainer.run_training()
