@@ -79,3 +79,16 @@ def test_the_fresh_preset_trains_the_drafter_once_over_twice_the_fresh_data():
     assert {n: m for n, m in fresh["models"].items() if n != "drafter"} == \
         {n: m for n, m in cont["models"].items() if n != "drafter"}
 
+
+
+def test_the_grow_preset_is_the_fresh_one_with_an_eight_layer_drafter_grown_from_the_shipped_one():
+    """smollm2-gpu-grow (a recipe for a later H200 run, results/perf/NOTES.md "Ready for the next GPU session"): the
+    fresh preset's data and boxes, its drafter 8 layers deep grown from the shipped 5-layer drafter (training/grow.py;
+    the same data as the fresh run, so the two compare on depth), the heads on that drafter."""
+    fresh, grow = load_config("smollm2-gpu-fresh"), load_config("smollm2-gpu-grow")
+    assert {k for k in fresh if fresh[k] != grow[k]} == {"models", "name", "workdir"}
+    d, f = grow["models"]["drafter"], fresh["models"]["drafter"]
+    assert {k for k in d if d[k] != f[k]} == {"num_layers", "init_from", "grow"}
+    assert d["num_layers"] == 8 and d["grow"] and d["init_from"] == "weights/smollm2-135m/drafter"
+    for h in ("xpress", "markov_gated"):
+        assert {k: v for k, v in grow["models"][h].items() if v != fresh["models"][h][k]} == {"num_layers": 8}

@@ -80,7 +80,8 @@ def model_record(d: Path, summary: dict) -> dict:
     out["selection"], out["heldout"] = _tau(acc.get("selection")), _tau(acc.get("heldout"))
     warm = _json(d / "acceptance_warm.json")  # a warm-started drafter's start, measured alike (training/evaluate.py)
     if warm is not None:
-        out["warm_start"] = {"global_step": warm.get("global_step"), "selection": _tau(warm.get("selection")),
+        out["warm_start"] = {"global_step": warm.get("global_step"), "grown": bool(warm.get("grown")),
+                             "folder": warm.get("warm_start"), "selection": _tau(warm.get("selection")),
                              "heldout": _tau(warm.get("heldout")), "paired": paired_with_start(warm, acc)}
     return out
 

@@ -153,8 +153,10 @@ def warm_start_lines(m: dict) -> list[str]:
     sets = "; ".join(f"{label} τ {fmt((w.get(s) or {}).get('tau_drafter'))}" for s, label in SET_NAMES.items())
     paired = "; ".join(f"{SET_NAMES[p['set']]} {fmt(p['ratio'])}x [{fmt(p['ratio_ci95'][0])}, "
                        f"{fmt(p['ratio_ci95'][1])}] over {p['prompts']} prompts" for p in w.get("paired", []))
-    return [f"`{m['model']}` continued a warm start at step {fmt(w.get('global_step'))}, measured the same way on the "
-            f"same prompts: {sets}. Drafter-only τ over the start's, paired over prompts (training/compare_tau.py, "
+    start = (f"was grown from `{w.get('folder')}` (step {fmt(w.get('global_step'))}; training/grow.py), which it "
+             "equals before its first step; that drafter" if w.get("grown") else
+             f"continued a warm start at step {fmt(w.get('global_step'))}")
+    return [f"`{m['model']}` {start}, measured the same way on the same prompts: {sets}. Drafter-only τ over the start's, paired over prompts (training/compare_tau.py, "
             f"95% CI): {paired or 'n/a (records without per-prompt counts)'}.", ""]
 
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from core.errors import UsageError
+from training import grow
 from training.store import export_digest
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -72,6 +73,7 @@ MODEL_DEFAULTS = {
     "consistency_passes": 3, "base_anchor_weight": 0.6,
     "markov_rank": 64, "markov_head_type": "vanilla", "enable_confidence_head": True,
     "epochs": None, "lr": None, "max_steps": None, "max_minutes": None, "anchor_bias": 0.0,
+    "grow": False,
 }
 
 
@@ -187,6 +189,7 @@ def validate(cfg: dict) -> None:
             check_init_export(cfg, name)
         elif src is not None and cfg["models"][src]["type"] != "dflash":
             raise UsageError(f"{where}: init_from must name a dflash model (got {cfg['models'][src]['type']})")
+        grow.check_options(where, m)
         if m["freeze_backbone"] and src is None:
             raise UsageError(f"{where}: freeze_backbone needs init_from (a trained drafter to freeze)")
         ab = m["anchor_bias"]
@@ -200,10 +203,8 @@ def validate(cfg: dict) -> None:
         if mm is not None and (not isinstance(mm, (int, float)) or isinstance(mm, bool) or mm <= 0):
             raise UsageError(f"{where}: max_minutes must be a number > 0 (this model's own box) or null")
         if src is not None and src in cfg["models"]:
-            for key in ("num_layers", "block_size", "intermediate_size"):
-                if cfg["models"][src][key] != m[key]:
-                    raise UsageError(f"{where}: {key}={m[key]} differs from its init_from model {src!r} "
-                                     f"({cfg['models'][src][key]})")
+            theirs = {k: cfg["models"][src][k] for k in ("num_layers", "block_size", "intermediate_size")}
+            grow.check_sizes(where, m, theirs, repr(src), folder=False)
     if cfg["train"]["on_deadline"] not in ("stop", "finish"):
         raise UsageError("config train.on_deadline must be stop (checkpoint; the same command resumes) or finish "
                          "(the checkpoint reached at train.max_minutes is the final model)")
@@ -286,6 +287,7 @@ def validate_steps(cfg: dict) -> None:
     if ws is not None and not (Path(ws) / "manifest.json").is_file():
         raise UsageError(f"config train.warm_start {ws}: not an export folder (no manifest.json); give the export "
                          "stage's output, e.g. runs/<config>/export")
+    grow.check_warm(cfg)
 
 
 def repo_path(p: str) -> Path:
@@ -338,10 +340,7 @@ def check_init_export(cfg: dict, name: str) -> None:
     layer = spec.get("transformer_layer_config") or {}
     theirs = {"num_layers": layer.get("num_hidden_layers"), "block_size": spec.get("block_size"),
               "intermediate_size": layer.get("intermediate_size")}
-    for key, v in theirs.items():
-        if m[key] is not None and v != m[key]:
-            raise UsageError(f"{where}: {key}={m[key]} differs from its init_from drafter {d} ({v}); set "
-                             f"models.{name}.{key}={v}")
+    grow.check_sizes(where, m, theirs, str(d), folder=True)
     taps, want = spec.get("aux_hidden_state_layer_ids"), cfg["hidden"].get("layer_ids")
     if want and taps and list(taps) != list(want):
         raise UsageError(f"{where}: init_from drafter {d} taps the target's layers {taps}, and hidden.layer_ids is "
@@ -382,7 +381,7 @@ def model_fingerprint(cfg: dict, name: str) -> str:
     data); a resume with another one is refused."""
     train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL and ADDED_LATER.get(k, ...) != v}
     model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"  # a box is run control
-             and not (k == "anchor_bias" and v == 0)}  # added later: the keys of models trained before it
+             and not (k in ("anchor_bias", "grow") and not v)}  # added later: the keys of models trained before
     init = init_export(cfg, name)
     if init is not None:  # the folder's content, not its path
         model["init_from"] = export_digest(init)

@@ -14,7 +14,8 @@ read by no choice. Caps: acceptance.selection_max_seconds / heldout_max_seconds 
 prompt); `prompts` says how many were measured. acceptance.dtype and the decode's CUDA graphs are recorded beside
 them. train.eval_prompts=0 turns acceptance off here as during training. A drafter that train.warm_start continued
 is also measured as it started, its warm-start export, in train/<model>/acceptance_warm.json (the same sets,
-prompts and settings), so `python -m training.compare_tau` pairs the two.
+prompts and settings), so `python -m training.compare_tau` pairs the two; so is a drafter grown from an exported
+one (models.X.grow: the folder it grew from, which it equals before its first step; "grown": true there).
 """
 from __future__ import annotations
 
@@ -84,12 +85,20 @@ def kept(rec: dict, key: str) -> bool:
 
 
 def warm_drafters(cfg: dict, names: list[str]) -> dict:
-    """{name: its warm-start export folder} for the drafters (dflash) that train.warm_start continued: measured
-    beside the model they became, on the same prompts (WARM_FILE), so `python -m training.compare_tau
-    train/<name>/acceptance_warm.json train/<name>/acceptance.json` pairs what the run changed. Heads are left out:
-    their exports hold the head alone."""
+    """{name: the exported folder it started from} for the drafters (dflash) that train.warm_start continued or that
+    grew from an exported drafter (training/grow.py: before its first step a grown model computes what that folder
+    does): measured beside the model they became, on the same prompts (WARM_FILE), so `python -m
+    training.compare_tau train/<name>/acceptance_warm.json train/<name>/acceptance.json` pairs what the run changed.
+    Heads are left out: their exports hold the head alone."""
+    from training.config import init_export
     from training.warm import source
-    return {n: d for n in names if cfg["models"][n]["type"] == "dflash" and (d := source(cfg, n)) is not None}
+    out = {}
+    for n in names:
+        m = cfg["models"][n]
+        d = source(cfg, n) or (init_export(cfg, n) if m["grow"] else None)
+        if m["type"] == "dflash" and d is not None:
+            out[n] = d
+    return out
 
 
 def run(cfg: dict, names: list[str], make_held) -> dict:
@@ -119,8 +128,10 @@ def run(cfg: dict, names: list[str], make_held) -> dict:
     done = {}
     for (n, file), (final, key, warm) in todo.items():
         if warm:
-            from training.warm import train_state
-            src = {"warm_start": str(final), "global_step": train_state(final).get("global_step")}
+            from training.warm import STATE
+            state = json.loads((final / STATE).read_text()) if (final / STATE).is_file() else {}
+            src = {"warm_start": str(final), "global_step": state.get("global_step"),
+                   **({"grown": True} if cfg["models"][n]["grow"] else {})}
         else:
             m = json.loads((model_dir(cfg, n) / "manifest.json").read_text())
             src = {"final": final.name, "global_step": m.get("global_step")}

@@ -87,6 +87,9 @@ def build_model(cfg: dict, name: str, verifier: str, layer_ids: list[int], attn_
     if m["init_from"]:
         state = init_state(cfg, name, layer_ids)
         own = model.state_dict()
+        if m["grow"]:  # the source's tensors in a deeper or wider model that computes what it did (training/grow.py)
+            from training.grow import grown
+            state, model.grown_from = grown(state, own, f"models.{name}")
         bad = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
         if bad:
             k = bad[0]
@@ -230,6 +233,10 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               warm_step=warm_step, data_start=data_start, fit=fit_plan(tc, total),
                               profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl, trainer.anchor_bias = mode, impl, bias
+    trainer.grown_from = getattr(model, "grown_from", None)
+    if trainer.grown_from:
+        print(f"train {name}: grown from {m['init_from']}: layers {trainer.grown_from['num_layers']}, MLP width "
+              f"{trainer.grown_from['intermediate_size'] or 'unchanged'} (training/grow.py)")
     if trainer.warm_started:
         print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer"
               + (f"; {epochs} epochs of this data after it, train.warm_mode=extend)" if extend else ")"))
@@ -296,6 +303,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                            "global_step": trainer.global_step,
                                            "planned_steps": trainer.planned_steps or total,
                                            "data_start": trainer.data_start,
+                                           "grown_from": trainer.grown_from,
                                            "truncated": trainer.deadline_hit, "evals": trainer.evals,
                                            "fit": trainer.fit_record})
     write(out / FILE, box.record({"first_step": start_step, "last_step": trainer.global_step,

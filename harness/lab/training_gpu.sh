@@ -115,7 +115,9 @@ case "${1:-}" in
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
     if [[ -d $WARM ]]; then mkdir -p /tmp/code/weights && rm -rf /tmp/code/weights/smollm2-135m && cp -r "$WARM" /tmp/code/weights/smollm2-135m; fi
     args=(--set train.compile_cache="$CC" "$@")  # loaded if `cache` put one there; saved after the train stage
-    if [[ -d $WARM ]]; then args+=(--set train.warm_start="$WARM"); fi
+    # WARM_START=0: the warm export is only a folder the config names (e.g. models.drafter.init_from with grow,
+    # smollm2-gpu-grow), not train.warm_start
+    if [[ -d $WARM && ${WARM_START:-1} != 0 ]]; then args+=(--set train.warm_start="$WARM"); fi
     rm -f $XRUN.done "$WDIR/.shipped"  # a new job's tables ship its own export unless `shipped` runs again after it
     date +%s > $XRUN.t0
     (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
