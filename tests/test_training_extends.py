@@ -81,12 +81,14 @@ def test_the_fresh_preset_trains_the_drafter_once_over_twice_the_fresh_data():
 
 
 
-def test_the_grow_preset_is_the_fresh_one_with_an_eight_layer_drafter_grown_from_the_shipped_one():
+def test_the_grow_preset_is_the_fresh_one_with_a_drafter_grown_from_the_shipped_one():
     """smollm2-gpu-grow (a recipe for a later H200 run, results/perf/NOTES.md "Ready for the next GPU session"): the
-    fresh preset's data and boxes, its drafter 8 layers deep grown from the shipped 5-layer drafter (training/grow.py;
-    the same data as the fresh run, so the two compare on depth), the heads on that drafter."""
+    fresh preset's data and boxes, its drafter grown from the shipped one (training/grow.py) to 8 layers and 5 taps
+    (the shipped drafter's 3 among them), the heads on that drafter."""
     fresh, grow = load_config("smollm2-gpu-fresh"), load_config("smollm2-gpu-grow")
-    assert {k for k in fresh if fresh[k] != grow[k]} == {"models", "name", "workdir"}
+    assert {k for k in fresh if fresh[k] != grow[k]} == {"models", "name", "workdir", "hidden"}
+    assert {k: v for k, v in grow["hidden"].items() if v != fresh["hidden"][k]} == {"layer_ids": [2, 8, 15, 21, 27]}
+    assert set(fresh["hidden"]["layer_ids"]) < set(grow["hidden"]["layer_ids"])
     d, f = grow["models"]["drafter"], fresh["models"]["drafter"]
     assert {k for k in d if d[k] != f[k]} == {"num_layers", "init_from", "grow"}
     assert d["num_layers"] == 8 and d["grow"] and d["init_from"] == "weights/smollm2-135m/drafter"

@@ -1,5 +1,5 @@
-"""models.NAME.grow (training/grow.py): a dflash drafter deeper and with a wider MLP than its init_from drafter starts
-out computing exactly what that drafter computes, then trains every tensor, new and old, and decodes through the
+"""models.NAME.grow (training/grow.py): a dflash drafter deeper, with a wider MLP and tapping more target layers than
+its init_from drafter starts out computing exactly what that drafter computes, then trains every tensor, new and old, and decodes through the
 harness; sizes it cannot grow to are refused with the config, in one line, before anything loads.
 
 Power: appending the new layers at random (not zeroing their output projections), or the wider MLP's new
@@ -20,6 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK, SPEC_IDS, LENGTH, PROMPT = 4, [1, 3, 5], 24, 4
 SMALL = {"num_layers": 2, "intermediate_size": 64}
 BIG = {"num_layers": 3, "intermediate_size": 96}
+
+
+MORE_TAPS = [1, 2, 3, 5]  # SPEC_IDS and one more: the grown drafter taps a layer its source did not
 
 
 def grown_model(src: str, **over) -> dict:
@@ -58,6 +61,8 @@ def block_logits(model, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     h = model.config.transformer_layer_config.hidden_size
     ids = torch.randint(8, 100, (1, LENGTH), generator=g)
+    layers = [torch.randn(1, LENGTH, h, generator=g) for _ in range(6)]  # each target layer's states, tapped or not
+    taps = torch.cat([layers[t] for t in model.target_layer_ids], dim=-1)
     loss_mask = torch.zeros(1, LENGTH, dtype=torch.long)
     loss_mask[0, PROMPT:] = 1
     anchors = LENGTH - BLOCK - PROMPT
@@ -67,7 +72,7 @@ def block_logits(model, seed: int = 0) -> torch.Tensor:
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out))
     try:
         with torch.no_grad():
-            model(hidden_states=torch.randn(1, LENGTH, len(SPEC_IDS) * h, generator=g), input_ids=ids,
+            model(hidden_states=taps, input_ids=ids,
                   loss_mask=loss_mask, verifier_last_hidden_states=torch.randn(1, LENGTH, h, generator=g),
                   document_ids=torch.zeros(1, LENGTH, dtype=torch.long), **kwargs)
     finally:
@@ -75,20 +80,22 @@ def block_logits(model, seed: int = 0) -> torch.Tensor:
     return seen[0].view(anchors, BLOCK, -1)
 
 
-def build(root, models: dict):
+def build(root, models: dict, taps: list[int]):
     from training.config import load_config
     from training.train import build_model
-    cfg = load_config(str(write_config(root, models)))
+    cfg = load_config(str(write_config(root, models, hidden={"layer_ids": taps})))
     torch.manual_seed(cfg["seed"])
-    return build_model(cfg, "drafter", str(root / "target"), SPEC_IDS, "eager").eval()
+    return build_model(cfg, "drafter", str(root / "target"), taps, "eager").eval()
 
 
-def test_a_grown_drafter_computes_what_its_source_did(source):
+@pytest.mark.parametrize("taps", [SPEC_IDS, MORE_TAPS])
+def test_a_grown_drafter_computes_what_its_source_did(source, taps):
     root, model = source
-    grown = build(root, grown_model(str(root / "source")))
-    assert len(grown.layers) == BIG["num_layers"]
+    grown = build(root, grown_model(str(root / "source")), taps)
+    assert len(grown.layers) == BIG["num_layers"] and list(grown.target_layer_ids) == taps
     assert grown.layers[0].mlp.gate_proj.weight.shape[0] == BIG["intermediate_size"]
-    assert grown.grown_from == {"num_layers": [2, 3], "intermediate_size": [64, 96]}
+    assert grown.grown_from == {"num_layers": [2, 3], "intermediate_size": [64, 96],
+                                "taps": None if taps == SPEC_IDS else [SPEC_IDS, taps]}
     want = block_logits(model)
     assert_close(block_logits(grown), want, steps=BIG["num_layers"] + 1)
     # the new tensors are live, not zeros everywhere: the new layer's attention and the new MLP units have weights,
@@ -98,6 +105,10 @@ def test_a_grown_drafter_computes_what_its_source_did(source):
     assert not new.self_attn.o_proj.weight.any() and not new.mlp.down_proj.weight.any()
     assert not grown.layers[0].mlp.down_proj.weight[:, SMALL["intermediate_size"]:].any()
     assert grown.layers[0].mlp.up_proj.weight[SMALL["intermediate_size"]:].abs().sum() > 0
+    if taps == MORE_TAPS:  # the new tap (layer 2, second of four) reads nothing yet; the others where they were
+        h = grown.fc.weight.shape[0]
+        assert not grown.fc.weight[:, h:2 * h].any()
+        assert torch.equal(grown.fc.weight[:, 2 * h:3 * h], model.fc.weight[:, h:2 * h])
     # the same model without grow's zeros is a different function: what the comparison above would catch
     with torch.no_grad():
         new.mlp.down_proj.weight.normal_(0.0, 0.15)
@@ -109,16 +120,21 @@ def test_a_grown_drafter_trains_every_tensor_and_decodes(source, tmp_path):
     root, _ = source
     src = load_file(str(root / "source" / "model.safetensors"))
     work = tmp_path / "work"
-    assert run_cli("all", "--config", write_config(root, grown_model(str(root / "source"))), "--workdir", work) == 0
+    cfg = write_config(root, grown_model(str(root / "source")), hidden={"layer_ids": MORE_TAPS, "mode": "online"})
+    assert run_cli("all", "--config", cfg, "--workdir", work) == 0
     man = json.loads((work / "train" / "drafter" / "manifest.json").read_text())
-    assert man["complete"] and man["grown_from"] == {"num_layers": [2, 3], "intermediate_size": [64, 96]}
+    assert man["complete"] and man["grown_from"] == {"num_layers": [2, 3], "intermediate_size": [64, 96],
+                                                     "taps": [SPEC_IDS, MORE_TAPS]}
     final = load_file(str(work / "train" / "drafter" / man["final"] / "model.safetensors"))
     w = final["layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(w, src["layers.0.self_attn.q_proj.weight"].to(w.dtype))  # the source layers train too
     assert final["layers.2.self_attn.o_proj.weight"].any() and final["layers.2.mlp.down_proj.weight"].any()
     assert final["layers.1.mlp.down_proj.weight"][:, SMALL["intermediate_size"]:].any()
+    h = final["fc.weight"].shape[0]
+    assert final["fc.weight"][:, h:2 * h].any()  # the new tap's columns trained away from zero
     spec = json.loads((work / "export" / "drafter" / "config.json").read_text())
     assert spec["transformer_layer_config"]["num_hidden_layers"] == 3
+    assert spec["aux_hidden_state_layer_ids"] == MORE_TAPS
     acc = json.loads((work / "train" / "drafter" / "acceptance.json").read_text())
     assert acc["heldout"]["tau_drafter"] >= 1.0  # the harness decoded with the grown export
     start = json.loads((work / "train" / "drafter" / "acceptance_warm.json").read_text())  # its start, to pair with
@@ -152,6 +168,11 @@ def test_sizes_grow_cannot_reach_are_refused_before_loading(source, tmp_path):
     assert "block_size=8 differs" in refused(grown_model(folder, block_size=8))
     assert "or grow: true to enlarge the drafter" in refused(grown_model(folder, grow=False))
     assert "grow must be true or false" in refused(grown_model(folder, grow="yes"))
+    with pytest.raises(UsageError, match=r"without the init_from drafter .*'s taps \[3\]; grow adds taps"):
+        load_config(str(write_config(tmp_path, grown_model(folder), hidden={"layer_ids": [1, 2, 5]})))
+    with pytest.raises(UsageError, match=r"set hidden.layer_ids to \[1, 3, 5\] \(or grow: true to add taps\)"):
+        load_config(str(write_config(tmp_path, grown_model(folder, grow=False, **SMALL),
+                                     hidden={"layer_ids": MORE_TAPS})))
     assert "it needs type dflash, init_from set" in refused(grown_model(None))
     xp = {"drafter": {"type": "dflash", **SMALL, "block_size": BLOCK},
           "xpress": {"type": "xpress", **SMALL, "block_size": BLOCK, "init_from": "drafter", "grow": True}}

@@ -341,10 +341,8 @@ def check_init_export(cfg: dict, name: str) -> None:
     theirs = {"num_layers": layer.get("num_hidden_layers"), "block_size": spec.get("block_size"),
               "intermediate_size": layer.get("intermediate_size")}
     grow.check_sizes(where, m, theirs, str(d), folder=True)
-    taps, want = spec.get("aux_hidden_state_layer_ids"), cfg["hidden"].get("layer_ids")
-    if want and taps and list(taps) != list(want):
-        raise UsageError(f"{where}: init_from drafter {d} taps the target's layers {taps}, and hidden.layer_ids is "
-                         f"{want}; set hidden.layer_ids to {taps}")
+    grow.check_taps(where, m, spec.get("aux_hidden_state_layer_ids"), cfg["hidden"].get("layer_ids"), str(d),
+                    "hidden.layer_ids is")
 
 
 def train_order(cfg: dict) -> list[str]:

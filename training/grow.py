@@ -1,6 +1,6 @@
-"""models.NAME.grow: a dflash drafter deeper, or with a wider MLP, than the drafter it starts from (`init_from`: an
-exported drafter folder or a drafter of this config), grown so that before its first step it computes exactly what
-that drafter computes.
+"""models.NAME.grow: a dflash drafter deeper, with a wider MLP, or tapping more target layers than the drafter it
+starts from (`init_from`: an exported drafter folder or a drafter of this config), grown so that before its first
+step it computes exactly what that drafter computes.
 
 Why (issue 26, item 5: depth 3 against 5, "and more, if it pays"): each continuation of the 5-layer drafter gained
 about half what the one before it did (results/perf/NOTES.md, "The drafter continued on fresh data"), so more of
@@ -13,7 +13,9 @@ initialisation except their residual branches' output projections (self_attn.o_p
 at zero: such a layer adds nothing to the residual stream until training moves them (their gradients are not zero:
 an output projection's is its input times the upstream gradient). A wider MLP keeps the source's rows of gate_proj
 and up_proj and its columns of down_proj, the new rows at their fresh initialisation and the new down_proj columns
-at zero, so the new units add nothing either. Nothing is frozen; the learning rate schedule starts at step 0 as
+at zero, so the new units add nothing either. More taps (hidden.layer_ids holding the source's and more): fc, which maps
+the taps' concatenation to the hidden size, keeps each source tap's columns where that layer now sits and starts
+the new taps' columns at zero. Nothing is frozen; the learning rate schedule starts at step 0 as
 for any init_from model (train.warm_start, which continues one, needs equal shapes).
 
 The grown model equals its source up to the summation order of the wider MLP's matmul (zeros added): the test
@@ -26,7 +28,7 @@ import torch
 
 from core.errors import UsageError
 
-GROWN = ("num_layers", "intermediate_size")  # what grow may enlarge; block_size, taps and widths stay the source's
+GROWN = ("num_layers", "intermediate_size")  # sizes grow may enlarge (and the taps); block_size and widths stay
 ZEROED = ("self_attn.o_proj.", "mlp.down_proj.")  # a new layer's residual branches' outputs
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 
@@ -68,14 +70,33 @@ def check_sizes(where: str, m: dict, theirs: dict, source: str, folder: bool) ->
         raise UsageError(f"{where}: {key}={mine} differs from its init_from drafter {source} ({v}); {hint}")
 
 
+def check_taps(where: str, m: dict, taps, want, source: str, stage: str) -> None:
+    """The init_from drafter's taps (target layers) against the hidden stage's: equal, or with grow all of them
+    among the stage's (the new taps' columns of fc start at zero)."""
+    if not taps or not want or list(taps) == list(want):
+        return
+    missing = [t for t in taps if t not in want]
+    if m["grow"] and not missing:
+        return
+    if m["grow"]:
+        raise UsageError(f"{where}: {stage} {list(want)}, without the init_from drafter {source}'s taps {missing}; "
+                         f"grow adds taps and never removes them: keep {list(taps)} in hidden.layer_ids")
+    raise UsageError(f"{where}: init_from drafter {source} taps the target's layers {list(taps)}, and {stage} "
+                     f"{list(want)}; set hidden.layer_ids to {list(taps)}"
+                     + (" (or grow: true to add taps)" if m["type"] == "dflash" else ""))
+
+
 def layer_count(state: dict) -> int:
     return 1 + max((int(g.group(1)) for k in state if (g := _LAYER.match(k))), default=-1)
 
 
-def grown(state: dict, own: dict, where: str) -> tuple[dict, dict]:
+def grown(state: dict, own: dict, where: str, taps: tuple[list, list] | None = None) -> tuple[dict, dict]:
     """(the full state for a model whose fresh tensors are `own`, a record of the growth) from the source `state`;
-    a source tensor that is neither equal in shape nor one grow enlarges is refused."""
+    `taps`: (the source's target layers, this model's), when they differ. A source tensor that is neither equal in
+    shape nor one grow enlarges is refused."""
     n_src, n_own = layer_count(state), layer_count(own)
+    src_taps, own_taps = taps or (None, None)
+    moved = taps is not None and list(src_taps) != list(own_taps)
     extra = sorted(set(state) - set(own))
     if extra:
         raise UsageError(f"{where}: grow: the init_from drafter's tensor {extra[0]} has no place in this model "
@@ -92,7 +113,9 @@ def grown(state: dict, own: dict, where: str) -> tuple[dict, dict]:
             out[k] = w
             continue
         s = state[k].to(v.dtype)
-        if s.shape == v.shape:
+        if k == "fc.weight" and moved:
+            out[k] = _fc(s, v, src_taps, own_taps, where)
+        elif s.shape == v.shape:
             out[k] = s
         elif k.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")) and s.shape[1:] == v.shape[1:] \
                 and s.shape[0] < v.shape[0]:
@@ -109,4 +132,19 @@ def grown(state: dict, own: dict, where: str) -> tuple[dict, dict]:
             raise UsageError(f"{where}: grow cannot take {k} from {tuple(s.shape)} to {tuple(v.shape)}: it adds "
                              "layers and MLP width only (the hidden size, heads and vocabulary are the target's)")
     width = list(widened.pop()) if widened else None  # one pair: every layer has the config's intermediate_size
-    return out, {"num_layers": [n_src, n_own], "intermediate_size": width}
+    return out, {"num_layers": [n_src, n_own], "intermediate_size": width,
+                 "taps": [list(src_taps), list(own_taps)] if moved else None}
+
+
+def _fc(s: torch.Tensor, v: torch.Tensor, src_taps: list, own_taps: list, where: str) -> torch.Tensor:
+    """fc (the taps' concatenation, tap by tap, into the hidden size) with each source tap's columns where that
+    target layer sits among this model's taps, and the new taps' columns at zero."""
+    h = v.shape[0]
+    if s.shape != (h, h * len(src_taps)) or v.shape != (h, h * len(own_taps)):
+        raise UsageError(f"{where}: grow: fc.weight {tuple(s.shape)} -> {tuple(v.shape)} does not match the taps "
+                         f"{src_taps} -> {own_taps} at hidden size {h}")
+    w = torch.zeros_like(v)
+    for i, t in enumerate(src_taps):
+        j = own_taps.index(t)
+        w[:, j * h:(j + 1) * h] = s[:, i * h:(i + 1) * h]
+    return w

@@ -87,9 +87,10 @@ def build_model(cfg: dict, name: str, verifier: str, layer_ids: list[int], attn_
     if m["init_from"]:
         state = init_state(cfg, name, layer_ids)
         own = model.state_dict()
-        if m["grow"]:  # the source's tensors in a deeper or wider model that computes what it did (training/grow.py)
+        if m["grow"]:  # the source's tensors in a larger model that computes what it did (training/grow.py)
             from training.grow import grown
-            state, model.grown_from = grown(state, own, f"models.{name}")
+            taps = init_taps(cfg, name) or list(layer_ids)
+            state, model.grown_from = grown(state, own, f"models.{name}", (taps, list(layer_ids)))
         bad = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
         if bad:
             k = bad[0]
@@ -115,11 +116,17 @@ def init_state(cfg: dict, name: str, layer_ids: list[int]) -> dict:
         from safetensors.torch import load_file
         return load_file(str(src / "model.safetensors"))
     from core.checkpoints import read_tensors, shard_files
-    taps = json.loads((d / "config.json").read_text()).get("aux_hidden_state_layer_ids")
-    if taps and list(taps) != list(layer_ids):
-        raise UsageError(f"models.{name}: init_from drafter {d} taps the target's layers {list(taps)}, and the "
-                         f"hidden stage wrote {list(layer_ids)}; set hidden.layer_ids to {list(taps)}")
+    from training.grow import check_taps
+    check_taps(f"models.{name}", m, init_taps(cfg, name), list(layer_ids), str(d), "the hidden stage wrote")
     return read_tensors(shard_files(d, f"models.{name}.init_from"))
+
+
+def init_taps(cfg: dict, name: str) -> list[int] | None:
+    """The target layers an init_from folder's drafter taps (None for a model of this config: the hidden stage's)."""
+    from training.config import init_export
+    d = init_export(cfg, name)
+    taps = None if d is None else json.loads((d / "config.json").read_text()).get("aux_hidden_state_layer_ids")
+    return list(taps) if taps else None
 
 
 def loss_impl(tc: dict, device: torch.device) -> str:
