@@ -141,3 +141,26 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
     assert r["label"].startswith("random weights") and r["fast"]["tokens"] == r["hf"]["tokens"] == 9
     assert r["greedy_rows_equal"] == 1.0 and r["fast"]["prefill_rows"] == 3 and r["ratio"] > 0
     assert main(["--random-weights", "nope", "--prompts", "2"]) == 2
+    assert r["fast"]["kv_read_over_needed"] >= 1.0 and r["fast"]["kv_bytes_per_slot"] > 0
+
+
+def test_bench_generate_profile_names_the_decode_steps_ranges(tmp_path):
+    """--profile: a third, untimed run under torch.profiler; its record is per decode step and names the prefills
+    and the host checks (the ranges the generator labels)."""
+    from harness.lab.bench_generate import main
+    out = tmp_path / "p.json"
+    assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "3", "--batch", "2",
+                 "--max-new-tokens", "3", "--bucket", "32", "--hf-prompts", "1", "--profile", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert prof["per"] == "decode step" and prof["steps"] == json.loads(out.read_text())["fast"]["steps"]
+    assert {"xb.prefill", "xb.check"} <= set(prof["ranges"]) and prof["top"]
+
+
+def test_kv_slot_counts_are_the_rows_times_bucket_and_each_rows_own_prefix(model):
+    """The host's count of the attention's cache reads, by hand: one 5-token prompt, 4 new tokens (the prefill
+    gives the first, 3 decode steps the rest), in 2 rows (one left empty), bucket 16: each step reads 2 rows x 16
+    slots; the busy row needs 6, 7 and 8 (its position + 1)."""
+    gen = BatchedGenerator(model, rows=2, bucket=16, check_every=8)
+    gen.generate(_prompts((5,)), 4, [])
+    assert gen.stats["steps"] == 3
+    assert (gen.stats["kv_slots_read"], gen.stats["kv_slots_needed"]) == (3 * 2 * 16, 6 + 7 + 8)

@@ -198,7 +198,7 @@ def test_profile_summary_counts_each_kernel_once():
     themselves: the busy time sums the kernels alone, `top` lists host ops, `top_kernels` kernels, and the xb.*
     ranges apart. (Summed over both kinds, as the first version did, the busy time was twice the kernels'.)"""
     from types import SimpleNamespace as E
-    from training.profiling import summary
+    from harness.lab.profiled import summary
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
     def ev(key, kind, own_dev, host=0.0, count=1):

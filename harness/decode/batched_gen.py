@@ -48,8 +48,11 @@ class BatchedGenerator:
         self._alloc_state(1)
         self.graphs: dict = {}
         self.pool = None
+        # kv_slots_read: cache slots the decode steps' attention read (every row over the step's bucket, finished and
+        # empty rows too); kv_slots_needed: those below each busy row's own position (rows that finish between
+        # two checks counted to the check's end, so this is an upper bound and read/needed a lower bound)
         self.stats = {"captures": 0, "capture_s": 0.0, "steps": 0, "prefills": 0, "prefill_rows": 0,
-                      "checks": 0}
+                      "checks": 0, "kv_slots_read": 0, "kv_slots_needed": 0}
 
     def _alloc_state(self, answer_len: int) -> None:
         b, dev = self.rows, self.device
@@ -185,13 +188,15 @@ class BatchedGenerator:
             free = [b for b in range(self.rows) if owner[b] < 0]
             if queue and free and (refill or len(free) == self.rows):
                 take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
-                self._fill(free[:len(take)], [prompts[i] for i in take], [limits[i] for i in take], params)
+                with torch.profiler.record_function("xb.prefill"):
+                    self._fill(free[:len(take)], [prompts[i] for i in take], [limits[i] for i in take], params)
                 for b, i in zip(free, take):
                     owner[b] = i
             busy = [b for b in range(self.rows) if owner[b] >= 0]
             if not busy:
                 break
-            snap = torch.cat([self.done.long(), self.count, self.length]).tolist()  # the one read per check
+            with torch.profiler.record_function("xb.check"):
+                snap = torch.cat([self.done.long(), self.count, self.length]).tolist()  # the one read per check
             self.stats["checks"] += 1
             done, count = snap[:self.rows], snap[self.rows:2 * self.rows]
             finished = [b for b in busy if done[b]]
@@ -204,6 +209,9 @@ class BatchedGenerator:
             lengths = snap[2 * self.rows:]
             steps = min(self.check_every, max(limits[owner[b]] - count[b] for b in busy))
             span = min(self.lm.capacity, _round_up(max(lengths[b] for b in busy) + steps + 1, self.bucket))
+            self.stats["kv_slots_read"] += steps * self.rows * span
+            self.stats["kv_slots_needed"] += steps * sum(lengths[b] + 1 for b in busy) + \
+                len(busy) * steps * (steps - 1) // 2
             for _ in range(steps):
                 self._replay(span, params)
         return answers

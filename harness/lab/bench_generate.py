@@ -8,7 +8,9 @@ template with --target, UTF-8 bytes (harness.protocol.presets.ByteTokenizer) wit
 number is labelled as random weights (such a target never stops early, so every row runs to --max-new-tokens).
 The fast engine (harness.decode.batched_gen.BatchedGenerator, --batch rows, continuous batching) runs twice: cold
 (its CUDA graphs are captured inside) and warm; HF generate runs in left-padded batches of --batch prompts over the
-first --hf-prompts prompts (default all). Tokens are counted up to and including the stop. For greedy, the share
+first --hf-prompts prompts (default all). Tokens are counted up to and including the stop. `kv_read_over_needed`:
+the cache slots the decode's attention read (every row over its step's bucket) over those below each busy row's
+own position, counted on the host (a lower bound of the over-read); --profile adds a third, untimed run's kernels. For greedy, the share
 of rows equal to HF's (and the mean share of each row's tokens before the first difference), over HF's prompts.
 """
 from __future__ import annotations
@@ -89,6 +91,19 @@ def _prefix_share(a: list[int], b: list[int]) -> float:
     return n / max(len(a), len(b), 1)
 
 
+def profile_run(gen: BatchedGenerator, run, device) -> dict:
+    """The fast engine once more under torch.profiler: harness.lab.profiled's record per decode step (the prefills
+    and host checks are its `xb.prefill` and `xb.check` ranges, their time spread over the steps like the rest)."""
+    from torch.profiler import ProfilerActivity, profile
+    from harness.lab.profiled import summary
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    gen.stats = dict.fromkeys(gen.stats, 0)
+    with profile(activities=acts) as prof:
+        _, seconds = _timed(device, run)
+    return {"per": "decode step", **summary(prof.key_averages(), max(gen.stats["steps"], 1), seconds,
+                                            device.type == "cuda", top=20)}
+
+
 def measure(a) -> dict:
     backend = resolve_backend(a.device, a.dtype)
     texts = questions(a.prompts)
@@ -102,13 +117,18 @@ def measure(a) -> dict:
     _, cold = _timed(backend.device, run)
     cold_stats, gen.stats = gen.stats, dict.fromkeys(gen.stats, 0)
     fast, warm = _timed(backend.device, run)
+    st = gen.stats
+    kv = {"kv_read_over_needed": round(st["kv_slots_read"] / max(st["kv_slots_needed"], 1), 3),
+          "kv_bytes_per_slot": gen.lm.k[0].element_size() * 2 * len(gen.lm.layers) * gen.lm.n_kv * gen.lm.head_dim}
     result = {"label": label, "target": a.random_weights or a.target, "device": str(backend.device),
               "gpu": torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu",
               "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch,
               "max_new_tokens": a.max_new_tokens, "mode": "sampled" if a.sampled else "greedy",
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
-              "fast": {**_rate(fast, warm), "cold_seconds": round(cold, 3), **gen.stats},
+              "fast": {**_rate(fast, warm), "cold_seconds": round(cold, 3), **st, **kv},
               "fast_cold": cold_stats}
+    if a.profile:  # a third run, after the timed ones, so the profiler's cost stays out of their rates
+        result["profile"] = profile_run(gen, run, backend.device)
     n = min(a.hf_prompts or len(prompts), len(prompts))
     if n:
         def hf():
@@ -144,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-prompts", type=int, default=0, help="HF generate on the first N prompts (0: all)")
     p.add_argument("--check-every", type=int, default=8, help="decode steps between host checks")
     p.add_argument("--bucket", type=int, default=128, help="KV-length bucket of the captured steps")
+    p.add_argument("--profile", action="store_true",
+                   help="a third fast run under torch.profiler: kernels and ranges per decode step (not timed)")
     p.add_argument("--out", help="JSON path (default: print only)")
     a = p.parse_args(argv)
     try:
