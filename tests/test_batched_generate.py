@@ -142,6 +142,7 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
     assert r["greedy_rows_equal"] == 1.0 and r["fast"]["prefill_rows"] == 3 and r["ratio"] > 0
     assert main(["--random-weights", "nope", "--prompts", "2"]) == 2
     assert r["fast"]["kv_read_over_needed"] >= 1.0 and r["fast"]["kv_bytes_per_slot"] > 0
+    assert r["attention"] == "sdpa"
 
 
 def test_bench_generate_profile_names_the_decode_steps_ranges(tmp_path):

@@ -101,3 +101,26 @@ print(type(ops).__name__, any(m.startswith(("core.kernels", "triton")) for m in 
                           env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["TorchOps", "False"]
+
+
+def test_the_triton_attention_of_the_batched_generator_is_refused_without_triton():
+    """bench_generate --attention triton, and BatchedGenerator(attention="triton") itself, say in one line that
+    Triton is needed (before any model loads, for the CLI) instead of failing inside a kernel launch."""
+    proc = run_child("""
+import sys
+from harness.lab.bench_generate import main
+rc = main(["--random-weights", "tiny", "--device", "cpu", "--prompts", "2", "--attention", "triton"])
+from core.errors import UsageError
+from harness.decode.batched_gen import BatchedGenerator
+from harness.protocol.presets import build_random
+from core.devices import resolve_backend
+m = build_random("tiny", resolve_backend("cpu", "float32"), fuse=False)
+try:
+    BatchedGenerator(m.target.model, rows=2, attention="triton")
+except UsageError as e:
+    print("refused:", e)
+sys.exit(rc)
+""")
+    assert proc.returncode == 2, proc.stderr
+    assert "error: --attention triton needs the triton package" in proc.stderr and "random weights" not in proc.stdout
+    assert "refused: batched generation: attention triton needs the triton package" in proc.stdout

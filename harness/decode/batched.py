@@ -16,11 +16,26 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from core import kernels
 from core.cache import rotate
 from core.ops import TorchOps, eps_of
 from core.ops.torch_impl import rms, trained
 from core.errors import UsageError
 from harness.decode.target import check_plain_family
+
+
+ATTENTIONS = ("sdpa", "triton")  # the decode's attention: SDPA under a mask over the step's bucket, or the Triton kernel
+
+
+def _check_triton(head_dim: int, n_q: int, n_kv: int) -> None:
+    """attention="triton": the harness's decode attention kernel (core/kernels/attention.py), one launch a layer
+    for every row, each over its own prefix; refused where it cannot run."""
+    if not kernels.available():
+        raise UsageError("batched generation: attention triton needs the triton package (pip install triton); "
+                         "use attention sdpa")
+    if not kernels.heads_fit(head_dim, n_q, n_kv) or not kernels.fits(1, n_q // n_kv):
+        raise UsageError(f"batched generation: attention triton takes a power-of-two head_dim >= 16 and whole query "
+                         f"groups (this model: head_dim {head_dim}, {n_q} query and {n_kv} K/V heads); use sdpa")
 
 
 @dataclass
@@ -78,9 +93,11 @@ class BatchedLM:
     harness.decode.batched_gen.BatchedGenerator, owns lengths, stops and outputs)."""
 
     def __init__(self, model, rows: int, capacity: int, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, attention: str = "sdpa"):
         cfg = model.config
         check_plain_family(cfg)
+        if attention not in ATTENTIONS:
+            raise UsageError(f"batched generation: attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
         self.device = torch.device(device) if device is not None else model.device
         self.dtype = dtype or next(model.parameters()).dtype
         inner = model.model
@@ -99,6 +116,9 @@ class BatchedLM:
         self.act = getattr(cfg, "hidden_act", "silu")
         self.vocab_size = self.lm_head.shape[0]
         self.ops = TorchOps()
+        if attention == "triton":
+            _check_triton(self.head_dim, self.n_q, self.n_kv)
+        self.attention = attention
         self.rows, self.capacity = rows, 0
         self.k = self.v = torch.empty(0)
         self.ensure(capacity)
@@ -121,23 +141,30 @@ class BatchedLM:
 
     # --- the layer loop ---------------------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """ids/positions [N] (flattened rows); attend(layer, q [N, n_q, d], k, v [N, n_kv, d]) -> [N, n_q*d].
-        Returns the last layer's hidden rows [N, H] (before the final norm)."""
+        """ids/positions [N] (flattened rows); attend(layer, weights, qkv [N, (n_q + 2 n_kv) d], cos, sin [N, d])
+        -> [N, n_q*d] (the q/k norms and the rotary its own: `heads`, or a kernel's). Returns the last layer's
+        hidden rows [N, H] (before the final norm)."""
         h = F.embedding(ids, self.embed)
         cos, sin = self.rotary(h.unsqueeze(0), positions.unsqueeze(0))
-        cos, sin = cos[0].unsqueeze(1), sin[0].unsqueeze(1)  # [N, 1, d]: broadcast over heads
-        ops, d, n = self.ops, self.head_dim, ids.shape[0]
+        cos, sin = cos[0], sin[0]
+        ops = self.ops
         for i, w in enumerate(self.layers):
             qkv = ops.linear(h, w.qkv, bias=w.qkv_bias, norm=w.ln1, eps=w.eps1)
-            q, k, v = qkv.split((self.n_q * d, self.n_kv * d, self.n_kv * d), dim=-1)
-            q, k, v = q.view(n, self.n_q, d), k.view(n, self.n_kv, d), v.view(n, self.n_kv, d)
-            if w.q_norm is not None:
-                q, k = rms(q, w.q_norm, w.qk_eps), rms(k, w.k_norm, w.qk_eps)
-            o = attend(i, rotate(q, cos, sin), rotate(k, cos, sin), v)
+            o = attend(i, w, qkv, cos, sin)
             h = ops.linear(o, w.o, bias=w.o_bias, residual=h)
             gate_up = ops.linear(h, w.gate_up, norm=w.ln2, eps=w.eps2)
             h = ops.linear(gate_up, w.down, bias=w.down_bias, act=self.act, residual=h)
         return h
+
+    def heads(self, w: LayerWeights, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [N, n_q, d], k, v [N, n_kv, d] of a layer's fused projection: per-head norms (Qwen3), then the rotary."""
+        d, n = self.head_dim, qkv.shape[0]
+        q, k, v = qkv.split((self.n_q * d, self.n_kv * d, self.n_kv * d), dim=-1)
+        q, k, v = q.view(n, self.n_q, d), k.view(n, self.n_kv, d), v.view(n, self.n_kv, d)
+        if w.q_norm is not None:
+            q, k = rms(q, w.q_norm, w.qk_eps), rms(k, w.k_norm, w.qk_eps)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, d]: broadcast over heads
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.ops.linear(h, self.lm_head, bias=self.lm_bias, norm=self.norm, eps=self.norm_eps)
@@ -155,7 +182,8 @@ class BatchedLM:
         mask = mask.repeat(1, self.groups, 1).unsqueeze(1)                         # [R, 1, groups*W, W]
         d, g = self.head_dim, self.groups
 
-        def attend(i, q, k, v):
+        def attend(i, w, qkv, cos, sin):
+            q, k, v = self.heads(w, qkv, cos, sin)
             k, v = k.view(r, width, self.n_kv, d), v.view(r, width, self.n_kv, d)
             self.k[i][rows[:, None], :, positions] = k
             self.v[i][rows[:, None], :, positions] = v
@@ -173,11 +201,19 @@ class BatchedLM:
         """tokens [rows] at positions `lengths` [rows] (each row's committed length, on the device); attends over
         cache slots [0, length) (a host bound > every row's position), each row up to its own position. No host
         sync: capturable. Returns logits [rows, V]."""
+        d, b = self.head_dim, self.rows
+        if self.attention == "triton":  # each row over its own prefix only: `length` bounds nothing here
+            positions = lengths.view(b, 1)
+
+            def fused(i, w, qkv, cos, sin):  # norms, rotary, the cache write and the attention: one launch
+                return kernels.attention(qkv, w.q_norm, w.k_norm, w.qk_eps, cos, sin, positions, self.k[i],
+                                         self.v[i], self.n_q, self.scale, causal=True, splits=1)
+            return self.logits(self._forward(tokens, lengths, fused))
         keys = torch.arange(length, device=tokens.device)
         mask = (keys[None, :] <= lengths[:, None]).view(self.rows, 1, 1, length)
-        d, b = self.head_dim, self.rows
 
-        def attend(i, q, k, v):
+        def attend(i, w, qkv, cos, sin):
+            q, k, v = self.heads(w, qkv, cos, sin)
             self.k[i][self.row_ids, :, lengths] = k
             self.v[i][self.row_ids, :, lengths] = v
             qg = q.view(b, self.n_kv, self.groups, d)  # query head h reads K/V head h // groups

@@ -2,7 +2,8 @@
 
 Every row has its own committed length, output count, output limit and stop state, all device tensors that one
 decode step updates in place (so the step is one CUDA graph per KV-length bucket on CUDA, replayed; eager on
-CPU). The host looks every `check_every` steps (one small read): finished rows hand their answers back and take
+CPU; attention="triton": the decode's attention is the harness's Triton kernel, each row over its own prefix, and
+one graph serves every bucket). The host looks every `check_every` steps (one small read): finished rows hand their answers back and take
 the next waiting prompts (a prefill of just those rows), and the bucket is chosen for the next steps. A row's
 answer depends only on its own prompt (greedy; sampled draws come from one seeded generator shared by the rows).
 
@@ -32,14 +33,15 @@ class BatchedGenerator:
     between calls (a call that needs a larger cache or longer answers reallocates them, and recaptures)."""
 
     def __init__(self, model, rows: int, dtype: torch.dtype | None = None, device=None, bucket: int = 128,
-                 check_every: int = 8, use_graph: bool | None = None, prefill_tokens: int = 32768):
+                 check_every: int = 8, use_graph: bool | None = None, prefill_tokens: int = 32768,
+                 attention: str = "sdpa"):
         if rows < 1 or bucket < 1 or check_every < 1:
             raise UsageError("batched generation: rows, bucket and check_every must be >= 1")
         device = torch.device(device) if device is not None else model.device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and device.type != "cuda":
             raise UsageError("batched generation: CUDA graphs need a CUDA device (use_graph=False elsewhere)")
-        self.lm = BatchedLM(model, rows, bucket, dtype=dtype, device=device)
+        self.lm = BatchedLM(model, rows, bucket, dtype=dtype, device=device, attention=attention)
         self.rows, self.bucket, self.check_every, self.prefill_tokens = rows, bucket, check_every, prefill_tokens
         self.device = device
         self.gen = torch.Generator(device=device)
@@ -48,9 +50,10 @@ class BatchedGenerator:
         self._alloc_state(1)
         self.graphs: dict = {}
         self.pool = None
-        # kv_slots_read: cache slots the decode steps' attention read (every row over the step's bucket, finished and
-        # empty rows too); kv_slots_needed: those below each busy row's own position (rows that finish between
-        # two checks counted to the check's end, so this is an upper bound and read/needed a lower bound)
+        # kv_slots_read: cache slots the decode steps' attention read (sdpa: every row over the step's bucket,
+        # finished and empty rows too; triton: every row over its own prefix, an idle row's one slot);
+        # kv_slots_needed: those below each busy row's own position (rows that finish between two checks counted
+        # to the check's end, so this is an upper bound and read/needed a lower bound)
         self.stats = {"captures": 0, "capture_s": 0.0, "steps": 0, "prefills": 0, "prefill_rows": 0,
                       "checks": 0, "kv_slots_read": 0, "kv_slots_needed": 0}
 
@@ -92,7 +95,7 @@ class BatchedGenerator:
         if not self.use_graph:
             self._step(length, params)
             return
-        key = (length, params)
+        key = (length if self.lm.attention == "sdpa" else None, params)  # the kernel reads each row's own length
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = self._capture(length, params)
@@ -205,13 +208,16 @@ class BatchedGenerator:
                 for b, row in zip(finished, outs):
                     answers[owner[b]] = self._cut(row[:count[b]], stops, keep_stop)
                     owner[b] = -1
+                self.length[finished] = 0  # an idle row's prefix: one slot for a kernel that reads each row's own
                 continue  # refill first
             lengths = snap[2 * self.rows:]
             steps = min(self.check_every, max(limits[owner[b]] - count[b] for b in busy))
             span = min(self.lm.capacity, _round_up(max(lengths[b] for b in busy) + steps + 1, self.bucket))
-            self.stats["kv_slots_read"] += steps * self.rows * span
-            self.stats["kv_slots_needed"] += steps * sum(lengths[b] + 1 for b in busy) + \
-                len(busy) * steps * (steps - 1) // 2
+            grown = len(busy) * steps * (steps - 1) // 2
+            needed = steps * sum(lengths[b] + 1 for b in busy) + grown
+            self.stats["kv_slots_needed"] += needed
+            self.stats["kv_slots_read"] += steps * self.rows * span if self.lm.attention == "sdpa" else \
+                steps * sum(lengths[b] + 1 for b in range(self.rows)) + grown  # the kernel: every row's own
             for _ in range(steps):
                 self._replay(span, params)
         return answers

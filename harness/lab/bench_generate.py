@@ -112,7 +112,7 @@ def measure(a) -> dict:
     model, prompts, stops, pad, label = load()
     kw = dict(sample=a.sampled, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     gen = BatchedGenerator(model, rows=a.batch, dtype=backend.dtype, device=backend.device,
-                           check_every=a.check_every, bucket=a.bucket)
+                           check_every=a.check_every, bucket=a.bucket, attention=a.attention)
     run = lambda: gen.generate(prompts, a.max_new_tokens, stops, **kw)  # noqa: E731
     _, cold = _timed(backend.device, run)
     cold_stats, gen.stats = gen.stats, dict.fromkeys(gen.stats, 0)
@@ -122,7 +122,7 @@ def measure(a) -> dict:
           "kv_bytes_per_slot": gen.lm.k[0].element_size() * 2 * len(gen.lm.layers) * gen.lm.n_kv * gen.lm.head_dim}
     result = {"label": label, "target": a.random_weights or a.target, "device": str(backend.device),
               "gpu": torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu",
-              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch,
+              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": a.attention,
               "max_new_tokens": a.max_new_tokens, "mode": "sampled" if a.sampled else "greedy",
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
               "fast": {**_rate(fast, warm), "cold_seconds": round(cold, 3), **st, **kv},
@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-prompts", type=int, default=0, help="HF generate on the first N prompts (0: all)")
     p.add_argument("--check-every", type=int, default=8, help="decode steps between host checks")
     p.add_argument("--bucket", type=int, default=128, help="KV-length bucket of the captured steps")
+    p.add_argument("--attention", choices=("sdpa", "triton"), default="sdpa",
+                   help="the fast engine's decode attention: SDPA over the step's bucket, or the Triton kernel over each "
+                        "row's own prefix (harness/decode/batched.py)")
     p.add_argument("--profile", action="store_true",
                    help="a third fast run under torch.profiler: kernels and ranges per decode step (not timed)")
     p.add_argument("--out", help="JSON path (default: print only)")
@@ -174,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.random_weights:
             from harness.protocol.presets import preset
             preset(a.random_weights)
+        from core import kernels
+        if a.attention == "triton" and not kernels.available():
+            raise UsageError("--attention triton needs the triton package (pip install triton); use --attention sdpa")
         result = measure(a)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,58 @@
+"""harness.decode.batched_gen with attention="triton": the decode's attention is the harness's Triton kernel
+(core/kernels/attention.py), each row over its own prefix, instead of SDPA under a mask over the step's bucket.
+On tiny fp32 models (Triton's CPU interpreter here, compiled on a GPU) its answers equal the SDPA path's row for
+row, with refills and early stops, while it reads only the rows' own prefixes (the host's slot count).
+
+Power: a kernel call over the wrong positions (e.g. lengths + 1, or every row at the bucket's end) or caches (the
+layer's neighbour) changes the answers of these random models within a few tokens; a refilled row that could see
+its old prompt's keys changes its answer (the refill test of tests/test_batched_generate.py, here on the kernel)."""
+import pytest
+import torch
+
+from kernel_env import DEV, pytestmark  # noqa: F401  (skips without Triton, or with numpy that breaks the interpreter)
+from core.errors import UsageError
+from harness.decode.batched_gen import BatchedGenerator
+from tiny import tiny_hf_model
+
+pytestmark = [*pytestmark, pytest.mark.usefixtures("one_thread")]
+NEW = 6
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(8, 100, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])  # per-head q/k norms in the kernel, and none
+def test_triton_attention_answers_equal_sdpa_with_refills_and_stops(family):
+    model = tiny_hf_model(family).to(DEV)  # on a GPU, with CUDA graphs (one for every bucket with the kernel)
+    prompts = _prompts((7, 2, 11, 4), seed=3)
+    sdpa = BatchedGenerator(model, rows=2, bucket=16, check_every=2)
+    stop = sdpa.generate(prompts[:1], NEW, [])[0][2]
+    limits = [NEW, 3, NEW, NEW]
+    sdpa.stats = dict.fromkeys(sdpa.stats, 0)
+    want = sdpa.generate(prompts, limits, [stop])
+    assert any(len(w) < lim for w, lim in zip(want, limits))  # an early stop, so rows were refilled mid-way
+    fast = BatchedGenerator(model, rows=2, bucket=16, check_every=2, attention="triton")
+    assert fast.generate(prompts, limits, [stop]) == want
+    assert fast.stats["kv_slots_read"] < sdpa.stats["kv_slots_read"]  # own prefixes, not the bucket
+    assert fast.stats["kv_slots_needed"] == sdpa.stats["kv_slots_needed"]
+    if fast.use_graph:
+        assert fast.stats["captures"] == 1 < sdpa.stats["captures"]
+
+
+def test_an_unknown_attention_is_refused():
+    with pytest.raises(UsageError, match="attention 'flash' is not one of sdpa, triton"):
+        BatchedGenerator(tiny_hf_model("llama"), rows=2, attention="flash")
+
+
+def test_bench_generate_runs_the_triton_attention(tmp_path):
+    """bench_generate --attention triton on the tiny random preset: the same greedy rows as HF's, labelled."""
+    import json
+    from harness.lab.bench_generate import main
+    out = tmp_path / "g.json"
+    assert main(["--random-weights", "tiny", "--device", DEV.type, "--dtype", "float32", "--prompts", "3",
+                 "--batch", "2", "--max-new-tokens", "3", "--bucket", "32", "--attention", "triton",
+                 "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["attention"] == "triton" and r["greedy_rows_equal"] == 1.0 and r["fast"]["kv_read_over_needed"] >= 1.0
