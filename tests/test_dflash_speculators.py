@@ -63,24 +63,9 @@ def speculators_block_logits(model, ids: torch.Tensor, prompt: int) -> torch.Ten
         hf(input_ids=ids[None])
     full = cap.stacked()[0]  # [T, taps + 1, H]
     cap.close()
-    n = ids.shape[0]
-    loss_mask = torch.zeros(1, n, dtype=torch.long)
-    loss_mask[0, prompt:] = 1
-    anchors = n - BLOCK - prompt  # select_anchors leaves the row's last BLOCK positions out
-    from speculators.model import SpeculatorModel
-    # the trainer's keyword arguments as training.train passes them on a CPU (the eager loss, not the Triton one)
-    kwargs, _ = SpeculatorModel.registry["dflash"].get_trainer_kwargs(
-        loss_fn="kl_div", loss_implementation="eager", dflash_decay_gamma=4.0, max_anchors=anchors)
-    seen = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out))
-    try:
-        with torch.no_grad():
-            model(hidden_states=full[:, :-1].reshape(1, n, -1), input_ids=ids[None], loss_mask=loss_mask,
-                  verifier_last_hidden_states=full[None, :, -1], document_ids=torch.zeros(1, n, dtype=torch.long),
-                  **kwargs)  # as many anchors as valid positions: every one, sorted
-    finally:
-        hook.remove()
-    return seen[0].view(anchors, BLOCK, -1)
+    from speculators_forward import every_anchor_logits
+    return every_anchor_logits(model, full[:, :-1].reshape(1, ids.shape[0], -1), ids[None], full[None, :, -1], prompt,
+                               BLOCK)
 
 
 def test_every_anchor_block_equals_speculators_training_forward(pair):

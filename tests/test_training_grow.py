@@ -57,27 +57,13 @@ def source(tmp_path_factory):
 def block_logits(model, seed: int = 0) -> torch.Tensor:
     """The training forward's logits at every anchor of one random sequence (as many anchors as valid positions:
     all of them, sorted, so two models see the same draw)."""
-    from speculators.model import SpeculatorModel
+    from speculators_forward import every_anchor_logits
     g = torch.Generator().manual_seed(seed)
     h = model.config.transformer_layer_config.hidden_size
     ids = torch.randint(8, 100, (1, LENGTH), generator=g)
     layers = [torch.randn(1, LENGTH, h, generator=g) for _ in range(6)]  # each target layer's states, tapped or not
     taps = torch.cat([layers[t] for t in model.target_layer_ids], dim=-1)
-    loss_mask = torch.zeros(1, LENGTH, dtype=torch.long)
-    loss_mask[0, PROMPT:] = 1
-    anchors = LENGTH - BLOCK - PROMPT
-    kwargs, _ = SpeculatorModel.registry["dflash"].get_trainer_kwargs(
-        loss_fn="kl_div", loss_implementation="eager", dflash_decay_gamma=4.0, max_anchors=anchors)
-    seen = []
-    hook = model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out))
-    try:
-        with torch.no_grad():
-            model(hidden_states=taps, input_ids=ids,
-                  loss_mask=loss_mask, verifier_last_hidden_states=torch.randn(1, LENGTH, h, generator=g),
-                  document_ids=torch.zeros(1, LENGTH, dtype=torch.long), **kwargs)
-    finally:
-        hook.remove()
-    return seen[0].view(anchors, BLOCK, -1)
+    return every_anchor_logits(model, taps, ids, torch.randn(1, LENGTH, h, generator=g), PROMPT, BLOCK)
 
 
 def build(root, models: dict, taps: list[int]):
