@@ -37,7 +37,38 @@ def test_drafter_config_incompatible_with_target(tmp_path, capsys):
     assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_layers 9 exceeds the target's 6 layers" in err[0]
-    assert not any((tmp_path / "w").iterdir())
+    assert not (tmp_path / "w").exists()  # refused before the workdir is made
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("train.epochs", "abc", "train.epochs must be an integer >= 1 (got 'abc')"),
+    ("train.epochs", "0", "train.epochs must be an integer >= 1 (got 0)"),
+    ("train.lr", "-1", "train.lr must be a number > 0 (got -1)"),
+    ("train.warmup_ratio", "1.5", "train.warmup_ratio must be a number >= 0 and <= 1 (got 1.5)"),
+    ("models.drafter.max_steps", "-3", "models.drafter.max_steps must be an integer >= 1, or null"),
+    ("models.drafter.lr", "0", "models.drafter.lr must be a number > 0, or null for train.lr (got 0)"),
+])
+def test_bad_schedule_numbers_are_refused_when_the_config_loads(tmp_path, capsys, key, value, said):
+    """Before any stage runs (they used to fail at the train stage, after the data stages had written)."""
+    cfg = write_config(tmp_path, tiny_models(heads=False))
+    capsys.readouterr()
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w", "--set", f"{key}={value}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and said in err[0], err
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_stage_without_its_input_and_an_unknown_model_are_refused(tmp_path, capsys):
+    cfg = write_config(tmp_path, tiny_models(heads=False))
+    for stage, before in (("responses", "prompts"), ("hidden", "responses"), ("train", "hidden")):
+        capsys.readouterr()
+        assert run_cli(stage, "--config", cfg, "--workdir", tmp_path / "w") == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"the {stage} stage reads the {before} stage's output" in err[0], err
+    assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w", "--models", "drafer") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --models drafer: not a model of this config (drafter)"]
+    assert not (tmp_path / "w").exists()
     cfg = write_config(tmp_path, tiny_models(heads=False), hidden={"layer_ids": [1, 6]})
     assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 2
     assert "hidden.layer_ids" in capsys.readouterr().err

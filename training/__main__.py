@@ -37,11 +37,16 @@ def main(argv: list[str] | None = None) -> int:
         from training.config import load_config
         from training.pipeline import Pipeline
         cfg = load_config(args.config, args.overrides, args.workdir)
+        only = args.models.split(",") if args.models else None
+        unknown = [n for n in only or () if n not in cfg["models"]]
+        if unknown:
+            from core.errors import UsageError
+            raise UsageError(f"--models {','.join(unknown)}: not a model of this config ({', '.join(cfg['models'])})")
         pipe = Pipeline(cfg, eval_dir=args.eval_dir, force=args.force)
         stages = STAGES if args.stage == "all" else (args.stage,)
         pipe.preflight(stages)
         for s in stages:
-            pipe.run(s, only=args.models.split(",") if args.models else None)
+            pipe.run(s, only=only)
             if pipe.stopped:
                 print("training: stopped early with a checkpoint; the same command resumes it")
                 break

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from core.errors import UsageError
-from training import grow
+from training import config_numbers, grow
 from training.store import export_digest
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -215,6 +215,7 @@ def validate(cfg: dict) -> None:
         raise UsageError(f"config train.compile {cfg['train']['compile']!r}: use one of {', '.join(MODES)} "
                          "(training/compiling.py says what each compiles)")
     validate_steps(cfg)
+    config_numbers.check(cfg)
     from training.domains import validate_prompts
     validate_prompts(cfg)
 

@@ -10,8 +10,14 @@ from pathlib import Path
 import torch
 
 from training import evaluate, export, hidden, prompts, responses, train
+from core.errors import UsageError
 from training.stages import stage_clock
+from training.store import read_manifest
 from training.target import load_hf, target_config, verifier_dir
+
+# a stage run alone: the stage whose output it reads, and that output's folder (`export` checks its models itself)
+BEFORE = {"responses": ("prompts", prompts.out_dir), "hidden": ("responses", responses.out_dir),
+          "train": ("hidden", hidden.out_dir)}
 
 
 class Pipeline:
@@ -19,8 +25,7 @@ class Pipeline:
         self.cfg, self.eval_dir, self.force = cfg, eval_dir, force
         self._hf = None
         self._typed: dict = {}
-        self.stopped = False
-        Path(cfg["workdir"]).mkdir(parents=True, exist_ok=True)
+        self.stopped = False  # the workdir is made by the first stage that runs, after the preflight's checks
 
     def device(self) -> torch.device:
         return train.device_of(self.cfg)
@@ -31,7 +36,14 @@ class Pipeline:
         return self._hf
 
     def preflight(self, stages) -> None:
-        """Target/model compatibility and resume checks from configs alone (no weights read)."""
+        """Target/model compatibility and resume checks from configs alone (no weights read), and each stage's
+        input: a stage run alone needs the stage before it done (its manifest in the workdir)."""
+        for s in stages:
+            before = BEFORE.get(s)
+            if before is not None and before[0] not in stages and read_manifest(before[1](self.cfg)) is None:
+                raise UsageError(f"the {s} stage reads the {before[0]} stage's output, and {before[1](self.cfg)} has "
+                                 f"none: run `python -m training {before[0]}` with this config and workdir first (or "
+                                 "`all`, every stage in order)")
         tcfg = target_config(self.cfg["target"])
         hidden.layer_ids(self.cfg, tcfg.num_hidden_layers)
         for n in self.cfg["models"]:
@@ -74,6 +86,7 @@ class Pipeline:
         return self._held([p for v in ids.values() for p in v]), ids
 
     def run(self, stage: str, only=None) -> None:
+        Path(self.cfg["workdir"]).mkdir(parents=True, exist_ok=True)
         with stage_clock(Path(self.cfg["workdir"]), stage):
             self._run(stage, only)
 
