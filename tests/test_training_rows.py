@@ -1,6 +1,7 @@
 """The training step's speed levers: training/rows.py (the dataset served from memory), training/profiling.py
 (train.profile_steps) and the online target's compiled layers (train.compile_target, training/bench_taps.py)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +37,22 @@ def test_rows_equal_what_datasets_reads(tmp_path):
         view[7]
     with pytest.raises(IndexError):
         mem.view(20, 24)
+
+
+
+def test_rows_load_without_torchs_read_only_warning(tmp_path):
+    """arrow's buffers are read-only; the rows own writable copies (torch warned "The given NumPy array is not
+    writable" on every training run when they did not). In a child process: torch gives that warning once a
+    process, so an earlier test here could have used it up."""
+    import subprocess
+    import sys
+    from training.hidden import write_dataset
+    write_dataset(tmp_path / "d", [{"prompt": [1, 2, 3], "response": [4, 5]}, {"prompt": [6], "response": [7]}])
+    code = ("import warnings; warnings.simplefilter('error')\n"
+            f"from training.rows import Rows; Rows.load({str(tmp_path / 'd')!r})")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[1]))
+    assert proc.returncode == 0 and "not writable" not in proc.stderr, proc.stderr[-2000:]
 
 
 def test_rows_are_read_once_a_process_and_again_when_rewritten(tmp_path):

@@ -48,8 +48,10 @@ class Rows:
         offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
 
         def flat(name):
-            values = pc.list_flatten(table.column(name)).to_numpy(zero_copy_only=False)
-            return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64))
+            values = np.ascontiguousarray(pc.list_flatten(table.column(name)).to_numpy(zero_copy_only=False),
+                                          dtype=np.int64)
+            # arrow's zero-copy buffer is read-only, which torch warns about on every run: own a copy instead
+            return torch.from_numpy(values if values.flags.writeable else values.copy())
         ids, mask = flat("input_ids"), flat("loss_mask")
         if len(ids) != offsets[-1] or len(mask) != offsets[-1]:
             raise ValueError(f"{path}: input_ids and loss_mask differ in length")
