@@ -65,6 +65,8 @@ def test_auc_counts_pairs_and_half_ties():
     (["--max-new-tokens", "15"], "under the drafter's block of 16"),
     (["--max-samples", "0"], "--max-samples must be >= 1"),
     (["--refiner", "xpress", "--passes", "0"], "--passes must be >= 1"),
+    (["--passes", "3"], "--passes 3 refines with xPress only; add --refiner xpress"),
+    (["--refiner", "markov", "--passes", "3"], "--passes 3 refines with xPress only"),
     (["--refiner", "xpress", "--weights", "EMPTY"], "is not a folder"),
 ])
 def test_refusals_say_what_and_write_nothing(tmp_path, capsys, monkeypatch, args, says):

@@ -62,6 +62,8 @@ def test_a_capped_record_pairs_on_its_prefix_and_arms_are_named(tmp_path):
     b = record(tmp_path / "b.json", base[:37] * 1.1, arm="tau_xpress_K4")
     r = compare_tau.compare(str(a), f"{b}:tau_xpress_K4")[0]
     assert r["prompts"] == 37 and r["ratio"] == pytest.approx(1.1, abs=3e-3)
+    assert "(37 prompts, tau_drafter -> tau_xpress_K4)" in compare_tau.line(r)  # the printed line names the arms
+    assert "(37 prompts, tau_drafter)" in compare_tau.line({**r, "arms": ["tau_drafter"] * 2})
     with pytest.raises(UsageError, match="no arm 'tau_markov'.*tau_xpress_K4"):
         compare_tau.compare(str(a), f"{b}:tau_markov")
 

@@ -165,20 +165,26 @@ def parse(argv):
     ap.add_argument("--out", required=True, help="the JSON file to write (refused if it exists)")
     ap.add_argument("--weights", default=None, help="a folder with drafter/ (default: the embedded weights)")
     ap.add_argument("--model-name-or-path", default=None, help="the target (default: the embedded SmolLM2 GGUF)")
-    ap.add_argument("--dataset", default="gsm8k")
-    ap.add_argument("--data-dir", default=str(REPO / "data" / "eval"))
-    ap.add_argument("--max-samples", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=96)
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dataset", default="gsm8k", help="a benchmark file of --data-dir (default gsm8k)")
+    ap.add_argument("--data-dir", default=str(REPO / "data" / "eval"), help="the benchmark files (default data/eval)")
+    ap.add_argument("--max-samples", type=int, default=16,
+                    help="prompts, the protocol's seeded subset of the dataset (default 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=96, help="AR's greedy text per prompt (default 96)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--refiner", default="none", choices=("none", "xpress", "markov"),
                     help="refine each draft with the head in WEIGHTS/xpress or WEIGHTS/markov (default: drafter-only)")
-    ap.add_argument("--passes", type=int, default=4, help="xPress's refinement passes K (default 4)")
+    ap.add_argument("--passes", type=int, default=None, help="xPress's refinement passes K (--refiner xpress only; "
+                    "default 4)")
     return ap.parse_args(argv)
 
 
 def check_refiner_args(args, weights: Path) -> None:
     """--refiner and --passes, from the arguments and the folder alone."""
+    if args.passes is not None and args.refiner != "xpress":
+        raise UsageError(f"--passes {args.passes} refines with xPress only; add --refiner xpress or drop --passes")
+    if args.passes is None:
+        args.passes = 4
     if args.refiner == "xpress" and args.passes < 1:
         raise UsageError(f"--passes must be >= 1 for --refiner xpress (got {args.passes}); K=0 is drafter-only")
     if args.refiner != "none" and not (weights / args.refiner).is_dir():
@@ -273,8 +279,10 @@ def run(args) -> dict:
            "per_prompt": [{**q, **{k: {str(p): v for p, v in q[k].items()} for k in ("runs", "target_prob")}}
                           for q in prompts]}
     atomic_write(out, json.dumps(rec, indent=1) + "\n")
-    print(f"{arm}: all-anchor eal {rec['all_anchor_eal']}, replayed tau {rec['replayed_tau']}, decoded tau "
-          f"{rec['decoded_tau']}; decode anchors' eal {rec['decode_anchor_eal']} -> {out}")
+    replayed, decoded = (sum(len(q[k]) for q in prompts) for k in ("replay", "decode_accepted"))
+    print(f"{arm}: all-anchor eal {rec['all_anchor_eal']}, replayed tau {rec['replayed_tau']} (over the {replayed} "
+          f"steps a whole block fits), decoded tau {rec['decoded_tau']} (all {decoded} decode steps); decode "
+          f"anchors' eal {rec['decode_anchor_eal']} -> {out}")
     return rec
 
 

@@ -63,7 +63,7 @@ def pair(base: dict, new: dict, arm_b: str, arm_n: str, name: str) -> dict:
     if not sum(st for _, st in b) or not sum(st for _, st in m):
         raise UsageError(f"compare_tau: set {name!r}: an arm decoded no step on its {n} prompts (no tau to compare)")
     ci = paired_tau_ci([[t for t, _ in m]], [[s for _, s in m]], [[t for t, _ in b]], [[s for _, s in b]])
-    return {"set": name, "prompts": n, "base": sum(t for t, _ in b) / sum(s for _, s in b),
+    return {"set": name, "prompts": n, "arms": [arm_b, arm_n], "base": sum(t for t, _ in b) / sum(s for _, s in b),
             "new": sum(t for t, _ in m) / sum(s for _, s in m), **ci}
 
 
@@ -91,7 +91,8 @@ def compare(base_spec: str, new_spec: str, only: str | None = None) -> list[dict
 def line(r: dict) -> str:
     lo, hi = r["ratio_ci95"]
     verdict = "higher" if lo > 1 else "lower" if hi < 1 else "no difference shown"
-    return (f"{r['set']} ({r['prompts']} prompts): {r['base']:.3f} -> {r['new']:.3f}, ratio {r['ratio']:.3f} "
+    arms = f"{r['arms'][0]} -> {r['arms'][1]}" if r["arms"][0] != r["arms"][1] else r["arms"][0]
+    return (f"{r['set']} ({r['prompts']} prompts, {arms}): {r['base']:.3f} -> {r['new']:.3f}, ratio {r['ratio']:.3f} "
             f"[{lo:.3f}, {hi:.3f}] (paired bootstrap over prompts, 95%): {verdict}")
 
 
