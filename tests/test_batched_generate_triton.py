@@ -1,7 +1,8 @@
 """harness.decode.batched_gen with attention="triton": the decode's attention is the harness's Triton kernel
 (core/kernels/attention.py), each row over its own prefix, instead of SDPA under a mask over the step's bucket.
 On tiny fp32 models (Triton's CPU interpreter here, compiled on a GPU) its answers equal the SDPA path's row for
-row, with refills and early stops, while it reads only the rows' own prefixes (the host's slot count).
+row, with refills and early stops. The slot counts are the host's bookkeeping of what each path reads (checked by
+hand below), not a measurement of the kernel.
 
 Power: a kernel call over the wrong positions (e.g. lengths + 1, or every row at the bucket's end) or caches (the
 layer's neighbour) changes the answers of these random models within a few tokens; a refilled row that could see
@@ -35,10 +36,16 @@ def test_triton_attention_answers_equal_sdpa_with_refills_and_stops(family):
     assert any(len(w) < lim for w, lim in zip(want, limits))  # an early stop, so rows were refilled mid-way
     fast = BatchedGenerator(model, rows=2, bucket=16, check_every=2, attention="triton")
     assert fast.generate(prompts, limits, [stop]) == want
-    assert fast.stats["kv_slots_read"] < sdpa.stats["kv_slots_read"]  # own prefixes, not the bucket
-    assert fast.stats["kv_slots_needed"] == sdpa.stats["kv_slots_needed"]
     if fast.use_graph:
         assert fast.stats["captures"] == 1 < sdpa.stats["captures"]
+
+
+def test_kv_slot_bookkeeping_of_the_kernel_path_by_hand():
+    """One 5-token prompt, 4 new tokens (3 decode steps), 2 rows (one idle), bucket 16: the busy row reads its own
+    6, 7 and 8 slots, the idle row (length 0) one a step; SDPA's count would be 3 x 2 x 16 = 96."""
+    gen = BatchedGenerator(tiny_hf_model("llama").to(DEV), rows=2, bucket=16, check_every=8, attention="triton")
+    gen.generate(_prompts((5,)), 4, [])
+    assert (gen.stats["kv_slots_read"], gen.stats["kv_slots_needed"]) == (6 + 7 + 8 + 3, 6 + 7 + 8)
 
 
 def test_an_unknown_attention_is_refused():
@@ -55,4 +62,4 @@ def test_bench_generate_runs_the_triton_attention(tmp_path):
                  "--batch", "2", "--max-new-tokens", "3", "--bucket", "32", "--attention", "triton",
                  "--out", str(out)]) == 0
     r = json.loads(out.read_text())
-    assert r["attention"] == "triton" and r["greedy_rows_equal"] == 1.0 and r["fast"]["kv_read_over_needed"] >= 1.0
+    assert r["attention"] == "triton" and r["greedy_rows_equal"] == 1.0

@@ -7,6 +7,7 @@ down_proj columns, moves the logits by a fraction of their size, far outside the
 source layer in the wrong place. A grown layer left at zero after training (frozen, or its output projection never
 reaching the optimizer) fails the training test."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,6 +130,28 @@ def test_a_grown_drafter_trains_every_tensor_and_decodes(source, tmp_path):
         [acc[s]["prompts"] for s in ("selection", "heldout")]
 
 
+def test_a_grown_starts_record_is_not_a_warm_starts():
+    """The start's acceptance record is keyed by the folder's bytes and, for a grown model, by growth: a record that
+    a warm start from the same folder wrote (no "grown") is not kept for a grown model, and the card would misname
+    it otherwise."""
+    from training.evaluate import eval_key
+    from training.prompts import out_dir
+    from training.store import write_json
+    cfg = {"models": {"drafter": {"grow": True}}, "train": {"eval_max_new_tokens": 8, "eval_k": [1]},
+           "acceptance": {}, "workdir": "/nonexistent"}
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        cfg["workdir"] = d
+        out_dir(cfg).mkdir(parents=True)
+        write_json(out_dir(cfg) / "manifest.json", {"key": "k"})
+        folder = Path(d) / "src"
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        grown = eval_key(cfg, "drafter", folder, warm=folder)
+        cfg["models"]["drafter"]["grow"] = False
+        assert grown != eval_key(cfg, "drafter", folder, warm=folder)
+
+
 def test_the_card_says_a_drafter_was_grown():
     from training.card_md import warm_start_lines
     w = {"global_step": 3588, "grown": True, "folder": "weights/smollm2-135m/drafter",
@@ -139,6 +162,7 @@ def test_the_card_says_a_drafter_was_grown():
 
 
 def test_sizes_grow_cannot_reach_are_refused_before_loading(source, tmp_path):
+    import shutil
     from training.config import load_config
     root, _ = source
     folder = str(root / "source")
@@ -160,6 +184,16 @@ def test_sizes_grow_cannot_reach_are_refused_before_loading(source, tmp_path):
         load_config(str(write_config(tmp_path, grown_model(folder, grow=False, **SMALL),
                                      hidden={"layer_ids": MORE_TAPS})))
     assert "it needs type dflash, init_from set" in refused(grown_model(None))
+    head = {"xpress": {"type": "xpress", **BIG, "block_size": BLOCK, "init_from": folder, "freeze_backbone": True}}
+    said = refused(head)  # a head cannot grow: the size's own fix, not grow's
+    assert "num_layers=3 differs from its init_from drafter" in said and "grow: true" not in said
+    sliding = tmp_path / "sliding"
+    shutil.copytree(root / "source", sliding)
+    spec = json.loads((sliding / "config.json").read_text())
+    spec["transformer_layer_config"]["layer_types"] = ["sliding_attention", "full_attention"]
+    (sliding / "config.json").write_text(json.dumps(spec))
+    assert "has sliding_attention layers; the train stage builds full attention only" in refused(
+        grown_model(str(sliding)))
     xp = {"drafter": {"type": "dflash", **SMALL, "block_size": BLOCK},
           "xpress": {"type": "xpress", **SMALL, "block_size": BLOCK, "init_from": "drafter", "grow": True}}
     assert "it needs type dflash" in refused(xp)

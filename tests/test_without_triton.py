@@ -122,5 +122,21 @@ except UsageError as e:
 sys.exit(rc)
 """)
     assert proc.returncode == 2, proc.stderr
-    assert "error: --attention triton needs the triton package" in proc.stderr and "random weights" not in proc.stdout
+    assert "error: batched generation: attention triton needs the triton package" in proc.stderr
+    assert "random weights" not in proc.stdout  # refused before the model loads
     assert "refused: batched generation: attention triton needs the triton package" in proc.stdout
+
+
+def test_the_triton_attention_on_a_cpu_without_the_interpreter_is_refused_before_loading():
+    """Triton installed, TRITON_INTERPRET unset, --device cpu: one line before the model loads (it was a
+    RuntimeError from the kernel launch, after loading)."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; from harness.lab.bench_generate import main; sys.exit(main(['--random-weights', 'tiny', "
+            "'--device', 'cpu', '--prompts', '2', '--attention', 'triton']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    if "needs the triton package" in proc.stderr:
+        return  # no Triton here: the other refusal, tested above
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "attention triton runs on a CUDA device" in proc.stderr and "random weights" not in proc.stdout

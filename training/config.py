@@ -342,6 +342,7 @@ def check_init_export(cfg: dict, name: str) -> None:
     theirs = {"num_layers": layer.get("num_hidden_layers"), "block_size": spec.get("block_size"),
               "intermediate_size": layer.get("intermediate_size")}
     grow.check_sizes(where, m, theirs, str(d), folder=True)
+    grow.check_layer_types(where, spec, str(d))
     grow.check_taps(where, m, spec.get("aux_hidden_state_layer_ids"), cfg["hidden"].get("layer_ids"), str(d),
                     "hidden.layer_ids is")
 

@@ -54,7 +54,8 @@ def eval_key(cfg: dict, name: str, final: Path, warm: Path | None = None) -> str
     """What a record measured: the model (or, for WARM, the warm-start export's bytes), the prompts, the settings."""
     from training.prompts import out_dir
     tc = cfg["train"]
-    what = {"warm_start": export_digest(warm)} if warm is not None else \
+    grown = {"grown": True} if cfg["models"][name]["grow"] else {}  # a grown model's start, not a warm start's
+    what = {"warm_start": export_digest(warm), **grown} if warm is not None else \
         {"model": model_fingerprint(cfg, name), "final": final.name}
     return fingerprint({**what, "prompts": read_manifest(out_dir(cfg))["key"], "acceptance": cfg["acceptance"],
                         "max_new_tokens": tc["eval_max_new_tokens"], "k": tc["eval_k"]})

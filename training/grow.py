@@ -5,7 +5,8 @@ step it computes exactly what that drafter computes.
 Why (issue 26, item 5: depth 3 against 5, "and more, if it pays"): each continuation of the 5-layer drafter gained
 about half what the one before it did (results/perf/NOTES.md, "The drafter continued on fresh data"), so more of
 the same recipe looks near its end; a deeper drafter has more capacity, but trained from random it would first
-have to relearn what the 4,800 steps behind the shipped one taught. Grown, it starts at the shipped drafter's τ.
+have to relearn what the steps behind its source taught (3,588 behind the shipped drafter, 4,798 behind the
+candidate). Grown, it starts at its source's τ.
 
 How: every tensor of the source is copied. Layers past the source's count are appended on top (speculators 0.9.0's
 DFlashDraftModel runs `layers` in order, then `norm` and the verifier's lm_head), keeping the fresh model's own
@@ -18,8 +19,10 @@ the taps' concatenation to the hidden size, keeps each source tap's columns wher
 the new taps' columns at zero. Nothing is frozen; the learning rate schedule starts at step 0 as
 for any init_from model (train.warm_start, which continues one, needs equal shapes).
 
-The grown model equals its source up to the summation order of the wider MLP's matmul (zeros added): the test
-checks its training forward's logits against the source's in fp32 (tests/test_training_grow.py)."""
+The grown model equals its source up to the summation order of the wider MLP's and the wider fc's matmuls (zeros
+added): the test checks its training forward's logits against the source's in fp32 (tests/test_training_grow.py).
+The model is built with full attention in every layer (training/train.py build_model), so a source whose layers
+are not all full attention is refused (check_layer_types)."""
 from __future__ import annotations
 
 import re
@@ -65,7 +68,8 @@ def check_sizes(where: str, m: dict, theirs: dict, source: str, folder: bool) ->
                 continue
             raise UsageError(f"{where}: {key}={mine} is below its init_from drafter {source}'s {v}; grow adds layers "
                              f"and MLP width and never removes them: set {key} >= {v}")
-        bigger = key in GROWN and None not in (mine, v) and mine > v
+        bigger = key in GROWN and None not in (mine, v) and mine > v and m["type"] == "dflash" \
+            and not m["freeze_backbone"]  # what grow takes (check_options)
         hint = f"set {key}={v}" + (", or grow: true to enlarge the drafter" if bigger else "")
         raise UsageError(f"{where}: {key}={mine} differs from its init_from drafter {source} ({v}); {hint}")
 
@@ -84,6 +88,16 @@ def check_taps(where: str, m: dict, taps, want, source: str, stage: str) -> None
     raise UsageError(f"{where}: init_from drafter {source} taps the target's layers {list(taps)}, and {stage} "
                      f"{list(want)}; set hidden.layer_ids to {list(taps)}"
                      + (" (or grow: true to add taps)" if m["type"] == "dflash" else ""))
+
+
+def check_layer_types(where: str, spec: dict, source: str) -> None:
+    """An init_from folder's layers must all be full attention: the train stage builds every drafter layer so, and
+    a sliding-window source copied into it would compute something else."""
+    types = (spec.get("transformer_layer_config") or {}).get("layer_types") or []
+    other = sorted({t for t in types if t != "full_attention"})
+    if other:
+        raise UsageError(f"{where}: init_from drafter {source} has {', '.join(other)} layers; the train stage builds "
+                         "full attention only, so it cannot start from this drafter")
 
 
 def layer_count(state: dict) -> int:

@@ -27,12 +27,17 @@ from harness.decode.target import check_plain_family
 ATTENTIONS = ("sdpa", "triton")  # the decode's attention: SDPA under a mask over the step's bucket, or the Triton kernel
 
 
-def _check_triton(head_dim: int, n_q: int, n_kv: int) -> None:
+def check_triton(device: torch.device, head_dim: int | None = None, n_q: int = 1, n_kv: int = 1) -> None:
     """attention="triton": the harness's decode attention kernel (core/kernels/attention.py), one launch a layer
-    for every row, each over its own prefix; refused where it cannot run."""
+    for every row, each over its own prefix; refused where it cannot run (the shapes when given)."""
     if not kernels.available():
         raise UsageError("batched generation: attention triton needs the triton package (pip install triton); "
                          "use attention sdpa")
+    if device.type != "cuda" and not kernels.interpreted():
+        raise UsageError(f"batched generation: attention triton runs on a CUDA device (or in Triton's CPU "
+                         f"interpreter, TRITON_INTERPRET=1), not on {device.type}; use attention sdpa")
+    if head_dim is None:
+        return
     if not kernels.heads_fit(head_dim, n_q, n_kv) or not kernels.fits(1, n_q // n_kv):
         raise UsageError(f"batched generation: attention triton takes a power-of-two head_dim >= 16 and whole query "
                          f"groups (this model: head_dim {head_dim}, {n_q} query and {n_kv} K/V heads); use sdpa")
@@ -99,6 +104,10 @@ class BatchedLM:
         if attention not in ATTENTIONS:
             raise UsageError(f"batched generation: attention {attention!r} is not one of {', '.join(ATTENTIONS)}")
         self.device = torch.device(device) if device is not None else model.device
+        if attention == "triton":  # before any weight is cast
+            n_q = cfg.num_attention_heads
+            check_triton(self.device, getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q, n_q,
+                         cfg.num_key_value_heads)
         self.dtype = dtype or next(model.parameters()).dtype
         inner = model.model
         self.rotary = inner.rotary_emb
@@ -116,8 +125,6 @@ class BatchedLM:
         self.act = getattr(cfg, "hidden_act", "silu")
         self.vocab_size = self.lm_head.shape[0]
         self.ops = TorchOps()
-        if attention == "triton":
-            _check_triton(self.head_dim, self.n_q, self.n_kv)
         self.attention = attention
         self.rows, self.capacity = rows, 0
         self.k = self.v = torch.empty(0)

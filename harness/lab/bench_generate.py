@@ -9,8 +9,10 @@ number is labelled as random weights (such a target never stops early, so every 
 The fast engine (harness.decode.batched_gen.BatchedGenerator, --batch rows, continuous batching) runs twice: cold
 (its CUDA graphs are captured inside) and warm; HF generate runs in left-padded batches of --batch prompts over the
 first --hf-prompts prompts (default all). Tokens are counted up to and including the stop. `kv_read_over_needed`:
-the cache slots the decode's attention read (every row over its step's bucket) over those below each busy row's
-own position, counted on the host (a lower bound of the over-read); --profile adds a third, untimed run's kernels. For greedy, the share
+host arithmetic, not a measurement: the cache slots the decode's attention reads (--attention sdpa: every row over
+its step's bucket; triton: every row over its own prefix, an idle row's one slot) over those below each busy row's
+own position (rows that finish between two checks count as busy to its end, in both); --profile adds a third,
+untimed run's kernels. For greedy, the share
 of rows equal to HF's (and the mean share of each row's tokens before the first difference), over HF's prompts.
 """
 from __future__ import annotations
@@ -177,9 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.random_weights:
             from harness.protocol.presets import preset
             preset(a.random_weights)
-        from core import kernels
-        if a.attention == "triton" and not kernels.available():
-            raise UsageError("--attention triton needs the triton package (pip install triton); use --attention sdpa")
+        if a.attention == "triton":  # the package and the device, before any model loads
+            from harness.decode.batched import check_triton
+            check_triton(resolve_backend(a.device, a.dtype).device)
         result = measure(a)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
