@@ -3,6 +3,7 @@ family (harness.decode.target for Llama/Qwen/Mistral, harness.decode.gemma4 for 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from core.attention import check_attn_impl
 from core.devices import Backend
@@ -37,16 +38,32 @@ def load_path(spec: str, convert: bool) -> tuple[str, dict]:
     return path, extra
 
 
+def check_local(path: str) -> None:
+    """A target that can only be a local path and is not there, refused at once (instead of the hub's retries, and
+    an error about a repository): absolute or ./, ../, ~ paths, more than owner/name, or owner/name whose first part
+    is a folder here (e.g. runs/<config>/... after a training run)."""
+    p = Path(path)
+    if p.exists():
+        return
+    parts = p.parts
+    if p.is_absolute() or path.startswith((".", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
+        raise UsageError(f"target {path}: no such file or folder" + (
+            f" ({parts[0]}/ is a folder here, so this names a path in it, not a hub id)" if len(parts) == 2 and
+            not p.is_absolute() and Path(parts[0]).is_dir() else ""))
+
+
 def load_target_config(spec: str, overrides: dict | None = None):
     """Read only the config (cheap) so that compatibility can be checked before any weights are loaded.
     `overrides`: --hf-overrides (harness.decode.hf_overrides), e.g. the text backbone of a multimodal model."""
     from transformers import AutoConfig
     path, extra = load_path(spec, convert=False)
+    check_local(path)
     try:
         config = AutoConfig.from_pretrained(path, **extra)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"cannot read the target config from {spec!r}: {first}") from None
+        local = "" if Path(path).exists() else f" ({path} is no local path either)"
+        raise UsageError(f"cannot read the target config from {spec!r}: {first}{local}") from None
     config = apply_overrides(config, overrides or {})
     check_family(config)
     return config
