@@ -266,3 +266,21 @@ def test_a_flag_beyond_the_bound_says_whether_the_measured_gap_error_covers_it()
     assert any("of the 2 divergence(s) beyond the near-tie bound, 1 exceed it too" in line
                for line in divergence.markdown(summary))
     assert divergence.stats([entry(0, 0.3, None, 0)])["beyond_measured"] is None  # nothing measured: no claim
+
+
+def test_scripted_acceptance_reports_no_bug_and_says_once_that_identity_is_not_checked(files, tmp_path, monkeypatch,
+                                                                                        capsys):
+    """--scripted-accept forces drafts through, so the arms leave AR's text by design: the planted divergence beyond
+    the bound is no BUG REPORT there (console or table.md), no replay runs for it, and one line says identity to
+    AR is not checked."""
+    plant(monkeypatch, 5.0)
+    replayed = []
+    real = replays.generate
+    monkeypatch.setattr(replays, "generate", lambda *a, **k: replayed.append(1) or real(*a, **k))
+    assert cli.main(args(files, tmp_path, "scripted", "--scripted-accept", "2")) == 0
+    out, table = capsys.readouterr().out, (tmp_path / "scripted" / "table.md").read_text()
+    assert "BUG" not in out and "BUG" not in table and not replayed
+    assert out.count(divergence.SCRIPTED_NOTE) == 1 and table.count(divergence.SCRIPTED_NOTE) == 1
+    summary = json.loads((tmp_path / "scripted" / "summary.json").read_text())
+    assert summary["run"]["scripted_accept"] == 2 and divergence.bug_reports(summary) == [
+        f"[divergence] {divergence.SCRIPTED_NOTE}"]

@@ -111,10 +111,20 @@ def _g(x) -> str:
     return "-" if x is None else f"{x:.3g}"
 
 
+SCRIPTED_NOTE = ("scripted acceptance (--scripted-accept) forces the drafts through, so the arms' text differs from "
+                 "AR's by design: identity to AR is not checked (AR against its reference still is)")
+
+
+def scripted(summary: dict) -> bool:
+    """The run forced its acceptance (--scripted-accept): an arm that leaves AR's text is expected, not a bug."""
+    return (summary.get("run") or {}).get("scripted_accept") is not None
+
+
 def _comparisons(summary: dict):
-    """(arm, against, the comparison dict) for every token_match and reference_match of the summary."""
+    """(arm, against, the comparison dict) for every token_match and reference_match of the summary; no
+    token_match under scripted acceptance (SCRIPTED_NOTE)."""
     for name, s in summary["arms"].items():
-        if s.get("token_match"):
+        if s.get("token_match") and not scripted(summary):
             yield name, s["token_match"]["ref"], s["token_match"]
         if s.get("reference_match"):
             rm = s["reference_match"]
@@ -122,8 +132,10 @@ def _comparisons(summary: dict):
 
 
 def bug_reports(summary: dict) -> list[str]:
-    """One line per divergence whose gap exceeds the near-tie bound: the rounding of the logits cannot explain it."""
-    out = []
+    """One line per divergence whose gap exceeds the near-tie bound: the rounding of the logits cannot explain it;
+    under scripted acceptance one SCRIPTED_NOTE line first instead of the arms' comparisons with AR."""
+    out = [f"[divergence] {SCRIPTED_NOTE}"] if scripted(summary) and any(
+        s.get("token_match") for s in summary["arms"].values()) else []
     for name, against, c in _comparisons(summary):
         d = c.get("divergence") or {}
         err = d.get("gap_err_max")
@@ -143,8 +155,9 @@ def markdown(summary: dict) -> list[str]:
     """table.md's divergence section: per comparison, rows identical, the median / max gap at the first
     divergences, how many exceed the near-tie bound, and every bug report (empty when nothing was compared)."""
     rows = list(_comparisons(summary))
+    note = ["", f"Divergence from AR: {SCRIPTED_NOTE}."] if scripted(summary) else []
     if not rows:
-        return []
+        return note
     lines = ["", "**Divergence from AR** (T=0; gap = the two runs' top-2 logit gaps added at each prompt's first "
              "divergence, turn 0; near-tie bound = 2 (e_A + e_B), e = "
              f"{NEAR_TIE_ULPS:g} ulp of the run's dtype at its top logit: a heuristic, see README.md)", "",
@@ -169,5 +182,5 @@ def markdown(summary: dict) -> list[str]:
     if unmeasured:
         lines.append(f"\ndivergences without a measured gap (no replay record: rows from an older run, T>0, or a "
                      f"replay that left the decode): {', '.join(unmeasured)}")
-    lines += ["", *[f"- **{b}**" for b in bug_reports(summary)]] if bug_reports(summary) else []
-    return lines
+    bugs = [b for b in bug_reports(summary) if b.startswith("BUG REPORT")]
+    return note + lines + (["", *[f"- **{b}**" for b in bugs]] if bugs else [])

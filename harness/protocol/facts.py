@@ -36,7 +36,8 @@ def kernels_label(config: dict, resolved: dict) -> str:
 
 def run_facts(config: dict | None) -> dict:
     """{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, compat_reference,
-    draft_temperature} from config.json (its "resolved" section first)."""
+    draft_temperature, scripted_accept} from config.json (its "resolved" section first); scripted_accept is None
+    when acceptance was not scripted (or the config.json does not say)."""
     config = config if isinstance(config, dict) else {}
     res = config.get("resolved") if isinstance(config.get("resolved"), dict) else {}
     target = res.get("target") if isinstance(res.get("target"), dict) else {}
@@ -49,7 +50,8 @@ def run_facts(config: dict | None) -> dict:
             "device": pick(res.get("device")), "dtype": pick(res.get("dtype")), "kernels": kernels_label(config, res),
             "seed": pick(config.get("seed")), "max_new_tokens": pick(config.get("max_new_tokens")),
             "compat_reference": pick(config.get("compat_reference")),
-            "draft_temperature": pick(config.get("draft_temperature"))}
+            "draft_temperature": pick(config.get("draft_temperature")),
+            "scripted_accept": config.get("scripted_accept")}
 
 
 def of(summary: dict, config: dict | None = None) -> dict:

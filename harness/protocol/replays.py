@@ -185,7 +185,9 @@ def after_rounds(plan, models, settings, rows_path: str, ar: str | None, by_name
     run_dtype = divergence.dtype_name(plan.backend.dtype)
     prompts = dict(enumerate(models.firsts))
     replayer = Replayer(models.target, plan.backend, settings, by_name, prompts, seed_of)
-    done = {"divergences": mark_divergences(rows, ar, replayer, run_dtype), "references": 0}
+    # scripted acceptance changes the arms' text by design: no divergence from AR to measure (AR's reference still is)
+    scripted = cfg.scripted_accept is not None
+    done = {"divergences": 0 if scripted else mark_divergences(rows, ar, replayer, run_dtype), "references": 0}
     decoded: dict = {}  # question id -> its reference decode
     ref_dtype = reference_dtype(cfg)
     if ref_dtype is not None and any(r["arm"] == ar and r["turn"] == 0 and "reference" not in r for r in rows):

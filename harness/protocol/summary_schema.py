@@ -33,7 +33,8 @@ TOP = {
     "schema": (str, "the schema's name: xpress-bench/summary/<version>"),
     "schema_version": (int, "the version of this schema (see the module docstring)"),
     "run": (dict, "{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, "
-                  "compat_reference, draft_temperature} from config.json; 'unknown' where it does not say"),
+                  "compat_reference, draft_temperature, scripted_accept} from config.json; 'unknown' where it does "
+                  "not say (scripted_accept: None)"),
     "dataset": (str, "the dataset every row comes from"),
     "temperature": (float, "target sampling temperature of every row"),
     "greedy": (bool, "temperature < 1e-5: the target decodes greedily"),
