@@ -118,6 +118,7 @@ def bad_jsonl(files, tmp_path):
     ("max_samples0", "--max-samples"),
     ("rounds", "no measured round"),
     ("unwritable", "is a file, not a folder"),
+    ("scripted_over_block", "--scripted-accept 4: block 4 holds at most 3 drafts a step"),
 ])
 def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -141,6 +142,8 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
     elif case == "unwritable":
         (tmp_path / "afile").write_text("")  # a path below a plain file (root ignores permission bits)
         argv[argv.index("--results-dir") + 1] = str(tmp_path / "afile" / "x")
+    elif case == "scripted_over_block":  # was capped to block - 1 without a word
+        argv += ["--block-size", "4", "--scripted-accept", "4"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err, err

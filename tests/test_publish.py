@@ -92,6 +92,13 @@ def test_tau_at_t0_with_sampled_drafts_is_the_mean_over_rounds():
     assert report.summarize(rows, n_boot=50)["arms"]["xPress(K=6)"]["tau_per_step"] == pytest.approx(16 / 6)
 
 
+def test_scripted_acceptance_on_real_weights_claims_no_random_weights():
+    """--scripted-accept on a real model is labelled scripted acceptance, not random weights."""
+    assert report.config_labels({"model_name_or_path": "m", "scripted_accept": 3}) == ["scripted acceptance"]
+    assert report.config_labels({"random_weights": "tiny", "scripted_accept": 3}) == [
+        "random weights / scripted acceptance"]
+
+
 def test_labels_in_tables_csv_and_plot_titles(tmp_path, monkeypatch):
     labels = report.config_labels({"random_weights": "tiny", "trace": "t.jsonl", "compat_reference": True})
     assert labels == ["random weights / scripted acceptance", "traced (steps replayed untimed)",

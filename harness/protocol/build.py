@@ -71,6 +71,7 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
                              f"block {dcfg.block_size}, and it never learned the slots past it; use --block-size "
                              f"{dcfg.block_size} or smaller")
         block = cfg.block_size or dcfg.block_size
+        check_scripted(cfg, block)
         ckpts = _refiner_checkpoints(cfg, dcfg, tcfg, block)
     spyre, passes, topc = None, cfg.xpress_refine_passes, cfg.xpress_topc
     if is_spyre(device):  # the serving contract, from configs and checkpoint headers: still nothing loaded
@@ -81,6 +82,14 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
     rounds, warmup, note = _rounds(cfg, len(arms))
     return RunPlan(cfg, backend, tcfg, dcfg, block, limit, ckpts, tuple(arms), rounds, warmup, passes, topc, note,
                    draft_path, spyre, **place)
+
+
+def check_scripted(cfg: RunConfig, block: int) -> None:
+    """--scripted-accept N forces N drafts a step; a block holds block - 1 of them, so a larger N is refused rather
+    than silently capped."""
+    if cfg.scripted_accept is not None and cfg.scripted_accept > block - 1:
+        raise UsageError(f"--scripted-accept {cfg.scripted_accept}: block {block} holds at most {block - 1} drafts a "
+                         f"step; use --scripted-accept {block - 1} or less")
 
 
 def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
@@ -96,6 +105,8 @@ def _prepare_random(cfg: RunConfig, backend: Backend, place: dict) -> RunPlan:
     tcfg = hf_config(preset(cfg.random_weights))
     limit = cfg.max_model_len or tcfg.max_position_embeddings
     k = cfg.xpress_refine_passes
+    if cfg.run_spec:
+        check_scripted(cfg, cfg.block_size or 16)
     if cfg.fair:
         specs = [ArmSpec("AR", "ar"), ArmSpec("drafter-only", "drafter-only")]
         if not cfg.drafter_only:  # --drafter-only: AR against the drafter alone, in paired rounds

@@ -24,6 +24,15 @@ from harness.decode.target import Target
 from harness.protocol.preset_names import RANDOM_PRESETS
 
 RANDOM_LABEL = "random weights / scripted acceptance"
+SCRIPTED_LABEL = "scripted acceptance"  # --scripted-accept on real (or trained) weights
+
+
+def timing_label(config: dict) -> str | None:
+    """RANDOM_LABEL for --random-weights; SCRIPTED_LABEL for --scripted-accept on real weights (no claim of random
+    weights); else None. `config`: config.json or the RunConfig as a dict."""
+    if config.get("random_weights"):
+        return RANDOM_LABEL
+    return SCRIPTED_LABEL if config.get("scripted_accept") is not None else None
 
 
 @dataclass(frozen=True)

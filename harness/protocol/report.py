@@ -315,9 +315,9 @@ RANDOM_MARK = "RANDOM_WEIGHTS.txt"  # written by scripts/make_random_drafter.py 
 def weights_label(config: dict) -> str | None:
     """Numbers from random weights or scripted acceptance say so wherever they appear; so do runs of a real target
     with a drafter or heads that the random-weights scripts made. `config`: config.json or the RunConfig as a dict."""
-    from harness.protocol.presets import RANDOM_LABEL
-    if config.get("random_weights") or config.get("scripted_accept") is not None:
-        return RANDOM_LABEL
+    from harness.protocol.presets import timing_label
+    if timing_label(config):
+        return timing_label(config)
     paths = (config.get("draft_name_or_path"), config.get("xpress_refiner_path"), config.get("markov_refiner_path"))
     if any(p and os.path.isfile(os.path.join(p, RANDOM_MARK)) for p in paths):
         return "random drafter/heads (scripts/make_random_*)"
