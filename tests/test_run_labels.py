@@ -154,3 +154,26 @@ def test_committed_results_folders_still_merge(capsys):
     text = capsys.readouterr().out
     assert "| unknown | unknown |" in text and "SmolLM2-135M-Instruct.Q4_1.gguf" in text
     assert before == {f: (ROOT / f / "summary.json").read_bytes() for f in folders}
+
+
+def test_an_untyped_draft_temperature_records_the_one_that_ran(tmp_path, capsys):
+    """--draft-temperature left out runs the drafts at --temperature: config.json's resolved section and the rows
+    record that value, so the merged report keeps such a folder in one table with a run that typed it (it recorded
+    null, the facts said "unknown", and the report split them into two groups)."""
+    import benchmark_compile_all as cli
+    from harness.protocol.setups import DATA_DIR
+    base = ["--random-weights", "tiny", "--max-samples", "1", "--max-new-tokens", "4", "--device", "cpu",
+            "--data-dir", str(DATA_DIR), "--results-dir", str(tmp_path)]
+    assert cli.main(base + ["--dataset", "gsm8k", "--run-id", "untyped"]) == 0
+    assert cli.main(base + ["--dataset", "math500", "--run-id", "typed", "--draft-temperature", "0"]) == 0
+    config = json.loads((tmp_path / "untyped" / "config.json").read_text())
+    assert config["draft_temperature"] is None and config["resolved"]["draft_temperature"] == 0.0
+    rows = results_io.read_rows(tmp_path / "untyped" / "samples.jsonl")
+    assert {r["draft_temperature"] for r in rows} == {0.0}
+    capsys.readouterr()
+    assert report.main([str(tmp_path / "untyped"), str(tmp_path / "typed")]) == 0
+    assert "groups of folders" not in capsys.readouterr().out
+    # a folder written before: null and a known --temperature read as the temperature the drafts ran at
+    assert facts.run_facts({"temperature": 1.0, "draft_temperature": None})["draft_temperature"] == 1.0
+    old = {"run": {**facts.run_facts({}), "draft_temperature": facts.UNKNOWN}}
+    assert facts.of(old, {"temperature": 0.0, "draft_temperature": None})["draft_temperature"] == 0.0

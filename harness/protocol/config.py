@@ -85,6 +85,12 @@ class RunConfig:
         return [int(k) for k in self.fair_k_list.split(",") if k.strip()]
 
     @property
+    def draft_temperature_used(self) -> float:
+        """The drafts' temperature the decode runs at: --draft-temperature, else --temperature
+        (harness.decode.loop.DecodeSettings.draft_params)."""
+        return self.temperature if self.draft_temperature is None else self.draft_temperature
+
+    @property
     def run_ar(self) -> bool:
         return not self.skip_ar
 

@@ -2,6 +2,8 @@
 resolved device and dtype, the kernels, the seed and the decode length. summary.json keeps it as "run"; every
 table title, table.csv row and plot title names it, and the merged report groups folders by it.
 
+The drafts' temperature is the one the decode ran at: "resolved" records it; an older config.json whose
+--draft-temperature was not typed (null) ran its drafts at --temperature (harness.decode.loop.DecodeSettings).
 A field a folder's config.json does not record (one written before it was) is "unknown". The kernels name how
 far the arms' greedy outputs can be trusted to equal AR's (issue 28): "triton batch-invariant" (--batch-invariant:
 bit for bit; "(not yet verified on a GPU)" after it while the run's config.json does not record a GPU run that
@@ -50,7 +52,8 @@ def run_facts(config: dict | None) -> dict:
             "device": pick(res.get("device")), "dtype": pick(res.get("dtype")), "kernels": kernels_label(config, res),
             "seed": pick(config.get("seed")), "max_new_tokens": pick(config.get("max_new_tokens")),
             "compat_reference": pick(config.get("compat_reference")),
-            "draft_temperature": pick(config.get("draft_temperature")),
+            "draft_temperature": pick(res.get("draft_temperature"), config.get("draft_temperature"),
+                                      config.get("temperature")),  # untyped (null): the decode ran at T
             "scripted_accept": config.get("scripted_accept")}
 
 
@@ -58,7 +61,9 @@ def of(summary: dict, config: dict | None = None) -> dict:
     """The run facts of a summary (schema 3 keeps them), else of its config.json, "unknown" where neither says."""
     run = summary.get("run")
     facts = run_facts(config)
-    return {**facts, **run} if isinstance(run, dict) else facts
+    if not isinstance(run, dict):
+        return facts
+    return {**facts, **{k: v for k, v in run.items() if v != UNKNOWN or k not in facts}}
 
 
 def describe(run: dict) -> str:

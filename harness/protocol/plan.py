@@ -78,6 +78,7 @@ class RunPlan:
                 "warmup_rounds": self.warmup_rounds, "arms": self.arm_names, "device": str(self.backend.device),
                 "dtype": str(self.backend.dtype).removeprefix("torch."), "target": target_source(self.config),
                 "xpress_refine_passes": self.passes, "xpress_topc": self.topc,
+                "draft_temperature": self.config.draft_temperature_used,
                 "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                                  "variant": c.variant} for k, c in self.refiners.items()},
                 "trained_block_size": self.draft_config.block_size if self.draft_config else None,

@@ -125,7 +125,7 @@ def sample_row(run_id, cfg, arm: Arm, qid, sample, turn, round_, warm, g: Genera
             "drafter_prefill_s": g.drafter_prefill_s, "decode_s": g.decode_s, "accept_lengths": g.accept_lengths,
             "accepted": g.accepted, "spec_steps": g.spec_steps, "ar_steps": g.ar_steps,
             "tail_steps": g.tail_steps, "extra_steps": g.extra_steps, "graph_captures": g.graph_captures,
-            "draft_temperature": cfg.draft_temperature, "timed": g.timed, "stop_reason": g.stop_reason,
+            "draft_temperature": cfg.draft_temperature_used, "timed": g.timed, "stop_reason": g.stop_reason,
             "tokens": g.tokens,
             **({"top2_gaps": g.top2_gaps} if g.top2_gaps is not None else {})}
 
