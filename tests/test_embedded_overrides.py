@@ -55,3 +55,24 @@ def test_the_full_parse_accepts_a_drafter_alone(shipped, tmp_path, monkeypatch):
 def test_a_typed_target_still_means_no_setup(shipped):
     named = applied(["--model-name-or-path", "x/y", "--draft-name-or-path", "x/d"])
     assert named.get("preset") is None and named["xpress_refiner_path"] is None
+
+
+def test_a_typed_ar_only_drops_the_defaults_drafter_refiners_and_rounds(shipped, tmp_path, monkeypatch):
+    """`--ar-only` on the embedded default was refused with "drop the refiner paths" though none was typed: the
+    setup's drafter, refiners and paired rounds now give way to it."""
+    got = applied(["--device", "cpu", "--ar-only"])
+    assert got["model_name_or_path"] == TARGET and got["max_samples"] == setups.EMBEDDED_CPU["max_samples"]
+    assert all(got[k] is None for k in (*setups.SHIPPED, "fair_interleave", "fair_k_list"))
+    target = tmp_path / "SmolLM2.gguf"
+    target.write_bytes(b"")
+    monkeypatch.setattr(setups, "embedded_target", lambda: str(target))
+    cfg = flags.parse_args(["--device", "cpu", "--ar-only", "--results-dir", str(tmp_path / "r")])
+    assert cfg.ar_only and not cfg.fair and cfg.draft_name_or_path is None
+
+
+def test_a_typed_k_wins_over_the_defaults_k_list(shipped):
+    """`--xpress-refine-passes 4` alone ran the setup's K=2 (its fair_k_list) and config.json showed K=4."""
+    got = applied(["--device", "cpu", "--xpress-refine-passes", "4"])
+    assert got["fair_k_list"] is None and got["fair_interleave"] == setups.EMBEDDED_CPU["fair_interleave"]
+    both = applied(["--device", "cpu", "--xpress-refine-passes", "4", "--fair-k-list", "1,3"])
+    assert both["fair_k_list"] == "1,3"

@@ -12,7 +12,8 @@
   Latin square over its 7 arms at T=0 (K 4,5,6,7) and 6 at T>0 (K 6,7,8): 8 and 7 rounds, so >= 5 replicates.
 
 Typed flags always win, one piece at a time: `--draft-name-or-path`, `--xpress-refiner-path` or
-`--markov-refiner-path` alone replaces that piece of the embedded default and keeps the rest; only a typed target
+`--markov-refiner-path` alone replaces that piece of the embedded default and keeps the rest; `--ar-only` drops
+the setup's drafter, refiners and paired rounds, and `--xpress-refine-passes K` its K list (REPLACES); only a typed target
 (`--model-name-or-path`) or `--random-weights` means the user names the models. A refiner whose env variable
 (XPRESS_CKPT / MK_CKPT) is set is taken from there (an empty value drops that arm). Nothing here imports torch: the
 device is probed only when a setup is used.
@@ -146,6 +147,8 @@ def apply(values: dict, typed: set[str]) -> dict:
     if values.get("random_weights"):
         for key in MODEL_FLAGS:
             fill.pop(key, None)
+    for key in replaced_by(values, typed):
+        fill.pop(key, None)
     out = dict(values, preset=name)
     if name == EMBEDDED and "dataset" in typed and values["dataset"] not in jsonl_names(DATA_DIR):
         fill.pop("data_dir")  # not shipped: a hub dataset comes from the hub, an unknown name is refused as one
@@ -159,6 +162,20 @@ def apply(values: dict, typed: set[str]) -> dict:
         check_results_dir(out["results_dir"], must_exist=False)  # before the download, as before any load
         out["model_name_or_path"] = embedded_target()
     return out
+
+
+# A typed flag replaces the setup's settings it contradicts, not only its own: --ar-only runs no drafter, so the
+# setup's drafter, refiners and paired rounds go; a typed K (--xpress-refine-passes) is the K that runs, so the
+# setup's K list goes (a typed --fair-k-list still wins over both).
+REPLACES = {"ar_only": ("draft_name_or_path", "xpress_refiner_path", "markov_refiner_path", "fair_interleave",
+                        "fair_k_list", "fair_warmup_rounds"),
+            "xpress_refine_passes": ("fair_k_list",)}
+
+
+def replaced_by(values: dict, typed: set[str]) -> set[str]:
+    """The setup's settings that the typed flags replace (REPLACES): left as the flags' defaults."""
+    return {key for flag, keys in REPLACES.items() if flag in typed and values.get(flag) is not False
+            for key in keys}
 
 
 def check_shipped(values: dict) -> None:
