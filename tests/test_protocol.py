@@ -119,6 +119,8 @@ def bad_jsonl(files, tmp_path):
     ("rounds", "no measured round"),
     ("unwritable", "is a file, not a folder"),
     ("scripted_over_block", "--scripted-accept 4: block 4 holds at most 3 drafts a step"),
+    ("interleave0", "--fair-interleave 0: must be >= 1 (or given without a value)"),
+    ("interleave_negative", "--fair-interleave -1: must be >= 1 (or given without a value)"),
 ])
 def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -142,6 +144,8 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
     elif case == "unwritable":
         (tmp_path / "afile").write_text("")  # a path below a plain file (root ignores permission bits)
         argv[argv.index("--results-dir") + 1] = str(tmp_path / "afile" / "x")
+    elif case in ("interleave0", "interleave_negative"):  # 0 ran as the bare flag without a word
+        argv[argv.index("--fair-interleave")] = "--fair-interleave=" + ("0" if case == "interleave0" else "-1")
     elif case == "scripted_over_block":  # was capped to block - 1 without a word
         argv += ["--block-size", "4", "--scripted-accept", "4"]
     assert cli.main(argv) == 2

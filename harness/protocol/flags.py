@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--no-fold-mixer", action="store_true", help="keep the xPress mixer unfolded (L*tril, + I)")
     a("--trust-pickle", action="store_true", help="load a .pt checkpoint with full pickle (only files you trust)")
     f = p.add_argument_group("protocol").add_argument
-    f("--fair-interleave", type=int, nargs="?", const=0, metavar="ROUNDS",
+    f("--fair-interleave", type=fair_rounds, nargs="?", const=0, metavar="ROUNDS",
       help="paired rounds over every arm (AR, drafter-only, Markov, xPress per K), rotated each round; ROUNDS "
            "defaults to warmup + number of arms")
     f("--fair-k-list", help="xPress K values as one arm each, e.g. 4,5,6,7; default: --xpress-refine-passes")
@@ -187,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def fair_rounds(text: str) -> int:
+    """--fair-interleave ROUNDS as typed: an integer >= 1 (the bare flag, warmup + one round per arm, is stored as
+    0, so a typed 0 would silently mean the bare flag: refused like a negative number)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise UsageError(f"--fair-interleave {text!r}: must be an integer >= 1 (or given without a value)") from None
+    if n < 1:
+        raise UsageError(f"--fair-interleave {n}: must be >= 1 (or given without a value)")
+    return n
 
 
 def typed_values(argv: list[str] | None) -> tuple[dict, set[str], argparse.ArgumentParser]:
