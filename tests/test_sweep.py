@@ -127,7 +127,7 @@ def test_the_numbers_follow_from_the_rows(swept):
 def test_the_folder_has_the_table_and_both_plots(swept):
     folder, s, _ = swept
     table = (folder / "sweep.md").read_text()
-    assert "| 2 | 60 | xPress(K=2) |" in table and "stops beating AR" in table
+    assert "| 2 | 60 | xPress(K=2) |" in table and "- xPress(K=2) against AR by batch size: context" in table
     assert (folder / "speedup_vs_batch.png").stat().st_size > 0
     assert (folder / "speedup_vs_context.png").stat().st_size > 0
     assert set(s["crossover"]) == {"drafter-only", "Markov", "xPress(K=2)"}
@@ -155,6 +155,12 @@ def test_the_crossover_is_the_first_batch_size_where_an_arm_stops_beating_ar():
     assert got == pytest.approx([2.0, 1.25, 0.8, 0.5])
     assert s["crossover"]["slow"]["batch_at_context"] == {"0": 4}
     assert s["crossover"]["fast"]["batch_at_context"] == {"0": None}
+    # in words, without contradiction: it said "fast stops beating AR at context 0: beats AR at every B swept"
+    lines = [x for x in sweep.format_table(s).splitlines() if "against AR by batch size" in x]
+    assert lines == ["- slow against AR by batch size: context 0: at or above AR below B=4, first below it at B=4",
+                     "- fast against AR by batch size: context 0: at or above AR at every B swept (1, 2, 4, 8)"]
+    s["crossover"]["slow"]["batch_at_context"] = {"0": 1}
+    assert "context 0: below AR from the smallest B swept, B=1" in sweep.format_table(s)
 
 
 def test_requests_cycle_to_fill_every_batch():

@@ -316,6 +316,15 @@ def crossover(points: list[dict], arms: list[str], ar: str | None, batches, cont
             for a in arms if a != ar}
 
 
+def _crossing(b, batches) -> str:
+    """A crossover B (None: none) in words: where the arm beats AR and where it falls below."""
+    if b is None:
+        return f"at or above AR at every B swept ({', '.join(map(str, batches))})"
+    if b == batches[0]:
+        return f"below AR from the smallest B swept, B={b}"
+    return f"at or above AR below B={b}, first below it at B={b}"
+
+
 def format_table(summary: dict) -> str:
     lines = [f"**SWEEP** batch sizes {summary['batch_sizes']} x context lengths {summary['context_lengths']}"
              + (f" [{'; '.join(summary['labels'])}]" if summary["labels"] else ""), "",
@@ -331,9 +340,8 @@ def format_table(summary: dict) -> str:
                          f"{fmt(e['per_request_tok_s'], 1)} | {fmt(e['tau'], 2)} | {sp} | {same} |")
     lines.append("")
     for a, x in summary["crossover"].items():
-        at = ", ".join(f"context {c}: {'B=' + str(v) if v is not None else 'beats AR at every B swept'}"
-                       for c, v in x["batch_at_context"].items())
-        lines.append(f"- {a} stops beating AR at {at}")
+        at = "; ".join(f"context {c}: {_crossing(v, summary['batch_sizes'])}" for c, v in x["batch_at_context"].items())
+        lines.append(f"- {a} against AR by batch size: {at}")
     c = summary["conventions"]
     lines += ["", f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Crossover: "
               f"{c['crossover']}.", ""]
