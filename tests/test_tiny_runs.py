@@ -111,11 +111,17 @@ def test_git_dirty_ignores_the_runs_own_output(tmp_path):
     run = repo / "results" / "run1"
     run.mkdir()
     (run / "samples.jsonl").write_text("{}\n")
-    assert results_io.environment(repo=repo)["git_dirty"] is True  # as before: any untracked file counts
-    assert results_io.environment(exclude=[run], repo=repo)["git_dirty"] is False
-    (repo / "results" / "other.txt").write_text("stray\n")
+    env = results_io.environment(exclude=[run], repo=repo)
+    assert env["git_dirty"] is False and env["git_untracked_files"] == 0
+    assert "untracked-files=no" in env["git_dirty_counts"]
+    # an earlier run's --run-id folder (untracked, not ignored) used to make every later run dirty: counted apart
+    (repo / "results" / "X").mkdir()
+    (repo / "results" / "X" / "summary.json").write_text("{}\n")
+    env = results_io.environment(exclude=[run], repo=repo)
+    assert env["git_dirty"] is False and env["git_untracked_files"] == 1
+    assert results_io.environment(repo=repo)["git_untracked_files"] == 2
+    (repo / "code.py").write_text("x = 2\n")  # a tracked file changed: dirty
     assert results_io.environment(exclude=[run], repo=repo)["git_dirty"] is True
-    assert results_io.environment(exclude=[tmp_path / "elsewhere"], repo=repo)["git_dirty"] is True
 
 
 def _figures(monkeypatch):

@@ -144,11 +144,16 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     return platform.processor() or None
 
 
+GIT_DIRTY_COUNTS = ("tracked files changed against HEAD, staged or not (git status --porcelain --untracked-files=no); "
+                    "untracked files are counted apart in git_untracked_files, the run's own folder left out")
+
+
 def environment(exclude=(), repo: Path | None = None) -> dict:
     """Where the numbers came from: GPUs and driver, the CPU's model and thread counts, library versions, the repo's git SHA and dirty flag.
 
-    `exclude`: folders whose files do not make the tree dirty (the run's own results folder, which is new and
-    untracked while the run writes it, and would otherwise mark every run under results/ as dirty)."""
+    `exclude`: folders left out of git_untracked_files (the run's own results folder, new and untracked while the
+    run writes it). git_dirty counts tracked files only (GIT_DIRTY_COUNTS): an earlier run's folder under results/
+    (--run-id X writes results/X/, which .gitignore does not cover) left every later run dirty."""
     repo = repo or _REPO
     env = {"python": platform.python_version(), "platform": platform.platform(), "hostname": socket.gethostname(),
            "time_unix": time.time(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -169,8 +174,14 @@ def environment(exclude=(), repo: Path | None = None) -> dict:
         smi = _cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
         env["driver"] = smi.splitlines()[0].strip() if smi else None
     sha = _cmd(["git", "rev-parse", "HEAD"], cwd=repo)
-    # untracked code counts too; the run's own output does not
-    status = _cmd(["git", "status", "--porcelain", *_pathspec(repo, exclude)], cwd=repo) if sha else None
+    # dirty: a tracked file differs from HEAD; an untracked file (an earlier run's --run-id folder) does not make
+    # the code dirty, and is counted apart (the run's own output left out)
+    status = _cmd(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo) if sha else None
+    untracked = _cmd(["git", "status", "--porcelain", "--untracked-files=all", *_pathspec(repo, exclude)],
+                     cwd=repo) if sha else None
     env["git_sha"] = sha
     env["git_dirty"] = None if status is None else bool(status)
+    env["git_dirty_counts"] = GIT_DIRTY_COUNTS
+    env["git_untracked_files"] = None if untracked is None else sum(
+        line.startswith("??") for line in untracked.splitlines())
     return env
