@@ -110,3 +110,21 @@ def test_subprocess_error_has_no_traceback(files, tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.startswith("error:")
     assert not (tmp_path / "x.jsonl").exists()
+
+
+def test_the_answer_file_help_names_the_files_a_paired_run_writes(tmp_path):
+    """--answer-file F with several speculative arms writes F.<arm>.jsonl per arm and never F: --help says so (it
+    said only "write per-sample JSONL results here"), with the names write_answer_files gives."""
+    from types import SimpleNamespace
+    from harness.protocol.answers import write_answer_files
+    from harness.protocol.flags import build_parser
+    text = " ".join(build_parser().format_help().split())
+    assert "F itself is not written" in text and "answers.xpress-k-2.jsonl" in text
+    f = tmp_path / "answers.jsonl"
+    cfg = SimpleNamespace(answer_file=str(f), dataset="d", no_answer_timing=True)
+    arms = [SimpleNamespace(name=n, spec=SimpleNamespace(method=m)) for n, m in
+            (("AR", "ar"), ("drafter-only", "drafter-only"), ("xPress(K=2)", "xpress"))]
+    written = [p for p, _ in write_answer_files(cfg, [{"round": 1, "arm": "AR", "question_id": 0, "turn": 0}], [],
+                                                None, arms)]
+    assert [os.path.basename(p) for p in written] == ["answers.drafter-only.jsonl", "answers.xpress-k-2.jsonl"]
+    assert not f.exists()

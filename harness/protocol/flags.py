@@ -144,7 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
            "bonus, unclipped tau entries, decode timer started after the first drafting, first token counted, "
            "stops on the tokenizer's eos only")
     o = p.add_argument_group("outputs").add_argument
-    o("--answer-file", help="write per-sample JSONL results here (the reference's schema)")
+    o("--answer-file", metavar="F", help="per-sample JSONL results in the reference's schema: written to F when one "
+      "speculative arm runs; with several (the paired protocol) one file per arm, F with .<arm> before its extension "
+      "(answers.jsonl -> answers.drafter-only.jsonl, answers.xpress-k-2.jsonl, ...), and F itself is not written")
     o("--no-answer-timing", action="store_true",
       help="leave timings and timestamps out of the answer file, so seeded runs can be compared byte for byte")
     o("--trace", help="write one JSON line per decode step (draft, seed, accepted, next token)")
