@@ -356,3 +356,14 @@ def test_compat_greedy_tau_comes_from_the_warmup_round():
 
 
 # ---------------------------------------------------------------------------------------------- summary schema
+
+
+def test_the_console_notes_say_which_rounds_each_count_covers(summary):
+    """A run with a warmup round: stop reasons count the measured rounds' first turns (6 rows here), outputs
+    identical every round both arms ran, warmup and later turns included (12): each count says so (they stood side
+    by side unlabelled, "stop reasons {...: 6}" next to "11/12 outputs identical")."""
+    out = tables.format_console_table(summary, "toy")
+    xp = summary["arms"]["xPress(K=6)"]
+    assert sum(xp["stop_reasons"].values()) == 6 and xp["token_match"]["rows_compared"] == 12
+    assert f"stop reasons (measured rounds, first turns) {xp['stop_reasons']}" in out
+    assert "11/12 outputs identical (every round both ran, warmup included, every turn)" in out

@@ -93,7 +93,7 @@ ARM = {
     "drafter_prefill_s": (NUM, "mean drafter prefill, seconds"),
     "new_tokens": (int, "new tokens of the used rows"),
     "decode_tokens": (int, "decode tokens of the used rows (new tokens minus the prefill's)"),
-    "stop_reasons": (dict, "stop reason -> rows"),
+    "stop_reasons": (dict, "stop reason -> rows of the measured rounds (turn 0)"),
     "speedup": ((dict, OPT), f"against the AR arm: {COMPARED}; null for AR itself or without AR"),
     "speedup_e2e": ((dict, OPT), f"end-to-end (TTFT + drafter prefill + decode) against AR: {COMPARED}; null "
                                  "as speedup"),

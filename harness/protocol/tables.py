@@ -69,13 +69,15 @@ def _notes(summary: dict) -> list[str]:
     lines += _order(summary.get("tau_order"))
     for name, s in summary["arms"].items():
         lines.append(f"{name}: tau from {s.get('tau_source')}; TTFT {_num(_ms(s['ttft_s']), '.1f')} ms, drafter "
-                     f"prefill {_num(_ms(s['drafter_prefill_s']), '.1f')} ms; stop reasons {s['stop_reasons']}")
+                     f"prefill {_num(_ms(s['drafter_prefill_s']), '.1f')} ms; stop reasons (measured rounds, first "
+                     f"turns) {s['stop_reasons']}")
         tm = s.get("token_match")
         if tm:
             div = ", ".join(f"q{d['question_id']}:{'-' if d['position'] is None else d['position']}" + _gaps(d)
                             for d in tm["first_divergence"])
             lines.append(f"{name} vs {tm['ref']}: token match {_num(tm['token_match_rate'], '.4f')}, "
-                         f"{tm['rows_identical']}/{tm['rows_compared']} outputs identical; first divergence per "
+                         f"{tm['rows_identical']}/{tm['rows_compared']} outputs identical (every round both ran, "
+                         f"warmup included, every turn); first divergence per "
                          f"prompt (turn 0, earliest over rounds; - = none): {div}")
     lines += _why(summary)
     for f in summary.get("ar_rounds_off_median", []):
