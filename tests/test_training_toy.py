@@ -127,7 +127,7 @@ def test_acceptance_keeps_each_prompt_and_pairs_two_records(toy, tmp_path, capsy
     assert compare_tau.main([str(files["xpress"]), f"{files['xpress']}:tau_xpress_K3", "--json", str(out)]) == 0
     rows = {r["set"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"selection", "heldout"} and rows["heldout"]["ratio_ci95"][0] > 1.0, rows
-    assert "heldout (8 prompts)" in capsys.readouterr().out
+    assert "heldout (8 prompts, tau_drafter -> tau_xpress_K3)" in capsys.readouterr().out
 
 
 def test_exported_heads_on_the_benchmark_prompts(toy):
