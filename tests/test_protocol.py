@@ -121,6 +121,7 @@ def bad_jsonl(files, tmp_path):
     ("scripted_over_block", "--scripted-accept 4: block 4 holds at most 3 drafts a step"),
     ("interleave0", "--fair-interleave 0: must be >= 1 (or given without a value)"),
     ("interleave_negative", "--fair-interleave -1: must be >= 1 (or given without a value)"),
+    ("passes0", "--xpress-refine-passes 0 in the paired protocol would add an xPress arm at K=0"),
 ])
 def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -146,6 +147,10 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
         argv[argv.index("--results-dir") + 1] = str(tmp_path / "afile" / "x")
     elif case in ("interleave0", "interleave_negative"):  # 0 ran as the bare flag without a word
         argv[argv.index("--fair-interleave")] = "--fair-interleave=" + ("0" if case == "interleave0" else "-1")
+    elif case == "passes0":  # the K list from --xpress-refine-passes: an xPress arm at K=0 ran as drafter-only
+        i = argv.index("--fair-k-list")
+        del argv[i:i + 2]
+        argv += ["--xpress-refine-passes", "0"]
     elif case == "scripted_over_block":  # was capped to block - 1 without a word
         argv += ["--block-size", "4", "--scripted-accept", "4"]
     assert cli.main(argv) == 2

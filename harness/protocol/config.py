@@ -186,6 +186,9 @@ def validate(c: RunConfig) -> None:
         if any(k < 1 for k in ks):
             raise UsageError(f"--fair-k-list {c.fair_k_list}: every K must be >= 1 (K=0 is the drafter-only arm, "
                              "which the protocol runs anyway)")
+    if c.fair and c.fair_k_list is None and c.xpress_refine_passes == 0 and c.xpress_refiner_path:
+        raise UsageError("--xpress-refine-passes 0 in the paired protocol would add an xPress arm at K=0, the "
+                         "drafter-only arm it runs anyway; give K >= 1 (or --fair-k-list), or drop the xPress head")
     if c.fair and c.drafter_only and (c.xpress_refiner_path or c.markov_refiner_path):
         raise UsageError(drafter_only_conflict(c))
     if c.fair and c.ar_only:
