@@ -107,8 +107,11 @@ def test_a_grown_drafter_trains_every_tensor_and_decodes(source, tmp_path):
     root, _ = source
     src = load_file(str(root / "source" / "model.safetensors"))
     work = tmp_path / "work"
-    cfg = write_config(root, grown_model(str(root / "source")), hidden={"layer_ids": MORE_TAPS, "mode": "online"})
+    cfg = write_config(root, grown_model(str(root / "source"), epochs=2),  # the recipe's online target and cache
+                       hidden={"layer_ids": MORE_TAPS, "mode": "online"}, train={"taps_cache_gib": 1})
     assert run_cli("all", "--config", cfg, "--workdir", work) == 0
+    box = json.loads((work / "train" / "drafter" / "box.json").read_text())
+    assert box["taps_cache"]["hit_tokens"] > 0  # the second epoch's rows came from the cache, four taps each
     man = json.loads((work / "train" / "drafter" / "manifest.json").read_text())
     assert man["complete"] and man["grown_from"] == {"num_layers": [2, 3], "intermediate_size": [64, 96],
                                                      "taps": [SPEC_IDS, MORE_TAPS]}

@@ -24,7 +24,8 @@ from core.errors import UsageError
 from harness.decode.target import check_plain_family
 
 
-ATTENTIONS = ("sdpa", "triton")  # the decode's attention: SDPA under a mask over the step's bucket, or the Triton kernel
+# the decode's attention: SDPA under a mask over the step's bucket, or the Triton kernel over each row's prefix
+ATTENTIONS = ("sdpa", "triton")
 
 
 def check_triton(device: torch.device, head_dim: int | None = None, n_q: int = 1, n_kv: int = 1) -> None:

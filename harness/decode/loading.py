@@ -46,10 +46,11 @@ def check_local(path: str) -> None:
     if p.exists():
         return
     parts = p.parts
-    if p.is_absolute() or path.startswith((".", "~")) or len(parts) > 2 or (len(parts) == 2 and Path(parts[0]).is_dir()):
+    under_folder = len(parts) == 2 and Path(parts[0]).is_dir()
+    if p.is_absolute() or path.startswith((".", "~")) or len(parts) > 2 or under_folder:
         raise UsageError(f"target {path}: no such file or folder" + (
-            f" ({parts[0]}/ is a folder here, so this names a path in it, not a hub id)" if len(parts) == 2 and
-            not p.is_absolute() and Path(parts[0]).is_dir() else ""))
+            f" ({parts[0]}/ is a folder here, so this names a path in it, not a hub id)" if under_folder and
+            not p.is_absolute() else ""))
 
 
 def load_target_config(spec: str, overrides: dict | None = None):

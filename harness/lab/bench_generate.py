@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-every", type=int, default=8, help="decode steps between host checks")
     p.add_argument("--bucket", type=int, default=128, help="KV-length bucket of the captured steps")
     p.add_argument("--attention", choices=("sdpa", "triton"), default="sdpa",
-                   help="the fast engine's decode attention: SDPA over the step's bucket, or the Triton kernel over each "
-                        "row's own prefix (harness/decode/batched.py)")
+                   help="the fast engine's decode attention: SDPA over the step's bucket, or the Triton kernel "
+                        "over each row's own prefix (harness/decode/batched.py)")
     p.add_argument("--profile", action="store_true",
                    help="a third fast run under torch.profiler: kernels and ranges per decode step (not timed)")
     p.add_argument("--out", help="JSON path (default: print only)")
