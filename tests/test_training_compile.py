@@ -49,5 +49,57 @@ def test_unknown_compile_mode_is_refused(tmp_path):
     from training.config import load_config
     p = tmp_path / "c.json"
     p.write_text(json.dumps({"target": "t", "models": {"d": {}}, "train": {"compile": "max"}}))
-    with pytest.raises(UsageError, match="train.compile 'max': use one of auto, model, attention, none"):
+    with pytest.raises(UsageError, match="train.compile 'max': use one of auto, model, layers, attention, none"):
         load_config(str(p))
+
+
+def test_layers_mode_compiles_each_draft_layer_and_leaves_the_rest_eager(monkeypatch):
+    import speculators.models.attention as attention
+    monkeypatch.setattr(attention, "flex_attention", attention.flex_attention)
+
+    class Drafter(_Decorated):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)])
+    m = Drafter()
+    assert compiling.apply(m, "layers", "cuda") == "layers"
+    assert m.forward.__func__ is _orig()  # the model's own forward eager
+    assert all(layer._compiled_call_impl is not None for layer in m.layers)
+    assert Drafter().layers[0]._compiled_call_impl is None  # in place, this instance only
+
+
+def test_dynamo_takes_speculators_draft_layer_whole_and_does_not_recompile(tmp_path):
+    """train.compile=layers relies on it: speculators 0.9.0's DFlash decoder layer traced in one graph (no break),
+    and a new step's data and block mask reuse it (no recompile); the traced forward gives the eager logits.
+    Traced with dynamo's "eager" backend (nothing compiles on this CPU), with flex attention and its block masks as
+    on a GPU (forward only: the CPU has no flex backward)."""
+    from torch._dynamo.utils import counters
+    from speculators.models.dflash.core import DFlashDraftModel
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators_forward import every_anchor_logits
+    from tiny import save_tiny_checkpoint
+    save_tiny_checkpoint(tmp_path / "target")
+    tl = create_transformer_layer_config(str(tmp_path / "target"), 2, "qwen3", None, 4096, [0, 1])
+    torch.manual_seed(0)
+    m = DFlashDraftModel.from_training_args(
+        tl, verifier_name_or_path=str(tmp_path / "target"), target_layer_ids=[1, 3, 5], block_size=4,
+        draft_vocab_size=tl.vocab_size, mask_token_id=tl.vocab_size - 1, sample_from_anchor=False,
+        draft_attn_impl="simple_flex_attention").eval()  # the GPU's attention: a new block mask each step
+    compiling.eager_forward(m)
+    h, n = tl.hidden_size, 24
+
+    def logits(seed):
+        g = torch.Generator().manual_seed(seed)
+        return every_anchor_logits(m, torch.randn(1, n, 3 * h, generator=g), torch.randint(8, 100, (1, n), generator=g),
+                                   torch.randn(1, n, h, generator=g), 4, 4)
+    want = [logits(s) for s in (1, 2)]
+    torch._dynamo.reset()
+    counters.clear()
+    assert compiling.compile_layers(m, backend="eager") == 2
+    got = [logits(1)]
+    graphs = counters["stats"]["unique_graphs"]
+    got.append(logits(2))
+    assert not counters["graph_break"] and 1 <= graphs <= 2  # one graph a layer at most (torch may share it)
+    assert counters["stats"]["unique_graphs"] == graphs  # the second step's data and block mask: no new graph
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same ops, traced: bit for bit

@@ -9,6 +9,12 @@ compiles on its first call. On the H200 that first step took 248.7 s of a 256.9 
 * "attention": the forward runs eagerly and only flex attention is compiled, alone (its kernels; the block masks
   are compiled by speculators already). Eager flex attention would fall back to a dense reference that builds the
   whole score matrix. Every batch is padded to `train.total_seq_len`, so the shapes never change.
+* "layers": as "attention", and each draft decoder layer is compiled too (its norms, rotary, projections, flex
+  attention and MLP in one graph; the anchors, the embedding and the loss stay eager). Why: in the H200 profile of
+  the "attention" mode (results/perf/NOTES.md, item 4c of the next-session plan) ATen's eager elementwise kernels
+  took 61.8 of a step's 328.8 ms. Dynamo takes speculators 0.9.0's layer in one graph with no break, and new block
+  masks and data do not recompile it (a scratch check on the CPU with backend "eager", 3 steps, seventh session);
+  its speed is not measured.
 * "none": nothing compiled (what a CPU gets anyway).
 * "auto": "attention" on CUDA, "none" elsewhere.
 """
@@ -19,7 +25,7 @@ import os
 import types
 from pathlib import Path
 
-MODES = ("auto", "model", "attention", "none")
+MODES = ("auto", "model", "layers", "attention", "none")
 
 
 def resolve(mode: str, device_type: str) -> str:
@@ -55,11 +61,22 @@ def compile_attention_only() -> None:
 def apply(model, mode: str, device_type: str) -> str:
     """Set what compiles for `model`'s training; returns the resolved mode."""
     mode = resolve(mode, device_type)
-    if mode in ("attention", "none"):
+    if mode in ("attention", "layers", "none"):
         eager_forward(model)
-    if mode == "attention":
+    if mode in ("attention", "layers"):
         compile_attention_only()
+    if mode == "layers":
+        compile_layers(model)
     return mode
+
+
+def compile_layers(model, backend: str = "inductor") -> int:
+    """Each of the model's draft decoder layers (`model.layers`) compiled in place (nn.Module.compile, static
+    shapes); returns how many. `backend`: the tests trace with "eager" (dynamo alone)."""
+    layers = list(getattr(model, "layers", None) or ())
+    for layer in layers:
+        layer.compile(dynamic=False, backend=backend)
+    return len(layers)
 
 
 def load_cache(path: str) -> dict:
