@@ -100,6 +100,32 @@ def test_ship_refuses_over_budget_and_leaves_nothing(tmp_path, capsys):
     assert "not a trained Markov model" in capsys.readouterr().err
 
 
+def test_ship_never_replaces_the_workdir_or_a_folder_it_did_not_write(tmp_path, capsys):
+    """ship replaces --out whole: the workdir (or a folder holding it, or one of its stages), and an existing folder
+    that is not an earlier ship's output, are refused and left as they were; an earlier ship's folder keeps its
+    other files (the shipped weights' README.md, CARD.md); a head given as --drafter is refused."""
+    work = _workdir(tmp_path / "w", {"markov_gated": 2.0})
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (work, tmp_path, work / "export"):
+        assert ship.main(["--workdir", str(work), "--out", str(out)]) == 2
+        assert "would replace the workdir" in capsys.readouterr().err
+    other = tmp_path / "results"
+    other.mkdir()
+    (other / "run1.json").write_text("{}")
+    assert ship.main(["--workdir", str(work), "--out", str(other)]) == 2
+    assert "exists and is not an earlier ship's output" in capsys.readouterr().err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "results" not in p.parts) == before
+    assert (other / "run1.json").is_file()
+    out = tmp_path / "weights"
+    ship.ship(work, out)
+    (out / "README.md").write_text("the weights' card")
+    ship.ship(work, out)  # again, over its own output
+    assert (out / "README.md").read_text() == "the weights' card" and (out / "drafter").is_dir()
+    assert "kept README.md" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--drafter xpress is a xpress model; give the run's dflash drafter"):
+        ship.ship(work, tmp_path / "o9", drafter="xpress")
+
+
 def test_card_summarises_and_plots(tmp_path):
     pytest.importorskip("matplotlib")
     d = tmp_path / "train" / "drafter"

@@ -98,9 +98,38 @@ def external_drafter(models: dict, chosen: dict, drafter: str) -> str:
     return path
 
 
+SHIPPED = ("drafter", "xpress", "markov", "manifest.json")  # what ship writes into --out
+
+
+def check_out(work: Path, out: Path) -> list[str]:
+    """--out, before anything is read: not the workdir, a folder holding it, or one of its stages' folders (ship
+    replaces --out whole), and, when it exists, an earlier ship's output. Returns the other entries an earlier
+    ship's folder holds (e.g. README.md, CARD.md), which the new one keeps."""
+    w, o = work.resolve(), out.resolve()
+    if o == w or o in w.parents or (o.parent == w and o.name in ("prompts", "responses", "hidden", "train", "export")):
+        raise UsageError(f"ship: --out {out} would replace the workdir {work} or part of it; give another folder")
+    if not o.exists():
+        return []
+    if not o.is_dir():
+        raise UsageError(f"ship: --out {out} is a file; give a folder")
+    m = o / "manifest.json"
+    try:
+        shipped = m.is_file() and "shipped" in json.loads(m.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        shipped = False
+    if not shipped and any(o.iterdir()):
+        raise UsageError(f"ship: --out {out} exists and is not an earlier ship's output (no manifest.json naming what "
+                         "it shipped); give a new folder, or remove that one yourself")
+    return sorted(p.name for p in o.iterdir() if p.name not in SHIPPED)
+
+
 def ship(work: Path, out: Path, drafter="drafter", xpress: str | None = None, markov: str | None = None,
          max_mb: float = MAX_MB) -> dict:
+    kept = check_out(work, out)
     models = tried(work)
+    if drafter in models and models[drafter]["type"] != "dflash":
+        raise UsageError(f"ship: --drafter {drafter} is a {models[drafter]['type']} model; give the run's dflash "
+                         f"drafter ({', '.join(n for n, m in models.items() if m['type'] == 'dflash') or 'none'})")
     chosen = {"drafter": drafter, "xpress": choose(models, xpress, "xpress"), "markov": choose(models, markov, "markov")}
     folders = {role: work / "export" / name for role, name in chosen.items()}
     external = None
@@ -131,14 +160,20 @@ def ship(work: Path, out: Path, drafter="drafter", xpress: str | None = None, ma
                        if xpress or sum(m["type"] == "xpress" for m in models.values()) > 1 else {}),
                     "models": models}
         write_json(tmp / "manifest.json", manifest)
+        for name in kept:  # an earlier ship's folder: its other files stay (its card now describes other weights)
+            (shutil.copytree if (out / name).is_dir() else shutil.copy2)(out / name, tmp / name)
     print(f"ship: {', '.join(f'{r}={n}' for r, n in chosen.items())}, {total / 1e6:.1f} MB -> {out}")
+    if kept:
+        print(f"ship: kept {', '.join(kept)} from the folder it replaced; they describe the weights shipped before "
+              "(regenerate the card: python -m training.card)")
     return manifest
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m training.ship", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True, help="the pipeline's workdir (holds export/ and train/)")
-    p.add_argument("--out", required=True, help="the folder to write (replaced as a whole)")
+    p.add_argument("--out", required=True, help="the folder to write: new, or an earlier ship's output (its drafter/, "
+                   "xpress/, markov/ and manifest.json replaced, its other files kept)")
     p.add_argument("--drafter", default="drafter")
     p.add_argument("--xpress", default=None,
                    help="ship this xPress model (default: the best selection-set tau at K=1 when there are several)")
