@@ -123,3 +123,11 @@ def test_counter_counts_would_be_syncs_and_views():
     assert t["sync_ops"] == {"_local_scalar_dense": 1, "bincount": 2, "index": 1, "Tensor.tolist": 1,
                              "repeat_interleave": 1}
     assert t["aten_ops"] - t["kernel_ops"] >= 2  # d[:3] and view
+
+
+def test_bad_sizes_are_one_line_before_anything_builds(capsys, tmp_path):
+    from training.step_cost import main
+    out = tmp_path / "never.json"
+    assert main(["--total-seq-len", "0", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --total-seq-len and --max-anchors must be >= 1 (got 0 and 128)"] and not out.exists()

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from core.errors import UsageError, cli_exit
+
 NO_KERNEL = {"detach", "alias", "lift_fresh", "_unsafe_view", "empty", "empty_strided", "sym_size", "sym_stride",
              "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "set_"}
 DATA_DEPENDENT = {"_local_scalar_dense": 1, "nonzero": 1, "masked_select": 1, "bincount": 2, "_unique2": 1,
@@ -327,6 +329,13 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="/tmp/xpress_step_cost")
     ap.add_argument("--out", default="results/perf/training_step_cpu_ops.json")
     a = ap.parse_args(argv)
+    return cli_exit(lambda: run(a))
+
+
+def run(a) -> int:
+    if a.total_seq_len < 1 or a.max_anchors < 1:  # before the models are built
+        raise UsageError(f"--total-seq-len and --max-anchors must be >= 1 (got {a.total_seq_len} and "
+                         f"{a.max_anchors})")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     runs = {}
     for name, given in (("lengths_from_collate", True), ("lengths_read_from_device", False)):
