@@ -208,3 +208,17 @@ def test_an_acceptance_record_without_per_prompt_counts_is_measured_again():
     assert kept(rec, "k") and not kept(rec, "other")
     del rec["selection"]["per_prompt"]
     assert not kept(rec, "k")
+
+
+def test_card_refuses_a_bad_ship_or_json_before_writing(tmp_path, capsys):
+    """A --ship that is not ship's output is refused before any record is written; --from-json of a file that is
+    not a card.json (e.g. a run's summary.json) is one error line, not a traceback."""
+    work = _workdir(tmp_path / "w", {"markov_gated": 2.0})
+    out = tmp_path / "records"
+    assert card.main(["--train", str(work / "train"), "--out", str(out), "--ship", str(tmp_path / "nope")]) == 2
+    assert "is not training.ship's manifest" in capsys.readouterr().err and not out.exists()
+    bad = tmp_path / "summary.json"
+    bad.write_text("[1, 2]")
+    assert card.main(["--from-json", str(bad), "--markdown", str(tmp_path / "c.md")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a card.json" in err[0] and not (tmp_path / "c.md").exists()

@@ -29,7 +29,8 @@ from training.card_curves import WINDOW, curves, plot, read_models, read_rows, r
 
 def build(train_dir: Path, out: Path, ship_dir: Path | None = None, markdown: Path | None = None,
           title: str | None = None) -> dict:
-    from training.card_data import card_record, write_card
+    from training.card_data import card_record, shipped_record, write_card
+    shipped_record(ship_dir)  # a bad --ship is refused before any record is written
     summary = records(train_dir, out)
     rec = card_record(train_dir.parent, summary, ship_dir, title)
     write_card(rec, out / "card.json", markdown)

@@ -136,4 +136,8 @@ def render_file(card_json: Path, markdown: Path) -> None:
     from training.card_md import render
     if not card_json.is_file():
         raise UsageError(f"card: --from-json {card_json}: no such file (python -m training.card --train ... writes it)")
-    markdown.write_text(render(json.loads(card_json.read_text())))
+    rec = _json(card_json)
+    if not isinstance(rec, dict) or not ("models" in rec or "lineage" in rec):
+        raise UsageError(f"card: --from-json {card_json} is not a card.json (python -m training.card --train ... "
+                         "writes one beside the records)")
+    markdown.write_text(render(rec))
