@@ -132,13 +132,22 @@ def check_state(expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int
             raise UsageError(f"{what}: {k} has shape {list(found[k])}, expected {list(shape)} from the config")
 
 
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict | None = None) -> None:
+    """safetensors' save_file, with the file's mode set as the umask gives any other file: safetensors 0.x creates
+    it 0600 (owner only), so shipped or exported weights were unreadable to the rest of a shared machine."""
+    from safetensors.torch import save_file
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def write_safetensors_dir(directory: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
     """config.json + model.safetensors, written to temporary names first so a failure leaves nothing behind."""
-    from safetensors.torch import save_file
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     tmp_w, tmp_c = d / ".model.safetensors.tmp", d / ".config.json.tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp_w))
+    save_tensors({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp_w)
     tmp_c.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(tmp_w, d / "model.safetensors")
     os.replace(tmp_c, d / "config.json")

@@ -58,17 +58,17 @@ def shards(tensors: dict, limit_bytes: int) -> list[list[str]]:
 
 
 def write_dir(d: Path, config: dict, tensors: dict, limit_bytes: int) -> None:
-    from safetensors.torch import save_file
+    from core.checkpoints import save_tensors
     groups = shards(tensors, limit_bytes)
     d.mkdir(parents=True, exist_ok=True)
     write_json(d / "config.json", config)
     if len(groups) == 1:
-        save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(tensors, d / "model.safetensors", metadata={"format": "pt"})
         return
     weight_map = {}
     for i, keys in enumerate(groups, 1):
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({k: tensors[k] for k in keys}, str(d / fname), metadata={"format": "pt"})
+        save_tensors({k: tensors[k] for k in keys}, d / fname, metadata={"format": "pt"})
         weight_map.update({k: fname for k in keys})
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     write_json(d / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
