@@ -168,6 +168,8 @@ def test_bad_pack_arguments_are_refused_before_anything_is_written(tmp_path, cap
     assert "--stages" in refused(capsys, "pack", "--workdir", w, "--out", tmp_path / "P", "--stages", "responsez")
     assert "hidden stage has not run" in refused(capsys, "pack", "--workdir", w, "--out", tmp_path / "P",
                                                  "--stages", "hidden")
+    assert "the train stage's checkpoints do not travel" in refused(capsys, "pack", "--workdir", w, "--out",
+                                                                   tmp_path / "P", "--stages", "prompts,train")
     assert "--max-mib" in refused(capsys, "pack", "--workdir", w, "--out", tmp_path / "P", "--max-mib", 0)
     assert "--name" in refused(capsys, "pack", "--workdir", w, "--out", tmp_path / "P", "--name", "../x")
     assert not (tmp_path / "P").exists()

@@ -34,7 +34,7 @@ from core.errors import UsageError, cli_exit
 from training import stages as clock
 from training.store import MANIFEST, read_manifest
 
-STAGES = ("prompts", "responses", "hidden", "train", "export")
+STAGES = ("prompts", "responses", "hidden", "export")  # the train stage does not travel (stage_list)
 DEFAULT_STAGES = ("prompts", "responses")
 FORMAT = "xpress-bench training stages 1"
 CHUNK = 1 << 20
@@ -44,6 +44,9 @@ DEVICE_FILES = 8  # what one call of the lent GPU machine gives back (files of <
 
 def stage_list(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
+    if "train" in names:  # per-model checkpoints with their optimizer state, and no stage manifest of its own
+        raise UsageError("--stages train: the train stage's checkpoints do not travel; export them (python -m "
+                         "training export) and pack export, or carry the export folder as a warm start")
     bad = [s for s in names if s not in STAGES]
     if bad or not names:
         raise UsageError(f"--stages {text!r}: name stages among {', '.join(STAGES)}, comma-separated")
@@ -358,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     pk = sub.add_parser("pack", help="stage folders of a workdir -> DIR/<name>.partNNN + DIR/<name>.json")
     pk.add_argument("--workdir", required=True, type=Path)
     pk.add_argument("--out", required=True, type=Path, help="where the pieces and the index go")
-    pk.add_argument("--stages", default=",".join(DEFAULT_STAGES), help="comma-separated (default: prompts,responses)")
+    pk.add_argument("--stages", default=",".join(DEFAULT_STAGES), help="comma-separated, among prompts, responses, hidden and export (default: prompts,responses)")
     pk.add_argument("--max-mib", type=float, default=15.5, help="the largest piece, in MiB (default 15.5)")
     pk.add_argument("--name", default="stages", help="the pieces' and index's file name (default: stages)")
     pk.add_argument("--config", default=None, help="the config name recorded in the index (default: the workdir's "
