@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--force", action="store_true", help="overwrite a checkpoint already in --out")
     a = p.parse_args(argv)
     try:
+        if os.path.exists(a.out) and not os.path.isdir(a.out):
+            raise UsageError(f"--out {a.out} is a file; give a directory for config.json + model.safetensors")
         if os.path.exists(os.path.join(a.out, "config.json")) and not a.force:
             raise UsageError(f"--out {a.out} already holds a checkpoint; pass --force to overwrite it, or choose a "
                              "new directory")

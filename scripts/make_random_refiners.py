@@ -30,6 +30,9 @@ def write_heads(target: str, drafter: str, out: str | Path, rank: int = 64, seed
     from refiners.xpress import random_xpress_head
     if rank < 1:
         raise UsageError(f"--rank {rank}: must be >= 1")
+    if not (Path(drafter) / "config.json").is_file():
+        raise UsageError(f"--drafter {drafter}: no config.json there; give a dFlash drafter directory (e.g. one "
+                         "scripts.make_random_drafter wrote)")
     tcfg = load_target_config(target)
     dcfg = read_dflash_config(drafter)
     dcfg.check_target(tcfg, f"drafter {drafter}")

@@ -175,6 +175,11 @@ def test_random_scripts_refuse_to_overwrite_without_force(target_dir, tmp_path, 
     assert make_random_drafter.main(["--target", t, "--out", d]) == 2
     assert "--force" in capsys.readouterr().err
     assert make_random_drafter.main(["--target", t, "--out", d, "--block-size", "4", "--force", "--seed", "3"]) == 0
+    (tmp_path / "afile").write_text("")  # --out a file, and a --drafter that is no drafter: one line each
+    assert make_random_drafter.main(["--target", t, "--out", str(tmp_path / "afile")]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+    assert make_random_refiners.main(["--target", t, "--drafter", str(tmp_path / "nope"), "--out", str(tmp_path)]) == 2
+    assert "--drafter " + str(tmp_path / "nope") + ": no config.json there" in capsys.readouterr().err
     assert make_random_refiners.main(["--target", t, "--drafter", d, "--out", str(tmp_path), "--rank", "8"]) == 0
     assert make_random_refiners.main(["--target", t, "--drafter", d, "--out", str(tmp_path)]) == 2
     assert "--force" in capsys.readouterr().err
