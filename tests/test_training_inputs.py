@@ -105,6 +105,21 @@ def test_interrupted_and_resumed_run_ends_with_the_same_weights(resumed):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_a_resumed_runs_box_keeps_the_stopped_process(resumed):
+    """box.json of a run stopped with a checkpoint and resumed: the second process's steps, and the first's kept as
+    `earlier` (it used to be overwritten, so the card counted only the resumed process's steps and seconds)."""
+    from training.card_data import model_record
+    from training.card_md import this_run
+    root, _ = resumed
+    whole = json.loads((root / "a" / "train" / "drafter" / "box.json").read_text())
+    box = json.loads((root / "b" / "train" / "drafter" / "box.json").read_text())
+    assert box["status"] == "finished" and box["first_step"] == 3 and [e["status"] for e in box["earlier"]] == ["stopped"]
+    assert box["earlier"][0]["first_step"] == 0 and box["earlier"][0]["last_step"] == 3
+    assert box["earlier"][0]["steps"] + box["steps"] == whole["steps"] and "earlier" not in whole
+    line = this_run(model_record(root / "b" / "train" / "drafter", {"model": "drafter"})["box"])
+    assert line.startswith(f"{box['steps']} (from 3); {whole['steps']} steps in ") and "over 2 processes (stopped" in line
+
+
 def test_loss_decreases(resumed):
     root, _ = resumed
     rows = [json.loads(line) for line in (root / "a" / "train" / "drafter" / "metrics.jsonl").read_text().splitlines()]

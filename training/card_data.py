@@ -71,6 +71,9 @@ def model_record(d: Path, summary: dict) -> dict:
             out["box"]["epochs"] = [{k: _round(v, 1) for k, v in e.items()} for e in box["epochs"]]
         if box.get("taps_cache"):  # train.taps_cache_gib (training/online.py TapsCache)
             out["box"]["taps_cache"] = box["taps_cache"]
+        if box.get("earlier"):  # the processes this one continued (a stop with a checkpoint, an interrupt)
+            out["box"]["earlier"] = [{"status": e.get("status"), "steps": e.get("steps"),
+                                      "wall_s": _round(e.get("wall_s"), 1)} for e in box["earlier"]]
     fit = (box or {}).get("fit") or {}
     refit = fit.get("refit") or {}
     if refit.get("before") is not None and refit["fitted_steps"] > refit["before"]:  # a second fit lengthened it

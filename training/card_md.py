@@ -73,8 +73,18 @@ def planned(m: dict) -> str:
 
 
 def this_run(box: dict) -> str:
-    """box.json's steps and the step they started from (n/a in records older than those fields)."""
-    return "n/a" if box.get("steps") is None else f"{box['steps']} (from {fmt(box.get('first_step'))})"
+    """box.json's steps and the step they started from (n/a in records older than those fields), and the earlier
+    processes of the same training that this one continued."""
+    if box.get("steps") is None:
+        return "n/a"
+    text = f"{box['steps']} (from {fmt(box.get('first_step'))})"
+    earlier = box.get("earlier") or []
+    if earlier:
+        steps = box["steps"] + sum(e.get("steps") or 0 for e in earlier)
+        wall = (box.get("wall_s") or 0) + sum(e.get("wall_s") or 0 for e in earlier)
+        text += (f"; {steps} steps in {fmt(round(wall, 1))} s over {len(earlier) + 1} processes "
+                 f"({', '.join(str(e.get('status')) for e in earlier)}, then this one)")
+    return text
 
 
 def time_section(stages: dict, models: list[dict]) -> list[str]:

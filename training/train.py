@@ -283,9 +283,25 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
     mlog.addHandler(handler)
     mlog.setLevel(logging.INFO)
     start_step = trainer.global_step
+    earlier = earlier_boxes(out / FILE, key, start_step)
+
+    def record(status: str) -> dict:  # this process's box, after the earlier processes' it continued
+        return box.record({"key": key, "status": status, "first_step": start_step, "last_step": trainer.global_step,
+                           "box_s": max_seconds or None, "hidden_mode": cfg["hidden"]["mode"],
+                           "total_seq_len": tc["total_seq_len"], "compile": trainer.compile_mode,
+                           "loss_impl": trainer.loss_impl,
+                           "profiled_steps": trainer.step_profile.profiled if trainer.step_profile else None,
+                           "compile_target": getattr(taps, "compile", None),
+                           "target_groups": getattr(taps, "groups", None),
+                           "taps_cache": taps.cache.record() if taps is not None else None,
+                           "anchor_bias": trainer.anchor_bias.record() if trainer.anchor_bias else None,
+                           "fit": trainer.fit_record, **({"earlier": earlier} if earlier else {})})
     try:
         with installed(trainer.anchor_bias):
             trainer.run_training()
+    except KeyboardInterrupt:  # what this process did is kept for the one that resumes it
+        write(out / FILE, record("interrupted"), name)
+        raise
     except StopRequested as stop:
         if trainer.fit_reached and not trainer.deadline_hit:
             print(f"train {name}: finished the plan fitted to the box at step {stop.args[0]} (of {total} planned "
@@ -296,6 +312,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                   "continues the schedule)")
         elif not (trainer.deadline_hit and tc["on_deadline"] == "finish"):
             print(f"train {name}: stopped after step {stop.args[0]} with a checkpoint; run again to resume")
+            write(out / FILE, record("stopped"), name)
             return None
         else:
             print(f"train {name}: train.max_minutes reached at step {stop.args[0]} of {trainer.planned_steps or total};"
@@ -313,17 +330,19 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                            "grown_from": trainer.grown_from,
                                            "truncated": trainer.deadline_hit, "evals": trainer.evals,
                                            "fit": trainer.fit_record})
-    write(out / FILE, box.record({"first_step": start_step, "last_step": trainer.global_step,
-                                  "box_s": max_seconds or None, "hidden_mode": cfg["hidden"]["mode"],
-                                  "total_seq_len": tc["total_seq_len"], "compile": trainer.compile_mode,
-                                  "loss_impl": trainer.loss_impl,
-                                  "profiled_steps": trainer.step_profile.profiled if trainer.step_profile else None,
-                                  "compile_target": getattr(taps, "compile", None),
-                                  "target_groups": getattr(taps, "groups", None),
-                                  "taps_cache": taps.cache.record() if taps is not None else None,
-                                  "anchor_bias": trainer.anchor_bias.record() if trainer.anchor_bias else None,
-                                  "fit": trainer.fit_record}), name)
+    write(out / FILE, record("finished"), name)
     return out / str(last)
+
+
+def earlier_boxes(path: Path, key: str, start_step: int) -> list[dict]:
+    """The box records of the earlier processes of this model (the same fingerprint) that this one continues from
+    their last step (a stop with a checkpoint, or an interrupt), oldest first; [] for a fresh start."""
+    if not path.is_file():
+        return []
+    rec = json.loads(path.read_text())
+    if rec.get("key") != key or rec.get("last_step") != start_step or rec.get("status") == "finished":
+        return []
+    return [*rec.pop("earlier", []), rec]
 
 
 def online_taps(cfg: dict, load):
