@@ -48,6 +48,9 @@ def test_ship_takes_the_markov_variant_with_the_best_selection_tau(tmp_path):
     assert written["models"]["markov_vanilla"]["truncated"] and written["models"]["markov_rnn"]["selection"][
         "tau_markov"] == 2.12 and written["models"]["markov_rnn"]["heldout"]["set"] == "heldout"
     assert ship.ship(work, tmp_path / "o2", markov="markov_rnn")["shipped"]["markov"] == "markov_rnn"
+    # each model lists its own sizes only (a drafter's config carries the heads' defaults, meaningless for it)
+    assert "xpress_rank" not in written["models"]["drafter"] and "markov_rank" not in written["models"]["xpress"]
+    assert written["models"]["markov_rnn"]["markov_head_type"] == "rnn"
 
 
 def test_ship_never_chooses_on_held_out_tau(tmp_path):

@@ -37,6 +37,9 @@ def _manifest(work: Path, name: str, file: str = "manifest.json") -> dict:
     return json.loads(f.read_text())
 
 
+OWN_KEYS = {"xpress": ("xpress_rank",), "dspark": ("markov_rank", "markov_head_type")}
+
+
 def tried(work: Path) -> dict:
     """name -> what the export manifest and the training manifest say of each model."""
     export = work / "export" / "manifest.json"
@@ -46,9 +49,9 @@ def tried(work: Path) -> dict:
     out = {}
     for name, spec in em["models"].items():
         tm, acc = _manifest(work, name), _manifest(work, name, "acceptance.json")
+        own = OWN_KEYS.get(spec["type"], ())  # a head's own sizes; a drafter's config carries the heads' defaults
         out[name] = {"type": spec["type"], "num_layers": spec["num_layers"], "block_size": spec["block_size"],
-                     "xpress_rank": spec.get("xpress_rank"), "markov_rank": spec.get("markov_rank"),
-                     "markov_head_type": spec.get("markov_head_type"), "init_from": spec.get("init_from"),
+                     **{k: spec.get(k) for k in own}, "init_from": spec.get("init_from"),
                      "global_step": tm.get("global_step"), "planned_steps": tm.get("planned_steps"),
                      "truncated": tm.get("truncated", False), "selection": summary(acc["selection"]),
                      "heldout": summary(acc["heldout"]), "acceptance_step": acc.get("global_step"),
