@@ -122,6 +122,9 @@ def bad_jsonl(files, tmp_path):
     ("interleave0", "--fair-interleave 0: must be >= 1 (or given without a value)"),
     ("interleave_negative", "--fair-interleave -1: must be >= 1 (or given without a value)"),
     ("passes0", "--xpress-refine-passes 0 in the paired protocol would add an xPress arm at K=0"),
+    ("k_twice", "--fair-k-list 1,2,1: K=1 is listed twice"),
+    ("k_unpaired", "--fair-k-list takes effect only with --fair-interleave"),
+    ("warmup_unpaired", "--fair-warmup-rounds takes effect only with --fair-interleave"),
 ])
 def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -151,6 +154,13 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
         i = argv.index("--fair-k-list")
         del argv[i:i + 2]
         argv += ["--xpress-refine-passes", "0"]
+    elif case == "k_twice":  # ran two arms named xPress(K=1); the report kept one
+        argv[argv.index("--fair-k-list") + 1] = "1,2,1"
+    elif case in ("k_unpaired", "warmup_unpaired"):  # ignored without a word: one round of AR and the default K
+        argv.remove("--fair-interleave")
+        if case == "warmup_unpaired":
+            i = argv.index("--fair-k-list")
+            argv[i:i + 2] = ["--fair-warmup-rounds", "2"]
     elif case == "scripted_over_block":  # was capped to block - 1 without a word
         argv += ["--block-size", "4", "--scripted-accept", "4"]
     assert cli.main(argv) == 2
@@ -236,7 +246,7 @@ def test_a_run_reports_the_calls_its_kernels_handed_to_torch_ops(files, tmp_path
 
     monkeypatch.setattr(runner, "choose_ops", lambda plan: Leaky())
     argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
-            "--max-new-tokens", "6", "--fair-k-list", "1", "--results-dir", str(tmp_path), "--run-id", "fb"]
+            "--max-new-tokens", "6", "--xpress-refine-passes", "1", "--results-dir", str(tmp_path), "--run-id", "fb"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     note = "[kernels] decode-sized calls the Triton kernels do not take ran on torch ops"

@@ -186,6 +186,15 @@ def validate(c: RunConfig) -> None:
         if any(k < 1 for k in ks):
             raise UsageError(f"--fair-k-list {c.fair_k_list}: every K must be >= 1 (K=0 is the drafter-only arm, "
                              "which the protocol runs anyway)")
+        twice = sorted({k for k in ks if ks.count(k) > 1})
+        if twice:
+            raise UsageError(f"--fair-k-list {c.fair_k_list}: K={','.join(map(str, twice))} is listed twice (two arms "
+                             "of one name); list each K once")
+    ignored = [f"--{k.replace('_', '-')}" for k in ("fair_k_list", "fair_warmup_rounds") if k in c.given]
+    if ignored and not c.fair:
+        raise UsageError(f"{' and '.join(ignored)} {'take' if len(ignored) > 1 else 'takes'} effect only with "
+                         "--fair-interleave (the paired rounds); add --fair-interleave or drop "
+                         f"{'them' if len(ignored) > 1 else 'it'}")
     if c.fair and c.fair_k_list is None and c.xpress_refine_passes == 0 and c.xpress_refiner_path:
         raise UsageError("--xpress-refine-passes 0 in the paired protocol would add an xPress arm at K=0, the "
                          "drafter-only arm it runs anyway; give K >= 1 (or --fair-k-list), or drop the xPress head")
