@@ -125,6 +125,9 @@ def bad_jsonl(files, tmp_path):
     ("k_twice", "--fair-k-list 1,2,1: K=1 is listed twice"),
     ("k_unpaired", "--fair-k-list takes effect only with --fair-interleave"),
     ("warmup_unpaired", "--fair-warmup-rounds takes effect only with --fair-interleave"),
+    ("temperature_nan", "--temperature nan: must be a finite number"),
+    ("draft_temperature_inf", "--draft-temperature -inf: must be a finite number"),
+    ("top_p_inf", "--top-p inf: must be a finite number"),
 ])
 def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -161,6 +164,9 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
         if case == "warmup_unpaired":
             i = argv.index("--fair-k-list")
             argv[i:i + 2] = ["--fair-warmup-rounds", "2"]
+    elif case in ("temperature_nan", "draft_temperature_inf", "top_p_inf"):  # nan decoded, then broke the tables
+        argv += [{"temperature_nan": "--temperature=nan", "draft_temperature_inf": "--draft-temperature=-inf",
+                  "top_p_inf": "--top-p=inf"}[case]]
     elif case == "scripted_over_block":  # was capped to block - 1 without a word
         argv += ["--block-size", "4", "--scripted-accept", "4"]
     assert cli.main(argv) == 2
@@ -285,3 +291,12 @@ def test_first_turns_are_rendered_once_per_prompt_not_per_arm_and_round(files, t
     assert firsts <= 3 * 2 + 1  # presize's length check and one render each for 3 prompts, the warmup's prompt
     # the second prompt's second turn, every time, and once with empty replies for presize's bound (prompt_bound)
     assert sum(1 for n in calls if n == 3) == len(arms) * len(rounds) + 1
+
+
+def test_a_saved_config_with_a_non_finite_temperature_is_refused(files, tmp_path, capsys):
+    """--resume takes config.json's values without parsing them as flags: validate checks them too."""
+    assert cli.main(fair_args(files, tmp_path, "--run-id", "r", "--max-new-tokens", "4")) == 0
+    path = tmp_path / "r" / "config.json"
+    path.write_text(path.read_text().replace('"temperature": 0.0', '"temperature": NaN'))
+    assert cli.main(["--resume", str(tmp_path / "r")]) == 2
+    assert "--temperature nan: must be a finite number" in capsys.readouterr().err

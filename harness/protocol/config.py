@@ -5,6 +5,7 @@ harness where it has the flag: --model-name-or-path, --draft-name-or-path, --fai
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -117,6 +118,10 @@ def validate(c: RunConfig) -> None:
     if not c.dataset:
         raise UsageError("--dataset is required when models are named (e.g. --dataset gsm8k); "
                          "python benchmark_compile_all.py --help lists the hub datasets")
+    for flag, x in (("--temperature", c.temperature), ("--draft-temperature", c.draft_temperature),
+                    ("--top-p", c.top_p)):
+        if x is not None and not math.isfinite(x):  # flags.finite refuses it typed; this, from a config.json
+            raise UsageError(f"{flag} {x}: must be a finite number, e.g. {flag} 0.7")
     if c.reference_dtype not in ("auto", "float32", "none"):
         raise UsageError(f"--reference-dtype {c.reference_dtype!r}: use auto, float32 or none")
     if c.reference_dtype == "float32" and c.temperature >= 1e-5:

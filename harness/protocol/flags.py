@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 
 from core.errors import UsageError
@@ -90,10 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     d("--first-turn-only", action="store_true", help="skip later turns (only turn 1 is measured)")
     c = p.add_argument_group("decoding").add_argument
     c("--max-new-tokens", type=int, default=16384, help="generation budget per turn")
-    c("--temperature", type=float, default=0.0, help="target sampling temperature; < 1e-5 is greedy")
+    c("--temperature", type=finite("--temperature"), default=0.0, help="target sampling temperature; < 1e-5 is greedy")
     c("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off); applied to p and to q")
-    c("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off); applied to p and to q")
-    c("--draft-temperature", type=float, help="temperature of the drafts; default: --temperature")
+    c("--top-p", type=finite("--top-p"), default=1.0, help="nucleus sampling mass (1 = off); applied to p and to q")
+    c("--draft-temperature", type=finite("--draft-temperature"), help="temperature of the drafts; default: --temperature")
     c("--draft-noise", default="gumbel", choices=["gumbel", "uniform"],
       help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
     c("--seed", type=int, default=0, help="seed of the per-(prompt, turn) random streams")
@@ -189,6 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def finite(flag: str):
+    """A float flag's type: a finite number (nan and inf parse as floats, then break the sampling and the tables)."""
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise UsageError(f"{flag} {text!r}: not a number; give a finite number, e.g. {flag} 0.7") from None
+        if not math.isfinite(x):
+            raise UsageError(f"{flag} {text}: must be a finite number, e.g. {flag} 0.7")
+        return x
+    return parse
 
 
 def fair_rounds(text: str) -> int:
