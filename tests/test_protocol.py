@@ -128,6 +128,8 @@ def bad_jsonl(files, tmp_path):
     ("temperature_nan", "--temperature nan: must be a finite number"),
     ("draft_temperature_inf", "--draft-temperature -inf: must be a finite number"),
     ("top_p_inf", "--top-p inf: must be a finite number"),
+    ("run_id_up", "--run-id '../escape': must be a plain folder name"),
+    ("run_id_absolute", "must be a plain folder name"),
 ])
 def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -167,12 +169,14 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
     elif case in ("temperature_nan", "draft_temperature_inf", "top_p_inf"):  # nan decoded, then broke the tables
         argv += [{"temperature_nan": "--temperature=nan", "draft_temperature_inf": "--draft-temperature=-inf",
                   "top_p_inf": "--top-p=inf"}[case]]
+    elif case in ("run_id_up", "run_id_absolute"):  # wrote the run outside --results-dir
+        argv += ["--run-id", "../escape" if case == "run_id_up" else str(tmp_path / "abs")]
     elif case == "scripted_over_block":  # was capped to block - 1 without a word
         argv += ["--block-size", "4", "--scripted-accept", "4"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err, err
-    assert not (tmp_path / "res").exists()
+    assert not (tmp_path / "res").exists() and not (tmp_path / "escape").exists() and not (tmp_path / "abs").exists()
 
 
 def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):

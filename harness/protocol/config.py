@@ -216,6 +216,9 @@ def validate(c: RunConfig) -> None:
         sweep_points.check(c)
     elif c.refill:
         raise UsageError("--refill is a sweep's batching: give it with --batch-sizes (e.g. --batch-sizes 1,4,16)")
+    if c.run_id is not None and (c.run_id in ("", ".", "..") or any(ch in c.run_id for ch in "/\\\0")):
+        raise UsageError(f"--run-id {c.run_id!r}: must be a plain folder name (no /, no .., not empty), made inside "
+                         "--results-dir; name the parent folder with --results-dir instead")
     for path in (c.answer_file, c.trace):
         if path:
             check_writable(path)
