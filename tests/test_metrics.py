@@ -197,3 +197,19 @@ def test_paired_tau_ci_on_constructed_cases():
     assert out == m.paired_tau_ci(noisy, steps, ref, steps, n_boot=500, seed=3)
     with pytest.raises(ValueError, match="one shape"):
         m.paired_tau_ci(ref[:2], steps, ref, steps)
+
+
+def test_a_ci_from_one_paired_unit_is_not_a_zero_width_interval():
+    """One prompt of one round: every bootstrap draw is the same value; the CI is NaN (null in summary.json) and
+    prints as n/a with the reason, not as [x, x]."""
+    one = [[10.0]], [[1.0]], [[10.0]], [[2.0]]
+    assert all(math.isnan(x) for x in m.median_round_speedup_ci(*one))
+    assert all(math.isnan(x) for x in m.pooled_speedup_ci_over_prompts([10], [1.0], [10], [2.0]))
+    assert all(math.isnan(x) for x in m.speedup_ci_over_prompts([0.1], [0.2]))
+    assert all(math.isnan(x) for x in m.paired_tau_ci([[4]], [[1]], [[2]], [[1]])["diff_ci95"])
+    two = [[10.0, 10.0]], [[1.0, 1.5]], [[10.0, 10.0]], [[2.0, 2.5]]  # one round, two prompts: a real CI
+    lo, hi = m.median_round_speedup_ci(*two)
+    assert lo < hi
+    assert m.ci_bracket([lo, hi], 2) == f" [{lo:.2f}, {hi:.2f}]"
+    assert m.ci_bracket([10.08, 10.08], 1) == " [CI n/a: 1 unit]"  # an older summary's zero-width CI too
+    assert m.ci_bracket([float("nan")] * 2, None) == " [CI n/a]"

@@ -367,3 +367,16 @@ def test_the_console_notes_say_which_rounds_each_count_covers(summary):
     assert sum(xp["stop_reasons"].values()) == 6 and xp["token_match"]["rows_compared"] == 12
     assert f"stop reasons (measured rounds, first turns) {xp['stop_reasons']}" in out
     assert "11/12 outputs identical (every round both ran, warmup included, every turn)" in out
+
+
+def test_a_speedup_ci_from_one_prompt_of_one_round_prints_as_n_a(tmp_path):
+    """One prompt, one measured round: the run table (and table.md) printed '0.380 (1 round) [0.38, 0.38]'."""
+    rows = [r for r in example() if r["question_id"] == 0 and r["round"] in (1, 2) and r["turn"] == 0]
+    s = report.summarize(rows)
+    table = tables.format_markdown_table(s, "toy")
+    line = next(ln for ln in table.splitlines() if ln.startswith("| xPress(K=6)"))
+    assert "(1 round) [CI n/a: 1 unit]" in line and line.count("n/a: 1 unit") == 2, line  # Sp. and E2E Sp.
+    assert s["arms"]["xPress(K=6)"]["speedup"]["ci95"] == [None, None] or all(
+        math.isnan(x) for x in s["arms"]["xPress(K=6)"]["speedup"]["ci95"])
+    merged = tables.format_multi_dataset_table([{"summary": s, "dataset": "toy", "temperature": 0.0, "folder": "f"}])
+    assert "× [CI n/a: 1 unit]" in merged, merged

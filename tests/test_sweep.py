@@ -287,3 +287,17 @@ def test_a_refilled_batch_counts_its_own_steps_and_its_rows_as_slots():
     assert got["steps"] == 10 and got["slot_use"] == 1.0 and got["tokens_per_step"] == 3.9
     static = [{k: v for k, v in r.items() if k not in ("refill", "batch_steps", "batch_rows")} for r in rows]
     assert sweep_steps.step_stats(static)["steps"] == 6  # a static batch: its longest row
+
+
+def test_a_point_of_one_batch_in_one_round_prints_its_ci_as_n_a():
+    """One measured round of one batch (a --refill point: one queue): the CI resampled one unit and printed as
+    '10.078 [10.08, 10.08]'; it is null in sweep.json and n/a in sweep.md. Two rounds give a real interval."""
+    for rounds, expect in (((2,), "[CI n/a: 1 unit]"), ((2, 3), "[")):
+        rows = _rows("AR", 1, 1.0, rounds=rounds, batches=1) + _rows("xPress(K=2)", 1, 0.1, rounds=rounds, batches=1)
+        if len(rounds) > 1:
+            rows[-1] = dict(rows[-1], decode_s=0.2, batch_decode_s=0.2)
+        s = sweep.summarize(rows, ["AR", "xPress(K=2)"], 0, [1], [0])
+        e = s["points"][0]["arms"]["xPress(K=2)"]
+        assert (e["speedup_ci"] is None) == (len(rounds) == 1)
+        line = next(ln for ln in sweep.format_table(s).splitlines() if "| xPress(K=2) |" in ln)
+        assert f"{e['speedup']:.3f} {expect}" in line and ("n/a" in line) == (len(rounds) == 1), line

@@ -7,6 +7,7 @@ so a report can still print every other column.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -134,6 +135,20 @@ def paired_ratio_stats(ratios: Sequence[float]) -> RatioStats:
 
 # -------------------------------------------------------------------------------------------- confidence intervals
 
+MIN_CI_UNITS = 2  # one paired unit (a prompt of one round) draws one value: a zero-width "CI"; NaN from fewer
+
+
+def ci_bracket(ci, units: int | None, fmt: str = ".2f") -> str:
+    """' [lo, hi]' as every table prints a CI; ' [CI n/a: 1 unit]' from fewer than MIN_CI_UNITS resampled units
+    (prompts x rounds; None: not known, older summaries), ' [CI n/a]' without one."""
+    if units is not None and units < MIN_CI_UNITS:
+        return f" [CI n/a: {units} unit{'' if units == 1 else 's'}]"
+    lo, hi = ci or (None, None)
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (lo, hi)):
+        return " [CI n/a]"
+    return f" [{format(lo, fmt)}, {format(hi, fmt)}]"
+
+
 def _percentile_bootstrap(n: int, stat_of_idx: Callable[[np.ndarray], float], n_boot: int, alpha: float,
                           seed: int) -> tuple[float, float]:
     """Resample item indices with replacement; one index set serves paired arrays, keeping pairs intact."""
@@ -141,7 +156,7 @@ def _percentile_bootstrap(n: int, stat_of_idx: Callable[[np.ndarray], float], n_
         raise ValueError(f"n_boot must be >= 1, got {n_boot}")
     if not 0.0 < alpha < 1.0:
         raise ValueError(f"alpha must lie in (0, 1), got {alpha}")
-    if n == 0:
+    if n < MIN_CI_UNITS:
         return _NAN, _NAN
     rng = np.random.default_rng(seed)
     draws = rng.integers(0, n, size=(n_boot, n))
@@ -281,7 +296,7 @@ def median_round_speedup_ci(spec_tokens, spec_seconds, ref_tokens, ref_seconds, 
     if n_boot < 1 or not 0.0 < alpha < 1.0:
         raise ValueError(f"n_boot must be >= 1 and alpha in (0, 1), got {n_boot}, {alpha}")
     n_rounds, n_prompts = st.shape
-    if not st.size:
+    if st.size < MIN_CI_UNITS:
         return _NAN, _NAN
     rng = np.random.default_rng(seed)
     picks = rng.integers(0, n_prompts, size=(n_boot, n_prompts))
@@ -367,7 +382,7 @@ def paired_tau_ci(spec_lengths, spec_steps, ref_lengths, ref_steps, n_boot: int 
         raise ValueError(f"n_boot must be >= 1 and alpha in (0, 1), got {n_boot}, {alpha}")
     a, b = tau_over_replicates(la, sa), tau_over_replicates(lb, sb)
     out = {"diff": a - b, "ratio": a / b if b > 0 else _NAN, "diff_ci95": [_NAN, _NAN], "ratio_ci95": [_NAN, _NAN]}
-    if not la.size:
+    if la.size < MIN_CI_UNITS:
         return out
     n_rep, n_prompts = la.shape
     rng = np.random.default_rng(seed)

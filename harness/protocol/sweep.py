@@ -263,7 +263,8 @@ def summarize(rows: list[dict], arms: list[str], warmup: int, batches: list[int]
                         sp = metrics.median_round_speedup(tok, sec, rt, rs)
                         lo, hi = metrics.median_round_speedup_ci(tok, sec, rt, rs, n_boot=n_boot)
                         entry["speedup"] = round(sp, 4)
-                        entry["speedup_ci"] = [round(lo, 4), round(hi, 4)]
+                        entry["speedup_ci"] = [round(lo, 4), round(hi, 4)] if np.isfinite([lo, hi]).all() else None
+                        entry["speedup_ci_units"] = int(tok.size)  # rounds x batches resampled
                 entry["same_as_b1"] = _same_as_b1(rows, a, b, c)
                 per_arm[a] = entry
             points.append({"batch_size": b, "context_len": c, "requests": len({(r["batch_index"], r["batch_row"])
@@ -326,13 +327,14 @@ def _crossing(b, batches) -> str:
 
 
 def format_table(summary: dict) -> str:
+    from harness.protocol import metrics
     lines = [f"**SWEEP** batch sizes {summary['batch_sizes']} x context lengths {summary['context_lengths']}"
              + (f" [{'; '.join(summary['labels'])}]" if summary["labels"] else ""), "",
              "| B | context | method | total tok/s | per-request tok/s | tau | Sp. vs AR [95% CI] | same as B=1 |",
              "|---|---|---|---|---|---|---|---|"]
     for p in summary["points"]:
         for a, e in p["arms"].items():
-            sp = (f"{e['speedup']:.3f} [{e['speedup_ci'][0]:.2f}, {e['speedup_ci'][1]:.2f}]" if "speedup" in e
+            sp = (f"{e['speedup']:.3f}" + metrics.ci_bracket(e["speedup_ci"], e.get("speedup_ci_units")) if "speedup" in e
                   else "1.000 (ref)" if a == summary["reference"] else "-")
             same = f"{e['same_as_b1']['equal']}/{e['same_as_b1']['of']}" if e.get("same_as_b1") else "-"
             fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"

@@ -38,7 +38,12 @@ def _ratio_cell(p: dict | None, name: str, ref: str | None, ci: bool) -> str:
     if not p or not p.get("n"):
         return "-"
     cell = _num(p.get("value"), ".3f") + (" (1 round)" if p["n"] == 1 else "")
-    return cell + (f" [{_num(p['ci95'][0], '.2f')}, {_num(p['ci95'][1], '.2f')}]" if ci else "")
+    return cell + (metrics.ci_bracket(p.get("ci95"), ci_units(p)) if ci else "")
+
+
+def ci_units(p: dict) -> int | None:
+    """The paired units a speedup's CI resampled (prompts x rounds); None where the summary does not say."""
+    return p["n"] * p["ci_prompts"] if p.get("n") is not None and p.get("ci_prompts") is not None else None
 
 
 _HEADER = ["method", "POOLED tok/s", "Sp. (median of rounds) [95% CI]", "E2E Sp. [95% CI]", "break-even tau",
@@ -95,8 +100,9 @@ def _notes(summary: dict) -> list[str]:
 def _diff(g: dict | None) -> str:
     if not g:
         return "-"
-    lo, hi = g.get("diff_ci95") or [None, None]
-    return f"{_num(g.get('diff'), '+.3f')} [{_num(lo, '+.3f')}, {_num(hi, '+.3f')}]"
+    units = g["prompts"] * g["seeds"] if isinstance(g.get("prompts"), int) and isinstance(g.get("seeds"), int) \
+        else None
+    return _num(g.get("diff"), '+.3f') + metrics.ci_bracket(g.get("diff_ci95"), units, "+.3f")
 
 
 def _order(o: dict | None) -> list[str]:
@@ -241,7 +247,8 @@ FLAG = "⚑"
 def _sp_cell(sp: dict, tau, arm: dict, flagged: bool) -> str:
     """'2.03× [1.95, 2.12] (E2E 1.74×) / 2.15 (b-e 1.06)', ⚑ first when the run's AR rounds were flagged."""
     ci = sp.get("ci95") or [None, None]
-    bracket = f" [{_num(ci[0], '.2f')}, {_num(ci[1], '.2f')}]" if ci[0] is not None else ""
+    units = ci_units(sp)
+    bracket = metrics.ci_bracket(ci, units) if ci[0] is not None or units is not None else ""
     e2e = f" (E2E {_num((arm.get('speedup_e2e') or {}).get('value'), '.2f')}×)" if "speedup_e2e" in arm else ""
     be = f" (b-e {_num(arm.get('break_even_tau'), '.2f')})" if "break_even_tau" in arm else ""
     return f"{FLAG + ' ' if flagged else ''}{_num(sp.get('value'), '.2f')}×{bracket}{e2e} / {_num(tau, '.2f')}{be}"
