@@ -301,3 +301,18 @@ def test_a_point_of_one_batch_in_one_round_prints_its_ci_as_n_a():
         assert (e["speedup_ci"] is None) == (len(rounds) == 1)
         line = next(ln for ln in sweep.format_table(s).splitlines() if "| xPress(K=2) |" in ln)
         assert f"{e['speedup']:.3f} {expect}" in line and ("n/a" in line) == (len(rounds) == 1), line
+
+
+def test_an_interrupted_sweeps_folder_says_to_delete_it(files, tmp_path, capsys, monkeypatch):
+    """Rerun said 'pass --resume', and --resume said 'a sweep does not take --resume': the refusal names the way
+    out (delete the folder, or another --run-id), before anything loads, with the sweep's flags or without."""
+    import harness.protocol.runner as runner
+    monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    folder = tmp_path / "r"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"batch_sizes": "1,2"}))  # what an interrupted sweep leaves
+    (folder / "samples.jsonl").write_text("")
+    for extra in (("--batch-sizes", "1,2"), ()):
+        assert cli.main(args(files, tmp_path, "--run-id", "r", *extra)) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"delete {folder} to run it again, or pick another --run-id" in err and "--resume" not in err, err

@@ -111,6 +111,9 @@ def run_folder(cfg: RunConfig, resume: str | None = None) -> str:
     if cfg.run_id:
         folder = os.path.join(cfg.results_dir, cfg.run_id)
         if taken(folder):
+            if cfg.batch_sizes or cfg.context_lengths or _holds_sweep(folder):
+                raise UsageError(f"{folder} already holds a sweep (finished or interrupted), and a sweep cannot be resumed: "
+                                 f"delete {folder} to run it again, or pick another --run-id")
             raise UsageError(f"{folder} already holds a run; pass --resume {folder} to continue it, or a new --run-id")
         return folder
     base = os.path.join(cfg.results_dir, f"{cfg.dataset}_T{cfg.temperature:g}_{time.strftime('%Y%m%d-%H%M%S')}")
@@ -119,6 +122,15 @@ def run_folder(cfg: RunConfig, resume: str | None = None) -> str:
         n += 1
         folder = f"{base}-{n}"
     return folder
+
+
+def _holds_sweep(folder: str) -> bool:
+    """The folder's config.json is a sweep's (--batch-sizes / --context-lengths), which --resume refuses."""
+    try:
+        saved = json.loads(open(os.path.join(folder, "config.json"), encoding="utf-8").read())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and bool(saved.get("batch_sizes") or saved.get("context_lengths"))
 
 
 def check_resume(cfg: RunConfig, folder: str) -> None:
