@@ -7,6 +7,7 @@ together. A folder that does not record a fact (summary schema 1/2, config.json 
 """
 from __future__ import annotations
 
+from core.errors import UsageError
 from harness.protocol import facts
 from harness.protocol.tables import format_multi_dataset_table
 
@@ -37,3 +38,17 @@ def format_merged(entries: list[dict], distinct) -> str:
     for key, members in parts.items():
         out += ["### " + "  ".join(f"{k}={v}" for k, v in key), "", format_multi_dataset_table(distinct(members))]
     return "\n".join(out)
+
+
+def distinct(entries: list[dict]) -> list[dict]:
+    """Rows of the merged table are datasets: two runs of one dataset at one temperature would be averaged as two
+    datasets, so they are refused."""
+    seen: dict = {}
+    for e in entries:
+        key = (e["dataset"], e["temperature"])
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {e['folder']} are both {e['dataset']} at T={e['temperature']:g}; the "
+                             "Avg. row would count that dataset twice: pass one folder per dataset (or one run "
+                             "with more rounds)")
+        seen[key] = e["folder"]
+    return entries

@@ -284,19 +284,21 @@ def write_results(folder: str | os.PathLike, config: dict, env: dict, rows: list
     return [str(folder / n) for n in files] + write_plots(folder, summary, dataset, out)
 
 
+def _read_json(folder: str, name: str, missing: str = "is the run finished? (summary.json is written at the "
+               "end; --rebuild writes it from samples.jsonl and config.json)"):
+    try:
+        return json.loads((Path(folder) / name).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"{folder}: no {name}; {missing}") from None
+    except ValueError as e:
+        raise UsageError(f"{folder}/{name}: not valid JSON ({e})") from None
+
+
 def _load_folder(folder: str) -> dict:
     path = Path(folder)
     if not path.is_dir():
         raise UsageError(f"{folder}: not a results folder (no such directory)")
-    loaded = {}
-    for name in ("summary.json", "config.json"):
-        try:
-            loaded[name] = json.loads((path / name).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise UsageError(f"{folder}: no {name}; is the run finished? (summary.json is written at the end)") \
-                from None
-        except ValueError as e:
-            raise UsageError(f"{folder}/{name}: not valid JSON ({e})") from None
+    loaded = {name: _read_json(folder, name) for name in ("summary.json", "config.json")}
     s = loaded["summary.json"]
     if not isinstance(s, dict) or not isinstance(s.get("arms"), dict) or "optimal" not in s:
         raise UsageError(f"{folder}/summary.json: not an xpress-bench summary (no 'arms' / 'optimal')")
@@ -345,8 +347,13 @@ def rebuild(folder: str) -> dict:
     summary.json may be of any schema version up to this one (summary_schema); the new one is this version."""
     from harness.protocol.results_io import read_rows
     path = Path(folder)
-    loaded = _load_folder(folder)
-    config, old = loaded["config"], loaded["summary"]
+    if not path.is_dir():
+        raise UsageError(f"{folder}: not a results folder (no such directory)")
+    need = "--rebuild recomputes a run's tables from its samples.jsonl and config.json"
+    config = _read_json(folder, "config.json", need)
+    if not (path / "samples.jsonl").is_file():
+        raise UsageError(f"{folder}: no samples.jsonl; {need}")
+    old = _read_json(folder, "summary.json") if (path / "summary.json").is_file() else {}  # none: an interrupted run
     summary = summarize(read_rows(str(path / "samples.jsonl")), tau_from_warmup=bool(config.get("compat_reference")),
                         labels=config_labels(config), run=facts.run_facts(config))
     for key in ("compile", "kernel_fallbacks"):  # what the runner adds beside the rows' statistics
@@ -359,37 +366,24 @@ def rebuild(folder: str) -> dict:
     return summary
 
 
-def _distinct(entries: list[dict]) -> list[dict]:
-    """Rows of the merged table are datasets: two runs of one dataset at one temperature would be averaged as two
-    datasets, so they are refused."""
-    seen: dict = {}
-    for e in entries:
-        key = (e["dataset"], e["temperature"])
-        if key in seen:
-            raise UsageError(f"{seen[key]} and {e['folder']} are both {e['dataset']} at T={e['temperature']:g}; the "
-                             "Avg. row would count that dataset twice: pass one folder per dataset (or one run "
-                             "with more rounds)")
-        seen[key] = e["folder"]
-    return entries
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m harness.protocol.report",
                                 description="One table over several results folders (rows = datasets), one per "
                                             "target and protocol (harness.protocol.merge).")
-    p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json")
+    p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json "
+                                              "(with --rebuild: samples.jsonl and config.json)")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--rebuild", action="store_true",
                    help="first recompute each folder's summary.json, table.md, table.csv and README.md from its "
-                        "samples.jsonl and config.json")
+                        "samples.jsonl and config.json (an interrupted run's too: its complete rounds)")
     ns = p.parse_args(argv)
 
     def work():
         if ns.rebuild:
             for f in ns.folders:
                 rebuild(f)
-        from harness.protocol.merge import format_merged
-        text = format_merged([_load_folder(f) for f in ns.folders], _distinct)
+        from harness.protocol.merge import distinct, format_merged
+        text = format_merged([_load_folder(f) for f in ns.folders], distinct)
         if ns.out:
             atomic_write(ns.out, text)
         sys.stdout.write(text)
