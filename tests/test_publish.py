@@ -181,3 +181,16 @@ def test_rows_timed_with_a_step_callback_label_the_run():
     rows = [dict(r, timed=r["arm"] != "AR") for r in example()]
     assert report.UNTIMED_LABEL in tables.run_labels(report.summarize(rows, n_boot=50))
     assert report.UNTIMED_LABEL not in tables.run_labels(report.summarize(example(), n_boot=50))
+
+
+def test_out_naming_a_directory_is_refused_before_anything_is_written(tmp_path, capsys):
+    """--out DIR said '...tmp: Is a directory' (the atomic write's temp file), after --rebuild had rewritten the
+    folders; now one line names --out, before any folder is touched."""
+    folder = tmp_path / "run"
+    report.write_results(folder, {"dataset": "toy"}, {}, example(), report.summarize(example(), n_boot=50))
+    (folder / "table.md").write_text("old")
+    assert report.main(["--rebuild", str(folder), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out {tmp_path}: is a directory; name the markdown file to write, e.g. " \
+        f"{tmp_path / 'table.md'}\n", err
+    assert (folder / "table.md").read_text() == "old"

@@ -379,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
 
     def work():
+        if ns.out and os.path.isdir(ns.out):
+            raise UsageError(f"--out {ns.out}: is a directory; name the markdown file to write, e.g. "
+                             f"{os.path.join(ns.out, 'table.md')}")
+        if ns.out and not os.path.isdir(os.path.dirname(os.path.abspath(ns.out))):
+            raise UsageError(f"--out {ns.out}: folder {os.path.dirname(os.path.abspath(ns.out))} does not exist")
         if ns.rebuild:
             for f in ns.folders:
                 rebuild(f)
