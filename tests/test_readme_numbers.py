@@ -279,3 +279,15 @@ def test_the_json_and_bench_batch_families_read_their_files_and_name_what_is_mis
                        (lambda: R["bench_batch"](tmp_path, "b", "4", "512", "16", "ms"), "0 rows at B=4")):
         with pytest.raises(UsageError, match=says):
             call()
+
+
+@pytest.mark.parametrize("sub", ["missing", "empty"])
+def test_a_root_without_any_readme_is_refused(tmp_path, capsys, sub):
+    """--root /nonexistent printed '0 READMEs: 0 failing' and passed: a typo checked nothing."""
+    root = tmp_path / sub
+    if sub == "empty":
+        root.mkdir()
+    assert rn.main(["--check", "--root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --root {root}: ") and err.count("\n") == 1, err
+    assert ("no such folder" if sub == "missing" else "no README to check") in err

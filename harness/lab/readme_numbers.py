@@ -212,6 +212,11 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default=str(ROOT), help="the repository (default: this checkout)")
     args = ap.parse_args(argv)
     root = Path(args.root)
+    if not readmes(root):  # a wrong --root checked nothing and passed
+        what = "no such folder" if not root.is_dir() else ("no README to check (README.md, results/**/README.md, "
+                                                            "weights/*/README.md)")
+        print(f"error: --root {args.root}: {what}; name the repository's folder", file=sys.stderr)
+        return 2
     try:
         if args.write:
             changed = write(root)
