@@ -124,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     f("--fair-interleave", type=fair_rounds, nargs="?", const=0, metavar="ROUNDS",
       help="paired rounds over every arm (AR, drafter-only, Markov, xPress per K), rotated each round; ROUNDS "
            "defaults to warmup + number of arms")
-    f("--fair-k-list", help="xPress K values as one arm each, e.g. 4,5,6,7; default: --xpress-refine-passes")
-    f("--fair-warmup-rounds", type=int, default=1, help="rounds run but excluded from statistics")
+    f("--fair-k-list", help="xPress K values as one arm each, e.g. 4,5,6,7 (with --fair-interleave, or a setup's "
+      "paired rounds); default: --xpress-refine-passes")
+    f("--fair-warmup-rounds", type=int, default=1, help="rounds run but excluded from statistics (with "
+      "--fair-interleave, or a setup's paired rounds)")
     f("--results-dir", default="results", help="run folders are written under this directory")
     f("--run-id", help="name of the run folder; default: dataset, temperature and a timestamp")
     f("--resume", metavar="RUN_DIR", help="continue an interrupted run in this folder; its config.json supplies "
