@@ -153,3 +153,14 @@ def add_export(path: Path, seconds: float, name: str) -> None:
     steps_s = rec["parts_s"]["steps"]
     rec["steps_share"] = round(steps_s / rec["wall_s"], 4) if rec["wall_s"] else 0.0
     write(path, rec, name)
+
+
+def earlier_boxes(path: Path, key: str, start_step: int) -> list[dict]:
+    """The box records of the earlier processes of this model (the same fingerprint) that this one continues from
+    their last step (a stop with a checkpoint, or an interrupt), oldest first; [] for a fresh start."""
+    if not path.is_file():
+        return []
+    rec = json.loads(path.read_text())
+    if rec.get("key") != key or rec.get("last_step") != start_step or rec.get("status") == "finished":
+        return []
+    return [*rec.pop("earlier", []), rec]

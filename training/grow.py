@@ -25,6 +25,7 @@ The model is built with full attention in every layer (training/train.py build_m
 are not all full attention is refused (check_layer_types)."""
 from __future__ import annotations
 
+import json
 import re
 
 import torch
@@ -162,3 +163,10 @@ def _fc(s: torch.Tensor, v: torch.Tensor, src_taps: list, own_taps: list, where:
         j = own_taps.index(t)
         w[:, j * h:(j + 1) * h] = s[:, i * h:(i + 1) * h]
     return w
+
+
+def folder_taps(d) -> list[int] | None:
+    """The target layers an exported drafter folder taps (None for no folder: a model of this config, which taps
+    the hidden stage's)."""
+    taps = None if d is None else json.loads((d / "config.json").read_text()).get("aux_hidden_state_layer_ids")
+    return list(taps) if taps else None

@@ -89,7 +89,9 @@ def build_model(cfg: dict, name: str, verifier: str, layer_ids: list[int], attn_
         own = model.state_dict()
         if m["grow"]:  # the source's tensors in a larger model that computes what it did (training/grow.py)
             from training.grow import grown
-            taps = init_taps(cfg, name) or list(layer_ids)
+            from training.config import init_export
+            from training.grow import folder_taps
+            taps = folder_taps(init_export(cfg, name)) or list(layer_ids)
             state, model.grown_from = grown(state, own, f"models.{name}", (taps, list(layer_ids)))
         bad = [k for k, v in state.items() if k not in own or own[k].shape != v.shape]
         if bad:
@@ -116,17 +118,9 @@ def init_state(cfg: dict, name: str, layer_ids: list[int]) -> dict:
         from safetensors.torch import load_file
         return load_file(str(src / "model.safetensors"))
     from core.checkpoints import read_tensors, shard_files
-    from training.grow import check_taps
-    check_taps(f"models.{name}", m, init_taps(cfg, name), list(layer_ids), str(d), "the hidden stage wrote")
+    from training.grow import check_taps, folder_taps
+    check_taps(f"models.{name}", m, folder_taps(d), list(layer_ids), str(d), "the hidden stage wrote")
     return read_tensors(shard_files(d, f"models.{name}.init_from"))
-
-
-def init_taps(cfg: dict, name: str) -> list[int] | None:
-    """The target layers an init_from folder's drafter taps (None for a model of this config: the hidden stage's)."""
-    from training.config import init_export
-    d = init_export(cfg, name)
-    taps = None if d is None else json.loads((d / "config.json").read_text()).get("aux_hidden_state_layer_ids")
-    return list(taps) if taps else None
 
 
 def loss_impl(tc: dict, device: torch.device) -> str:
@@ -269,7 +263,7 @@ def fit_plan(tc: dict, total: int) -> dict | None:
 
 def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float = 0.0, taps=None,
               started: float | None = None) -> Path | None:
-    from training.box import FILE, Box, write
+    from training.box import FILE, Box, earlier_boxes, write
     tc = cfg["train"]
     key = model_fingerprint(cfg, name)
     if final_dir(cfg, name) is not None:
@@ -332,17 +326,6 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                            "fit": trainer.fit_record})
     write(out / FILE, record("finished"), name)
     return out / str(last)
-
-
-def earlier_boxes(path: Path, key: str, start_step: int) -> list[dict]:
-    """The box records of the earlier processes of this model (the same fingerprint) that this one continues from
-    their last step (a stop with a checkpoint, or an interrupt), oldest first; [] for a fresh start."""
-    if not path.is_file():
-        return []
-    rec = json.loads(path.read_text())
-    if rec.get("key") != key or rec.get("last_step") != start_step or rec.get("status") == "finished":
-        return []
-    return [*rec.pop("earlier", []), rec]
 
 
 def online_taps(cfg: dict, load):
