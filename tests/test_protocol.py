@@ -96,6 +96,28 @@ def test_killed_and_resumed_run_gives_the_same_rows(files, tmp_path, monkeypatch
     assert strip(resumed) == strip(expected)  # nothing lost, nothing duplicated
 
 
+def test_a_resumed_trace_keeps_the_interrupted_processs_steps(files, tmp_path, monkeypatch):
+    """--trace with --resume: the resumed process appends (it truncated the file, losing the decodes the first
+    process traced and the resume reuses)."""
+    def units(path):
+        return {(r["round"], r["arm"], r["question_id"]) for r in map(json.loads, path.read_text().splitlines())}
+    assert cli.main(fair_args(files, tmp_path / "full", "--run-id", "a", "--trace", str(tmp_path / "a.jsonl"))) == 0
+    calls, real = {"n": 0}, runner.generate
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 25:  # in the middle of round 2, as above
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(runner, "generate", flaky)
+    part, trace = tmp_path / "part", tmp_path / "b.jsonl"
+    assert cli.main(fair_args(files, part, "--run-id", "b", "--trace", str(trace))) == 130
+    monkeypatch.setattr(runner, "generate", real)
+    first = units(trace)
+    assert cli.main(fair_args(files, part, "--resume", str(part / "b"))) == 0
+    assert first < units(trace) == units(tmp_path / "a.jsonl")
+
+
 def test_resume_refuses_other_settings(files, tmp_path, capsys):
     assert cli.main(fair_args(files, tmp_path, "--run-id", "r", "--first-turn-only")) == 0
     assert cli.main(fair_args(files, tmp_path, "--resume", str(tmp_path / "r"), "--max-new-tokens", "11")) == 2

@@ -300,7 +300,7 @@ def _measure(plan: RunPlan, models: Models, settings: DecodeSettings, work: Work
         print(f"[compile] {watch.stats()}", file=out)
     # Common random numbers: every arm replays the same stream for a (prompt, turn, round); the reference instead
     # draws everything from one stream seeded once (--compat-reference).
-    d = Decoding(plan, models, settings, StepTracer(shard.per_rank(cfg.trace)) if cfg.trace else None,
+    d = Decoding(plan, models, settings, StepTracer(shard.per_rank(cfg.trace), bool(plan.resume)) if cfg.trace else None,
                  backend.generator(cfg.seed) if cfg.compat_reference else None)
     bar = progress(work.total, len(work.done), cfg.quiet) if shard.main else None
     recompiled = ()

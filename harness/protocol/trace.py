@@ -15,8 +15,10 @@ TRACED_LABEL = "traced (steps replayed untimed)"
 
 
 class StepTracer:
-    def __init__(self, path: str):
-        self.file = open(path, "w", encoding="utf-8")
+    def __init__(self, path: str, append: bool = False):
+        """append: a resumed run (--resume) adds its steps after the interrupted process's instead of replacing
+        them (the rows it keeps were traced there)."""
+        self.file = open(path, "a" if append else "w", encoding="utf-8")
         self.context: dict = {}
 
     def set_context(self, **fields) -> None:
