@@ -284,3 +284,13 @@ def test_scripted_acceptance_reports_no_bug_and_says_once_that_identity_is_not_c
     summary = json.loads((tmp_path / "scripted" / "summary.json").read_text())
     assert summary["run"]["scripted_accept"] == 2 and divergence.bug_reports(summary) == [
         f"[divergence] {divergence.SCRIPTED_NOTE}"]
+
+
+def test_at_t_above_zero_identity_to_ar_is_not_reported_as_a_check():
+    """Sampled runs: lossless speculative sampling gives AR's distribution, not its text, so table.md says so in one
+    line instead of a T=0 section of 'rows identical 0/9'; the same comparison at T=0 is kept."""
+    tm = {"ref": "AR", "rows_compared": 9, "rows_identical": 0, "divergence": {"divergences": 9, "measured": 0}}
+    summary = {"temperature": 1.0, "run": {}, "arms": {"xPress(K=1)": {"token_match": tm}}}
+    lines = divergence.markdown(summary)
+    assert lines == ["", f"Divergence from AR: {divergence.SAMPLED_NOTE}."] and not divergence.bug_reports(summary)
+    assert any("| xPress(K=1) | AR | 0/9 |" in line for line in divergence.markdown({**summary, "temperature": 0.0}))

@@ -115,16 +115,31 @@ SCRIPTED_NOTE = ("scripted acceptance (--scripted-accept) forces the drafts thro
                  "AR's by design: identity to AR is not checked (AR against its reference still is)")
 
 
+SAMPLED_NOTE = ("sampled (T > 0): lossless speculative sampling gives AR's distribution, not its text, so identity to "
+                "AR is not checked (the goodness-of-fit tests check the distribution; an arm against its own "
+                "reference still is)")
+
+
 def scripted(summary: dict) -> bool:
     """The run forced its acceptance (--scripted-accept): an arm that leaves AR's text is expected, not a bug."""
     return (summary.get("run") or {}).get("scripted_accept") is not None
 
 
+def sampled(summary: dict) -> bool:
+    """A run at T > 0: its arms' texts differ from AR's by design (SAMPLED_NOTE)."""
+    return bool(summary.get("temperature"))
+
+
+def unchecked(summary: dict) -> str | None:
+    """Why identity to AR is not checked in this run (None: it is)."""
+    return SCRIPTED_NOTE if scripted(summary) else SAMPLED_NOTE if sampled(summary) else None
+
+
 def _comparisons(summary: dict):
     """(arm, against, the comparison dict) for every token_match and reference_match of the summary; no
-    token_match under scripted acceptance (SCRIPTED_NOTE)."""
+    token_match under scripted acceptance or at T > 0 (`unchecked`)."""
     for name, s in summary["arms"].items():
-        if s.get("token_match") and not scripted(summary):
+        if s.get("token_match") and unchecked(summary) is None:
             yield name, s["token_match"]["ref"], s["token_match"]
         if s.get("reference_match"):
             rm = s["reference_match"]
@@ -155,7 +170,7 @@ def markdown(summary: dict) -> list[str]:
     """table.md's divergence section: per comparison, rows identical, the median / max gap at the first
     divergences, how many exceed the near-tie bound, and every bug report (empty when nothing was compared)."""
     rows = list(_comparisons(summary))
-    note = ["", f"Divergence from AR: {SCRIPTED_NOTE}."] if scripted(summary) else []
+    note = ["", f"Divergence from AR: {unchecked(summary)}."] if unchecked(summary) else []
     if not rows:
         return note
     lines = ["", "**Divergence from AR** (T=0; gap = the two runs' top-2 logit gaps added at each prompt's first "
