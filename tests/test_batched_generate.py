@@ -156,7 +156,9 @@ def test_bench_generate_profile_names_the_decode_steps_ranges(tmp_path):
     out = tmp_path / "p.json"
     assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "3", "--batch", "2",
                  "--max-new-tokens", "3", "--bucket", "32", "--hf-prompts", "1", "--profile", "--out", str(out)]) == 0
-    prof = json.loads(out.read_text())["profile"]
+    r = json.loads(out.read_text())
+    assert r["hf"]["prompts"] == 1 and r["greedy_rows_equal"] <= 1.0  # HF ran the first --hf-prompts only
+    prof = r["profile"]
     assert prof["per"] == "decode step" and prof["steps"] == json.loads(out.read_text())["fast"]["steps"]
     assert {"xb.prefill", "xb.check"} <= set(prof["ranges"]) and prof["top"]
 

@@ -135,8 +135,8 @@ def measure(a) -> dict:
     if n:
         def hf():
             out = []
-            for s in range(0, n, a.batch):
-                out += hf_generate(model, prompts[s:s + a.batch], a.max_new_tokens, stops, pad, **kw)
+            for s in range(0, n, a.batch):  # the first n prompts only (it ran whole batches past n)
+                out += hf_generate(model, prompts[s:min(s + a.batch, n)], a.max_new_tokens, stops, pad, **kw)
             return out
         ref, seconds = _timed(backend.device, hf)
         result["hf"] = _rate(ref, seconds)

@@ -45,7 +45,9 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 XRUN=${XRUN:-/tmp/xrun}  # the workdir on the device (its log: $XRUN.log)
 WARM=${WARM:-/tmp/warm}  # the warm export on the device (`warm`); SHIPPED_DIR: the shipped heads' carry (`heads`)
 WDIR=${WDIR:-/tmp/w}     # where the weights that `tables` measures are put together
-CC=${CC:-/tmp/compile_cache.bin}  # train.compile_cache on the device (training/compiling.py load_cache)
+# train.compile_cache on the device (training/compiling.py load_cache); not named CC, the C compiler's variable: the
+# H200 machine of 2026-12-05 sets CC=/opt/gcc/bin/gcc, so the job saved its compile cache over gcc
+XB_CACHE=${XB_CACHE:-/tmp/compile_cache.bin}
 SHIPPED_DIR=${SHIPPED_DIR:-.gpu4}
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
 
@@ -98,7 +100,7 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
     ;;
   cache)  # torch.compile's artifacts from an earlier session's job (`back` brings them as compile_cache.part.*)
-    cp .gpu5/compile_cache.bin "$CC" && ls -la "$CC"
+    cp .gpu5/compile_cache.bin "$XB_CACHE" && ls -la "$XB_CACHE"
     ;;
   warm)  # its own call: the GGUF's part 2 (47 MB) and a warm export (37 MB) are over 64 MiB together
     rm -rf "$WARM" && cp -r .gpu3/warm "$WARM" && du -sh "$WARM"
@@ -114,7 +116,7 @@ case "${1:-}" in
     sha256sum /tmp/xb/$GGUF | cut -c1-16
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
     if [[ -d $WARM ]]; then mkdir -p /tmp/code/weights && rm -rf /tmp/code/weights/smollm2-135m && cp -r "$WARM" /tmp/code/weights/smollm2-135m; fi
-    args=(--set train.compile_cache="$CC" "$@")  # loaded if `cache` put one there; saved after the train stage
+    args=(--set train.compile_cache="$XB_CACHE" "$@")  # loaded if `cache` put one there; saved after the train stage
     # WARM_START=0: the warm export is only a folder the config names (e.g. models.drafter.init_from with grow,
     # smollm2-gpu-grow), not train.warm_start
     if [[ -d $WARM && ${WARM_START:-1} != 0 ]]; then args+=(--set train.warm_start="$WARM"); fi
@@ -178,7 +180,7 @@ case "${1:-}" in
       exit 3
     fi
     if (( $# )); then tar cf - export/manifest.json "${@/#/export/}" | split -b 15000000 - "$BACK/$1.tar.part."; fi
-    if [[ -f $CC ]]; then split -b 15000000 "$CC" "$BACK/compile_cache.part."; fi
+    if [[ -f $XB_CACHE ]]; then split -b 15000000 "$XB_CACHE" "$BACK/compile_cache.part."; fi
     send_back
     ;;
   rest)  # what `back` left on the machine (over the 8 files or 64 MiB that one call brings back)
