@@ -94,7 +94,7 @@ def test_back_brings_what_one_call_can_and_rest_the_remainder(tmp_path):
     for o in outs:
         o.mkdir()
     (tmp_path / "cc.bin").write_bytes(b"artifacts")  # train.compile_cache's file: after the export's parts
-    env = {**os.environ, "XRUN": str(work), "MAX_BACK_BYTES": "32000000", "CC": str(tmp_path / "cc.bin")}
+    env = {**os.environ, "XRUN": str(work), "MAX_BACK_BYTES": "32000000", "XB_CACHE": str(tmp_path / "cc.bin")}
     first = subprocess.run(["bash", str(script), "back", "drafter"], env={**env, "OUT": str(outs[0])}, check=True,
                            capture_output=True, text=True).stdout
     assert sorted(p.name for p in outs[0].iterdir()) == ["drafter.tar.part.aa", "drafter.tar.part.ab", "records.tgz"]
