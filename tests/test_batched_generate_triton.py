@@ -49,8 +49,25 @@ def test_kv_slot_bookkeeping_of_the_kernel_path_by_hand():
 
 
 def test_an_unknown_attention_is_refused():
-    with pytest.raises(UsageError, match="attention 'flash' is not one of sdpa, triton"):
+    with pytest.raises(UsageError, match="attention 'flash' is not one of auto, sdpa, triton"):
         BatchedGenerator(tiny_hf_model("llama"), rows=2, attention="flash")
+
+
+def test_auto_picks_the_kernel_on_cuda_where_it_runs(monkeypatch):
+    """attention="auto" (the responses stage's default): Triton on a CUDA device when the package is there and the
+    head shape fits, SDPA on the CPU (never the interpreter unasked), without triton, or for a shape the kernel
+    refuses; named choices pass through. Decided from the model's config: nothing is built on the device."""
+    from core import kernels
+    from harness.decode.batched import pick_attention
+    model = tiny_hf_model("llama")
+    assert pick_attention(model, "auto", "cuda") == "triton"
+    assert pick_attention(model, "auto", "cpu") == pick_attention(model, "auto") == "sdpa"
+    assert pick_attention(model, "triton", "cpu") == "triton" and pick_attention(model, "sdpa", "cuda") == "sdpa"
+    odd = tiny_hf_model("llama")
+    odd.config.head_dim = 24  # not a power of two
+    assert pick_attention(odd, "auto", "cuda") == "sdpa"
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert pick_attention(model, "auto", "cuda") == "sdpa"
 
 
 def test_bench_generate_runs_the_triton_attention(tmp_path):

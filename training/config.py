@@ -34,9 +34,10 @@ DEFAULTS = {
                 "more_magpie": 0, "more_round": 1},
     "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
                   "max_prompt_tokens": 512, "engine": "fast", "max_minutes": 0,   # engine: fast (harness.decode.batched_gen) | hf
+                  # attention: the fast engine's decode attention, auto (Triton on CUDA where it runs) | sdpa | triton
                   # first_part: the parts (in the seeded shuffle) before it are not generated: a later session's
                   # fresh data (the warm-start drafter's run wrote parts 0..first_part-1)
-                  "first_part": 0},
+                  "first_part": 0, "attention": "auto"},
     "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0, "mode": "offline",
                "target_dtype": "float32"},
     "train": {"device": "auto", "attn_impl": "auto", "compile": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,

@@ -12,6 +12,7 @@ import torch
 from core.errors import UsageError
 
 ENGINES = ("fast", "hf")
+ATTENTIONS = ("auto", "sdpa", "triton")  # responses.attention: the fast engine's decode attention
 _FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {rows: BatchedGenerator}
 
 
@@ -25,14 +26,21 @@ def fast_dtype(model) -> torch.dtype:
     return torch.bfloat16 if model.device.type == "cuda" else next(model.parameters()).dtype
 
 
-def fast_generator(model, rows: int):
-    """One BatchedGenerator per (model, rows), kept while the model lives: its graphs and cache are reused."""
+def fast_generator(model, rows: int, attention: str = "auto"):
+    """One BatchedGenerator per (model, rows, attention), kept while the model lives: its graphs and cache are
+    reused. attention: responses.attention (auto: the Triton kernel on CUDA where it runs, SDPA elsewhere)."""
     from harness.decode.batched_gen import BatchedGenerator
     per_model = _FAST.setdefault(model, {})
-    if rows not in per_model:
+    if (rows, attention) not in per_model:
         per_model.clear()  # one at a time: each holds a cache of its own
-        per_model[rows] = BatchedGenerator(model, rows, dtype=fast_dtype(model))
-    return per_model[rows]
+        per_model[rows, attention] = BatchedGenerator(model, rows, dtype=fast_dtype(model), attention=attention)
+    return per_model[rows, attention]
+
+
+def fast_attention(model, choice: str) -> str:
+    """The decode attention the fast engine runs for responses.attention CHOICE on this model (what records say)."""
+    from harness.decode.batched import pick_attention
+    return pick_attention(model, choice)
 
 
 def release_fast(model) -> None:
@@ -42,9 +50,9 @@ def release_fast(model) -> None:
 
 def generate_fast(model, prompts: list[list[int]], max_new_tokens: int, stops: list[int], sample: bool,
                   temperature: float = 1.0, top_p: float = 1.0, seed: int = 0, keep_stop: bool = True,
-                  rows: int = 256) -> list[list[int]]:
+                  rows: int = 256, attention: str = "auto") -> list[list[int]]:
     """generate_batch's answers from the fast engine, `rows` prompts decoding at a time."""
-    gen = fast_generator(model, max(1, min(rows, len(prompts))))
+    gen = fast_generator(model, max(1, min(rows, len(prompts))), attention)
     return gen.generate(prompts, max_new_tokens, stops, sample=sample, temperature=temperature, top_p=top_p,
                         seed=seed, keep_stop=keep_stop)
 
@@ -60,9 +68,19 @@ def generate_batch(model, prompts: list[list[int]], max_new_tokens: int, stops: 
 
 def check_engine(cfg) -> None:
     """Before any model loads: a known engine, and a target family the fast engine runs."""
-    engine = cfg["responses"]["engine"]
+    engine, attention = cfg["responses"]["engine"], cfg["responses"]["attention"]
     if engine not in ENGINES:
         raise UsageError(f"config responses.engine {engine!r}: use one of {', '.join(ENGINES)}")
+    if attention not in ATTENTIONS:
+        raise UsageError(f"config responses.attention {attention!r}: use one of {', '.join(ATTENTIONS)}")
+    if attention != "auto" and engine != "fast":
+        raise UsageError(f"config responses.attention {attention} is the fast engine's; responses.engine is "
+                         f"{engine}: leave responses.attention at auto, or set responses.engine=fast")
+    if attention == "triton":
+        from core import kernels
+        if not kernels.available():
+            raise UsageError("config responses.attention triton needs the triton package (pip install triton); "
+                             "set responses.attention=auto or sdpa")
     if engine == "fast":
         from harness.decode.target import PLAIN_FAMILIES
         from training.target import target_config

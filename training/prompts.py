@@ -84,7 +84,8 @@ def magpie_prompts(cfg: dict, model, tokenizer) -> list[dict]:
         kw = dict(sample=True, temperature=pc["magpie_temperature"], top_p=pc["magpie_top_p"], keep_stop=False)
         if fast:  # the responses stage's engine, every row of the domain in one continuous batch
             outs = generate_fast(model, [ids[k] for k in picks], pc["magpie_max_new_tokens"], stops,
-                                 seed=cfg["seed"] * 100003 + offset, rows=batch, **kw)
+                                 seed=cfg["seed"] * 100003 + offset, rows=batch,
+                                 attention=cfg["responses"]["attention"], **kw)
         else:
             outs = []
             for start in tqdm(range(0, n_all, batch), desc=f"magpie prompts{' ' + dom['name'] if dom['name'] else ''}",

@@ -27,7 +27,9 @@ def out_dir(cfg: dict) -> Path:
 
 
 def stage_key(cfg: dict) -> str:
-    rc = {k: v for k, v in cfg["responses"].items() if k != "max_minutes"}  # a box is run control
+    # a box is run control; the attention kernel is the engine's implementation (the same model's answers, to
+    # bf16 rounding), so parts made with either are kept and the manifest says which made the last ones
+    rc = {k: v for k, v in cfg["responses"].items() if k not in ("max_minutes", "attention")}
     return fingerprint({"responses": rc, "order": "shuffled", "prompts": read_manifest(prompts_dir(cfg))["key"],
                         "seed": cfg["seed"]})
 
@@ -80,7 +82,7 @@ def _part(cfg, model, tokenizer, prompts: list[dict], part: int) -> list[dict]:
     return _rows(cfg, _encoded(cfg, tokenizer, prompts), answer)
 
 
-def _fast_parts(cfg, model, tokenizer, parts: list[tuple[int, list[dict]]]) -> dict[int, list[dict]]:
+def _fast_parts(cfg, model, tokenizer, parts: list[tuple[int, list[dict]]], attention: str) -> dict[int, list[dict]]:
     """The fast engine over several parts at once: one generation per mode over all their prompts."""
     from training.gen import generate_fast, stop_ids
     rc = cfg["responses"]
@@ -91,7 +93,8 @@ def _fast_parts(cfg, model, tokenizer, parts: list[tuple[int, list[dict]]]) -> d
     for mode, k in _modes(cfg):
         outs = generate_fast(model, flat, rc["max_new_tokens"], stops, sample=mode == "sampled",
                              temperature=rc["temperature"], top_p=rc["top_p"],
-                             seed=cfg["seed"] * 1000003 + parts[0][0] * 7919 + k, rows=rc["batch_size"])
+                             seed=cfg["seed"] * 1000003 + parts[0][0] * 7919 + k, rows=rc["batch_size"],
+                             attention=attention)
         at = 0
         for g, _ in parts:
             answers[g, mode, k] = outs[at:at + len(encoded[g])]
@@ -144,6 +147,11 @@ def run(cfg: dict, load, force: bool = False) -> Path:
             if g >= first and not (parts / f"part_{g:04d}.jsonl").exists()]
     hf = cfg["responses"]["engine"] == "hf"
     step = 1 if hf else parts_per_call(cfg)
+    if not hf:
+        from training.gen import fast_attention
+        attention = fast_attention(model, cfg["responses"]["attention"])
+        print(f"responses: the fast engine's decode attention is {attention} "
+              f"(responses.attention={cfg['responses']['attention']})")
     import time
     box = cfg["responses"]["max_minutes"] * 60
     deadline = time.monotonic() + box
@@ -157,7 +165,7 @@ def run(cfg: dict, load, force: bool = False) -> Path:
                 break
             batch = todo[at:at + step]
             done = ({g: _part(cfg, model, tokenizer, group, g) for g, group in batch} if hf
-                    else _fast_parts(cfg, model, tokenizer, batch))
+                    else _fast_parts(cfg, model, tokenizer, batch, attention))
             for g, _ in batch:
                 final = parts / f"part_{g:04d}.jsonl"
                 tmp = final.with_suffix(".tmp")
@@ -170,7 +178,8 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     rows = read_rows(cfg)
     write_json(out / "manifest.json", {"key": key, "complete": True, "sequences": len(rows),
                                        "parts": len(groups) - first - cut, "parts_planned": len(groups),
-                                       "first_part": first,
+                                       "first_part": first, "engine": cfg["responses"]["engine"],
+                                       "attention": None if hf else attention,
                                        "response_tokens": sum(len(r["response"]) for r in rows),
                                        "prompt_tokens": sum(len(r["prompt"]) for r in rows)})
     print(f"responses: {len(rows)} sequences -> {out}")

@@ -18,7 +18,7 @@ from collections import deque
 import torch
 
 from core.errors import UsageError
-from harness.decode.batched import BatchedLM
+from harness.decode.batched import BatchedLM, pick_attention
 from harness.decode.sampling import SamplingParams, sample_rows
 
 MAX_STOPS = 16
@@ -41,7 +41,8 @@ class BatchedGenerator:
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and device.type != "cuda":
             raise UsageError("batched generation: CUDA graphs need a CUDA device (use_graph=False elsewhere)")
-        self.lm = BatchedLM(model, rows, bucket, dtype=dtype, device=device, attention=attention)
+        self.lm = BatchedLM(model, rows, bucket, dtype=dtype, device=device,
+                            attention=pick_attention(model, attention, device))
         self.rows, self.bucket, self.check_every, self.prefill_tokens = rows, bucket, check_every, prefill_tokens
         self.device = device
         self.gen = torch.Generator(device=device)
