@@ -112,6 +112,33 @@ def test_responses_stage_fast_equals_hf(tmp_path):
     assert [r for r in got if r["mode"] == "greedy"] == [r for r in want if r["mode"] == "greedy"]
     assert [(r["prompt"], r["mode"]) for r in got] == [(r["prompt"], r["mode"]) for r in want]
     assert run_cli("responses", "--config", cfg, "--workdir", hf, "--set", "responses.engine=vllm") == 2
+    manifest = json.loads((fast / "responses" / "manifest.json").read_text())
+    assert (manifest["engine"], manifest["attention"]) == ("fast", "sdpa")  # auto on the CPU: SDPA, recorded
+    assert json.loads((hf / "responses" / "manifest.json").read_text())["attention"] is None
+
+
+def test_responses_attention_is_checked_before_loading_and_kept_out_of_the_key(tmp_path, monkeypatch):
+    """responses.attention: an unknown name, a kernel choice with engine=hf and triton without the triton package
+    are each one error line (exit 2) before any model loads; a finished stage is not redone when only the attention
+    changes (the same model's answers: an implementation choice, like the box), while a changed engine is."""
+    from core import kernels
+    from training import responses
+    from training.config import load_config
+    from training_fixtures import run_cli, write_config
+    cfg = write_config(tmp_path)
+    w = tmp_path / "w"
+    assert run_cli("prompts", "--config", cfg, "--workdir", w) == 0  # so that only the attention can refuse
+    for bad in (["responses.attention=flash"], ["responses.attention=sdpa", "responses.engine=hf"]):
+        assert run_cli("responses", "--config", cfg, "--workdir", w, *[a for s in bad for a in ("--set", s)]) == 2
+        assert not (w / "responses").exists()
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    assert run_cli("responses", "--config", cfg, "--workdir", w, "--set", "responses.attention=triton") == 2
+    assert not (w / "responses").exists()
+    base = load_config(cfg)
+    monkeypatch.setattr(responses, "read_manifest", lambda d: {"key": "p"})
+    other = {**base, "responses": {**base["responses"], "attention": "sdpa"}}
+    engine = {**base, "responses": {**base["responses"], "engine": "hf"}}
+    assert responses.stage_key(base) == responses.stage_key(other) != responses.stage_key(engine)
 
 
 @pytest.mark.gpu
@@ -141,6 +168,12 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
     assert r["label"].startswith("random weights") and r["fast"]["tokens"] == r["hf"]["tokens"] == 9
     assert r["greedy_rows_equal"] == 1.0 and r["fast"]["prefill_rows"] == 3 and r["ratio"] > 0
     assert main(["--random-weights", "nope", "--prompts", "2"]) == 2
+    # HF on fewer prompts than the engine's rows: its rate is at a smaller batch, so no plain ratio is given
+    assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "3", "--batch", "2",
+                 "--max-new-tokens", "3", "--bucket", "32", "--hf-prompts", "1", "--out", str(out)]) == 0
+    r1 = json.loads(out.read_text())
+    assert "ratio" not in r1 and r1["ratio_at_unequal_batch"] > 0 and r1["hf"]["batch"] == 1
+    assert "in batches of 1 against the engine's 2 rows" in r1["note"] and r["hf"]["batch"] == 2
     # the tiny preset's cache: 2 (k and v) x its layers x K/V heads x head_dim x 4 bytes (fp32) a slot
     from harness.protocol.presets import preset
     c = preset("tiny").config
