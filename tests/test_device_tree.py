@@ -208,3 +208,27 @@ def test_every_carry_folder_is_ignored_by_the_committed_gitignore():
     for name in sorted(folders):
         assert any(fnmatch.fnmatch(name, p) for p in patterns), f"{name} is not in .gitignore"
     assert ".git/info" not in script
+
+
+@pytest.mark.parametrize("table_args, want", [(None, "--run-id gsm8k_t0 --kernels triton --batch-invariant"),
+                                              ("", "--run-id gsm8k_t0 "),
+                                              ("--kernels auto", "--run-id gsm8k_t0 --kernels auto")])
+def test_table_cells_take_the_shipped_tables_kernels_unless_told(tmp_path, table_args, want):
+    """smollm2_gpu.sh tables: with TABLE_ARGS unset each cell gets the shipped tables' kernels (batch-invariant
+    Triton, so T=0 output equals AR's in bf16); an empty TABLE_ARGS means none. A candidate's tables ran without
+    them on 2026-12-05, their arms unequal to AR, because the default was empty."""
+    import os
+    import shutil
+    (tmp_path / "harness" / "lab").mkdir(parents=True)
+    shutil.copy(ROOT / "harness" / "lab" / "smollm2_gpu.sh", tmp_path / "harness" / "lab")
+    stub = tmp_path / "bench_fair_fast.sh"  # prints what the cell would be given
+    stub.write_text('#!/usr/bin/env bash\necho "EXTRA=$EXTRA_ARGS"\nmkdir -p "$OUTDIR/$1_t$2" && : > "$OUTDIR/$1_t$2/table.md"\n')
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "TABLE_ARGS"}
+    env.update(DATASETS="gsm8k", RES=str(tmp_path / "res"))
+    if table_args is not None:
+        env["TABLE_ARGS"] = table_args
+    r = subprocess.run(["bash", str(tmp_path / "harness" / "lab" / "smollm2_gpu.sh"), "tables", "0"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "res" / "gsm8k_t0.log").read_text() == f"EXTRA={want}\n"

@@ -9,7 +9,9 @@
 #   bash harness/lab/smollm2_gpu.sh lossless     # fp32, 8 gsm8k prompts, every arm: output must equal AR's
 #                                                # (KERNELS=triton: the same on the Triton kernels)
 #
-# TABLE_ARGS: flags appended to every cell (e.g. --kernels triton --batch-invariant).
+# TABLE_ARGS: flags appended to every cell; unset, the shipped tables' kernels (--kernels triton --batch-invariant:
+# every arm's T=0 output equals AR's in bf16); set it empty for --kernels auto (2026-12-05 a candidate's tables ran
+# so by mistake: results/perf/candidate_tables_h200/README.md).
 # DEADLINE (epoch seconds) makes `tables` skip a cell that would not finish in time (CELL_S: the estimate).
 # The tables are the embedded default's own CUDA run (its size: harness/protocol/setups.py EMBEDDED_CUDA, now 7
 # prompts x 512 new tokens x 4 arms x 5 rounds, not yet run on a GPU; the committed tables were made at the old size,
@@ -68,7 +70,7 @@ case "${1:-}" in
         id="${ds}_t${T}"
         if [[ -f "$RES/$id/summary.json" ]]; then echo "$id: done"; continue; fi
         if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) + CELL_S > DEADLINE )); then echo "$id: skipped (deadline)"; continue; fi
-        extra="--run-id $id ${TABLE_ARGS:-}"
+        extra="--run-id $id ${TABLE_ARGS---kernels triton --batch-invariant}"
         [[ $ds == mt-bench ]] && extra+=" --first-turn-only"
         rm -rf "${RES:?}/$id"
         OUTDIR=$RES EXTRA_ARGS=$extra ./bench_fair_fast.sh "$ds" "$T" >"$RES/$id.log" 2>&1 || echo "$id: failed (see $RES/$id.log)"

@@ -19,8 +19,8 @@
 #            bash harness/lab/tables_gpu.sh back         # into $OUT: tables.tgz (the folders), bench.tgz
 #   here:    harness/lab/device_tree.sh restore DIR; tar xzf tables.tgz -C results/smollm2-135m; tar xzf bench.tgz
 #
-# TABLE_ARGS (flags appended to every cell) and DEADLINE_S (seconds from `start` after which no new cell begins)
-# pass through to smollm2_gpu.sh. Both jobs run from a copy of the code in /tmp/code, so the tree that each call
+# TABLE_ARGS (flags appended to every cell; unset: --kernels triton --batch-invariant, the shipped tables') and
+# DEADLINE_S (seconds from `start` after which no new cell begins) pass through to smollm2_gpu.sh. Both jobs run from a copy of the code in /tmp/code, so the tree that each call
 # re-sends cannot change them. Make the calls back to back: the jobs die with the machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -72,7 +72,7 @@ case "${1:-}" in
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
     export -f bench_job
     (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m RES=$R DEADLINE=$deadline \
-        TABLE_ARGS="${TABLE_ARGS:-}" CELL_S=${CELL_S:-150} setsid nohup bash -c \
+        TABLE_ARGS="${TABLE_ARGS---kernels triton --batch-invariant}" CELL_S=${CELL_S:-150} setsid nohup bash -c \
         'while [[ ! -f '$J'/bench.done ]]; do sleep 2; done; bash harness/lab/smollm2_gpu.sh tables '"$ts"';
          echo "rc=$?" > '$J'/tables.done
          if [[ -z ${NOBENCH:-} ]] && (( $(date +%s) + 240 < DEADLINE )); then bench_job qwen3-8b; fi' \
