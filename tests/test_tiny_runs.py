@@ -204,4 +204,10 @@ def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (folder,) = (tmp_path / "drop").iterdir()
-    assert json.loads((folder / "config.json").read_text())["resolved"]["arms"] == ["AR", "drafter-only", "Markov"]
+    resolved = json.loads((folder / "config.json").read_text())["resolved"]
+    assert resolved["arms"] == ["AR", "drafter-only", "Markov"]
+    # which weights it measured: the drafter folder's weight files and the Markov checkpoint, by content
+    drafter = [f for f in (files / "drafter").rglob("*") if f.suffix in (".safetensors", ".bin")]
+    assert resolved["weights"]["drafter"]["bytes"] == sum(f.stat().st_size for f in drafter) > 0
+    assert resolved["weights"]["markov"]["bytes"] == (files / "markov.pt").stat().st_size
+    assert resolved["weights"]["markov"]["files"] == 1 and len(resolved["weights"]["drafter"]["sha256"]) == 16

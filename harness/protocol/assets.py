@@ -83,6 +83,28 @@ def sha256_file(path: PathLike) -> str:
     return digest.hexdigest()
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weights_digest(path: PathLike | None) -> dict | None:
+    """Which weights a run read: sha256 over a model folder's weight files (WEIGHT_SUFFIXES, in path order, each
+    file's relative name and bytes) or over one weight file, with their count and total bytes; None for anything
+    that is not a local file or folder (random weights, the embedded default before it is fetched). Two results
+    folders with the same digest ran the same tensors, whatever paths they were carried to."""
+    if path is None or not os.path.exists(path):
+        return None
+    root = Path(path)
+    files = [root] if root.is_file() else sorted(f for f in root.rglob("*")
+                                                  if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update((f.name if f == root else str(f.relative_to(root))).encode() + b"\0")
+        digest.update(bytes.fromhex(sha256_file(f)))
+    return {"sha256": digest.hexdigest()[:16], "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
     # pip prints location warnings for its configured find-links; the error is last.

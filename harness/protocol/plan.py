@@ -82,7 +82,15 @@ class RunPlan:
                 "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                                  "variant": c.variant} for k, c in self.refiners.items()},
                 "trained_block_size": self.draft_config.block_size if self.draft_config else None,
-                **invariant_record(self.config)}
+                "weights": self.weights(), **invariant_record(self.config)}
+
+    def weights(self) -> dict:
+        """The drafter's and refiners' digests (harness.protocol.assets.weights_digest: None where not local), so a
+        folder says which weights it measured whatever path they were carried to. The target is named by its
+        source (a GGUF is sha256-checked when fetched); hashing a 16 GB target would cost seconds a run."""
+        from harness.protocol.assets import weights_digest
+        return {"drafter": weights_digest(self.draft_path),
+                **{k: weights_digest(c.source) for k, c in self.refiners.items()}}
 
 
 def invariant_record(cfg: RunConfig) -> dict:
