@@ -9,7 +9,7 @@ import pytest
 
 import benchmark_compile_all as cli
 from core.errors import UsageError
-from harness.protocol import runner, setups
+from harness.protocol import report, runner, setups
 from harness.protocol.build import prepare
 from harness.protocol.data import Sample, render_prompt
 from harness.protocol.flags import parse_args
@@ -114,6 +114,7 @@ def test_a_resume_is_recorded_in_the_folder(data, tmp_path, capsys):
     assert not (folder / "resumes.json").exists()
     config = json.loads((folder / "config.json").read_text())
     assert config["device"] == "cpu" and config["resolved"]["device"] == "cpu"
+    assert "resumed" not in (folder / "table.md").read_text().splitlines()[0]
     lines = (folder / "samples.jsonl").read_text().splitlines()
     kept = [json.loads(x) for x in lines[:2]]
     (folder / "samples.jsonl").write_text("".join(x + "\n" for x in lines[:2]))
@@ -122,6 +123,10 @@ def test_a_resume_is_recorded_in_the_folder(data, tmp_path, capsys):
     assert entry["reused_decodes"] == len({(r["round"], r["arm"], r["question_id"]) for r in kept})
     assert entry["total_decodes"] == len(config["resolved"]["arms"]) * 2 and entry["time_utc"].endswith("Z")
     assert "recorded in resumes.json" in capsys.readouterr().out
+    # its tables say so (a round may span two processes), and a rebuild from the rows keeps the label
+    label = "resumed 1x: some rounds ran in more than one process"
+    assert label in (folder / "table.md").read_text().splitlines()[0]
+    assert label in " ".join(report.rebuild(str(folder))["labels"])
 
 
 def test_presize_sizes_the_caches_for_later_turns(data, tmp_path, monkeypatch):

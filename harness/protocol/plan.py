@@ -164,3 +164,13 @@ def record_resume(path: str, reused: int, total: int) -> dict:
         before = []
     atomic_write(path, json.dumps((before if isinstance(before, list) else []) + [entry], indent=2) + "\n")
     return entry
+
+
+def resume_count(folder: str) -> int:
+    """How many times a folder's run was resumed with decodes already written (its resumes.json; 0: never), so
+    that its tables say some rounds ran in more than one process (harness.protocol.report.config_labels)."""
+    try:
+        entries = json.loads(open(os.path.join(folder, RESUMES), encoding="utf-8").read())
+    except (FileNotFoundError, NotADirectoryError, ValueError):
+        return 0
+    return sum(1 for e in entries if isinstance(e, dict) and e.get("reused_decodes")) if isinstance(entries, list) else 0

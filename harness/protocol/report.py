@@ -22,6 +22,7 @@ from harness.protocol import comparisons, costs, facts, metrics, replicates
 from core.errors import UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
+from harness.protocol.plan import resume_count
 from harness.protocol.results_io import atomic_write
 from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
 from harness.protocol.rounds import paired_ratios
@@ -327,18 +328,15 @@ def weights_label(config: dict) -> str | None:
 
 
 def config_labels(config: dict) -> list[str]:
-    """The labels of a run from its config (config.json or the RunConfig as a dict)."""
+    """The labels of a run from its config (config.json or the RunConfig as a dict; "resumes": how many times its
+    folder was resumed with decodes already written, harness.protocol.plan.resume_count)."""
     from harness.protocol.trace import TRACED_LABEL
-    labels = []
-    if weights_label(config):
-        labels.append(weights_label(config))
-    if config.get("trace"):
-        labels.append(TRACED_LABEL)
-    if config.get("compat_reference"):
-        labels.append("compat (the reference's accounting)")
-    if config.get("record_logit_gaps"):
-        labels.append("logit gaps recorded (a top-2 per step inside the timer)")
-    return labels
+    n = config.get("resumes") or 0
+    return [text for on, text in (
+        (weights_label(config), weights_label(config)), (config.get("trace"), TRACED_LABEL),
+        (config.get("compat_reference"), "compat (the reference's accounting)"),
+        (config.get("record_logit_gaps"), "logit gaps recorded (a top-2 per step inside the timer)"),
+        (n, f"resumed {n}x: some rounds ran in more than one process (resumes.json)")) if on]
 
 
 def rebuild(folder: str) -> dict:
@@ -355,7 +353,7 @@ def rebuild(folder: str) -> dict:
         raise UsageError(f"{folder}: no samples.jsonl; {need}")
     old = _read_json(folder, "summary.json") if (path / "summary.json").is_file() else {}  # none: an interrupted run
     summary = summarize(read_rows(str(path / "samples.jsonl")), tau_from_warmup=bool(config.get("compat_reference")),
-                        labels=config_labels(config), run=facts.run_facts(config))
+                        labels=config_labels({**config, "resumes": resume_count(folder)}), run=facts.run_facts(config))
     for key in ("compile", "kernel_fallbacks"):  # what the runner adds beside the rows' statistics
         if key in old:
             summary[key] = old[key]

@@ -19,7 +19,7 @@ from harness.protocol import distributed, divergence, rank_report, replays, repo
 from harness.protocol.build import Arm, build_arms, build_random_arms, prepare
 from harness.protocol.config import RunConfig
 from harness.protocol.console import describe, label
-from harness.protocol.plan import RESUMES, RunPlan, check_resume, record_resume, run_folder
+from harness.protocol.plan import RESUMES, RunPlan, check_resume, record_resume, resume_count, run_folder
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
 from core.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
@@ -355,7 +355,7 @@ def _report(plan: RunPlan, models: Models, work: Work, order, shard, watch, out)
     rows = shard.merge(read_rows(work.rows_path), order)  # every rank's rows on rank 0; the other ranks are done
     if rows is None:
         return None
-    labels = report.config_labels(dataclasses.asdict(cfg))
+    labels = report.config_labels({**dataclasses.asdict(cfg), "resumes": resume_count(folder)})
     saved_config = json.loads(open(os.path.join(folder, "config.json")).read())
     summary = rank_report.annotate(report.summarize(rows, tau_from_warmup=cfg.compat_reference, labels=labels,
                                                     run=report.facts.run_facts(saved_config)), rows, shard)
