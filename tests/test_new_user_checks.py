@@ -139,6 +139,16 @@ def test_missing_local_model_path_says_no_such_path(tmp_path, capsys):
         assert f"error: {flag} {tmp_path}" in err and "no such path" in err and "Repo id" not in err
 
 
+def test_hf_overrides_with_random_weights_is_refused_not_ignored(tmp_path, capsys):
+    """--random-weights builds every model from its preset, so --hf-overrides would change nothing (it was
+    silently dropped): one line, exit 2, no results folder."""
+    argv = ["--random-weights", "tiny", "--hf-overrides", '{"num_hidden_layers": 1}', "--results-dir", str(tmp_path)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: --hf-overrides" in err and "drop --hf-overrides" in err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unwritable_results_dir_is_found_before_loading(target_dir, monkeypatch, capsys):
     # /proc refuses new files even for root, whom os.access lets through everywhere
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))

@@ -135,6 +135,9 @@ def validate(c: RunConfig) -> None:
         check_model_path("--model-name-or-path", c.model_name_or_path)
         if c.run_spec:
             check_model_path("--draft-name-or-path", c.draft_name_or_path)
+    if c.hf_overrides is not None and c.random_weights:
+        raise UsageError(f"--hf-overrides changes a loaded target's config; --random-weights {c.random_weights} "
+                         "builds every model from its preset (harness/protocol/presets.py): drop --hf-overrides")
     if c.hf_overrides is not None:
         from harness.decode.hf_overrides import parse_overrides
         parse_overrides(c.hf_overrides)
