@@ -144,6 +144,27 @@ def test_merged_report_keeps_kernels_apart(tmp_path, capsys):
     assert sorted("kernels=triton batch-invariant" in s.splitlines()[0] for s in sections) == [False, True]
 
 
+@pytest.mark.parametrize("key, value, shown", [("use_graph", False, "cuda_graphs=False"),
+                                               ("compile_all", True, "compiled=all"),
+                                               ("xpress_topc", 128, "xpress_topc=128")])
+def test_merged_report_keeps_graphs_compiling_and_topc_apart(tmp_path, capsys, key, value, shown):
+    """CUDA graphs and compiling change every step's cost, and the top-C shortlist changes xPress's drafts: a
+    folder that differs from another only there is averaged apart (they were averaged together before)."""
+    a = _folder(tmp_path, "a", "gsm8k", "/m/SmolLM2.gguf")
+    b = _folder(tmp_path, "b", "math500", "/m/SmolLM2.gguf")
+    for f, v in (("a", None), ("b", value)):
+        cfg = json.loads((tmp_path / f / "config.json").read_text())
+        cfg.update({"use_graph": True, "compile_all": False, "compile_refiner": False, "xpress_topc": 0})
+        cfg["resolved"].pop("xpress_topc", None)
+        if v is not None:
+            cfg[key] = v
+        (tmp_path / f / "config.json").write_text(json.dumps(cfg))
+    assert report.main([a, b]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("**2 groups of folders")
+    assert sorted(shown in s.splitlines()[0] for s in text.split("### ")[1:]) == [False, True]
+
+
 def test_committed_results_folders_still_merge(capsys):
     """Older folders (summary schema 1, config.json without the resolved dtype) merge, 'unknown' where they do not
     say; the committed files are read, never rewritten."""

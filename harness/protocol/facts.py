@@ -17,7 +17,9 @@ UNKNOWN = "unknown"
 # the target: folders of different targets are never averaged together (harness.protocol.merge)
 TARGET_KEYS = ("model", "quantization", "device", "dtype")
 # the protocol: what changes the meaning of a speedup or a tau (the kernels: batch-invariant tiles cost time)
-PROTOCOL_KEYS = ("kernels", "max_new_tokens", "compat_reference", "draft_temperature")  # kernels: their cost is in every speedup
+# (kernels, CUDA graphs and compiling: their cost is in every speedup; the top-C shortlist changes xPress's drafts)
+PROTOCOL_KEYS = ("kernels", "max_new_tokens", "compat_reference", "draft_temperature", "cuda_graphs", "compiled",
+                 "xpress_topc")
 
 
 def _name(source) -> str:
@@ -38,7 +40,7 @@ def kernels_label(config: dict, resolved: dict) -> str:
 
 def run_facts(config: dict | None) -> dict:
     """{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, compat_reference,
-    draft_temperature, scripted_accept} from config.json (its "resolved" section first); scripted_accept is None
+    draft_temperature, scripted_accept, cuda_graphs, compiled, xpress_topc} from config.json (its "resolved" section first); scripted_accept is None
     when acceptance was not scripted (or the config.json does not say)."""
     config = config if isinstance(config, dict) else {}
     res = config.get("resolved") if isinstance(config.get("resolved"), dict) else {}
@@ -54,7 +56,15 @@ def run_facts(config: dict | None) -> dict:
             "compat_reference": pick(config.get("compat_reference")),
             "draft_temperature": pick(res.get("draft_temperature"), config.get("draft_temperature"),
                                       config.get("temperature")),  # untyped (null): the decode ran at T
-            "scripted_accept": config.get("scripted_accept")}
+            "scripted_accept": config.get("scripted_accept"), "cuda_graphs": pick(config.get("use_graph")),
+            "compiled": _compiled(config), "xpress_topc": pick(res.get("xpress_topc"), config.get("xpress_topc"))}
+
+
+def _compiled(config: dict) -> str:
+    """--compile-all, --compile-refiner or none; unknown for a config.json that records neither flag."""
+    if "compile_all" not in config and "compile_refiner" not in config:
+        return UNKNOWN
+    return "all" if config.get("compile_all") else "refiner" if config.get("compile_refiner") else "none"
 
 
 def of(summary: dict, config: dict | None = None) -> dict:
