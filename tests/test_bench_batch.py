@@ -25,8 +25,10 @@ def test_every_point_is_timed_against_its_floor(tmp_path):
         assert r["kv_bytes"] == r["batch"] * (r["context"] + r["width"]) * 4 * 2 * 2 * 16 * 4
         assert r["floor_ms"] == pytest.approx(1000 * (r["weight_bytes"] + r["kv_bytes"]) / bw, rel=1e-3)
         assert r["ratio"] == pytest.approx(r["ms"] / r["floor_ms"], rel=1e-2)
-        assert r["tokens_per_s"] == pytest.approx(r["batch"] * r["width"] / r["ms"] * 1000, rel=1e-3)
-    assert "| verify | 3 | 40 |" in (tmp_path / "b.md").read_text()
+        assert r["positions_per_s"] == pytest.approx(r["batch"] * r["width"] / r["ms"] * 1000, rel=1e-3)
+        assert "tokens_per_s" not in r  # a verify's positions are not tokens decoded
+    md = (tmp_path / "b.md").read_text()
+    assert "| verify | 3 | 40 |" in md and "| positions/s |" in md and "tok/s" not in md
 
 
 @pytest.mark.parametrize("args,says", [(["--batch-sizes", "0"], "out of range"),

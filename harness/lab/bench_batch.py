@@ -89,7 +89,7 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
                 kvb = kv_bytes(t, b, c + w)
                 floor = 1000 * (weights + kvb) / bw
                 rows.append({"batch": b, "context": c, "width": w, "step": "AR" if w == 1 else "verify",
-                             "ms": round(ms, 6), "tokens_per_s": round(b * w / ms * 1000, 1),
+                             "ms": round(ms, 6), "positions_per_s": round(b * w / ms * 1000, 1),
                              "weight_bytes": weights, "kv_bytes": kvb, "floor_ms": round(floor, 6),
                              "ratio": round(ms / floor, 3)})
                 print(f"[bench-batch] B={b} C={c} W={w}: {ms:.3f} ms, floor {floor:.3f} ms, "
@@ -109,12 +109,13 @@ def markdown(res: dict) -> str:
     lines += [f"**{res['label']}**: {res['preset']} on {res['device_name']}, {res['dtype']}, kernels {res['kernels']}, "
              f"{'one CUDA graph per point' if res['graphs'] else 'eager'}, "
              f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
-             "| step | B | context | ms | tok/s | floor ms | ratio |", "|---|---|---|---|---|---|---|"]
+             "| step | B | context | ms | positions/s | floor ms | ratio |", "|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
-        lines.append(f"| {r['step']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['tokens_per_s']:.0f} | "
+        lines.append(f"| {r['step']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['positions_per_s']:.0f} | "
                      f"{r['floor_ms']:.3f} | {r['ratio']:.2f} |")
     lines += ["", f"Floor: (weight bytes read per step + KV bytes read) / copy bandwidth; goal: ratio <= {GOAL} at "
-              "every B <= 16.", ""]
+              "every B <= 16. positions/s: B x the step's width (1 for AR, the block for a verify) over its time; "
+              "a verify commits only its accepted drafts plus one, so for it this is no decode rate.", ""]
     return "\n".join(lines)
 
 
