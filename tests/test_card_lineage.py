@@ -77,7 +77,8 @@ def test_a_lineage_card_gives_every_run_in_order_with_the_steps_each_made(lineag
     assert heads == ["## Run `run2`", "## Run `run3`", "## Run `heads`"]
     assert "| drafter | 2248 | 2248 | 1334 (from 914) |" in text and "| drafter | 914 | 914 | 914 (from 0) |" in text
     assert f"per-step records: `{t / 'run3'}`" in text and "(step 2248)" in text and "69.3 MB" in text
-    assert "### GPU time" in text and "n/a (no stages.json)" in text
+    assert "### Device time" in text and "n/a (no stages.json)" in text and "GPU time" not in text
+    assert "Device: not recorded" in text  # these box records name no device: the card does not guess one
     # the lineage in numbers: each run's generated responses and its models' steps and packed tokens, then the sums
     assert "| `run3` | 7 | 700 | drafter: 1334, 1000 |" in text
     assert "| all | 21 | 2100 | drafter: 2000; markov_gated: 1000; xpress: 1000 |" in text

@@ -22,6 +22,7 @@ def test_box_accounting_sums_to_the_box(tmp_path, capsys):
     assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
     box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
     parts = box["parts_s"]
+    assert box["device"] == "cpu"  # the card's "Device time" names it (training/card_md.py)
     assert set(parts) == {"startup", "steps", "validation", "held_out", "checkpoints", "finish", "export"}
     assert all(v > 0 for k, v in parts.items() if k != "finish"), parts
     assert abs(box["wall_s"] - sum(parts.values())) <= 0.02 * box["wall_s"] + 0.15, box

@@ -38,6 +38,7 @@ class Box:
     def __init__(self, device: torch.device, started: float | None = None):
         self.t0 = started if started is not None else time.perf_counter()
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.device = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type  # for the card
         self.parts = dict.fromkeys(PARTS, 0.0)
         self.parts["startup"] = self.now() - self.t0  # the stage's shared set-up before this model's own
         self._mark = None  # while the step clock runs: when the current step began
@@ -118,7 +119,7 @@ class Box:
                 "steps_per_s": round(self.steps / steps_s, 3) if steps_s else 0.0, "packed_tokens": packed,
                 "loss_tokens": loss, "tokens_per_s": round(packed / steps_s, 1) if steps_s else 0.0,
                 "loss_tokens_per_s": round(loss / steps_s, 1) if steps_s else 0.0,
-                **self._steady(steps_s, packed), "epochs": self.epochs, **(extra or {})}
+                **self._steady(steps_s, packed), "epochs": self.epochs, "device": self.device, **(extra or {})}
 
     def _steady(self, steps_s: float, packed: int) -> dict:
         """The steps after the first: their rate, and the tokens' (the first step's share of the tokens taken out
