@@ -96,8 +96,10 @@ def warm_drafters(cfg: dict, names: list[str]) -> dict:
     out = {}
     for n in names:
         m = cfg["models"][n]
+        if m["type"] != "dflash":  # before any folder is looked up: a head's warm folder need not hold a drafter
+            continue
         d = source(cfg, n) or (init_export(cfg, n) if m["grow"] else None)
-        if m["type"] == "dflash" and d is not None:
+        if d is not None:
             out[n] = d
     return out
 
