@@ -76,11 +76,14 @@ def check_engine(cfg) -> None:
     if attention != "auto" and engine != "fast":
         raise UsageError(f"config responses.attention {attention} is the fast engine's; responses.engine is "
                          f"{engine}: leave responses.attention at auto, or set responses.engine=fast")
-    if attention == "triton":
-        from core import kernels
-        if not kernels.available():
-            raise UsageError("config responses.attention triton needs the triton package (pip install triton); "
-                             "set responses.attention=auto or sdpa")
+    if attention == "triton":  # the package and the device the target will load on
+        from harness.decode.batched import check_triton
+        from training.target import target_device
+        try:
+            check_triton(target_device(cfg))
+        except UsageError as e:
+            raise UsageError(f"config responses.attention triton: {str(e).removeprefix('batched generation: ')}"
+                             .replace("; use attention sdpa", "; set responses.attention=auto or sdpa")) from None
     if engine == "fast":
         from harness.decode.target import PLAIN_FAMILIES
         from training.target import target_config

@@ -141,7 +141,8 @@ def run(cfg: dict, load, force: bool = False) -> Path:
                          "lower it")
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
-    write_json(out / "manifest.json", {"key": key, "complete": False})
+    earlier = (read_manifest(out) or {}).get("attentions") or []  # parts kept from earlier processes (same key)
+    write_json(out / "manifest.json", {"key": key, "complete": False, "attentions": earlier})
     model, tokenizer = load()
     todo = [(g, group) for g, group in enumerate(groups)
             if g >= first and not (parts / f"part_{g:04d}.jsonl").exists()]
@@ -179,7 +180,7 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     write_json(out / "manifest.json", {"key": key, "complete": True, "sequences": len(rows),
                                        "parts": len(groups) - first - cut, "parts_planned": len(groups),
                                        "first_part": first, "engine": cfg["responses"]["engine"],
-                                       "attention": None if hf else attention,
+                                       "attentions": sorted(set(earlier) | ({attention} if todo and not hf else set())),
                                        "response_tokens": sum(len(r["response"]) for r in rows),
                                        "prompt_tokens": sum(len(r["prompt"]) for r in rows)})
     print(f"responses: {len(rows)} sequences -> {out}")

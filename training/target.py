@@ -40,6 +40,14 @@ def fix_special_tokens(tokenizer, model) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
+def target_device(cfg: dict) -> torch.device:
+    """Where the pipeline's target and models run: train.device (auto: CUDA when one is visible)."""
+    want = cfg["train"]["device"]
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UsageError("config train.device=cuda but no CUDA device is visible")
+    return torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
+
+
 def load_hf(spec: str, device: torch.device, dtype=torch.float32):
     """(model, tokenizer) on `device`, eval mode."""
     from transformers import AutoModelForCausalLM

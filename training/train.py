@@ -34,10 +34,8 @@ def final_dir(cfg: dict, name: str) -> Path | None:
 
 
 def device_of(cfg: dict) -> torch.device:
-    want = cfg["train"]["device"]
-    if want == "cuda" and not torch.cuda.is_available():
-        raise UsageError("config train.device=cuda but no CUDA device is visible")
-    return torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
+    from training.target import target_device
+    return target_device(cfg)
 
 
 def check_resume(cfg: dict, name: str) -> None:
