@@ -66,6 +66,9 @@ def test_auto_picks_the_kernel_on_cuda_where_it_runs(monkeypatch):
     odd = tiny_hf_model("llama")
     odd.config.head_dim = 24  # not a power of two
     assert pick_attention(odd, "auto", "cuda") == "sdpa"
+    monkeypatch.setattr(torch.version, "hip", "6.2")  # a ROCm build: the kernel is not tested there
+    assert pick_attention(model, "auto", "cuda") == "sdpa"
+    monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(kernels, "available", lambda: False)
     assert pick_attention(model, "auto", "cuda") == "sdpa"
 

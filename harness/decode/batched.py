@@ -62,6 +62,8 @@ def pick_attention(model, choice: str, device: torch.device | None = None) -> st
     dev = torch.device(device) if device is not None else model.device
     if dev.type != "cuda":  # never Triton's CPU interpreter unasked
         return "sdpa"
+    if torch.version.hip is not None or (torch.cuda.is_available() and torch.cuda.get_device_capability(dev) < (8, 0)):
+        return "sdpa"  # the kernel is tested and measured on NVIDIA GPUs with bf16 tiles (sm80 on) only
     try:
         check_triton(dev, *_head_shape(model.config))
     except UsageError:
