@@ -113,14 +113,21 @@ def test_responses_stage_fast_equals_hf(tmp_path):
     assert [(r["prompt"], r["mode"]) for r in got] == [(r["prompt"], r["mode"]) for r in want]
     assert run_cli("responses", "--config", cfg, "--workdir", hf, "--set", "responses.engine=vllm") == 2
     manifest = json.loads((fast / "responses" / "manifest.json").read_text())
-    assert (manifest["engine"], manifest["attention"]) == ("fast", "sdpa")  # auto on the CPU: SDPA, recorded
-    assert json.loads((hf / "responses" / "manifest.json").read_text())["attention"] is None
+    assert (manifest["engine"], manifest["attentions"]) == ("fast", ["sdpa"])  # auto on the CPU: SDPA, recorded
+    assert json.loads((hf / "responses" / "manifest.json").read_text())["attentions"] == []
+    # a part made by another process with the other attention: the stage finishes the rest and names both
+    (fast / "responses" / "parts" / "part_0000.jsonl").unlink()
+    manifest.update(complete=False, attentions=["triton"])
+    (fast / "responses" / "manifest.json").write_text(json.dumps(manifest))
+    assert run_cli("responses", "--config", cfg, "--workdir", fast) == 0
+    assert json.loads((fast / "responses" / "manifest.json").read_text())["attentions"] == ["sdpa", "triton"]
 
 
-def test_responses_attention_is_checked_before_loading_and_kept_out_of_the_key(tmp_path, monkeypatch):
-    """responses.attention: an unknown name, a kernel choice with engine=hf and triton without the triton package
-    are each one error line (exit 2) before any model loads; a finished stage is not redone when only the attention
-    changes (the same model's answers: an implementation choice, like the box), while a changed engine is."""
+def test_responses_attention_is_checked_before_loading_and_kept_out_of_the_key(tmp_path, monkeypatch, capsys):
+    """responses.attention: an unknown name, a kernel choice with engine=hf, triton without the triton package and
+    triton where the target loads on the CPU are each one error line naming the setting (exit 2) before any model
+    loads; a finished stage is not redone when only the attention changes (the same model's answers: an
+    implementation choice, like the box), while a changed engine is."""
     from core import kernels
     from training import responses
     from training.config import load_config
@@ -128,14 +135,22 @@ def test_responses_attention_is_checked_before_loading_and_kept_out_of_the_key(t
     cfg = write_config(tmp_path)
     w = tmp_path / "w"
     assert run_cli("prompts", "--config", cfg, "--workdir", w) == 0  # so that only the attention can refuse
-    for bad in (["responses.attention=flash"], ["responses.attention=sdpa", "responses.engine=hf"]):
-        assert run_cli("responses", "--config", cfg, "--workdir", w, *[a for s in bad for a in ("--set", s)]) == 2
+    capsys.readouterr()
+
+    def refused(*sets, says):
+        assert run_cli("responses", "--config", cfg, "--workdir", w, *[a for s in sets for a in ("--set", s)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "responses.attention" in err[0] and says in err[0], err
         assert not (w / "responses").exists()
+    refused("responses.attention=flash", says="use one of auto, sdpa, triton")
+    refused("responses.attention=sdpa", "responses.engine=hf", says="leave responses.attention at auto")
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    monkeypatch.setattr(kernels, "interpreted", lambda: False)
+    refused("responses.attention=triton", "train.device=cpu", says="not on cpu; set responses.attention=auto or sdpa")
     monkeypatch.setattr(kernels, "available", lambda: False)
-    assert run_cli("responses", "--config", cfg, "--workdir", w, "--set", "responses.attention=triton") == 2
-    assert not (w / "responses").exists()
+    refused("responses.attention=triton", says="needs the triton package")
     base = load_config(cfg)
-    monkeypatch.setattr(responses, "read_manifest", lambda d: {"key": "p"})
+    monkeypatch.setattr(responses, "read_manifest", lambda d: {"key": "p"})  # stage_key reads the prompts' key
     other = {**base, "responses": {**base["responses"], "attention": "sdpa"}}
     engine = {**base, "responses": {**base["responses"], "engine": "hf"}}
     assert responses.stage_key(base) == responses.stage_key(other) != responses.stage_key(engine)
@@ -174,6 +189,11 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
     r1 = json.loads(out.read_text())
     assert "ratio" not in r1 and r1["ratio_at_unequal_batch"] > 0 and r1["hf"]["batch"] == 1
     assert "in batches of 1 against the engine's 2 rows" in r1["note"] and r["hf"]["batch"] == 2
+    # fewer prompts than --batch: both engines decode them all at once, an equal batch
+    assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "2", "--batch", "4",
+                 "--max-new-tokens", "3", "--bucket", "32", "--out", str(out)]) == 0
+    r2 = json.loads(out.read_text())
+    assert r2["ratio"] > 0 and "note" not in r2 and r2["hf"]["batch"] == 2
     # the tiny preset's cache: 2 (k and v) x its layers x K/V heads x head_dim x 4 bytes (fp32) a slot
     from harness.protocol.presets import preset
     c = preset("tiny").config

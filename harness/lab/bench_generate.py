@@ -139,19 +139,19 @@ def measure(a) -> dict:
                 out += hf_generate(model, prompts[s:min(s + a.batch, n)], a.max_new_tokens, stops, pad, **kw)
             return out
         ref, seconds = _timed(backend.device, hf)
-        hf_batch = min(a.batch, n)
+        hf_batch, rows = min(a.batch, n), min(a.batch, len(prompts))  # the rows each engine decoded at once
         result["hf"] = {**_rate(ref, seconds), "batch": hf_batch}
         ratio = round(result["fast"]["tokens_per_s"] / result["hf"]["tokens_per_s"], 2)
-        if hf_batch == a.batch:
+        if hf_batch == rows:
             result["ratio"] = ratio
         else:  # HF's time is per step more than per row (on the H200: 128 rows in 54 s, 1,024 in 59 s), so a
             # smaller HF batch makes the ratio a measure of the batch as much as of the engine
             result["ratio_at_unequal_batch"] = ratio
-        if n < len(prompts):
-            result["note"] = (f"HF generate ran on the first {n} prompts only, in batches of {hf_batch}"
-                              + ("" if hf_batch == a.batch else
-                                 f" against the engine's {a.batch} rows: ratio_at_unequal_batch is no speedup "
-                                 f"(--hf-prompts >= --batch gives an equal-batch ratio)"))
+        notes = [f"HF generate ran on the first {n} prompts only" if n < len(prompts) else "",
+                 "" if hf_batch == rows else f"in batches of {hf_batch} against the engine's {rows} rows: "
+                 "ratio_at_unequal_batch is no speedup (--hf-prompts >= --batch gives an equal-batch ratio)"]
+        if any(notes):
+            result["note"] = ", ".join(x for x in notes if x)
         if not a.sampled:
             result["greedy_rows_equal"] = round(sum(x == y for x, y in zip(fast, ref)) / n, 4)
             result["greedy_prefix_share"] = round(sum(_prefix_share(x, y) for x, y in zip(fast, ref)) / n, 4)
