@@ -226,23 +226,33 @@ def test_cli_failure_exits_1_with_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_weights_digest_names_the_tensors_not_the_path(tmp_path):
-    """assets.weights_digest: the same weight files in two places give one digest; a changed byte, a renamed or
-    an added weight file give another; other files (configs, READMEs) do not count; no weights, or no such path,
-    is None."""
+    """assets.weights_digest: the same weights in two places give one digest (a single file under another name
+    too); a changed byte, a renamed weight file in a folder, or a changed config.json give another; a folder with
+    safetensors counts those alone (an optimizer .pt beside them is not the model), one without counts its other
+    weight files; a README does not count; no weights, or no such path, is None."""
     from harness.protocol.assets import weights_digest
     a, b = tmp_path / "a", tmp_path / "b" / "deeper"
     for d in (a, b):
         (d / "sub").mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"\x00\x01tensors")
-        (d / "sub" / "head.pt").write_bytes(b"head")
-    (a / "config.json").write_text("{}")
+        (d / "sub" / "more.safetensors").write_bytes(b"head")
+        (d / "config.json").write_text('{"layers": 2}')
+    (a / "README.md").write_text("a card")
+    (a / "optimizer.pt").write_bytes(b"adam state")
     da = weights_digest(a)
     assert da == weights_digest(str(b)) and da["files"] == 2 and da["bytes"] == len(b"\x00\x01tensors") + 4
-    (b / "model.safetensors").write_bytes(b"\x00\x02tensors")
+    (b / "config.json").write_text('{"layers": 3}')
     assert weights_digest(b)["sha256"] != da["sha256"]
-    (a / "sub" / "head.pt").rename(a / "sub" / "tail.pt")
+    (a / "sub" / "more.safetensors").rename(a / "sub" / "most.safetensors")
     assert weights_digest(a)["sha256"] != da["sha256"]
-    assert weights_digest(a / "model.safetensors")["files"] == 1
+    (tmp_path / "m.pt").write_bytes(b"markov")
+    (tmp_path / "renamed.pt").write_bytes(b"markov")
+    assert weights_digest(tmp_path / "m.pt") == weights_digest(tmp_path / "renamed.pt")
+    assert weights_digest(tmp_path / "m.pt")["files"] == 1
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "pytorch_model.bin").write_bytes(b"bin weights")
+    assert weights_digest(old)["files"] == 1
     assert weights_digest(tmp_path / "none") is None and weights_digest(None) is None
     (tmp_path / "empty").mkdir()
     assert weights_digest(tmp_path / "empty") is None

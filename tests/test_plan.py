@@ -129,6 +129,7 @@ def test_a_resume_is_recorded_in_the_folder(data, tmp_path, capsys):
     assert label in " ".join(report.rebuild(str(folder))["labels"])
 
 
+
 def test_presize_sizes_the_caches_for_later_turns(data, tmp_path, monkeypatch):
     """A two-turn prompt: presize asks for the second turn's bound (its user turns + max_new_tokens per earlier
     reply + max_new_tokens), not the first turn's length (the old size: a longer later turn grew the cache and

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import benchmark_compile_all as cli
+from core.errors import UsageError
 import harness.protocol.runner as runner
 from harness.protocol import plots, results_io
 from harness.protocol.results_io import read_rows
@@ -211,3 +212,31 @@ def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
     assert resolved["weights"]["drafter"]["bytes"] == sum(f.stat().st_size for f in drafter) > 0
     assert resolved["weights"]["markov"]["bytes"] == (files / "markov.pt").stat().st_size
     assert resolved["weights"]["markov"]["files"] == 1 and len(resolved["weights"]["drafter"]["sha256"]) == 16
+
+
+def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_path, capsys):
+    """config.json records the drafter's and refiners' digests; a --resume after the weights at those paths
+    changed would put two models' rows in one table: one line, exit 2, before any model loads, rows untouched.
+    With the weights put back it resumes."""
+    assert cli.main(fair(files, tmp_path, "--fair-k-list", "1", "--max-samples", "1", "--run-id", "r", "--quiet")) == 0
+    folder = tmp_path / "r"
+    rows = (folder / "samples.jsonl").read_text().splitlines()
+    (folder / "samples.jsonl").write_text(rows[0] + "\n")
+    original = (files / "markov.pt").read_bytes()
+    try:
+        (files / "markov.pt").write_bytes(original + b"\0")
+        capsys.readouterr()
+        assert cli.main(["--resume", str(folder), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the markov weights differ" in err[0]
+        assert (folder / "samples.jsonl").read_text() == rows[0] + "\n" and not (folder / "resumes.json").exists()
+    finally:
+        (files / "markov.pt").write_bytes(original)
+    # a digest of another recipe (assets.DIGEST_SCHEME) is not compared: an older folder still resumes
+    from harness.protocol.plan import check_resume_weights
+    saved = json.loads((folder / "config.json").read_text())["resolved"]["weights"]
+    changed = {**saved, "markov": {**saved["markov"], "sha256": "0" * 16}}
+    with pytest.raises(UsageError, match="the markov weights differ"):
+        check_resume_weights(str(folder), changed)
+    check_resume_weights(str(folder), {**changed, "markov": {**changed["markov"], "scheme": 0}})
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 0

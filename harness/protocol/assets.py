@@ -84,25 +84,33 @@ def sha256_file(path: PathLike) -> str:
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+DIGEST_SCHEME = 1  # weights_digest's recipe: raise it when the recipe changes (a resume compares like with like)
 
 
 def weights_digest(path: PathLike | None) -> dict | None:
-    """Which weights a run read: sha256 over a model folder's weight files (WEIGHT_SUFFIXES, in path order, each
-    file's relative name and bytes) or over one weight file, with their count and total bytes; None for anything
+    """Which weights a run read: sha256 over a model folder's config.json and weight files (its *.safetensors
+    when it has any, as the loaders read those first, else every WEIGHT_SUFFIXES file; each by its relative name
+    and bytes), or over one weight file's bytes; with the weight files' count and total bytes. None for anything
     that is not a local file or folder (random weights, the embedded default before it is fetched). Two results
     folders with the same digest ran the same tensors, whatever paths they were carried to."""
     if path is None or not os.path.exists(path):
         return None
     root = Path(path)
-    files = [root] if root.is_file() else sorted(f for f in root.rglob("*")
-                                                  if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+    if root.is_file():
+        files, named = [root], []
+    else:
+        found = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
+        files = [f for f in found if f.suffix == ".safetensors"] or found
+        named = files + ([root / "config.json"] if (root / "config.json").is_file() else [])
     if not files:
         return None
     digest = hashlib.sha256()
-    for f in files:
-        digest.update((f.name if f == root else str(f.relative_to(root))).encode() + b"\0")
+    for f in sorted(named, key=lambda f: str(f.relative_to(root))) or files:
+        if named:
+            digest.update(str(f.relative_to(root)).encode() + b"\0")
         digest.update(bytes.fromhex(sha256_file(f)))
-    return {"sha256": digest.hexdigest()[:16], "files": len(files), "bytes": sum(f.stat().st_size for f in files)}
+    return {"sha256": digest.hexdigest()[:16], "files": len(files), "bytes": sum(f.stat().st_size for f in files),
+            "scheme": DIGEST_SCHEME}
 
 
 def _last_line(text: str) -> str:

@@ -16,7 +16,7 @@ from harness.protocol.algorithms import (DFlashConfig, DFlashDrafter, MARKOV, Ma
                                          validate_against, validate_topc, xpress_head_from_state)
 from core.checkpoints import local_model_dir
 from harness.protocol.config import RunConfig
-from harness.protocol.plan import ArmSpec, RunPlan
+from harness.protocol.plan import ArmSpec, RunPlan, check_resume_weights
 from harness.protocol.data import validate_dataset_args
 from core.devices import Backend, resolve_backend
 from core.errors import UsageError
@@ -80,8 +80,11 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
     k_list = cfg.k_list if cfg.fair_k_list is not None else [passes]
     arms = plan_arms(cfg, ckpts, passes, topc, k_list)
     rounds, warmup, note = _rounds(cfg, len(arms))
-    return RunPlan(cfg, backend, tcfg, dcfg, block, limit, ckpts, tuple(arms), rounds, warmup, passes, topc, note,
+    plan = RunPlan(cfg, backend, tcfg, dcfg, block, limit, ckpts, tuple(arms), rounds, warmup, passes, topc, note,
                    draft_path, spyre, **place)
+    if plan.resume:  # before any model loads: the rows already written must come from the weights about to load
+        check_resume_weights(plan.resume, plan.weights())
+    return plan
 
 
 def check_scripted(cfg: RunConfig, block: int) -> None:

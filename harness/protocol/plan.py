@@ -153,6 +153,18 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
                          "repeat the original command with --resume")
 
 
+def check_resume_weights(folder: str, now: dict) -> None:
+    """--resume with other weights at the same paths would mix two models' rows in one table: refused when the
+    folder recorded its weights (config.json resolved.weights; folders written before it did are not checked)."""
+    saved = (json.loads(open(os.path.join(folder, "config.json")).read()).get("resolved") or {}).get("weights") or {}
+    scheme = lambda d: (d or {}).get("scheme")  # noqa: E731  (digests of another recipe are not compared)
+    diff = sorted(k for k in set(saved) | set(now) if scheme(saved.get(k)) == scheme(now.get(k))
+                  and saved.get(k) != now.get(k))
+    if diff:
+        raise UsageError(f"--resume {folder}: the {', '.join(diff)} weights differ from those the run started with "
+                         "(config.json resolved.weights); put those weights back, or start a new run")
+
+
 def record_resume(path: str, reused: int, total: int) -> dict:
     """Append this resume to the folder's resumes.json (a list, oldest first): when, and how many of the
     (round, arm, prompt) decodes it reused from the rows already written."""
