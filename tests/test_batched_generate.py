@@ -134,6 +134,10 @@ def test_responses_attention_is_checked_before_loading_and_kept_out_of_the_key(t
     from training_fixtures import run_cli, write_config
     cfg = write_config(tmp_path)
     w = tmp_path / "w"
+    # `all` checks it before its first stage writes anything (with engine=hf the prompts stage does not look)
+    assert run_cli("all", "--config", cfg, "--workdir", w, "--set", "responses.engine=hf",
+                   "--set", "responses.attention=bogus") == 2
+    assert not (w / "prompts").exists()
     assert run_cli("prompts", "--config", cfg, "--workdir", w) == 0  # so that only the attention can refuse
     capsys.readouterr()
 

@@ -44,6 +44,9 @@ class Pipeline:
                 raise UsageError(f"the {s} stage reads the {before[0]} stage's output, and {before[1](self.cfg)} has "
                                  f"none: run `python -m training {before[0]}` with this config and workdir first (or "
                                  "`all`, every stage in order)")
+        if {"prompts", "responses"} & set(stages):  # the engine and its attention, before any stage writes
+            from training.gen import check_engine
+            check_engine(self.cfg)
         tcfg = target_config(self.cfg["target"])
         hidden.layer_ids(self.cfg, tcfg.num_hidden_layers)
         for n in self.cfg["models"]:
