@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from harness.decode.devices import Backend  # noqa: E402
+from core.devices import Backend  # noqa: E402
 from harness.decode.loop import DecodeSettings, generate  # noqa: E402
 from harness.protocol.presets import build_random  # noqa: E402
 from harness.protocol.trace import StepTracer, timed_then_traced  # noqa: E402
