@@ -197,6 +197,7 @@ def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     assert config["preset"] == "smollm2-135m" and config["use_graph"] is False and config["dataset"] == "gsm8k"
     assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=1)"]
+    assert config["resolved"]["weights"] == {"random_weights": "tiny"}  # no files: the random preset names them
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "USE_GRAPH", "PRESET", "EXTRA_ARGS")}
     env.update(TARGET=str(files / "target"), DRAFT=str(files / "drafter"), XPRESS_CKPT="",
                MK_CKPT=str(files / "markov.pt"), DATA_DIR=str(files / "data"), MAX_SAMPLES="1", MAX_NEW_TOKENS="4",
@@ -211,7 +212,7 @@ def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
     drafter = [f for f in (files / "drafter").rglob("*") if f.suffix in (".safetensors", ".bin")]
     assert resolved["weights"]["drafter"]["bytes"] == sum(f.stat().st_size for f in drafter) > 0
     assert resolved["weights"]["markov"]["bytes"] == (files / "markov.pt").stat().st_size
-    assert resolved["weights"]["markov"]["files"] == 1 and len(resolved["weights"]["drafter"]["sha256"]) == 16
+    assert resolved["weights"]["markov"]["files"] == 1 and len(resolved["weights"]["drafter"]["digest"]) == 16
 
 
 def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_path, capsys):
@@ -235,7 +236,7 @@ def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_pat
     # a digest of another recipe (assets.DIGEST_SCHEME) is not compared: an older folder still resumes
     from harness.protocol.plan import check_resume_weights
     saved = json.loads((folder / "config.json").read_text())["resolved"]["weights"]
-    changed = {**saved, "markov": {**saved["markov"], "sha256": "0" * 16}}
+    changed = {**saved, "markov": {**saved["markov"], "digest": "0" * 16}}
     with pytest.raises(UsageError, match="the markov weights differ"):
         check_resume_weights(str(folder), changed)
     check_resume_weights(str(folder), {**changed, "markov": {**changed["markov"], "scheme": 0}})

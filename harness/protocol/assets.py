@@ -92,7 +92,8 @@ def weights_digest(path: PathLike | None) -> dict | None:
     when it has any, as the loaders read those first, else every WEIGHT_SUFFIXES file; each by its relative name
     and bytes), or over one weight file's bytes; with the weight files' count and total bytes. None for anything
     that is not a local file or folder (random weights, the embedded default before it is fetched). Two results
-    folders with the same digest ran the same tensors, whatever paths they were carried to."""
+    folders with the same digest ran the same tensors, whatever paths they were carried to. "digest" is the first
+    16 hex digits of that sha256 over (name, file sha256) pairs: not any one file's `sha256sum`."""
     if path is None or not os.path.exists(path):
         return None
     root = Path(path)
@@ -109,7 +110,7 @@ def weights_digest(path: PathLike | None) -> dict | None:
         if named:
             digest.update(str(f.relative_to(root)).encode() + b"\0")
         digest.update(bytes.fromhex(sha256_file(f)))
-    return {"sha256": digest.hexdigest()[:16], "files": len(files), "bytes": sum(f.stat().st_size for f in files),
+    return {"digest": digest.hexdigest()[:16], "files": len(files), "bytes": sum(f.stat().st_size for f in files),
             "scheme": DIGEST_SCHEME}
 
 

@@ -89,6 +89,8 @@ class RunPlan:
         folder says which weights it measured whatever path they were carried to. The target is named by its
         source (a GGUF is sha256-checked when fetched); hashing a 16 GB target would cost seconds a run."""
         from harness.protocol.assets import weights_digest
+        if self.config.random_weights:  # every model built from the preset's config with fixed seeds
+            return {"random_weights": self.config.random_weights}
         return {"drafter": weights_digest(self.draft_path),
                 **{k: weights_digest(c.source) for k, c in self.refiners.items()}}
 
