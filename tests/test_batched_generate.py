@@ -198,6 +198,12 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
                  "--max-new-tokens", "3", "--bucket", "32", "--out", str(out)]) == 0
     r2 = json.loads(out.read_text())
     assert r2["ratio"] > 0 and "note" not in r2 and r2["hf"]["batch"] == 2
+    assert r2["gpu"] is None and "not warmed up" in r2["timing"]
+    # auto, the training default, names the attention it ran (SDPA on the CPU)
+    assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "2", "--batch", "2",
+                 "--max-new-tokens", "2", "--bucket", "32", "--attention", "auto", "--hf-prompts", "1",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["attention"] == "sdpa"
     # the tiny preset's cache: 2 (k and v) x its layers x K/V heads x head_dim x 4 bytes (fp32) a slot
     from harness.protocol.presets import preset
     c = preset("tiny").config

@@ -123,10 +123,12 @@ def measure(a) -> dict:
     kv = {"kv_read_over_needed": round(st["kv_slots_read"] / max(st["kv_slots_needed"], 1), 3),
           "kv_bytes_per_slot": gen.lm.k[0].element_size() * 2 * len(gen.lm.layers) * gen.lm.n_kv * gen.lm.head_dim}
     result = {"label": label, "target": a.random_weights or a.target, "device": str(backend.device),
-              "gpu": torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else "cpu",
-              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": a.attention,
+              "gpu": torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else None,
+              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": gen.lm.attention,
               "max_new_tokens": a.max_new_tokens, "mode": "sampled" if a.sampled else "greedy",
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
+              "timing": "fast: the second of two identical runs (the first builds its graphs and cache: "
+                        "cold_seconds); hf: one run, not warmed up; ratio: fast tokens/s over hf tokens/s",
               "fast": {**_rate(fast, warm), "cold_seconds": round(cold, 3), **st, **kv},
               "fast_cold": cold_stats}
     if a.profile:  # a third run, after the timed ones, so the profiler's cost stays out of their rates
@@ -175,9 +177,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-prompts", type=int, default=0, help="HF generate on the first N prompts (0: all)")
     p.add_argument("--check-every", type=int, default=8, help="decode steps between host checks")
     p.add_argument("--bucket", type=int, default=128, help="KV-length bucket of the captured steps")
-    p.add_argument("--attention", choices=("sdpa", "triton"), default="sdpa",
-                   help="the fast engine's decode attention: SDPA over the step's bucket, or the Triton kernel "
-                        "over each row's own prefix (harness/decode/batched.py)")
+    p.add_argument("--attention", choices=("sdpa", "triton", "auto"), default="sdpa",
+                   help="the fast engine's decode attention: SDPA over the step's bucket, the Triton kernel over "
+                        "each row's own prefix (harness/decode/batched.py), or auto (the training pipeline's "
+                        "responses.attention default: Triton on CUDA where it runs); the output names the one run")
     p.add_argument("--profile", action="store_true",
                    help="a third fast run under torch.profiler: kernels and ranges per decode step (not timed)")
     p.add_argument("--out", help="JSON path (default: print only)")
