@@ -14,8 +14,8 @@
 # so by mistake: results/perf/candidate_tables_h200/README.md).
 # DEADLINE (epoch seconds) makes `tables` skip a cell that would not finish in time (CELL_S: the estimate).
 # The tables are the embedded default's own CUDA run (its size: harness/protocol/setups.py EMBEDDED_CUDA, now 7
-# prompts x 512 new tokens x 4 arms x 5 rounds, not yet run on a GPU; the committed tables were made at the old size,
-# 32 prompts x 96 tokens, K 1,2,4,6,8, 3 rounds: 91-125 s a cell on an H200, measured); mt-bench measures its first
+# prompts x 512 new tokens x 4 arms x 5 rounds; the tables of results/smollm2-135m/ ran at it, 60-120 s a cell on an
+# H200 with K 1,2,4); mt-bench measures its first
 # turn only.
 # Run nothing else on the GPU meanwhile: a gsm8k cell beside another table process ran AR at 393 tok/s, against
 # 858 alone (seen on the H200, not committed).

