@@ -51,6 +51,8 @@ def test_tables_and_summary_name_the_model_device_and_dtype(tmp_path, monkeypatc
     s = report.summarize(example(), n_boot=50, run=run)
     assert s["run"] == run
     title = tables.format_markdown_table(s, "toy").splitlines()[0]
+    readme = tables.format_conventions(s, "toy").splitlines()  # the folder's README says what ran, too
+    assert readme[2].startswith("Run: model=SmolLM2.Q4_1.gguf (Q4_1, de-quantized to bfloat16)  device=cuda:0")
     assert all(x in title for x in ("model=SmolLM2.Q4_1.gguf (Q4_1, de-quantized to bfloat16)", "device=cuda:0",
                                     "dtype=bfloat16", "kernels=triton", "seed=7", "prompts=3"))
     first = next(csv.DictReader(io.StringIO(tables.format_csv(s))))

@@ -187,7 +187,9 @@ def format_markdown_table(summary: dict, dataset: str) -> str:
 def format_conventions(summary: dict, dataset: str) -> str:
     """The results folder's README.md: what the run is and what every number in its tables means."""
     labels = run_labels(summary)
+    run = summary.get("run") if isinstance(summary.get("run"), dict) else {}
     lines = [f"# {dataset} at T={summary['temperature']:g}" + (f" ({'; '.join(labels)})" if labels else ""), "",
+             f"Run: {facts.describe(run)}; the drafter's and refiners' weights: config.json `resolved.weights`.", "",
              "Files: table.md / table.csv (the tables), summary.json (every statistic), samples.jsonl (one row per "
              "arm, round, prompt and turn: everything above recomputes from it), config.json, env.json.", "",
              "## Conventions", ""]
