@@ -101,7 +101,7 @@ def test_scripted_acceptance_on_real_weights_claims_no_random_weights():
 
 def test_labels_in_tables_csv_and_plot_titles(tmp_path, monkeypatch):
     labels = report.config_labels({"random_weights": "tiny", "trace": "t.jsonl", "compat_reference": True})
-    assert labels == ["random weights / scripted acceptance", "traced (steps replayed untimed)",
+    assert labels == ["random weights", "traced (steps replayed untimed)",
                       "compat (the reference's accounting)"]
     s = report.summarize(example(), n_boot=50, labels=labels)
     assert tables.run_labels(s) == labels

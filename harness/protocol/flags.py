@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("timing").add_argument
     t("--random-weights", metavar="PRESET",
       help=f"random target, drafter and heads at real shapes ({', '.join(RANDOM_PRESETS)}); prompts are "
-           "byte-tokenised, no stop ids; results are labelled random weights / scripted acceptance")
+           "byte-tokenised, no stop ids; results are labelled random weights (with --scripted-accept: random weights / "
+           "scripted acceptance)")
     t("--scripted-accept", type=int, metavar="N",
       help="force N accepted drafts per step (compute unchanged) to time steps at any tau; at most block size - 1; "
            "labelled scripted acceptance")

@@ -3,8 +3,9 @@
 Step time does not depend on weight values, so a target, a dFlash drafter, an xPress head and a vanilla Markov head
 are built from configs alone. Large models are constructed on the meta device and materialised directly on the
 target device (`to_empty`, then in-place normal init), so a 16 GB target never exists on the CPU. Every number
-measured with these models is labelled "random weights / scripted acceptance" (RANDOM_LABEL):
-acceptance is meaningless for random weights and must be scripted (DecodeSettings.scripted_accept).
+measured with these models is labelled: "random weights / scripted acceptance" (RANDOM_LABEL) when acceptance is
+scripted (DecodeSettings.scripted_accept), as timing at a chosen tau needs, and "random weights" when it is not (the
+random models' own acceptance, meaningless as a drafter's quality).
 
 `build_random(preset, backend)` with a meta-device backend builds every module with its shapes and no memory.
 """
@@ -24,15 +25,18 @@ from harness.decode.target import Target
 from harness.protocol.preset_names import RANDOM_PRESETS
 
 RANDOM_LABEL = "random weights / scripted acceptance"
+RANDOM_ONLY_LABEL = "random weights"  # --random-weights without --scripted-accept: tau is the random models' own
 SCRIPTED_LABEL = "scripted acceptance"  # --scripted-accept on real (or trained) weights
 
 
 def timing_label(config: dict) -> str | None:
-    """RANDOM_LABEL for --random-weights; SCRIPTED_LABEL for --scripted-accept on real weights (no claim of random
-    weights); else None. `config`: config.json or the RunConfig as a dict."""
+    """RANDOM_LABEL for --random-weights with --scripted-accept, RANDOM_ONLY_LABEL without it (the acceptance is
+    measured, of random models); SCRIPTED_LABEL for --scripted-accept on real weights (no claim of random weights);
+    else None. `config`: config.json or the RunConfig as a dict."""
+    scripted = config.get("scripted_accept") is not None
     if config.get("random_weights"):
-        return RANDOM_LABEL
-    return SCRIPTED_LABEL if config.get("scripted_accept") is not None else None
+        return RANDOM_LABEL if scripted else RANDOM_ONLY_LABEL
+    return SCRIPTED_LABEL if scripted else None
 
 
 @dataclass(frozen=True)
