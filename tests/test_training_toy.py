@@ -261,3 +261,13 @@ def test_the_toy_cli_reads_its_flags_and_writes_nothing_on_help(tmp_path, monkey
         toy.main(["--steps", "3"])
     assert e.value.code == 2 and "unrecognized arguments: --steps" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_pipeline_help_names_its_presets_and_stages(capsys):
+    """`python -m training --help` lists every preset config by name and says what each stage does (a new user
+    read the README to find either)."""
+    from training.__main__ import build_parser
+    from training.config import CONFIG_DIR
+    text = " ".join(build_parser().format_help().split())
+    assert all(f.stem in text for f in CONFIG_DIR.glob("*.json")) and "smollm2-gpu-grow" in text
+    assert "responses (the target's answers)" in text and "all: every stage in order" in text

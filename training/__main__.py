@@ -14,9 +14,17 @@ STAGES = ("prompts", "responses", "hidden", "train", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n\n")[0])
+    from pathlib import Path
+    presets = ", ".join(sorted(f.stem for f in (Path(__file__).resolve().parent / "configs").glob("*.json")))
+    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n\n")[0],
+                                epilog="stages, in order: prompts (training prompts, split into train/selection/"
+                                       "held-out), responses (the target's answers), hidden (the tapped target "
+                                       "layers, or none when computed online), train, export (what the harness "
+                                       "loads); all: every stage in order, finished ones skipped. "
+                                       "training/README.md says what each writes.")
     p.add_argument("stage", choices=STAGES + ("all",))
-    p.add_argument("--config", required=True, help="a preset name (training/configs/NAME.json) or a .json path")
+    p.add_argument("--config", required=True,
+                   help=f"a preset name (training/configs/NAME.json: {presets}) or a .json path")
     p.add_argument("--workdir", default=None, help="where every stage writes (default: runs/<config name>)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. --set train.epochs=2 --set models.drafter.num_layers=2")
