@@ -35,8 +35,9 @@ def check_triton(device: torch.device, head_dim: int | None = None, n_q: int = 1
         raise UsageError("batched generation: attention triton needs the triton package (pip install triton); "
                          "use attention sdpa")
     if device.type != "cuda" and not kernels.interpreted():
-        raise UsageError(f"batched generation: attention triton runs on a CUDA device (or in Triton's CPU "
-                         f"interpreter, TRITON_INTERPRET=1), not on {device.type}; use attention sdpa")
+        raise UsageError(f"batched generation: attention triton runs on a CUDA device (Triton's CPU interpreter, "
+                         f"TRITON_INTERPRET=1, is for tests: far too slow for real work), not on {device.type}; use "
+                         "attention sdpa")
     if head_dim is None:
         return
     if not kernels.heads_fit(head_dim, n_q, n_kv) or not kernels.fits(1, n_q // n_kv):
