@@ -224,14 +224,19 @@ def test_profile_summary_counts_each_kernel_once():
     events = [ev("aten::mm", cpu, 300.0, 10.0, 2), ev("gemm_kernel", cuda, 300.0, 0.0, 2),
               ev("aten::mul", cpu, 100.0, 5.0), ev("mul_kernel", cuda, 100.0), ev("aten::empty", cpu, 0.0, 1.0),
               E(key="xb.online_target", device_type=cpu, self_device_time_total=0.0, device_time_total=250.0,
-                self_cpu_time_total=2.0, cpu_time_total=40.0, count=2)]
+                self_cpu_time_total=2.0, cpu_time_total=40.0, count=2),
+              # the device's annotation of the same range (a CUDA profile has one): its span, gaps included
+              ev("xb.online_target", cuda, 900.0, 0.0, 2)]
     rec = summary(events, steps=2, wall_s=0.002, on_device=True)
-    assert rec["device_busy_s_per_step"] == pytest.approx(200e-6)
+    assert rec["device_busy_s_per_step"] == pytest.approx(200e-6)  # the annotation's span is no kernel
     assert [r["op"] for r in rec["top"]] == ["aten::mm", "aten::mul"]
     assert [r["kernel"] for r in rec["top_kernels"]] == ["gemm_kernel", "mul_kernel"]
     assert rec["top"][0]["own_s_per_step"] == pytest.approx(150e-6)
-    assert rec["ranges"]["xb.online_target"] == {"host_s": 20e-6, "device_s": 125e-6, "count": 2}
-    host = summary(events, steps=1, wall_s=0.001, on_device=False)
+    # both rows kept, whichever comes first (the first version kept the last: host 0, and the span as device time)
+    want = {"host_s": 20e-6, "device_s": 125e-6, "device_span_s": 450e-6, "count": 2}
+    assert rec["ranges"]["xb.online_target"] == want
+    assert summary(events[::-1], steps=2, wall_s=0.002, on_device=True)["ranges"]["xb.online_target"] == want
+    host = summary(events[:-1], steps=1, wall_s=0.001, on_device=False)
     assert host["device_busy_s_per_step"] == pytest.approx(400e-6) and host["top"][0]["op"] == "aten::mm"
 
 

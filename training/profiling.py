@@ -8,7 +8,8 @@ written to `train/<model>/profile.json`:
     steps, wall_s_per_step       the profiled steps and their wall time each (synchronised at both ends)
     device_busy_s_per_step       the kernels' time summed, per step (CUDA; 0 on a CPU)
     ranges                       the labelled parts of a step (`xb.*` record_function ranges, e.g. the online
-                                 target forward), host and device time per step
+                                 target forward), per step: host_s, device_s (the kernels launched inside) and
+                                 device_span_s (CUDA: the range on the device's timeline, its idle gaps included)
     top                          the 30 host ops with the most own time (the device time of the kernels they
                                  launched on CUDA, host time on a CPU)
     top_kernels                  the 30 kernels with the most device time (CUDA)
