@@ -59,6 +59,23 @@ def test_refilled_rows_equal_their_own_single_row_answers(model):
     assert static.generate(prompts, limits, [stop], refill=False) == want
 
 
+def test_gathered_refills_answer_the_same_in_fewer_prefills(model):
+    """refill_min=3 of 4 rows: a finished row waits until three are free (or the queue holds fewer prompts), so
+    the refills' prefills are fewer and larger; each greedy answer is still that prompt's alone. Out of range is
+    one error."""
+    prompts = _prompts((7, 2, 11, 4, 6, 3, 9, 5, 8), seed=5)
+    stop = _hf(model, prompts[:1], [])[0][2]
+    limits = [NEW, 3, NEW, 4, 6, 2, NEW, 5, 3]
+    want = [_hf(model, [p], [stop], new=m)[0] for p, m in zip(prompts, limits)]
+    every = BatchedGenerator(model, rows=4, bucket=16, check_every=1)
+    gathered = BatchedGenerator(model, rows=4, bucket=16, check_every=1, refill_min=3)
+    assert every.generate(prompts, limits, [stop]) == want == gathered.generate(prompts, limits, [stop])
+    assert gathered.stats["prefill_rows"] == every.stats["prefill_rows"] == len(prompts)
+    assert gathered.stats["prefills"] < every.stats["prefills"]
+    with pytest.raises(UsageError, match="refill_min 1..rows"):
+        BatchedGenerator(model, rows=4, refill_min=5)
+
+
 def test_sampling_is_seeded_and_per_row(model):
     """Same seed -> same answers, another seed -> others; top_p tiny -> the greedy answers. Every sampled token
     lies in the top-p nucleus of its own row's logits at that step (recomputed by the HF forward), and the two
@@ -203,7 +220,8 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
     assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "2", "--batch", "2",
                  "--max-new-tokens", "2", "--bucket", "32", "--attention", "auto", "--hf-prompts", "1",
                  "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["attention"] == "sdpa"
+    assert json.loads(out.read_text())["attention"] == "sdpa" and r2["refill_min"] == 1
+    assert main(["--random-weights", "tiny", "--batch", "2", "--refill-min", "3"]) == 2  # before any model
     # the tiny preset's cache: 2 (k and v) x its layers x K/V heads x head_dim x 4 bytes (fp32) a slot
     from harness.protocol.presets import preset
     c = preset("tiny").config

@@ -34,9 +34,12 @@ class BatchedGenerator:
 
     def __init__(self, model, rows: int, dtype: torch.dtype | None = None, device=None, bucket: int = 128,
                  check_every: int = 8, use_graph: bool | None = None, prefill_tokens: int = 32768,
-                 attention: str = "sdpa"):
-        if rows < 1 or bucket < 1 or check_every < 1:
-            raise UsageError("batched generation: rows, bucket and check_every must be >= 1")
+                 attention: str = "sdpa", refill_min: int = 1):
+        if rows < 1 or bucket < 1 or check_every < 1 or not 1 <= refill_min <= rows:
+            raise UsageError("batched generation: rows, bucket and check_every must be >= 1, refill_min 1..rows")
+        # refill_min: free rows gathered before a refill's prefill (the eager prefill is launch-bound: fewer, larger
+        # ones cost less host time, while the free rows wait; results/perf/NOTES.md, eighth session)
+        self.refill_min = refill_min
         device = torch.device(device) if device is not None else model.device
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and device.type != "cuda":
@@ -190,7 +193,8 @@ class BatchedGenerator:
         queue = deque(range(n))
         while True:
             free = [b for b in range(self.rows) if owner[b] < 0]
-            if queue and free and (refill or len(free) == self.rows):
+            enough = len(free) >= min(self.refill_min, len(queue))
+            if queue and free and ((refill and enough) or len(free) == self.rows):
                 take = [queue.popleft() for _ in range(min(len(free), len(queue)))]
                 with torch.profiler.record_function("xb.prefill"):
                     self._fill(free[:len(take)], [prompts[i] for i in take], [limits[i] for i in take], params)

@@ -114,7 +114,8 @@ def measure(a) -> dict:
     model, prompts, stops, pad, label = load()
     kw = dict(sample=a.sampled, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     gen = BatchedGenerator(model, rows=a.batch, dtype=backend.dtype, device=backend.device,
-                           check_every=a.check_every, bucket=a.bucket, attention=a.attention)
+                           check_every=a.check_every, bucket=a.bucket, attention=a.attention,
+                           refill_min=a.refill_min)
     run = lambda: gen.generate(prompts, a.max_new_tokens, stops, **kw)  # noqa: E731
     _, cold = _timed(backend.device, run)
     cold_stats, gen.stats = gen.stats, dict.fromkeys(gen.stats, 0)
@@ -124,7 +125,7 @@ def measure(a) -> dict:
           "kv_bytes_per_slot": gen.lm.k[0].element_size() * 2 * len(gen.lm.layers) * gen.lm.n_kv * gen.lm.head_dim}
     result = {"label": label, "target": a.random_weights or a.target, "device": str(backend.device),
               "gpu": torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else None,
-              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": gen.lm.attention,
+              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": gen.lm.attention, "refill_min": a.refill_min,
               "max_new_tokens": a.max_new_tokens, "mode": "sampled" if a.sampled else "greedy",
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
               "timing": "fast: the second of two identical runs (the first builds its graphs and cache: "
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-prompts", type=int, default=0, help="HF generate on the first N prompts (0: all)")
     p.add_argument("--check-every", type=int, default=8, help="decode steps between host checks")
     p.add_argument("--bucket", type=int, default=128, help="KV-length bucket of the captured steps")
+    p.add_argument("--refill-min", type=int, default=1,
+                   help="free rows gathered before a refill's prefill (1: refill at every check)")
     p.add_argument("--attention", choices=("sdpa", "triton", "auto"), default="sdpa",
                    help="the fast engine's decode attention: SDPA over the step's bucket, the Triton kernel over "
                         "each row's own prefix (harness/decode/batched.py), or auto (the training pipeline's "
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if min(a.prompts, a.batch, a.max_new_tokens) < 1 or a.hf_prompts < 0:
             raise UsageError("--prompts, --batch and --max-new-tokens must be >= 1, --hf-prompts >= 0")
+        if not 1 <= a.refill_min <= a.batch:
+            raise UsageError(f"--refill-min {a.refill_min}: use 1..--batch ({a.batch})")
         if a.random_weights:
             from harness.protocol.presets import preset
             preset(a.random_weights)
