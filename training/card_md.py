@@ -89,8 +89,8 @@ def this_run(box: dict) -> str:
 
 def time_section(stages: dict, models: list[dict]) -> list[str]:
     devices = sorted({str(d) for d in (((m.get("box") or {}).get("device")) for m in models) if d})
-    out = ["## Device time", "", f"Device: {', '.join(devices) if devices else 'not recorded (box records before 2026-12-05)'}.",
-           "", "Stages (wall seconds of the run that did the work):", ""]
+    device = ", ".join(devices) if devices else "not recorded (box records before 2026-12-05)"
+    out = ["## Device time", "", f"Device: {device}.", "", "Stages (wall seconds of the run that did the work):", ""]
     out += table(["stage", "seconds"], [[s, v.get("seconds")] for s, v in stages.items()]) if stages else \
         ["n/a (no stages.json)", ""]
     out += ["Box accounting per model (train/<model>/box.json, seconds; training/box.py defines the parts):", ""]

@@ -37,12 +37,6 @@ def fast_generator(model, rows: int, attention: str = "auto"):
     return per_model[rows, attention]
 
 
-def fast_attention(model, choice: str) -> str:
-    """The decode attention the fast engine runs for responses.attention CHOICE on this model (what records say)."""
-    from harness.decode.batched import pick_attention
-    return pick_attention(model, choice)
-
-
 def release_fast(model) -> None:
     """Drop the model's fast generators (their KV cache and graphs) once a stage is done with them."""
     _FAST.pop(model, None)
@@ -79,11 +73,8 @@ def check_engine(cfg) -> None:
     if attention == "triton":  # the package and the device the target will load on
         from harness.decode.batched import check_triton
         from training.target import target_device
-        try:
-            check_triton(target_device(cfg))
-        except UsageError as e:
-            raise UsageError(f"config responses.attention triton: {str(e).removeprefix('batched generation: ')}"
-                             .replace("; use attention sdpa", "; set responses.attention=auto or sdpa")) from None
+        check_triton(target_device(cfg), who="config responses.attention triton",
+                     instead="set responses.attention=auto or sdpa")
     if engine == "fast":
         from harness.decode.target import PLAIN_FAMILIES
         from training.target import target_config

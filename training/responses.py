@@ -149,8 +149,8 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     hf = cfg["responses"]["engine"] == "hf"
     step = 1 if hf else parts_per_call(cfg)
     if not hf:
-        from training.gen import fast_attention
-        attention = fast_attention(model, cfg["responses"]["attention"])
+        from harness.decode.batched import pick_attention
+        attention = pick_attention(model, cfg["responses"]["attention"])  # what the manifest records
         print(f"responses: the fast engine's decode attention is {attention} "
               f"(responses.attention={cfg['responses']['attention']})")
     import time

@@ -28,21 +28,21 @@ from harness.decode.target import check_plain_family
 ATTENTIONS = ("sdpa", "triton")
 
 
-def check_triton(device: torch.device, head_dim: int | None = None, n_q: int = 1, n_kv: int = 1) -> None:
+def check_triton(device: torch.device, head_dim: int | None = None, n_q: int = 1, n_kv: int = 1,
+                 who: str = "batched generation: attention triton", instead: str = "use attention sdpa") -> None:
     """attention="triton": the harness's decode attention kernel (core/kernels/attention.py), one launch a layer
-    for every row, each over its own prefix; refused where it cannot run (the shapes when given)."""
+    for every row, each over its own prefix; refused where it cannot run (the shapes when given). `who` and
+    `instead` word the error for the caller's setting (training/gen.py: responses.attention)."""
     if not kernels.available():
-        raise UsageError("batched generation: attention triton needs the triton package (pip install triton); "
-                         "use attention sdpa")
+        raise UsageError(f"{who} needs the triton package (pip install triton); {instead}")
     if device.type != "cuda" and not kernels.interpreted():
-        raise UsageError(f"batched generation: attention triton runs on a CUDA device (Triton's CPU interpreter, "
-                         f"TRITON_INTERPRET=1, is for tests: far too slow for real work), not on {device.type}; use "
-                         "attention sdpa")
+        raise UsageError(f"{who} runs on a CUDA device (Triton's CPU interpreter, TRITON_INTERPRET=1, is for tests: "
+                         f"far too slow for real work), not on {device.type}; {instead}")
     if head_dim is None:
         return
     if not kernels.heads_fit(head_dim, n_q, n_kv) or not kernels.fits(1, n_q // n_kv):
-        raise UsageError(f"batched generation: attention triton takes a power-of-two head_dim >= 16 and whole query "
-                         f"groups (this model: head_dim {head_dim}, {n_q} query and {n_kv} K/V heads); use sdpa")
+        raise UsageError(f"{who} takes a power-of-two head_dim >= 16 and whole query groups (this model: head_dim "
+                         f"{head_dim}, {n_q} query and {n_kv} K/V heads); {instead}")
 
 
 def _head_shape(cfg) -> tuple[int, int, int]:

@@ -5,7 +5,8 @@ decode step updates in place (so the step is one CUDA graph per KV-length bucket
 CPU; attention="triton": the decode's attention is the harness's Triton kernel, each row over its own prefix, and
 one graph serves every bucket). The host looks every `check_every` steps (one small read): finished rows hand
 their answers back and take the next waiting prompts (a prefill of just those rows), and the bucket is chosen for
-the next steps. A row's answer depends only on its own prompt (greedy; sampled draws come from one seeded generator shared by the rows).
+the next steps. A row's answer depends only on its own prompt (greedy; sampled draws come from one seeded
+generator shared by the rows).
 
 Answers are the new token ids up to and including the first stop id (keep_stop=False drops that stop), or
 max_new_tokens ids, the format of training.gen.generate_batch.

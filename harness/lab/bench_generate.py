@@ -125,7 +125,8 @@ def measure(a) -> dict:
           "kv_bytes_per_slot": gen.lm.k[0].element_size() * 2 * len(gen.lm.layers) * gen.lm.n_kv * gen.lm.head_dim}
     result = {"label": label, "target": a.random_weights or a.target, "device": str(backend.device),
               "gpu": torch.cuda.get_device_name(backend.device) if backend.device.type == "cuda" else None,
-              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": gen.lm.attention, "refill_min": a.refill_min,
+              "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": gen.lm.attention,
+              "refill_min": a.refill_min,
               "max_new_tokens": a.max_new_tokens, "mode": "sampled" if a.sampled else "greedy",
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
               "timing": "fast: the second of two identical runs (the first builds its graphs and cache: "

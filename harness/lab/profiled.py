@@ -57,4 +57,3 @@ def _ranges(events, per: float) -> dict:
         else:
             r.update(host_s=round(e.cpu_time_total * per, 6), device_s=round(_device_us(e) * per, 6), count=e.count)
     return out
-

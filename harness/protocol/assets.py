@@ -98,17 +98,17 @@ def weights_digest(path: PathLike | None) -> dict | None:
         return None
     root = Path(path)
     if root.is_file():
-        files, named = [root], []
+        files, hashed = [root], [("", root)]  # one file: its bytes alone, whatever its name
     else:
         found = sorted(f for f in root.rglob("*") if f.is_file() and f.suffix in WEIGHT_SUFFIXES)
         files = [f for f in found if f.suffix == ".safetensors"] or found
-        named = files + ([root / "config.json"] if (root / "config.json").is_file() else [])
+        config = [root / "config.json"] if (root / "config.json").is_file() else []
+        hashed = sorted((str(f.relative_to(root)), f) for f in files + config)
     if not files:
         return None
     digest = hashlib.sha256()
-    for f in sorted(named, key=lambda f: str(f.relative_to(root))) or files:
-        if named:
-            digest.update(str(f.relative_to(root)).encode() + b"\0")
+    for name, f in hashed:
+        digest.update(name.encode() + b"\0" if name else b"")
         digest.update(bytes.fromhex(sha256_file(f)))
     return {"digest": digest.hexdigest()[:16], "files": len(files), "bytes": sum(f.stat().st_size for f in files),
             "scheme": DIGEST_SCHEME}

@@ -83,7 +83,7 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
     plan = RunPlan(cfg, backend, tcfg, dcfg, block, limit, ckpts, tuple(arms), rounds, warmup, passes, topc, note,
                    draft_path, spyre, **place)
     if plan.resume:  # before any model loads: the rows already written must come from the weights about to load
-        check_resume_weights(plan.resume, plan.weights())
+        check_resume_weights(plan.resume, plan.weights)
     return plan
 
 

@@ -147,10 +147,17 @@ def _comparisons(summary: dict):
 
 
 def bug_reports(summary: dict) -> list[str]:
-    """One line per divergence whose gap exceeds the near-tie bound: the rounding of the logits cannot explain it;
-    under scripted acceptance one SCRIPTED_NOTE line first instead of the arms' comparisons with AR."""
-    out = [f"[divergence] {SCRIPTED_NOTE}"] if scripted(summary) and any(
+    """The console's lines: one per divergence whose gap exceeds the near-tie bound (the rounding of the logits
+    cannot explain it); under scripted acceptance one SCRIPTED_NOTE line first instead of the arms' comparisons
+    with AR."""
+    note = [f"[divergence] {SCRIPTED_NOTE}"] if scripted(summary) and any(
         s.get("token_match") for s in summary["arms"].values()) else []
+    return note + _bugs(summary)
+
+
+def _bugs(summary: dict) -> list[str]:
+    """The BUG REPORT lines alone (bug_reports without its note)."""
+    out = []
     for name, against, c in _comparisons(summary):
         d = c.get("divergence") or {}
         err = d.get("gap_err_max")
@@ -170,7 +177,8 @@ def markdown(summary: dict) -> list[str]:
     """table.md's divergence section: per comparison, rows identical, the median / max gap at the first
     divergences, how many exceed the near-tie bound, and every bug report (empty when nothing was compared)."""
     rows = list(_comparisons(summary))
-    note = ["", f"Divergence from AR: {unchecked(summary)}."] if unchecked(summary) else []
+    why = unchecked(summary)
+    note = ["", f"Divergence from AR: {why}."] if why else []
     if not rows:
         return note
     lines = ["", "**Divergence from AR** (T=0; gap = the two runs' top-2 logit gaps added at each prompt's first "
@@ -197,5 +205,5 @@ def markdown(summary: dict) -> list[str]:
     if unmeasured:
         lines.append(f"\ndivergences without a measured gap (no replay record: rows from an older run, T>0, or a "
                      f"replay that left the decode): {', '.join(unmeasured)}")
-    bugs = [b for b in bug_reports(summary) if b.startswith("BUG REPORT")]
+    bugs = _bugs(summary)
     return note + lines + (["", *[f"- **{b}**" for b in bugs]] if bugs else [])

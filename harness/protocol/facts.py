@@ -40,8 +40,8 @@ def kernels_label(config: dict, resolved: dict) -> str:
 
 def run_facts(config: dict | None) -> dict:
     """{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, compat_reference,
-    draft_temperature, scripted_accept, cuda_graphs, compiled, xpress_topc} from config.json (its "resolved" section first); scripted_accept is None
-    when acceptance was not scripted (or the config.json does not say)."""
+    draft_temperature, scripted_accept, cuda_graphs, compiled, xpress_topc} from config.json (its "resolved"
+    section first); scripted_accept is None when acceptance was not scripted (or the config.json does not say)."""
     config = config if isinstance(config, dict) else {}
     res = config.get("resolved") if isinstance(config.get("resolved"), dict) else {}
     target = res.get("target") if isinstance(res.get("target"), dict) else {}

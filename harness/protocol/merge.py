@@ -1,6 +1,7 @@
 """The merged report over several results folders (`python -m harness.protocol.report FOLDERS`): folders are
 grouped by their target (model, quantization, device, dtype) and protocol (the kernels, max_new_tokens, the
-reference's accounting, the draft temperature, CUDA graphs, compiling and xPress's top-C), as their config.json / summary.json record them (harness.protocol.facts).
+reference's accounting, the draft temperature, CUDA graphs, compiling and xPress's top-C), as their config.json /
+summary.json record them (harness.protocol.facts).
 Each group gets its own table and its own Avg. rows: folders of different targets or protocols are never averaged
 together. A folder that does not record a fact (summary schema 1/2, config.json without "resolved" dtype) has
 "unknown" there, and groups with the folders that share its known facts and its unknowns.

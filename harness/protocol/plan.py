@@ -12,6 +12,7 @@ Also here: the results folder of a run (`run_folder`), the check that a resumed 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -82,12 +83,14 @@ class RunPlan:
                 "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                                  "variant": c.variant} for k, c in self.refiners.items()},
                 "trained_block_size": self.draft_config.block_size if self.draft_config else None,
-                "weights": self.weights(), **invariant_record(self.config)}
+                "weights": self.weights, **invariant_record(self.config)}
 
+    @functools.cached_property
     def weights(self) -> dict:
         """The drafter's and refiners' digests (harness.protocol.assets.weights_digest: None where not local), so a
-        folder says which weights it measured whatever path they were carried to. The target is named by its
-        source (a GGUF is sha256-checked when fetched); hashing a 16 GB target would cost seconds a run."""
+        folder says which weights it measured whatever path they were carried to; hashed once a process (a resume
+        checks them before config.json records them). The target is named by its source (a GGUF is sha256-checked
+        when fetched); hashing a 16 GB target would cost seconds a run."""
         from harness.protocol.assets import weights_digest
         if self.config.random_weights:  # every model built from the preset's config with fixed seeds
             return {"random_weights": self.config.random_weights}
@@ -187,4 +190,6 @@ def resume_count(folder: str) -> int:
         entries = json.loads(open(os.path.join(folder, RESUMES), encoding="utf-8").read())
     except (FileNotFoundError, NotADirectoryError, ValueError):
         return 0
-    return sum(1 for e in entries if isinstance(e, dict) and e.get("reused_decodes")) if isinstance(entries, list) else 0
+    if not isinstance(entries, list):
+        return 0
+    return sum(1 for e in entries if isinstance(e, dict) and e.get("reused_decodes"))

@@ -66,7 +66,8 @@ OPTIONAL = {
     "ranks": (dict, "torchrun / accelerate launch: per-rank AR throughput (harness.protocol.rank_report)"),
 }
 STATS = "{n, mean, std, median, min, max, values (per round)}"
-COMPARED = "{n, mean, std, median, min, max, values (per-round ratios), ref, ci95 [lo, hi] (null from one paired unit: one prompt of one round), ci_point, ci_prompts}"
+COMPARED = ("{n, mean, std, median, min, max, values (per-round ratios), ref, ci95 [lo, hi] (null from one paired "
+            "unit: one prompt of one round), ci_point, ci_prompts}")
 ARM = {
     "arm": (str, "the arm's display name"),
     "method": (str, "ar | drafter-only | markov | xpress"),

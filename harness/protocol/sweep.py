@@ -44,7 +44,7 @@ import textwrap
 import numpy as np
 
 from core.errors import UsageError
-from harness.protocol import runner, sweep_steps
+from harness.protocol import metrics, runner, sweep_steps
 from harness.protocol.algorithms import DFlashDrafter, DFlashGroup, batch_refiner
 from harness.protocol.build import prepare
 from harness.protocol.console import describe, label
@@ -236,7 +236,6 @@ def _matrix(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
 def summarize(rows: list[dict], arms: list[str], warmup: int, batches: list[int], contexts: list[int],
               labels=(), n_boot: int = 2000, reference: str | None = "AR") -> dict:
     """`reference`: the AR arm's name (None or absent from `arms`: no speedups)."""
-    from harness.protocol import metrics
     ar = reference if reference in arms else None
     points = []
     for c in contexts:
@@ -327,15 +326,14 @@ def _crossing(b, batches) -> str:
 
 
 def format_table(summary: dict) -> str:
-    from harness.protocol import metrics
     lines = [f"**SWEEP** batch sizes {summary['batch_sizes']} x context lengths {summary['context_lengths']}"
              + (f" [{'; '.join(summary['labels'])}]" if summary["labels"] else ""), "",
              "| B | context | method | total tok/s | per-request tok/s | tau | Sp. vs AR [95% CI] | same as B=1 |",
              "|---|---|---|---|---|---|---|---|"]
     for p in summary["points"]:
         for a, e in p["arms"].items():
-            sp = (f"{e['speedup']:.3f}" + metrics.ci_bracket(e["speedup_ci"], e.get("speedup_ci_units")) if "speedup" in e
-                  else "1.000 (ref)" if a == summary["reference"] else "-")
+            sp = (f"{e['speedup']:.3f}" + metrics.ci_bracket(e["speedup_ci"], e.get("speedup_ci_units"))
+                  if "speedup" in e else "1.000 (ref)" if a == summary["reference"] else "-")
             same = f"{e['same_as_b1']['equal']}/{e['same_as_b1']['of']}" if e.get("same_as_b1") else "-"
             fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"
             lines.append(f"| {p['batch_size']} | {p['context_len']} | {a} | {fmt(e['total_tok_s'], 1)} | "

@@ -46,7 +46,8 @@ def context_lengths(cfg) -> list[int]:
 def check(cfg) -> None:
     """Everything a sweep refuses, from the flags alone (harness.protocol.config.validate calls it)."""
     batch_sizes(cfg), context_lengths(cfg)
-    refused = [(cfg.resume, "--resume (a sweep runs whole; delete its folder and start it again, or pick another --run-id)"),
+    refused = [(cfg.resume, "--resume (a sweep runs whole; delete its folder and start it again, or pick another "
+                            "--run-id)"),
                (cfg.compat_reference, "--compat-reference (one global random stream cannot be shared by a batch)"),
                (cfg.trace, "--trace (the step tracer follows one request)"),
                (cfg.answer_file, "--answer-file (the reference's schema has no batches)")]
