@@ -27,8 +27,19 @@ def test_every_point_is_timed_against_its_floor(tmp_path):
         assert r["ratio"] == pytest.approx(r["ms"] / r["floor_ms"], rel=1e-2)
         assert r["positions_per_s"] == pytest.approx(r["batch"] * r["width"] / r["ms"] * 1000, rel=1e-3)
         assert "tokens_per_s" not in r  # a verify's positions are not tokens decoded
+        # tiny's parameters a step reads, counted by hand: per layer q/o 64x64, k/v 64x32, the MLP 3 x 64x128,
+        # q/k norms 16 each and two 64-wide norms; then the final norm and lm_head 512x64 (untied)
+        params = 4 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 16 + 2 * 64) + 64 + 512 * 64
+        assert r["weight_bytes"] == params * 4
+        rows, slots = r["batch"] * r["width"], r["context"] + r["width"]
+        assert r["flop"] == 2 * rows * params + 4 * rows * slots * 4 * 16 * 4  # 4 query heads of 16, 4 layers
+        assert r["compute_floor_ms"] == pytest.approx(1000 * r["flop"] / (res["matmul_TFLOPs"] * 1e12), rel=1e-3)
+        roof = max(r["floor_ms"], r["compute_floor_ms"])
+        assert r["roofline_ratio"] == pytest.approx(r["ms"] / roof, rel=1e-2)
+    assert res["matmul_TFLOPs"] > 0 and res["matmul_shape"] == "256x256x256 float32"
     md = (tmp_path / "b.md").read_text()
     assert "| verify | 3 | 40 |" in md and "| positions/s |" in md and "tok/s" not in md
+    assert "| compute floor ms | ratio to the higher |" in md and "matmul rate" in md
 
 
 @pytest.mark.parametrize("args,says", [(["--batch-sizes", "0"], "out of range"),

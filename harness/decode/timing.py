@@ -125,24 +125,44 @@ def time_stage_graphs(graphs, restore, reps: int = 20, warmup: int = 3) -> dict[
     return {k: statistics.median(v) for k, v in out.items()}
 
 
+def median_ms(fn, device: torch.device, reps: int, warmup: int) -> float:
+    """Median milliseconds of fn() over reps after warmup calls: CUDA events around each call on a GPU (each call
+    waited for), the host clock on a CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            fn()
+            e1.record()
+            e1.synchronize()
+            times.append(e0.elapsed_time(e1))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(times)
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 31, reps: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (median of reps)."""
     a = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
-    times = []
-    for i in range(reps + 2):
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            b.copy_(a)
-            e1.record()
-            e1.synchronize()
-            ms = e0.elapsed_time(e1)
-        else:
-            t0 = time.perf_counter()
-            b.copy_(a)
-            ms = 1000 * (time.perf_counter() - t0)
-        if i >= 2:
-            times.append(ms)
+    ms = median_ms(lambda: b.copy_(a), device, reps, warmup=2)
     del a, b
-    return 2 * nbytes / (statistics.median(times) / 1000)
+    return 2 * nbytes / (ms / 1000)
+
+
+def matmul_rate(device: torch.device, dtype: torch.dtype, n: int = 8192, reps: int = 10) -> float:
+    """The device's measured dense matmul rate in FLOP/s: an n x n by n x n product in dtype (2 n^3 FLOP), the
+    median of reps after 2 warmup products. A compute floor divides a step's FLOP by it, as a byte floor divides
+    its bytes by copy_bandwidth: both are what this device sustains, not its datasheet's peaks."""
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, generator=g, device=device).to(dtype)
+    b = torch.randn(n, n, generator=g, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    ms = median_ms(lambda: torch.mm(a, b, out=out), device, reps, warmup=2)
+    del a, b, out
+    return 2 * n ** 3 / (ms / 1000)

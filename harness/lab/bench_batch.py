@@ -7,7 +7,10 @@ batched KV cache (harness.decode.batch_target.BatchTarget), and one step is the 
 - measured: the eager forward's median over --reps after --warmup (CUDA events on a GPU, the host clock on a CPU);
 - floor: (the weight bytes one step reads + the KV bytes it reads: B x (C + W) slots x layers x 2 x kv heads x
   head_dim x element size) / the measured device-to-device copy bandwidth (read + write bytes);
-- ratio = measured / floor; the goal is <= 1.15 at every B <= 16.
+- ratio = measured / floor; the goal is <= 1.15 at every B <= 16;
+- compute floor: the step's FLOP (step_flop) / the measured dense matmul rate (timing.matmul_rate, an 8192-cubed
+  product in the run's dtype); where it is above the byte floor the step is compute-bound and the byte floor's goal
+  is out of reach; roofline_ratio = measured / the higher of the two floors.
 Eager by default, so a small step's launch gaps are inside its time; --graphs (CUDA) captures each point's
 forward as one CUDA graph (warmed up on a side stream first, captured outside the timing) and times its replays,
 as the batched decode loop replays its whole-step graphs. Writes JSON (--out) and a markdown table beside it.
@@ -17,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
@@ -27,7 +28,7 @@ from core.errors import UsageError, cli_exit
 from core.ops import make_ops
 from harness.decode.batch_target import BatchTarget
 from harness.decode.graphs import StepGraphs
-from harness.decode.timing import copy_bandwidth
+from harness.decode.timing import copy_bandwidth, matmul_rate, median_ms
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random, hf_config, preset
 from harness.protocol.sweep_points import MAX_BATCH, points_of
 
@@ -40,24 +41,14 @@ def kv_bytes(target, batch: int, slots: int) -> int:
     return batch * slots * target.n_layers * 2 * kv.n_kv_heads * kv.head_dim * kv.k.element_size()
 
 
-def _time(fn, device: torch.device, reps: int, warmup: int) -> float:
-    """Median milliseconds of fn() over reps, after warmup calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
-            e1.synchronize()
-            times.append(e0.elapsed_time(e1))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1000 * (time.perf_counter() - t0))
-    return statistics.median(times)
+def step_flop(target, weight_bytes: int, batch: int, width: int, slots: int) -> int:
+    """A step's arithmetic: 2 FLOP per parameter read per row (the matmuls; the norms' few parameters counted
+    alike) plus attention's two products (q.k and p.v: 4 FLOP per query head, slot and head dimension) for B x W
+    rows over `slots` slots in every layer, the block's own slots counted whole (an upper bound by W^2 / 2)."""
+    rows = batch * width
+    params = weight_bytes // target.kv.k.element_size()
+    attention = 4 * rows * slots * target.config.num_attention_heads * target.head_dim * target.n_layers
+    return 2 * rows * params + attention
 
 
 def graphed(graphs: StepGraphs, key: tuple, fn):
@@ -67,8 +58,8 @@ def graphed(graphs: StepGraphs, key: tuple, fn):
     return entry.graph.replay
 
 
-def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, reps: int, warmup: int,
-            graphs: bool = False, on_row=None) -> list[dict]:
+def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, flops: float, reps: int,
+            warmup: int, graphs: bool = False, on_row=None) -> list[dict]:
     """Every point's row, in order; on_row(rows) after each one (main writes the files then, so a point that fails,
     e.g. a kernel the device refuses, leaves the points before it written)."""
     t, rows = m.target, []
@@ -85,15 +76,17 @@ def measure(m, batches: list[int], contexts: list[int], block: int, bw: float, r
                 step = lambda: batch.verify(ids, c + w, want_features=False)  # noqa: E731
                 if graphs:
                     step = graphed(steps, (b, c, w), step)
-                ms = _time(step, m.backend.device, reps, warmup)
-                kvb = kv_bytes(t, b, c + w)
-                floor = 1000 * (weights + kvb) / bw
+                ms = median_ms(step, m.backend.device, reps, warmup)
+                kvb, flop = kv_bytes(t, b, c + w), step_flop(t, weights, b, w, c + w)
+                floor, compute = 1000 * (weights + kvb) / bw, 1000 * flop / flops
+                roof = max(floor, compute)
                 rows.append({"batch": b, "context": c, "width": w, "step": "AR" if w == 1 else "verify",
                              "ms": round(ms, 6), "positions_per_s": round(b * w / ms * 1000, 1),
                              "weight_bytes": weights, "kv_bytes": kvb, "floor_ms": round(floor, 6),
-                             "ratio": round(ms / floor, 3)})
+                             "ratio": round(ms / floor, 3), "flop": flop, "compute_floor_ms": round(compute, 6),
+                             "roofline_ratio": round(ms / roof, 3)})
                 print(f"[bench-batch] B={b} C={c} W={w}: {ms:.3f} ms, floor {floor:.3f} ms, "
-                      f"ratio {ms / floor:.2f}", flush=True)
+                      f"ratio {ms / floor:.2f}, compute floor {compute:.3f} ms", flush=True)
                 if on_row is not None:
                     on_row(rows)
         del batch, steps
@@ -108,13 +101,19 @@ def markdown(res: dict) -> str:
         f"({res.get('stopped_by') or 'the run stopped without a recorded error, or is still running'}).", ""]
     lines += [f"**{res['label']}**: {res['preset']} on {res['device_name']}, {res['dtype']}, kernels {res['kernels']}, "
              f"{'one CUDA graph per point' if res['graphs'] else 'eager'}, "
-             f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s", "",
-             "| step | B | context | ms | positions/s | floor ms | ratio |", "|---|---|---|---|---|---|---|"]
+             f"copy bandwidth {res['copy_bandwidth_GBps']:.0f} GB/s, matmul rate {res['matmul_TFLOPs']:.0f} TFLOP/s "
+             f"({res['matmul_shape']})", "",
+             "| step | B | context | ms | positions/s | floor ms | ratio | compute floor ms | ratio to the higher |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         lines.append(f"| {r['step']} | {r['batch']} | {r['context']} | {r['ms']:.3f} | {r['positions_per_s']:.0f} | "
-                     f"{r['floor_ms']:.3f} | {r['ratio']:.2f} |")
+                     f"{r['floor_ms']:.3f} | {r['ratio']:.2f} | {r['compute_floor_ms']:.3f} | "
+                     f"{r['roofline_ratio']:.2f} |")
     lines += ["", f"Floor: (weight bytes read per step + KV bytes read) / copy bandwidth; goal: ratio <= {GOAL} at "
-              "every B <= 16. positions/s: B x the step's width (1 for AR, the block for a verify) over its time; "
+              "every B <= 16. Compute floor: the step's FLOP (2 a parameter a row, plus attention's two products "
+              "over every slot) / the measured matmul rate; where it is above the byte floor, the byte floor's goal "
+              "cannot be met on this device, and the last column is the time over the higher of the two. "
+              "positions/s: B x the step's width (1 for AR, the block for a verify) over its time; "
               "a verify commits only its accepted drafts plus one, so for it this is no decode rate.", ""]
     return "\n".join(lines)
 
@@ -151,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
         m = build_random(a.preset, backend, block_size=a.block_size, capacity=max(contexts) + a.block_size + 1,
                          ops=ops)
         bw = copy_bandwidth(backend.device, nbytes=(1 << 31) if backend.kind == "cuda" else (1 << 24))
+        n = 8192 if backend.kind == "cuda" else 256
+        flops = matmul_rate(backend.device, backend.dtype, n)
         name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else "cpu"
         res = {"label": RANDOM_LABEL.split(" / ")[0], "preset": a.preset, "device_name": name,
                "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels, "graphs": a.graphs,
-               "copy_bandwidth_GBps": bw / 1e9, "torch": torch.__version__, "goal_ratio": GOAL,
+               "copy_bandwidth_GBps": bw / 1e9,
+               "matmul_TFLOPs": flops / 1e12, "matmul_shape": f"{n}x{n}x{n} {str(backend.dtype)[6:]}",
+               "torch": torch.__version__, "goal_ratio": GOAL,
                "complete": False, "planned_points": len(batches) * len(contexts) * 2, "rows": []}
         out = a.out or os.path.join("results", "perf", f"bench_batch_{a.preset}.json")
         os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(base + ".md", "w") as f:
                 f.write(markdown(res))
         try:
-            rows = measure(m, batches, contexts, a.block_size, bw, a.reps, a.warmup, a.graphs, on_row=write)
+            rows = measure(m, batches, contexts, a.block_size, bw, flops, a.reps, a.warmup, a.graphs, on_row=write)
         except Exception as e:  # the points measured so far stay written, marked incomplete, and the error goes on
             res["stopped_by"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             write(res["rows"])
