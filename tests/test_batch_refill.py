@@ -101,6 +101,24 @@ def test_a_refilled_batch_captures_every_bucket_before_its_clock(case, monkeypat
     assert len(set(g.replayed)) >= 3 and min(g.replayed) < max(g.replayed)
 
 
+def test_a_queue_emptied_before_the_clock_still_captures_the_short_prompts_buckets(case, monkeypatch):
+    """The longest prompt stops at its prefill (output limit 1), so its row takes the last waiting prompt before the
+    first step and the queue is empty when the buckets are captured: the rows now hold short prompts only, whose
+    buckets lie below the longest prompt's. Capturing from the longest prompt (as a batch without refills may)
+    would leave those to be captured inside the decode clock; the stand-in refuses that."""
+    no_per_request_step(monkeypatch)
+    graphs = {}
+    monkeypatch.setattr(batch_loop, "_check", lambda s, b: None)  # use_graph on the CPU: the stand-in captures
+    monkeypatch.setattr(DecodeState, "step_graphs", lambda self: graphs.setdefault(id(self), CaptureAhead()))
+    t, _, prompts, refs, _ = case
+    order, limits = [3, 2, 0], [1, BUDGETS[2], BUDGETS[0]]  # lengths 37 (stops at its prefill), 1 and 5
+    s = settings(case, use_graph=True, graph_bucket=8)
+    gens = generate_batch(t, [prompts[i] for i in order], s, CPU32, drafters=_group(case, 2).members,
+                          max_new_tokens=limits, rows=2)
+    assert gens[0].tokens == refs[3][:1] and all(g.graph_captures == 0 for g in gens)
+    assert min(graphs[id(DecodeState.batched(t, 2))].replayed) < 37
+
+
 def test_refills_are_kept_out_of_every_decode_clock(case, monkeypatch):
     """A refill (the finished request's read, the next one's setup and prefill, the drafter's pass over its prompt)
     stalls every row, and is prefill, not decode: it is kept out of every request's decode_s and out of batch_end_s,

@@ -156,7 +156,9 @@ class _Batch:
         if self.graphs is not None:
             if self.group is not None:  # the group's cache too holds every bucket's slots (the bucket's length)
                 self.group.ensure_capacity(batch.capacity)
-            self._capture_ahead(prompts, own, refill=bool(self.queue))
+            # refills may have run already (a request that stopped at its prefill handed its row on), so ask
+            # whether any prompt was to wait for a row, not whether one still waits
+            self._capture_ahead(prompts, own, refill=len(prompts) > b)
         self.clock = backend.now()
         for run in self.runs:
             run.start = self.clock
