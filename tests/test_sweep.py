@@ -77,6 +77,41 @@ def test_every_point_runs_every_arm_in_balanced_rounds_on_the_same_requests(swep
                 sorted(sweep.request_ids(3, b))
 
 
+def test_every_request_has_its_own_stream_and_a_cycled_prompt_is_labelled(swept):
+    """Each request is decoded with a seeded generator of its own, at T = 0 too (where drafts may still be sampled:
+    --draft-temperature), so its draws never come from a stream its batch neighbours share; a prompt repeated to
+    fill B (3 prompts at B = 2: prompt 0 twice) gets a stream of its own, not its first request's, and the labels
+    say the point's requests repeat prompts."""
+    from harness.protocol import runner
+    _, s, rows = swept
+    for r in rows:
+        assert r["stream_seed"] == runner.stream_seed(0, r["dataset_row"], 0, r["round"], r["request_copy"])
+    twice = [r for r in rows if r["batch_size"] == 2 and r["question_id"] == 0 and r["arm"] == "AR"]
+    by_round = {}
+    for r in twice:
+        by_round.setdefault((r["round"], r["context_len"]), []).append(r)
+    for pair in by_round.values():
+        assert sorted(r["request_copy"] for r in pair) == [0, 1]
+        assert len({r["stream_seed"] for r in pair}) == 2
+    assert all(r["request_copy"] == 0 for r in rows if r["batch_size"] == 1)
+    assert any(x.startswith("prompts cycled to fill B") for x in s["labels"])
+
+
+def test_sampled_drafts_at_t0_do_not_depend_on_the_batch(files, tmp_path):
+    """T = 0 with --draft-temperature 1: the drafts are sampled, so each request's accepted counts depend on its
+    random stream; a request's stream is its own, so at B = 2 they are those of its B = 1 decode (a stream shared
+    by the batch would make them depend on the neighbour decoded beside it)."""
+    assert cli.main(args(files, tmp_path, "--run-id", "td", "--batch-sizes", "1,2", "--draft-temperature", "1",
+                         "--fair-interleave", "1", "--fair-warmup-rounds", "0")) == 0
+    rows = read_rows(tmp_path / "td" / "samples.jsonl")
+    one = {(r["arm"], r["round"], r["question_id"]): r["accept_lengths"] for r in rows
+           if r["batch_size"] == 1 and r["arm"] != "AR"}
+    # requests [0, 1, 2, 0] in batches [0, 1] and [2, 0]: the last is prompt 0's repeat, on a stream of its own
+    first = [r for r in rows
+             if r["batch_size"] == 2 and r["arm"] != "AR" and (r["batch_index"], r["batch_row"]) != (1, 1)]
+    assert first and all(r["accept_lengths"] == one[(r["arm"], r["round"], r["question_id"])] for r in first)
+
+
 def test_batched_requests_decode_their_b1_tokens_and_long_contexts_are_long(swept):
     """fp32 on the CPU: every request's tokens at B=2 are its B=1 tokens (same arm, round and context), and every
     speculative arm's are AR's; context 60 gives prompts of >= 60 tokens that end with the request's own question."""

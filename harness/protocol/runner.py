@@ -32,9 +32,9 @@ from harness.decode.hf_overrides import parse_overrides
 from harness.decode.loading import load_target, load_tokenizer
 from harness.protocol.trace import StepTracer, timed_then_traced
 
-def stream_seed(seed: int, row: int, turn: int, round_: int = 1) -> int:
-    """Independent, reproducible stream per (seed, prompt, turn, round); every arm of a round replays it."""
-    digest = hashlib.sha256(f"{seed}:{row}:{turn}:{round_}".encode()).digest()
+def stream_seed(seed: int, row: int, turn: int, round_: int = 1, copy: int = 0) -> int:
+    """An independent stream per (seed, prompt, turn, round, sweep copy); every arm of a round replays it."""
+    digest = hashlib.sha256((f"{seed}:{row}:{turn}:{round_}" + (f":{copy}" if copy else "")).encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 

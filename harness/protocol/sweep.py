@@ -53,7 +53,7 @@ from harness.protocol.plan import run_folder
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
 from harness.protocol.rounds import rotation
 from harness.protocol.sweep_points import (batch_sizes, context_lengths, is_sweep, padded_requests,  # noqa: F401
-                                           request_ids, served_rows)
+                                           repeats, request_ids, served_rows)
 
 SWEEP = "sweep.json"
 
@@ -183,7 +183,6 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
     """Every batch of one (point, round, arm): one generate_batch each, one row per request."""
     from harness.decode.batch_loop import generate_batch
     cfg, backend = plan.config, plan.backend
-    greedy = cfg.temperature < 1e-5
     rows = []
     rows_run = served_rows(plan, pt.batch)
     if rows_run != pt.batch:
@@ -191,15 +190,16 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
     if cfg.refill:  # one queue of the point's prompts over B rows (batch_loop: continuous batching)
         how.add("continuous batching: a finished request's row takes the next prompt (refills' prefills outside "
                 "decode time, in batch_prefill_s)")
-    queues = [pt.ids] if cfg.refill else [pt.ids[k:k + pt.batch] for k in range(0, len(pt.ids), pt.batch)]
-    for g, ids in enumerate(queues):
-        seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_) for i in ids]
+    copies, span = repeats(pt.ids, how), len(pt.ids) if cfg.refill else pt.batch
+    for g, k0 in enumerate(range(0, len(pt.ids), span)):  # one queue (refill), or one static batch at a time
+        ids = pt.ids[k0:k0 + span]  # each request on its own stream, at T = 0 too (sampled drafts), as in a run
+        seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_, c) for i, c in zip(ids, copies[k0:])]
         prompts, limits, seeds_run = padded_requests([list(pt.prompts[i]) for i in ids], seeds, rows_run,
                                                      settings.max_new_tokens)
         start = backend.now()
         gens = generate_batch(models.target, prompts, settings, backend,
                               drafters=_drafters(arm, rows_run, pool, backend, how), refiner=arm.refiner,
-                              generators=None if greedy else [backend.generator(s) for s in seeds_run],
+                              generators=[backend.generator(s) for s in seeds_run],
                               refine_batch=_batched(arm.refiner, pool, how, rows_run), max_new_tokens=limits,
                               rows=rows_run if cfg.refill else None)
         wall = backend.now() - start
@@ -211,7 +211,7 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
             row = runner.sample_row(plan.run_id, cfg, arm, i, samples[i], 0, round_, round_ <= plan.warmup_rounds, gen)
             row.update(batch_size=pt.batch, batch_rows=rows_run, context_len=pt.context, batch_index=g, batch_row=j,
                        slot=slot,
-                       stream_seed=None if greedy else seeds[j], batch_decode_s=decode_s,
+                       stream_seed=seeds[j], request_copy=copies[k0 + j], batch_decode_s=decode_s,
                        batch_prefill_s=wall - decode_s - gens[0].setup_capture_s, batch_capture_s=gens[0].setup_capture_s,
                        batch_setup_captures=gens[0].setup_captures, graph_steps=gen.graph_steps,
                        **({"refill": True, "batch_steps": gen.batch_steps} if cfg.refill else {}))

@@ -70,6 +70,20 @@ def request_ids(n: int, b: int) -> list[int]:
     return [i % n for i in range(math.ceil(n / b) * b)]
 
 
+def repeats(ids: list[int], how: set) -> list[int]:
+    """Per request of a point, how many times its prompt came before it (0: its first request; request_ids cycles
+    the prompts past their count); where a prompt repeats, `how` (the sweep's labels) says so."""
+    seen: dict = {}
+    out = []
+    for i in ids:
+        out.append(seen.get(i, 0))
+        seen[i] = out[-1] + 1
+    if any(out):
+        how.add("prompts cycled to fill B: where a point has more requests than prompts, a prompt's repeats are "
+                "requests of their own (each on its own random stream)")
+    return out
+
+
 def served_rows(plan, batch: int) -> int:
     """The rows a batch of `batch` requests decodes as: --device spyre serves 1, 2 or 4 rows (its compiled shapes;
     harness.protocol.spyre_contract.padded_batch: 3 -> 4), every other device the batch itself."""
