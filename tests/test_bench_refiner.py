@@ -13,3 +13,38 @@ def test_bench_refiner_writes_json_and_markdown(tmp_path, capsys):
     assert all(r["ms"] >= 0 for r in data["rows"] if r["K"] != "per pass")
     assert (tmp_path / "cost.md").read_text().startswith("Refinement cost")
     assert bench_refiner.main(["--preset", "tiny", "--passes", "-1"]) == 2
+
+
+def test_bench_refiner_times_xpress_on_the_chosen_ops_and_compiled(tmp_path, monkeypatch):
+    """--kernels triton scores each pass on TritonOps (the decode's fused w2 product, base add and argmax; Triton's
+    interpreter here), --compile wraps every refiner in CompiledRefiner first (a stand-in here: compiling on this
+    CPU takes minutes); both are named in the JSON and the markdown."""
+    import pytest
+    from core import ops as core_ops
+    if not core_ops.interpreted():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1 and triton installed)")
+    wrapped = []
+
+    class Spy:
+        def __init__(self, refiner, watch=None):
+            wrapped.append(refiner.name)
+            self.inner, self.name, self.passes = refiner, refiner.name, getattr(refiner, "passes", None)
+
+        def refine(self, proposal, ctx):
+            return self.inner.refine(proposal, ctx)
+    monkeypatch.setattr(bench_refiner, "CompiledRefiner", Spy)
+    out = tmp_path / "cost.json"
+    assert bench_refiner.main(["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--passes", "1,2",
+                               "--topc", "0", "--kernels", "triton", "--compile", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["kernels"] == "TritonOps" and data["compiled"] is True
+    assert wrapped.count("xpress") == 2 and wrapped.count("markov") == 3
+    assert "xPress ops TritonOps, compiled=True" in (tmp_path / "cost.md").read_text()
+
+
+def test_bench_refiner_refuses_triton_where_it_cannot_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert bench_refiner.main(["--preset", "tiny", "--device", "cpu", "--kernels", "triton",
+                               "--out", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kernels triton" in err[0] and not (tmp_path / "c.json").exists()

@@ -19,12 +19,14 @@ import torch
 from core.protocols import Proposal, RefineContext
 from core.devices import resolve_backend
 from core.errors import UsageError
+from core.ops import KINDS, make_ops
+from harness.decode.graphs import CompiledRefiner
 from harness.lab.captured import CapturedRefiner
 from harness.protocol.algorithms import MarkovRefiner, XPressRefiner, random_markov_head, random_xpress_head
 
 PRESETS = {  # vocab, hidden, rank, block
     "qwen3-8b": (151936, 4096, 256, 16),
-    "smollm2-135m": (49152, 576, 256, 16),
+    "smollm2-135m": (49152, 576, 80, 16),  # the shipped heads' geometry (weights/smollm2-135m/xpress: rank 80)
     "tiny": (512, 64, 16, 8),
 }
 
@@ -41,8 +43,12 @@ def time_call(fn, backend, repeats: int, warmup: int = 3) -> float:
 
 
 def measure(preset: str, device: str | None, dtype: str | None, passes: list[int], topcs: list[int],
-            repeats: int, use_graph: bool = False) -> dict:
+            repeats: int, use_graph: bool = False, kernels: str = "torch", compiled: bool = False) -> dict:
+    """`kernels`: the ops the xPress passes score with (the decode's --kernels: triton runs each pass's w2 product,
+    base add and argmax as one fused launch); `compiled`: each refiner through torch.compile first, as
+    --compile-refiner runs it (the Markov heads too)."""
     backend = resolve_backend(device, dtype)
+    ops = make_ops(kernels, backend.device, backend.dtype)
     vocab, hidden, rank, block = PRESETS[preset]
     g = torch.Generator().manual_seed(0)
     proposal = Proposal(tokens=torch.randint(0, vocab, (block - 1,), generator=g).to(backend.device),
@@ -53,13 +59,15 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
     rows = []
 
     def wrap(refiner):
+        if compiled:
+            refiner = CompiledRefiner(refiner)
         return CapturedRefiner(refiner) if use_graph else refiner
 
     with torch.no_grad():
         for c in topcs:
             times = {}
             for k in passes:
-                r = wrap(XPressRefiner(head, k, topc=c))
+                r = wrap(XPressRefiner(head, k, topc=c, ops=ops))
                 times[k] = time_call(lambda: r.refine(proposal, ctx), backend, repeats)
                 rows.append({"refiner": "xpress", "K": k, "topc": c, "ms": 1000 * times[k]})
             # K = 0 skips the head entirely, so the slope is taken over K >= 1 (the per-block work is in every K >= 1)
@@ -78,14 +86,16 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
     return {"what": "refinement step alone (seed + K passes, or the Markov steps), median wall time per call",
             "preset": preset, "shapes": {"vocab": vocab, "hidden": hidden, "rank": rank, "block": block},
             "device": str(backend.device), "device_name": device_name, "dtype": str(backend.dtype),
-            "threads": torch.get_num_threads(), "cuda_graph": use_graph,
+            "threads": torch.get_num_threads(), "cuda_graph": use_graph, "kernels": type(ops).__name__,
+            "compiled": compiled,
             "host_load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "repeats": repeats,
             "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows}
 
 
 def markdown(result: dict) -> str:
     lines = [f"Refinement cost, preset {result['preset']} {result['shapes']}, {result['device_name']} "
-             f"({result['device']}, {result['dtype']}, {result['threads']} threads, graph={result['cuda_graph']}), "
+             f"({result['device']}, {result['dtype']}, {result['threads']} threads, graph={result['cuda_graph']}, "
+             f"xPress ops {result.get('kernels', 'TorchOps')}, compiled={result.get('compiled', False)}), "
              f"median of {result['repeats']} calls; {result['weights']}.", "",
              "| refiner | K | top-C | ms |", "|---|---|---|---|"]
     for r in result["rows"]:
@@ -103,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topc", default="0,128")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--use-graph", action="store_true")
+    p.add_argument("--kernels", choices=KINDS, default="torch",
+                   help="the ops xPress's passes score with, as the decode's --kernels (default torch)")
+    p.add_argument("--compile", action="store_true", help="each refiner through torch.compile (--compile-refiner)")
     p.add_argument("--out", help="write JSON here and markdown beside it (.md)")
     a = p.parse_args(argv)
     try:
@@ -110,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         topcs = [int(x) for x in a.topc.split(",")]
         if any(k < 0 for k in passes) or any(c < 0 for c in topcs) or a.repeats < 1:
             raise UsageError("--passes, --topc must be non-negative integers and --repeats >= 1")
-        result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph)
+        result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph, a.kernels, a.compile)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
