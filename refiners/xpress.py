@@ -191,8 +191,9 @@ def argmax_select(scores: torch.Tensor, ids: torch.Tensor | None = None) -> torc
 class _Block:
     """What no pass changes in one block (hidden cache, shortlist, gathered w2 rows), and the per-pass scoring.
 
-    Full-vocabulary scoring is one `ops.linear`: w2, the base add and (greedy) the argmax, which the Triton ops
-    run as one matmul launch with the add and a per-tile argmax in its epilogue plus one small reduction."""
+    The latent is `ops.xpress_latent` (the Triton ops: one launch). Full-vocabulary scoring is one `ops.linear`:
+    w2, the base add and (greedy) the argmax, which the Triton ops run as one matmul launch with the add and a
+    per-tile argmax in its epilogue plus one small reduction."""
 
     def __init__(self, head: XPressHead, hidden: torch.Tensor, base: torch.Tensor, topc: int, ops: Ops):
         dt = head.w2.weight.dtype
@@ -206,7 +207,7 @@ class _Block:
 
     def scores(self, prev: torch.Tensor, greedy: bool = False):
         """Refined logits of slots 1..B-1: [B-1, V], or [B-1, C] over the shortlist; greedy: (tokens, logits)."""
-        z = self.head.latent(self.cache, prev)
+        z = self.ops.xpress_latent(self.head, self.cache, prev)
         if self.ids is None:
             out = self.ops.linear(z, self.head.w2.weight, residual=self.base, argmax=greedy)
             if not greedy:

@@ -88,6 +88,12 @@ class Ops:
         """HF's RMSNorm of rows x [T, K]: normalised in fp32, rounded, times the weight."""
         raise NotImplementedError
 
+    def xpress_latent(self, head, cache: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """One xPress pass before its readout, z [B-1, r]: `head` is refiners.xpress.XPressHead (duck-typed: core
+        sits below the refiners), cache its block_cache, prev [B] the slots' predecessors. The head's own torch
+        modules here; a backend may fuse them (TritonOps: one launch)."""
+        return head.latent(cache, prev)
+
     def attention(self, qkv: torch.Tensor, kv: StaticKV, layer: int, span: Span, cos: torch.Tensor,
                   sin: torch.Tensor, n_q: int, scale: float, q_norm: torch.Tensor | None = None,
                   k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:

@@ -102,6 +102,16 @@ class TritonOps(Ops):
         return self._uncompiled("linear", _kernel_linear)(x, w, norm=norm, eps=eps, gated=act is not None,
                                                           residual=residual, argmax=argmax, launch=self.launch)
 
+    def xpress_latent(self, head, cache, prev):
+        why = _latent_misfit(head, cache)
+        if why is not None:
+            self.fallbacks["xpress latent", why] += 1
+            return head.latent(cache, prev)
+        r, mlp = head.rank, head.mlp
+        return self._uncompiled("xpress_latent", _kernel_latent)(
+            cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L, mlp.gate_proj.weight,
+            mlp.up_proj.weight, mlp.down_proj.weight, folded=head.folded, launch=self.launch)
+
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
             if x.dim() != 2 and x.numel() // x.shape[-1] <= kernels.MAX_ROWS:
@@ -174,6 +184,17 @@ def _linear_misfit(x, w, bias, act, residual) -> str | None:
     return None
 
 
+def _latent_misfit(head, cache) -> str | None:
+    """Why kernels.xpress_latent cannot take this head's pass (None: it can)."""
+    if not kernels.xpress_fits(head.block, head.rank, head.mlp.gate_proj.weight.shape[0]):
+        return f"block {head.block}, rank {head.rank}"
+    if any(p.dtype != cache.dtype for p in head.parameters()):
+        return "mixed dtypes"
+    if not head.mix.L.is_contiguous():
+        return "a mixer that is not contiguous"
+    return None
+
+
 def fallback_note(ops) -> str | None:
     """One line on the decode-sized calls the Triton ops handed to the torch ops (None: none, or not TritonOps)."""
     found = getattr(ops, "fallbacks", None)
@@ -186,6 +207,10 @@ def fallback_note(ops) -> str | None:
 
 def _kernel_linear(*args, **kw):
     return kernels.linear(*args, **kw)  # looked up per call (the tests count the launches)
+
+
+def _kernel_latent(*args, **kw):
+    return kernels.xpress_latent(*args, **kw)
 
 
 def _capturing(device: torch.device) -> bool:

@@ -1,0 +1,110 @@
+"""The xPress head's per-pass latent in one launch (refiners.xpress.XPressHead.latent).
+
+A pass of the head, before its vocabulary readout, is a dozen tiny ops on a [B, r] block (B = 16 slots, r = 80 for
+the shipped SmolLM2 head): the predecessor tokens' embedding rows, their half of in_proj, the add, the per-channel
+causal mix, gate, up, silu, the product, down and the residual. As separate launches each costs a few microseconds
+even inside a CUDA graph, which is most of a pass on a small target; here one program does them all, the block in
+registers.
+
+Contract: cache [B, r] (the pass-invariant half of in_proj, XPressHead.block_cache), prev [B] int64 token ids,
+w1 [V, r] (embedding), w_tok [r, r] (in_proj's token columns; any row stride), mix [r, B, B] contiguous (folded:
+M = L ⊙ tril + I; or raw L), gate and up [h, r], down [r, h], one dtype (fp32/bf16/fp16) -> z [B-1, r] (slots 1..B-1).
+Rounding as the torch ops' (each op's output rounded to the dtype where the torch op rounds: the token half of
+in_proj, the add, the mix, gate, up, silu, the product, down, the residual); the matmul and the mix sum in fp32,
+in another order than cuBLAS. `fits` says which geometries the program takes.
+"""
+from __future__ import annotations
+
+import torch
+
+from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, prec, triton, tl
+
+MAX_BLOCK = 32   # slots: the mix loops over them, and every slot's row stays in registers
+MAX_RANK = 256   # r: three [block, r] fp32 blocks and a weight tile live in one program's registers
+
+
+def fits(block: int, rank: int, hidden: int) -> bool:
+    """Whether one program takes a head of this geometry (else the torch ops run the latent)."""
+    return 2 <= block <= MAX_BLOCK and 1 <= rank <= MAX_RANK and 1 <= hidden <= 4 * MAX_RANK
+
+
+if triton is not None:
+    @triton.jit
+    def _round(x, dt: tl.constexpr):
+        return x.to(dt).to(tl.float32)
+
+    @triton.jit
+    def _latent_kernel(cache_ptr, prev_ptr, w1_ptr, wt_ptr, m_ptr, g_ptr, u_ptr, d_ptr, z_ptr, B, R, H,
+                       s_cache, s_w1, s_wt, s_g, s_u, s_d, s_z, PDL: tl.constexpr, PREC: tl.constexpr,
+                       RAW: tl.constexpr, BP: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
+        after_previous(PDL)
+        dt = z_ptr.dtype.element_ty
+        rows = tl.arange(0, BP)
+        cols = tl.arange(0, RP)
+        rok, cok = rows < B, cols < R
+        both = rok[:, None] & cok[None, :]
+        prev = tl.load(prev_ptr + rows, mask=rok, other=0)
+        # x = cache + w1[prev] @ w_tok^T: the token half of in_proj, then the add, each rounded as torch rounds them
+        lin = tl.zeros((BP, RP), dtype=tl.float32)
+        for k0 in range(0, R, BK):
+            ks = k0 + tl.arange(0, BK)
+            kok = ks < R
+            e = tl.load(w1_ptr + prev[:, None] * s_w1 + ks[None, :], mask=rok[:, None] & kok[None, :], other=0.0)
+            wt = tl.load(wt_ptr + cols[None, :] * s_wt + ks[:, None], mask=kok[:, None] & cok[None, :], other=0.0)
+            lin += tl.dot(e, wt, input_precision=PREC)
+        cache = tl.load(cache_ptr + rows[:, None] * s_cache + cols[None, :], mask=both, other=0.0).to(tl.float32)
+        x = _round(cache + _round(lin, dt), dt)
+        # y[k, c] = sum_j M[c, k, j] x[j, c]: slot j's row picked out of the block, times M's column j of every
+        # channel (a folded M holds the identity; a raw L is masked to j <= k and x added after, rounded once more)
+        y = tl.zeros((BP, RP), dtype=tl.float32)
+        for j in range(0, B):
+            xj = tl.sum(tl.where(rows[:, None] == j, x, 0.0), axis=0)
+            live = both & (rows[:, None] >= j) if RAW else both
+            mj = tl.load(m_ptr + cols[None, :] * B * B + rows[:, None] * B + j, mask=live, other=0.0)
+            y += mj.to(tl.float32) * xj[None, :]
+        y = _round(y, dt)
+        if RAW:
+            y = _round(x + y, dt)
+        yd = y.to(dt)
+        # z = y + down(silu(gate(y)) * up(y)), over the hidden width in chunks of BH
+        acc = tl.zeros((BP, RP), dtype=tl.float32)
+        for h0 in range(0, H, BH):
+            hs = h0 + tl.arange(0, BH)
+            hok = hs < H
+            wmask = cok[:, None] & hok[None, :]
+            wg = tl.load(g_ptr + hs[None, :] * s_g + cols[:, None], mask=wmask, other=0.0)
+            wu = tl.load(u_ptr + hs[None, :] * s_u + cols[:, None], mask=wmask, other=0.0)
+            ga = _round(tl.dot(yd, wg, input_precision=PREC), dt)
+            up = _round(tl.dot(yd, wu, input_precision=PREC), dt)
+            act = _round(ga / (1.0 + tl.exp(-ga)), dt)
+            a = (act * up).to(dt)
+            wd = tl.load(d_ptr + cols[None, :] * s_d + hs[:, None], mask=hok[:, None] & cok[None, :], other=0.0)
+            acc += tl.dot(a, wd, input_precision=PREC)
+        z = (y + _round(acc, dt)).to(dt)
+        tl.store(z_ptr + (rows[:, None] - 1) * s_z + cols[None, :], z, mask=both & (rows[:, None] >= 1))
+
+
+def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: torch.Tensor, mix: torch.Tensor,
+           gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, folded: bool = True,
+           launch: Launch = Launch()) -> torch.Tensor:
+    """The module's contract: z [B-1, r] of one pass, in one launch. folded=False: `mix` is the raw L (training's
+    form), and the mix is x + (L ⊙ tril) x, as CausalMixer computes it."""
+    b, r = cache.shape
+    h = gate.shape[0]
+    if not fits(b, r, h):
+        raise ValueError(f"kernels.xpress.latent: block {b}, rank {r}, hidden {h} is outside one program "
+                         f"(block <= {MAX_BLOCK}, rank <= {MAX_RANK}); use the torch ops")
+    if mix.shape != (r, b, b) or not mix.is_contiguous() or prev.shape != (b,):
+        raise ValueError(f"kernels.xpress.latent: mix {tuple(mix.shape)} (contiguous [r, B, B] wanted) or prev "
+                         f"{tuple(prev.shape)} does not fit a block of {b} slots at rank {r}")
+    for t in (cache, w1, w_tok, gate, up, down):
+        if t.stride(-1) != 1:
+            raise ValueError("kernels.xpress.latent: every matrix's rows must be contiguous")
+    z = torch.empty((b - 1, r), dtype=cache.dtype, device=cache.device)
+    rp = pow2_at_least(r, 16)
+    _latent_kernel[(1,)](cache, prev, w1, w_tok, mix, gate, up, down, z, b, r, h, cache.stride(0), w1.stride(0),
+                         w_tok.stride(0), gate.stride(0), up.stride(0), down.stride(0), z.stride(0),
+                         PREC=prec(cache.dtype), RAW=not folded, BP=pow2_at_least(b, 16), RP=rp, BK=min(rp, 64),
+                         BH=32 if rp >= 256 else 64, num_warps=8 if rp >= 256 else 4,
+                         **launch_opts(launch, cache.device, b))
+    return z

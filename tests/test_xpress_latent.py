@@ -1,0 +1,82 @@
+"""core.kernels.xpress_latent: the xPress head's per-pass latent in one launch equals the head's torch modules
+(XPressHead.latent) within the dtype's rounding, at the shipped geometry and at odd ones; TritonOps runs it for a
+folded head (one launch a pass) and hands a raw mixer to the torch modules, counted; the refiner's greedy drafts on
+the Triton ops are the torch ops' drafts. Triton's CPU interpreter here (fp32), compiled kernels on a GPU (bf16)."""
+import pytest
+import torch
+
+from kernel_env import DEV, pytestmark  # noqa: F401  (sets TRITON_INTERPRET first; skips without Triton)
+from core import kernels
+from core.ops import TorchOps, triton_ops
+from core.protocols import Proposal, RefineContext
+from refiners.xpress import XPressRefiner, random_xpress_head
+from tolerance import assert_close
+
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEV.type == "cuda" else [])
+STEPS = 9  # roundings in series: the token half of in_proj, the add, the mix, gate/up, silu, product, down, sum
+
+
+def _case(block, rank, mlp, dtype, vocab=300, hidden=48, seed=0, folded=True):
+    head = random_xpress_head(vocab, hidden, rank, block, seed=seed, mlp_hidden=mlp, std=0.2, mix_std=0.3)
+    head = (head.fold() if folded else head).to(DEV, dtype).requires_grad_(False)
+    g = torch.Generator().manual_seed(seed + 1)
+    h = torch.randn(block, hidden, generator=g).to(DEV, dtype)
+    prev = torch.randint(0, vocab, (block,), generator=g).to(DEV)
+    return head, head.block_cache(h), prev
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("folded", [True, False])
+@pytest.mark.parametrize("block,rank,mlp", [(16, 80, 160), (8, 16, 32), (5, 24, 40), (32, 256, 512)])
+def test_the_fused_latent_is_the_heads_own(dtype, folded, block, rank, mlp):
+    """The serving form (folded M) and training's (raw L, masked to the lower triangle, x added)."""
+    head, cache, prev = _case(block, rank, mlp, dtype, folded=folded)
+    want = head.latent(cache, prev)
+    m = head.mlp
+    got = kernels.xpress_latent(cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * rank:], head.mix.L,
+                                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, folded=folded)
+    assert got.shape == (block - 1, rank) and got.dtype == dtype
+    assert_close(got, want, steps=STEPS)
+
+
+def test_a_slot_reads_only_its_predecessors():
+    """Causality survives the fusion: changing slot k's predecessor changes no slot before k."""
+    head, cache, prev = _case(16, 80, 160, torch.float32)
+    ops = triton_ops(DEV)
+    a = ops.xpress_latent(head, cache, prev)
+    prev2 = prev.clone()
+    prev2[9] = (prev2[9] + 1) % head.vocab
+    b = ops.xpress_latent(head, cache, prev2)
+    # z row i is slot i + 1, which reads prev[0..i + 1]: rows before 8 are slots 1..8, untouched by prev[9]
+    assert torch.equal(a[:8], b[:8]) and not torch.equal(a[8:], b[8:])
+
+
+def test_triton_ops_fuse_the_latent_and_hand_a_head_too_large_to_torch(monkeypatch):
+    calls = []
+    real = kernels.xpress_latent
+    monkeypatch.setattr(kernels, "xpress_latent", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    head, cache, prev = _case(16, 80, 160, torch.float32)
+    ops = triton_ops(DEV)
+    assert_close(ops.xpress_latent(head, cache, prev), head.latent(cache, prev), steps=STEPS)
+    assert len(calls) == 1 and not ops.fallbacks
+    big, cache, prev = _case(16, 512, 64, torch.float32)  # rank over one program's registers
+    assert_close(ops.xpress_latent(big, cache, prev), big.latent(cache, prev), steps=STEPS)
+    assert len(calls) == 1 and dict(ops.fallbacks) == {("xpress latent", "block 16, rank 512"): 1}
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_the_refiners_drafts_on_the_triton_ops_are_the_torch_ops(monkeypatch, passes):
+    """Greedy K passes: the same tokens, one fused latent launch a pass, refined logits within rounding."""
+    calls = []
+    real = kernels.xpress_latent
+    monkeypatch.setattr(kernels, "xpress_latent", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    head, _, _ = _case(16, 80, 160, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    prop = Proposal(tokens=torch.randint(0, head.vocab, (15,), generator=g).to(DEV),
+                    logits=torch.randn(15, head.vocab, generator=g).to(DEV),
+                    hidden=torch.randn(16, 48, generator=g).to(DEV))
+    ctx = RefineContext(anchor=torch.tensor(3, device=DEV), prev_token=torch.tensor(7, device=DEV))
+    want = XPressRefiner(head, passes, ops=TorchOps()).refine(prop, ctx)
+    got = XPressRefiner(head, passes, ops=triton_ops(DEV)).refine(prop, ctx)
+    assert torch.equal(got.tokens, want.tokens) and len(calls) == passes
+    assert_close(got.logits, want.logits, steps=STEPS + 1)
