@@ -7,6 +7,8 @@
 #                                                       #   (e.g. `git archive cb7493b | tar -x -C DIR`)
 #   bash harness/lab/gpu_check.sh bench after           # bench_step in this tree
 #   bash harness/lab/gpu_check.sh compare               # step times side by side, from the two JSON files
+#   bash harness/lab/gpu_check.sh quick                 # the CPU-built pieces never run on a GPU, in one call
+#                                                       #   (about 5 minutes; after tables_gpu.sh setup and gguf)
 #
 # Files go to $OUT (default results/perf/gpu_check). Numbers are random weights / scripted acceptance.
 # PRESET picks the bench_step preset (default qwen3-8b; smollm2-135m is the launch-bound case and takes a minute).
@@ -53,8 +55,29 @@ for k in b:
         print(f"{k:48s} {b[k]:8.3f} {a[k]:8.3f} {a[k] / b[k]:12.4f}")
 PY
     ;;
+  quick)
+    # what the sessions without a GPU built (results/perf/NOTES.md, "Ready for the next GPU session"), each the
+    # cheapest check of it: the fused xPress latent and the responses engine's Triton attention against their
+    # references (bf16 and CUDA graphs, never run on a GPU), the xPress pass's cost on the torch ops and on the
+    # kernels at the shipped heads' geometry, the batched steps' compute floors, the engine's sampled rate. Needs
+    # tables_gpu.sh's (or training_gpu.sh's) setup: the wheels in /tmp/site; and its gguf: the GGUF in /tmp/xb.
+    # Eight files come back in $OUT, the device tool's limit.
+    export PYTHONPATH=/tmp/site:. XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false
+    { python3 -m pytest -o addopts="" -q tests/test_xpress_latent.py tests/test_batched_generate_triton.py \
+        tests/test_batched_generate.py 2>&1 || true; } | tail -n 12 | tee "$OUT/quick_tests.log"
+    for k in torch triton; do
+      python3 -m harness.lab.bench_refiner --preset smollm2-135m --device cuda --dtype bfloat16 --use-graph \
+          --kernels $k --passes 0,1,2,4 --topc 0 --repeats 50 --out "$OUT/refiner_smollm2_$k.json" | tail -n 7 || true
+    done
+    python3 -m harness.lab.bench_batch --preset qwen3-8b --kernels triton --graphs --batch-sizes 1,8,16 \
+        --contexts 512 --reps 10 --warmup 2 --out "$OUT/bench_batch_qwen3-8b_roofline.json" | tail -n 4 || true
+    python3 -m harness.lab.bench_generate --target smollm2 --device cuda --dtype bfloat16 --prompts 2048 \
+        --batch 1024 --max-new-tokens 512 --hf-prompts 1024 --attention triton --sampled \
+        --out "$OUT/generate_h200_triton_sampled.json" | tail -n 6 || true
+    ls "$OUT"
+    ;;
   *)
-    sed -n 2,12p "$0"
+    sed -n 2,14p "$0"
     exit 2
     ;;
 esac
