@@ -118,6 +118,20 @@ def test_a_resumed_trace_keeps_the_interrupted_processs_steps(files, tmp_path, m
     assert first < units(trace) == units(tmp_path / "a.jsonl")
 
 
+def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(files, tmp_path, capsys, monkeypatch):
+    """Every decode already in samples.jsonl: nothing would run, and a resume would rewrite env.json with this
+    machine and label the tables resumed; refused in one line before any model loads, every file unchanged."""
+    assert cli.main(fair_args(files, tmp_path, "--run-id", "f")) == 0
+    folder = tmp_path / "f"
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    monkeypatch.setattr(runner, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
+    capsys.readouterr()
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the run is finished" in err[0] and "--rebuild" in err[0], err
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
 def test_resume_refuses_other_settings(files, tmp_path, capsys):
     assert cli.main(fair_args(files, tmp_path, "--run-id", "r", "--first-turn-only")) == 0
     assert cli.main(fair_args(files, tmp_path, "--resume", str(tmp_path / "r"), "--max-new-tokens", "11")) == 2

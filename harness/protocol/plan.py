@@ -158,6 +158,18 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
                          "repeat the original command with --resume")
 
 
+def check_unfinished(plan: "RunPlan", folder: str, done: set, qids: list[int], launched: bool) -> None:
+    """--resume of a run whose every (round, arm, prompt) decode is already in samples.jsonl: nothing would run, and
+    the run's records would be rewritten (env.json with this machine, the tables labelled resumed): refused. (A
+    torchrun rank decides nothing alone: each rank's share is checked only in a single process.)"""
+    if not plan.resume or launched:
+        return
+    want = {(r, a, q) for r in range(1, plan.rounds + 1) for a in plan.arm_names for q in qids}
+    if want and want <= done:
+        raise UsageError(f"--resume {folder}: the run is finished (every decode is in samples.jsonl), so there is "
+                         f"nothing to run; to rewrite its tables, python -m harness.protocol.report --rebuild {folder}")
+
+
 def check_resume_weights(folder: str, now: dict) -> None:
     """--resume with other weights at the same paths would mix two models' rows in one table: refused when the
     folder recorded its weights (config.json resolved.weights; folders written before it did are not checked)."""

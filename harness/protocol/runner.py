@@ -19,7 +19,8 @@ from harness.protocol import distributed, divergence, rank_report, replays, repo
 from harness.protocol.build import Arm, build_arms, build_random_arms, prepare
 from harness.protocol.config import RunConfig
 from harness.protocol.console import describe, label
-from harness.protocol.plan import RESUMES, RunPlan, check_resume, record_resume, resume_count, run_folder
+from harness.protocol.plan import (RESUMES, RunPlan, check_resume, check_unfinished, record_resume, resume_count,
+                                   run_folder)
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
 from core.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
@@ -27,7 +28,6 @@ from harness.protocol.results_io import append_rows, atomic_write, environment, 
 from harness.protocol.rounds import refuse_captures, rotation
 from harness.decode.accounting import accounting_for, model_stop_ids
 from harness.decode import capture_plan
-from harness.decode.capture_plan import capture_every_shape
 from harness.decode.hf_overrides import parse_overrides
 from harness.decode.loading import load_target, load_tokenizer
 from harness.protocol.trace import StepTracer, timed_then_traced
@@ -83,7 +83,7 @@ def warmup(arms: list[Arm], target, prompt: list[int], settings: DecodeSettings,
                                             generator=backend.generator(0))
         decode(prompt, short)
         if settings.use_graph:  # every step graph before the first measured round (harness.decode.capture_plan)
-            capture_every_shape(decode, prompt, settings, target.capacity, arm.block_size)
+            capture_plan.capture_every_shape(decode, prompt, settings, target.capacity, arm.block_size)
 
 
 @dataclass
@@ -216,7 +216,9 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     plan = prepare(cfg, device=device, folder=folder, resume=resume)  # the one plan every later step reads
     out = out if shard.main else open(os.devnull, "w")  # rank 0 speaks for the run; errors reach every stderr
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
-    mine = shard.mine(samples)
+    mine, rows_path = shard.mine(samples), shard.rows_path(folder)
+    done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(plan.resume))}
+    check_unfinished(plan, folder, done, [q for q, _ in mine], shard.launched)  # before any model loads
     models = load_models(plan, samples, choose_ops(plan), watch)
     target = models.target
     if cfg.fp32_logits:
@@ -232,14 +234,12 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     shard.announce(out, mine)
 
     os.makedirs(folder, exist_ok=True)
-    rows_path = shard.rows_path(folder)
     config = {**dataclasses.asdict(cfg), "resolved": {
         **plan.resolved(), "stop_ids": list(models.stops), "rotation": order,
         "dataset": dataset_provenance(cfg.dataset, cfg.data_dir), "label": label(cfg), "kernels": target.kernels}}
     shard.annotate(config)
     if not plan.resume and shard.main:
         atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
-    done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(plan.resume))}
     work = Work(samples, mine, rows_path, done, plan.rounds * len(models.arms) * len(mine))
     if plan.resume:
         record_resume(shard.per_rank(os.path.join(folder, RESUMES)), len(done), work.total)
