@@ -172,6 +172,19 @@ def test_the_folder_has_the_table_and_both_plots(swept):
     assert "refinements per request" not in s["labels"]
 
 
+def test_the_runs_report_refuses_a_sweep_folder_and_writes_nothing(swept, capsys):
+    """report (and --rebuild, which a missing summary.json points to) reads single runs: on a sweep's folder its
+    table would pool the batch sizes into one row an arm; refused in one line, the folder untouched."""
+    from harness.protocol import report
+    folder = swept[0]
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for argv in ([str(folder)], ["--rebuild", str(folder)]):
+        assert report.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "a sweep's folder" in err[0] and "sweep.md" in err[0], err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def _rows(arm, b, seconds, rounds=(2, 3), batches=2, tokens=10):
     return [{"arm": arm, "batch_size": b, "context_len": 0, "round": k, "warmup": False, "batch_index": g,
              "batch_row": 0, "decode_tokens": tokens, "decode_s": seconds, "batch_decode_s": seconds,

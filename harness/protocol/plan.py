@@ -137,6 +137,16 @@ def run_folder(cfg: RunConfig, resume: str | None = None) -> str:
     return folder
 
 
+def check_run_folder(folder: str) -> None:
+    """A single run's results folder, for the report (its tables, --rebuild): it exists and holds no sweep, whose
+    rows pool batch sizes and contexts that a run's table would mix into one row an arm."""
+    if not os.path.isdir(folder):
+        raise UsageError(f"{folder}: not a results folder (no such directory)")
+    if os.path.isfile(os.path.join(folder, "sweep.json")) or _holds_sweep(folder):
+        raise UsageError(f"{folder}: a sweep's folder (--batch-sizes / --context-lengths); its tables are its own "
+                         "sweep.md and steps.md, written when it ran; the report reads single runs")
+
+
 def _holds_sweep(folder: str) -> bool:
     """The folder's config.json is a sweep's (--batch-sizes / --context-lengths), which --resume refuses."""
     try:

@@ -22,7 +22,7 @@ from harness.protocol import comparisons, costs, facts, metrics, replicates
 from core.errors import UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
-from harness.protocol.plan import resume_count
+from harness.protocol.plan import check_run_folder, resume_count
 from harness.protocol.results_io import atomic_write
 from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
 from harness.protocol.rounds import paired_ratios
@@ -297,8 +297,7 @@ def _read_json(folder: str, name: str, missing: str = "is the run finished? (sum
 
 def _load_folder(folder: str) -> dict:
     path = Path(folder)
-    if not path.is_dir():
-        raise UsageError(f"{folder}: not a results folder (no such directory)")
+    check_run_folder(folder)
     loaded = {name: _read_json(folder, name) for name in ("summary.json", "config.json")}
     s = loaded["summary.json"]
     if not isinstance(s, dict) or not isinstance(s.get("arms"), dict) or "optimal" not in s:
@@ -346,8 +345,7 @@ def rebuild(folder: str) -> dict:
     summary.json may be of any schema version up to this one (summary_schema); the new one is this version."""
     from harness.protocol.results_io import read_rows
     path = Path(folder)
-    if not path.is_dir():
-        raise UsageError(f"{folder}: not a results folder (no such directory)")
+    check_run_folder(folder)
     need = "--rebuild recomputes a run's tables from its samples.jsonl and config.json"
     config = _read_json(folder, "config.json", need)
     if not (path / "samples.jsonl").is_file():
@@ -383,9 +381,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"{os.path.join(ns.out, 'table.md')}")
         if ns.out and not os.path.isdir(os.path.dirname(os.path.abspath(ns.out))):
             raise UsageError(f"--out {ns.out}: folder {os.path.dirname(os.path.abspath(ns.out))} does not exist")
-        if ns.rebuild:
-            for f in ns.folders:
-                rebuild(f)
+        for f in ns.folders:  # every folder checked before any is rewritten
+            check_run_folder(f)
+        for f in ns.folders if ns.rebuild else ():
+            rebuild(f)
         from harness.protocol.merge import distinct, format_merged
         text = format_merged([_load_folder(f) for f in ns.folders], distinct)
         if ns.out:
