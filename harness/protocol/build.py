@@ -57,9 +57,7 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
     if cfg.random_weights:
         return _prepare_random(cfg, backend, place)
     tcfg = load_target_config(cfg.model_name_or_path, parse_overrides(cfg.hf_overrides))
-    limit = cfg.max_model_len or int(getattr(tcfg, "max_position_embeddings", 0) or 0)
-    if limit < 2:
-        raise UsageError("the target config has no max_position_embeddings; pass --max-model-len")
+    limit = context_limit(cfg, tcfg)
     dcfg, block, ckpts, draft_path = None, 1, {}, None
     if cfg.run_spec:
         draft_path = local_model_dir(cfg.draft_name_or_path, "--draft-name-or-path")
@@ -102,11 +100,24 @@ def _rounds(cfg: RunConfig, n_arms: int) -> tuple[int, int, str | None]:
     return rounds, warmup, note if cfg.fair else None  # one round: no rotation to balance
 
 
+def context_limit(cfg: RunConfig, tcfg) -> int:
+    """--max-model-len, or the target's max_position_embeddings; above those positions, which the model never saw,
+    refused (its outputs there would be measured as if they were its own)."""
+    known = int(getattr(tcfg, "max_position_embeddings", 0) or 0)
+    if cfg.max_model_len and known and cfg.max_model_len > known:
+        raise UsageError(f"--max-model-len {cfg.max_model_len}: above the target's max_position_embeddings "
+                         f"({known}), positions it was never trained at; pass at most {known}")
+    limit = cfg.max_model_len or known
+    if limit < 2:
+        raise UsageError("the target config has no max_position_embeddings; pass --max-model-len")
+    return limit
+
+
 def _prepare_random(cfg: RunConfig, backend: Backend, place: dict) -> RunPlan:
     """--random-weights: every arm from one preset's random models (no configs or checkpoints to check)."""
     from harness.protocol.presets import hf_config, preset
     tcfg = hf_config(preset(cfg.random_weights))
-    limit = cfg.max_model_len or tcfg.max_position_embeddings
+    limit = context_limit(cfg, tcfg)
     k = cfg.xpress_refine_passes
     if cfg.run_spec:
         check_scripted(cfg, cfg.block_size or 16)
