@@ -74,6 +74,31 @@ def test_a_stage_without_its_input_and_an_unknown_model_are_refused(tmp_path, ca
     assert "hidden.layer_ids" in capsys.readouterr().err
 
 
+def test_a_target_folder_that_cannot_serve_and_a_missing_gpu_are_refused_before_the_workdir(tmp_path, capsys):
+    """A new user's target folder with config.json alone (a transformers traceback in the prompts stage), with a
+    tokenizer but no weights (an error after runs/<config>/ was made), a target that names nothing, and
+    train.device=cuda without a GPU: one line each, saying what to do, and no workdir."""
+    import shutil
+    import torch
+    cfg = write_config(tmp_path, tiny_models(heads=False))
+    capsys.readouterr()
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tmp_path / "target" / "config.json", bare / "config.json")
+    cases = [(("--set", f"target={bare}"), "lacks a tokenizer"), (("--set", "target=./nowhere"), "--set target=smollm2")]
+    if not torch.cuda.is_available():
+        cases.append((("--set", "train.device=cuda"), "--set train.device=cpu"))
+    for extra, says in cases:
+        assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w", *extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    (bare / "tokenizer.json").write_text((tmp_path / "target" / "tokenizer.json").read_text())
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w", "--set", f"target={bare}") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lacks weights" in err[0] and "tokenizer (" not in err[0], err
+    assert not (tmp_path / "w").exists()
+
+
 def _train(cfg, work, *extra):
     return run_cli("all", "--config", cfg, "--workdir", work, *extra)
 
@@ -197,3 +222,12 @@ def test_the_shipped_gsm8k_questions_clear_the_overlap_filter():
     rows = read_jsonl(root / "training" / "data" / "gsm8k_train_questions.jsonl")
     assert len(rows) == 7470  # 7,473 questions, 3 dropped as template twins of gsm8k test rows
     assert max(index.best(r["question"])[1] for r in rows) < threshold
+
+
+def test_a_tensor_over_the_shard_limit_says_what_to_set():
+    """The export's refusal names the limit and the value that fits (the tiny-cpu recipe on SmolLM2 met it after
+    two minutes of stages, which the same command then keeps)."""
+    from core.errors import UsageError
+    from training.export import shards
+    with pytest.raises(UsageError, match=r"over export.max_shard_mib \(1\); raise it, e.g. --set export.max_shard_mib=2"):
+        shards({"fc.weight": torch.zeros(1000, 500)}, 2**20)  # 1.9 MiB in fp32

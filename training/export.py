@@ -12,6 +12,7 @@ to the drafter it was initialised from, which ships once; the harness then runs 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def shards(tensors: dict, limit_bytes: int) -> list[list[str]]:
     for k in sorted(tensors):
         n = tensors[k].numel() * tensors[k].element_size()
         if n > limit_bytes:
-            raise UsageError(f"export: tensor {k} alone is {n / 2**20:.1f} MiB, over export.max_shard_mib")
+            raise UsageError(f"export: tensor {k} alone is {n / 2**20:.1f} MiB, over export.max_shard_mib "
+                             f"({limit_bytes / 2**20:g}); raise it, e.g. --set export.max_shard_mib="
+                             f"{math.ceil(n / 2**20)} (the stages before export are kept)")
         if size + n > limit_bytes and groups[-1]:
             groups.append([])
             size = 0

@@ -48,6 +48,7 @@ class Pipeline:
             from training.gen import check_engine
             check_engine(self.cfg)
         tcfg = target_config(self.cfg["target"])
+        self.device()  # train.device=cuda without a CUDA device: refused before the workdir is made
         hidden.layer_ids(self.cfg, tcfg.num_hidden_layers)
         for n in self.cfg["models"]:
             train.check_target_fit(self.cfg, n, tcfg)

@@ -26,8 +26,35 @@ def resolve_spec(spec: str) -> str:
 
 
 def target_config(spec: str):
+    """The target's HF config (no weights read); a folder that cannot be a target is refused first (check_target),
+    and a spec that names nothing says what the config's `target` takes."""
     from harness.decode.loading import load_target_config
-    return load_target_config(resolve_spec(spec))
+    check_target(spec)
+    try:
+        return load_target_config(resolve_spec(spec))
+    except UsageError as e:
+        raise UsageError(f"{e}; the config's target is a model folder, a hub id, a .gguf file or {SMOLLM2} "
+                         f"(e.g. --set target={SMOLLM2})") from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model")
+
+
+def check_target(spec: str) -> None:
+    """A local target folder holds what the stages read: config.json, a tokenizer and weights; refused before any
+    stage writes (a missing tokenizer failed in the prompts stage with a transformers traceback, and missing weights
+    after the workdir was made). Hub ids and .gguf files are left to the loaders."""
+    p = Path(spec)
+    if spec == SMOLLM2 or not p.is_dir():
+        return
+    missing = [what for what, ok in (
+        ("config.json", (p / "config.json").is_file()),
+        ("a tokenizer (" + ", ".join(TOKENIZER_FILES) + ")", any((p / f).is_file() for f in TOKENIZER_FILES)),
+        ("weights (*.safetensors or pytorch_model*.bin)",
+         any(p.glob("*.safetensors")) or any(p.glob("pytorch_model*.bin")))) if not ok]
+    if missing:
+        raise UsageError(f"config target {spec}: the folder lacks {'; '.join(missing)}; a target folder is a "
+                         "saved Hugging Face model (its model's and tokenizer's save_pretrained into one folder)")
 
 
 def fix_special_tokens(tokenizer, model) -> None:
@@ -44,7 +71,8 @@ def target_device(cfg: dict) -> torch.device:
     """Where the pipeline's target and models run: train.device (auto: CUDA when one is visible)."""
     want = cfg["train"]["device"]
     if want == "cuda" and not torch.cuda.is_available():
-        raise UsageError("config train.device=cuda but no CUDA device is visible")
+        raise UsageError("config train.device=cuda but no CUDA device is visible; on this machine, --set "
+                         "train.device=cpu (or auto: CUDA where one is visible)")
     return torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
 
 
