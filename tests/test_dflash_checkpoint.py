@@ -21,6 +21,17 @@ def test_default_layer_ids_match_the_published_rule():
     assert default_layer_ids(28, 1) == [14]
 
 
+def test_a_shallow_targets_taps_are_distinct_or_refused():
+    """4 target layers: the rule's span (1..N-3) holds one layer, so 2 or 3 taps repeated it ([1, 1]: every
+    random drafter for it was refused); they spread over every layer instead. 5 taps of 4 layers: refused."""
+    import pytest
+    from core.errors import UsageError
+    assert default_layer_ids(4, 2) == [0, 3] and default_layer_ids(4, 3) == [0, 2, 3]
+    assert default_layer_ids(4, 4) == [0, 1, 2, 3] and default_layer_ids(6, 3) == [1, 2, 3]
+    with pytest.raises(UsageError, match="use at most 4 drafter layers"):
+        default_layer_ids(4, 5)
+
+
 @pytest.fixture()
 def saved(tmp_path):
     t = tiny_target("qwen3")
