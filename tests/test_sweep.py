@@ -172,6 +172,21 @@ def test_the_folder_has_the_table_and_both_plots(swept):
     assert "refinements per request" not in s["labels"]
 
 
+def test_the_folder_says_what_ran_in_its_titles_and_readme(swept):
+    """The titles (sweep.md, steps.md, the plots' labels) open with the model, dataset, prompts, new tokens,
+    temperature, seed and rounds; README.md lists them with what each file holds and how per-request tok/s is
+    defined (a mean of ratios, above the pooled total at times); the environment is env.json, as a run's."""
+    folder, s, _ = swept
+    first = s["labels"][0]
+    assert first == "target on mini: 3 prompts (first turns), 7 new tokens, T=0, seed 0, 4 measured + 1 warmup round(s)"
+    for name in ("sweep.md", "steps.md"):
+        assert first in (folder / name).read_text().splitlines()[0]
+    readme = (folder / "README.md").read_text()
+    assert f"- {first}" in readme and "| `steps.md` |" in readme and "mean of ratios" in readme
+    assert "Per-request tok/s: the mean" in (folder / "sweep.md").read_text()
+    assert (folder / "env.json").is_file() and not (folder / "environment.json").exists()
+
+
 def test_the_runs_report_refuses_a_sweep_folder_and_writes_nothing(swept, capsys):
     """report (and --rebuild, which a missing summary.json points to) reads single runs: on a sweep's folder its
     table would pool the batch sizes into one row an arm; refused in one line, the folder untouched."""

@@ -19,8 +19,7 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   asked for, and each arm pays for its own longest request.
 - Timing, per batch: decode_s = from the batch's first step until its last request finished (the prefills, one
   after another before the first step, are timed apart: prefill_s). Total tok/s = decode tokens / decode_s, pooled
-  over the point's batches and measured rounds; per-request tok/s = a request's decode tokens / its own decode_s,
-  averaged over requests.
+  over the point's batches and measured rounds; per-request tok/s = the mean of each request's tokens / decode_s.
 - Speedup over AR at the same point: harness.protocol.metrics.median_round_speedup over [rounds, batches]
   matrices (a batch is the paired unit, as a prompt is in a single run), with its paired bootstrap CI over batches
   and rounds. tau per point: accepted tokens per verify step over every request of the measured rounds (T > 0:
@@ -31,7 +30,7 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ on the default tiles (the
   matmuls tile by the rows of every request); with --batch-invariant and B x W <= 64 rows every matmul and
   attention is row-invariant (tests/test_batch_neighbours*.py; GPU check passed on an H200), beyond: torch matmuls.
-The folder holds config.json, samples.jsonl (a row a request), sweep.json, sweep.md, steps.md and the plots.
+The folder's README.md (harness.protocol.sweep_readme) says what it ran and what each of its files holds.
 """
 from __future__ import annotations
 
@@ -44,7 +43,7 @@ import textwrap
 import numpy as np
 
 from core.errors import UsageError
-from harness.protocol import metrics, runner, sweep_steps
+from harness.protocol import metrics, runner, sweep_readme, sweep_steps
 from harness.protocol.algorithms import DFlashDrafter, DFlashGroup, batch_refiner
 from harness.protocol.build import prepare
 from harness.protocol.console import describe, label
@@ -164,12 +163,14 @@ def run(cfg, out=None) -> dict:
         print(f"[sweep] B={pt.batch} context={pt.context}: done", file=out)
     ar, rows = next((a.name for a in models.arms if a.spec.method == "ar"), None), read_rows(rows_path)
     summary = summarize(rows, plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
-                        labels=[x for x in [label(cfg), f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
+                        labels=[x for x in [sweep_readme.run_line(cfg, plan, len(samples)), label(cfg),
+                                            f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
                                             f"kernels {models.target.kernels}", *sorted(how)] if x])
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     sweep_steps.write(folder, rows, plan.arm_names, ar, summary["labels"])
-    atomic_write(os.path.join(folder, "environment.json"),
+    atomic_write(os.path.join(folder, "README.md"), sweep_readme.readme(summary))
+    atomic_write(os.path.join(folder, "env.json"),
                  json.dumps(environment(exclude=[folder]), indent=1, default=str) + "\n")
     for path in write_plots(folder, summary):
         print(f"[plot] {path}", file=out)
@@ -278,6 +279,8 @@ def summarize(rows: list[dict], arms: list[str], warmup: int, batches: list[int]
                             "unit": "a batch of B requests is the paired unit (one generate_batch call)",
                             "total_tok_s": "decode tokens / decode seconds, pooled over the point's batches and "
                                            "measured rounds (prefills excluded, timed apart)",
+                            "per_request_tok_s": "the mean over the point's requests of each one's decode tokens / "
+                                                 "its own decode seconds (a mean of ratios: it can exceed the total)",
                             "crossover": "the smallest swept value at which the speedup's point estimate is < 1"}}
 
 
@@ -343,8 +346,8 @@ def format_table(summary: dict) -> str:
         at = "; ".join(f"context {c}: {_crossing(v, summary['batch_sizes'])}" for c, v in x["batch_at_context"].items())
         lines.append(f"- {a} against AR by batch size: {at}")
     c = summary["conventions"]
-    lines += ["", f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Crossover: "
-              f"{c['crossover']}.", ""]
+    lines += ["", f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Per-request tok/s: "
+              f"{c.get('per_request_tok_s', '-')}. Crossover: {c['crossover']}.", ""]
     return "\n".join(lines)
 
 

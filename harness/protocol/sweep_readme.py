@@ -1,0 +1,39 @@
+"""What a sweep's folder says about itself: the run line its titles open with (sweep.md, steps.md, the plots) and
+the folder's README.md (harness.protocol.sweep writes both)."""
+from __future__ import annotations
+
+import os
+
+FILES = (("sweep.md", "total and per-request tok/s, τ, the speedup over AR at the same point with its paired 95% CI, "
+                      "and each method's crossover"),
+         ("steps.md", "the step breakdown: each point's token gain and step cost over AR's, and the rows' slot use"),
+         ("sweep.json", "every number of sweep.md, with the conventions"),
+         ("samples.jsonl", "one row per (round, arm, point, request): the tokens, accepted counts and clocks"),
+         ("config.json", "every setting of the run, resolved"),
+         ("env.json", "the machine, the packages and the commit (environment.json in sweeps written before "
+                      "2026-12-05)"),
+         ("speedup_vs_batch.png, speedup_vs_context.png", "each method's speedup over AR against B and against "
+                                                          "context length, with the 95% CIs"))
+
+
+def run_line(cfg, plan, n_prompts: int) -> str:
+    """The model, prompts, tokens, temperature, seed and rounds of a sweep, in one line."""
+    model = f"random {cfg.random_weights}" if cfg.random_weights else \
+        os.path.basename(str(cfg.model_name_or_path).rstrip("/"))
+    scripted = "" if cfg.scripted_accept is None else f", scripted acceptance of {cfg.scripted_accept} drafts a step"
+    return (f"{model} on {cfg.dataset}: {n_prompts} prompts (first turns), {cfg.max_new_tokens} new tokens, "
+            f"T={cfg.temperature:g}, seed {cfg.seed}, {plan.rounds - plan.warmup_rounds} measured + "
+            f"{plan.warmup_rounds} warmup round(s){scripted}")
+
+
+def readme(summary: dict) -> str:
+    """The folder's README.md: what ran (the labels), what each file holds and how the numbers are defined."""
+    c = summary["conventions"]
+    per_request = c.get("per_request_tok_s") or ("each request's decode tokens over its own decode seconds, "
+                                                  "averaged over the requests (it can exceed the total rate)")
+    lines = [f"# Sweep: batch sizes {summary['batch_sizes']} x context lengths {summary['context_lengths']}", "",
+             *[f"- {x}" for x in summary["labels"]], "", "| file | what |", "|---|---|",
+             *[f"| `{f}` | {what} |" for f, what in FILES], "",
+             f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Per-request tok/s: "
+             f"{per_request}. Crossover: {c['crossover']}.", ""]
+    return "\n".join(lines)
