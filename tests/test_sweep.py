@@ -54,6 +54,15 @@ def test_bad_sweeps_are_refused_before_anything_loads(files, tmp_path, capsys, e
     assert not (tmp_path / "bad").exists()
 
 
+def test_a_context_no_prompt_is_below_is_refused_without_a_folder(files, tmp_path, capsys):
+    """--context-lengths 0,2: every prompt already has 2 tokens, so the point would decode context 0's prompts
+    again and the plot would draw noise as a trend; refused in one line (the prompts are tokenized first)."""
+    assert cli.main(args(files, tmp_path, "--run-id", "c", "--batch-sizes", "1", "--context-lengths", "0,2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--context-lengths 2: every prompt already has at least 2 tokens" in err[0], err
+    assert not (tmp_path / "c").exists()
+
+
 def test_every_point_runs_every_arm_in_balanced_rounds_on_the_same_requests(swept):
     folder, s, rows = swept
     assert [(p["batch_size"], p["context_len"]) for p in s["points"]] == [(1, 0), (2, 0), (1, 60), (2, 60)]

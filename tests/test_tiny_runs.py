@@ -92,9 +92,9 @@ def test_ctrl_c_prints_the_resume_command_and_resume_dir_alone_finishes(files, t
     assert f"reusing {saved} of 60 (round, arm, prompt) decodes" in out
     assert len(read_rows(Path(folder) / "samples.jsonl")) == 60
     proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh")], env={**os.environ, "RESUME": folder},
-                          capture_output=True, text=True, timeout=600)  # the same through the script
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "reusing 60 of 60 (round, arm, prompt) decodes" in proc.stdout
+                          capture_output=True, text=True, timeout=600)  # the same through the script: the
+    assert proc.returncode == 2, proc.stderr[-2000:]  # run is finished now, so the resume is refused, files kept
+    assert "the run is finished" in proc.stderr and len(read_rows(Path(folder) / "samples.jsonl")) == 60
 
 
 def git(repo, *args):

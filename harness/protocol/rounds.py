@@ -15,6 +15,7 @@ arm of that round replays, and each row records it (`stream_seed`). At T>0 tau i
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Mapping
 
@@ -128,3 +129,9 @@ def refuse_captures(rows: list[dict], rows_path: str) -> None:
                          f"{r['round']} ({r['arm']}, prompt {r['question_id']}, turn {r['turn']}), after the "
                          "pre-capture of every shape; a cache grew past the size presized for every turn (a reply that "
                          f"re-tokenised longer than it decoded?); the rows so far stay in {rows_path}")
+
+
+def stream_seed(seed: int, row: int, turn: int, round_: int = 1, copy: int = 0) -> int:
+    """An independent stream per (seed, prompt, turn, round, sweep copy); every arm of a round replays it."""
+    digest = hashlib.sha256((f"{seed}:{row}:{turn}:{round_}" + (f":{copy}" if copy else "")).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

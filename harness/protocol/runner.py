@@ -9,7 +9,6 @@ results/<run_id>/samples.jsonl at once, which is what --resume continues from.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import sys
@@ -25,18 +24,12 @@ from harness.protocol.data import dataset_provenance, load_samples, render_promp
 from core.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
 from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
-from harness.protocol.rounds import refuse_captures, rotation
+from harness.protocol.rounds import refuse_captures, rotation, stream_seed  # noqa: F401  (the runner's name)
 from harness.decode.accounting import accounting_for, model_stop_ids
 from harness.decode import capture_plan
 from harness.decode.hf_overrides import parse_overrides
 from harness.decode.loading import load_target, load_tokenizer
 from harness.protocol.trace import StepTracer, timed_then_traced
-
-def stream_seed(seed: int, row: int, turn: int, round_: int = 1, copy: int = 0) -> int:
-    """An independent stream per (seed, prompt, turn, round, sweep copy); every arm of a round replays it."""
-    digest = hashlib.sha256((f"{seed}:{row}:{turn}:{round_}" + (f":{copy}" if copy else "")).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
 
 def settings_for(cfg: RunConfig, limit: int, stops: tuple[int, ...]) -> DecodeSettings:
     return DecodeSettings(cfg.max_new_tokens, limit, stops, cfg.temperature, cfg.top_k, cfg.top_p,
@@ -253,19 +246,23 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         raise
 
 
-def load_models(plan: RunPlan, samples, ops, watch) -> Models:
+def load_models(plan: RunPlan, samples, ops, watch, rendered=None) -> Models:
     """The tokenizer, the target and the arms on `ops`; every first turn is rendered (and checked against the
-    context limit) before the target's weights load."""
+    context limit) before the target's weights load, and then `rendered(tokenizer, firsts)` runs (a sweep's checks)."""
     cfg = plan.config
     if cfg.random_weights:
         from harness.protocol.presets import ByteTokenizer, build_random
         tokenizer = ByteTokenizer(plan.target_config.vocab_size)
         firsts = first_turns(samples, tokenizer, plan.max_model_len)
+        if rendered is not None:
+            rendered(tokenizer, firsts)
         models = build_random(cfg.random_weights, plan.backend, block_size=plan.block_size, seed=cfg.seed, ops=ops)
         # random models: no stop ids, every prompt runs its full budget
         return Models(models.target, tokenizer, build_random_arms(plan, models, watch), (), firsts)
     tokenizer = load_tokenizer(cfg.model_name_or_path)
     firsts = first_turns(samples, tokenizer, plan.max_model_len)
+    if rendered is not None:
+        rendered(tokenizer, firsts)
     taps = plan.draft_config.target_layer_ids if plan.draft_config else ()
     target, tokenizer = load_target(cfg.model_name_or_path, plan.backend, taps=taps,
                                     attn_impl=cfg.attn_implementation, tokenizer=tokenizer,

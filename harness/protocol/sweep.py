@@ -2,19 +2,17 @@
 
 At each point every arm decodes the same requests, in the same rounds, with the arms rotated as in a single run
 (harness.protocol.rounds: the measured rounds form a Latin square when their count is a multiple of the arms').
-- Requests: the run's prompts (--max-samples N), each request's first turn only. At batch size B they are taken
-  B at a time, in order; when N is not a multiple of B the list is cycled (prompt i mod N) up to the next multiple,
-  so every batch of every arm is full and the same at every arm (`requests` in sweep.json).
+- Requests: the run's prompts (--max-samples N), first turns only, B at a time, in order; when N is not a multiple
+  of B the list is cycled up to the next multiple, so every batch of every arm is full and the same at every arm.
 - Context length C > 0: each request's user message is filler + a blank line + its own question, the filler being
   the other prompts' texts, whole, in dataset order after the request's own (cycled), added until the rendered
-  prompt has at least C tokens; C = 0 is the prompt itself. The lengths reached are recorded per point
-  (`prompt_tokens`). Every prompt must leave room for --max-new-tokens and a block below --max-model-len.
+  prompt has at least C tokens (a C no prompt is below is refused); C = 0: the prompt itself. Lengths reached:
+  `prompt_tokens`. Every prompt must leave room for --max-new-tokens and a block below --max-model-len.
 - One batch is one batch_loop.generate_batch call (--use-graph: a graph per arm, B, KV bucket, captured before the
   clock; batch_capture_s, not in batch_prefill_s). The target's verify is one forward of B x block rows, and so is
   the dFlash draft (drafters.dflash_batch.DFlashGroup; a sliding-window drafter drafts per request); the refiners
   run batched where they can (refiners.batch). The labels say which ran. --device spyre decodes 3 requests as 4
-  rows (its compiled batch shapes are 1, 2 and 4): the fourth is a padding row, masked from the first step and left
-  out of every number (`padded_requests`; labelled). A finished request is masked and keeps its slot until the
+  rows (its shapes: 1, 2, 4), the fourth a padding row, masked and left out (`padded_requests`). A finished request is masked and keeps its slot until the
   batch's longest request ends; no new prompt takes it (a static batch): every step of every arm runs at the B
   asked for, and each arm pays for its own longest request.
 - Timing, per batch: decode_s = from the batch's first step until its last request finished (the prefills, one
@@ -24,12 +22,9 @@ At each point every arm decodes the same requests, in the same rounds, with the 
   matrices (a batch is the paired unit, as a prompt is in a single run), with its paired bootstrap CI over batches
   and rounds. tau per point: accepted tokens per verify step over every request of the measured rounds (T > 0:
   every round is a sampling replicate, the warmup included, as in a single run).
-- Crossover: per arm and context, the smallest swept B at which its speedup's point estimate falls below 1 (and
-  per B, the smallest swept context); `null` when it beats AR at every point swept.
-- T = 0: each request's tokens are compared with the same arm's B = 1 tokens of the same point and round
-  (`same_as_b1`): equal in fp32 (tests/test_batch_decode.py); in bf16 they may differ on the default tiles (the
-  matmuls tile by the rows of every request); with --batch-invariant and B x W <= 64 rows every matmul and
-  attention is row-invariant (tests/test_batch_neighbours*.py; GPU check passed on an H200), beyond: torch matmuls.
+- Crossover: per arm and context, the smallest swept B where its speedup's estimate is < 1 (per B, context).
+- T = 0: `same_as_b1` compares each request's tokens with the same arm's B = 1 tokens (point, round): equal in fp32;
+  in bf16 the default tiles may differ by batch; --batch-invariant at B x W <= 64 rows is row-invariant.
 The folder's README.md (harness.protocol.sweep_readme) says what it ran and what each of its files holds.
 """
 from __future__ import annotations
@@ -61,7 +56,7 @@ def context_prompts(tokenizer, samples, firsts, context: int) -> list[tuple[int,
     """Each sample's first turn with at least `context` tokens (see the module docstring); context 0: as is."""
     if context == 0:
         return [tuple(f) for f in firsts]
-    out, n = [], len(samples)
+    out, n, grew = [], len(samples), False
     for i, s in enumerate(samples):
         others = [samples[(i + j) % n].turns[0] for j in range(1, n)] or [s.turns[0]]
         filler, j = [], 0
@@ -70,8 +65,11 @@ def context_prompts(tokenizer, samples, firsts, context: int) -> list[tuple[int,
             if len(prompt) >= context:
                 break
             filler.append(others[j % len(others)])
-            j += 1
+            j, grew = j + 1, True
         out.append(tuple(prompt))
+    if not grew:  # the point would decode the prompts as they are, as context 0 does, and plot it as a trend
+        raise UsageError(f"--context-lengths {context}: every prompt already has at least {context} tokens (the "
+                         f"shortest {min(map(len, firsts))}), so nothing would fill them; drop it or go above that")
     return out
 
 
@@ -124,17 +122,19 @@ def run(cfg, out=None) -> dict:
         raise UsageError(f"--context-lengths {max(contexts)}: with --max-new-tokens {cfg.max_new_tokens} and block "
                          f"{plan.block_size} a request needs {need} positions, over the context limit "
                          f"{plan.max_model_len}; lower the context or --max-new-tokens")
-    samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
-    models = runner.load_models(plan, samples, runner.choose_ops(plan), None)
-    settings, points = runner.settings_for(cfg, plan.max_model_len, models.stops), []
-    for c in contexts:
-        prompts = context_prompts(models.tokenizer, samples, models.firsts, c)
-        longest = max(map(len, prompts))
-        if longest + cfg.max_new_tokens + plan.block_size + 1 > plan.max_model_len:
-            raise UsageError(f"--context-lengths {c}: the longest prompt built for it has {longest} tokens, which "
-                             f"with --max-new-tokens {cfg.max_new_tokens} does not fit the context limit "
-                             f"{plan.max_model_len}; lower the context")
-        points += [_Point(b, c, prompts, request_ids(len(samples), b)) for b in batches]
+    samples, points = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples), []
+
+    def build_points(tokenizer, firsts):  # every point's prompts, checked before the target's weights load
+        for c in contexts:
+            prompts = context_prompts(tokenizer, samples, firsts, c)
+            longest = max(map(len, prompts))
+            if longest + cfg.max_new_tokens + plan.block_size + 1 > plan.max_model_len:
+                raise UsageError(f"--context-lengths {c}: the longest prompt built for it has {longest} tokens, "
+                                 f"which with --max-new-tokens {cfg.max_new_tokens} does not fit the context limit "
+                                 f"{plan.max_model_len}; lower the context")
+            points.extend(_Point(b, c, prompts, request_ids(len(samples), b)) for b in batches)
+    models = runner.load_models(plan, samples, runner.choose_ops(plan), None, rendered=build_points)
+    settings = runner.settings_for(cfg, plan.max_model_len, models.stops)
     runner.presize(models.target, models.arms, max(len(p) for pt in points for p in pt.prompts), settings,
                    plan.block_size)
     if plan.spyre is not None:  # fixed-shape compiled graphs (core.spyre), as a single run compiles them
