@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 from refiners.formats import (ARCHITECTURES, MARKOV_PREFIX, MARKOV_SERVING_NAMES, XPRESS, XPRESS_PREFIX,
                               RefinerCheckpoint, load_refiner_checkpoint, validate_against)
 
@@ -159,8 +159,8 @@ def serving_to_pt(src: str, out: str) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m scripts.convert_refiner",
-                                     description="Convert refiner checkpoints (co-training .pt <-> serving dir).")
+    parser = Parser(prog="python -m scripts.convert_refiner",
+                    description="Convert refiner checkpoints (co-training .pt <-> serving dir).")
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("pt-to-serving", help="co-training .pt -> config.json + model.safetensors")
     a.add_argument("--ckpt", required=True, help="co-training checkpoint (refiner_cotrain*.pt)")

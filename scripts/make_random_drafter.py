@@ -6,18 +6,17 @@ A random drafter proposes badly (tau near 1) but exercises the whole speculative
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from drafters.dflash import config_for_target, random_dflash, save_dflash
-from core.errors import UsageError
+from core.errors import Parser, UsageError
 from harness.decode.loading import load_target_config
 from scripts.random_mark import mark
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scripts.make_random_drafter", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m scripts.make_random_drafter", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="target: hub id, local directory or .gguf file")
     p.add_argument("--out", required=True, help="new directory for config.json + model.safetensors")
     p.add_argument("--layers", type=int, default=2)

@@ -10,12 +10,11 @@ DIR is a stand-in for the shipped weights: XPRESS_BENCH_WEIGHTS=DIR python bench
 """
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 from pathlib import Path
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 from scripts.random_mark import mark
 
 
@@ -56,7 +55,7 @@ def write_heads(target: str, drafter: str, out: str | Path, rank: int = 64, seed
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m scripts.make_random_refiners", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m scripts.make_random_refiners", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="target: hub id, local directory or .gguf file")
     p.add_argument("--drafter", required=True, help="the dFlash drafter directory the heads pair with")
     p.add_argument("--out", required=True, help="folder for xpress/ and markov/")

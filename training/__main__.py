@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from core.errors import cli_exit
+from core.errors import Parser, cli_exit
 
 STAGES = ("prompts", "responses", "hidden", "train", "export")
 
@@ -16,12 +16,12 @@ STAGES = ("prompts", "responses", "hidden", "train", "export")
 def build_parser() -> argparse.ArgumentParser:
     from pathlib import Path
     presets = ", ".join(sorted(f.stem for f in (Path(__file__).resolve().parent / "configs").glob("*.json")))
-    p = argparse.ArgumentParser(prog="python -m training", description=__doc__.split("\n\n")[0],
-                                epilog="stages, in order: prompts (training prompts, split into train/selection/"
-                                       "held-out), responses (the target's answers), hidden (the tapped target "
-                                       "layers, or none when computed online), train, export (what the harness "
-                                       "loads); all: every stage in order, finished ones skipped. "
-                                       "training/README.md says what each writes.")
+    p = Parser(prog="python -m training", description=__doc__.split("\n\n")[0],
+               epilog="stages, in order: prompts (training prompts, split into train/selection/"
+                      "held-out), responses (the target's answers), hidden (the tapped target "
+                      "layers, or none when computed online), train, export (what the harness "
+                      "loads); all: every stage in order, finished ones skipped. "
+                      "training/README.md says what each writes.")
     p.add_argument("stage", choices=STAGES + ("all",))
     p.add_argument("--config", required=True,
                    help=f"a preset name (training/configs/NAME.json: {presets}) or a .json path")

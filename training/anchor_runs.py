@@ -23,14 +23,13 @@ in the decode alike, with the head in WEIGHTS/xpress or WEIGHTS/markov (heads tr
 WEIGHTS/drafter, as training.ship writes them; a head with its own co-trained drafter is refused)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 
 ROWS = 256  # logits rows softmaxed at a time (a 49K vocabulary: 50 MB in fp32)
 
@@ -161,7 +160,7 @@ def summary(prompts: list[dict], block: int) -> dict:
 
 def parse(argv):
     from harness.protocol.setups import REPO
-    ap = argparse.ArgumentParser(prog="python -m training.anchor_runs", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m training.anchor_runs", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="the JSON file to write (refused if it exists)")
     ap.add_argument("--weights", default=None, help="a folder with drafter/ (default: the embedded weights)")
     ap.add_argument("--model-name-or-path", default=None, help="the target (default: the embedded SmolLM2 GGUF)")

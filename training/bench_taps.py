@@ -13,7 +13,6 @@ Nothing is written but --out.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -21,7 +20,7 @@ import time
 
 import torch
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 
 
 def build(config_json: str, device: torch.device, dtype: torch.dtype, seed: int):
@@ -93,7 +92,7 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.bench_taps", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m training.bench_taps", description=__doc__.split("\n\n")[0])
     p.add_argument("--config-json", required=True, help="an HF config.json (or its folder) of the target")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))

@@ -16,13 +16,12 @@ response and hidden-state manifests, stages.json, each model's box.json and acce
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import sys
 from pathlib import Path
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 
 from training.card_curves import WINDOW, curves, plot, read_models, read_rows, running_mean, summarise  # noqa: F401
 
@@ -54,7 +53,7 @@ def records(train_dir: Path, out: Path) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.card", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m training.card", description=__doc__.split("\n\n")[0])
     p.add_argument("--train", help="the train stage's folder (one sub-folder per model)")
     p.add_argument("--out", help="where the records and card.json go")
     p.add_argument("--ship", default=None, help="the shipped folder (training.ship's --out) or its manifest file: "

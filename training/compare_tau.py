@@ -14,14 +14,13 @@ Prints one line per set; --json writes them too.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from pathlib import Path
 
 from core.checkpoints import read_json
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 
 
 ARM = re.compile(r"tau_\w+")
@@ -97,7 +96,7 @@ def line(r: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.compare_tau", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m training.compare_tau", description=__doc__.split("\n\n")[0])
     p.add_argument("base", help="FILE[:ARM]: the reference (ARM default tau_drafter)")
     p.add_argument("new", help="FILE[:ARM]: compared against it")
     p.add_argument("--set", default=None, help="one set (selection, heldout, bench:<name>); default: every shared one")

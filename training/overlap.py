@@ -20,6 +20,8 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from core.errors import Parser
+
 _WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -174,9 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m training.overlap TRAIN.jsonl --eval data/eval > OUT.jsonl`: the questions of TRAIN.jsonl that do
     not overlap a benchmark prompt (Jaccard below --threshold on word n-grams, templates stripped), one
     {"question": ...} per line; each dropped one is named on stderr."""
-    import argparse
     import sys
-    ap = argparse.ArgumentParser(prog="python -m training.overlap", description=main.__doc__)
+    ap = Parser(prog="python -m training.overlap", description=main.__doc__)
     ap.add_argument("train", type=Path)
     ap.add_argument("--eval", type=Path, default=Path("data/eval"))
     ap.add_argument("--threshold", type=float, default=0.5)

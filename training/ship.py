@@ -13,13 +13,12 @@ file may be to travel back from the GPU machine).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
 from pathlib import Path
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 from training.config import repo_path
 from training.store import staged, write_json
 
@@ -173,7 +172,7 @@ def ship(work: Path, out: Path, drafter="drafter", xpress: str | None = None, ma
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.ship", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m training.ship", description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", required=True, help="the pipeline's workdir (holds export/ and train/)")
     p.add_argument("--out", required=True, help="the folder to write: new, or an earlier ship's output (its drafter/, "
                    "xpress/, markov/ and manifest.json replaced, its other files kept)")

@@ -17,7 +17,6 @@ small op, a lower bound on the host cost per launch (a CUDA launch adds the driv
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 
 NO_KERNEL = {"detach", "alias", "lift_fresh", "_unsafe_view", "empty", "empty_strided", "sym_size", "sym_stride",
              "sym_numel", "sym_storage_offset", "is_same_size", "_has_compatible_shallow_copy_type", "set_"}
@@ -323,7 +322,7 @@ def estimate(rec: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = Parser(description=__doc__.split("\n")[0])
     ap.add_argument("--total-seq-len", type=int, default=1024)
     ap.add_argument("--max-anchors", type=int, default=128, help="1024 at 8192 tokens: the same share by default")
     ap.add_argument("--workdir", default="/tmp/xpress_step_cost")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from core.errors import Parser
+
 LETTERS = "abcdefghijklmnop"
 CYCLES = (3, 5, 8)
 SPECIALS = ("<pad>", "<eos>", "<|user|>", "<|assistant|>", "<eot>")
@@ -130,9 +132,8 @@ def build(out: Path, seed: int = 0, steps: int = 60, train_prompts: int = 160, e
 
 
 def main(argv=None) -> int:
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m training.toy", description="Train the toy target and write its "
-                                "prompts: OUT/target, OUT/prompts.jsonl, OUT/eval/toy_eval.jsonl.")
+    p = Parser(prog="python -m training.toy", description="Train the toy target and write its "
+               "prompts: OUT/target, OUT/prompts.jsonl, OUT/eval/toy_eval.jsonl.")
     p.add_argument("out", nargs="?", default="runs/toy-target", help="the folder to write (default: runs/toy-target)")
     p.add_argument("--seed", type=int, default=0, help="the permutation's and the weights' seed (default 0)")
     args = p.parse_args(argv)

@@ -30,7 +30,7 @@ import tempfile
 import zlib
 from pathlib import Path, PurePosixPath
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 from training import stages as clock
 from training.store import MANIFEST, read_manifest
 
@@ -356,7 +356,7 @@ def describe(c: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.travel", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m training.travel", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     pk = sub.add_parser("pack", help="stage folders of a workdir -> DIR/<name>.partNNN + DIR/<name>.json")
     pk.add_argument("--workdir", required=True, type=Path)

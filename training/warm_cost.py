@@ -17,7 +17,6 @@ The toy is a repetitive synthetic language on a 1-layer drafter: a check of the 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -25,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 
 
 def _cli(*args) -> None:
@@ -81,7 +80,7 @@ def one_seed(root: Path, seed: int, epochs: int, window: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m training.warm_cost", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m training.warm_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", default="0,1,2", help="comma-separated toy seeds (each builds and trains its own toy)")
     p.add_argument("--epochs", type=int, default=4, help="the drafter's epochs (the toy preset's 4)")
     p.add_argument("--window", type=int, default=10, help="steps after the cut whose training loss is averaged")

@@ -17,14 +17,13 @@ as the batched decode loop replays its whole-step graphs. Writes JSON (--out) an
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import torch
 
 from core.devices import resolve_backend
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 from core.ops import make_ops
 from harness.decode.batch_target import BatchTarget
 from harness.decode.graphs import StepGraphs
@@ -119,7 +118,7 @@ def markdown(res: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_batch", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m harness.lab.bench_batch", description=__doc__.split("\n")[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--device")
     p.add_argument("--dtype")

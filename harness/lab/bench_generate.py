@@ -17,7 +17,6 @@ of rows equal to HF's (and the mean share of each row's tokens before the first 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 from core.devices import resolve_backend
-from core.errors import UsageError
+from core.errors import Parser, UsageError
 from harness.decode.batched_gen import BatchedGenerator, hf_generate
 
 RANDOM = "random weights (timing only: answers are meaningless, and no row stops early)"
@@ -163,7 +162,7 @@ def measure(a) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_generate", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m harness.lab.bench_generate", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--target", help="smollm2, a hub id, a model directory or a .gguf file")
     src.add_argument("--random-weights", help="a preset of harness.protocol.presets (e.g. smollm2-135m)")

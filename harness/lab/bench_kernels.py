@@ -8,7 +8,6 @@ reduction (torch.sum). The best configurations feed core.kernels.choose_linear.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -17,6 +16,7 @@ import time
 
 import torch
 
+from core.errors import Parser
 from core import kernels
 from core.kernels.common import shared_memory_limit
 
@@ -125,7 +125,7 @@ def sweep(name: str, rows: list[int], dtype, budget_bytes: int = 1 << 31, full: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_kernels", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m harness.lab.bench_kernels", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--rows", default="1,16")
     p.add_argument("--chosen-only", action="store_true", help="time choose_linear's pick only (no sweep)")

@@ -16,7 +16,6 @@ acceptance. Writes JSON (--out) and a markdown table beside it.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,7 +26,7 @@ import torch
 from harness.protocol.algorithms import DFlashDrafter
 from core.devices import resolve_backend
 from harness.decode.loop import DecodeSettings, generate
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random
 
 
@@ -138,7 +137,7 @@ def table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_moe", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m harness.lab.bench_moe", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="gemma4-26b-a4b", choices=sorted(PRESETS))
     p.add_argument("--device")
     p.add_argument("--blocks", default="4,8,16")

@@ -6,7 +6,6 @@ micro-benchmark of one stage, not the decode loop). The per-pass cost is the slo
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -18,7 +17,7 @@ import torch
 
 from core.protocols import Proposal, RefineContext
 from core.devices import resolve_backend
-from core.errors import UsageError
+from core.errors import Parser, UsageError
 from core.ops import KINDS, make_ops
 from harness.decode.graphs import CompiledRefiner
 from harness.lab.captured import CapturedRefiner
@@ -105,7 +104,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_refiner", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m harness.lab.bench_refiner", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--device")
     p.add_argument("--dtype")

@@ -14,7 +14,6 @@ Writes JSON (--out) and a markdown table beside it.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -27,7 +26,7 @@ import torch
 from core.devices import resolve_backend
 from core.ops import TorchOps, triton_ops
 from harness.lab.step_markdown import markdown
-from core.errors import UsageError
+from core.errors import Parser, UsageError
 from harness.decode.graphs import StepGraphs
 from harness.decode.state import graph_stats
 from harness.decode.loop import DecodeSettings, Stepper, generate
@@ -333,7 +332,7 @@ def _ints(s: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.lab.bench_step", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m harness.lab.bench_step", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
     p.add_argument("--device")
     p.add_argument("--dtype")

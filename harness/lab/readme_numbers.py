@@ -30,7 +30,6 @@ prose number left behind.
 """
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 import sys
@@ -39,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import harness.lab.readme_numbers_more  # noqa: F401  (registers its quantities)
-from core.errors import UsageError
+from core.errors import Parser, UsageError
 from harness.lab.readme_numbers_keys import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -204,7 +203,7 @@ def write(root: Path = ROOT) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.lab.readme_numbers", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m harness.lab.readme_numbers", description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--check", action="store_true", help="list stale, unknown and unmarked numbers; exit 1 on any")
     mode.add_argument("--write", action="store_true", help="rewrite every marked number and copied block in place")

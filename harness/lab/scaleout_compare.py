@@ -13,11 +13,11 @@ of the target per token. Exit status 1 when a check fails.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from core.errors import Parser
 from harness.protocol.tables import run_labels
 
 TOLERANCE = 0.03
@@ -78,7 +78,7 @@ def compare(multi: str, single: str, wall_multi: float, wall_single: float) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.lab.scaleout_compare", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m harness.lab.scaleout_compare", description=__doc__.split("\n\n")[0])
     p.add_argument("--multi", required=True, help="results folder of the N-GPU run")
     p.add_argument("--single", required=True, help="results folder of the one-GPU run")
     p.add_argument("--wall-multi", type=float, required=True, help="seconds the N-GPU command took")

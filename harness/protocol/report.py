@@ -8,7 +8,6 @@ measured (non-warmup) rounds only; ratios are paired within a round (harness.pro
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.protocol import comparisons, costs, facts, metrics, replicates
-from core.errors import UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
 from harness.protocol.plan import check_run_folder, resume_count
@@ -364,9 +363,9 @@ def rebuild(folder: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m harness.protocol.report",
-                                description="One table over several results folders (rows = datasets), one per "
-                                            "target and protocol (harness.protocol.merge).")
+    p = Parser(prog="python -m harness.protocol.report",
+               description="One table over several results folders (rows = datasets), one per "
+                           "target and protocol (harness.protocol.merge).")
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json "
                                               "(with --rebuild: samples.jsonl and config.json)")
     p.add_argument("--out", help="also write the table to this markdown file")

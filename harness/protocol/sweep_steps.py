@@ -25,11 +25,11 @@ The sweep writes steps.md beside sweep.md (harness.protocol.sweep); for a folder
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
+from core.errors import Parser
 from harness.protocol.results_io import atomic_write, read_rows
 
 
@@ -101,8 +101,8 @@ def write(folder: str, rows: list[dict], arms: list[str], reference: str | None,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.protocol.sweep_steps",
-                                 description="(Re)write a sweep folder's steps.md from its samples.jsonl.")
+    ap = Parser(prog="python -m harness.protocol.sweep_steps",
+                description="(Re)write a sweep folder's steps.md from its samples.jsonl.")
     ap.add_argument("folders", nargs="+", help="sweep folders (each with sweep.json and samples.jsonl)")
     args = ap.parse_args(argv)
     for folder in args.folders:
