@@ -231,3 +231,13 @@ def test_a_tensor_over_the_shard_limit_says_what_to_set():
     from training.export import shards
     with pytest.raises(UsageError, match=r"over export.max_shard_mib \(1\); raise it, e.g. --set export.max_shard_mib=2"):
         shards({"fc.weight": torch.zeros(1000, 500)}, 2**20)  # 1.9 MiB in fp32
+
+
+def test_a_model_field_typo_in_the_config_file_names_its_model(tmp_path, capsys):
+    models = tiny_models(heads=False)
+    models["drafter"]["block_sz"] = 4
+    cfg = write_config(tmp_path, models)
+    capsys.readouterr()
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unknown field models.drafter.block_sz;" in err[0], err

@@ -132,7 +132,7 @@ def load_config(name: str, overrides: list[str] = (), workdir: str | None = None
     if workdir:
         cfg["workdir"] = workdir
     cfg["workdir"] = str(Path(cfg["workdir"] or REPO_ROOT / "runs" / cfg["name"]))
-    cfg["models"] = {n: _merge(MODEL_DEFAULTS, m, "model") for n, m in cfg["models"].items()}
+    cfg["models"] = {n: _merge(MODEL_DEFAULTS, m, f"models.{n}") for n, m in cfg["models"].items()}
     validate(cfg)
     return cfg
 
