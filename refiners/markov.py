@@ -84,7 +84,8 @@ class MarkovRefiner:
 
     @torch.no_grad()
     def refine(self, proposal: Proposal, ctx: RefineContext) -> Proposal:
-        """Each step's bias, the base add and (greedy) the argmax are one `ops.linear` over w2."""
+        """Each step's latent is `ops.markov_latent` (the Triton ops: one launch for the gated head), its bias, the
+        base add and (greedy) the argmax one `ops.linear` over w2."""
         head = self.head
         base = proposal.logits
         rows = proposal.hidden[1:].to(head.w2.weight.dtype) if head.reads_hidden else None
@@ -93,7 +94,7 @@ class MarkovRefiner:
         greedy = ctx.sampler is None
         tokens, q = [], []
         for k in range(base.shape[0]):
-            z, state = head.latent(prev, None if rows is None else rows[k], state)
+            z, state = self.ops.markov_latent(head, prev, None if rows is None else rows[k], state)
             out = self.ops.linear(z.view(1, -1), head.w2.weight, residual=base[k].view(1, -1), argmax=greedy)
             if greedy:
                 corrected, prev = out[0].view(-1), out[1].view(())

@@ -10,17 +10,20 @@ op would round); only the matmul and softmax summation orders differ from the to
 which skips one rounding of the normed row. Each module's docstring states its contract. Nothing here knows a
 model: core.ops.TritonOps is the one user, and chooses when a shape fits.
 With TRITON_INTERPRET=1 the same kernels run on CPU tensors (the tests use that for correctness).
-`xpress.latent` is the xPress head's pass before its readout, in one launch.
+`xpress.latent` is the xPress head's pass before its readout, in one launch; `markov.gated_latent` the gated
+Markov head's step before its readout.
 `linear`, `attention`, `fits` and `choose_linear` (select.py) run the default kernels, or with
 Launch(batch_invariant=True) the batch-invariant ones of `invariant` beside them (issue 28; opt-in).
 """
 from core.kernels.attention import MAX_ATTN_ROWS, heads_fit, write_kv
 from core.kernels.common import HAS_GDC, MAX_SPLITS, Launch, available, interpreted, pdl_supported, triton
+from core.kernels.markov import fits as markov_fits, gated_latent as markov_gated_latent
 from core.kernels.matmul import MAX_ROWS, LinearConfig
 from core.kernels.rows import rms_norm, silu_mul
 from core.kernels.select import attention, choose_linear, fits, linear
 from core.kernels.xpress import fits as xpress_fits, latent as xpress_latent
 
 __all__ = ["MAX_ATTN_ROWS", "MAX_ROWS", "MAX_SPLITS", "HAS_GDC", "Launch", "LinearConfig", "attention",
-           "available", "choose_linear", "fits", "heads_fit", "interpreted", "linear", "pdl_supported", "rms_norm",
-           "silu_mul", "triton", "write_kv", "xpress_fits", "xpress_latent"]
+           "available", "choose_linear", "fits", "heads_fit", "interpreted", "linear", "markov_fits",
+           "markov_gated_latent", "pdl_supported", "rms_norm", "silu_mul", "triton", "write_kv", "xpress_fits",
+           "xpress_latent"]

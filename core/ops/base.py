@@ -94,6 +94,11 @@ class Ops:
         modules here; a backend may fuse them (TritonOps: one launch)."""
         return head.latent(cache, prev)
 
+    def markov_latent(self, head, prev: torch.Tensor, h: torch.Tensor | None, state: torch.Tensor):
+        """One Markov step before its readout, (z [r], next state): `head` is refiners.markov.MarkovHead
+        (duck-typed); the head's own torch modules here; TritonOps fuses the gated variant's (one launch)."""
+        return head.latent(prev, h, state)
+
     def attention(self, qkv: torch.Tensor, kv: StaticKV, layer: int, span: Span, cos: torch.Tensor,
                   sin: torch.Tensor, n_q: int, scale: float, q_norm: torch.Tensor | None = None,
                   k_norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:

@@ -112,6 +112,19 @@ class TritonOps(Ops):
             cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L, mlp.gate_proj.weight,
             mlp.up_proj.weight, mlp.down_proj.weight, folded=head.folded, launch=self.launch)
 
+    def markov_latent(self, head, prev, h, state):
+        if head.variant == "vanilla":  # its latent is the embedding row itself: nothing to fuse
+            return head.latent(prev, h, state)
+        why = ("the rnn variant" if head.variant != "gated" else f"rank {head.rank}" if not
+               kernels.markov_fits(head.rank) else "mixed dtypes" if any(p.dtype != h.dtype for p in head.parameters())
+               else None)
+        if why is not None:
+            self.fallbacks["markov latent", why] += 1
+            return head.latent(prev, h, state)
+        g = head.gate
+        return self._uncompiled("markov_latent", _kernel_markov)(prev, h, head.w1.weight, g.weight, g.bias,
+                                                                  launch=self.launch), state
+
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
             if x.dim() != 2 and x.numel() // x.shape[-1] <= kernels.MAX_ROWS:
@@ -211,6 +224,10 @@ def _kernel_linear(*args, **kw):
 
 def _kernel_latent(*args, **kw):
     return kernels.xpress_latent(*args, **kw)
+
+
+def _kernel_markov(*args, **kw):
+    return kernels.markov_gated_latent(*args, **kw)
 
 
 def _capturing(device: torch.device) -> bool:

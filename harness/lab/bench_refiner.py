@@ -43,9 +43,9 @@ def time_call(fn, backend, repeats: int, warmup: int = 3) -> float:
 
 def measure(preset: str, device: str | None, dtype: str | None, passes: list[int], topcs: list[int],
             repeats: int, use_graph: bool = False, kernels: str = "torch", compiled: bool = False) -> dict:
-    """`kernels`: the ops the xPress passes score with (the decode's --kernels: triton runs each pass's w2 product,
-    base add and argmax as one fused launch); `compiled`: each refiner through torch.compile first, as
-    --compile-refiner runs it (the Markov heads too)."""
+    """`kernels`: the ops both heads run on (the decode's --kernels: triton runs an xPress pass's latent and a gated
+    Markov step's in one launch each, and their w2 product, base add and argmax in one more); `compiled`: each
+    refiner through torch.compile first, as --compile-refiner runs it."""
     backend = resolve_backend(device, dtype)
     ops = make_ops(kernels, backend.device, backend.dtype)
     vocab, hidden, rank, block = PRESETS[preset]
@@ -78,7 +78,7 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
                              "fixed_ms": 1000 * (times[lo] - slope * lo)})
         for variant in ("vanilla", "gated", "rnn"):
             mk = random_markov_head(variant, vocab, hidden, rank, seed=2).to(backend.device, backend.dtype)
-            r = wrap(MarkovRefiner(mk))
+            r = wrap(MarkovRefiner(mk, ops=ops))
             t = time_call(lambda: r.refine(proposal, ctx), backend, repeats)
             rows.append({"refiner": f"markov-{variant}", "K": f"{block - 1} steps", "topc": 0, "ms": 1000 * t})
     device_name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else platform.processor() or "cpu"
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--use-graph", action="store_true")
     p.add_argument("--kernels", choices=KINDS, default="torch",
-                   help="the ops xPress's passes score with, as the decode's --kernels (default torch)")
+                   help="the ops the heads run on, as the decode's --kernels (default torch)")
     p.add_argument("--compile", action="store_true", help="each refiner through torch.compile (--compile-refiner)")
     p.add_argument("--out", help="write JSON here and markdown beside it (.md)")
     a = p.parse_args(argv)

@@ -57,13 +57,14 @@ PY
     ;;
   quick)
     # what the sessions without a GPU built (results/perf/NOTES.md, "Ready for the next GPU session"), each the
-    # cheapest check of it: the fused xPress latent and the responses engine's Triton attention against their
-    # references (bf16 and CUDA graphs, never run on a GPU), the xPress pass's cost on the torch ops and on the
+    # cheapest check of it: the fused xPress and Markov latents and the responses engine's Triton attention against
+    # their references (bf16 and CUDA graphs, never run on a GPU), the heads' cost on the torch ops and on the
     # kernels at the shipped heads' geometry, the batched steps' compute floors, the engine's sampled rate. Needs
     # tables_gpu.sh's (or training_gpu.sh's) setup: the wheels in /tmp/site; and its gguf: the GGUF in /tmp/xb.
     # Eight files come back in $OUT, the device tool's limit.
     export PYTHONPATH=/tmp/site:. XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false
-    { python3 -m pytest -o addopts="" -q tests/test_xpress_latent.py tests/test_batched_generate_triton.py \
+    { python3 -m pytest -o addopts="" -q tests/test_xpress_latent.py tests/test_markov_latent.py \
+        tests/test_batched_generate_triton.py \
         tests/test_batched_generate.py 2>&1 || true; } | tail -n 12 | tee "$OUT/quick_tests.log"
     for k in torch triton; do
       python3 -m harness.lab.bench_refiner --preset smollm2-135m --device cuda --dtype bfloat16 --use-graph \

@@ -1,0 +1,69 @@
+"""The gated Markov head's per-slot latent in one launch (refiners.markov.MarkovHead.latent, variant "gated").
+
+A step of the head, before its vocabulary readout, is z = sigmoid(gate([h ; e])) * e with e = w1[prev]: the
+embedding row, the concatenation, the gate's matvec with its bias, the sigmoid and the product, five launches on the
+torch ops for each of the block's slots, one program here (the baseline gets the treatment xPress's pass gets in
+core.kernels.xpress, so that speed comparisons between the heads compare the methods, not their launch counts).
+
+Contract: prev a 0-d (or 1-element) int64 token id on the device, h [H] the slot's drafter hidden row, w1 [V, r],
+gate [r, H + r] (its input columns: h's, then e's), bias [r], one dtype (fp32/bf16/fp16) -> z [r]. Rounding as the
+torch ops': the gate's output (bias included) rounded, the sigmoid rounded, the product rounded; the matvec sums in
+fp32 in another order than the torch ops'.
+"""
+from __future__ import annotations
+
+import torch
+
+from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, triton, tl
+
+MAX_RANK = 512
+
+
+def fits(rank: int) -> bool:
+    return 1 <= rank <= MAX_RANK
+
+
+if triton is not None:
+    @triton.jit
+    def _gated_kernel(prev_ptr, h_ptr, w1_ptr, g_ptr, b_ptr, z_ptr, R, H, s_w1, s_g, PDL: tl.constexpr,
+                      RP: tl.constexpr, BK: tl.constexpr):
+        after_previous(PDL)
+        dt = z_ptr.dtype.element_ty
+        o = tl.arange(0, RP)
+        ook = o < R
+        prev = tl.load(prev_ptr)
+        acc = tl.zeros((RP,), dtype=tl.float32)
+        for k0 in range(0, H, BK):  # the gate's columns over h
+            ks = k0 + tl.arange(0, BK)
+            kok = ks < H
+            x = tl.load(h_ptr + ks, mask=kok, other=0.0).to(tl.float32)
+            w = tl.load(g_ptr + o[:, None] * s_g + ks[None, :], mask=ook[:, None] & kok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        for k0 in range(0, R, BK):  # and over e = w1[prev]
+            ks = k0 + tl.arange(0, BK)
+            kok = ks < R
+            x = tl.load(w1_ptr + prev * s_w1 + ks, mask=kok, other=0.0).to(tl.float32)
+            w = tl.load(g_ptr + o[:, None] * s_g + H + ks[None, :], mask=ook[:, None] & kok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        b = tl.load(b_ptr + o, mask=ook, other=0.0).to(tl.float32)
+        gate = (acc + b).to(dt).to(tl.float32)
+        keep = (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        e = tl.load(w1_ptr + prev * s_w1 + o, mask=ook, other=0.0).to(tl.float32)
+        tl.store(z_ptr + o, (keep * e).to(dt), mask=ook)
+
+
+def gated_latent(prev: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor,
+                 launch: Launch = Launch()) -> torch.Tensor:
+    """The module's contract: z [r] of one slot, in one launch."""
+    r, hidden = w1.shape[1], h.shape[-1]
+    if not fits(r) or gate.shape != (r, hidden + r) or bias.shape != (r,) or prev.numel() != 1:
+        raise ValueError(f"kernels.markov.gated_latent: rank {r} (at most {MAX_RANK}), gate {tuple(gate.shape)} "
+                         f"(wanted {(r, hidden + r)}), bias {tuple(bias.shape)} or prev {tuple(prev.shape)} "
+                         "does not fit")
+    if w1.stride(-1) != 1 or gate.stride(-1) != 1 or h.stride(-1) != 1:
+        raise ValueError("kernels.markov.gated_latent: rows must be contiguous")
+    z = torch.empty(r, dtype=w1.dtype, device=w1.device)
+    rp = pow2_at_least(r, 16)
+    _gated_kernel[(1,)](prev, h, w1, gate, bias, z, r, hidden, w1.stride(0), gate.stride(0), RP=rp,
+                        BK=max(16, min(64, 8192 // rp)), num_warps=4, **launch_opts(launch, w1.device, 1))
+    return z
