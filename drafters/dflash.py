@@ -31,15 +31,14 @@ def default_layer_ids(n_target_layers: int, n_draft_layers: int) -> list[int]:
     """Evenly spaced taps from layer 1 to layer N-3 (the z-lab rule; [1, 9, 17, 25, 33] for 36 layers, 5 taps).
     A target too shallow for the rule's span to hold distinct taps (it gave [1, 1] for 4 layers) spreads them over
     every layer instead; more taps than layers is refused (UsageError)."""
-    if n_draft_layers == 1:
-        return [n_target_layers // 2]
-    span = n_target_layers - 4
-    ids = [int(round(1 + i * span / (n_draft_layers - 1))) for i in range(n_draft_layers)]
-    if len(set(ids)) == len(ids):
-        return ids
     if n_draft_layers > n_target_layers:
         raise UsageError(f"a drafter of {n_draft_layers} layers taps {n_draft_layers} distinct target layers, and "
                          f"the target has {n_target_layers}: use at most {n_target_layers} drafter layers")
+    if n_draft_layers == 1:
+        return [n_target_layers // 2]
+    span = n_target_layers - 4
+    if span >= n_draft_layers - 1:  # the rule's layers 1..N-3 hold a distinct tap each
+        return [int(round(1 + i * span / (n_draft_layers - 1))) for i in range(n_draft_layers)]
     return [int(round(i * (n_target_layers - 1) / (n_draft_layers - 1))) for i in range(n_draft_layers)]
 
 

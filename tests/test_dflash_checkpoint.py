@@ -28,8 +28,11 @@ def test_a_shallow_targets_taps_are_distinct_or_refused():
     from core.errors import UsageError
     assert default_layer_ids(4, 2) == [0, 3] and default_layer_ids(4, 3) == [0, 2, 3]
     assert default_layer_ids(4, 4) == [0, 1, 2, 3] and default_layer_ids(6, 3) == [1, 2, 3]
-    with pytest.raises(UsageError, match="use at most 4 drafter layers"):
-        default_layer_ids(4, 5)
+    assert default_layer_ids(3, 2) == [0, 2] and default_layer_ids(2, 2) == [0, 1]  # the rule went below 1 here
+    assert default_layer_ids(3, 3) == [0, 1, 2] and default_layer_ids(1, 1) == [0]
+    for n, d in ((4, 5), (1, 2), (2, 3)):
+        with pytest.raises(UsageError, match=f"use at most {n} drafter layers"):
+            default_layer_ids(n, d)
 
 
 @pytest.fixture()

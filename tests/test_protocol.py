@@ -130,6 +130,10 @@ def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(files, t
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "the run is finished" in err[0] and "--rebuild" in err[0], err
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+    monkeypatch.undo()  # a run that stopped after its last decode, before its summary: the resume finishes it
+    (folder / "summary.json").unlink()
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 0
+    assert (folder / "summary.json").is_file()
 
 
 def test_resume_refuses_other_settings(files, tmp_path, capsys):

@@ -35,7 +35,7 @@ if triton is not None:
 
     @triton.jit
     def _latent_kernel(cache_ptr, prev_ptr, w1_ptr, wt_ptr, m_ptr, g_ptr, u_ptr, d_ptr, z_ptr, B, R, H,
-                       s_cache, s_w1, s_wt, s_g, s_u, s_d, s_z, PDL: tl.constexpr, PREC: tl.constexpr,
+                       s_cache, s_prev, s_w1, s_wt, s_g, s_u, s_d, s_z, PDL: tl.constexpr, PREC: tl.constexpr,
                        RAW: tl.constexpr, BP: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
         after_previous(PDL)
         dt = z_ptr.dtype.element_ty
@@ -43,7 +43,7 @@ if triton is not None:
         cols = tl.arange(0, RP)
         rok, cok = rows < B, cols < R
         both = rok[:, None] & cok[None, :]
-        prev = tl.load(prev_ptr + rows, mask=rok, other=0)
+        prev = tl.load(prev_ptr + rows * s_prev, mask=rok, other=0)
         # x = cache + w1[prev] @ w_tok^T: the token half of in_proj, then the add, each rounded as torch rounds them
         lin = tl.zeros((BP, RP), dtype=tl.float32)
         for k0 in range(0, R, BK):
@@ -92,8 +92,8 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
     b, r = cache.shape
     h = gate.shape[0]
     if not fits(b, r, h):
-        raise ValueError(f"kernels.xpress.latent: block {b}, rank {r}, hidden {h} is outside one program "
-                         f"(block <= {MAX_BLOCK}, rank <= {MAX_RANK}); use the torch ops")
+        raise ValueError(f"kernels.xpress.latent: block {b}, rank {r}, MLP hidden {h} is outside one program "
+                         f"(block <= {MAX_BLOCK}, rank <= {MAX_RANK}, hidden <= {4 * MAX_RANK}); use the torch ops")
     if mix.shape != (r, b, b) or not mix.is_contiguous() or prev.shape != (b,):
         raise ValueError(f"kernels.xpress.latent: mix {tuple(mix.shape)} (contiguous [r, B, B] wanted) or prev "
                          f"{tuple(prev.shape)} does not fit a block of {b} slots at rank {r}")
@@ -102,8 +102,8 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
             raise ValueError("kernels.xpress.latent: every matrix's rows must be contiguous")
     z = torch.empty((b - 1, r), dtype=cache.dtype, device=cache.device)
     rp = pow2_at_least(r, 16)
-    _latent_kernel[(1,)](cache, prev, w1, w_tok, mix, gate, up, down, z, b, r, h, cache.stride(0), w1.stride(0),
-                         w_tok.stride(0), gate.stride(0), up.stride(0), down.stride(0), z.stride(0),
+    _latent_kernel[(1,)](cache, prev, w1, w_tok, mix, gate, up, down, z, b, r, h, cache.stride(0), prev.stride(0),
+                         w1.stride(0), w_tok.stride(0), gate.stride(0), up.stride(0), down.stride(0), z.stride(0),
                          PREC=prec(cache.dtype), RAW=not folded, BP=pow2_at_least(b, 16), RP=rp, BK=min(rp, 64),
                          BH=32 if rp >= 256 else 64, num_warps=8 if rp >= 256 else 4,
                          **launch_opts(launch, cache.device, b))

@@ -199,8 +199,9 @@ def _linear_misfit(x, w, bias, act, residual) -> str | None:
 
 def _latent_misfit(head, cache) -> str | None:
     """Why kernels.xpress_latent cannot take this head's pass (None: it can)."""
-    if not kernels.xpress_fits(head.block, head.rank, head.mlp.gate_proj.weight.shape[0]):
-        return f"block {head.block}, rank {head.rank}"
+    hidden = head.mlp.gate_proj.weight.shape[0]
+    if not kernels.xpress_fits(head.block, head.rank, hidden):
+        return f"block {head.block}, rank {head.rank}, MLP hidden {hidden}"
     if any(p.dtype != cache.dtype for p in head.parameters()):
         return "mixed dtypes"
     if not head.mix.L.is_contiguous():

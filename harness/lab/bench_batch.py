@@ -43,9 +43,11 @@ def kv_bytes(target, batch: int, slots: int) -> int:
 def step_flop(target, weight_bytes: int, batch: int, width: int, slots: int) -> int:
     """A step's arithmetic: 2 FLOP per parameter read per row (the matmuls; the norms' few parameters counted
     alike) plus attention's two products (q.k and p.v: 4 FLOP per query head, slot and head dimension) for B x W
-    rows over `slots` slots in every layer, the block's own slots counted whole (an upper bound by W^2 / 2)."""
+    rows over `slots` slots in every layer, the block's own slots counted whole (an upper bound by W^2 / 2). Every
+    parameter counts: the batched steps run dense Llama/Qwen-style targets (BatchTarget refuses Gemma 4's experts
+    and windows)."""
     rows = batch * width
-    params = weight_bytes // target.kv.k.element_size()
+    params = weight_bytes // target.kv.k.element_size()  # (the KV cache holds the weights' dtype here)
     attention = 4 * rows * slots * target.config.num_attention_heads * target.head_dim * target.n_layers
     return 2 * rows * params + attention
 

@@ -74,7 +74,7 @@ PY
         --contexts 512 --reps 10 --warmup 2 --out "$OUT/bench_batch_qwen3-8b_roofline.json" | tail -n 4 || true
     python3 -m harness.lab.bench_generate --target smollm2 --device cuda --dtype bfloat16 --prompts 2048 \
         --batch 1024 --max-new-tokens 512 --hf-prompts 1024 --attention triton --sampled \
-        --out "$OUT/generate_h200_triton_sampled.json" | tail -n 6 || true
+        --out "$OUT/generate_triton_sampled.json" | tail -n 6 || true
     ls "$OUT"
     ;;
   *)

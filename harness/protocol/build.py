@@ -106,7 +106,8 @@ def context_limit(cfg: RunConfig, tcfg) -> int:
     known = int(getattr(tcfg, "max_position_embeddings", 0) or 0)
     if cfg.max_model_len and known and cfg.max_model_len > known:
         raise UsageError(f"--max-model-len {cfg.max_model_len}: above the target's max_position_embeddings "
-                         f"({known}), positions it was never trained at; pass at most {known}")
+                         f"({known}), positions it was never trained at; pass at most {known} (a target extended "
+                         f"by rope scaling: raise its max_position_embeddings with --hf-overrides)")
     limit = cfg.max_model_len or known
     if limit < 2:
         raise UsageError("the target config has no max_position_embeddings; pass --max-model-len")

@@ -169,15 +169,18 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
 
 
 def check_unfinished(plan: "RunPlan", folder: str, done: set, qids: list[int], launched: bool) -> None:
-    """--resume of a run whose every (round, arm, prompt) decode is already in samples.jsonl: nothing would run, and
-    the run's records would be rewritten (env.json with this machine, the tables labelled resumed): refused. (A
-    torchrun rank decides nothing alone: each rank's share is checked only in a single process.)"""
-    if not plan.resume or launched:
+    """--resume of a finished run (every (round, arm, prompt) decode in samples.jsonl and its summary.json written,
+    which the run does last): nothing would run, and the run's records would be rewritten (env.json with this
+    machine, the tables labelled resumed): refused. A run that stopped after its last decode but before its summary
+    (the T=0 marks, the report) resumes, and finishes those. (A torchrun rank decides nothing alone: each rank's
+    share is checked only in a single process.)"""
+    if not plan.resume or launched or not os.path.isfile(os.path.join(folder, "summary.json")):
         return
     want = {(r, a, q) for r in range(1, plan.rounds + 1) for a in plan.arm_names for q in qids}
     if want and want <= done:
-        raise UsageError(f"--resume {folder}: the run is finished (every decode is in samples.jsonl), so there is "
-                         f"nothing to run; to rewrite its tables, python -m harness.protocol.report --rebuild {folder}")
+        raise UsageError(f"--resume {folder}: the run is finished (every decode in samples.jsonl, its summary.json "
+                         f"written), so there is nothing to run; to rewrite its tables, python -m "
+                         f"harness.protocol.report --rebuild {folder}")
 
 
 def check_resume_weights(folder: str, now: dict) -> None:

@@ -10,7 +10,7 @@ count is one rotation (n rounds) or a whole number of them; otherwise the run sa
 (`imbalance`: max - min, over arms and slots, of the times an arm ran in a slot; 0 for a balanced design).
 
 Seeds: every round is one sampling replicate, the warmup rounds included: a (prompt, turn, round) decodes on its
-own stream (harness.protocol.runner.stream_seed of --seed, the dataset row, the turn and the round), which every
+own stream (`stream_seed` below, of --seed, the dataset row, the turn and the round), which every
 arm of that round replays, and each row records it (`stream_seed`). At T>0 tau is the mean over these replicates.
 """
 from __future__ import annotations
