@@ -200,3 +200,17 @@ def test_an_untyped_draft_temperature_records_the_one_that_ran(tmp_path, capsys)
     assert facts.run_facts({"temperature": 1.0, "draft_temperature": None})["draft_temperature"] == 1.0
     old = {"run": {**facts.run_facts({}), "draft_temperature": facts.UNKNOWN}}
     assert facts.of(old, {"temperature": 0.0, "draft_temperature": None})["draft_temperature"] == 0.0
+
+
+def test_a_drafter_trained_for_another_architecture_is_noted(tmp_path):
+    """The shapes of a Llama-trained drafter fit a Mistral target of the same size, so no check refuses it; the
+    console says whose drafter it is (speculators' verifier record), and nothing when the architectures agree."""
+    import json
+    from types import SimpleNamespace
+    from harness.protocol.console import verifier_mismatch
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"speculators_config": {"verifier": {"architectures": ["LlamaForCausalLM"], "name_or_path": "/tmp/x"}}}))
+    note = verifier_mismatch(str(tmp_path), SimpleNamespace(architectures=["MistralForCausalLM"]))
+    assert "trained for a LlamaForCausalLM verifier and this target is MistralForCausalLM" in note
+    assert verifier_mismatch(str(tmp_path), SimpleNamespace(architectures=["LlamaForCausalLM"])) is None
+    assert verifier_mismatch(str(tmp_path / "none"), SimpleNamespace(architectures=["X"])) is None

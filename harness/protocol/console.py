@@ -26,6 +26,9 @@ def describe(plan: RunPlan, models: Models, settings: DecodeSettings, samples, o
         print(f"[note] block {plan.block_size} is smaller than the drafter's trained block {trained}: allowed (the "
               f"drafter fills only the first {plan.block_size - 1} of its {trained - 1} draft slots), but tau is "
               "not the drafter's published setting", file=out)
+    other = verifier_mismatch(cfg.draft_name_or_path if plan.draft_config else None, models.target.config)
+    if other:
+        print(f"[note] {other}", file=out)
     for ck in plan.refiners.values():
         mixer = (f" mixer={ck.mixer} (fold={'no' if cfg.no_fold_mixer else 'after cast to ' + str(backend.dtype)})"
                  if ck.kind == "xpress" else "")
@@ -38,3 +41,22 @@ def describe(plan: RunPlan, models: Models, settings: DecodeSettings, samples, o
           f"top_p={tp.top_p if tp.top_p < 1 else 'off'} draft noise={settings.draft_noise if not dp.greedy else '-'} "
           f"verification={verification} rng={'one global stream' if cfg.compat_reference else 'per (prompt, turn, round)'}",
           file=out)
+
+
+def verifier_mismatch(draft_path, target_config) -> str | None:
+    """The drafter's config names the verifier it was trained for (speculators' `speculators_config.verifier`);
+    another architecture of the same shapes passes every shape check, and its τ is then a foreign drafter's."""
+    import json
+    import os
+    if not draft_path or not os.path.isfile(os.path.join(draft_path, "config.json")):
+        return None
+    try:
+        saved = json.loads(open(os.path.join(draft_path, "config.json"), encoding="utf-8").read())
+    except ValueError:
+        return None
+    trained = ((saved.get("speculators_config") or {}).get("verifier") or {}).get("architectures") or []
+    target = list(getattr(target_config, "architectures", None) or [])
+    if trained and target and not set(trained) & set(target):
+        return (f"the drafter was trained for a {', '.join(trained)} verifier and this target is "
+                f"{', '.join(target)}: the shapes fit, but τ measures a drafter made for another model")
+    return None
