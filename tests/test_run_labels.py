@@ -214,3 +214,12 @@ def test_a_drafter_trained_for_another_architecture_is_noted(tmp_path):
     assert "trained for a LlamaForCausalLM verifier and this target is MistralForCausalLM" in note
     assert verifier_mismatch(str(tmp_path), SimpleNamespace(architectures=["LlamaForCausalLM"])) is None
     assert verifier_mismatch(str(tmp_path / "none"), SimpleNamespace(architectures=["X"])) is None
+
+
+def test_the_plots_draw_the_tables_speedup_with_its_own_ci():
+    """The bars and the K plot's markers are Sp. (the median over rounds, the table's number), with the CI computed
+    for that statistic; the mean over rounds, which the plots drew beside the median's CI, is another number."""
+    from harness.protocol.plots import _ci
+    s = {"speedup": {"value": 0.929, "median": 0.929, "mean": 0.820, "ci95": [0.45, 1.48]}}
+    value, below, above = _ci(s)
+    assert value == 0.929 and abs(below - 0.479) < 1e-9 and abs(above - 0.551) < 1e-9

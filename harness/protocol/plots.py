@@ -71,15 +71,17 @@ def _model(folder) -> str | None:
 
 
 def _ci(s: dict) -> tuple[float, float, float] | None:
-    """(mean, below, above) of the paired speedup, bars from its 95% CI (zero-width when there is none)."""
+    """(Sp., below, above): the table's paired speedup (its `value`, the median over rounds), bars from that
+    statistic's 95% CI (zero-width when there is none). The mean over rounds is another statistic, which the CI
+    does not belong to: the plots drew it with these bars, and it disagreed with the table."""
     sp = s.get("speedup") or {}
-    mean = sp.get("mean")
-    if mean is None or not math.isfinite(mean):
+    value = sp.get("value", sp.get("median"))
+    if value is None or not math.isfinite(value):
         return None
     lo, hi = (sp.get("ci95") or [None, None])
     if lo is None or hi is None:
-        return mean, 0.0, 0.0
-    return mean, max(0.0, mean - lo), max(0.0, hi - mean)
+        return value, 0.0, 0.0
+    return value, max(0.0, value - lo), max(0.0, hi - value)
 
 
 def write_plots(folder: str | os.PathLike, summary: dict, dataset: str, out=None) -> list[str]:
