@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-NAME = "RANDOM_WEIGHTS.txt"  # harness.protocol.report.RANDOM_MARK reads it
+NAME = "RANDOM_WEIGHTS.txt"  # harness.protocol.labels.RANDOM_MARK reads it
 
 
 def mark(folder: str | Path) -> None:

@@ -127,6 +127,10 @@ def test_a_resume_is_recorded_in_the_folder(data, tmp_path, capsys):
     label = "resumed 1x: some rounds ran in more than one process"
     assert label in (folder / "table.md").read_text().splitlines()[0]
     assert label in " ".join(report.rebuild(str(folder))["labels"])
+    # under torchrun each rank records its own resumes (resumes.rank{r}.json): those count too
+    (folder / "resumes.json").rename(folder / "resumes.rank1.json")
+    (folder / "resumes.rank0.json").write_text("[]")
+    assert label in " ".join(report.rebuild(str(folder))["labels"])
 
 
 

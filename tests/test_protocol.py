@@ -136,6 +136,34 @@ def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(files, t
     assert (folder / "summary.json").is_file()
 
 
+def test_a_run_stopped_while_its_plots_are_drawn_resumes_and_finishes(files, tmp_path, monkeypatch):
+    """summary.json is written last (it marks the run finished): an interruption while the plots are drawn leaves
+    none, so --resume is not refused and writes the plots and the summary."""
+    from harness.protocol import report
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(report, "write_plots", stop)
+    assert cli.main(fair_args(files, tmp_path, "--run-id", "p")) == 130
+    folder = tmp_path / "p"
+    assert (folder / "table.md").is_file() and not (folder / "summary.json").exists()
+    monkeypatch.undo()
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 0
+    assert (folder / "summary.json").is_file() and list(folder.glob("*.png"))
+
+
+def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(files, tmp_path, capsys):
+    from harness.protocol import report
+    for run in ("a", "b"):
+        assert cli.main(fair_args(files, tmp_path, "--run-id", run)) == 0
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert report.main(["--rebuild", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "are both mini at T=0" in err[0], err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
 def test_resume_refuses_other_settings(files, tmp_path, capsys):
     assert cli.main(fair_args(files, tmp_path, "--run-id", "r", "--first-turn-only")) == 0
     assert cli.main(fair_args(files, tmp_path, "--resume", str(tmp_path / "r"), "--max-new-tokens", "11")) == 2

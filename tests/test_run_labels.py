@@ -223,3 +223,9 @@ def test_the_plots_draw_the_tables_speedup_with_its_own_ci():
     s = {"speedup": {"value": 0.929, "median": 0.929, "mean": 0.820, "ci95": [0.45, 1.48]}}
     value, below, above = _ci(s)
     assert value == 0.929 and abs(below - 0.479) < 1e-9 and abs(above - 0.551) < 1e-9
+
+
+def test_spyre_numerics_are_labelled():
+    from harness.protocol.labels import config_labels
+    assert "xPress on Spyre's numerics (--refine-numerics spyre)" in config_labels({"refine_numerics": "spyre"})
+    assert config_labels({"refine_numerics": "standard"}) == []

@@ -209,12 +209,18 @@ def record_resume(path: str, reused: int, total: int) -> dict:
 
 
 def resume_count(folder: str) -> int:
-    """How many times a folder's run was resumed with decodes already written (its resumes.json; 0: never), so
-    that its tables say some rounds ran in more than one process (harness.protocol.report.config_labels)."""
-    try:
-        entries = json.loads(open(os.path.join(folder, RESUMES), encoding="utf-8").read())
-    except (FileNotFoundError, NotADirectoryError, ValueError):
-        return 0
-    if not isinstance(entries, list):
-        return 0
-    return sum(1 for e in entries if isinstance(e, dict) and e.get("reused_decodes"))
+    """How many times a folder's run was resumed with decodes already written (its resumes.json, or under torchrun
+    each rank's resumes.rank{r}.json: the most of any rank; 0: never), so that its tables say some rounds ran in
+    more than one process (harness.protocol.labels.config_labels)."""
+    root, ext = os.path.splitext(RESUMES)
+    names = [RESUMES] + (sorted(f for f in os.listdir(folder) if f.startswith(root + ".rank") and f.endswith(ext))
+                         if os.path.isdir(folder) else [])
+    counts = [0]
+    for name in names:
+        try:
+            entries = json.loads(open(os.path.join(folder, name), encoding="utf-8").read())
+        except (FileNotFoundError, NotADirectoryError, ValueError):
+            continue
+        if isinstance(entries, list):
+            counts.append(sum(1 for e in entries if isinstance(e, dict) and e.get("reused_decodes")))
+    return max(counts)

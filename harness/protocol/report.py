@@ -21,6 +21,7 @@ from harness.protocol import comparisons, costs, facts, metrics, replicates
 from core.errors import Parser, UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
+from harness.protocol.labels import RANDOM_MARK, config_labels, weights_label  # noqa: F401 (re-exported)
 from harness.protocol.plan import check_run_folder, resume_count
 from harness.protocol.results_io import atomic_write
 from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
@@ -269,19 +270,22 @@ def _json(obj) -> str:
 
 def write_results(folder: str | os.PathLike, config: dict, env: dict, rows: list[dict], summary: dict,
                   out=None) -> list[str]:
-    """Write the results folder; returns the paths written. samples.jsonl is rewritten whole from `rows`."""
+    """Write the results folder; returns the paths written. samples.jsonl is rewritten whole from `rows`.
+    summary.json goes last, after the plots: it marks the run finished (plan.check_unfinished), so a run stopped
+    before it resumes and writes the rest."""
     out = out or sys.stdout
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dataset = summary.get("dataset") or config.get("dataset") or "?"
     files = {"config.json": _json(config), "env.json": _json(env),
              "samples.jsonl": "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
-             "summary.json": _json(summary),
              "table.md": format_markdown_table(summary, dataset) + format_ranks(summary, markdown=True),
              "table.csv": format_csv(summary), "README.md": format_conventions(summary, dataset)}
     for name, text in files.items():
         atomic_write(folder / name, text)
-    return [str(folder / n) for n in files] + write_plots(folder, summary, dataset, out)
+    plots = write_plots(folder, summary, dataset, out)
+    atomic_write(folder / "summary.json", _json(summary))
+    return [str(folder / n) for n in files] + plots + [str(folder / "summary.json")]
 
 
 def _read_json(folder: str, name: str, missing: str = "is the run finished? (summary.json is written at the "
@@ -310,38 +314,9 @@ def _load_folder(folder: str) -> dict:
     return {"folder": folder, "dataset": dataset, "temperature": s.get("temperature"), "summary": s, "config": config}
 
 
-RANDOM_MARK = "RANDOM_WEIGHTS.txt"  # written by scripts/make_random_drafter.py and make_random_refiners.py
-
-
-def weights_label(config: dict) -> str | None:
-    """Numbers from random weights or scripted acceptance say so wherever they appear; so do runs of a real target
-    with a drafter or heads that the random-weights scripts made. `config`: config.json or the RunConfig as a dict."""
-    from harness.protocol.presets import timing_label
-    timing = timing_label(config)
-    if timing:
-        return timing
-    paths = (config.get("draft_name_or_path"), config.get("xpress_refiner_path"), config.get("markov_refiner_path"))
-    if any(p and os.path.isfile(os.path.join(p, RANDOM_MARK)) for p in paths):
-        return "random drafter/heads (scripts/make_random_*)"
-    return None
-
-
-def config_labels(config: dict) -> list[str]:
-    """The labels of a run from its config (config.json or the RunConfig as a dict; "resumes": how many times its
-    folder was resumed with decodes already written, harness.protocol.plan.resume_count)."""
-    from harness.protocol.trace import TRACED_LABEL
-    n, weights = config.get("resumes") or 0, weights_label(config)
-    return [text for on, text in (
-        (weights, weights), (config.get("trace"), TRACED_LABEL),
-        (config.get("compat_reference"), "compat (the reference's accounting)"),
-        (config.get("record_logit_gaps"), "logit gaps recorded (a top-2 per step inside the timer)"),
-        (n, f"resumed {n}x: some rounds ran in more than one process (resumes.json)")) if on]
-
-
 def rebuild(folder: str) -> dict:
-    """Recompute summary.json, table.md, table.csv and README.md of a results folder from its samples.jsonl and
-    config.json (e.g. after the report's conventions changed); the rows themselves are not touched. The old
-    summary.json may be of any schema version up to this one (summary_schema); the new one is this version."""
+    """Recompute a results folder's tables, README.md, plots and summary.json (this schema version; the old one may
+    be any up to it) from its samples.jsonl and config.json; the rows themselves are not touched."""
     from harness.protocol.results_io import read_rows
     path = Path(folder)
     check_run_folder(folder)
@@ -356,22 +331,22 @@ def rebuild(folder: str) -> dict:
         if key in old:
             summary[key] = old[key]
     dataset = summary["dataset"]
-    for name, text in (("summary.json", _json(summary)), ("table.md", format_markdown_table(summary, dataset)),
-                       ("table.csv", format_csv(summary)), ("README.md", format_conventions(summary, dataset))):
+    for name, text in (("table.md", format_markdown_table(summary, dataset)), ("table.csv", format_csv(summary)),
+                       ("README.md", format_conventions(summary, dataset))):
         atomic_write(path / name, text)
+    write_plots(path, summary, dataset)  # then summary.json, last, as a run writes it (write_results)
+    atomic_write(path / "summary.json", _json(summary))
     return summary
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m harness.protocol.report",
-               description="One table over several results folders (rows = datasets), one per "
-                           "target and protocol (harness.protocol.merge).")
+    p = Parser(prog="python -m harness.protocol.report", description="One table over several results folders "
+               "(rows = datasets), one per target and protocol (harness.protocol.merge).")
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json "
                                               "(with --rebuild: samples.jsonl and config.json)")
     p.add_argument("--out", help="also write the table to this markdown file")
-    p.add_argument("--rebuild", action="store_true",
-                   help="first recompute each folder's summary.json, table.md, table.csv and README.md from its "
-                        "samples.jsonl and config.json (an interrupted run's too: its complete rounds)")
+    p.add_argument("--rebuild", action="store_true", help="first recompute each folder's tables, plots and "
+                   "summary.json from its samples.jsonl and config.json (an interrupted run's: its complete rounds)")
     ns = p.parse_args(argv)
 
     def work():
@@ -380,11 +355,14 @@ def main(argv: list[str] | None = None) -> int:
                              f"{os.path.join(ns.out, 'table.md')}")
         if ns.out and not os.path.isdir(os.path.dirname(os.path.abspath(ns.out))):
             raise UsageError(f"--out {ns.out}: folder {os.path.dirname(os.path.abspath(ns.out))} does not exist")
-        for f in ns.folders:  # every folder checked before any is rewritten
+        from harness.protocol.merge import distinct, format_merged
+        for f in ns.folders:  # every folder checked before any is rewritten, the datasets' clash too
             check_run_folder(f)
+        if ns.rebuild:
+            distinct([{"folder": f, **{k: _read_json(f, "config.json").get(k) for k in ("dataset", "temperature")}}
+                      for f in ns.folders])
         for f in ns.folders if ns.rebuild else ():
             rebuild(f)
-        from harness.protocol.merge import distinct, format_merged
         text = format_merged([_load_folder(f) for f in ns.folders], distinct)
         if ns.out:
             atomic_write(ns.out, text)

@@ -1,0 +1,33 @@
+"""The labels a run's numbers carry wherever they are printed (its tables, plots, the merged report, the console):
+what its weights are and what changed how it ran, from its config alone."""
+from __future__ import annotations
+
+import os
+
+RANDOM_MARK = "RANDOM_WEIGHTS.txt"  # written by scripts/make_random_drafter.py and make_random_refiners.py
+
+
+def weights_label(config: dict) -> str | None:
+    """Numbers from random weights or scripted acceptance say so wherever they appear; so do runs of a real target
+    with a drafter or heads that the random-weights scripts made. `config`: config.json or the RunConfig as a dict."""
+    from harness.protocol.presets import timing_label
+    timing = timing_label(config)
+    if timing:
+        return timing
+    paths = (config.get("draft_name_or_path"), config.get("xpress_refiner_path"), config.get("markov_refiner_path"))
+    if any(p and os.path.isfile(os.path.join(p, RANDOM_MARK)) for p in paths):
+        return "random drafter/heads (scripts/make_random_*)"
+    return None
+
+
+def config_labels(config: dict) -> list[str]:
+    """The labels of a run from its config (config.json or the RunConfig as a dict; "resumes": how many times its
+    folder was resumed with decodes already written, harness.protocol.plan.resume_count)."""
+    from harness.protocol.trace import TRACED_LABEL
+    n, weights = config.get("resumes") or 0, weights_label(config)
+    return [text for on, text in (
+        (weights, weights), (config.get("trace"), TRACED_LABEL),
+        (config.get("compat_reference"), "compat (the reference's accounting)"),
+        (config.get("record_logit_gaps"), "logit gaps recorded (a top-2 per step inside the timer)"),
+        (config.get("refine_numerics") == "spyre", "xPress on Spyre's numerics (--refine-numerics spyre)"),
+        (n, f"resumed {n}x: some rounds ran in more than one process (resumes.json)")) if on]
