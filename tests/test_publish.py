@@ -121,7 +121,8 @@ def test_merged_table_labels_and_refuses_a_dataset_twice(tmp_path, capsys):
     b = fake_folder(tmp_path, "b", "gsm8k", (4.0, 6.0), (6.0, 8.0), {6: (7.0, 9.0, 1.7)}, 6)
     assert report.main([a]) == 0
     text = capsys.readouterr().out
-    assert "| random weights / scripted acceptance |" in text.splitlines()[2]
+    assert text.splitlines()[0].startswith("### model=")  # the group's header, also for one group
+    assert "| random weights / scripted acceptance |" in text.splitlines()[4]
     assert "**Labelled: random weights / scripted acceptance**" in text
     assert report.main([a, b]) == 2
     err = capsys.readouterr().err

@@ -266,6 +266,13 @@ def fake_folder(root, name, dataset, d, m, xs, best, labels=(), temperature=0.0)
     return str(folder)
 
 
+def table_lines(text: str) -> list[str]:
+    """The merged report's lines after its one group's header (which names the target, protocol and weights)."""
+    lines = text.splitlines()
+    assert lines[0].startswith("### model=") and "weights=" in lines[0] and lines[1] == "", lines[:2]
+    return lines[2:]
+
+
 def test_merge_cli_builds_the_table_and_recomputes_the_average(tmp_path, capsys):
     a = fake_folder(tmp_path, "a", "gsm8k", (4.0, 6.0), (6.0, 8.0), {4: (6.5, 8.5, 1.6), 6: (7.0, 9.0, 1.7)}, 6)
     b = fake_folder(tmp_path, "b", "math500", (5.0, 7.0), (5.5, 8.5), {7: (6.0, 9.5, 1.2)}, 7)
@@ -273,7 +280,7 @@ def test_merge_cli_builds_the_table_and_recomputes_the_average(tmp_path, capsys)
     assert report.main([a, b, "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert text == out.read_text(encoding="utf-8")
-    lines = text.splitlines()
+    lines = table_lines(text)
     assert lines[0] == ("| benchmark | T | drafter-only Sp. [95% CI] (E2E) / τ (b-e) | Markov Sp. [95% CI] (E2E) / τ "
                         "(b-e) | xPress Sp. [95% CI] (E2E) / τ (b-e) | xPress K | × Gain | prompts | rounds | model | "
                         "device | dtype | flags | labels |")
@@ -292,7 +299,7 @@ def test_merge_cli_averages_each_temperature_on_its_own(tmp_path, capsys):
     b0 = fake_folder(tmp_path, "b0", "math500", (5.0, 7.0), (5.5, 8.5), {7: (6.0, 9.5, 1.2)}, 7)
     a1 = fake_folder(tmp_path, "a1", "gsm8k", (2.0, 3.0), (3.0, 4.0), {6: (3.0, 5.0, 1.1)}, 6, temperature=1.0)
     assert report.main([a0, a1, b0]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = table_lines(capsys.readouterr().out)
     assert [ln.split(" | ")[1] for ln in lines[2:5]] == ["0", "1", "0"]  # rows in the order given
     assert lines[5] == "| **Avg. T=0** | 0 | 4.50× / 6.50 | 5.75× / 8.25 | 6.50× / 9.25 |  | 1.45× |" + "  |" * 7
     assert lines[6] == "| **Avg. T=1** | 1 | 2.00× / 3.00 | 3.00× / 4.00 | 3.00× / 5.00 |  | 1.10× |" + "  |" * 7
@@ -303,7 +310,7 @@ def test_merge_cli_on_a_real_results_folder(tmp_path, summary, capsys):
     report.write_results(tmp_path / "toy", {"dataset": "toy"}, {}, example(), summary)
     capsys.readouterr()
     assert report.main([str(tmp_path / "toy")]) == 0
-    line = capsys.readouterr().out.splitlines()[2]
+    line = table_lines(capsys.readouterr().out)[2]
     sp = summary["arms"]["xPress(K=6)"]["speedup"]
     lo, hi = sp["ci95"]
     x = summary["arms"]["xPress(K=6)"]

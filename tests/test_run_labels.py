@@ -119,7 +119,7 @@ def test_merged_report_groups_mixed_targets_and_keeps_the_flags(tmp_path, capsys
     c = _folder(tmp_path, "c", "gsm8k", "random tiny")
     assert report.main([a, b, c]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("**2 groups of folders with different targets or protocols")
+    assert text.startswith("**2 groups of folders with different targets, protocols or weights")
     sections = text.split("### ")[1:]
     assert len(sections) == 2 and "model=SmolLM2.gguf" in sections[0] and "model=random tiny" in sections[1]
     assert [s.count("| **Avg.** |") for s in sections] == [1, 1]
@@ -141,7 +141,7 @@ def test_merged_report_keeps_kernels_apart(tmp_path, capsys):
     (tmp_path / "b" / "config.json").write_text(json.dumps(cfg))
     assert report.main([a, b]) == 0
     text = capsys.readouterr().out
-    assert text.startswith("**2 groups of folders with different targets or protocols")
+    assert text.startswith("**2 groups of folders with different targets, protocols or weights")
     sections = text.split("### ")[1:]
     assert sorted("kernels=triton batch-invariant" in s.splitlines()[0] for s in sections) == [False, True]
 
@@ -229,3 +229,16 @@ def test_spyre_numerics_are_labelled():
     from harness.protocol.labels import config_labels
     assert "xPress on Spyre's numerics (--refine-numerics spyre)" in config_labels({"refine_numerics": "spyre"})
     assert config_labels({"refine_numerics": "standard"}) == []
+
+
+def test_random_drafter_heads_on_the_real_target_are_never_averaged_with_trained_weights(tmp_path):
+    """The same target and protocol, one run on make_random_* weights: two groups (the merged report averaged them
+    together, its labels column the only trace)."""
+    from harness.protocol import merge
+    random_dir = tmp_path / "random"
+    random_dir.mkdir()
+    (random_dir / "RANDOM_WEIGHTS.txt").write_text("made by scripts/make_random_drafter.py\n")
+    a = {"summary": {}, "config": {"draft_name_or_path": str(random_dir)}, "folder": "a"}
+    b = {"summary": {}, "config": {"draft_name_or_path": str(tmp_path / "trained")}, "folder": "b"}
+    assert len(merge.groups([a, b])) == 2 and len(merge.groups([b, dict(b, folder="c")])) == 1
+    assert dict(merge.group_key(a))["weights"] == "random drafter/heads (scripts/make_random_*)"

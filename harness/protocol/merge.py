@@ -1,7 +1,8 @@
 """The merged report over several results folders (`python -m harness.protocol.report FOLDERS`): folders are
-grouped by their target (model, quantization, device, dtype) and protocol (the kernels, max_new_tokens, the
-reference's accounting, the draft temperature, CUDA graphs, compiling and xPress's top-C), as their config.json /
-summary.json record them (harness.protocol.facts).
+grouped by their target (model, quantization, device, dtype), protocol (the kernels, max_new_tokens, the
+reference's accounting, the draft temperature, CUDA graphs, compiling and xPress's top-C) and weights label, as
+their config.json / summary.json record them (harness.protocol.facts); a group's header names them all, also when
+there is one group.
 Each group gets its own table and its own Avg. rows: folders of different targets or protocols are never averaged
 together. A folder that does not record a fact (summary schema 1/2, config.json without "resolved" dtype) has
 "unknown" there, and groups with the folders that share its known facts and its unknowns.
@@ -16,8 +17,12 @@ GROUP_KEYS = facts.TARGET_KEYS + facts.PROTOCOL_KEYS
 
 
 def group_key(entry: dict) -> tuple:
+    """The target and protocol facts, and the weights' label (random drafter/heads on a real target are not its
+    trained weights, whose runs they would otherwise be averaged with)."""
+    from harness.protocol.labels import weights_label
     run = facts.of(entry["summary"], entry.get("config"))
-    return tuple((k, run[k]) for k in GROUP_KEYS)
+    weights = weights_label(entry.get("config") or {}) or "as given"
+    return tuple((k, run[k]) for k in GROUP_KEYS) + (("weights", weights),)
 
 
 def groups(entries: list[dict]) -> dict[tuple, list[dict]]:
@@ -32,10 +37,8 @@ def format_merged(entries: list[dict], distinct) -> str:
     """One table (format_multi_dataset_table) per group; `distinct` checks each group's entries (one folder per
     dataset and temperature)."""
     parts = groups(entries)
-    if len(parts) == 1:
-        return format_multi_dataset_table(distinct(entries))
-    out = [f"**{len(parts)} groups of folders with different targets or protocols: each is averaged on its own, "
-           "never together.**", ""]
+    out = [] if len(parts) == 1 else [f"**{len(parts)} groups of folders with different targets, protocols or "
+                                      "weights: each is averaged on its own, never together.**", ""]
     for key, members in parts.items():
         out += ["### " + "  ".join(f"{k}={v}" for k, v in key), "", format_multi_dataset_table(distinct(members))]
     return "\n".join(out)
