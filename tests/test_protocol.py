@@ -199,6 +199,7 @@ def bad_jsonl(files, tmp_path):
     ("run_id_up", "--run-id '../escape': must be a plain folder name"),
     ("run_id_absolute", "must be a plain folder name"),
     ("past_positions", "above the target's max_position_embeddings"),
+    ("drafter_only_k", "--drafter-only runs no xPress arm"),
 ])
 def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
@@ -240,6 +241,11 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
                   "top_p_inf": "--top-p=inf"}[case]]
     elif case in ("run_id_up", "run_id_absolute"):  # wrote the run outside --results-dir
         argv += ["--run-id", "../escape" if case == "run_id_up" else str(tmp_path / "abs")]
+    elif case == "drafter_only_k":  # the K list was ignored without a word (the embedded default's heads dropped)
+        for flag in ("--xpress-refiner-path", "--markov-refiner-path"):
+            i = argv.index(flag)
+            del argv[i:i + 2]
+        argv += ["--drafter-only"]
     elif case == "past_positions":  # decoded past the positions the target was trained at, without a word
         argv += ["--max-model-len", "100000"]
     elif case == "scripted_over_block":  # was capped to block - 1 without a word

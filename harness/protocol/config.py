@@ -208,6 +208,8 @@ def validate(c: RunConfig) -> None:
                          "drafter-only arm it runs anyway; give K >= 1 (or --fair-k-list), or drop the xPress head")
     if c.fair and c.drafter_only and (c.xpress_refiner_path or c.markov_refiner_path):
         raise UsageError(drafter_only_conflict(c))
+    if c.drafter_only and "fair_k_list" in c.given:  # it ran AR and drafter-only, the K list ignored
+        raise UsageError("--fair-k-list lists xPress's K, and --drafter-only runs no xPress arm; drop one of them")
     if c.fair and c.ar_only:
         raise UsageError("--ar-only with --fair-interleave: the protocol compares arms; drop one")
     if c.fair_warmup_rounds < 0:
