@@ -94,6 +94,8 @@ def test_markdown_shows_levers_long_prompt_and_profile():
     assert "Drafter-only step, graphed device ms: no PDL: 5.700" in md
     assert "after a 2048-token prompt (ms): AR, attention split: 4.660" in md
     assert "| `_linear_kernel` | 145.0 | 3000.0 |" in md and "gaps 0.500 ms" in md
+    assert "stages from CUDA events" in md  # no device recorded: a GPU run's file, as the committed ones
+    assert "stages from the host clock" in bench_step.markdown({**r, "device": "cpu"})  # the CPU's timer, named
 
 
 def test_long_prompt_leaves_room_in_the_models_context():

@@ -25,7 +25,9 @@ def markdown(r: dict) -> str:
         q = r["ratios"]
         L.append(f"- graphed AR step / roofline: {q['AR_step_over_roofline']:.3f} "
                  f"(/ roofline without embedding: {q['AR_step_over_roofline_read']:.3f})")
-    L += ["", "ms per step. eager: stages from CUDA events on the eager path (host-bound), median over steps. "
+    clock = ("CUDA events" if str(r.get("device", "cuda")).startswith("cuda") else
+             "the host clock (time.perf_counter)")
+    L += ["", f"ms per step. eager: stages from {clock} on the eager path (host-bound), median over steps. "
           "graph: whole-step CUDA graph replay (device) + host gap per step. stage graphs: each stage captured as "
           "its own graph (device time).", "",
           "| arm | eager step | eager draft | eager refine | eager verify | eager accept | eager observe | eager host "
