@@ -387,3 +387,13 @@ def test_a_speedup_ci_from_one_prompt_of_one_round_prints_as_n_a(tmp_path):
         math.isnan(x) for x in s["arms"]["xPress(K=6)"]["speedup"]["ci95"])
     merged = tables.format_multi_dataset_table([{"summary": s, "dataset": "toy", "temperature": 0.0, "folder": "f"}])
     assert "× [CI n/a: 1 unit]" in merged, merged
+
+
+def test_a_sampled_runs_token_match_says_it_is_no_identity_check(summary):
+    """At T > 0 (or with scripted acceptance) the arms' texts differ from AR's by design: the token-match line
+    says so where it prints, not only in a note after it."""
+    from harness.protocol import tables
+    lines = [x for x in tables._notes(summary) if " vs AR" in x and "token match" in x]
+    assert lines and not any("by design" in x for x in lines)
+    sampled = [x for x in tables._notes({**summary, "temperature": 1.0}) if " vs AR" in x and "token match" in x]
+    assert sampled and all("(differ by design, sampled: no identity check)" in x for x in sampled)

@@ -80,7 +80,11 @@ def _notes(summary: dict) -> list[str]:
         if tm:
             div = ", ".join(f"q{d['question_id']}:{'-' if d['position'] is None else d['position']}" + _gaps(d)
                             for d in tm["first_divergence"])
-            lines.append(f"{name} vs {tm['ref']}: token match {_num(tm['token_match_rate'], '.4f')}, "
+            by_design = ("sampled" if divergence.sampled(summary) else "scripted acceptance"
+                         if divergence.scripted(summary) else None)
+            lines.append(f"{name} vs {tm['ref']}" + (f" (differ by design, {by_design}: no identity check)"
+                                                      if by_design else "") +
+                         f": token match {_num(tm['token_match_rate'], '.4f')}, "
                          f"{tm['rows_identical']}/{tm['rows_compared']} outputs identical (every round both ran, "
                          f"warmup included, every turn); first divergence per "
                          f"prompt (turn 0, earliest over rounds; - = none): {div}")
