@@ -241,3 +241,11 @@ def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_pat
         check_resume_weights(str(folder), changed)
     check_resume_weights(str(folder), {**changed, "markov": {**changed["markov"], "scheme": 0}})
     assert cli.main(["--resume", str(folder), "--quiet"]) == 0
+
+
+def test_a_torchrun_runs_resume_command_names_its_processes():
+    """Under torchrun the Ctrl-C hint printed the one-process command, which --resume then refuses (the run's
+    processes must match); it names torchrun and the count now."""
+    assert runner.resume_command("results/r", 2).startswith("torchrun --nproc-per-node 2 ")
+    assert runner.resume_command("results/r").startswith("python3 ") and runner.resume_command("results/r", 1) == \
+        runner.resume_command("results/r")

@@ -180,11 +180,13 @@ def show_progress(bar, r: int, rounds: int, arm: str, qid: int, n: int, rows: li
     bar.update()
 
 
-def resume_command(folder: str) -> str:
+def resume_command(folder: str, world: int = 1) -> str:
+    """The command that continues the run in `folder` (a torchrun run: with its number of processes)."""
     import shlex
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("benchmark_compile_all.py") else \
         "benchmark_compile_all.py"
-    return f"python3 {shlex.quote(script)} --resume {shlex.quote(folder)}"
+    launch = f"torchrun --nproc-per-node {world}" if world > 1 else "python3"
+    return f"{launch} {shlex.quote(script)} --resume {shlex.quote(folder)}"
 
 
 def run(cfg: RunConfig, out=None) -> dict:
@@ -242,7 +244,7 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         return _measure(plan, models, settings, work, order, shard, watch, out)
     except KeyboardInterrupt:
         print(f"[resume] interrupted; the finished decodes are saved in {rows_path}. Continue with:\n"
-              f"  {resume_command(folder)}", file=sys.stderr)
+              f"  {resume_command(folder, shard.world if shard.launched else 1)}", file=sys.stderr)
         raise
 
 
