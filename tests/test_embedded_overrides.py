@@ -76,3 +76,11 @@ def test_a_typed_k_wins_over_the_defaults_k_list(shipped):
     assert got["fair_k_list"] is None and got["fair_interleave"] == setups.EMBEDDED_CPU["fair_interleave"]
     both = applied(["--device", "cpu", "--xpress-refine-passes", "4", "--fair-k-list", "1,3"])
     assert both["fair_k_list"] == "1,3"
+
+
+def test_a_typed_k_list_sizes_the_setups_rounds_to_its_arms(shipped):
+    """--fair-k-list 1,2 on the embedded default adds an arm: the setup's 4 rounds left every K sweep unbalanced
+    (and labelled so); the rounds follow the arms now (warmup + one an arm), unless --fair-interleave is typed."""
+    assert applied(["--device", "cpu"])["fair_interleave"] == setups.EMBEDDED_CPU["fair_interleave"]
+    assert applied(["--device", "cpu", "--fair-k-list", "1,2"])["fair_interleave"] == 0
+    assert applied(["--device", "cpu", "--fair-k-list", "1,2", "--fair-interleave", "4"])["fair_interleave"] == 4

@@ -156,6 +156,8 @@ def apply(values: dict, typed: set[str]) -> dict:
         if key in typed or (key in ENV_OF and ENV_OF[key] in os.environ):
             continue  # typed flags win; a refiner set (or dropped, when empty) through its env variable too
         out[key] = value
+    if "fair_k_list" in typed and "fair_interleave" not in typed and out.get("fair_interleave"):
+        out["fair_interleave"] = 0  # a typed K list changes the arms: the rounds follow them (warmup + one an arm)
     if name == EMBEDDED and not values.get("random_weights") and "model_name_or_path" not in typed:
         check_shipped({key: path for key, path in out.items() if key not in typed})
         from harness.protocol.config import check_results_dir
