@@ -175,7 +175,7 @@ def test_committed_results_folders_still_merge(capsys):
     before = {f: (ROOT / f / "summary.json").read_bytes() for f in folders}
     assert report.main(folders) == 0
     text = capsys.readouterr().out
-    assert "| unknown | unknown |" in text and "SmolLM2-135M-Instruct.Q4_1.gguf" in text
+    assert "| cpu | unknown |" in text and "SmolLM2-135M-Instruct.Q4_1.gguf" in text  # the typed device, no dtype
     assert before == {f: (ROOT / f / "summary.json").read_bytes() for f in folders}
 
 
@@ -242,3 +242,13 @@ def test_random_drafter_heads_on_the_real_target_are_never_averaged_with_trained
     b = {"summary": {}, "config": {"draft_name_or_path": str(tmp_path / "trained")}, "folder": "b"}
     assert len(merge.groups([a, b])) == 2 and len(merge.groups([b, dict(b, folder="c")])) == 1
     assert dict(merge.group_key(a))["weights"] == "random drafter/heads (scripts/make_random_*)"
+
+
+def test_an_old_config_still_names_its_typed_device_and_dtype():
+    """A config.json written before "resolved" recorded the device and dtype: a rebuild said device=unknown where
+    the config holds the typed --device; what the run resolved still wins, and nothing typed stays unknown."""
+    from harness.protocol import facts
+    assert facts.run_facts({"device": "cpu", "dtype": "float32"})["device"] == "cpu"
+    assert facts.run_facts({"device": "cpu", "dtype": "float32"})["dtype"] == "float32"
+    assert facts.run_facts({"device": "cuda", "resolved": {"device": "cuda:1"}})["device"] == "cuda:1"
+    assert facts.run_facts({"device": None})["device"] == facts.UNKNOWN

@@ -51,7 +51,9 @@ def run_facts(config: dict | None) -> dict:
     quant = target.get("quantization", UNKNOWN) if target else UNKNOWN
     return {"model": _name(source) if source else UNKNOWN, "target_source": pick(source),
             "quantization": "none" if target and quant is None else quant,
-            "device": pick(res.get("device")), "dtype": pick(res.get("dtype")), "kernels": kernels_label(config, res),
+            # a config.json written before "resolved" recorded them still holds the device and dtype typed
+            "device": pick(res.get("device"), config.get("device")),
+            "dtype": pick(res.get("dtype"), config.get("dtype")), "kernels": kernels_label(config, res),
             "seed": pick(config.get("seed")), "max_new_tokens": pick(config.get("max_new_tokens")),
             "compat_reference": pick(config.get("compat_reference")),
             "draft_temperature": pick(res.get("draft_temperature"), config.get("draft_temperature"),
