@@ -26,3 +26,13 @@ def test_argparse_refusals_are_one_line(main, argv, says, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("error:") and says in err[0] and "--help" in err[0], err
+
+
+def test_a_cuda_only_tool_says_so_in_one_line_on_the_cpu(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is the CPU's")
+    from harness.lab import ablate_launches
+    assert ablate_launches.main([]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run it on a CUDA GPU" in err[0], err

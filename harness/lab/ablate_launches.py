@@ -2,11 +2,12 @@
 the attention launches (replaced by no-ops: numerically wrong, same shapes), with PDL off and on: upper bounds on
 what fusing them away could save. Random weights / scripted acceptance; CUDA only.
 
-    PYTHONPATH=. python harness/lab/ablate_launches.py
+    python -m harness.lab.ablate_launches
 
 The ablations are Ops subclasses (core.ops): the models run whatever ops they are given. Its numbers in
 NOTES.md were measured at f0e3d68, when PDL also applied to one-row launches."""
 from core.devices import resolve_backend
+from core.errors import Parser, UsageError, cli_exit
 from core.kernels import Launch
 from harness.decode.loop import DecodeSettings
 from core.ops.triton_impl import TritonOps
@@ -51,7 +52,16 @@ def run(m, prompt, settings, label, ops):
     print(f"{label:40s} AR {out[0]:.3f}  drafter-only {out[1]:.3f}", flush=True)
 
 
-def main():
+def main(argv=None) -> int:
+    Parser(prog="python -m harness.lab.ablate_launches", description=__doc__.split("\n\n")[0]).parse_args(argv)
+    return cli_exit(_ablate)
+
+
+def _ablate():
+    import torch
+    if not torch.cuda.is_available():
+        raise UsageError("ablate_launches times CUDA graphs of the Triton kernels at Qwen3-8B's shape: run it on a "
+                         "CUDA GPU (it has no CPU mode)")
     b = resolve_backend("cuda", "bfloat16")
     m = build_random("qwen3-8b", b, block_size=16, capacity=256)
     prompt = _prompt(128, m.target.vocab_size)
@@ -64,4 +74,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
