@@ -167,7 +167,8 @@ def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(files, 
 def test_resume_refuses_other_settings(files, tmp_path, capsys):
     assert cli.main(fair_args(files, tmp_path, "--run-id", "r", "--first-turn-only")) == 0
     assert cli.main(fair_args(files, tmp_path, "--resume", str(tmp_path / "r"), "--max-new-tokens", "11")) == 2
-    assert "other settings" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "other settings (--max-new-tokens); drop those flags" in err and "--resume DIR alone" in err
 
 
 def bad_jsonl(files, tmp_path):

@@ -164,8 +164,9 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
     now = dataclasses.asdict(cfg)
     diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k, ADDED_LATER.get(k)) != now[k])
     if diff:
-        raise UsageError(f"--resume {folder}: the run was started with other settings ({', '.join(diff[:4])}); "
-                         "repeat the original command with --resume")
+        flags = ", ".join(f"--{k.replace('_', '-')}" for k in diff[:4])
+        raise UsageError(f"--resume {folder}: the run was started with other settings ({flags}); drop those flags "
+                         "(its config.json supplies every setting: --resume DIR alone continues it)")
 
 
 def check_unfinished(plan: "RunPlan", folder: str, done: set, qids: list[int], launched: bool) -> None:
