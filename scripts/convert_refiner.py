@@ -125,8 +125,10 @@ def cotrain_dict(ckpt: RefinerCheckpoint) -> dict:
         raise UsageError(f"{ckpt.source}: the xPress mixer is stored folded (mix_L = L*tril + I); a co-training "
                          "checkpoint needs the raw L, which cannot be recovered exactly")
     if not ckpt.draft_state:
-        raise UsageError(f"{ckpt.source}: holds no drafter tensors; a co-training checkpoint needs the co-trained "
-                         "drafter")
+        raise UsageError(f"{ckpt.source}: holds no drafter tensors (a head trained on a frozen drafter, as the "
+                         "shipped heads are); a co-training checkpoint needs the co-trained drafter, so there is "
+                         "nothing to convert: the harness loads this folder as it is (--xpress-refiner-path / "
+                         "--markov-refiner-path)")
     args = argparse.Namespace(markov_rank=ckpt.rank)
     if ckpt.kind == XPRESS:
         ratio = ckpt.mlp_hidden / ckpt.rank

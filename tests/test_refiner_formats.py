@@ -225,3 +225,15 @@ def test_kind_mismatch(tmp_path, drafter, base_dir):
         load_refiner_checkpoint(tmp_path / "ms" / "config.json", "xpress")
 
 
+
+
+def test_a_heads_only_export_says_there_is_nothing_to_convert(tmp_path):
+    """The shipped heads were trained on a frozen drafter: no drafter tensors, so no co-training checkpoint can be
+    made of them; the refusal says the harness loads the folder as it is (it said only what was missing)."""
+    from pathlib import Path
+    shipped = Path(__file__).resolve().parents[1] / "weights" / "smollm2-135m" / "xpress"
+    if not (shipped / "config.json").is_file():
+        pytest.skip("a clone without the shipped weights")
+    with pytest.raises(UsageError, match="nothing to convert: the harness loads this folder as it is"):
+        convert.serving_to_pt(str(shipped), str(tmp_path / "x.pt"))
+    assert not (tmp_path / "x.pt").exists()
