@@ -206,8 +206,10 @@ def test_killed_rank_loses_only_its_prompt_and_resumes_without_duplicates(data, 
         assert len(keys(rows)) == len(set(keys(rows)))  # nothing decoded twice
     assert json.loads((folder / "summary.json").read_text())["duplicate_rows_dropped"] == 0
     traced = how == "--resume"  # rows decoded with --trace: the run says so (its tables are otherwise the same)
-    assert ("traced" in (folder / "table.md").read_text().splitlines()[0]) == traced
-    assert_same_run(folder, single["1"], same_labels=not traced)
+    first = (folder / "table.md").read_text().splitlines()[0]
+    # both continue the run in new processes (each rank's resumes.rank{r}.json): its rounds span processes, said so
+    assert ("traced" in first) == traced and "resumed 1x" in first
+    assert_same_run(folder, single["1"], same_labels=False)
     check_compare(folder, single["1"])
 
 

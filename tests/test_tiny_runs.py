@@ -175,8 +175,9 @@ def test_speedup_error_bars_are_the_ci(monkeypatch, tmp_path):
     arm = lambda name, method, K, sp: {"arm": name, "method": method, "K": K, "tau_per_step": 2.0, "per_position": [],
                                        "speedup": sp}
     summary = {"temperature": 0.0, "prompts": 3, "rounds": {"measured": [2]}, "reference_arm": "AR",
-               "label": "random weights", "arms": {"AR": arm("AR", "ar", None, {"mean": 1.0, "ci95": [1.0, 1.0]}),
-                        "xPress(K=4)": arm("xPress(K=4)", "xpress", 4, {"mean": 1.5, "ci95": [1.2, 1.9]})}}
+               "label": "random weights", "arms": {"AR": arm("AR", "ar", None, {"value": 1.0, "ci95": [1.0, 1.0]}),
+                        "xPress(K=4)": arm("xPress(K=4)", "xpress", 4, {"value": 1.5, "mean": 1.4,
+                                                                        "ci95": [1.2, 1.9]})}}
     plots.write_plots(tmp_path, summary, "gsm8k")
     speed = seen[2].axes[0]
     assert "[random weights]" in speed.get_title() and "1 measured round" in speed.get_title()
