@@ -70,7 +70,7 @@ def test_a_run_from_before_the_flag_still_resumes(tmp_path):
     old = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "batch_invariant"}
     (tmp_path / "config.json").write_text(json.dumps(old))
     check_resume(cfg, str(tmp_path))
-    with pytest.raises(UsageError, match="batch_invariant"):
+    with pytest.raises(UsageError, match="--batch-invariant"):
         check_resume(dataclasses.replace(cfg, kernels="triton", batch_invariant=True), str(tmp_path))
 
 
