@@ -54,7 +54,8 @@ if [[ " ${EXTRA_ARGS:-} " != *" --random-weights "* ]]; then
   [ -n "${XPRESS_CKPT:-}" ] && args+=(--xpress-refiner-path "$XPRESS_CKPT")
   [ -n "${MK_CKPT:-}" ] && args+=(--markov-refiner-path "$MK_CKPT")
 fi
-[ -n "${K_LIST:-}" ] && args+=(--fair-k-list "$K_LIST")
+# --drafter-only runs no xPress arm, and a K list beside it is refused: the script's own default K list is left out
+[ -n "${K_LIST:-}" ] && [[ " ${EXTRA_ARGS:-} " != *" --drafter-only "* ]] && args+=(--fair-k-list "$K_LIST")
 [ -n "${DATA_DIR:-}" ] && args+=(--data-dir "$DATA_DIR")
 [ -n "${MAX_SAMPLES:-}" ] && args+=(--max-samples "$MAX_SAMPLES")
 [ -n "${MAX_NEW_TOKENS:-}" ] && args+=(--max-new-tokens "$MAX_NEW_TOKENS")

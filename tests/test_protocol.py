@@ -152,16 +152,22 @@ def test_a_run_stopped_while_its_plots_are_drawn_resumes_and_finishes(files, tmp
     assert (folder / "summary.json").is_file() and list(folder.glob("*.png"))
 
 
-def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(files, tmp_path, capsys):
+def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(files, tmp_path, capsys, monkeypatch):
     from harness.protocol import report
     for run in ("a", "b"):
         assert cli.main(fair_args(files, tmp_path, "--run-id", run)) == 0
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     capsys.readouterr()
+    rebuilt = []
+    monkeypatch.setattr(report, "rebuild", lambda f: rebuilt.append(f))  # a rebuild before the check shows here
     assert report.main(["--rebuild", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "are both mini at T=0" in err[0], err
-    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert rebuilt == [] and {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    monkeypatch.undo()
+    for png in (tmp_path / "a").glob("*.png"):  # --rebuild draws the plots again, as the run did
+        png.unlink()
+    assert report.main(["--rebuild", str(tmp_path / "a")]) == 0 and list((tmp_path / "a").glob("*.png"))
 
 
 def test_resume_refuses_other_settings(files, tmp_path, capsys):

@@ -118,7 +118,8 @@ def test_labels_in_tables_csv_and_plot_titles(tmp_path, monkeypatch):
 def test_merged_table_labels_and_refuses_a_dataset_twice(tmp_path, capsys):
     a = fake_folder(tmp_path, "a", "gsm8k", (4.0, 6.0), (6.0, 8.0), {6: (7.0, 9.0, 1.7)}, 6,
                     labels=["random weights / scripted acceptance"])
-    b = fake_folder(tmp_path, "b", "gsm8k", (4.0, 6.0), (6.0, 8.0), {6: (7.0, 9.0, 1.7)}, 6)
+    b = fake_folder(tmp_path, "b", "gsm8k", (4.0, 6.0), (6.0, 8.0), {6: (7.0, 9.0, 1.7)}, 6,
+                    labels=["random weights / scripted acceptance"])  # one group with a: a dataset twice
     assert report.main([a]) == 0
     text = capsys.readouterr().out
     assert text.splitlines()[0].startswith("### model=")  # the group's header, also for one group

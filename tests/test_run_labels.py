@@ -242,6 +242,10 @@ def test_random_drafter_heads_on_the_real_target_are_never_averaged_with_trained
     b = {"summary": {}, "config": {"draft_name_or_path": str(tmp_path / "trained")}, "folder": "b"}
     assert len(merge.groups([a, b])) == 2 and len(merge.groups([b, dict(b, folder="c")])) == 1
     assert dict(merge.group_key(a))["weights"] == "random drafter/heads (scripts/make_random_*)"
+    # what the run recorded decides, not the disk at report time (the random folder deleted, or another machine)
+    recorded = dict(a, summary={"labels": ["random drafter/heads (scripts/make_random_*)"]})
+    (random_dir / "RANDOM_WEIGHTS.txt").unlink()
+    assert len(merge.groups([recorded, dict(b, summary={"labels": []})])) == 2
 
 
 def test_an_old_config_still_names_its_typed_device_and_dtype():
@@ -252,3 +256,16 @@ def test_an_old_config_still_names_its_typed_device_and_dtype():
     assert facts.run_facts({"device": "cpu", "dtype": "float32"})["dtype"] == "float32"
     assert facts.run_facts({"device": "cuda", "resolved": {"device": "cuda:1"}})["device"] == "cuda:1"
     assert facts.run_facts({"device": None})["device"] == facts.UNKNOWN
+    assert facts.run_facts({"dtype": "bf16"})["dtype"] == "bfloat16"  # as a resolved run records it: one group
+
+
+def test_a_resume_that_reused_every_decode_is_no_resumed_run(tmp_path):
+    """A run stopped while it wrote its report resumes without decoding anything: no round spans two processes,
+    so its tables are not labelled resumed; a resume that reused part of the decodes is."""
+    import json
+    from harness.protocol.plan import resume_count
+    entry = {"time_utc": "t", "time_unix": 0, "reused_decodes": 90, "total_decodes": 90}
+    (tmp_path / "resumes.json").write_text(json.dumps([entry]))
+    assert resume_count(str(tmp_path)) == 0
+    (tmp_path / "resumes.json").write_text(json.dumps([entry, dict(entry, reused_decodes=40)]))
+    assert resume_count(str(tmp_path)) == 1

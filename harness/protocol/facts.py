@@ -38,6 +38,9 @@ def kernels_label(config: dict, resolved: dict) -> str:
     return f"{kernels} (near-equal)" if kernels == "torch" and device.startswith("cuda") else kernels
 
 
+ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's short names, as a run resolves them
+
+
 def run_facts(config: dict | None) -> dict:
     """{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, compat_reference,
     draft_temperature, scripted_accept, cuda_graphs, compiled, xpress_topc} from config.json (its "resolved"
@@ -53,7 +56,8 @@ def run_facts(config: dict | None) -> dict:
             "quantization": "none" if target and quant is None else quant,
             # a config.json written before "resolved" recorded them still holds the device and dtype typed
             "device": pick(res.get("device"), config.get("device")),
-            "dtype": pick(res.get("dtype"), config.get("dtype")), "kernels": kernels_label(config, res),
+            "dtype": pick(res.get("dtype"), ALIASES.get(config.get("dtype"), config.get("dtype"))),
+            "kernels": kernels_label(config, res),
             "seed": pick(config.get("seed")), "max_new_tokens": pick(config.get("max_new_tokens")),
             "compat_reference": pick(config.get("compat_reference")),
             "draft_temperature": pick(res.get("draft_temperature"), config.get("draft_temperature"),

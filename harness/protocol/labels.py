@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+RANDOM_HEADS = "random drafter/heads (scripts/make_random_*)"
+WEIGHTS_PREFIXES = ("random weights", "scripted acceptance", RANDOM_HEADS)  # weights_label's texts
 RANDOM_MARK = "RANDOM_WEIGHTS.txt"  # written by scripts/make_random_drafter.py and make_random_refiners.py
 
 
@@ -16,7 +18,7 @@ def weights_label(config: dict) -> str | None:
         return timing
     paths = (config.get("draft_name_or_path"), config.get("xpress_refiner_path"), config.get("markov_refiner_path"))
     if any(p and os.path.isfile(os.path.join(p, RANDOM_MARK)) for p in paths):
-        return "random drafter/heads (scripts/make_random_*)"
+        return RANDOM_HEADS
     return None
 
 
@@ -31,3 +33,13 @@ def config_labels(config: dict) -> list[str]:
         (config.get("record_logit_gaps"), "logit gaps recorded (a top-2 per step inside the timer)"),
         (config.get("refine_numerics") == "spyre", "xPress on Spyre's numerics (--refine-numerics spyre)"),
         (n, f"resumed {n}x: some rounds ran in more than one process (resumes.json)")) if on]
+
+
+def recorded_weights(summary: dict, config: dict) -> str | None:
+    """The weights label a run recorded in its summary (its labels, written when it ran), else, for a summary
+    from before the labels, what its config says now (weights_label reads the disk: a folder moved or deleted
+    since reads as trained weights)."""
+    if "labels" not in summary and "label" not in summary:
+        return weights_label(config)
+    from harness.protocol.tables import run_labels
+    return next((x for x in run_labels(summary) if x.startswith(WEIGHTS_PREFIXES)), None)

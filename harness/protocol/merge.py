@@ -19,9 +19,9 @@ GROUP_KEYS = facts.TARGET_KEYS + facts.PROTOCOL_KEYS
 def group_key(entry: dict) -> tuple:
     """The target and protocol facts, and the weights' label (random drafter/heads on a real target are not its
     trained weights, whose runs they would otherwise be averaged with)."""
-    from harness.protocol.labels import weights_label
+    from harness.protocol.labels import recorded_weights
     run = facts.of(entry["summary"], entry.get("config"))
-    weights = weights_label(entry.get("config") or {}) or "as given"
+    weights = recorded_weights(entry["summary"], entry.get("config") or {}) or "as given"
     return tuple((k, run[k]) for k in GROUP_KEYS) + (("weights", weights),)
 
 

@@ -222,6 +222,7 @@ def resume_count(folder: str) -> int:
             entries = json.loads(open(os.path.join(folder, name), encoding="utf-8").read())
         except (FileNotFoundError, NotADirectoryError, ValueError):
             continue
-        if isinstance(entries, list):
-            counts.append(sum(1 for e in entries if isinstance(e, dict) and e.get("reused_decodes")))
+        if isinstance(entries, list):  # a resume that reused every decode ran none: no round spans processes
+            counts.append(sum(1 for e in entries if isinstance(e, dict) and e.get("reused_decodes") and
+                              e.get("reused_decodes") != e.get("total_decodes")))
     return max(counts)

@@ -75,7 +75,7 @@ def _ci(s: dict) -> tuple[float, float, float] | None:
     statistic's 95% CI (zero-width when there is none). The mean over rounds is another statistic, which the CI
     does not belong to: the plots drew it with these bars, and it disagreed with the table."""
     sp = s.get("speedup") or {}
-    value = sp.get("value", sp.get("median"))
+    value = sp.get("value", sp.get("ci_point", sp.get("median")))  # older summaries: the point their CI is about
     if value is None or not math.isfinite(value):
         return None
     lo, hi = (sp.get("ci95") or [None, None])

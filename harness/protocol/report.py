@@ -339,6 +339,15 @@ def rebuild(folder: str) -> dict:
     return summary
 
 
+def _entry(folder: str) -> dict:
+    """A folder as the merge sees it, from its config.json and (an interrupted run has none) its summary.json."""
+    config = _read_json(folder, "config.json")
+    summary = _read_json(folder, "summary.json") if (Path(folder) / "summary.json").is_file() else {}
+    t = summary.get("temperature", config.get("temperature"))
+    return {"folder": folder, "dataset": summary.get("dataset") or config.get("dataset"),
+            "temperature": float("nan") if t is None else t, "summary": summary, "config": config}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m harness.protocol.report", description="One table over several results folders "
                "(rows = datasets), one per target and protocol (harness.protocol.merge).")
@@ -358,9 +367,10 @@ def main(argv: list[str] | None = None) -> int:
         from harness.protocol.merge import distinct, format_merged
         for f in ns.folders:  # every folder checked before any is rewritten, the datasets' clash too
             check_run_folder(f)
-        if ns.rebuild:
-            distinct([{"folder": f, **{k: _read_json(f, "config.json").get(k) for k in ("dataset", "temperature")}}
-                      for f in ns.folders])
+        if ns.rebuild:  # the merge's own check, per group, on what the folders hold before they are rebuilt
+            from harness.protocol.merge import groups
+            for members in groups([_entry(f) for f in ns.folders]).values():
+                distinct(members)
         for f in ns.folders if ns.rebuild else ():
             rebuild(f)
         text = format_merged([_load_folder(f) for f in ns.folders], distinct)

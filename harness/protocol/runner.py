@@ -180,12 +180,12 @@ def show_progress(bar, r: int, rounds: int, arm: str, qid: int, n: int, rows: li
     bar.update()
 
 
-def resume_command(folder: str, world: int = 1) -> str:
-    """The command that continues the run in `folder` (a torchrun run: with its number of processes)."""
+def resume_command(folder: str, world: int = 0) -> str:
+    """The command that continues the run in `folder` (world: a torchrun run's process count, 0 for none)."""
     import shlex
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith("benchmark_compile_all.py") else \
         "benchmark_compile_all.py"
-    launch = f"torchrun --nproc-per-node {world}" if world > 1 else "python3"
+    launch = f"torchrun --nproc-per-node {world}" if world else "python3"
     return f"{launch} {shlex.quote(script)} --resume {shlex.quote(folder)}"
 
 
@@ -244,7 +244,7 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
         return _measure(plan, models, settings, work, order, shard, watch, out)
     except KeyboardInterrupt:
         print(f"[resume] interrupted; the finished decodes are saved in {rows_path}. Continue with:\n"
-              f"  {resume_command(folder, shard.world if shard.launched else 1)}", file=sys.stderr)
+              f"  {resume_command(folder, shard.world if shard.launched else 0)}", file=sys.stderr)
         raise
 
 
@@ -372,16 +372,16 @@ def _report(plan: RunPlan, models: Models, work: Work, order, shard, watch, out)
     if fallbacks:
         from core.ops.triton_impl import fallback_note
         print(f"[kernels] {fallback_note(target.ops)}", file=out)
+    if cfg.answer_file:  # before the results folder, whose summary.json (written last) marks the run finished
+        from harness.protocol.answers import write_answer_files
+        for path, n in write_answer_files(cfg, rows, work.samples, models.tokenizer, models.arms):
+            print(f"Saved answer file with {n} samples to {path}", file=out)
     report.write_results(folder, saved_config, rank_report.environment(environment(exclude=[folder]), shard), rows,
                          summary, out)
     print(f"[results] {folder}", file=out)
     from harness.decode.state import graph_stats
     if graph_stats(target):
         print(f"[graphs] whole-step CUDA graphs: {graph_stats(target)}", file=out)
-    if cfg.answer_file:
-        from harness.protocol.answers import write_answer_files
-        for path, n in write_answer_files(cfg, rows, work.samples, models.tokenizer, models.arms):
-            print(f"Saved answer file with {n} samples to {path}", file=out)
     return summary
 
 
