@@ -128,3 +128,17 @@ def test_the_answer_file_help_names_the_files_a_paired_run_writes(tmp_path):
                                                 None, arms)]
     assert [os.path.basename(p) for p in written] == ["answers.drafter-only.jsonl", "answers.xpress-k-2.jsonl"]
     assert not f.exists()
+
+
+def test_answer_files_are_written_before_the_summary_that_marks_the_run_finished(files, tmp_path, monkeypatch):
+    """summary.json is the run's last file (--resume refuses a folder that has one): an interruption while the
+    results folder is written leaves the answers written already, and no summary, so the run can still resume."""
+    from harness.protocol import report, runner
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(report, "write_results", stop)
+    answers = tmp_path / "answers.jsonl"
+    assert cli.main(args(files, "--answer-file", str(answers), "--run-id", "ans")) == 130
+    assert answers.is_file() and not (files / "results" / "ans" / "summary.json").exists()
+    assert runner.report is report  # the runner writes through the module patched here
