@@ -341,7 +341,8 @@ def run(a) -> int:
         r = measure(a.total_seq_len, a.max_anchors, Path(a.workdir), given)
         runs[name] = {**r, **summary(r["phases"])}
         print(f"{name}: share of the step's kernel ops (a count, not time) by phase "
-              f"{json.dumps(runs[name]['kernel_share'])}; host syncs per step (counted) {runs[name]['syncs_per_step_counted']} (CPU, random weights)", flush=True)
+              f"{json.dumps(runs[name]['kernel_share'])}; host syncs per step (counted) "
+              f"{runs[name]['syncs_per_step_counted']} (CPU, random weights)", flush=True)
     rec = {"what": __doc__.strip().split("\n\n")[0], "how": __doc__.strip().split("\n\n", 1)[1],
            "shapes": {"target": "SmolLM2-135M config, random weights, bf16", "drafter": "smollm2-gpu.json drafter "
                       "(5 layers, block 16), eager attention, bf16 autocast", "total_seq_len": a.total_seq_len,

@@ -118,8 +118,13 @@ def prec(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-after_previous = None  # without Triton: every module here still imports (its kernels are never launched)
+after_previous = rounded = None  # without Triton: every module here still imports (its kernels are never launched)
 if triton is not None:
+    @triton.jit
+    def rounded(x, dt: tl.constexpr):
+        """x rounded to dt and back to fp32: where a torch op would have written its output in the model's dtype."""
+        return x.to(dt).to(tl.float32)
+
     @triton.jit
     def after_previous(PDL: tl.constexpr):
         """With programmatic dependent launch this launch may start while the one before it drains: wait for it

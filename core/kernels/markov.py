@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, triton, tl
+from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, rounded, triton, tl
 
 MAX_RANK = 512
 
@@ -46,8 +46,8 @@ if triton is not None:
             w = tl.load(g_ptr + o[:, None] * s_g + H + ks[None, :], mask=ook[:, None] & kok[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         b = tl.load(b_ptr + o, mask=ook, other=0.0).to(tl.float32)
-        gate = (acc + b).to(dt).to(tl.float32)
-        keep = (1.0 / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        gate = rounded(acc + b, dt)
+        keep = rounded(1.0 / (1.0 + tl.exp(-gate)), dt)
         e = tl.load(w1_ptr + prev * s_w1 + o, mask=ook, other=0.0).to(tl.float32)
         tl.store(z_ptr + o, (keep * e).to(dt), mask=ook)
 

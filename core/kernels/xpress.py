@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, prec, triton, tl
+from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, prec, rounded, triton, tl
 
 MAX_BLOCK = 32   # slots: the mix loops over them, and every slot's row stays in registers
 MAX_RANK = 256   # r: three [block, r] fp32 blocks and a weight tile live in one program's registers
@@ -29,10 +29,6 @@ def fits(block: int, rank: int, hidden: int) -> bool:
 
 
 if triton is not None:
-    @triton.jit
-    def _round(x, dt: tl.constexpr):
-        return x.to(dt).to(tl.float32)
-
     @triton.jit
     def _latent_kernel(cache_ptr, prev_ptr, w1_ptr, wt_ptr, m_ptr, g_ptr, u_ptr, d_ptr, z_ptr, B, R, H,
                        s_cache, s_prev, s_w1, s_wt, s_g, s_u, s_d, s_z, PDL: tl.constexpr, PREC: tl.constexpr,
@@ -53,7 +49,7 @@ if triton is not None:
             wt = tl.load(wt_ptr + cols[None, :] * s_wt + ks[:, None], mask=kok[:, None] & cok[None, :], other=0.0)
             lin += tl.dot(e, wt, input_precision=PREC)
         cache = tl.load(cache_ptr + rows[:, None] * s_cache + cols[None, :], mask=both, other=0.0).to(tl.float32)
-        x = _round(cache + _round(lin, dt), dt)
+        x = rounded(cache + rounded(lin, dt), dt)
         # y[k, c] = sum_j M[c, k, j] x[j, c]: slot j's row picked out of the block, times M's column j of every
         # channel (a folded M holds the identity; a raw L is masked to j <= k and x added after, rounded once more)
         y = tl.zeros((BP, RP), dtype=tl.float32)
@@ -62,9 +58,9 @@ if triton is not None:
             live = both & (rows[:, None] >= j) if RAW else both
             mj = tl.load(m_ptr + cols[None, :] * B * B + rows[:, None] * B + j, mask=live, other=0.0)
             y += mj.to(tl.float32) * xj[None, :]
-        y = _round(y, dt)
+        y = rounded(y, dt)
         if RAW:
-            y = _round(x + y, dt)
+            y = rounded(x + y, dt)
         yd = y.to(dt)
         # z = y + down(silu(gate(y)) * up(y)), over the hidden width in chunks of BH
         acc = tl.zeros((BP, RP), dtype=tl.float32)
@@ -74,13 +70,13 @@ if triton is not None:
             wmask = cok[:, None] & hok[None, :]
             wg = tl.load(g_ptr + hs[None, :] * s_g + cols[:, None], mask=wmask, other=0.0)
             wu = tl.load(u_ptr + hs[None, :] * s_u + cols[:, None], mask=wmask, other=0.0)
-            ga = _round(tl.dot(yd, wg, input_precision=PREC), dt)
-            up = _round(tl.dot(yd, wu, input_precision=PREC), dt)
-            act = _round(ga / (1.0 + tl.exp(-ga)), dt)
+            ga = rounded(tl.dot(yd, wg, input_precision=PREC), dt)
+            up = rounded(tl.dot(yd, wu, input_precision=PREC), dt)
+            act = rounded(ga / (1.0 + tl.exp(-ga)), dt)
             a = (act * up).to(dt)
             wd = tl.load(d_ptr + cols[None, :] * s_d + hs[:, None], mask=hok[:, None] & cok[None, :], other=0.0)
             acc += tl.dot(a, wd, input_precision=PREC)
-        z = (y + _round(acc, dt)).to(dt)
+        z = (y + rounded(acc, dt)).to(dt)
         tl.store(z_ptr + (rows[:, None] - 1) * s_z + cols[None, :], z, mask=both & (rows[:, None] >= 1))
 
 

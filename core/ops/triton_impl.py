@@ -102,8 +102,17 @@ class TritonOps(Ops):
         return self._uncompiled("linear", _kernel_linear)(x, w, norm=norm, eps=eps, gated=act is not None,
                                                           residual=residual, argmax=argmax, launch=self.launch)
 
+    def _misfit(self, check, head, dtype) -> str | None:
+        """check(head, dtype)'s verdict, once per (head, dtype): a refinement asks it every pass or slot, and the
+        walk over the head's parameters is host time on the eager step."""
+        key = ("misfit", check, id(head), dtype)
+        held = self._outside.get(key)
+        if held is None or held[0] is not head:  # (the head is held, so its id is not reused while cached)
+            held = self._outside[key] = (head, check(head, dtype))
+        return held[1]
+
     def xpress_latent(self, head, cache, prev):
-        why = _latent_misfit(head, cache)
+        why = self._misfit(_latent_misfit, head, cache.dtype)
         if why is not None:
             self.fallbacks["xpress latent", why] += 1
             return head.latent(cache, prev)
@@ -115,9 +124,7 @@ class TritonOps(Ops):
     def markov_latent(self, head, prev, h, state):
         if head.variant == "vanilla":  # its latent is the embedding row itself: nothing to fuse
             return head.latent(prev, h, state)
-        why = ("the rnn variant" if head.variant != "gated" else f"rank {head.rank}" if not
-               kernels.markov_fits(head.rank) else "mixed dtypes" if any(p.dtype != h.dtype for p in head.parameters())
-               else None)
+        why = self._misfit(_markov_misfit, head, h.dtype)
         if why is not None:
             self.fallbacks["markov latent", why] += 1
             return head.latent(prev, h, state)
@@ -197,15 +204,26 @@ def _linear_misfit(x, w, bias, act, residual) -> str | None:
     return None
 
 
-def _latent_misfit(head, cache) -> str | None:
+def _latent_misfit(head, dtype) -> str | None:
     """Why kernels.xpress_latent cannot take this head's pass (None: it can)."""
     hidden = head.mlp.gate_proj.weight.shape[0]
     if not kernels.xpress_fits(head.block, head.rank, hidden):
         return f"block {head.block}, rank {head.rank}, MLP hidden {hidden}"
-    if any(p.dtype != cache.dtype for p in head.parameters()):
+    if any(p.dtype != dtype for p in head.parameters()):
         return "mixed dtypes"
     if not head.mix.L.is_contiguous():
         return "a mixer that is not contiguous"
+    return None
+
+
+def _markov_misfit(head, dtype) -> str | None:
+    """Why kernels.markov_gated_latent cannot take this head's step (None: it can)."""
+    if head.variant != "gated":
+        return f"the {head.variant} variant"
+    if not kernels.markov_fits(head.rank):
+        return f"rank {head.rank}"
+    if any(p.dtype != dtype for p in head.parameters()):
+        return "mixed dtypes"
     return None
 
 

@@ -38,9 +38,6 @@ def kernels_label(config: dict, resolved: dict) -> str:
     return f"{kernels} (near-equal)" if kernels == "torch" and device.startswith("cuda") else kernels
 
 
-ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype's short names, as a run resolves them
-
-
 def run_facts(config: dict | None) -> dict:
     """{model, target_source, quantization, device, dtype, kernels, seed, max_new_tokens, compat_reference,
     draft_temperature, scripted_accept, cuda_graphs, compiled, xpress_topc} from config.json (its "resolved"
@@ -56,7 +53,7 @@ def run_facts(config: dict | None) -> dict:
             "quantization": "none" if target and quant is None else quant,
             # a config.json written before "resolved" recorded them still holds the device and dtype typed
             "device": pick(res.get("device"), config.get("device")),
-            "dtype": pick(res.get("dtype"), ALIASES.get(config.get("dtype"), config.get("dtype"))),
+            "dtype": pick(res.get("dtype"), _dtype_name(config.get("dtype"))),
             "kernels": kernels_label(config, res),
             "seed": pick(config.get("seed")), "max_new_tokens": pick(config.get("max_new_tokens")),
             "compat_reference": pick(config.get("compat_reference")),
@@ -64,6 +61,12 @@ def run_facts(config: dict | None) -> dict:
                                       config.get("temperature")),  # untyped (null): the decode ran at T
             "scripted_accept": config.get("scripted_accept"), "cuda_graphs": pick(config.get("use_graph")),
             "compiled": _compiled(config), "xpress_topc": pick(res.get("xpress_topc"), config.get("xpress_topc"))}
+
+
+def _dtype_name(typed: str | None) -> str | None:
+    """A typed --dtype (bf16, fp32, ...) as a run resolves it (bfloat16, float32: core.devices.DTYPES)."""
+    from core.devices import DTYPES
+    return str(DTYPES[typed]).replace("torch.", "") if typed in DTYPES else typed
 
 
 def _compiled(config: dict) -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 RANDOM_HEADS = "random drafter/heads (scripts/make_random_*)"
-WEIGHTS_PREFIXES = ("random weights", "scripted acceptance", RANDOM_HEADS)  # weights_label's texts
 RANDOM_MARK = "RANDOM_WEIGHTS.txt"  # written by scripts/make_random_drafter.py and make_random_refiners.py
 
 
@@ -41,5 +40,7 @@ def recorded_weights(summary: dict, config: dict) -> str | None:
     since reads as trained weights)."""
     if "labels" not in summary and "label" not in summary:
         return weights_label(config)
+    from harness.protocol.presets import RANDOM_LABEL, RANDOM_ONLY_LABEL, SCRIPTED_LABEL
     from harness.protocol.tables import run_labels
-    return next((x for x in run_labels(summary) if x.startswith(WEIGHTS_PREFIXES)), None)
+    texts = (RANDOM_LABEL, RANDOM_ONLY_LABEL, SCRIPTED_LABEL, RANDOM_HEADS)  # what weights_label writes
+    return next((x for x in run_labels(summary) if x in texts), None)
