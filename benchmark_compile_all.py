@@ -28,4 +28,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from harness.protocol.distributed import leave
+    leave(code)  # a rank of torchrun / accelerate launch ends here, without the interpreter's finalization
+    sys.exit(code)

@@ -264,3 +264,34 @@ def test_close_meets_at_a_barrier_only_past_the_merge(monkeypatch):
     calls.clear()
     Shard(rank=1, world=2, launched=True, _group=True).close()
     assert calls == ["destroy"]
+
+
+LEAVE = """import atexit, sys
+sys.path.insert(0, {root!r})
+from harness.protocol.distributed import leave
+atexit.register(lambda: print("finalized"))
+print("rows written", end="")  # unflushed on a pipe: leave flushes it
+leave(3)
+print(" and returned")
+sys.exit(0)
+"""
+
+
+@pytest.mark.parametrize("launched", [True, False])
+def test_a_launched_rank_leaves_without_finalization(launched):
+    """distributed.leave: a rank of torchrun or accelerate ends at once with the run's exit code, its output
+    flushed, the interpreter's finalization (where a gloo thread's late GIL request once aborted a finished rank)
+    skipped, here shown by an atexit handler that never runs; a plain process returns and exits as usual.
+    benchmark_compile_all's __main__ calls it. Power: a leave that did nothing, or exited 0, or lost the unflushed
+    line, fails the launched case; one that left a plain process fails the other."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    if launched:
+        env.update(RANK="1", WORLD_SIZE="2")
+    proc = subprocess.run([sys.executable, "-c", LEAVE.format(root=str(ROOT))], env=env, capture_output=True,
+                          text=True, timeout=60)
+    if launched:
+        assert (proc.returncode, proc.stdout) == (3, "rows written"), proc
+    else:
+        assert (proc.returncode, proc.stdout) == (0, "rows written and returned\nfinalized\n"), proc
+    main_block = (ROOT / "benchmark_compile_all.py").read_text().split('if __name__ == "__main__":')[1]
+    assert "leave(code)" in main_block and main_block.index("leave(code)") < main_block.index("sys.exit(code)")
