@@ -2,7 +2,8 @@
 (XPressHead.latent) within the dtype's rounding, at the shipped geometry and at odd ones, folded or raw mixer;
 TritonOps runs it (one launch a pass) and hands a head too large for one program to the torch modules, counted; the
 refiner's greedy drafts on the Triton ops are the torch ops'. Triton's CPU interpreter here (fp32, and fp16, whose
-roundings check the kernel's rounding points), compiled kernels on a GPU (bf16 too).
+roundings check the kernel's rounding points), compiled kernels on a GPU (bf16 too; fp32 there is refused, as
+wrong results were measured: kernels.xpress.refused).
 
 Power: the random heads' parts are of comparable size (std 0.2, mixer 0.3), so dropping the MLP, the mix or the
 token half, or silu for relu, moves outputs by far more than the half-precision tolerance (8 ulps of the largest
@@ -19,6 +20,13 @@ from tolerance import assert_close
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV.type == "cuda" else [])
 STEPS = 4  # fp32: the sums of the matmuls and the mix, in another order than the torch ops
+# the dtype of the tests below that need the kernel: fp32 in the interpreter; on a GPU, where fp32 is refused
+# (kernels.xpress.refused), fp16, whose outputs are within 1 ulp of the torch modules'
+KDT = torch.float32 if DEV.type == "cpu" else torch.float16
+
+
+def steps(dtype: torch.dtype) -> int:
+    return STEPS if dtype == torch.float32 else 1
 
 
 def _case(block, rank, mlp, dtype, vocab=300, hidden=48, seed=0, folded=True):
@@ -38,15 +46,38 @@ def test_the_fused_latent_is_the_heads_own(dtype, folded, block, rank, mlp):
     head, cache, prev = _case(block, rank, mlp, dtype, folded=folded)
     want = head.latent(cache, prev)
     m = head.mlp
-    got = kernels.xpress_latent(cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * rank:], head.mix.L,
-                                m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight, folded=folded)
+    args = (cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * rank:], head.mix.L, m.gate_proj.weight,
+            m.up_proj.weight, m.down_proj.weight)
+    if kernels.xpress_refused(dtype, DEV) is not None:  # fp32 on a GPU: refused, never a wrong latent
+        with pytest.raises(ValueError, match="fp32 on a GPU is not taken"):
+            kernels.xpress_latent(*args, folded=folded)
+        return
+    got = kernels.xpress_latent(*args, folded=folded)
     assert got.shape == (block - 1, rank) and got.dtype == dtype
-    assert_close(got, want, steps=STEPS if dtype == torch.float32 else 1)
+    assert_close(got, want, steps=steps(dtype))
+
+
+def test_fp32_heads_on_a_gpu_run_on_the_torch_ops(monkeypatch):
+    """The compiled kernel gave wrong fp32 latents on an H100 (kernels.xpress.refused): TritonOps hands an fp32
+    head on a GPU to the torch modules, counted, and takes it wherever the kernel is trusted (the interpreter
+    here; half precision everywhere). Power: without the refusal the GPU case calls the kernel and has no
+    fallback; a refusal of every fp32 head fails the CPU case."""
+    from core.ops import triton_impl
+    assert kernels.xpress_refused(torch.float32, torch.device("cuda")) == "fp32 on a GPU"
+    assert kernels.xpress_refused(torch.float32, torch.device("cpu")) is None
+    assert kernels.xpress_refused(torch.bfloat16, torch.device("cuda")) is None
+    head, cache, prev = _case(16, 80, 160, torch.float32)
+    monkeypatch.setattr(triton_impl.kernels, "xpress_refused", lambda dtype, device: "fp32 on a GPU")
+    ops = triton_ops(DEV)
+    calls = []
+    monkeypatch.setattr(kernels, "xpress_latent", lambda *a, **k: calls.append(1))
+    assert torch.equal(ops.xpress_latent(head, cache, prev), head.latent(cache, prev))
+    assert not calls and dict(ops.fallbacks) == {("xpress latent", "fp32 on a GPU"): 1}
 
 
 def test_a_slot_reads_only_its_predecessors():
     """Causality survives the fusion: changing slot k's predecessor changes no slot before k."""
-    head, cache, prev = _case(16, 80, 160, torch.float32)
+    head, cache, prev = _case(16, 80, 160, KDT)
     ops = triton_ops(DEV)
     a = ops.xpress_latent(head, cache, prev)
     prev2 = prev.clone()
@@ -60,12 +91,12 @@ def test_triton_ops_fuse_the_latent_and_hand_a_head_too_large_to_torch(monkeypat
     calls = []
     real = kernels.xpress_latent
     monkeypatch.setattr(kernels, "xpress_latent", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    head, cache, prev = _case(16, 80, 160, torch.float32)
+    head, cache, prev = _case(16, 80, 160, KDT)
     ops = triton_ops(DEV)
-    assert_close(ops.xpress_latent(head, cache, prev), head.latent(cache, prev), steps=STEPS)
+    assert_close(ops.xpress_latent(head, cache, prev), head.latent(cache, prev), steps=steps(KDT))
     assert len(calls) == 1 and not ops.fallbacks
-    big, cache, prev = _case(16, 512, 64, torch.float32)  # rank over one program's registers
-    assert_close(ops.xpress_latent(big, cache, prev), big.latent(cache, prev), steps=STEPS)
+    big, cache, prev = _case(16, 512, 64, KDT)  # rank over one program's registers
+    assert_close(ops.xpress_latent(big, cache, prev), big.latent(cache, prev), steps=steps(KDT))
     assert len(calls) == 1 and dict(ops.fallbacks) == {("xpress latent", "block 16, rank 512, MLP hidden 64"): 1}
 
 
@@ -75,21 +106,21 @@ def test_the_refiners_drafts_on_the_triton_ops_are_the_torch_ops(monkeypatch, pa
     calls = []
     real = kernels.xpress_latent
     monkeypatch.setattr(kernels, "xpress_latent", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    head, _, _ = _case(16, 80, 160, torch.float32)
+    head, _, _ = _case(16, 80, 160, KDT)
     g = torch.Generator().manual_seed(5)
     prop = Proposal(tokens=torch.randint(0, head.vocab, (15,), generator=g).to(DEV),
-                    logits=torch.randn(15, head.vocab, generator=g).to(DEV),
-                    hidden=torch.randn(16, 48, generator=g).to(DEV))
+                    logits=torch.randn(15, head.vocab, generator=g).to(DEV, KDT),
+                    hidden=torch.randn(16, 48, generator=g).to(DEV, KDT))
     ctx = RefineContext(anchor=torch.tensor(3, device=DEV), prev_token=torch.tensor(7, device=DEV))
     want = XPressRefiner(head, passes, ops=TorchOps()).refine(prop, ctx)
     got = XPressRefiner(head, passes, ops=triton_ops(DEV)).refine(prop, ctx)
     assert torch.equal(got.tokens, want.tokens) and len(calls) == passes
-    assert_close(got.logits, want.logits, steps=STEPS + 1)
+    assert_close(got.logits, want.logits, steps=steps(KDT) + 1)
 
 
 def test_a_strided_prev_reads_its_own_elements():
     """prev as a view with stride 2 (the kernel read prev[i] at offset i: other tokens, silently)."""
-    head, cache, prev = _case(16, 80, 160, torch.float32)
+    head, cache, prev = _case(16, 80, 160, KDT)
     m = head.mlp
     args = (head.w1.weight, head.in_proj.weight[:, 2 * 80:], head.mix.L, m.gate_proj.weight, m.up_proj.weight,
             m.down_proj.weight)

@@ -21,9 +21,9 @@ from core.kernels.markov import fits as markov_fits, gated_latent as markov_gate
 from core.kernels.matmul import MAX_ROWS, LinearConfig
 from core.kernels.rows import rms_norm, silu_mul
 from core.kernels.select import attention, choose_linear, fits, linear
-from core.kernels.xpress import fits as xpress_fits, latent as xpress_latent
+from core.kernels.xpress import fits as xpress_fits, latent as xpress_latent, refused as xpress_refused
 
 __all__ = ["MAX_ATTN_ROWS", "MAX_ROWS", "MAX_SPLITS", "HAS_GDC", "Launch", "LinearConfig", "attention",
            "available", "choose_linear", "fits", "heads_fit", "interpreted", "linear", "markov_fits",
            "markov_gated_latent", "pdl_supported", "rms_norm", "silu_mul", "triton", "write_kv", "xpress_fits",
-           "xpress_latent"]
+           "xpress_latent", "xpress_refused"]

@@ -8,7 +8,8 @@ registers.
 
 Contract: cache [B, r] (the pass-invariant half of in_proj, XPressHead.block_cache), prev [B] int64 token ids,
 w1 [V, r] (embedding), w_tok [r, r] (in_proj's token columns; any row stride), mix [r, B, B] contiguous (folded:
-M = L ⊙ tril + I; or raw L), gate and up [h, r], down [r, h], one dtype (fp32/bf16/fp16) -> z [B-1, r] (slots 1..B-1).
+M = L ⊙ tril + I; or raw L), gate and up [h, r], down [r, h], one dtype (fp32/bf16/fp16; fp32 not on a GPU:
+`refused`) -> z [B-1, r] (slots 1..B-1).
 Rounding as the torch ops' (each op's output rounded to the dtype where the torch op rounds: the token half of
 in_proj, the add, the mix, gate, up, silu, the product, down, the residual); the matmul and the mix sum in fp32,
 in another order than cuBLAS. `fits` says which geometries the program takes.
@@ -26,6 +27,17 @@ MAX_RANK = 256   # r: three [block, r] fp32 blocks and a weight tile live in one
 def fits(block: int, rank: int, hidden: int) -> bool:
     """Whether one program takes a head of this geometry (else the torch ops run the latent)."""
     return 2 <= block <= MAX_BLOCK and 1 <= rank <= MAX_RANK and 1 <= hidden <= 4 * MAX_RANK
+
+
+def refused(dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the compiled kernel is not used for this dtype on this device (None: it is). fp32 on a GPU: its first
+    GPU run (2026-12-05, an H100, Triton 3.6, results/perf/NOTES.md) gave wrong latents at the shipped geometry
+    with the raw mixer (every element off, the largest by 355) and ran out of shared memory at rank 256, while
+    bf16 and fp16 matched the torch ops at every geometry tested and Triton's CPU interpreter matches in fp32.
+    The cause is not found (no device time was left to probe it); the torch ops run fp32 heads on a GPU."""
+    if dtype == torch.float32 and device.type == "cuda":
+        return "fp32 on a GPU"
+    return None
 
 
 if triton is not None:
@@ -87,6 +99,10 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
     form), and the mix is x + (L ⊙ tril) x, as CausalMixer computes it."""
     b, r = cache.shape
     h = gate.shape[0]
+    why = refused(cache.dtype, cache.device)
+    if why is not None:
+        raise ValueError(f"kernels.xpress.latent: {why} is not taken (wrong results measured; see "
+                         "kernels.xpress.refused); use the torch ops, or bf16 / fp16")
     if not fits(b, r, h):
         raise ValueError(f"kernels.xpress.latent: block {b}, rank {r}, MLP hidden {h} is outside one program "
                          f"(block <= {MAX_BLOCK}, rank <= {MAX_RANK}, hidden <= {4 * MAX_RANK}); use the torch ops")

@@ -207,6 +207,9 @@ def _linear_misfit(x, w, bias, act, residual) -> str | None:
 def _latent_misfit(head, dtype) -> str | None:
     """Why kernels.xpress_latent cannot take this head's pass (None: it can)."""
     hidden = head.mlp.gate_proj.weight.shape[0]
+    refused = kernels.xpress_refused(dtype, head.w1.weight.device)
+    if refused is not None:
+        return refused
     if not kernels.xpress_fits(head.block, head.rank, hidden):
         return f"block {head.block}, rank {head.rank}, MLP hidden {hidden}"
     if any(p.dtype != dtype for p in head.parameters()):
