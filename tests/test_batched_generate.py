@@ -203,6 +203,7 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
     r = json.loads(out.read_text())
     assert r["label"].startswith("random weights") and r["fast"]["tokens"] == r["hf"]["tokens"] == 9
     assert r["greedy_rows_equal"] == 1.0 and r["fast"]["prefill_rows"] == 3 and r["ratio"] > 0
+    assert r["mode"] == "greedy" and "temperature" not in r and "top_p" not in r
     assert main(["--random-weights", "nope", "--prompts", "2"]) == 2
     # HF on fewer prompts than the engine's rows: its rate is at a smaller batch, so no plain ratio is given
     assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "3", "--batch", "2",
@@ -210,6 +211,12 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
     r1 = json.loads(out.read_text())
     assert "ratio" not in r1 and r1["ratio_at_unequal_batch"] > 0 and r1["hf"]["batch"] == 1
     assert "in batches of 1 against the engine's 2 rows" in r1["note"] and r["hf"]["batch"] == 2
+    # a sampled run records the distribution it sampled from
+    assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "2", "--batch", "2",
+                 "--max-new-tokens", "2", "--bucket", "32", "--hf-prompts", "0", "--sampled", "--top-p", "0.9",
+                 "--out", str(out)]) == 0
+    rs = json.loads(out.read_text())
+    assert (rs["mode"], rs["temperature"], rs["top_p"]) == ("sampled", 0.8, 0.9)
     # fewer prompts than --batch: both engines decode them all at once, an equal batch
     assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "2", "--batch", "4",
                  "--max-new-tokens", "3", "--bucket", "32", "--out", str(out)]) == 0

@@ -127,6 +127,7 @@ def measure(a) -> dict:
               "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": gen.lm.attention,
               "refill_min": a.refill_min,
               "max_new_tokens": a.max_new_tokens, "mode": "sampled" if a.sampled else "greedy",
+              **({"temperature": a.temperature, "top_p": a.top_p} if a.sampled else {}),
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
               "timing": "fast: the second of two identical runs (the first builds its graphs and cache: "
                         "cold_seconds); hf: one run, not warmed up; ratio: fast tokens/s over hf tokens/s",
