@@ -213,10 +213,11 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
     assert "in batches of 1 against the engine's 2 rows" in r1["note"] and r["hf"]["batch"] == 2
     # a sampled run records the distribution it sampled from
     assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "2", "--batch", "2",
-                 "--max-new-tokens", "2", "--bucket", "32", "--hf-prompts", "0", "--sampled", "--top-p", "0.9",
+                 "--max-new-tokens", "2", "--bucket", "32", "--skip-hf", "--sampled", "--top-p", "0.9",
                  "--out", str(out)]) == 0
     rs = json.loads(out.read_text())
-    assert (rs["mode"], rs["temperature"], rs["top_p"]) == ("sampled", 0.8, 0.9)
+    assert "hf" not in rs and "ratio" not in rs and rs["fast"]["tokens"] > 0
+    assert (rs["mode"], rs["temperature"], rs["top_p"], rs["sampler"]) == ("sampled", 0.8, 0.9, "sort")  # auto
     # fewer prompts than --batch: both engines decode them all at once, an equal batch
     assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "2", "--batch", "4",
                  "--max-new-tokens", "3", "--bucket", "32", "--out", str(out)]) == 0

@@ -151,8 +151,10 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     if not hf:
         from harness.decode.batched import pick_attention
         attention = pick_attention(model, cfg["responses"]["attention"])  # what the manifest records
+        from harness.decode.sampling import pick_sampler
         print(f"responses: the fast engine's decode attention is {attention} "
-              f"(responses.attention={cfg['responses']['attention']})")
+              f"(responses.attention={cfg['responses']['attention']}), its top-p cut "
+              f"{pick_sampler('auto', model.device)}")
     import time
     box = cfg["responses"]["max_minutes"] * 60
     deadline = time.monotonic() + box

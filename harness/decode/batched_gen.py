@@ -6,7 +6,8 @@ CPU; attention="triton": the decode's attention is the harness's Triton kernel, 
 one graph serves every bucket). The host looks every `check_every` steps (one small read): finished rows hand
 their answers back and take the next waiting prompts (a prefill of just those rows), and the bucket is chosen for
 the next steps. A row's answer depends only on its own prompt (greedy; sampled draws come from one seeded
-generator shared by the rows).
+generator shared by the rows). A sampled step's top-p cut is `sampler`'s (harness.decode.sampling.pick_sampler:
+on CUDA the Triton bisection of core.kernels.topp, which sorts nothing; the sort elsewhere).
 
 Answers are the new token ids up to and including the first stop id (keep_stop=False drops that stop), or
 max_new_tokens ids, the format of training.gen.generate_batch.
@@ -20,7 +21,7 @@ import torch
 
 from core.errors import UsageError
 from harness.decode.batched import BatchedLM, pick_attention
-from harness.decode.sampling import SamplingParams, sample_rows
+from harness.decode.sampling import SamplingParams, pick_sampler, sample_rows, sample_rows_cut
 
 MAX_STOPS = 16
 
@@ -35,7 +36,7 @@ class BatchedGenerator:
 
     def __init__(self, model, rows: int, dtype: torch.dtype | None = None, device=None, bucket: int = 128,
                  check_every: int = 8, use_graph: bool | None = None, prefill_tokens: int = 32768,
-                 attention: str = "sdpa", refill_min: int = 1):
+                 attention: str = "sdpa", refill_min: int = 1, sampler: str = "auto"):
         if rows < 1 or bucket < 1 or check_every < 1 or not 1 <= refill_min <= rows:
             raise UsageError("batched generation: rows, bucket and check_every must be >= 1, refill_min 1..rows")
         # refill_min: free rows gathered before a refill's prefill (the eager prefill is launch-bound: fewer, larger
@@ -49,6 +50,11 @@ class BatchedGenerator:
                             attention=pick_attention(model, attention, device))
         self.rows, self.bucket, self.check_every, self.prefill_tokens = rows, bucket, check_every, prefill_tokens
         self.device = device
+        try:  # auto: the Triton top-p cut on CUDA (harness.decode.sampling.pick_sampler)
+            self.sampler = pick_sampler(sampler, device)
+        except ValueError as e:
+            raise UsageError(f"batched generation: {e}") from None
+        self._sample = sample_rows_cut if self.sampler == "threshold" else sample_rows
         self.gen = torch.Generator(device=device)
         self.stops = torch.full((MAX_STOPS,), -2, dtype=torch.long, device=device)
         self.answer_len = 0
@@ -86,7 +92,7 @@ class BatchedGenerator:
 
     def _step(self, length: int, params: SamplingParams) -> None:
         logits = self.lm.decode(self.last, self.length, length)
-        nxt = sample_rows(logits, params, self.gen)
+        nxt = self._sample(logits, params, self.gen)
         active = ~self.done
         slot = self.count.clamp(max=self.answer_len - 1).unsqueeze(1)
         self.out.scatter_(1, slot, torch.where(active, nxt, self.out.gather(1, slot)[:, 0]).unsqueeze(1))
@@ -153,7 +159,7 @@ class BatchedGenerator:
             dev = self.device
             r = torch.tensor([rows[p] for p in part], device=dev)
             lens = torch.tensor([len(prompts[p]) for p in part], device=dev)
-            first = sample_rows(self.lm.prefill(r, ids.to(dev), lens), params, self.gen)
+            first = self._sample(self.lm.prefill(r, ids.to(dev), lens), params, self.gen)
             self.out[r, 0] = first
             self.last[r] = first
             self.length[r] = lens

@@ -64,6 +64,35 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, generator: torch.G
     return sample_from(probabilities(logits, params), generator)
 
 
+SAMPLERS = ("sort", "threshold")
+
+
+def pick_sampler(choice: str, device) -> str:
+    """How a batch of rows is cut to its top-p nucleus. `sort`: filtered_logits, a full sort of every row (the
+    reference). `threshold`: core.kernels.topp, a bisection per row in one Triton launch, no sort (ties at the
+    cut kept together). `auto`: threshold on a CUDA device with Triton, sort elsewhere (never Triton's CPU
+    interpreter unasked)."""
+    if choice not in ("auto",) + SAMPLERS:
+        raise ValueError(f"sampler {choice!r} is not one of auto, {', '.join(SAMPLERS)}")
+    if choice != "auto":
+        return choice
+    from core import kernels
+    return "threshold" if torch.device(device).type == "cuda" and kernels.available() else "sort"
+
+
+def sample_rows_cut(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """sample_rows for [rows, V] logits with the top-p cut found by core.kernels.topp instead of a sort (top-k set:
+    sample_rows itself). The draw is the same exponential race over the kept tokens' probabilities, from the same
+    generator stream: with the same kept set the token is sample_rows', to rounding of the weights."""
+    if params.greedy or params.top_k or logits.dim() != 2:
+        return sample_rows(logits, params, generator)
+    p = (logits.float() / params.temperature).softmax(-1)
+    if params.top_p < 1.0:
+        from core.kernels.topp import threshold
+        p = torch.where(p >= threshold(p, params.top_p)[:, None], p, 0.0)
+    return sample_from(p, generator)
+
+
 NOISE_KINDS = ("gumbel", "uniform")
 
 

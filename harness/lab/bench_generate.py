@@ -114,7 +114,7 @@ def measure(a) -> dict:
     kw = dict(sample=a.sampled, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
     gen = BatchedGenerator(model, rows=a.batch, dtype=backend.dtype, device=backend.device,
                            check_every=a.check_every, bucket=a.bucket, attention=a.attention,
-                           refill_min=a.refill_min)
+                           refill_min=a.refill_min, sampler=a.sampler)
     run = lambda: gen.generate(prompts, a.max_new_tokens, stops, **kw)  # noqa: E731
     _, cold = _timed(backend.device, run)
     cold_stats, gen.stats = gen.stats, dict.fromkeys(gen.stats, 0)
@@ -127,7 +127,7 @@ def measure(a) -> dict:
               "dtype": str(backend.dtype).replace("torch.", ""), "batch": a.batch, "attention": gen.lm.attention,
               "refill_min": a.refill_min,
               "max_new_tokens": a.max_new_tokens, "mode": "sampled" if a.sampled else "greedy",
-              **({"temperature": a.temperature, "top_p": a.top_p} if a.sampled else {}),
+              **({"temperature": a.temperature, "top_p": a.top_p, "sampler": gen.sampler} if a.sampled else {}),
               "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
               "timing": "fast: the second of two identical runs (the first builds its graphs and cache: "
                         "cold_seconds); hf: one run, not warmed up; ratio: fast tokens/s over hf tokens/s",
@@ -135,7 +135,7 @@ def measure(a) -> dict:
               "fast_cold": cold_stats}
     if a.profile:  # a third run, after the timed ones, so the profiler's cost stays out of their rates
         result["profile"] = profile_run(gen, run, backend.device)
-    n = min(a.hf_prompts or len(prompts), len(prompts))
+    n = 0 if a.skip_hf else min(a.hf_prompts or len(prompts), len(prompts))
     if n:
         def hf():
             out = []
@@ -175,8 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampled", action="store_true")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--sampler", choices=("auto", "sort", "threshold"), default="auto",
+                   help="the top-p cut of a sampled run: sort (every row sorted, the reference), threshold (the "
+                        "Triton bisection, core.kernels.topp), auto (threshold on CUDA); the output names it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-prompts", type=int, default=0, help="HF generate on the first N prompts (0: all)")
+    p.add_argument("--skip-hf", action="store_true", help="the fast engine alone (no HF run, no ratio)")
     p.add_argument("--check-every", type=int, default=8, help="decode steps between host checks")
     p.add_argument("--bucket", type=int, default=128, help="KV-length bucket of the captured steps")
     p.add_argument("--refill-min", type=int, default=1,

@@ -8,7 +8,7 @@
 #   bash harness/lab/gpu_check.sh bench after           # bench_step in this tree
 #   bash harness/lab/gpu_check.sh compare               # step times side by side, from the two JSON files
 #   bash harness/lab/gpu_check.sh quick                 # the CPU-built pieces never run on a GPU, in one call
-#                                                       #   (about 5 minutes; after tables_gpu.sh setup and gguf)
+#                                                       #   (a few minutes; after tables_gpu.sh setup and gguf)
 #
 # Files go to $OUT (default results/perf/gpu_check). Numbers are random weights / scripted acceptance.
 # PRESET picks the bench_step preset (default qwen3-8b; smollm2-135m is the launch-bound case and takes a minute).
@@ -56,25 +56,22 @@ for k in b:
 PY
     ;;
   quick)
-    # what the sessions without a GPU built (results/perf/NOTES.md, "Ready for the next GPU session"), each the
-    # cheapest check of it: the fused xPress and Markov latents and the responses engine's Triton attention against
-    # their references (bf16 and CUDA graphs, never run on a GPU), the heads' cost on the torch ops and on the
-    # kernels at the shipped heads' geometry, the batched steps' compute floors, the engine's sampled rate. Needs
-    # tables_gpu.sh's (or training_gpu.sh's) setup: the wheels in /tmp/site; and its gguf: the GGUF in /tmp/xb.
-    # Eight files come back in $OUT, the device tool's limit.
+    # what the sessions without a GPU built, each the cheapest check of it (results/perf/NOTES.md, "After the
+    # tenth session"): the top-p cut by bisection (core.kernels.topp) against the sort, compiled, and the fused
+    # xPress latent's fp32 refusal on a GPU; then the responses engine's sampled rate with either cut and its greedy
+    # rate, on the same card, one after the other. Needs tables_gpu.sh's (or training_gpu.sh's) setup: the wheels
+    # in /tmp/site; and its gguf: the GGUF in /tmp/xb. (The ninth session's quick check, the fused passes' cost and
+    # the batched steps' floors, is results/perf/gpu_check_h100_quick/.)
     export PYTHONPATH=/tmp/site:. XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false
-    { python3 -m pytest -o addopts="" -q tests/test_xpress_latent.py tests/test_markov_latent.py \
-        tests/test_batched_generate_triton.py \
+    { python3 -m pytest -o addopts="" -q tests/test_topp.py tests/test_xpress_latent.py \
         tests/test_batched_generate.py 2>&1 || true; } | tail -n 12 | tee "$OUT/quick_tests.log"
-    for k in torch triton; do
-      python3 -m harness.lab.bench_refiner --preset smollm2-135m --device cuda --dtype bfloat16 --use-graph \
-          --kernels $k --passes 0,1,2,4 --topc 0 --repeats 50 --out "$OUT/refiner_smollm2_$k.json" | tail -n 7 || true
+    GEN=(--target smollm2 --device cuda --dtype bfloat16 --prompts 2048 --batch 1024 --max-new-tokens 512
+         --skip-hf --attention triton)
+    for s in threshold sort; do
+      python3 -m harness.lab.bench_generate "${GEN[@]}" --sampled --sampler $s \
+          --out "$OUT/generate_sampled_$s.json" | tail -n 4 || true
     done
-    python3 -m harness.lab.bench_batch --preset qwen3-8b --kernels triton --graphs --batch-sizes 1,8,16 \
-        --contexts 512 --reps 10 --warmup 2 --out "$OUT/bench_batch_qwen3-8b_roofline.json" | tail -n 4 || true
-    python3 -m harness.lab.bench_generate --target smollm2 --device cuda --dtype bfloat16 --prompts 2048 \
-        --batch 1024 --max-new-tokens 512 --hf-prompts 1024 --attention triton --sampled \
-        --out "$OUT/generate_triton_sampled.json" | tail -n 6 || true
+    python3 -m harness.lab.bench_generate "${GEN[@]}" --out "$OUT/generate_greedy.json" | tail -n 4 || true
     ls "$OUT"
     ;;
   *)

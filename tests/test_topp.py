@@ -1,0 +1,99 @@
+"""core.kernels.topp: the top-p cut by bisection keeps exactly the reference's nucleus (harness.decode.sampling's
+sort) on rows without ties, keeps a tie at the cut whole, always keeps the top token, and its threshold is the least
+float whose mass above is under top_p; sample_rows_cut draws sample_rows' tokens from the same generator stream;
+the batched engine's `threshold` sampler answers as its `sort` one. Triton's CPU interpreter here, compiled on a
+GPU.
+
+Power: a cut off by one token (the last kept token dropped, or the first dropped one kept) changes the keep mask
+on every row whose nucleus is not the whole vocabulary, which the mask equality catches on 24 rows at three
+top_p; a threshold found on the wrong side of a tie keeps two, not all four, tied tokens."""
+import pytest
+import torch
+
+from kernel_env import DEV, pytestmark  # noqa: F401  (sets TRITON_INTERPRET first; skips without Triton)
+from core.errors import UsageError
+from core.kernels.topp import threshold
+from harness.decode.sampling import SamplingParams, filtered_logits, pick_sampler, sample_rows, sample_rows_cut
+
+
+def _rows(n=24, vocab=1000, seed=0):
+    """Logits from peaked to flat: the nucleus from one token to most of the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(1, -1.5, n)[:, None]
+    return (torch.randn(n, vocab, generator=g, dtype=torch.float64) * scale * 4).float().to(DEV)
+
+
+def _mass_above(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.where(p > x[:, None], p, 0).sum(-1)
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
+def test_the_cut_is_the_sorts_nucleus(top_p):
+    logits = _rows()
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    want = torch.isfinite(filtered_logits(logits, params))
+    p = logits.softmax(-1)
+    t = threshold(p, top_p)
+    got = p >= t[:, None]
+    assert torch.equal(got, want)
+    sizes = want.sum(-1)
+    assert sizes.min() == 1 and sizes.max() > 100  # peaked and flat rows both
+    # t is exact: the least float whose mass above is under top_p
+    p64 = p.double()
+    assert (_mass_above(p64, t.double()) < top_p).all()
+    below = torch.nextafter(t, torch.zeros_like(t)).double()
+    assert (_mass_above(p64, below) >= top_p).all()
+
+
+def test_a_tie_at_the_cut_is_kept_whole_and_the_top_token_always():
+    p = torch.tensor([[0.4, 0.2, 0.2, 0.2] + [0.0] * 4,
+                      [1.0] + [0.0] * 7,
+                      [0.3, 0.3, 0.2, 0.2] + [0.0] * 4], device=DEV)
+    keep = p >= threshold(p, 0.5)[:, None]
+    assert keep[0, :4].all() and not keep[0, 4:].any()   # the sort would keep two of the three 0.2s
+    assert keep[1].tolist() == [True] + [False] * 7
+    assert keep[2].tolist() == [True, True] + [False] * 6
+    assert (p >= threshold(p, 1e-6)[:, None]).sum(-1).tolist() == [1, 1, 2]
+
+
+def test_bad_input_is_refused():
+    p = torch.full((2, 4), 0.25, device=DEV)
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="top_p must be in"):
+            threshold(p, bad)
+    with pytest.raises(ValueError, match="fp32"):
+        threshold(p.double(), 0.5)
+    assert threshold(p[:0], 0.5).shape == (0,)
+
+
+def test_sample_rows_cut_draws_sample_rows_tokens():
+    logits = _rows(n=32, vocab=500, seed=3)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    for seed in range(3):
+        a = sample_rows(logits, params, torch.Generator(DEV).manual_seed(seed))
+        b = sample_rows_cut(logits, params, torch.Generator(DEV).manual_seed(seed))
+        assert torch.equal(a, b)
+    greedy, topk = SamplingParams(), SamplingParams(temperature=1.0, top_k=5, top_p=0.9)
+    assert torch.equal(sample_rows_cut(logits, greedy, None), logits.argmax(-1))
+    assert torch.equal(sample_rows_cut(logits, topk, torch.Generator(DEV).manual_seed(1)),
+                       sample_rows(logits, topk, torch.Generator(DEV).manual_seed(1)))
+
+
+def test_the_engines_threshold_sampler_answers_as_its_sort():
+    from harness.decode.batched_gen import BatchedGenerator
+    from tiny import tiny_hf_model
+    model = tiny_hf_model("llama").to(DEV)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(8, 100, (n,), generator=g).tolist() for n in (4, 7, 5)]
+    kw = dict(sample=True, temperature=0.8, top_p=0.9, seed=11)
+    use_graph = DEV.type == "cuda"
+    runs = {}
+    for sampler in ("sort", "threshold"):
+        gen = BatchedGenerator(model, rows=2, bucket=16, check_every=2, sampler=sampler, use_graph=use_graph,
+                               dtype=torch.float32)
+        assert gen.sampler == sampler
+        runs[sampler] = gen.generate(prompts, 6, [], **kw)
+    assert runs["sort"] == runs["threshold"]
+    assert pick_sampler("auto", "cpu") == "sort" and pick_sampler("auto", "cuda") == "threshold"
+    with pytest.raises(UsageError, match="sampler 'radix' is not one of auto, sort, threshold"):
+        BatchedGenerator(model, rows=2, sampler="radix")
