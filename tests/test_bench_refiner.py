@@ -11,8 +11,21 @@ def test_bench_refiner_writes_json_and_markdown(tmp_path, capsys):
     kinds = {(r["refiner"], r["K"], r["topc"]) for r in data["rows"]}
     assert ("xpress", "per pass", 0) in kinds and ("xpress", 3, 4) in kinds and ("markov-rnn", "7 steps", 0) in kinds
     assert all(r["ms"] >= 0 for r in data["rows"] if r["K"] != "per pass")
-    assert (tmp_path / "cost.md").read_text().startswith("Refinement cost")
+    assert (tmp_path / "cost.md").read_text().startswith("Refinement cost") and "profile" not in data
     assert bench_refiner.main(["--preset", "tiny", "--passes", "-1"]) == 2
+    assert bench_refiner.main(["--preset", "tiny", "--profile", "-1"]) == 2
+
+
+def test_bench_refiner_profiles_a_pass(tmp_path):
+    """--profile K: xPress at K once more under torch.profiler (eager), each op's time per call, in the JSON and
+    the markdown; on the CPU the ops' own host times (no kernels)."""
+    out = tmp_path / "cost.json"
+    assert bench_refiner.main(["--preset", "tiny", "--device", "cpu", "--repeats", "2", "--passes", "1",
+                               "--topc", "0", "--profile", "2", "--out", str(out)]) == 0
+    prof = json.loads(out.read_text())["profile"]
+    assert prof["refiner"] == "xpress K=2" and prof["steps"] == 2 and prof["per"] == "call"
+    assert prof["top"] and prof["wall_s_per_step"] > 0 and prof["sort"] == "own host time"
+    assert "Profile of xpress K=2, eager, per call" in (tmp_path / "cost.md").read_text()
 
 
 def test_bench_refiner_times_xpress_on_the_chosen_ops_and_compiled(tmp_path, monkeypatch):

@@ -41,11 +41,29 @@ def time_call(fn, backend, repeats: int, warmup: int = 3) -> float:
     return statistics.median(samples)
 
 
+def profiled(fn, backend, calls: int) -> dict:
+    """`calls` calls of fn under torch.profiler, after the timed ones: harness.lab.profiled's record per call (on a
+    GPU each kernel's own device time, so a pass's time splits into its launches, and the device's busy time
+    against the call's wall time)."""
+    from torch.profiler import ProfilerActivity, profile
+    from harness.lab.profiled import summary
+    on_gpu = backend.kind == "cuda"
+    fn()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        t0 = backend.now()
+        for _ in range(calls):
+            fn()
+        wall = backend.now() - t0
+    return {"per": "call", **summary(prof.key_averages(), calls, wall, on_gpu, top=12)}
+
+
 def measure(preset: str, device: str | None, dtype: str | None, passes: list[int], topcs: list[int],
-            repeats: int, use_graph: bool = False, kernels: str = "torch", compiled: bool = False) -> dict:
+            repeats: int, use_graph: bool = False, kernels: str = "torch", compiled: bool = False,
+            profile_k: int | None = None) -> dict:
     """`kernels`: the ops both heads run on (the decode's --kernels: triton runs an xPress pass's latent and a gated
     Markov step's in one launch each, and their w2 product, base add and argmax in one more); `compiled`: each
-    refiner through torch.compile first, as --compile-refiner runs it."""
+    refiner through torch.compile first, as --compile-refiner runs it; `profile_k`: xPress at that K (full
+    vocabulary) once more under the profiler, eagerly (a graph's replay hides its kernels from it)."""
     backend = resolve_backend(device, dtype)
     ops = make_ops(kernels, backend.device, backend.dtype)
     vocab, hidden, rank, block = PRESETS[preset]
@@ -81,6 +99,11 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
             r = wrap(MarkovRefiner(mk, ops=ops))
             t = time_call(lambda: r.refine(proposal, ctx), backend, repeats)
             rows.append({"refiner": f"markov-{variant}", "K": f"{block - 1} steps", "topc": 0, "ms": 1000 * t})
+        profile = None
+        if profile_k is not None:
+            r = XPressRefiner(head, profile_k, topc=0, ops=ops)
+            profile = {"refiner": f"xpress K={profile_k}", "eager": True,
+                       **profiled(lambda: r.refine(proposal, ctx), backend, repeats)}
     device_name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else platform.processor() or "cpu"
     return {"what": "refinement step alone (seed + K passes, or the Markov steps), median wall time per call",
             "preset": preset, "shapes": {"vocab": vocab, "hidden": hidden, "rank": rank, "block": block},
@@ -88,7 +111,8 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
             "threads": torch.get_num_threads(), "cuda_graph": use_graph, "kernels": type(ops).__name__,
             "compiled": compiled,
             "host_load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "repeats": repeats,
-            "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows}
+            "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows,
+            **({"profile": profile} if profile else {})}
 
 
 def markdown(result: dict) -> str:
@@ -100,6 +124,16 @@ def markdown(result: dict) -> str:
     for r in result["rows"]:
         extra = f" (fixed {r['fixed_ms']:.3f})" if "fixed_ms" in r else ""
         lines.append(f"| {r['refiner']} | {r['K']} | {r['topc'] or 'full'} | {r['ms']:.3f}{extra} |")
+    prof = result.get("profile")
+    if prof:
+        unit = "device" if prof["sort"] == "own device time" else "host"
+        lines += ["", f"Profile of {prof['refiner']}, eager, per call: wall {1e3 * prof['wall_s_per_step']:.3f} ms, "
+                      f"device busy {1e3 * prof['device_busy_s_per_step']:.3f} ms; own {unit} time per call:", "",
+                  "| kernel or op | count per call | ms |", "|---|---|---|"]
+        for k in prof["top_kernels"] or prof["top"]:
+            name = k.get("kernel") or k.get("op")
+            ms = 1e3 * (k.get("s_per_step") if "kernel" in k else k["own_s_per_step"])
+            lines.append(f"| {name[:60]} | {k['count'] / prof['steps']:g} | {ms:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -115,14 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", choices=KINDS, default="torch",
                    help="the ops the heads run on, as the decode's --kernels (default torch)")
     p.add_argument("--compile", action="store_true", help="each refiner through torch.compile (--compile-refiner)")
+    p.add_argument("--profile", type=int, metavar="K",
+                   help="also profile xPress at K passes, eagerly, --repeats calls: each kernel's time per call")
     p.add_argument("--out", help="write JSON here and markdown beside it (.md)")
     a = p.parse_args(argv)
     try:
         passes = [int(x) for x in a.passes.split(",")]
         topcs = [int(x) for x in a.topc.split(",")]
-        if any(k < 0 for k in passes) or any(c < 0 for c in topcs) or a.repeats < 1:
-            raise UsageError("--passes, --topc must be non-negative integers and --repeats >= 1")
-        result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph, a.kernels, a.compile)
+        if any(k < 0 for k in passes) or any(c < 0 for c in topcs) or a.repeats < 1 or (a.profile or 0) < 0:
+            raise UsageError("--passes, --topc and --profile must be non-negative integers and --repeats >= 1")
+        result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph, a.kernels, a.compile,
+                         a.profile)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

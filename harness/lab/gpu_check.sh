@@ -59,7 +59,7 @@ PY
     # what the sessions without a GPU built, each the cheapest check of it (results/perf/NOTES.md, "After the
     # tenth session"): the top-p cut by bisection (core.kernels.topp) against the sort, compiled, and the fused
     # xPress latent's fp32 refusal on a GPU; then the responses engine's sampled rate with either cut and its greedy
-    # rate, on the same card, one after the other. Needs tables_gpu.sh's (or training_gpu.sh's) setup: the wheels
+    # rate, on the same card, one after the other; and an xPress pass's kernels, profiled. Needs tables_gpu.sh's (or training_gpu.sh's) setup: the wheels
     # in /tmp/site; and its gguf: the GGUF in /tmp/xb. (The ninth session's quick check, the fused passes' cost and
     # the batched steps' floors, is results/perf/gpu_check_h100_quick/.)
     export PYTHONPATH=/tmp/site:. XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false
@@ -72,6 +72,10 @@ PY
           --out "$OUT/generate_sampled_$s.json" | tail -n 4 || true
     done
     python3 -m harness.lab.bench_generate "${GEN[@]}" --out "$OUT/generate_greedy.json" | tail -n 4 || true
+    # where an xPress pass's 0.028 ms (H100, graphed) goes: its kernels' own times, eager, per call of K=4
+    python3 -m harness.lab.bench_refiner --preset smollm2-135m --device cuda --dtype bfloat16 --use-graph \
+        --kernels triton --passes 0,1,4 --topc 0 --repeats 50 --profile 4 --out "$OUT/refiner_profile.json" \
+        | tail -n 16 || true
     ls "$OUT"
     ;;
   *)
