@@ -59,9 +59,9 @@ PY
     # what the sessions without a GPU built, each the cheapest check of it (results/perf/NOTES.md, "After the
     # tenth session"): the top-p cut by bisection (core.kernels.topp) against the sort, compiled, and the fused
     # xPress latent's fp32 refusal on a GPU; then the responses engine's sampled rate with either cut and its greedy
-    # rate, on the same card, one after the other; and an xPress pass's kernels, profiled. Needs tables_gpu.sh's (or training_gpu.sh's) setup: the wheels
-    # in /tmp/site; and its gguf: the GGUF in /tmp/xb. (The ninth session's quick check, the fused passes' cost and
-    # the batched steps' floors, is results/perf/gpu_check_h100_quick/.)
+    # rate, on the same card, one after the other; and an xPress pass's kernels, profiled. Needs tables_gpu.sh's
+    # (or training_gpu.sh's) setup: the wheels in /tmp/site; and its gguf: the GGUF in /tmp/xb. (The ninth
+    # session's quick check, the fused passes' cost and the batched steps' floors: results/perf/gpu_check_h100_quick/.)
     export PYTHONPATH=/tmp/site:. XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false
     { python3 -m pytest -o addopts="" -q tests/test_topp.py tests/test_xpress_latent.py \
         tests/test_batched_generate.py 2>&1 || true; } | tail -n 12 | tee "$OUT/quick_tests.log"
