@@ -131,13 +131,16 @@ def test_responses_stage_fast_equals_hf(tmp_path):
     assert run_cli("responses", "--config", cfg, "--workdir", hf, "--set", "responses.engine=vllm") == 2
     manifest = json.loads((fast / "responses" / "manifest.json").read_text())
     assert (manifest["engine"], manifest["attentions"]) == ("fast", ["sdpa"])  # auto on the CPU: SDPA, recorded
+    assert manifest["top_p_cuts"] == ["sort"]  # the engine's top-p cut on the CPU, recorded too
+    assert json.loads((hf / "responses" / "manifest.json").read_text())["top_p_cuts"] == []
     assert json.loads((hf / "responses" / "manifest.json").read_text())["attentions"] == []
     # a part made by another process with the other attention: the stage finishes the rest and names both
     (fast / "responses" / "parts" / "part_0000.jsonl").unlink()
-    manifest.update(complete=False, attentions=["triton"])
+    manifest.update(complete=False, attentions=["triton"], top_p_cuts=["threshold"])
     (fast / "responses" / "manifest.json").write_text(json.dumps(manifest))
     assert run_cli("responses", "--config", cfg, "--workdir", fast) == 0
-    assert json.loads((fast / "responses" / "manifest.json").read_text())["attentions"] == ["sdpa", "triton"]
+    again = json.loads((fast / "responses" / "manifest.json").read_text())
+    assert again["attentions"] == ["sdpa", "triton"] and again["top_p_cuts"] == ["sort", "threshold"]
 
 
 def test_responses_attention_is_checked_before_loading_and_kept_out_of_the_key(tmp_path, monkeypatch, capsys):

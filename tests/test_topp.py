@@ -56,6 +56,27 @@ def test_a_tie_at_the_cut_is_kept_whole_and_the_top_token_always():
     assert (p >= threshold(p, 1e-6)[:, None]).sum(-1).tolist() == [1, 1, 2]
 
 
+def test_a_row_whose_mass_is_under_top_p_keeps_every_token():
+    """fp32 rounding can leave a row's mass under top_p (top_p within an ulp of 1): the reference keeps the whole
+    row there; the bisection's last halving once probed -1, NaN's pattern, and returned t = NaN, which kept
+    nothing, so every draw was token 0."""
+    p = torch.tensor([[0.2, 0.1, 0.1, 0.0], [0.25] * 4], device=DEV)
+    t = threshold(p, 0.9)
+    assert t.tolist() == [0.0, 0.25]
+    logits = (torch.randn(16, 5000, generator=torch.Generator().manual_seed(0)) * 3).to(DEV)
+    p = logits.softmax(-1)
+    bound = p.shape[1] * torch.finfo(torch.float32).eps  # an fp32 sum of V terms of total <= 1, in any order
+    for top_p in (0.9999999, 0.99999994):
+        t = threshold(p, top_p)
+        assert not t.isnan().any() and (t == 0).any()  # some rows' mass is under top_p: all of them kept
+        assert ((p >= t[:, None]) == (p > 0))[t == 0].all()
+        want = torch.isfinite(filtered_logits(logits, SamplingParams(temperature=1.0, top_p=top_p)))
+        # elsewhere the reference's nucleus, but for tokens whose mass above is within rounding of top_p
+        for r, i in (want & ~(p >= t[:, None])).nonzero().tolist():
+            row = p[r].double()
+            assert abs(row[row > row[i]].sum().item() - top_p) <= bound
+
+
 def test_bad_input_is_refused():
     p = torch.full((2, 4), 0.25, device=DEV)
     for bad in (0.0, 1.0, 1.5):
@@ -97,3 +118,6 @@ def test_the_engines_threshold_sampler_answers_as_its_sort():
     assert pick_sampler("auto", "cpu") == "sort" and pick_sampler("auto", "cuda") == "threshold"
     with pytest.raises(UsageError, match="sampler 'radix' is not one of auto, sort, threshold"):
         BatchedGenerator(model, rows=2, sampler="radix")
+    for bad in (0.0, 1.5):
+        with pytest.raises(UsageError, match="0 < top_p <= 1"):
+            gen.generate(prompts, 6, [], sample=True, top_p=bad)

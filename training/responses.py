@@ -141,8 +141,10 @@ def run(cfg: dict, load, force: bool = False) -> Path:
                          "lower it")
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
-    earlier = (read_manifest(out) or {}).get("attentions") or []  # parts kept from earlier processes (same key)
-    write_json(out / "manifest.json", {"key": key, "complete": False, "attentions": earlier})
+    before = read_manifest(out) or {}  # parts kept from earlier processes (same key)
+    earlier, earlier_cuts = before.get("attentions") or [], before.get("top_p_cuts") or []
+    write_json(out / "manifest.json", {"key": key, "complete": False, "attentions": earlier,
+                                       "top_p_cuts": earlier_cuts})
     model, tokenizer = load()
     todo = [(g, group) for g, group in enumerate(groups)
             if g >= first and not (parts / f"part_{g:04d}.jsonl").exists()]
@@ -152,9 +154,9 @@ def run(cfg: dict, load, force: bool = False) -> Path:
         from harness.decode.batched import pick_attention
         attention = pick_attention(model, cfg["responses"]["attention"])  # what the manifest records
         from harness.decode.sampling import pick_sampler
+        top_p_cut = pick_sampler("auto", model.device)  # the engine's default, which generate_fast's engine takes
         print(f"responses: the fast engine's decode attention is {attention} "
-              f"(responses.attention={cfg['responses']['attention']}), its top-p cut "
-              f"{pick_sampler('auto', model.device)}")
+              f"(responses.attention={cfg['responses']['attention']}), its top-p cut {top_p_cut}")
     import time
     box = cfg["responses"]["max_minutes"] * 60
     deadline = time.monotonic() + box
@@ -183,6 +185,8 @@ def run(cfg: dict, load, force: bool = False) -> Path:
                                        "parts": len(groups) - first - cut, "parts_planned": len(groups),
                                        "first_part": first, "engine": cfg["responses"]["engine"],
                                        "attentions": sorted(set(earlier) | ({attention} if todo and not hf else set())),
+                                       "top_p_cuts": sorted(set(earlier_cuts)
+                                                            | ({top_p_cut} if todo and not hf else set())),
                                        "response_tokens": sum(len(r["response"]) for r in rows),
                                        "prompt_tokens": sum(len(r["prompt"]) for r in rows)})
     print(f"responses: {len(rows)} sequences -> {out}")

@@ -1,10 +1,13 @@
 """The top-p (nucleus) cut of a batch of distributions without sorting them: one program per row finds the row's
-probability threshold by bisection, the row staying in L2 between the passes.
+probability threshold by bisection, re-reading its row each pass (from L2 while the rows in flight fit in it; at
+1,024 rows of 49,152 they may not, and 31 passes from HBM would be about 6 GB a step: unmeasured, and what
+`gpu_check.sh quick` measures against the sort).
 
 The reference (harness.decode.sampling.filtered_logits) sorts each row, a full segmented sort of [rows, vocab]
-every decode step. At the responses engine's batch (1,024 rows of SmolLM2's 49,152) a sampled step took 12.9 ms
-on an H100 against 5.4 ms for a greedy one on the H200 (results/perf/gpu_check_h100_quick/: two cards, so the
-sort's share is not measured apart; `gpu_check.sh quick` measures both cuts on one). Here a token is kept iff the
+every decode step. At the responses engine's batch (1,024 rows of SmolLM2's 49,152) a sampled run took 12.9 ms a
+decode step on an H100 against 5.4 ms for a greedy one on the H200 (run seconds over decode steps, prefills
+included; results/perf/gpu_check_h100_quick/: two cards, so the sort's share is not measured apart;
+`gpu_check.sh quick` measures both cuts on one). Here a token is kept iff the
 probability mass strictly
 above its own is below top_p, f(p_i) = sum of p_j over p_j > p_i, f(p_i) < top_p: the reference's rule with ties
 resolved together (the sort keeps an arbitrary part of a tie that straddles the cut; this keeps all of it). f is
@@ -13,7 +16,8 @@ by bisection over the bit patterns of non-negative floats, which order as the fl
 [0, 1.0]'s bits, each a pass over the row summing the mass above the midpoint.
 
 Contract: p [rows, V] fp32 probabilities (each row sums to about 1), rows contiguous; 0 < top_p < 1 -> t [rows]
-fp32; keep = p >= t[:, None]. The sums run in fp32 in another order than the reference's cumsum: a token whose
+fp32; keep = p >= t[:, None]. A row whose mass is under top_p (fp32 rounding, top_p within an ulp of 1) gets
+t = 0: every token kept. The sums run in fp32 in another order than the reference's cumsum: a token whose
 f(p_i) is within rounding of top_p may fall on the other side (never the top token: f(max) = 0 < top_p).
 """
 from __future__ import annotations
@@ -43,8 +47,10 @@ if triton is not None:
             for k0 in range(0, V, BLK):
                 v = tl.load(base + k0 + offs, mask=k0 + offs < V, other=0.0)
                 acc += tl.where(v > x, v, 0.0)
-            below = tl.sum(acc, axis=0) < top_p
-            # once hi = lo + 1, mid = lo, whose f >= top_p: lo stays, so the extra halvings change nothing
+            # mid = -1 (only once hi = 0, lo = -1: a row whose whole mass is under top_p) is NaN's pattern: it never
+            # moves hi, so such a row keeps every token, as the reference does
+            below = (tl.sum(acc, axis=0) < top_p) & (mid >= 0)
+            # once hi = lo + 1 >= 1, mid = lo, whose f >= top_p: lo stays, so the extra halvings change nothing
             hi = tl.where(below, mid, hi)
             lo = tl.where(below, lo, mid)
         tl.store(t_ptr + row, hi.to(tl.float32, bitcast=True))

@@ -43,6 +43,10 @@ class BatchedGenerator:
         # ones cost less host time, while the free rows wait; results/perf/NOTES.md, eighth session)
         self.refill_min = refill_min
         device = torch.device(device) if device is not None else model.device
+        try:  # auto: the Triton top-p cut on CUDA (harness.decode.sampling.pick_sampler); checked before the cache
+            self.sampler = pick_sampler(sampler, device)
+        except ValueError as e:
+            raise UsageError(f"batched generation: {e}") from None
         self.use_graph = device.type == "cuda" if use_graph is None else use_graph
         if self.use_graph and device.type != "cuda":
             raise UsageError("batched generation: CUDA graphs need a CUDA device (use_graph=False elsewhere)")
@@ -50,10 +54,6 @@ class BatchedGenerator:
                             attention=pick_attention(model, attention, device))
         self.rows, self.bucket, self.check_every, self.prefill_tokens = rows, bucket, check_every, prefill_tokens
         self.device = device
-        try:  # auto: the Triton top-p cut on CUDA (harness.decode.sampling.pick_sampler)
-            self.sampler = pick_sampler(sampler, device)
-        except ValueError as e:
-            raise UsageError(f"batched generation: {e}") from None
         self._sample = sample_rows_cut if self.sampler == "threshold" else sample_rows
         self.gen = torch.Generator(device=device)
         self.stops = torch.full((MAX_STOPS,), -2, dtype=torch.long, device=device)
@@ -181,6 +181,9 @@ class BatchedGenerator:
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
         if len(limits) != n or any(m < 1 for m in limits) or any(len(p) < 1 for p in prompts):
             raise UsageError("batched generation: every prompt needs >= 1 token and max_new_tokens >= 1")
+        if sample and not (temperature >= 0 and 0 < top_p <= 1):
+            raise UsageError(f"batched generation: sampling needs temperature >= 0 and 0 < top_p <= 1, got "
+                             f"temperature {temperature}, top_p {top_p}")
         if len(set(stops)) > MAX_STOPS:
             raise UsageError(f"batched generation: at most {MAX_STOPS} stop ids")
         if not n:

@@ -74,9 +74,11 @@ def pick_sampler(choice: str, device) -> str:
     interpreter unasked)."""
     if choice not in ("auto",) + SAMPLERS:
         raise ValueError(f"sampler {choice!r} is not one of auto, {', '.join(SAMPLERS)}")
+    from core import kernels
+    if choice == "threshold" and not kernels.available():
+        raise ValueError("sampler 'threshold' needs the triton package (pip install triton), or use sort")
     if choice != "auto":
         return choice
-    from core import kernels
     return "threshold" if torch.device(device).type == "cuda" and kernels.available() else "sort"
 
 

@@ -228,6 +228,11 @@ def leave(code: int, environ=None) -> None:
             stream.flush()
         except (OSError, ValueError):  # a closed pipe: nothing more can reach it
             pass
+    try:  # C stdio's buffers too (what an extension printed), which os._exit would drop
+        import ctypes
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to reach (not a POSIX libc)
+        pass
     os._exit(code)
 
 
