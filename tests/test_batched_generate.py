@@ -220,7 +220,7 @@ def test_bench_generate_runs_on_random_weights(tmp_path):
                  "--out", str(out)]) == 0
     rs = json.loads(out.read_text())
     assert "hf" not in rs and "ratio" not in rs and rs["fast"]["tokens"] > 0
-    assert (rs["mode"], rs["temperature"], rs["top_p"], rs["sampler"]) == ("sampled", 0.8, 0.9, "sort")  # auto
+    assert (rs["mode"], rs["temperature"], rs["top_p"], rs["sampler"]) == ("sampled", 0.8, 0.9, "sort")  # the default
     # fewer prompts than --batch: both engines decode them all at once, an equal batch
     assert main(["--random-weights", "tiny", "--device", "cpu", "--dtype", "float32", "--prompts", "2", "--batch", "4",
                  "--max-new-tokens", "3", "--bucket", "32", "--out", str(out)]) == 0

@@ -7,7 +7,7 @@ one graph serves every bucket). The host looks every `check_every` steps (one sm
 their answers back and take the next waiting prompts (a prefill of just those rows), and the bucket is chosen for
 the next steps. A row's answer depends only on its own prompt (greedy; sampled draws come from one seeded
 generator shared by the rows). A sampled step's top-p cut is `sampler`'s (harness.decode.sampling.pick_sampler:
-on CUDA the Triton bisection of core.kernels.topp, which sorts nothing; the sort elsewhere).
+the sort, or the Triton bisection of core.kernels.topp, which sorts nothing, opt-in until measured on a GPU).
 
 Answers are the new token ids up to and including the first stop id (keep_stop=False drops that stop), or
 max_new_tokens ids, the format of training.gen.generate_batch.
@@ -36,14 +36,14 @@ class BatchedGenerator:
 
     def __init__(self, model, rows: int, dtype: torch.dtype | None = None, device=None, bucket: int = 128,
                  check_every: int = 8, use_graph: bool | None = None, prefill_tokens: int = 32768,
-                 attention: str = "sdpa", refill_min: int = 1, sampler: str = "auto"):
+                 attention: str = "sdpa", refill_min: int = 1, sampler: str = "sort"):
         if rows < 1 or bucket < 1 or check_every < 1 or not 1 <= refill_min <= rows:
             raise UsageError("batched generation: rows, bucket and check_every must be >= 1, refill_min 1..rows")
         # refill_min: free rows gathered before a refill's prefill (the eager prefill is launch-bound: fewer, larger
         # ones cost less host time, while the free rows wait; results/perf/NOTES.md, eighth session)
         self.refill_min = refill_min
         device = torch.device(device) if device is not None else model.device
-        try:  # auto: the Triton top-p cut on CUDA (harness.decode.sampling.pick_sampler); checked before the cache
+        try:  # the top-p cut (harness.decode.sampling.pick_sampler), checked before the cache is allocated
             self.sampler = pick_sampler(sampler, device)
         except ValueError as e:
             raise UsageError(f"batched generation: {e}") from None

@@ -69,17 +69,19 @@ SAMPLERS = ("sort", "threshold")
 
 def pick_sampler(choice: str, device) -> str:
     """How a batch of rows is cut to its top-p nucleus. `sort`: filtered_logits, a full sort of every row (the
-    reference). `threshold`: core.kernels.topp, a bisection per row in one Triton launch, no sort (ties at the
-    cut kept together). `auto`: threshold on a CUDA device with Triton, sort elsewhere (never Triton's CPU
-    interpreter unasked)."""
-    if choice not in ("auto",) + SAMPLERS:
-        raise ValueError(f"sampler {choice!r} is not one of auto, {', '.join(SAMPLERS)}")
-    from core import kernels
-    if choice == "threshold" and not kernels.available():
-        raise ValueError("sampler 'threshold' needs the triton package (pip install triton), or use sort")
-    if choice != "auto":
-        return choice
-    return "threshold" if torch.device(device).type == "cuda" and kernels.available() else "sort"
+    reference, and the default: measured). `threshold`: core.kernels.topp, a bisection per row in one Triton
+    launch, no sort (ties at the cut kept together): opt-in until it is measured on a GPU against the sort
+    (`harness/lab/gpu_check.sh quick`; results/perf/NOTES.md, "After the tenth session"). It runs on CUDA, or on
+    the CPU under Triton's interpreter (the tests)."""
+    if choice not in SAMPLERS:
+        raise ValueError(f"sampler {choice!r} is not one of {', '.join(SAMPLERS)}")
+    if choice == "threshold":
+        from core import kernels
+        if not kernels.available():
+            raise ValueError("sampler 'threshold' needs the triton package (pip install triton), or use sort")
+        if torch.device(device).type != "cuda" and not kernels.interpreted():
+            raise ValueError("sampler 'threshold' runs on a CUDA device (or under TRITON_INTERPRET=1); use sort")
+    return choice
 
 
 def sample_rows_cut(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
