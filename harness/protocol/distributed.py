@@ -212,11 +212,14 @@ def leave(code: int, environ=None) -> None:
     interpreter's finalization. Why: a rank that had finished everything (its rows merged, the barrier met, the
     group destroyed) died with SIGABRT ("terminate called without an active exception") while its interpreter shut
     down, failing the launcher's run: twice in fresh-clone CI runs (2026-12-04, 2026-12-05; torch 2.13 CPU, gloo,
-    Python 3.11), never in about 50 runs by hand. The likely cause, not confirmed here: a C++ thread that asks for
-    the GIL once finalization has begun is ended by the interpreter, and that unwinding through C++ code that may
-    not throw calls std::terminate (pytorch/pytorch#179291 describes it for gloo's worker threads). Nothing is left
-    to run in a finished rank, so it skips finalization (os._exit) and with it that whole class of crash. A process
-    that was not launched (a plain run, the tests' in-process calls) returns and exits as usual."""
+    Python 3.11), and in 2 of 60 two-process accelerate launches of tests/test_distributed.py's T=1 run on the
+    2-core dev machine under load (0 of 30 without load; faulthandler: the main thread in no Python frame, so in
+    finalization; once a bus error there too). With this, 0 of 200 under the same load (2026-12-05; were the rate
+    unchanged, 0 of 200 would come about 0.1% of the time). The likely cause, not confirmed: a C++ thread that asks
+    for the GIL once finalization has begun is ended by the interpreter, and that unwinding through C++ code that
+    may not throw calls std::terminate (pytorch/pytorch#179291 describes it for gloo's worker threads). Nothing is
+    left to run in a finished rank, so it skips finalization (os._exit) and with it that whole class of crash. A
+    process that was not launched (a plain run, the tests' in-process calls) returns and exits as usual."""
     env = os.environ if environ is None else environ
     if "RANK" not in env and "WORLD_SIZE" not in env:
         return
