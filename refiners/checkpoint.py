@@ -137,3 +137,15 @@ def _check_kind(found: str, expect_kind: str | None, where: str, evidence: str) 
         raise ValueError(f"expect_kind must be one of {KINDS} or None, not {expect_kind!r}")
     raise UsageError(f"{where} is a {KIND_NAMES[found]}-head checkpoint ({evidence}), but a "
                      f"{KIND_NAMES[expect_kind]} head was expected; pass it with {KIND_FLAGS[found]}")
+
+
+def recorded_step(folder) -> int | None:
+    """The training step a serving folder's weights were exported at: `train_state.json`'s global_step, which
+    python -m training writes beside every export (None when the folder has none, or it is unreadable)."""
+    import json
+    from pathlib import Path
+    try:
+        step = json.loads((Path(folder) / "train_state.json").read_text()).get("global_step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None

@@ -172,8 +172,10 @@ def load_serving_dir(path: str | Path, expect_kind: str | None = None) -> Refine
                              f"{', '.join(prefix + v for v in MARKOV_SERVING_NAMES.values())})")
     variant = variant if kind == MARKOV else "vanilla"
     dims = head_dims(kind, head, str(d), variant)
+    from refiners.checkpoint import recorded_step
     ck = RefinerCheckpoint(kind=kind, draft_state=draft or None, head_state=head, rank=dims["rank"], source=str(d),
-                           mixer=mixer, variant=variant, extras={"architectures": cfg.get("architectures")})
+                           mixer=mixer, variant=variant, extras={"architectures": cfg.get("architectures")},
+                           step=recorded_step(d))
     if kind == XPRESS:
         ck.mlp_hidden, ck.block_size = dims["mlp_hidden"], dims["block"]
         for key, value, what in (("xpress_rank", ck.rank, "w1.weight width"),

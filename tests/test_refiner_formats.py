@@ -237,3 +237,24 @@ def test_a_heads_only_export_says_there_is_nothing_to_convert(tmp_path):
     with pytest.raises(UsageError, match="nothing to convert: the harness loads this folder as it is"):
         convert.serving_to_pt(str(shipped), str(tmp_path / "x.pt"))
     assert not (tmp_path / "x.pt").exists()
+
+
+def test_a_trained_folder_names_its_step(tmp_path):
+    """The [refiner] line printed step=None for every trained head: the step of an export is in train_state.json
+    beside it (the shipped xPress head: 903 steps), read for both folder layouts; a folder without one has None."""
+    import json
+    import shutil
+    from pathlib import Path
+    from refiners.checkpoint import recorded_step
+    from refiners.formats import load_refiner_checkpoint
+    shipped = Path(__file__).resolve().parents[1] / "weights" / "smollm2-135m"
+    want = json.loads((shipped / "xpress" / "train_state.json").read_text())["global_step"]
+    assert load_refiner_checkpoint(shipped / "xpress", "xpress").step == want == 903
+    assert load_refiner_checkpoint(shipped / "markov", "markov").step == \
+        json.loads((shipped / "markov" / "train_state.json").read_text())["global_step"]
+    bare = tmp_path / "bare"
+    shutil.copytree(shipped / "markov", bare)
+    (bare / "train_state.json").unlink()
+    assert load_refiner_checkpoint(bare, "markov").step is None
+    (bare / "train_state.json").write_text("{not json")
+    assert recorded_step(bare) is None

@@ -56,8 +56,8 @@ def test_tables_and_summary_name_the_model_device_and_dtype(tmp_path, monkeypatc
     assert all(x in title for x in ("model=SmolLM2.Q4_1.gguf (Q4_1, de-quantized to bfloat16)", "device=cuda:0",
                                     "dtype=bfloat16", "kernels=triton", "seed=7", "prompts=3"))
     first = next(csv.DictReader(io.StringIO(tables.format_csv(s))))
-    assert (first["model"], first["device"], first["dtype"], first["quantization"]) == (
-        "SmolLM2.Q4_1.gguf", "cuda:0", "bfloat16", "Q4_1")
+    assert (first["model"], first["device"], first["dtype"], first["quantization"], first["seed"]) == (
+        "SmolLM2.Q4_1.gguf", "cuda:0", "bfloat16", "Q4_1", "7")  # the seed too, as the README says
     titles = []
     from matplotlib.axes import Axes
     monkeypatch.setattr(Axes, "set_title", lambda self, t, *a, **k: titles.append(t))
@@ -269,3 +269,21 @@ def test_a_resume_that_reused_every_decode_is_no_resumed_run(tmp_path):
     assert resume_count(str(tmp_path)) == 0
     (tmp_path / "resumes.json").write_text(json.dumps([entry, dict(entry, reused_decodes=40)]))
     assert resume_count(str(tmp_path)) == 1
+
+
+def test_runs_of_other_drafters_or_blocks_are_two_groups():
+    """Two trained drafters (their digests differ) or blocks are never averaged together; the same tensors carried
+    to another path are one group; a config.json without digests groups as 'unrecorded'. (A new-user trial merged
+    a block-4 tiny-cpu export with the shipped block-16 drafter into one Avg. row.)"""
+    from harness.protocol import merge
+
+    def entry(folder, drafter, block=16):
+        weights = {"drafter": {"digest": drafter, "files": 1, "bytes": 1, "scheme": 1}} if drafter else None
+        return {"summary": {}, "config": {"resolved": {"block_size": block, "weights": weights}}, "folder": folder}
+    shipped, other = entry("a", "43b9b84b6c4ccdea"), entry("b", "4dedd87f00000000", block=4)
+    assert len(merge.groups([shipped, other])) == 2
+    assert len(merge.groups([shipped, entry("c", "43b9b84b6c4ccdea")])) == 1
+    assert len(merge.groups([shipped, entry("d", "43b9b84b6c4ccdea", block=8)])) == 2
+    key = dict(merge.group_key(shipped))
+    assert key["digests"] == "drafter 43b9b84b" and key["block"] == 16
+    assert dict(merge.group_key(entry("e", None)))["digests"] == "unrecorded"

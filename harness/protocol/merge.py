@@ -1,8 +1,8 @@
 """The merged report over several results folders (`python -m harness.protocol.report FOLDERS`): folders are
 grouped by their target (model, quantization, device, dtype), protocol (the kernels, max_new_tokens, the
-reference's accounting, the draft temperature, CUDA graphs, compiling and xPress's top-C) and weights label, as
-their config.json / summary.json record them (harness.protocol.facts); a group's header names them all, also when
-there is one group.
+reference's accounting, the draft temperature, CUDA graphs, compiling and xPress's top-C), weights label, drafter
+block and weights' digests, as their config.json / summary.json record them (harness.protocol.facts); a group's
+header names them all, also when there is one group.
 Each group gets its own table and its own Avg. rows: folders of different targets or protocols are never averaged
 together. A folder that does not record a fact (summary schema 1/2, config.json without "resolved" dtype) has
 "unknown" there, and groups with the folders that share its known facts and its unknowns.
@@ -17,12 +17,26 @@ GROUP_KEYS = facts.TARGET_KEYS + facts.PROTOCOL_KEYS
 
 
 def group_key(entry: dict) -> tuple:
-    """The target and protocol facts, and the weights' label (random drafter/heads on a real target are not its
-    trained weights, whose runs they would otherwise be averaged with)."""
+    """The target and protocol facts, the weights' label (random drafter/heads on a real target are not its
+    trained weights, whose runs they would otherwise be averaged with), the drafter's block and which tensors ran
+    (`digests`: the drafter's and refiners' digests as config.json records them; two trained drafters are two
+    groups)."""
     from harness.protocol.labels import recorded_weights
-    run = facts.of(entry["summary"], entry.get("config"))
-    weights = recorded_weights(entry["summary"], entry.get("config") or {}) or "as given"
-    return tuple((k, run[k]) for k in GROUP_KEYS) + (("weights", weights),)
+    config = entry.get("config") or {}
+    run = facts.of(entry["summary"], config)
+    weights = recorded_weights(entry["summary"], config) or "as given"
+    resolved = config.get("resolved") or {}
+    block = resolved.get("block_size") or config.get("block_size") or facts.UNKNOWN
+    return tuple((k, run[k]) for k in GROUP_KEYS) + (("weights", weights), ("block", block),
+                                                     ("digests", digests(resolved.get("weights"))))
+
+
+def digests(recorded: dict | None) -> str:
+    """'drafter 43b9b84b, xpress f110f5cb, markov b44e...' (the first 8 hex digits of each recorded digest), or
+    'unrecorded' (random weights, or a config.json from before digests were recorded)."""
+    parts = [f"{name} {d['digest'][:8]}" for name, d in sorted((recorded or {}).items())
+             if isinstance(d, dict) and d.get("digest")]
+    return ", ".join(parts) or "unrecorded"
 
 
 def groups(entries: list[dict]) -> dict[tuple, list[dict]]:

@@ -163,6 +163,11 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
     saved = json.loads(open(path).read())
     now = dataclasses.asdict(cfg)
     diff = sorted(k for k in now if k not in RESUME_FREE and saved.get(k, ADDED_LATER.get(k)) != now[k])
+    older = [k for k in diff if k not in saved and k not in ADDED_LATER]
+    if older:  # not the user's flags: settings this version has and the folder's config.json never recorded
+        names = ", ".join(f"--{k.replace('_', '-')}" for k in older[:4])
+        raise UsageError(f"--resume {folder}: its config.json was written by an older version of the harness "
+                         f"(it records no {names}), which this one cannot continue; start a new run")
     if diff:
         flags = ", ".join(f"--{k.replace('_', '-')}" for k in diff[:4])
         raise UsageError(f"--resume {folder}: the run was started with other settings ({flags}); drop those flags "

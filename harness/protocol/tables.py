@@ -47,7 +47,7 @@ def ci_units(p: dict) -> int | None:
 
 
 _HEADER = ["method", "POOLED tok/s", "Sp. (median of rounds) [95% CI]", "E2E Sp. [95% CI]", "break-even tau",
-           "tau/step", "per-sample tok/s", "tau/sample", "x gain (median)"]
+           "tau/step", "per-sample tok/s", "tau/sample", "x gain over drafter-only (median)"]
 
 
 def _table_rows(summary: dict) -> list[list[str]]:
@@ -206,7 +206,7 @@ _CSV = ["arm", "method", "K", "block_size", "samples", "rounds", "pooled_tok_s_m
         "speedup_pooled", "speedup_pooled_ci_lo", "speedup_pooled_ci_hi", "tau_per_step", "per_sample_tok_s_mean",
         "per_sample_tok_s_std", "tau_per_sample", "gain", "gain_mean", "gain_std", "gain_n", "ttft_s",
         "drafter_prefill_s", "token_match_rate", "speedup_e2e", "speedup_e2e_ci_lo", "speedup_e2e_ci_hi", "step_s",
-        "break_even_tau", "model", "quantization", "device", "dtype", "kernels", "labels"]
+        "break_even_tau", "model", "quantization", "device", "dtype", "kernels", "seed", "labels"]
 
 
 def format_csv(summary: dict) -> str:
@@ -217,7 +217,7 @@ def format_csv(summary: dict) -> str:
     w.writerow(_CSV)
     labels = "; ".join(run_labels(summary))
     run = {k: (summary.get("run") or {}).get(k, facts.UNKNOWN) for k in ("model", "quantization", "device", "dtype",
-                                                                       "kernels")}
+                                                                       "kernels", "seed")}
     for name, s in summary["arms"].items():
         sp, g, tm = s.get("speedup") or {}, s.get("gain") or {}, s.get("token_match") or {}
         ci = sp.get("ci95") or [None, None]
