@@ -163,7 +163,8 @@ def test_presize_sizes_the_caches_for_later_turns(data, tmp_path, monkeypatch):
 
 def test_a_folder_written_before_a_flag_existed_still_resumes(tmp_path):
     """config.json of a run made before a flag was added lacks it; the flag's default (plan.ADDED_LATER) stands in,
-    so --resume does not report other settings (--refill's absence broke every older folder's resume)."""
+    so --resume does not report other settings (--refill's absence broke every older folder's resume); a missing
+    setting without such a default is named as an older version's, not as flags to drop."""
     import dataclasses
     from harness.protocol import plan as plan_mod
     from harness.protocol.config import RunConfig
@@ -172,3 +173,10 @@ def test_a_folder_written_before_a_flag_existed_still_resumes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(saved))
     plan_mod.check_resume(cfg, str(tmp_path))  # no error
     assert {"refill", "batch_sizes", "context_lengths", "batch_invariant"} <= set(plan_mod.ADDED_LATER)
+    # a setting that is neither recorded nor in ADDED_LATER: an older version's folder, not the user's flags (a
+    # new-user trial was told to "drop" flags it never passed)
+    del saved["fp32_logits"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(UsageError, match=r"written by an older version of the harness \(it records no "
+                                         r"--fp32-logits\), which this one cannot continue; start a new run"):
+        plan_mod.check_resume(cfg, str(tmp_path))
