@@ -153,8 +153,7 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     if not hf:
         from harness.decode.batched import pick_attention
         attention = pick_attention(model, cfg["responses"]["attention"])  # what the manifest records
-        from harness.decode.sampling import pick_sampler
-        top_p_cut = pick_sampler("sort", model.device)  # the engine's default, which generate_fast's engine takes
+        from harness.decode.sampling import DEFAULT_SAMPLER as top_p_cut  # the engine generate_fast builds takes it
         print(f"responses: the fast engine's decode attention is {attention} "
               f"(responses.attention={cfg['responses']['attention']}), its top-p cut {top_p_cut}")
     import time

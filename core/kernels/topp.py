@@ -7,13 +7,14 @@ The reference (harness.decode.sampling.filtered_logits) sorts each row, a full s
 every decode step. At the responses engine's batch (1,024 rows of SmolLM2's 49,152) a sampled run took 12.9 ms a
 decode step on an H100 against 5.4 ms for a greedy one on the H200 (run seconds over decode steps, prefills
 included; results/perf/gpu_check_h100_quick/: two cards, so the sort's share is not measured apart;
-`gpu_check.sh quick` measures both cuts on one). Here a token is kept iff the
-probability mass strictly
-above its own is below top_p, f(p_i) = sum of p_j over p_j > p_i, f(p_i) < top_p: the reference's rule with ties
-resolved together (the sort keeps an arbitrary part of a tie that straddles the cut; this keeps all of it). f is
-non-increasing, so the kept set is {p_i >= t} for t = the least float with f(t) < top_p, and t is found exactly
-by bisection over the bit patterns of non-negative floats, which order as the floats do: 31 halvings of
-[0, 1.0]'s bits, each a pass over the row summing the mass above the midpoint.
+`gpu_check.sh quick` measures both cuts on one).
+
+Here a token is kept iff the probability mass strictly above its own is below top_p, f(p_i) = sum of p_j over
+p_j > p_i, f(p_i) < top_p: the reference's rule with ties resolved together (the sort keeps an arbitrary part of
+a tie that straddles the cut; this keeps all of it). f is non-increasing, so the kept set is {p_i >= t} for t =
+the least float with f(t) < top_p, and t is found exactly by bisection over the bit patterns of non-negative
+floats, which order as the floats do: 31 halvings of [0, 1.0]'s bits, each a pass over the row summing the mass
+above the midpoint.
 
 Contract: p [rows, V] fp32 probabilities (each row sums to about 1), rows contiguous; 0 < top_p < 1 -> t [rows]
 fp32; keep = p >= t[:, None]. A row whose mass is under top_p (fp32 rounding, top_p within an ulp of 1) gets

@@ -21,7 +21,7 @@ import torch
 
 from core.errors import UsageError
 from harness.decode.batched import BatchedLM, pick_attention
-from harness.decode.sampling import SamplingParams, pick_sampler, sample_rows, sample_rows_cut
+from harness.decode.sampling import DEFAULT_SAMPLER, SamplingParams, pick_sampler, sample_rows, sample_rows_cut
 
 MAX_STOPS = 16
 
@@ -36,7 +36,7 @@ class BatchedGenerator:
 
     def __init__(self, model, rows: int, dtype: torch.dtype | None = None, device=None, bucket: int = 128,
                  check_every: int = 8, use_graph: bool | None = None, prefill_tokens: int = 32768,
-                 attention: str = "sdpa", refill_min: int = 1, sampler: str = "sort"):
+                 attention: str = "sdpa", refill_min: int = 1, sampler: str = DEFAULT_SAMPLER):
         if rows < 1 or bucket < 1 or check_every < 1 or not 1 <= refill_min <= rows:
             raise UsageError("batched generation: rows, bucket and check_every must be >= 1, refill_min 1..rows")
         # refill_min: free rows gathered before a refill's prefill (the eager prefill is launch-bound: fewer, larger

@@ -6,6 +6,7 @@ stays exact for the filtered target distribution.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,7 @@ def sample_rows(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 
 SAMPLERS = ("sort", "threshold")
+DEFAULT_SAMPLER = "sort"  # the batched engine's (and so the responses stage's) until threshold is measured on a GPU
 
 
 def pick_sampler(choice: str, device) -> str:
@@ -90,7 +92,7 @@ def sample_rows_cut(logits: torch.Tensor, params: SamplingParams, generator: tor
     generator stream: with the same kept set the token is sample_rows', to rounding of the weights."""
     if params.greedy or params.top_k or logits.dim() != 2:
         return sample_rows(logits, params, generator)
-    p = (logits.float() / params.temperature).softmax(-1)
+    p = probabilities(logits, dataclasses.replace(params, top_p=1.0))  # the temperature's softmax, uncut
     if params.top_p < 1.0:
         from core.kernels.topp import threshold
         p = torch.where(p >= threshold(p, params.top_p)[:, None], p, 0.0)
