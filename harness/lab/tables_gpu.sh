@@ -64,7 +64,7 @@ case "${1:-}" in
     ;;
   start)
     shift
-    mkdir -p /tmp/w && cp -r .gpuw/. /tmp/w/ && ls /tmp/w/smollm2-135m
+    mkdir -p /tmp/w && { [[ ! -d .gpuw ]] || cp -r .gpuw/. /tmp/w/; } && ls /tmp/w/smollm2-135m  # .gpuw: optional when every piece came by part
     for m in drafter xpress markov; do
       [[ -d /tmp/w/smollm2-135m/$m ]] || { echo "error: /tmp/w/smollm2-135m/$m is missing: carry it (part DIR)" >&2; exit 3; }
     done
