@@ -13,13 +13,13 @@ Numbers: the matmuls see N x rows instead of rows, so a row's refined logits mat
 (CPU BLAS picks kernels by row count: gemv for one row, gemm for several), not always bit for bit; the tokens are
 the same unless a refined argmax sits on such a near-tie.
 
-`BatchRefiner(refiner, ops=TorchOps())` batches a refiner whose own ops cannot be vmapped (the Triton kernels)
-through a twin of it on `ops`, over the same head (`twin` True): one launch per op for the whole batch instead of
-each kernel once per request. Which refiners take a twin is the harness's choice
+`BatchRefiner(refiner, ops=...)` batches a refiner whose own ops cannot be vmapped (TritonOps: vmap cannot look
+inside a Triton launch) through a twin of it on `ops` over the same head (`twin` True): the harness gives it
+core.ops.stacked's StackedTritonOps, the same kernels as vmappable custom ops, so each kernel launches once for the
+whole batch instead of once per request. Which refiners take a twin is the harness's choice
 (harness.protocol.algorithms.batch_refiner, which knows the backends); this module only runs it. The drafts alone,
-never the target's output, depend on it (at T=0 the verify decides every token), so the refiner need not use the
-target's kernels. The batch loop uses a twin from B = 2 (harness.decode.batch_loop): one request keeps the
-refiner's own kernels.
+never the target's output, depend on it (at T=0 the verify decides every token). The batch loop uses a twin from
+B = 2 (harness.decode.batch_loop): one request keeps the refiner's own launches.
 
 Not batched here (None): draft sampling (Td > 0: each request's frozen noise is its own sampler's), ops other
 than TorchOps, wrapped refiners (compiled, captured, Spyre numerics), xPress K = 0 (its refine is the identity).

@@ -1,14 +1,15 @@
 """Batched refinement on the Triton kernels (harness.protocol.algorithms.batch_refiner over refiners.batch): a refiner
-whose ops are TritonOps is batched through its twin on TorchOps over the same head (Triton's CPU interpreter here,
-CUDA where there is one). Each row of one batched call gives the tokens the refiner's own Triton refine() gives that
-request alone (its q to fp32 rounding), and in generate_batch the twin runs from B = 2 only: at B = 1 the refiner's
-own kernels refine, as in a single-request decode. Rows differ from each other, so a twin that handed a request
-another row's result fails."""
+whose ops are TritonOps is batched through its twin on core.ops.stacked's StackedTritonOps over the same head and
+kernels (Triton's CPU interpreter here, CUDA where there is one), whose kernels vmap batches: each kernel launches
+once a pass (xPress) or a slot (Markov) for the whole stack. Each row of one batched call gives the tokens the
+refiner's own Triton refine() gives that request alone (its q to fp32 rounding), and in generate_batch the twin
+runs from B = 2 only: at B = 1 the refiner's own kernels refine, as in a single-request decode. Rows differ from
+each other, so a twin that handed a request another row's result fails."""
 import pytest
 import torch
 
 from core.ops import triton_ops
-from core.ops.torch_impl import TorchOps
+from core.ops.stacked import StackedTritonOps
 from core.protocols import Proposal, RefineContext
 from kernel_env import DEV, pytestmark  # noqa: F401  (sets TRITON_INTERPRET first; skips without Triton)
 from harness.protocol.algorithms import batch_refiner
@@ -34,7 +35,8 @@ def test_a_triton_refiner_batches_through_its_torch_twin_row_for_row(arm):
     assert own_ops.batch_refiner(r) is None  # vmap cannot batch the Triton kernels themselves
     b = batch_refiner(r)
     assert isinstance(b, BatchRefiner) and b.twin and b.refiner is r
-    assert type(b.inner.ops) is TorchOps and b.inner.head is r.head and r.ops.name == "triton"
+    assert type(b.inner.ops) is StackedTritonOps and b.inner.head is r.head and r.ops.name == "triton"
+    assert b.inner.ops.fallbacks is r.ops.fallbacks and b.inner.ops.launch == r.ops.launch
     g = torch.Generator().manual_seed(1)
     n = 3
     logits = torch.randn(n, BLOCK - 1, VOCAB, generator=g).to(DEV)

@@ -8,7 +8,9 @@ core.kernels.xpress, so that speed comparisons between the heads compare the met
 Contract: prev a 0-d (or 1-element) int64 token id on the device, h [H] the slot's drafter hidden row, w1 [V, r],
 gate [r, H + r] (its input columns: h's, then e's), bias [r], one dtype (fp32/bf16/fp16) -> z [r]. Rounding as the
 torch ops': the gate's output (bias included) rounded, the sigmoid rounded, the product rounded; the matvec sums in
-fp32 in another order than the torch ops'.
+fp32 in another order than the torch ops'. Several requests' slots in one launch: prev [N], h [N, H] -> z [N, r],
+one program per request running exactly the one-slot program (a request's z is bit for bit its one-slot z;
+core.ops.stacked runs it under vmap).
 """
 from __future__ import annotations
 
@@ -25,9 +27,13 @@ def fits(rank: int) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _gated_kernel(prev_ptr, h_ptr, w1_ptr, g_ptr, b_ptr, z_ptr, R, H, s_w1, s_g, PDL: tl.constexpr,
-                      RP: tl.constexpr, BK: tl.constexpr):
+    def _gated_kernel(prev_ptr, h_ptr, w1_ptr, g_ptr, b_ptr, z_ptr, R, H, s_w1, s_g, n_prev, n_h, n_z,
+                      PDL: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr):
         after_previous(PDL)
+        req = tl.program_id(0).to(tl.int64)  # the request whose slot this program runs (n_*: its strides)
+        prev_ptr += req * n_prev
+        h_ptr += req * n_h
+        z_ptr += req * n_z
         dt = z_ptr.dtype.element_ty
         o = tl.arange(0, RP)
         ook = o < R
@@ -54,16 +60,21 @@ if triton is not None:
 
 def gated_latent(prev: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, gate: torch.Tensor, bias: torch.Tensor,
                  launch: Launch = Launch()) -> torch.Tensor:
-    """The module's contract: z [r] of one slot, in one launch."""
+    """The module's contract: z [r] of one slot, in one launch (or z [N, r] for N requests' slots: prev [N], h
+    [N, H])."""
     r, hidden = w1.shape[1], h.shape[-1]
-    if not fits(r) or gate.shape != (r, hidden + r) or bias.shape != (r,) or prev.numel() != 1:
+    stacked = h.dim() == 2
+    n = h.shape[0] if stacked else 1
+    if not fits(r) or gate.shape != (r, hidden + r) or bias.shape != (r,) or prev.numel() != n or h.dim() > 2:
         raise ValueError(f"kernels.markov.gated_latent: rank {r} (at most {MAX_RANK}), gate {tuple(gate.shape)} "
-                         f"(wanted {(r, hidden + r)}), bias {tuple(bias.shape)} or prev {tuple(prev.shape)} "
-                         "does not fit")
+                         f"(wanted {(r, hidden + r)}), bias {tuple(bias.shape)}, prev {tuple(prev.shape)} or h "
+                         f"{tuple(h.shape)} does not fit")
     if w1.stride(-1) != 1 or gate.stride(-1) != 1 or h.stride(-1) != 1:
         raise ValueError("kernels.markov.gated_latent: rows must be contiguous")
-    z = torch.empty(r, dtype=w1.dtype, device=w1.device)
+    z = torch.empty((n, r), dtype=w1.dtype, device=w1.device)
+    p1, h2 = prev.reshape(n), (h if stacked else h.unsqueeze(0))
     rp = pow2_at_least(r, 16)
-    _gated_kernel[(1,)](prev, h, w1, gate, bias, z, r, hidden, w1.stride(0), gate.stride(0), RP=rp,
-                        BK=max(16, min(64, 8192 // rp)), num_warps=4, **launch_opts(launch, w1.device, 1))
-    return z
+    _gated_kernel[(n,)](p1, h2, w1, gate, bias, z, r, hidden, w1.stride(0), gate.stride(0), p1.stride(0),
+                        h2.stride(0), z.stride(0), RP=rp, BK=max(16, min(64, 8192 // rp)), num_warps=4,
+                        **launch_opts(launch, w1.device, 1))
+    return z if stacked else z[0]

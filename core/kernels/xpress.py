@@ -9,7 +9,9 @@ registers.
 Contract: cache [B, r] (the pass-invariant half of in_proj, XPressHead.block_cache), prev [B] int64 token ids,
 w1 [V, r] (embedding), w_tok [r, r] (in_proj's token columns; any row stride), mix [r, B, B] contiguous (folded:
 M = L ⊙ tril + I; or raw L), gate and up [h, r], down [r, h], one dtype (fp32/bf16/fp16; fp32 not on a GPU:
-`refused`) -> z [B-1, r] (slots 1..B-1).
+`refused`) -> z [B-1, r] (slots 1..B-1). Several requests' blocks in one launch: cache [N, B, r] and prev [N, B]
+-> z [N, B-1, r], one program per request, each running exactly the one-block program on its own rows (the same
+weights), so a request's latent is bit for bit its one-block latent (core.ops.stacked runs it under vmap).
 Rounding as the torch ops' (each op's output rounded to the dtype where the torch op rounds: the token half of
 in_proj, the add, the mix, gate, up, silu, the product, down, the residual); the matmul and the mix sum in fp32,
 in another order than cuBLAS. `fits` says which geometries the program takes.
@@ -43,9 +45,14 @@ def refused(dtype: torch.dtype, device: torch.device) -> str | None:
 if triton is not None:
     @triton.jit
     def _latent_kernel(cache_ptr, prev_ptr, w1_ptr, wt_ptr, m_ptr, g_ptr, u_ptr, d_ptr, z_ptr, B, R, H,
-                       s_cache, s_prev, s_w1, s_wt, s_g, s_u, s_d, s_z, PDL: tl.constexpr, PREC: tl.constexpr,
-                       RAW: tl.constexpr, BP: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr):
+                       s_cache, s_prev, s_w1, s_wt, s_g, s_u, s_d, s_z, n_cache, n_prev, n_z, PDL: tl.constexpr,
+                       PREC: tl.constexpr, RAW: tl.constexpr, BP: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr,
+                       BH: tl.constexpr):
         after_previous(PDL)
+        req = tl.program_id(0).to(tl.int64)  # the request whose block this program runs (n_*: its strides)
+        cache_ptr += req * n_cache
+        prev_ptr += req * n_prev
+        z_ptr += req * n_z
         dt = z_ptr.dtype.element_ty
         rows = tl.arange(0, BP)
         cols = tl.arange(0, RP)
@@ -95,9 +102,13 @@ if triton is not None:
 def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: torch.Tensor, mix: torch.Tensor,
            gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, folded: bool = True,
            launch: Launch = Launch()) -> torch.Tensor:
-    """The module's contract: z [B-1, r] of one pass, in one launch. folded=False: `mix` is the raw L (training's
-    form), and the mix is x + (L ⊙ tril) x, as CausalMixer computes it."""
-    b, r = cache.shape
+    """The module's contract: z [B-1, r] of one pass, in one launch (or [N, B-1, r] for N requests' blocks, cache
+    [N, B, r] and prev [N, B]). folded=False: `mix` is the raw L (training's form), and the mix is x + (L ⊙ tril)
+    x, as CausalMixer computes it."""
+    if cache.dim() not in (2, 3):
+        raise ValueError(f"kernels.xpress.latent: cache {tuple(cache.shape)} is not [B, r] or [N, B, r]")
+    stacked = cache.dim() == 3
+    n, (b, r) = (cache.shape[0] if stacked else 1), cache.shape[-2:]
     h = gate.shape[0]
     why = refused(cache.dtype, cache.device)
     if why is not None:
@@ -106,17 +117,20 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
     if not fits(b, r, h):
         raise ValueError(f"kernels.xpress.latent: block {b}, rank {r}, MLP hidden {h} is outside one program "
                          f"(block <= {MAX_BLOCK}, rank <= {MAX_RANK}, hidden <= {4 * MAX_RANK}); use the torch ops")
-    if mix.shape != (r, b, b) or not mix.is_contiguous() or prev.shape != (b,):
+    if mix.shape != (r, b, b) or not mix.is_contiguous() or prev.shape != cache.shape[:-1]:
         raise ValueError(f"kernels.xpress.latent: mix {tuple(mix.shape)} (contiguous [r, B, B] wanted) or prev "
-                         f"{tuple(prev.shape)} does not fit a block of {b} slots at rank {r}")
+                         f"{tuple(prev.shape)} does not fit blocks of {b} slots at rank {r} (cache "
+                         f"{tuple(cache.shape)})")
     for t in (cache, w1, w_tok, gate, up, down):
         if t.stride(-1) != 1:
             raise ValueError("kernels.xpress.latent: every matrix's rows must be contiguous")
-    z = torch.empty((b - 1, r), dtype=cache.dtype, device=cache.device)
+    z = torch.empty((n, b - 1, r), dtype=cache.dtype, device=cache.device)
+    c3, p2 = (cache, prev) if stacked else (cache.unsqueeze(0), prev.unsqueeze(0))
     rp = pow2_at_least(r, 16)
-    _latent_kernel[(1,)](cache, prev, w1, w_tok, mix, gate, up, down, z, b, r, h, cache.stride(0), prev.stride(0),
-                         w1.stride(0), w_tok.stride(0), gate.stride(0), up.stride(0), down.stride(0), z.stride(0),
+    _latent_kernel[(n,)](c3, p2, w1, w_tok, mix, gate, up, down, z, b, r, h, c3.stride(1), p2.stride(1),
+                         w1.stride(0), w_tok.stride(0), gate.stride(0), up.stride(0), down.stride(0), z.stride(1),
+                         c3.stride(0), p2.stride(0), z.stride(0),
                          PREC=prec(cache.dtype), RAW=not folded, BP=pow2_at_least(b, 16), RP=rp, BK=min(rp, 64),
                          BH=32 if rp >= 256 else 64, num_warps=8 if rp >= 256 else 4,
                          **launch_opts(launch, cache.device, b))
-    return z
+    return z if stacked else z[0]

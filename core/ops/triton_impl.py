@@ -91,6 +91,11 @@ class TritonOps(Ops):
             self._outside[name] = torch.compiler.disable(fn)
         return self._outside[name]
 
+    def _kernel(self, name: str):
+        """The launcher of one kernel family ("linear", "xpress_latent", "markov_latent"), outside the compiler;
+        core.ops.stacked's subclass swaps in launchers that torch.func.vmap can batch."""
+        return self._uncompiled(name, KERNELS[name])
+
     def linear(self, x, w, *, bias=None, norm=None, eps=0.0, act=None, residual=None, argmax=False):
         why = _linear_misfit(x, w, bias, act, residual)
         if why is not None:
@@ -99,8 +104,8 @@ class TritonOps(Ops):
             return self.torch.linear(x, w, bias=bias, norm=norm, eps=eps, act=act, residual=residual, argmax=argmax)
         if norm is not None and act is not None:
             x, norm = self.rms_norm(x, norm, eps), None
-        return self._uncompiled("linear", _kernel_linear)(x, w, norm=norm, eps=eps, gated=act is not None,
-                                                          residual=residual, argmax=argmax, launch=self.launch)
+        return self._kernel("linear")(x, w, norm=norm, eps=eps, gated=act is not None, residual=residual,
+                                      argmax=argmax, launch=self.launch)
 
     def _misfit(self, check, head, dtype) -> str | None:
         """check(head, dtype)'s verdict, once per (head, dtype): a refinement asks it every pass or slot, and the
@@ -117,7 +122,7 @@ class TritonOps(Ops):
             self.fallbacks["xpress latent", why] += 1
             return head.latent(cache, prev)
         r, mlp = head.rank, head.mlp
-        return self._uncompiled("xpress_latent", _kernel_latent)(
+        return self._kernel("xpress_latent")(
             cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L, mlp.gate_proj.weight,
             mlp.up_proj.weight, mlp.down_proj.weight, folded=head.folded, launch=self.launch)
 
@@ -129,8 +134,7 @@ class TritonOps(Ops):
             self.fallbacks["markov latent", why] += 1
             return head.latent(prev, h, state)
         g = head.gate
-        return self._uncompiled("markov_latent", _kernel_markov)(prev, h, head.w1.weight, g.weight, g.bias,
-                                                                  launch=self.launch), state
+        return self._kernel("markov_latent")(prev, h, head.w1.weight, g.weight, g.bias, launch=self.launch), state
 
     def rms_norm(self, x, weight, eps):
         if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
@@ -250,6 +254,9 @@ def _kernel_latent(*args, **kw):
 
 def _kernel_markov(*args, **kw):
     return kernels.markov_gated_latent(*args, **kw)
+
+
+KERNELS = {"linear": _kernel_linear, "xpress_latent": _kernel_latent, "markov_latent": _kernel_markov}
 
 
 def _capturing(device: torch.device) -> bool:

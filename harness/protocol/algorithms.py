@@ -28,10 +28,13 @@ __all__ = ["BatchRefiner", "DFlashConfig", "DFlashDrafter", "DFlashGroup", "DFla
 
 def batch_refiner(refiner) -> BatchRefiner | None:
     """The run's refiner batched over a step's requests (refiners.batch), or None (each request refines alone):
-    on its own ops where they are the torch ops; on the Triton kernels (which vmap cannot batch) through a twin on
-    the torch ops over the same head, since only the target's kernels decide the output (docs/DESIGN.md)."""
-    from core.ops.torch_impl import TorchOps
+    on its own ops where they are the torch ops; on the Triton kernels through a twin on core.ops.stacked's
+    StackedTritonOps over the same head and kernels, whose launchers vmap can batch (one launch of each kernel for
+    the whole stack)."""
     own = _on_own_ops(refiner)
-    if own is None and batchable(refiner) and getattr(refiner.ops, "name", None) == "triton":
-        return BatchRefiner(refiner, ops=TorchOps())
+    if own is None and batchable(refiner):
+        from core.ops.triton_impl import TritonOps
+        if isinstance(refiner.ops, TritonOps):
+            from core.ops.stacked import StackedTritonOps
+            return BatchRefiner(refiner, ops=StackedTritonOps(refiner.ops))
     return own

@@ -109,7 +109,7 @@ def _batched(refiner, pool: dict, how: set, b: int):
     key = ("refine", id(refiner))
     r = pool[key] = pool[key] if key in pool else batch_refiner(refiner)
     how.add("refinements per request" if r is None or (r.twin and b == 1) else
-            "refinements batched on torch ops (B>1)" if r.twin else "refinements batched")
+            f"refinements batched on {r.inner.ops.name} ops (B>1)" if r.twin else "refinements batched")
     return pool[key]
 
 
