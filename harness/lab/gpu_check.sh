@@ -63,7 +63,7 @@ PY
     # (or training_gpu.sh's) setup: the wheels in /tmp/site; and its gguf: the GGUF in /tmp/xb. (The ninth
     # session's quick check, the fused passes' cost and the batched steps' floors: results/perf/gpu_check_h100_quick/.)
     export PYTHONPATH=/tmp/site:. XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false
-    { python3 -m pytest -o addopts="" -q tests/test_topp.py tests/test_xpress_latent.py \
+    { python3 -m pytest -o addopts="" -q tests/test_topp.py tests/test_xpress_latent.py tests/test_stacked_ops.py \
         tests/test_batched_generate.py 2>&1 || true; } | tail -n 12 | tee "$OUT/quick_tests.log"
     GEN=(--target smollm2 --device cuda --dtype bfloat16 --prompts 2048 --batch 1024 --max-new-tokens 512
          --skip-hf --attention triton)
