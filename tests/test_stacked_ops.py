@@ -51,6 +51,12 @@ def test_a_stack_of_blocks_is_each_blocks_own_launch():
     for i in range(3):
         assert torch.equal(z[i], kernels.xpress_latent(cache[i], prev[i], *_latent_args(head))), i
     assert not torch.equal(z[0], z[1])
+    # views with other strides (a wider buffer's columns, every other token of a wider prev) read their own rows
+    wide = torch.zeros(3, 16, 90, device=DEV, dtype=DT)
+    wide[..., 3:83] = cache
+    pwide = torch.zeros(3, 32, dtype=prev.dtype, device=DEV)
+    pwide[:, ::2] = prev
+    assert torch.equal(kernels.xpress_latent(wide[..., 3:83], pwide[:, ::2], *_latent_args(head)), z)
 
 
 def test_a_stack_of_markov_slots_is_each_slots_own_launch():
@@ -63,6 +69,11 @@ def test_a_stack_of_markov_slots_is_each_slots_own_launch():
     assert z.shape == (4, 80)
     for i in range(4):
         assert torch.equal(z[i], kernels.markov_gated_latent(prev[i], h[i], *w)), i
+    wide = torch.zeros(4, HIDDEN + 7, device=DEV, dtype=DT)
+    wide[:, 5:5 + HIDDEN] = h
+    pwide = torch.zeros(8, dtype=prev.dtype, device=DEV)
+    pwide[::2] = prev
+    assert torch.equal(kernels.markov_gated_latent(pwide[::2], wide[:, 5:5 + HIDDEN], *w), z)
     with pytest.raises(ValueError, match="does not fit"):
         kernels.markov_gated_latent(prev[:3], h, *w)
 
@@ -153,3 +164,20 @@ def test_weights_that_differ_per_request_are_refused():
     from core.ops import stacked
     with pytest.raises(NotImplementedError, match="shared by every request"):
         vmap(lambda c, p, w1: stacked.xpress_latent(c, p, w1, *w[1:], True, False))(cache, prev, two)
+
+
+def test_nested_vmaps_launch_once_for_every_level(monkeypatch):
+    """vmap over vmap (a stack of stacks): the latent rules flatten every level into one launch."""
+    head, mh = _xpress(), _markov()
+    st = StackedTritonOps(triton_ops(DEV))
+    g = torch.Generator().manual_seed(10)
+    cache = torch.stack([head.block_cache(h) for h in torch.randn(6, 16, HIDDEN, generator=g).to(DEV, DT)])
+    prev = torch.randint(0, VOCAB, (6, 16), generator=g).to(DEV)
+    h = torch.randn(6, HIDDEN, generator=g).to(DEV, DT)
+    p1 = torch.randint(0, VOCAB, (6,), generator=g).to(DEV)
+    calls = _counting(monkeypatch)
+    z = vmap(vmap(lambda c, p: st.xpress_latent(head, c, p)))(cache.view(2, 3, 16, 80), prev.view(2, 3, 16))
+    m = vmap(vmap(lambda p, x: st.markov_latent(mh, p, x, None)[0]))(p1.view(2, 3), h.view(2, 3, HIDDEN))
+    assert calls["xpress_latent"] == 1 and calls["markov_gated_latent"] == 1, calls
+    assert torch.equal(z.view(6, 15, 80), kernels.xpress_latent(cache, prev, *_latent_args(head)))
+    assert torch.equal(m.view(6, 80), kernels.markov_gated_latent(p1, h, mh.w1.weight, mh.gate.weight, mh.gate.bias))

@@ -27,7 +27,7 @@ from core import kernels
 from core.ops.torch_impl import TorchOps
 from core.ops.triton_impl import TritonOps
 
-_TORCH = TorchOps()
+_TORCH = TorchOps()  # the readout past kernels.MAX_ROWS rows (the rule has no ops instance; TorchOps holds no state)
 
 
 def _launch(pdl: bool, invariant: bool) -> kernels.Launch:
@@ -96,9 +96,11 @@ def _(cache, prev, w1, w_tok, mix, gate, up, down, folded, pdl):
 def _xpress_vmap(info, in_dims, cache, prev, w1, w_tok, mix, gate, up, down, folded, pdl):
     _shared("xpress_latent", in_dims, range(2, 8))
     n = info.batch_size
-    z = xpress_latent(_stacked(cache, in_dims[0], n), _stacked(prev, in_dims[1], n), w1, w_tok, mix, gate, up,
+    cs, ps = _stacked(cache, in_dims[0], n), _stacked(prev, in_dims[1], n)
+    lead = cs.shape[:-2]  # [N] or, under nested vmaps, every level's stack: one launch for all of them
+    z = xpress_latent(cs.reshape(-1, *cs.shape[-2:]), ps.reshape(-1, ps.shape[-1]), w1, w_tok, mix, gate, up,
                       down, folded, pdl)
-    return z, 0
+    return z.view(*lead, *z.shape[1:]), 0
 
 
 @torch.library.custom_op("xb::markov_gated_latent", mutates_args=())
@@ -116,9 +118,11 @@ def _(prev, h, w1, gate, bias, pdl):
 def _markov_vmap(info, in_dims, prev, h, w1, gate, bias, pdl):
     _shared("markov_gated_latent", in_dims, range(2, 5))
     n = info.batch_size
-    ps = _stacked(prev, in_dims[0], n).reshape(n)
-    z = markov_gated_latent(ps, _stacked(h, in_dims[1], n).contiguous(), w1, gate, bias, pdl)
-    return z, 0
+    hs = _stacked(h, in_dims[1], n)
+    lead = hs.shape[:-1]  # [N] or, under nested vmaps, every level's stack
+    ps = _stacked(prev, in_dims[0], n).reshape(-1)
+    z = markov_gated_latent(ps, hs.reshape(-1, hs.shape[-1]), w1, gate, bias, pdl)
+    return z.view(*lead, -1), 0
 
 
 def _linear_op(x, w, *, norm=None, eps=0.0, gated=False, residual=None, argmax=False, launch):

@@ -29,11 +29,11 @@ __all__ = ["BatchRefiner", "DFlashConfig", "DFlashDrafter", "DFlashGroup", "DFla
 def batch_refiner(refiner) -> BatchRefiner | None:
     """The run's refiner batched over a step's requests (refiners.batch), or None (each request refines alone):
     on its own ops where they are the torch ops; on the Triton kernels through a twin on core.ops.stacked's
-    StackedTritonOps over the same head and kernels, whose launchers vmap can batch (one launch of each kernel for
-    the whole stack)."""
+    StackedTritonOps over the same head and kernels, whose launchers vmap can batch (the latent one launch for the
+    stack, the readout too while the stack's rows fit one launch)."""
     own = _on_own_ops(refiner)
-    if own is None and batchable(refiner):
-        from core.ops.triton_impl import TritonOps
+    if own is None and batchable(refiner) and getattr(refiner.ops, "name", None) == "triton":
+        from core.ops.triton_impl import TritonOps  # only for Triton ops: core.kernels stays unimported otherwise
         if isinstance(refiner.ops, TritonOps):
             from core.ops.stacked import StackedTritonOps
             return BatchRefiner(refiner, ops=StackedTritonOps(refiner.ops))
