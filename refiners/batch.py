@@ -17,7 +17,8 @@ the same unless a refined argmax sits on such a near-tie.
 inside a Triton launch) through a twin of it on `ops` over the same head (`twin` True): the harness gives it
 core.ops.stacked's StackedTritonOps, the same kernels as vmappable custom ops: the latent launches once a pass (a
 slot) for the whole batch instead of once per request, and so does the readout while the batch's rows fit one
-launch (kernels.MAX_ROWS: 64, four requests at block 16; beyond, it runs on the torch ops). Which refiners take a twin is the harness's choice
+launch (kernels.MAX_ROWS: 64; xPress reads out 15 rows a request at block 16, so four requests, the Markov
+head one a request a slot; beyond, it runs on the torch ops). Which refiners take a twin is the harness's choice
 (harness.protocol.algorithms.batch_refiner, which knows the backends); this module only runs it. The drafts alone,
 never the target's output, depend on it (at T=0 the verify decides every token). The batch loop uses a twin from
 B = 2 (harness.decode.batch_loop): one request keeps the refiner's own launches.

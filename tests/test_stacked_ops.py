@@ -25,9 +25,9 @@ DT = torch.float32 if DEV.type == "cpu" else torch.float16
 VOCAB, HIDDEN = 200, 48
 
 
-def _xpress(block=16, rank=80, mlp=160):
+def _xpress(block=16, rank=80, mlp=160, folded=True):
     head = random_xpress_head(VOCAB, HIDDEN, rank, block, seed=0, mlp_hidden=mlp, std=0.2, mix_std=0.3)
-    return head.fold().to(DEV, DT).requires_grad_(False)
+    return (head.fold() if folded else head).to(DEV, DT).requires_grad_(False)
 
 
 def _markov(rank=80):
@@ -40,23 +40,25 @@ def _latent_args(head):
             m.down_proj.weight)
 
 
-def test_a_stack_of_blocks_is_each_blocks_own_launch():
-    head = _xpress()
+@pytest.mark.parametrize("folded", [True, False])
+def test_a_stack_of_blocks_is_each_blocks_own_launch(folded):
+    """The serving form (folded mixer) and the shipped heads' raw mixer (their config says `mixer: raw`)."""
+    head = _xpress(folded=folded)
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(3, 16, HIDDEN, generator=g).to(DEV, DT)
     cache = torch.stack([head.block_cache(h) for h in hidden])
     prev = torch.randint(0, VOCAB, (3, 16), generator=g).to(DEV)
-    z = kernels.xpress_latent(cache, prev, *_latent_args(head))
+    z = kernels.xpress_latent(cache, prev, *_latent_args(head), folded=folded)
     assert z.shape == (3, 15, 80)
     for i in range(3):
-        assert torch.equal(z[i], kernels.xpress_latent(cache[i], prev[i], *_latent_args(head))), i
+        assert torch.equal(z[i], kernels.xpress_latent(cache[i], prev[i], *_latent_args(head), folded=folded)), i
     assert not torch.equal(z[0], z[1])
     # views with other strides (a wider buffer's columns, every other token of a wider prev) read their own rows
     wide = torch.zeros(3, 16, 90, device=DEV, dtype=DT)
     wide[..., 3:83] = cache
     pwide = torch.zeros(3, 32, dtype=prev.dtype, device=DEV)
     pwide[:, ::2] = prev
-    assert torch.equal(kernels.xpress_latent(wide[..., 3:83], pwide[:, ::2], *_latent_args(head)), z)
+    assert torch.equal(kernels.xpress_latent(wide[..., 3:83], pwide[:, ::2], *_latent_args(head), folded=folded), z)
 
 
 def test_a_stack_of_markov_slots_is_each_slots_own_launch():

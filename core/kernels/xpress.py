@@ -37,7 +37,7 @@ def refused(dtype: torch.dtype, device: torch.device) -> str | None:
     with the raw mixer (every element off, the largest by 355) and ran out of shared memory at rank 256, while
     bf16 and fp16 matched the torch ops at every geometry tested and Triton's CPU interpreter matches in fp32.
     A probe of the launch settings on an H100 (harness/lab/probe_xpress_fp32.py, results/perf/NOTES.md) narrowed
-    it: wrong (errors the size of the outputs, differing run to run) only with the raw mixer, ieee dots, 4 warps
+    it: wrong (errors the size of the outputs) only with the raw mixer, ieee dots, 4 warps
     and the in_proj tile BK = 64 that the launcher picks at rank 80; right with BK = 16 or 8 warps, with or without
     PDL, and with the folded mixer. A Triton 3.6 code-generation fault is the likely cause, not confirmed; until a
     changed launch is tested on a GPU at every geometry (rank 256 also ran out of shared memory in fp32), the

@@ -7,7 +7,7 @@ programmatic dependent launch, dot precision (ieee, tf32, the default), warps (4
 and the launcher's min(RP, 64)), at the shipped geometry (block 16, rank 80, MLP 160; raw and folded mixer) and a
 small one, and prints each one's largest error against the head's torch modules (XPressHead.latent) beside the
 outputs' scale. ieee is the launcher's setting for fp32; tf32 and the default are expected to differ by tf32's
-rounding (about 1e-3 of the scale), not by the scale itself. Results: results/perf/NOTES.md ("fp32 latent probe").
+rounding (about 1e-3 of the scale), not by the scale itself. Results: results/perf/NOTES.md ("... the fp32 latent narrowed").
 """
 from __future__ import annotations
 
