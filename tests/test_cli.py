@@ -77,6 +77,7 @@ def test_ar_only_and_skip_ar(files, tmp_path):
     (["--answer-file", "/nonexistent-dir/x.jsonl"], "does not exist"),
     (["--attn-implementation", "flash_attention_2"], "attn-implementation"),
     (["--max-samples", "0"], "max"),
+    (["--max-model-len", "10"], "raise --max-model-len above"),  # a prompt longer than the limit: what to raise
 ])
 def test_bad_arguments_fail_before_loading(files, extra, message, capsys, monkeypatch):
     import harness.protocol.runner as runner

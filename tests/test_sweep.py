@@ -119,6 +119,10 @@ def test_sampled_drafts_at_t0_do_not_depend_on_the_batch(files, tmp_path):
     first = [r for r in rows
              if r["batch_size"] == 2 and r["arm"] != "AR" and (r["batch_index"], r["batch_row"]) != (1, 1)]
     assert first and all(r["accept_lengths"] == one[(r["arm"], r["round"], r["question_id"])] for r in first)
+    labels = json.loads((tmp_path / "td" / "sweep.json").read_text())["labels"]  # sampled drafts refine alone
+    assert "refinements per request" in labels and "refinements batched" not in labels, labels
+    readme = (tmp_path / "td" / "README.md").read_text()  # one context: no context plot written, none listed
+    assert "speedup_vs_batch.png" in readme and "speedup_vs_context.png" not in readme and "same as B=1" in readme
 
 
 def test_batched_requests_decode_their_b1_tokens_and_long_contexts_are_long(swept):

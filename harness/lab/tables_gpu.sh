@@ -19,9 +19,11 @@
 #            bash harness/lab/tables_gpu.sh back         # into $OUT: tables.tgz (the folders), bench.tgz
 #   here:    harness/lab/device_tree.sh restore DIR; tar xzf tables.tgz -C results/smollm2-135m; tar xzf bench.tgz
 #
-# TABLE_ARGS (flags appended to every cell; unset: --kernels triton --batch-invariant, the shipped tables') and
-# DEADLINE_S (seconds from `start` after which no new cell begins) pass through to smollm2_gpu.sh. Both jobs run from a copy of the code in /tmp/code, so the tree that each call
-# re-sends cannot change them. Make the calls back to back: the jobs die with the machine.
+# TABLE_ARGS (flags appended to every cell; unset: --kernels triton --batch-invariant, the shipped tables'),
+# DEADLINE_S (seconds from `start` after which no new cell begins), DATASETS, K_LIST, ROUNDS and MAX_SAMPLES pass
+# through to smollm2_gpu.sh and bench_fair_fast.sh; XRES and XTAB move the folders and logs (a second job's). Both
+# jobs run from a copy of the code in /tmp/code, so the tree that each call re-sends cannot change them. Make the
+# calls back to back: the jobs die with the machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -100,6 +102,6 @@ case "${1:-}" in
     ls -la "$OUT"
     ;;
   *)
-    sed -n 2,23p "$0"; exit 2
+    sed -n 2,26p "$0"; exit 2
     ;;
 esac

@@ -151,7 +151,7 @@ def first_turns(samples, tokenizer, limit: int) -> list[tuple[int, ...]]:
         firsts.append(tuple(render_prompt(tokenizer, [{"role": "user", "content": s.turns[0]}])))
         if len(firsts[-1]) >= limit:
             raise UsageError(f"prompt {qid} (dataset row {s.row}) has {len(firsts[-1])} tokens, not below "
-                             f"--max-model-len {limit}; raise --max-model-len or lower --max-samples")
+                             f"--max-model-len {limit}; raise --max-model-len above {len(firsts[-1])}")
     return firsts
 
 

@@ -101,15 +101,16 @@ def _drafters(arm, b: int, pool: dict, backend, how: set) -> list | None:
     return pool[key]
 
 
-def _batched(refiner, pool: dict, how: set, b: int):
-    """The arm's refiner batched over a step's requests (algorithms.batch_refiner; None where it cannot be: each
-    request then refines alone), built once per refiner; `how` collects which ran at batch size b."""
+def _batched(refiner, pool: dict, how: set, b: int, drafters, settings):
+    """The arm's refiner batched (algorithms.batch_refiner, built once; None where it cannot be); `how` says what ran
+    at batch size b: the batch loop refines per request unless the drafts are greedy and batched (batch_loop)."""
     if refiner is None:
         return None
-    key = ("refine", id(refiner))
-    r = pool[key] = pool[key] if key in pool else batch_refiner(refiner)
-    how.add("refinements per request" if r is None or (r.twin and b == 1) else
-            f"refinements batched on {r.inner.ops.name} ops (B>1)" if r.twin else "refinements batched")
+    r = pool[key] = pool[key] if (key := ("refine", id(refiner))) in pool else batch_refiner(refiner)
+    alone = r is None or (r.twin and b == 1) or not settings.draft_params.greedy or \
+        getattr(drafters[0], "group", None) is None
+    how.add("refinements per request" if alone else f"refinements batched on {r.inner.ops.name} ops (B>1)"
+            if r.twin else "refinements batched")
     return pool[key]
 
 
@@ -169,13 +170,13 @@ def run(cfg, out=None) -> dict:
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     sweep_steps.write(folder, rows, plan.arm_names, ar, summary["labels"])
-    atomic_write(os.path.join(folder, "README.md"), sweep_readme.readme(summary))
+    plots = write_plots(folder, summary)  # before the README, which lists the plots written
+    atomic_write(os.path.join(folder, "README.md"), sweep_readme.readme(summary, [os.path.basename(p) for p in plots]))
     atomic_write(os.path.join(folder, "env.json"),
                  json.dumps(environment(exclude=[folder]), indent=1, default=str) + "\n")
-    for path in write_plots(folder, summary):
+    for path in plots:
         print(f"[plot] {path}", file=out)
-    print(format_table(summary), file=out)
-    print(f"[results] {folder}", file=out)
+    print(format_table(summary), f"[results] {folder}", sep="\n", file=out)
     return summary
 
 
@@ -197,11 +198,10 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
         seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_, c) for i, c in zip(ids, copies[k0:])]
         prompts, limits, seeds_run = padded_requests([list(pt.prompts[i]) for i in ids], seeds, rows_run,
                                                      settings.max_new_tokens)
-        start = backend.now()
-        gens = generate_batch(models.target, prompts, settings, backend,
-                              drafters=_drafters(arm, rows_run, pool, backend, how), refiner=arm.refiner,
-                              generators=[backend.generator(s) for s in seeds_run],
-                              refine_batch=_batched(arm.refiner, pool, how, rows_run), max_new_tokens=limits,
+        drafters, start = _drafters(arm, rows_run, pool, backend, how), backend.now()
+        gens = generate_batch(models.target, prompts, settings, backend, drafters=drafters, refiner=arm.refiner,
+                              generators=[backend.generator(s) for s in seeds_run], max_new_tokens=limits,
+                              refine_batch=_batched(arm.refiner, pool, how, rows_run, drafters, settings),
                               rows=rows_run if cfg.refill else None)
         wall = backend.now() - start
         gens = gens[:len(ids)]  # the padding rows are not requests

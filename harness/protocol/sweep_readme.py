@@ -12,8 +12,10 @@ FILES = (("sweep.md", "total and per-request tok/s, τ, the speedup over AR at t
          ("config.json", "every setting of the run, resolved"),
          ("env.json", "the machine, the packages and the commit (environment.json in sweeps written before "
                       "2026-12-05)"),
-         ("speedup_vs_batch.png, speedup_vs_context.png", "each method's speedup over AR against B and against "
-                                                          "context length, with the 95% CIs"))
+         ("speedup_vs_batch.png", "each method's speedup over AR against B, with the 95% CIs"),
+         ("speedup_vs_context.png", "the same against context length (with several context lengths)"))
+SAME = ("`same as B=1` (T=0): the requests whose tokens equal the same arm's tokens at B = 1 (same prompt, context and "
+        "round), over the requests compared (every round, warmup included)")
 
 
 def run_line(cfg, plan, n_prompts: int) -> str:
@@ -26,14 +28,15 @@ def run_line(cfg, plan, n_prompts: int) -> str:
             f"{plan.warmup_rounds} warmup round(s){scripted}")
 
 
-def readme(summary: dict) -> str:
-    """The folder's README.md: what ran (the labels), what each file holds and how the numbers are defined."""
+def readme(summary: dict, plots: list[str] | None = None) -> str:
+    """The folder's README.md: what ran (the labels), what each file holds (`plots`: the plot files written, None:
+    both listed) and how the numbers are defined."""
     c = summary["conventions"]
     per_request = c.get("per_request_tok_s") or ("each request's decode tokens over its own decode seconds, "
                                                   "averaged over the requests (it can exceed the total rate)")
     lines = [f"# Sweep: batch sizes {summary['batch_sizes']} x context lengths {summary['context_lengths']}", "",
              *[f"- {x}" for x in summary["labels"]], "", "| file | what |", "|---|---|",
-             *[f"| `{f}` | {what} |" for f, what in FILES], "",
-             f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Per-request tok/s: "
-             f"{per_request}. Crossover: {c['crossover']}.", ""]
+             *[f"| `{f}` | {what} |" for f, what in FILES if plots is None or not f.endswith(".png") or f in plots],
+             "", f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Per-request tok/s: "
+             f"{per_request}. Crossover: {c['crossover']}. {SAME}.", ""]
     return "\n".join(lines)
