@@ -68,7 +68,7 @@ def _notes(summary: dict) -> list[str]:
     for method, o in summary.get("optimal", {}).items():
         if method not in ("xpress", "markov"):  # one arm each: nothing was swept
             continue
-        k = f" (K={o['K']})" if o.get("K") is not None else ""
+        k = f" (K={o['K']})" if o.get("K") is not None and f"K={o['K']}" not in o['arm'] else ""  # once
         lines.append(f"throughput-optimal {method}: {o['arm']}{k} at {_num(o['pooled_tok_s'], '.1f')} POOLED tok/s "
                      f"over the measured rounds; " + _chosen(o.get("selected_on", "the measured rounds")))
     lines += _order(summary.get("tau_order"))
