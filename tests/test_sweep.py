@@ -121,6 +121,7 @@ def test_sampled_drafts_at_t0_do_not_depend_on_the_batch(files, tmp_path):
     assert first and all(r["accept_lengths"] == one[(r["arm"], r["round"], r["question_id"])] for r in first)
     labels = json.loads((tmp_path / "td" / "sweep.json").read_text())["labels"]  # sampled drafts refine alone
     assert "refinements per request" in labels and "refinements batched" not in labels, labels
+    assert any(x.startswith("FEWER THAN 5 SEEDS (1;") for x in labels), labels  # one sampled round
     readme = (tmp_path / "td" / "README.md").read_text()  # one context: no context plot written, none listed
     assert "speedup_vs_batch.png" in readme and "speedup_vs_context.png" not in readme and "same as B=1" in readme
 
@@ -182,7 +183,7 @@ def test_the_folder_has_the_table_and_both_plots(swept):
     # what ran batched is labelled: the verify and the dFlash drafts one forward each, and at T=0 on the torch ops
     # the refinements of a step in one call (refiners.batch)
     assert {"cpu float32", "eager", "drafts batched", "refinements batched"} <= set(s["labels"])
-    assert "refinements per request" not in s["labels"]
+    assert "refinements per request" not in s["labels"] and not any(x.startswith("FEWER THAN") for x in s["labels"])
 
 
 def test_the_folder_says_what_ran_in_its_titles_and_readme(swept):

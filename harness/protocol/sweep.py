@@ -102,8 +102,7 @@ def _drafters(arm, b: int, pool: dict, backend, how: set) -> list | None:
 
 
 def _batched(refiner, pool: dict, how: set, b: int, drafters, settings):
-    """The arm's refiner batched (algorithms.batch_refiner, built once; None where it cannot be); `how` says what ran
-    at batch size b: the batch loop refines per request unless the drafts are greedy and batched (batch_loop)."""
+    """The arm's refiner batched (algorithms.batch_refiner, built once); `how` says what batch_loop ran at B = b."""
     if refiner is None:
         return None
     r = pool[key] = pool[key] if (key := ("refine", id(refiner))) in pool else batch_refiner(refiner)
@@ -166,7 +165,8 @@ def run(cfg, out=None) -> dict:
     summary = summarize(rows, plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
                         labels=[x for x in [sweep_readme.run_line(cfg, plan, len(samples)), label(cfg),
                                             f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
-                                            f"kernels {models.target.kernels}", *sorted(how)] if x])
+                                            f"kernels {models.target.kernels}", *sorted(how),
+                                            sweep_readme.replicates(plan, settings)] if x])
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     sweep_steps.write(folder, rows, plan.arm_names, ar, summary["labels"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from harness.protocol.replicates import seeds_short
+
 FILES = (("sweep.md", "total and per-request tok/s, τ, the speedup over AR at the same point with its paired 95% CI, "
                       "and each method's crossover"),
          ("steps.md", "the step breakdown: each point's token gain and step cost over AR's, and the rows' slot use"),
@@ -26,6 +28,14 @@ def run_line(cfg, plan, n_prompts: int) -> str:
     return (f"{model} on {cfg.dataset}: {n_prompts} prompts (first turns), {cfg.max_new_tokens} new tokens, "
             f"T={cfg.temperature:g}, seed {cfg.seed}, {plan.rounds - plan.warmup_rounds} measured + "
             f"{plan.warmup_rounds} warmup round(s){scripted}")
+
+
+def replicates(plan, settings) -> str | None:
+    """A sampled sweep's τ (sampled target or drafts) is a mean over its measured rounds, each on its own random
+    streams: with fewer rounds than the paper's replicates it is labelled, as a single run's table is."""
+    if settings.target_params.greedy and settings.draft_params.greedy:
+        return None
+    return seeds_short(plan.rounds - plan.warmup_rounds)
 
 
 def readme(summary: dict, plots: list[str] | None = None) -> str:
