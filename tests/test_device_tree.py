@@ -232,3 +232,10 @@ def test_table_cells_take_the_shipped_tables_kernels_unless_told(tmp_path, table
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "res" / "gsm8k_t0.log").read_text() == f"EXTRA={want}\n"
+
+
+def test_the_tables_usage_is_the_whole_header():
+    """With no command the script prints its header and exits 2; the header ran past the lines printed once, and
+    the usage stopped mid-sentence."""
+    r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / "tables_gpu.sh")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout.rstrip().endswith("the jobs die with the machine.")

@@ -141,10 +141,9 @@ def run(cfg: dict, load, force: bool = False) -> Path:
                          "lower it")
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
-    before = read_manifest(out) or {}  # parts kept from earlier processes (same key)
-    earlier, earlier_cuts = before.get("attentions") or [], before.get("top_p_cuts") or []
-    write_json(out / "manifest.json", {"key": key, "complete": False, "attentions": earlier,
-                                       "top_p_cuts": earlier_cuts})
+    before = read_manifest(out) or {}  # parts kept from earlier processes (same key): which engine settings wrote them
+    wrote = {k: set(before.get(k) or []) for k in ("attentions", "top_p_cuts")}
+    write_json(out / "manifest.json", {"key": key, "complete": False, **{k: sorted(v) for k, v in wrote.items()}})
     model, tokenizer = load()
     todo = [(g, group) for g, group in enumerate(groups)
             if g >= first and not (parts / f"part_{g:04d}.jsonl").exists()]
@@ -154,6 +153,9 @@ def run(cfg: dict, load, force: bool = False) -> Path:
         from harness.decode.batched import pick_attention
         attention = pick_attention(model, cfg["responses"]["attention"])  # what the manifest records
         from harness.decode.sampling import DEFAULT_SAMPLER as top_p_cut  # the engine generate_fast builds takes it
+        if todo:
+            wrote["attentions"].add(attention)
+            wrote["top_p_cuts"].add(top_p_cut)
         print(f"responses: the fast engine's decode attention is {attention} "
               f"(responses.attention={cfg['responses']['attention']}), its top-p cut {top_p_cut}")
     import time
@@ -183,9 +185,7 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     write_json(out / "manifest.json", {"key": key, "complete": True, "sequences": len(rows),
                                        "parts": len(groups) - first - cut, "parts_planned": len(groups),
                                        "first_part": first, "engine": cfg["responses"]["engine"],
-                                       "attentions": sorted(set(earlier) | ({attention} if todo and not hf else set())),
-                                       "top_p_cuts": sorted(set(earlier_cuts)
-                                                            | ({top_p_cut} if todo and not hf else set())),
+                                       **{k: sorted(v) for k, v in wrote.items()},
                                        "response_tokens": sum(len(r["response"]) for r in rows),
                                        "prompt_tokens": sum(len(r["prompt"]) for r in rows)})
     print(f"responses: {len(rows)} sequences -> {out}")

@@ -343,6 +343,7 @@ class _Batch:
             gen.setup_captures, gen.setup_capture_s, gen.batch_steps = self.captures, self.capture_s, steps
             gen.graph_captures = self.captures_inside  # inside the clock: none unless a bucket was missed
             gen.graph_note = gen.graph_note or self.graph_note
+            gen.refined_batched = self.refines is not None
         return self.gens
 
 

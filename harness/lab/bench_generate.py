@@ -28,6 +28,7 @@ import torch
 from core.devices import resolve_backend
 from core.errors import Parser, UsageError
 from harness.decode.batched_gen import BatchedGenerator, hf_generate
+from harness.decode.sampling import DEFAULT_SAMPLER, SAMPLERS
 
 RANDOM = "random weights (timing only: answers are meaningless, and no row stops early)"
 QUESTIONS = Path(__file__).resolve().parents[2] / "training" / "data" / "gsm8k_train_questions.jsonl"
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sampled", action="store_true")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--sampler", choices=("sort", "threshold"), default="sort",
+    p.add_argument("--sampler", choices=SAMPLERS, default=DEFAULT_SAMPLER,
                    help="the top-p cut of a sampled run: sort (every row sorted, the reference; the engine's "
                         "default), threshold (the Triton bisection, core.kernels.topp); the output names it")
     p.add_argument("--seed", type=int, default=0)

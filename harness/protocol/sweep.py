@@ -101,15 +101,12 @@ def _drafters(arm, b: int, pool: dict, backend, how: set) -> list | None:
     return pool[key]
 
 
-def _batched(refiner, pool: dict, how: set, b: int, drafters, settings):
-    """The arm's refiner batched (algorithms.batch_refiner, built once); `how` says what batch_loop ran at B = b."""
+def _batched(refiner, pool: dict):
+    """The arm's refiner batched (algorithms.batch_refiner, built once); each Generation says if it ran batched."""
     if refiner is None:
         return None
-    r = pool[key] = pool[key] if (key := ("refine", id(refiner))) in pool else batch_refiner(refiner)
-    alone = r is None or (r.twin and b == 1) or not settings.draft_params.greedy or \
-        getattr(drafters[0], "group", None) is None
-    how.add("refinements per request" if alone else f"refinements batched on {r.inner.ops.name} ops (B>1)"
-            if r.twin else "refinements batched")
+    key = ("refine", id(refiner))
+    pool[key] = pool[key] if key in pool else batch_refiner(refiner)
     return pool[key]
 
 
@@ -198,16 +195,19 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
         seeds = [runner.stream_seed(cfg.seed, samples[i].row, 0, round_, c) for i, c in zip(ids, copies[k0:])]
         prompts, limits, seeds_run = padded_requests([list(pt.prompts[i]) for i in ids], seeds, rows_run,
                                                      settings.max_new_tokens)
-        drafters, start = _drafters(arm, rows_run, pool, backend, how), backend.now()
-        gens = generate_batch(models.target, prompts, settings, backend, drafters=drafters, refiner=arm.refiner,
-                              generators=[backend.generator(s) for s in seeds_run], max_new_tokens=limits,
-                              refine_batch=_batched(arm.refiner, pool, how, rows_run, drafters, settings),
-                              rows=rows_run if cfg.refill else None)
+        r, start = _batched(arm.refiner, pool), backend.now()  # built before the clock
+        gens = generate_batch(models.target, prompts, settings, backend,
+                              drafters=_drafters(arm, rows_run, pool, backend, how), refiner=arm.refiner,
+                              generators=[backend.generator(s) for s in seeds_run], refine_batch=r,
+                              max_new_tokens=limits, rows=rows_run if cfg.refill else None)
         wall = backend.now() - start
         gens = gens[:len(ids)]  # the padding rows are not requests
         decode_s = max(x.batch_end_s for x in gens)  # the batch's first step to its last end (refills inside)
         how.add("CUDA graphs per (arm, B, KV bucket)" if any(x.graph_steps for x in gens) else "eager")
         how.update(x.graph_note for x in gens if x.graph_note)
+        if arm.refiner is not None:  # what the batch loop did with the batched refiner (refined_batched)
+            how.add(("refinements batched" + (f" on {r.inner.ops.name} ops (B>1)" if r.twin else ""))
+                    if gens[0].refined_batched else "refinements per request")
         for j, (i, gen) in enumerate(zip(ids, gens)):
             row = runner.sample_row(plan.run_id, cfg, arm, i, samples[i], 0, round_, round_ <= plan.warmup_rounds, gen)
             row.update(batch_size=pt.batch, batch_rows=rows_run, context_len=pt.context, batch_index=g, batch_row=j,
