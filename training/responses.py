@@ -152,7 +152,8 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     if not hf:
         from harness.decode.batched import pick_attention
         attention = pick_attention(model, cfg["responses"]["attention"])  # what the manifest records
-        from harness.decode.sampling import DEFAULT_SAMPLER as top_p_cut  # the engine generate_fast builds takes it
+        from harness.decode.sampling import DEFAULT_SAMPLER, pick_sampler
+        top_p_cut = pick_sampler(DEFAULT_SAMPLER, model.device)  # the cut the engine generate_fast builds takes
         if todo:
             wrote["attentions"].add(attention)
             wrote["top_p_cuts"].add(top_p_cut)
