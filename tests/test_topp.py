@@ -12,7 +12,7 @@ import torch
 
 from kernel_env import DEV, pytestmark  # noqa: F401  (sets TRITON_INTERPRET first; skips without Triton)
 from core.errors import UsageError
-from core.kernels.topp import threshold
+from core.kernels.topp import START, passes, threshold
 from harness.decode.sampling import (DEFAULT_SAMPLER, SamplingParams, filtered_logits, pick_sampler, sample_rows,
                                      sample_rows_cut)
 
@@ -28,13 +28,14 @@ def _mass_above(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(p > x[:, None], p, 0).sum(-1)
 
 
+@pytest.mark.parametrize("probes", [1, 4, 16, 32])
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
-def test_the_cut_is_the_sorts_nucleus(top_p):
+def test_the_cut_is_the_sorts_nucleus(top_p, probes):
     logits = _rows()
     params = SamplingParams(temperature=1.0, top_p=top_p)
     want = torch.isfinite(filtered_logits(logits, params))
     p = logits.softmax(-1)
-    t = threshold(p, top_p)
+    t = threshold(p, top_p, probes=probes)
     got = p >= t[:, None]
     assert torch.equal(got, want)
     sizes = want.sum(-1)
@@ -46,29 +47,31 @@ def test_the_cut_is_the_sorts_nucleus(top_p):
     assert (_mass_above(p64, below) >= top_p).all()
 
 
-def test_a_tie_at_the_cut_is_kept_whole_and_the_top_token_always():
+@pytest.mark.parametrize("probes", [1, 16])
+def test_a_tie_at_the_cut_is_kept_whole_and_the_top_token_always(probes):
     p = torch.tensor([[0.4, 0.2, 0.2, 0.2] + [0.0] * 4,
                       [1.0] + [0.0] * 7,
                       [0.3, 0.3, 0.2, 0.2] + [0.0] * 4], device=DEV)
-    keep = p >= threshold(p, 0.5)[:, None]
+    keep = p >= threshold(p, 0.5, probes=probes)[:, None]
     assert keep[0, :4].all() and not keep[0, 4:].any()   # the sort would keep two of the three 0.2s
     assert keep[1].tolist() == [True] + [False] * 7
     assert keep[2].tolist() == [True, True] + [False] * 6
-    assert (p >= threshold(p, 1e-6)[:, None]).sum(-1).tolist() == [1, 1, 2]
+    assert (p >= threshold(p, 1e-6, probes=probes)[:, None]).sum(-1).tolist() == [1, 1, 2]
 
 
-def test_a_row_whose_mass_is_under_top_p_keeps_every_token():
+@pytest.mark.parametrize("probes", [1, 16])
+def test_a_row_whose_mass_is_under_top_p_keeps_every_token(probes):
     """fp32 rounding can leave a row's mass under top_p (top_p within an ulp of 1): the reference keeps the whole
     row there; the bisection's last halving once probed -1, NaN's pattern, and returned t = NaN, which kept
     nothing, so every draw was token 0."""
     p = torch.tensor([[0.2, 0.1, 0.1, 0.0], [0.25] * 4], device=DEV)
-    t = threshold(p, 0.9)
+    t = threshold(p, 0.9, probes=probes)
     assert t.tolist() == [0.0, 0.25]
     logits = (torch.randn(16, 5000, generator=torch.Generator().manual_seed(0)) * 3).to(DEV)
     p = logits.softmax(-1)
     bound = p.shape[1] * torch.finfo(torch.float32).eps  # an fp32 sum of V terms of total <= 1, in any order
     for top_p in (0.9999999, 0.99999994):
-        t = threshold(p, top_p)
+        t = threshold(p, top_p, probes=probes)
         assert not t.isnan().any()
         # the CPU's fp32 sums leave some rows' mass under top_p (all of them kept: the path that gave NaN); a GPU's
         # reduction sums in another order and left none there (an H200, 2026-12-05), so only the CPU reaches it
@@ -88,7 +91,31 @@ def test_bad_input_is_refused():
             threshold(p, bad)
     with pytest.raises(ValueError, match="fp32"):
         threshold(p.double(), 0.5)
+    for bad in (0, 3, 64):
+        with pytest.raises(ValueError, match="probes must be a power of two from 1 to 32"):
+            threshold(p, 0.5, probes=bad)
     assert threshold(p[:0], 0.5).shape == (0,)
+
+
+def _narrow(target: int, probes: int, n: int) -> int:
+    """The kernel's interval search over bit patterns, in Python, against f(q) < top_p iff q >= target."""
+    lo, hi = -1, START
+    for _ in range(n):
+        qs = [lo + (hi - lo) * j // (probes + 1) for j in range(1, probes + 1)]
+        hi = min([q for q in qs if q >= target and q >= 0] + [hi])
+        lo = max([q for q in qs if q < target or q < 0] + [lo])
+    return hi
+
+
+@pytest.mark.parametrize("probes", [1, 2, 16, 32])
+def test_the_pass_count_narrows_every_interval_and_no_fewer_do(probes):
+    """passes(probes) passes end on the least pattern whatever it is; one pass fewer misses some."""
+    g = torch.Generator().manual_seed(probes)
+    targets = [0, 1, 2, START - 1, START, START // 2] + torch.randint(0, START + 1, (200,), generator=g).tolist()
+    n = passes(probes)
+    assert all(_narrow(t, probes, n) == t for t in targets)
+    assert any(_narrow(t, probes, n - 1) != t for t in targets)
+    assert (passes(1), passes(16)) == (30, 8)
 
 
 def test_sample_rows_cut_draws_sample_rows_tokens():

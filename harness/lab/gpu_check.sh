@@ -57,7 +57,8 @@ PY
     ;;
   quick)
     # what the sessions without a GPU built, each the cheapest check of it (results/perf/NOTES.md, "After the
-    # tenth session"): the top-p cut by bisection (core.kernels.topp) against the sort, compiled, and the fused
+    # tenth session"): the top-p cut (core.kernels.topp) against the sort, compiled, and alone at 1 to 32 probes
+    # a pass (the twelfth session's change), and the fused
     # xPress latent's fp32 refusal on a GPU; then the responses engine's sampled rate with either cut and its greedy
     # rate, on the same card, one after the other; and an xPress pass's kernels, profiled. Needs tables_gpu.sh's
     # (or training_gpu.sh's) setup: the wheels in /tmp/site; and its gguf: the GGUF in /tmp/xb. (The ninth
@@ -65,6 +66,23 @@ PY
     export PYTHONPATH=/tmp/site:. XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false
     { python3 -m pytest -o addopts="" -q tests/test_topp.py tests/test_xpress_latent.py tests/test_stacked_ops.py \
         tests/test_batched_generate.py 2>&1 || true; } | tail -n 12 | tee "$OUT/quick_tests.log"
+    # the top-p cut alone at the engine's batch: the bisection (probes=1, what the H200 measured in the engine) against
+    # PROBES thresholds a pass (core.kernels.topp, the default since 2026-12-05), device ms a call
+    python3 - <<'PY' 2>&1 | tee "$OUT/topp_probes.txt" || true
+import torch
+from core.kernels.topp import PROBES, threshold
+p = (torch.randn(1024, 49152, device="cuda") * 3).softmax(-1)
+for probes in (1, 4, 16, 32):
+    threshold(p, 0.95, probes=probes)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(20):
+        threshold(p, 0.95, probes=probes)
+    b.record(); torch.cuda.synchronize()
+    same = torch.equal(threshold(p, 0.95, probes=probes), threshold(p, 0.95, probes=1))
+    print(f"probes {probes:2d}{' (default)' if probes == PROBES else ''}: {a.elapsed_time(b) / 20:.3f} ms a call "
+          f"of [1024, 49152]; thresholds equal to the bisection's: {same}")
+PY
     GEN=(--target smollm2 --device cuda --dtype bfloat16 --prompts 2048 --batch 1024 --max-new-tokens 512
          --skip-hf --attention triton)
     for s in threshold sort; do
