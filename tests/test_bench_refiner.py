@@ -52,7 +52,7 @@ def test_bench_refiner_times_xpress_on_the_chosen_ops_and_compiled(tmp_path, mon
     data = json.loads(out.read_text())
     assert data["kernels"] == "TritonOps" and data["compiled"] is True
     assert wrapped.count("xpress") == 2 and wrapped.count("markov") == 3
-    assert "xPress ops TritonOps, compiled=True" in (tmp_path / "cost.md").read_text()
+    assert "xPress ops TritonOps, latents fused (Triton), compiled=True" in (tmp_path / "cost.md").read_text()
 
 
 def test_bench_refiner_refuses_triton_where_it_cannot_run(tmp_path, monkeypatch, capsys):
@@ -61,3 +61,29 @@ def test_bench_refiner_refuses_triton_where_it_cannot_run(tmp_path, monkeypatch,
                                "--out", str(tmp_path / "c.json")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--kernels triton" in err[0] and not (tmp_path / "c.json").exists()
+
+
+def test_unfused_latents_run_on_the_heads_modules_and_the_rest_on_the_kernels(tmp_path, monkeypatch):
+    """--unfused-latents: the xPress pass's and the gated Markov step's latents on the heads' torch modules while the
+    readout stays on --kernels triton (the fused kernels' effect on one machine); without it both latents launch
+    their kernels. Launches counted in Triton's interpreter."""
+    import pytest
+    from core import kernels, ops as core_ops
+    if not core_ops.interpreted():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1 and triton installed)")
+    calls = {"xpress": 0, "markov": 0, "linear": 0}
+    for attr, key in (("xpress_latent", "xpress"), ("markov_gated_latent", "markov"), ("linear", "linear")):
+        real = getattr(kernels, attr)
+        monkeypatch.setattr(kernels, attr, lambda *a, _r=real, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1)
+                            or _r(*a, **kw))
+    args = ["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--passes", "1", "--topc", "0",
+            "--kernels", "triton"]
+    out = tmp_path / "cost.json"
+    assert bench_refiner.main(args + ["--out", str(out)]) == 0
+    assert calls["xpress"] > 0 and calls["markov"] > 0
+    assert json.loads(out.read_text())["latents"] == "fused (Triton)"
+    calls.update(xpress=0, markov=0, linear=0)
+    assert bench_refiner.main(args + ["--unfused-latents", "--out", str(out)]) == 0
+    assert calls["xpress"] == calls["markov"] == 0 and calls["linear"] > 0
+    assert json.loads(out.read_text())["latents"] == "torch modules (--unfused-latents)"
+    assert "latents torch modules (--unfused-latents)" in (tmp_path / "cost.md").read_text()

@@ -12,6 +12,7 @@ import platform
 import statistics
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -19,6 +20,7 @@ from core.protocols import Proposal, RefineContext
 from core.devices import resolve_backend
 from core.errors import Parser, UsageError
 from core.ops import KINDS, make_ops
+from core.ops.base import Ops
 from harness.decode.graphs import CompiledRefiner
 from harness.lab.captured import CapturedRefiner
 from harness.protocol.algorithms import MarkovRefiner, XPressRefiner, random_markov_head, random_xpress_head
@@ -59,13 +61,17 @@ def profiled(fn, backend, calls: int) -> dict:
 
 def measure(preset: str, device: str | None, dtype: str | None, passes: list[int], topcs: list[int],
             repeats: int, use_graph: bool = False, kernels: str = "torch", compiled: bool = False,
-            profile_k: int | None = None) -> dict:
+            profile_k: int | None = None, fused_latents: bool = True) -> dict:
     """`kernels`: the ops both heads run on (the decode's --kernels: triton runs an xPress pass's latent and a gated
     Markov step's in one launch each, and their w2 product, base add and argmax in one more); `compiled`: each
     refiner through torch.compile first, as --compile-refiner runs it; `profile_k`: xPress at that K (full
-    vocabulary) once more under the profiler, eagerly (a graph's replay hides its kernels from it)."""
+    vocabulary) once more under the profiler, eagerly (a graph's replay hides its kernels from it);
+    `fused_latents=False`: the xPress pass's and the Markov step's latents on the heads' own torch modules (as
+    before the fused kernels), everything else on `kernels`: the fused latents' effect, read on one machine."""
     backend = resolve_backend(device, dtype)
     ops = make_ops(kernels, backend.device, backend.dtype)
+    if not fused_latents:
+        ops.xpress_latent, ops.markov_latent = partial(Ops.xpress_latent, ops), partial(Ops.markov_latent, ops)
     vocab, hidden, rank, block = PRESETS[preset]
     g = torch.Generator().manual_seed(0)
     proposal = Proposal(tokens=torch.randint(0, vocab, (block - 1,), generator=g).to(backend.device),
@@ -109,16 +115,22 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
             "preset": preset, "shapes": {"vocab": vocab, "hidden": hidden, "rank": rank, "block": block},
             "device": str(backend.device), "device_name": device_name, "dtype": str(backend.dtype),
             "threads": torch.get_num_threads(), "cuda_graph": use_graph, "kernels": type(ops).__name__,
-            "compiled": compiled,
+            "latents": ops_latents(ops) if fused_latents else "torch modules (--unfused-latents)", "compiled": compiled,
             "host_load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "repeats": repeats,
             "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows,
             **({"profile": profile} if profile else {})}
 
 
+def ops_latents(ops) -> str:
+    """How these ops run the heads' latents: the Triton ops fuse them (a head that fits), the others do not."""
+    return "fused (Triton)" if getattr(ops, "name", None) == "triton" else "torch modules"
+
+
 def markdown(result: dict) -> str:
     lines = [f"Refinement cost, preset {result['preset']} {result['shapes']}, {result['device_name']} "
              f"({result['device']}, {result['dtype']}, {result['threads']} threads, graph={result['cuda_graph']}, "
-             f"xPress ops {result.get('kernels', 'TorchOps')}, compiled={result.get('compiled', False)}), "
+             f"xPress ops {result.get('kernels', 'TorchOps')}, latents {result.get('latents', 'unrecorded')}, "
+             f"compiled={result.get('compiled', False)}), "
              f"median of {result['repeats']} calls; {result['weights']}.", "",
              "| refiner | K | top-C | ms |", "|---|---|---|---|"]
     for r in result["rows"]:
@@ -149,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", choices=KINDS, default="torch",
                    help="the ops the heads run on, as the decode's --kernels (default torch)")
     p.add_argument("--compile", action="store_true", help="each refiner through torch.compile (--compile-refiner)")
+    p.add_argument("--unfused-latents", action="store_true",
+                   help="the xPress pass's and Markov step's latents on the heads' torch modules, the rest on "
+                        "--kernels (the fused kernels' effect on one machine)")
     p.add_argument("--profile", type=int, metavar="K",
                    help="also profile xPress at K passes, eagerly, --repeats calls: each kernel's time per call")
     p.add_argument("--out", help="write JSON here and markdown beside it (.md)")
@@ -159,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(k < 0 for k in passes) or any(c < 0 for c in topcs) or a.repeats < 1 or (a.profile or 0) < 0:
             raise UsageError("--passes, --topc and --profile must be non-negative integers and --repeats >= 1")
         result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph, a.kernels, a.compile,
-                         a.profile)
+                         a.profile, fused_latents=not a.unfused_latents)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
