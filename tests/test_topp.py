@@ -31,7 +31,7 @@ def _mass_above(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("probes", [1, 4, 16, 32])
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95])
 def test_the_cut_is_the_sorts_nucleus(top_p, probes):
-    logits = _rows()
+    logits = _rows(vocab=5000)  # several tiles at every probe count (a tile is 512 to 4,096 tokens)
     params = SamplingParams(temperature=1.0, top_p=top_p)
     want = torch.isfinite(filtered_logits(logits, params))
     p = logits.softmax(-1)
@@ -157,8 +157,8 @@ def test_the_engines_threshold_sampler_answers_as_its_sort():
 
 
 def test_auto_takes_the_threshold_cut_on_cuda_with_triton_and_the_sort_elsewhere(monkeypatch):
-    """The default sampler: the bisection where it runs compiled, the sort where it does not; off CUDA the kernels'
-    package is never consulted (the CPU main job runs without Triton)."""
+    """The default sampler: the Triton cut where it runs compiled, the sort where it does not; off CUDA, and for the
+    sort anywhere, the kernels' package is never consulted (the CPU main job runs without Triton)."""
     from core import kernels
     assert DEFAULT_SAMPLER == "auto"
     monkeypatch.setattr(kernels, "available", lambda: True)
@@ -166,4 +166,4 @@ def test_auto_takes_the_threshold_cut_on_cuda_with_triton_and_the_sort_elsewhere
     monkeypatch.setattr(kernels, "available", lambda: False)
     assert pick_sampler("auto", "cuda") == "sort"
     monkeypatch.setattr(kernels, "available", lambda: pytest.fail("the kernels consulted for a CPU device"))
-    assert pick_sampler("auto", "cpu") == "sort"
+    assert pick_sampler("auto", "cpu") == "sort" and pick_sampler("sort", "cuda") == "sort"

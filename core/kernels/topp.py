@@ -8,8 +8,10 @@ seconds over decode steps; results/perf/gpu_check_h200_quick/). A bisection pass
 at that batch), so the passes, not the sums, are the cost: each pass now probes PROBES thresholds at once (the
 mass above each of them, from one read of the row), which narrows the interval (PROBES + 1)-fold a pass: 8 passes
 at 16 probes against 30 halvings. The arithmetic grows PROBES-fold (a compare, a select and an add a probe and
-token). PROBES = 16 is the default since 2026-12-05, built on the CPU, its speed not yet measured on a GPU
-(`harness/lab/gpu_check.sh quick` times both); threshold(..., probes=1) is the bisection that was measured.
+token), so past some count the sums, not the reads, cost most: by arithmetic at the H200's datasheet rates, 8
+probes (10 passes) is the cheapest, unmeasured. The default stays PROBES = 1, the measured algorithm (a bisection,
+here 30 halvings where the measured kernel ran a 31st that changed nothing), until `harness/lab/gpu_check.sh quick`
+times 1 to 32 probes on a GPU (built on the CPU, 2026-12-05).
 
 Here a token is kept iff the probability mass strictly above its own is below top_p, f(p_i) = sum of p_j over
 p_j > p_i, f(p_i) < top_p: the reference's rule with ties resolved together (the sort keeps an arbitrary part of
@@ -30,7 +32,7 @@ import torch
 
 from core.kernels.common import triton, tl
 
-PROBES = 16    # thresholds a pass tests (a power of two: one tl.arange)
+PROBES = 1     # thresholds a pass tests (a power of two: one tl.arange); 1: the bisection, the measured default
 START = 0x3F800000  # bits(1.0): no probability exceeds it, so f(1.0) = 0 < top_p
 
 

@@ -7,7 +7,7 @@ one graph serves every bucket). The host looks every `check_every` steps (one sm
 their answers back and take the next waiting prompts (a prefill of just those rows), and the bucket is chosen for
 the next steps. A row's answer depends only on its own prompt (greedy; sampled draws come from one seeded
 generator shared by the rows). A sampled step's top-p cut is `sampler`'s (harness.decode.sampling.pick_sampler:
-the sort, or the Triton bisection of core.kernels.topp, which sorts nothing: the default on CUDA with Triton).
+the sort, or the Triton search of core.kernels.topp, which sorts nothing: the default on CUDA with Triton).
 
 Answers are the new token ids up to and including the first stop id (keep_stop=False drops that stop), or
 max_new_tokens ids, the format of training.gen.generate_batch.

@@ -71,16 +71,16 @@ DEFAULT_SAMPLER = "auto"  # the batched engine's (and so the responses stage's):
 
 def pick_sampler(choice: str, device) -> str:
     """How a batch of rows is cut to its top-p nucleus. `sort`: filtered_logits, a full sort of every row (the
-    reference). `threshold`: core.kernels.topp, a search per row in one Triton launch, no sort (ties at the cut
-    kept together); it runs on CUDA, or on the CPU under Triton's interpreter (the tests). `auto` (the default):
+    reference). `threshold`: core.kernels.topp, a search over each row's float bit patterns in one Triton launch,
+    no sort (ties at the cut kept together); it runs on CUDA, or on the CPU under Triton's interpreter (the tests). `auto` (the default):
     threshold on a CUDA device where Triton is installed, sort elsewhere. On an H200 the responses engine's sampled
     rate was 74.6k tokens/s with threshold (then a bisection: 31 passes over each row) against 49.4k with the sort,
     same prompts and card (results/perf/gpu_check_h200_quick/). Returns the cut that runs, never `auto`."""
     if choice not in SAMPLERS:
         raise ValueError(f"sampler {choice!r} is not one of {', '.join(SAMPLERS)}")
     cuda = torch.device(device).type == "cuda"
-    if choice == "auto" and not cuda:
-        return "sort"  # the kernels are not imported off CUDA: the CPU main job runs without Triton
+    if choice == "sort" or (choice == "auto" and not cuda):
+        return "sort"  # the kernels are not imported for the sort: the CPU main job runs without Triton
     from core import kernels
     if choice == "auto":
         return "threshold" if kernels.available() else "sort"
