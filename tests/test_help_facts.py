@@ -38,3 +38,18 @@ def test_readme_and_help_quote_the_same_cpu_main_job_time(capsys):
 
 def test_wall_time_reads_as_the_readme_writes_it():
     assert [setups.wall_time(s) for s in (154, 60, 59)] == ["2 min 34 s", "1 min 0 s", "59 s"]
+
+
+def test_help_marks_the_flags_a_setup_fills(capsys):
+    """The embedded default runs 3 prompts of 48 tokens on the CPU, not the parser's "every row" and 16384: each flag
+    a setup fills says that its untyped value is the setup's (a new user read the parser defaults as the run's)."""
+    from harness.protocol.flags import build_parser
+    mark = "untyped, a setup's value wins (setups, below)"
+    p = build_parser()
+    fmt = p._get_formatter()
+    marked = {a.dest for a in p._actions if mark in fmt._get_help_string(a)}
+    filled = set(setups.defaults(setups.EMBEDDED, "cpu", 0.0)) | set(setups.defaults(setups.PAPER, "cuda", 1.0))
+    assert marked == filled & {a.dest for a in p._actions}
+    assert {"max_samples", "max_new_tokens", "fair_warmup_rounds", "dataset"} <= marked
+    assert "temperature" not in marked and "seed" not in marked
+    assert mark in flat_help(capsys)  # and --help prints it

@@ -276,6 +276,7 @@ def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     # labels wherever a reader looks: the table's title line, a column of every CSV row, the folder's README
     title = (tmp_path / "rw" / "table.md").read_text().splitlines()[0]
     assert title.startswith(f"**RESULT  [{'; '.join(labels)}]")
+    assert "max_new_tokens=17" in title and "rounds=6 (warmup [1] excluded, measured [2, 3, 4, 5, 6])" in title
     csv_rows = (tmp_path / "rw" / "table.csv").read_text().splitlines()
     assert csv_rows[0].endswith(",labels") and all(r.endswith("; traced (steps replayed untimed)")
                                                      for r in csv_rows[1:])
@@ -388,3 +389,14 @@ def test_a_saved_config_with_a_non_finite_temperature_is_refused(files, tmp_path
     path.write_text(path.read_text().replace('"temperature": 0.0', '"temperature": NaN'))
     assert cli.main(["--resume", str(tmp_path / "r")]) == 2
     assert "--temperature nan: must be a finite number" in capsys.readouterr().err
+
+
+def test_the_title_says_when_no_round_was_a_warmup():
+    """A run with no warmup says so in words (a new user read "warmup [] excluded" as a bug); the run's budget of
+    new tokens is on the title line; a summary without it (older folders) still renders."""
+    from harness.protocol.tables import _title
+    s = {"rounds": {"all": [1, 2], "warmup": [], "measured": [1, 2]}, "temperature": 0.0, "block_size": 16,
+         "prompts": 3, "run": {"model": "m", "max_new_tokens": 48}, "labels": []}
+    title = _title(s, "gsm8k")
+    assert "rounds=2 (no warmup, all measured)" in title and title.endswith("max_new_tokens=48")
+    assert "max_new_tokens" not in _title(dict(s, run={"model": "m"}), "gsm8k")

@@ -23,14 +23,24 @@ _UNTYPED = object()
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the epilog's line breaks and appends "(default: X)" to every flag whose default says something."""
+    """Keeps the epilog's line breaks, appends "(default: X)" to every flag whose default says something, and marks
+    the flags a setup fills when they are not typed (the embedded default runs with its own values, not these)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
         quiet = action.default is None or action.default is False or action.default is argparse.SUPPRESS
         if not quiet and "default" not in text:
             text += " (default: %(default)s)"
+        if action.dest in _setup_filled():
+            text += "; untyped, a setup's value wins (setups, below)"
         return text
+
+
+def _setup_filled() -> set[str]:
+    """Every setting some setup fills (harness.protocol.setups.defaults, on either device and temperature)."""
+    from harness.protocol import setups as s
+    return {key for name in s.SETUPS for device in ("cpu", "cuda") for t in (0.0, 1.0)
+            for key in s.defaults(name, device, t)}
 
 
 def _rounds(setup: dict) -> str:

@@ -157,10 +157,12 @@ def _title(summary: dict, dataset: str) -> str:
     r = summary["rounds"]
     labels = run_labels(summary)
     tag = f"[{'; '.join(labels)}]  " if labels else ""
+    warm = f"warmup {r['warmup']} excluded, measured {r['measured']}" if r["warmup"] else "no warmup, all measured"
+    tokens = (summary.get("run") or {}).get("max_new_tokens")
     return (f"RESULT  {tag}{facts.describe(summary.get('run') or {})}  dataset={dataset}  "
             f"T={summary['temperature']:g}  block={summary['block_size']}  "
-            f"rounds={len(r['all'])} (warmup {r['warmup']} excluded -> measured {r['measured']})  "
-            f"prompts={summary['prompts']}")
+            f"rounds={len(r['all'])} ({warm})  prompts={summary['prompts']}"
+            + (f"  max_new_tokens={tokens}" if tokens is not None else ""))
 
 
 def format_console_table(summary: dict, dataset: str, explain: bool = False) -> str:
