@@ -164,20 +164,21 @@ def measure(a) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m harness.lab.bench_generate", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m harness.lab.bench_generate",
+               description=__doc__.splitlines()[0].rstrip(":") + " (see the module's docstring)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--target", help="smollm2, a hub id, a model directory or a .gguf file")
     src.add_argument("--random-weights", help="a preset of harness.protocol.presets (e.g. smollm2-135m)")
-    p.add_argument("--device")
-    p.add_argument("--dtype")
-    p.add_argument("--prompts", type=int, default=1024)
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--prompts", type=int, default=1024, help="GSM8K training questions to answer (default 1024)")
     p.add_argument("--batch", type=int, default=1024, help="rows decoding together (HF: prompts per batch)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--sampled", action="store_true")
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="answer budget per prompt (default 256)")
+    p.add_argument("--sampled", action="store_true", help="sample (temperature, top-p) instead of greedy")
+    p.add_argument("--temperature", type=float, default=0.8, help="with --sampled (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="with --sampled (default 0.95)")
     p.add_argument("--sampler", choices=SAMPLERS, default=DEFAULT_SAMPLER,
-                   help="the top-p cut of a sampled run: sort (every row sorted, the reference), threshold (the "
+                   help="with --sampled, the top-p cut: sort (every row sorted, the reference), threshold (the "
                         "Triton search of core.kernels.topp, no sort), auto (the engine's default: threshold on CUDA with "
                         "Triton, sort elsewhere); the output names the cut that ran")
     p.add_argument("--seed", type=int, default=0)
