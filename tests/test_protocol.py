@@ -390,13 +390,3 @@ def test_a_saved_config_with_a_non_finite_temperature_is_refused(files, tmp_path
     assert cli.main(["--resume", str(tmp_path / "r")]) == 2
     assert "--temperature nan: must be a finite number" in capsys.readouterr().err
 
-
-def test_the_title_says_when_no_round_was_a_warmup():
-    """A run with no warmup says so in words (a new user read "warmup [] excluded" as a bug); the run's budget of
-    new tokens is on the title line; a summary without it (older folders) still renders."""
-    from harness.protocol.tables import _title
-    s = {"rounds": {"all": [1, 2], "warmup": [], "measured": [1, 2]}, "temperature": 0.0, "block_size": 16,
-         "prompts": 3, "run": {"model": "m", "max_new_tokens": 48}, "labels": []}
-    title = _title(s, "gsm8k")
-    assert "rounds=2 (no warmup, all measured)" in title and title.endswith("max_new_tokens=48")
-    assert "max_new_tokens" not in _title(dict(s, run={"model": "m"}), "gsm8k")
