@@ -72,8 +72,8 @@ DEFAULT_SAMPLER = "auto"  # the batched engine's (and so the responses stage's):
 def pick_sampler(choice: str, device) -> str:
     """How a batch of rows is cut to its top-p nucleus. `sort`: filtered_logits, a full sort of every row (the
     reference). `threshold`: core.kernels.topp, a search over each row's float bit patterns in one Triton launch,
-    no sort (ties at the cut kept together); it runs on CUDA, or on the CPU under Triton's interpreter (the tests). `auto` (the default):
-    threshold on a CUDA device where Triton is installed, sort elsewhere. On an H200 the responses engine's sampled
+    no sort (ties at the cut kept together); it runs on CUDA, or on the CPU under Triton's interpreter (the tests).
+    `auto` (the default): threshold on a CUDA device where Triton is installed, sort elsewhere. On an H200 the responses engine's sampled
     rate was 74.6k tokens/s with threshold (then a bisection: 31 passes over each row) against 49.4k with the sort,
     same prompts and card (results/perf/gpu_check_h200_quick/). Returns the cut that runs, never `auto`."""
     if choice not in SAMPLERS:

@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=0.95, help="with --sampled (default 0.95)")
     p.add_argument("--sampler", choices=SAMPLERS, default=DEFAULT_SAMPLER,
                    help="with --sampled, the top-p cut: sort (every row sorted, the reference), threshold (the "
-                        "Triton search of core.kernels.topp, no sort), auto (the engine's default: threshold on CUDA with "
-                        "Triton, sort elsewhere); the output names the cut that ran")
+                        "Triton search of core.kernels.topp, no sort), auto (the engine's default: threshold on "
+                        "CUDA with Triton, sort elsewhere); the output names the cut that ran")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--hf-prompts", type=int, default=0, help="HF generate on the first N prompts (0: all)")
     p.add_argument("--skip-hf", action="store_true", help="the fast engine alone (no HF run, no ratio)")

@@ -115,7 +115,8 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
             "preset": preset, "shapes": {"vocab": vocab, "hidden": hidden, "rank": rank, "block": block},
             "device": str(backend.device), "device_name": device_name, "dtype": str(backend.dtype),
             "threads": torch.get_num_threads(), "cuda_graph": use_graph, "kernels": type(ops).__name__,
-            "latents": ops_latents(ops) if fused_latents else "torch modules (--unfused-latents)", "compiled": compiled,
+            "latents": ops_latents(ops) if fused_latents else "torch modules (--unfused-latents)",
+            "compiled": compiled,
             "host_load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "repeats": repeats,
             "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows,
             **({"profile": profile} if profile else {})}
