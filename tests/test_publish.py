@@ -207,3 +207,18 @@ def test_the_title_says_when_no_round_was_a_warmup():
     title = _title(s, "gsm8k")
     assert "rounds=2 (no warmup, all measured)" in title and title.endswith("max_new_tokens=48")
     assert "max_new_tokens" not in _title(dict(s, run={"model": "m"}), "gsm8k")
+
+
+def test_the_gain_over_drafter_only_prints_its_own_ci():
+    """The gain column is a paired statistic like the speedup: its CI is printed beside it (a new user found the
+    gain alone, without one)."""
+    rows = paired_rows([1.0, 1.0, 1.0, 1.0], speedup=2.0)
+    for rnd in range(1, 5):
+        rows += [row("xPress(K=6)", q, rnd, 0.45 * TOKENS[q] / 100 * (1 + 0.02 * q), accept=[3]) for q in range(3)]
+    s = report.summarize(rows, n_boot=200)
+    gain = s["arms"]["xPress(K=6)"]["gain"]
+    text = report.format_console_table(s, "toy")
+    line = next(ln for ln in text.splitlines() if ln.startswith("xPress(K=6) "))
+    lo, hi = gain["ci95"]
+    assert line.rstrip().endswith(f"{gain['value']:.3f} [{lo:.2f}, {hi:.2f}]") and lo < hi
+    assert "x gain over drafter-only (median) [95% CI]" in text
