@@ -48,8 +48,10 @@ def test_help_marks_the_flags_a_setup_fills(capsys):
     p = build_parser()
     fmt = p._get_formatter()
     marked = {a.dest for a in p._actions if mark in fmt._get_help_string(a)}
+    by_env = {a.dest for a in p._actions if "if set, else a setup's value" in fmt._get_help_string(a)}
     filled = set(setups.defaults(setups.EMBEDDED, "cpu", 0.0)) | set(setups.defaults(setups.PAPER, "cuda", 1.0))
-    assert marked == filled & {a.dest for a in p._actions}
+    assert marked | by_env == filled & {a.dest for a in p._actions} and not marked & by_env
+    assert by_env == set(setups.ENV_OF)  # the refiners' environment variables beat the setup (setups.apply)
     assert {"max_samples", "max_new_tokens", "fair_warmup_rounds", "dataset"} <= marked
     assert "temperature" not in marked and "seed" not in marked
     assert mark in flat_help(capsys)  # and --help prints it

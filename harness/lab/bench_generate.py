@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --sampled, the top-p cut: sort (every row sorted, the reference), threshold (the "
                         "Triton search of core.kernels.topp, no sort), auto (the engine's default: threshold on "
                         "CUDA with Triton, sort elsewhere); the output names the cut that ran")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled draws (default 0)")
     p.add_argument("--hf-prompts", type=int, default=0, help="HF generate on the first N prompts (0: all)")
     p.add_argument("--skip-hf", action="store_true", help="the fast engine alone (no HF run, no ratio)")
     p.add_argument("--check-every", type=int, default=8, help="decode steps between host checks")

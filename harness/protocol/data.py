@@ -210,8 +210,7 @@ def _check_hub(dataset: str) -> None:
 def validate_dataset_args(dataset: str, data_dir: str | None, max_samples: int | None) -> None:
     """Every check that needs no prompt text, so the CLI can fail before loading a model. No network access."""
     if max_samples is not None and (isinstance(max_samples, bool) or max_samples < 1):
-        raise UsageError(f"--max-samples must be >= 1 (got {max_samples}); omit it for the default (a setup's number "
-                         f"of prompts, every row without one)")
+        raise UsageError(f"--max-samples must be >= 1 (got {max_samples}); omit it for the default")
     if data_dir is not None:
         _check_local(dataset, data_dir)
     else:

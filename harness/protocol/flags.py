@@ -32,7 +32,10 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         if not quiet and "default" not in text:
             text += " (default: %(default)s)"
         if action.dest in _setup_filled():
-            text += "; untyped, a setup's value wins (setups, below)"
+            from harness.protocol.setups import ENV_OF
+            env = ENV_OF.get(action.dest)
+            text += (f"; untyped: ${env} if set, else a setup's value (setups, below)" if env else
+                     "; untyped, a setup's value wins (setups, below)")
         return text
 
 
