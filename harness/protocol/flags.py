@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -39,11 +40,13 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-def _setup_filled() -> set[str]:
-    """Every setting some setup fills (harness.protocol.setups.defaults, on either device and temperature)."""
+@functools.cache
+def _setup_filled() -> frozenset[str]:
+    """Every setting some setup fills (harness.protocol.setups.defaults, on either device and temperature); asked
+    once per flag when --help is formatted, computed once."""
     from harness.protocol import setups as s
-    return {key for name in s.SETUPS for device in ("cpu", "cuda") for t in (0.0, 1.0)
-            for key in s.defaults(name, device, t)}
+    return frozenset(key for name in s.SETUPS for device in ("cpu", "cuda") for t in (0.0, 1.0)
+                     for key in s.defaults(name, device, t))
 
 
 def _rounds(setup: dict) -> str:
