@@ -120,7 +120,8 @@ def test_back_brings_what_one_call_can_and_rest_the_remainder(tmp_path):
     assert [p.name for p in out3.iterdir()] == ["records.tgz"]
 
 
-@pytest.mark.parametrize("script, var", [("training_gpu.sh", "XRUN"), ("tables_gpu.sh", "XTAB")])
+@pytest.mark.parametrize("script, var", [("training_gpu.sh", "XRUN"), ("tables_gpu.sh", "XTAB"),
+                                         ("sweeps_gpu.sh", "XSW")])
 def test_a_poll_on_a_bare_machine_says_so_at_once(tmp_path, script, var):
     """A machine given back takes its job along; the next call's poll must not wait out its seconds for a job that
     is not there (one did, for 500 s of device time): it exits 3 at once, saying what to run again."""
@@ -234,8 +235,10 @@ def test_table_cells_take_the_shipped_tables_kernels_unless_told(tmp_path, table
     assert (tmp_path / "res" / "gsm8k_t0.log").read_text() == f"EXTRA={want}\n"
 
 
-def test_the_tables_usage_is_the_whole_header():
+@pytest.mark.parametrize("script, last", [("tables_gpu.sh", "the jobs die with the machine."),
+                                          ("sweeps_gpu.sh", "the job dies with the machine.")])
+def test_the_usage_is_the_whole_header(script, last):
     """With no command the script prints its header and exits 2; the header ran past the lines printed once, and
     the usage stopped mid-sentence."""
-    r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / "tables_gpu.sh")], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stdout.rstrip().endswith("the jobs die with the machine.")
+    r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / script)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout.rstrip().endswith(last)
