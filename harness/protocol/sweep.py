@@ -387,7 +387,7 @@ def write_plots(folder: str, summary: dict) -> list[str]:
                 ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [str(x) for x in xs])
             ax.set_xlabel(xlabel)
-            ax.set_ylabel("speedup over AR at the same point (95% CI)")
+            ax.set_ylabel("speedup over AR (95% CI)")  # longer, it overran the panel's height
             ax.set_title(f"{'context' if name.endswith('batch.png') else 'B'} = {panel}", fontsize=9)
             ax.legend(fontsize=7)
         if summary["labels"]:  # once for the figure, wrapped to its width: a panel's title is too narrow for them
