@@ -112,3 +112,16 @@ def test_order_from_recorded_slots_and_unknown_without_them():
     s = report.summarize([dict(r, temperature=0.0) for r in sampled_rows()], n_boot=50)
     assert s["design"]["imbalance"] is None and "not recorded" in s["design"]["note"]
     assert not any("unbalanced" in x for x in s["labels"])
+
+
+def test_a_sweep_labels_a_rotation_that_is_no_latin_square():
+    """5 arms over 4 measured rounds (the H100 sweeps of 2026-12-05: --fair-k-list 1,4, 5 rounds, 1 warmup) put
+    each arm in 4 of the 5 slots; a sweep's labels say so, as a single run's do; 4 arms in 4 rounds say nothing."""
+    from types import SimpleNamespace
+
+    from harness.protocol.sweep_readme import unbalanced
+    five = SimpleNamespace(arm_names=["AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=4)"], rounds=5,
+                           warmup_rounds=1)
+    assert unbalanced(five) == "rotation unbalanced by 1"
+    assert unbalanced(SimpleNamespace(arm_names=five.arm_names[:4], rounds=5, warmup_rounds=1)) is None
+    assert unbalanced(SimpleNamespace(arm_names=five.arm_names, rounds=11, warmup_rounds=1)) is None

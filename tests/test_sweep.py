@@ -122,6 +122,7 @@ def test_sampled_drafts_at_t0_do_not_depend_on_the_batch(files, tmp_path):
     labels = json.loads((tmp_path / "td" / "sweep.json").read_text())["labels"]  # sampled drafts refine alone
     assert "refinements per request" in labels and "refinements batched" not in labels, labels
     assert any(x.startswith("FEWER THAN 5 SEEDS (1;") for x in labels), labels  # one sampled round
+    assert "rotation unbalanced by 1" in labels, labels  # 4 arms in one measured round: each in one slot
     readme = (tmp_path / "td" / "README.md").read_text()  # one context: no context plot written, none listed
     assert "speedup_vs_batch.png" in readme and "speedup_vs_context.png" not in readme and "same as B=1" in readme
 

@@ -163,7 +163,7 @@ def run(cfg, out=None) -> dict:
                         labels=[x for x in [sweep_readme.run_line(cfg, plan, len(samples)), label(cfg),
                                             f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
                                             f"kernels {models.target.kernels}", *sorted(how),
-                                            sweep_readme.replicates(plan, settings)] if x])
+                                            *sweep_readme.caveats(plan, settings)] if x])
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     sweep_steps.write(folder, rows, plan.arm_names, ar, summary["labels"])

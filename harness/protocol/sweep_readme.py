@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from harness.protocol.replicates import seeds_short
+from harness.protocol.rounds import imbalance, rotation
 
 FILES = (("sweep.md", "total and per-request tok/s, τ, the speedup over AR at the same point with its paired 95% CI, "
                       "and each method's crossover"),
@@ -36,6 +37,18 @@ def replicates(plan, settings) -> str | None:
     if settings.target_params.greedy and settings.draft_params.greedy:
         return None
     return seeds_short(plan.rounds - plan.warmup_rounds)
+
+
+def unbalanced(plan) -> str | None:
+    """The measured rounds' rotation when it is no Latin square over the arms (e.g. 5 arms in 4 measured rounds),
+    labelled as a single run's table labels it (harness.protocol.replicates)."""
+    spread = imbalance(rotation(list(plan.arm_names), plan.rounds)[plan.warmup_rounds:])
+    return f"rotation unbalanced by {spread}" if spread else None
+
+
+def caveats(plan, settings) -> list[str]:
+    """The labels a sweep's numbers carry for how its rounds were laid out (none for a balanced greedy sweep)."""
+    return [x for x in (replicates(plan, settings), unbalanced(plan)) if x]
 
 
 def readme(summary: dict, plots: list[str] | None = None) -> str:
