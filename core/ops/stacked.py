@@ -7,7 +7,8 @@ the kernel once for the whole stack:
 
 * `xb::xpress_latent`: cache [N, B, r] and prev [N, B] in one launch of N programs, each the one-block program
   (core.kernels.xpress), so every request's latent is bit for bit its own one-block latent;
-* `xb::markov_gated_latent`: prev [N] and h [N, H] in one launch of N programs (core.kernels.markov), likewise;
+* `xb::markov_gated_latent`: prev [N] and h [N, H] in one launch, each request's programs its one-slot programs
+  (core.kernels.markov), likewise;
 * `xb::linear`: the requests' rows flattened into one matmul of N x rows (at most kernels.MAX_ROWS: one launch;
   more: the torch ops, as TritonOps routes any call of that many rows). A row's product then shares its launch
   with the other requests' rows: equal to its own launch's wherever the kernels are batch-invariant
