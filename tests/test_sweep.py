@@ -283,35 +283,6 @@ def test_the_step_breakdown_cli_refuses_a_folder_that_is_not_a_sweep(tmp_path, c
     assert not (tmp_path / "steps.md").exists()
 
 
-def test_tail_and_extra_steps_are_counted_once():
-    """A row's tail steps (plain steps near the context limit) and extra step (after an EOS) are among its spec and
-    plain steps (harness.decode.state.Request.advance): a batch of rows 5+2 and 6+0 steps ran 7 steps, not 9."""
-    from harness.protocol import sweep_steps
-    row = dict(round=2, batch_index=0, batch_decode_s=0.07, decode_tokens=10)
-    rows = [dict(row, spec_steps=5, ar_steps=2, tail_steps=1, extra_steps=1),
-            dict(row, spec_steps=6, ar_steps=0, tail_steps=0, extra_steps=0)]
-    got = sweep_steps.step_stats(rows)
-    assert got == {"steps": 7, "ms_per_step": 10.0, "tokens_per_step": round(20 / 7, 3), "slot_use": round(13 / 14, 4)}
-
-
-def test_slot_use_and_the_refill_bound_follow_from_the_rows_steps():
-    """slot_use: the share of a batch's row-steps that held a request (a row of 2 steps in a batch of 8 leaves 6
-    masked); refill_gain: token_gain at full slots (tokens/step over slot use, against AR's the same), the bound on
-    what refilling freed slots could buy. Rows of equal length use every slot and bound nothing above token_gain."""
-    from harness.protocol import sweep_steps
-    base = dict(round=2, batch_index=0, context_len=0, batch_size=2, warmup=False, ar_steps=0, tail_steps=0,
-                extra_steps=0)
-    ar = [dict(base, arm="AR", spec_steps=8, decode_tokens=8, batch_decode_s=0.08) for _ in range(2)]
-    spec = [dict(base, arm="X", spec_steps=2, decode_tokens=8, batch_decode_s=0.04),
-            dict(base, arm="X", spec_steps=4, decode_tokens=8, batch_decode_s=0.04)]
-    e = {x["arm"]: x for x in sweep_steps.breakdown(ar + spec, ["AR", "X"], "AR")}
-    assert e["AR"]["slot_use"] == 1.0 and e["X"]["slot_use"] == 0.75  # 2 + 4 row-steps of 2 x 4
-    assert e["X"]["token_gain"] == 2.0 and e["X"]["step_cost"] == 1.0  # 16 / 4 against 16 / 8, 10 ms both
-    assert e["X"]["refill_gain"] == round(2.0 / 0.75, 3)
-    table = sweep_steps.format_steps(list(e.values()))
-    assert "| 2 | 0 | X | 4 | 10.0 | 4.0 | 1.0 | 2.0 | 2.000 | 0.75 | 2.667 | 2.667 |" in table
-
-
 def test_a_long_label_line_is_wrapped_to_the_figure(swept, tmp_path, monkeypatch):
     """The labels' suptitle is wrapped to the figure's width (one 5-inch panel: 70 characters a line); unwrapped,
     a single-panel figure cut the labels off at both sides."""

@@ -18,6 +18,10 @@ the measured rounds:
   bound on what refilling freed slots with new prompts could buy, leaving out the refills' prefills and any change
   of step cost.
   refill_gain / step_cost bounds such a batch's speedup.
+- `prefill_share`: the batches' prefill seconds (their prompts' prefills before the first step, and a refilled
+  batch's refills, each stalling every row: `batch_prefill_s`; graph captures are not among them) over their
+  decode + prefill seconds; `with_prefill`: decode tokens over decode + prefill seconds, against AR's the same:
+  the speedup with the prefills counted, which every other number of the sweep leaves out.
 
 The sweep writes steps.md beside sweep.md (harness.protocol.sweep); for a folder written before that:
 
@@ -42,8 +46,8 @@ def step_stats(rows: list[dict]) -> dict:
     """One (point, arm)'s measured rows -> steps, ms_per_step, tokens_per_step (None where nothing was timed)."""
     batches: dict = {}
     for r in rows:
-        b = batches.setdefault((r["round"], r["batch_index"]),
-                               {"steps": 0, "secs": 0.0, "tokens": 0, "row_steps": 0, "slots": 0})
+        b = batches.setdefault((r["round"], r["batch_index"]), {"steps": 0, "secs": 0.0, "tokens": 0, "row_steps": 0,
+                                                               "slots": 0, "prefill": r.get("batch_prefill_s")})
         # a refilled batch's own step count and its rows; a static batch's longest row and its requests
         b["steps"] = r["batch_steps"] if r.get("refill") else max(b["steps"], _steps(r))
         b["slots"] = r["batch_rows"] if r.get("refill") else b["slots"] + 1
@@ -54,8 +58,13 @@ def step_stats(rows: list[dict]) -> dict:
     if not steps:
         return {"steps": 0, "ms_per_step": None, "tokens_per_step": None, "slot_use": None}
     slots = sum(b["steps"] * b["slots"] for b in batches.values())
-    return {"steps": steps, "ms_per_step": round(1e3 * total["secs"] / steps, 4),
-            "tokens_per_step": round(total["tokens"] / steps, 3), "slot_use": round(total["row_steps"] / slots, 4)}
+    out = {"steps": steps, "ms_per_step": round(1e3 * total["secs"] / steps, 4),
+           "tokens_per_step": round(total["tokens"] / steps, 3), "slot_use": round(total["row_steps"] / slots, 4)}
+    if all(b["prefill"] is not None for b in batches.values()):  # rows of sweeps before batch_prefill_s: none
+        prefill = sum(b["prefill"] for b in batches.values())
+        out.update(prefill_share=round(prefill / (prefill + total["secs"]), 4),
+                   tok_s_with_prefill=total["tokens"] / (prefill + total["secs"]))
+    return out
 
 
 def breakdown(rows: list[dict], arms: list[str], reference: str | None) -> list[dict]:
@@ -76,21 +85,26 @@ def breakdown(rows: list[dict], arms: list[str], reference: str | None) -> list[
                                          / (ref["tokens_per_step"] / ref["slot_use"]), 3)
                 s["gain_per_cost"] = round(s["token_gain"] / s["step_cost"], 3)
                 s["refill_per_cost"] = round(s["refill_gain"] / s["step_cost"], 3)
-            out.append({"batch_size": b, "context_len": c, "arm": a, **s})
+                if "tok_s_with_prefill" in s and "tok_s_with_prefill" in ref:
+                    s["with_prefill"] = round(s["tok_s_with_prefill"] / ref["tok_s_with_prefill"], 3)
+            out.append({"batch_size": b, "context_len": c, "arm": a,
+                        **{k: v for k, v in s.items() if k != "tok_s_with_prefill"}})
     return out
 
 
 def format_steps(entries: list[dict], labels=()) -> str:
     head = f"**STEPS** [{'; '.join(labels)}]\n\n" if labels else "**STEPS**\n\n"
     lines = ["| B | context | method | steps | ms/step | tokens/step (batch) | step cost vs AR | token gain vs AR |"
-             " gain / cost | slot use | refill gain | refill gain / cost |", "|" + "---|" * 12]
+             " gain / cost | slot use | refill gain | refill gain / cost | prefill share | with prefills vs AR |",
+             "|" + "---|" * 14]
     dash = lambda v: "-" if v is None else v  # noqa: E731
     for e in entries:
         ratio, bound = (f"{e[k]:.3f}" if k in e else "-" for k in ("gain_per_cost", "refill_per_cost"))
         lines.append(f"| {e['batch_size']} | {e['context_len']} | {e['arm']} | {e['steps']} | "
                      f"{dash(e['ms_per_step'])} | {dash(e['tokens_per_step'])} | {dash(e.get('step_cost'))} | "
                      f"{dash(e.get('token_gain'))} | {ratio} | {dash(e.get('slot_use'))} | "
-                     f"{dash(e.get('refill_gain'))} | {bound} |")
+                     f"{dash(e.get('refill_gain'))} | {bound} | {dash(e.get('prefill_share'))} | "
+                     f"{dash(e.get('with_prefill'))} |")
     return head + "\n".join(lines) + "\n\n" + __doc__.split("\n\n")[1].strip() + "\n"
 
 
