@@ -242,3 +242,40 @@ def test_the_usage_is_the_whole_header(script, last):
     the usage stopped mid-sentence."""
     r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / script)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout.rstrip().endswith(last)
+
+
+def test_stash_records_the_commit_that_a_device_copy_reports_and_restore_removes_it(tmp_path):
+    """The device runs a copy of the tree without .git, so env.json's git_sha was null on every GPU run: stash writes
+    .xb_commit (the commit, +dirty when a tracked file differs), the scripts copy it beside the code, and
+    results_io.environment reads it where git cannot answer; restore removes it."""
+    import os
+    import shutil
+
+    from harness.protocol import results_io
+    repo = tmp_path / "repo"
+    (repo / "harness" / "lab").mkdir(parents=True)
+    shutil.copy(ROOT / "harness" / "lab" / "device_tree.sh", repo / "harness" / "lab")
+    for d in ("weights", "results"):
+        (repo / d).mkdir()
+        (repo / d / "f").write_text(d)
+    git = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
+        subprocess.run(["git", *cmd], cwd=repo, env=git, check=True)
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    script = repo / "harness" / "lab" / "device_tree.sh"
+    subprocess.run(["bash", str(script), "stash", str(tmp_path / "s")], check=True, capture_output=True)
+    assert (repo / ".xb_commit").read_text().strip() == sha
+    copy = tmp_path / "copy"  # what a device call's job runs: the code, no .git, the commit file beside it
+    copy.mkdir()
+    shutil.copy(repo / ".xb_commit", copy)
+    env = results_io.environment(repo=copy)
+    assert env["git_sha"] == sha and env["git_dirty"] is False and ".xb_commit" in env["git_sha_from"]
+    subprocess.run(["bash", str(script), "restore", str(tmp_path / "s")], check=True, capture_output=True)
+    assert not (repo / ".xb_commit").exists() and (repo / "weights" / "f").exists()
+    (repo / "harness" / "lab" / "device_tree.sh").write_text(script.read_text() + "\n")  # a tracked change
+    subprocess.run(["bash", str(script), "stash", str(tmp_path / "s2")], check=True, capture_output=True)
+    assert (repo / ".xb_commit").read_text().strip() == f"{sha}+dirty"
+    (copy / ".xb_commit").write_text(f"{sha}+dirty\n")
+    assert results_io.environment(repo=copy)["git_dirty"] is True
+    assert results_io.environment(repo=tmp_path / "bare")["git_sha"] is None  # neither git nor the file

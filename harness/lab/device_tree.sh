@@ -6,6 +6,10 @@
 #   bash harness/lab/device_tree.sh size          # tracked bytes: all, without weights/ and results/
 #   bash harness/lab/device_tree.sh stash DIR     # move weights/ and results/ to DIR (before the device calls)
 #   bash harness/lab/device_tree.sh restore DIR   # move them back (after the last call)
+#
+# stash also writes .xb_commit (the commit, "+dirty" when a tracked file differed from it): the device runs a copy
+# of the tree without .git, so the scripts copy this file beside the code and results_io.environment records it as
+# the run's git_sha; restore removes it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tracked() { git ls-files -z "$@" | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1; }
@@ -17,12 +21,16 @@ case "${1:-}" in
   stash)
     d=${2:?stash DIR}; mkdir -p "$d"
     [[ -e $d/weights || -e $d/results ]] && { echo "error: $d already holds weights/ or results/" >&2; exit 2; }
+    sha=$(git rev-parse HEAD)
+    [[ -z $(git status --porcelain --untracked-files=no) ]] || sha="$sha+dirty"
     mv weights results "$d"/
+    echo "$sha" > .xb_commit
     ;;
   restore)
     d=${2:?restore DIR}
     [[ -e weights || -e results ]] && { echo "error: weights/ or results/ is already in the tree" >&2; exit 2; }
     mv "$d"/weights "$d"/results .
+    rm -f .xb_commit
     ;;
   *)
     sed -n 2,9p "$0"; exit 2

@@ -40,6 +40,7 @@ case "${1:-}" in
       [[ -d /tmp/w/smollm2-135m/$m ]] || { echo "error: /tmp/w/smollm2-135m/$m is missing: carry it (tables_gpu.sh part DIR)" >&2; exit 3; }
     done
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
+    [[ ! -f .xb_commit ]] || cp .xb_commit /tmp/code/  # the commit (device_tree.sh stash): the copy has no .git
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
     (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m DEADLINE=$deadline ONLY="${ONLY:-}" \
         SWEEP_ARGS="${SWEEP_ARGS:-}" BENCH_ARGS="${BENCH_ARGS:-}" setsid nohup \

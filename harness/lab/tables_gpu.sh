@@ -48,6 +48,7 @@ case "${1:-}" in
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     mkdir -p /tmp/g /tmp/xb /tmp/bench $J && cp .gpu1/gguf.part.aa /tmp/g/
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
+    [[ ! -f .xb_commit ]] || cp .xb_commit /tmp/code/  # the commit (device_tree.sh stash): the copy has no .git
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
     if [[ -n ${NOBENCH:-} ]]; then echo "rc=skipped" > $J/bench.done; exit 0; fi   # the tables only
     export -f bench_job

@@ -115,6 +115,7 @@ case "${1:-}" in
     cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
     sha256sum /tmp/xb/$GGUF | cut -c1-16
     rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
+    [[ ! -f .xb_commit ]] || cp .xb_commit /tmp/code/  # the commit (device_tree.sh stash): the copy has no .git
     if [[ -d $WARM ]]; then mkdir -p /tmp/code/weights && rm -rf /tmp/code/weights/smollm2-135m && cp -r "$WARM" /tmp/code/weights/smollm2-135m; fi
     args=(--set train.compile_cache="$XB_CACHE" "$@")  # loaded if `cache` put one there; saved after the train stage
     # WARM_START=0: the warm export is only a folder the config names (e.g. models.drafter.init_from with grow,

@@ -15,6 +15,7 @@ from pathlib import Path
 from core.errors import UsageError
 
 _REPO = Path(__file__).resolve().parents[2]
+COMMIT_FILE = ".xb_commit"  # harness/lab/device_tree.sh stash writes it: the commit of a tree copied without .git
 
 
 def append_rows(path: str | os.PathLike, rows: list[dict]) -> None:
@@ -181,6 +182,11 @@ def environment(exclude=(), repo: Path | None = None) -> dict:
                      cwd=repo) if sha else None
     env["git_sha"] = sha
     env["git_dirty"] = None if status is None else bool(status)
+    if sha is None and (repo / COMMIT_FILE).is_file():  # a copy of the tree without .git (a lent GPU machine)
+        recorded = (repo / COMMIT_FILE).read_text().strip()
+        env["git_sha"], env["git_dirty"] = recorded.removesuffix("+dirty"), recorded.endswith("+dirty")
+        env["git_sha_from"] = (f"{COMMIT_FILE}: the commit harness/lab/device_tree.sh stash recorded where the tree "
+                               "was copied from (this copy had no .git)")
     env["git_dirty_counts"] = GIT_DIRTY_COUNTS
     env["git_untracked_files"] = None if untracked is None else sum(
         line.startswith("??") for line in untracked.splitlines())
