@@ -45,7 +45,8 @@ def test_every_point_is_timed_against_its_floor(tmp_path):
 @pytest.mark.parametrize("args,says", [(["--batch-sizes", "0"], "out of range"),
                                        (["--contexts", "2000"], "max_position_embeddings"),
                                        (["--reps", "0"], "--reps"),
-                                       (["--contexts", "8", "--graphs"], "--graphs captures CUDA graphs")])
+                                       (["--contexts", "8", "--graphs"], "--graphs captures CUDA graphs"),
+                                       (["--wide-rows"], "add --kernels triton")])
 def test_bad_arguments_are_one_line(tmp_path, capsys, monkeypatch, args, says):
     out = tmp_path / "b.json"
     monkeypatch.setattr(bench_batch, "build_random", lambda *a, **k: pytest.fail("a model was built"))

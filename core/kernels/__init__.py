@@ -18,12 +18,12 @@ Launch(batch_invariant=True) the batch-invariant ones of `invariant` beside them
 from core.kernels.attention import MAX_ATTN_ROWS, heads_fit, write_kv
 from core.kernels.common import HAS_GDC, MAX_SPLITS, Launch, available, interpreted, pdl_supported, triton
 from core.kernels.markov import fits as markov_fits, gated_latent as markov_gated_latent
-from core.kernels.matmul import MAX_ROWS, LinearConfig
+from core.kernels.matmul import MAX_ROWS, WIDE_ROWS, LinearConfig, wide_linear
 from core.kernels.rows import rms_norm, silu_mul
 from core.kernels.select import attention, choose_linear, fits, linear
 from core.kernels.xpress import fits as xpress_fits, latent as xpress_latent, refused as xpress_refused
 
-__all__ = ["MAX_ATTN_ROWS", "MAX_ROWS", "MAX_SPLITS", "HAS_GDC", "Launch", "LinearConfig", "attention",
+__all__ = ["MAX_ATTN_ROWS", "MAX_ROWS", "MAX_SPLITS", "HAS_GDC", "WIDE_ROWS", "Launch", "LinearConfig", "attention",
            "available", "choose_linear", "fits", "heads_fit", "interpreted", "linear", "markov_fits",
-           "markov_gated_latent", "pdl_supported", "rms_norm", "silu_mul", "triton", "write_kv", "xpress_fits",
-           "xpress_latent", "xpress_refused"]
+           "markov_gated_latent", "pdl_supported", "rms_norm", "silu_mul", "triton", "wide_linear", "write_kv",
+           "xpress_fits", "xpress_latent", "xpress_refused"]

@@ -48,11 +48,15 @@ class Launch:
     supports; a call given None checks each time). attention_splits: programs per K/V head in `attention` (None: by the cache's capacity, up to
     MAX_SPLITS). batch_invariant (opt-in, issue 28): `core.kernels.linear` and `attention` run the kernels of
     core.kernels.invariant instead, which compute a row the same way whatever the number of rows beside it
-    (1..MAX_ROWS); the default kernels (matmul, attention) are untouched by it. The settings the measurements
-    settled (results/perf/NOTES.md) are constants, not levers."""
+    (1..MAX_ROWS); the default kernels (matmul, attention) are untouched by it. wide_rows (opt-in, unmeasured):
+    core.ops.TritonOps runs linear and rms_norm calls of more than MAX_ROWS rows (a batched verify or draft from
+    B x W = 128) on the kernels, the matmul as launches over row tiles of MAX_ROWS (core.kernels.matmul
+    .wide_linear, WIDE_ROWS at most), instead of the torch ops. The settings the measurements settled (results/perf/NOTES.md) are constants, not
+    levers."""
     pdl: bool | None = False
     attention_splits: int | None = None
     batch_invariant: bool = False
+    wide_rows: bool = False
 
     def __post_init__(self):
         s = self.attention_splits
@@ -60,13 +64,15 @@ class Launch:
             raise ValueError(f"attention_splits must be None or in 1..{MAX_SPLITS}, got {s!r}")
         if s is not None and self.batch_invariant:
             raise ValueError("attention_splits does not combine with batch_invariant (its split is by slot index)")
+        if self.wide_rows and self.batch_invariant:
+            raise ValueError("wide_rows does not combine with batch_invariant (its kernels take 1..MAX_ROWS rows)")
 
     def resolve(self, device: torch.device) -> "Launch":
         """pdl=None becomes whether `device` supports it."""
         if self.pdl is not None:
             return self
         return Launch(pdl=pdl_supported(device), attention_splits=self.attention_splits,
-                      batch_invariant=self.batch_invariant)
+                      batch_invariant=self.batch_invariant, wide_rows=self.wide_rows)
 
 
 @lru_cache(maxsize=None)

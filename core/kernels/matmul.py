@@ -8,6 +8,9 @@ Epilogues: the residual add (rounded as `h + linear(x)` rounds) and each row's a
 best, one reduction launch after). Tiles come from `choose_linear` (a sweep on one H200,
 results/perf/kernels_h200_16gb.json, fitted to the device's shared memory). With PDL, tensor-core programs ask their first weight tile into L2 before
 they wait for the launch before (one tile: the setting results/perf/NOTES.md kept).
+`wide_linear` takes MAX_ROWS + 1 to WIDE_ROWS rows (a batched verify or draft from B x W = 128) as launches of
+`linear` over row tiles of MAX_ROWS, each tile exactly the launch of its rows alone; core.ops.TritonOps runs it
+only under Launch.wide_rows (opt-in, not yet measured against the torch ops that take those rows otherwise).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from core.kernels.common import MAX_ROWS, Launch, after_previous, launch_opts, p
 from core.kernels.rows import argmax_reduce, rms_norm, silu_mul
 
 PREFETCH_TILES = 1    # weight tiles a tensor-core program prefetches under PDL
+WIDE_ROWS = 1024      # rows wide_linear takes (a batched verify of 64 requests x 16)
 SHARED_SPARE = 8192   # bytes of shared memory fit_shared leaves free
 
 
@@ -233,3 +237,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     if not argmax:
         return y
     return y, argmax_reduce(pv, pi, launch)
+
+
+def wide_linear(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None, argmax: bool = False,
+                **kw):
+    """`linear` over x [M, K] of 1..WIDE_ROWS rows: one launch of `linear` per row tile of MAX_ROWS, each writing
+    its rows of one output (its keywords, residual and argmax as linear's), so every tile is bit for bit the launch
+    of its rows alone. With a weight small enough for L2 the later tiles read it from there."""
+    m, n = x.shape[0], w.shape[0]
+    if not 1 <= m <= WIDE_ROWS:
+        raise ValueError(f"kernels.wide_linear takes 1..{WIDE_ROWS} rows, got {m}")
+    if m <= MAX_ROWS:
+        return linear(x, w, residual=residual, argmax=argmax, **kw)
+    y = torch.empty((m, n), dtype=w.dtype, device=w.device)
+    ids = torch.empty(m, dtype=torch.long, device=w.device) if argmax else None
+    for lo in range(0, m, MAX_ROWS):
+        hi = min(lo + MAX_ROWS, m)
+        got = linear(x[lo:hi], w, residual=None if residual is None else residual[lo:hi], out=y[lo:hi],
+                     argmax=argmax, **kw)
+        if argmax:
+            ids[lo:hi] = got[1]
+    return (y, ids) if argmax else y

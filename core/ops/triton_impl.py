@@ -97,14 +97,15 @@ class TritonOps(Ops):
         return self._uncompiled(name, KERNELS[name])
 
     def linear(self, x, w, *, bias=None, norm=None, eps=0.0, act=None, residual=None, argmax=False):
-        why = _linear_misfit(x, w, bias, act, residual)
+        why = _linear_misfit(x, w, bias, act, residual, self.launch.wide_rows)
         if why is not None:
             if x.shape[0] <= kernels.MAX_ROWS:
                 self.fallbacks["linear", why] += 1
             return self.torch.linear(x, w, bias=bias, norm=norm, eps=eps, act=act, residual=residual, argmax=argmax)
         if norm is not None and act is not None:
             x, norm = self.rms_norm(x, norm, eps), None
-        return self._kernel("linear")(x, w, norm=norm, eps=eps, gated=act is not None, residual=residual,
+        family = "wide_linear" if x.shape[0] > kernels.MAX_ROWS else "linear"  # wide: Launch.wide_rows only
+        return self._kernel(family)(x, w, norm=norm, eps=eps, gated=act is not None, residual=residual,
                                       argmax=argmax, launch=self.launch)
 
     def _misfit(self, check, head, dtype) -> str | None:
@@ -137,7 +138,7 @@ class TritonOps(Ops):
         return self._kernel("markov_latent")(prev, h, head.w1.weight, g.weight, g.bias, launch=self.launch), state
 
     def rms_norm(self, x, weight, eps):
-        if x.dim() != 2 or x.shape[0] > kernels.MAX_ROWS:
+        if x.dim() != 2 or x.shape[0] > (kernels.WIDE_ROWS if self.launch.wide_rows else kernels.MAX_ROWS):
             if x.dim() != 2 and x.numel() // x.shape[-1] <= kernels.MAX_ROWS:
                 self.fallbacks["rms_norm", f"{x.dim()}-d rows"] += 1
             return self.torch.rms_norm(x, weight, eps)
@@ -193,9 +194,9 @@ def _check_rows(span, kv) -> None:
         raise RuntimeError(f"batched attention: a position outside the cache's {kv.capacity} slots")
 
 
-def _linear_misfit(x, w, bias, act, residual) -> str | None:
-    """Why kernels.linear cannot take this call (None: it can)."""
-    if x.shape[0] > kernels.MAX_ROWS:
+def _linear_misfit(x, w, bias, act, residual, wide: bool = False) -> str | None:
+    """Why kernels.linear cannot take this call (None: it can); wide: Launch.wide_rows (past MAX_ROWS in tiles)."""
+    if x.shape[0] > (kernels.WIDE_ROWS if wide else kernels.MAX_ROWS):
         return f"{x.shape[0]} rows"
     if bias is not None:
         return "a bias"
@@ -248,6 +249,10 @@ def _kernel_linear(*args, **kw):
     return kernels.linear(*args, **kw)  # looked up per call (the tests count the launches)
 
 
+def _kernel_wide_linear(*args, **kw):
+    return kernels.wide_linear(*args, **kw)
+
+
 def _kernel_latent(*args, **kw):
     return kernels.xpress_latent(*args, **kw)
 
@@ -256,7 +261,8 @@ def _kernel_markov(*args, **kw):
     return kernels.markov_gated_latent(*args, **kw)
 
 
-KERNELS = {"linear": _kernel_linear, "xpress_latent": _kernel_latent, "markov_latent": _kernel_markov}
+KERNELS = {"linear": _kernel_linear, "wide_linear": _kernel_wide_linear, "xpress_latent": _kernel_latent,
+           "markov_latent": _kernel_markov}
 
 
 def _capturing(device: torch.device) -> bool:

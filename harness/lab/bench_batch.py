@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--graphs", action="store_true", help="time each point's forward as one CUDA graph (CUDA)")
+    p.add_argument("--wide-rows", action="store_true",
+                   help="with --kernels triton: linear and RMSNorm calls past 64 rows (the verify from B = 8) on the "
+                        "kernels in 64-row tiles (Launch.wide_rows), not the torch ops")
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/bench_batch_<preset>.json")
     a = p.parse_args(argv)
 
@@ -139,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         contexts = points_of(a.contexts, "--contexts", 1)
         if a.block_size < 2 or a.reps < 1 or a.warmup < 0:
             raise UsageError("--block-size must be >= 2, --reps >= 1 and --warmup >= 0")
+        if a.wide_rows and a.kernels != "triton":
+            raise UsageError(f"--wide-rows routes calls to the Triton kernels: add --kernels triton (got --kernels "
+                             f"{a.kernels})")
         config = hf_config(preset(a.preset))
         limit = config.max_position_embeddings
         if max(contexts) + a.block_size + 1 > limit:
@@ -147,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         backend = resolve_backend(a.device, a.dtype)
         if a.graphs and backend.kind != "cuda":
             raise UsageError(f"--graphs captures CUDA graphs and needs --device cuda; drop it on {backend.kind}")
-        ops = make_ops(a.kernels, backend.device, backend.dtype, config)
+        launch = None
+        if a.wide_rows:
+            from core.kernels import Launch
+            launch = Launch(pdl=None, wide_rows=True)
+        ops = make_ops(a.kernels, backend.device, backend.dtype, config, launch=launch)
         m = build_random(a.preset, backend, block_size=a.block_size, capacity=max(contexts) + a.block_size + 1,
                          ops=ops)
         bw = copy_bandwidth(backend.device, nbytes=(1 << 31) if backend.kind == "cuda" else (1 << 24))
@@ -155,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         flops = matmul_rate(backend.device, backend.dtype, n)
         name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else "cpu"
         res = {"label": RANDOM_LABEL.split(" / ")[0], "preset": a.preset, "device_name": name,
-               "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels, "graphs": a.graphs,
+               "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels + (", wide rows" if a.wide_rows else ""),
+               "graphs": a.graphs,
                "copy_bandwidth_GBps": bw / 1e9,
                "matmul_TFLOPs": flops / 1e12, "matmul_shape": f"{n}x{n}x{n} {str(backend.dtype)[6:]}",
                "torch": torch.__version__, "goal_ratio": GOAL,
