@@ -183,7 +183,8 @@ def test_the_folder_has_the_table_and_both_plots(swept):
     assert set(s["crossover"]) == {"drafter-only", "Markov", "xPress(K=2)"}
     # what ran batched is labelled: the verify and the dFlash drafts one forward each, and at T=0 on the torch ops
     # the refinements of a step in one call (refiners.batch)
-    assert {"cpu float32", "eager", "drafts batched", "refinements batched"} <= set(s["labels"])
+    assert {"cpu float32", "eager", "drafts batched", "refinements batched",
+            sweep.sweep_readme.DECODE_ONLY} <= set(s["labels"])
     assert "refinements per request" not in s["labels"] and not any(x.startswith("FEWER THAN") for x in s["labels"])
 
 

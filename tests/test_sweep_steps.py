@@ -1,5 +1,8 @@
-"""harness.protocol.sweep_steps on hand-made rows: a batch's steps, its slot use and the refill bound, and the
-prefills' share of a batch's time with the speedup they leave (the sweep's own rows: tests/test_sweep.py)."""
+"""A sweep's folder text on hand-made rows and summaries: harness.protocol.sweep_steps (a batch's steps, its slot
+use and the refill bound, the prefills' share of a batch's time and the speedup they leave), the crossover lines,
+and what an interrupted sweep says (the sweep's own runs: tests/test_sweep.py)."""
+import json
+
 from harness.protocol import sweep_steps
 
 
@@ -49,3 +52,48 @@ def test_the_prefills_share_and_the_speedup_with_them_counted():
     e = {x["arm"]: x for x in sweep_steps.breakdown(old, ["AR", "X"], "AR")}
     assert "prefill_share" not in e["X"] and "with_prefill" not in e["X"]
     assert "| 0.75 | 2.667 | 2.667 | - | - |" in sweep_steps.format_steps(list(e.values()))
+
+
+def _summary(ci_b2):
+    """Two batch sizes, two contexts, one arm: at context 0 it falls below AR at B = 2 (CI ci_b2), at context 64
+    from B = 1; at B = 1 it falls below at context 64."""
+    from harness.protocol.sweep import crossover
+    pts = [{"batch_size": b, "context_len": c, "arms": {"AR": {}, "X": {"speedup": s, "speedup_ci": ci}}}
+           for b, c, s, ci in ((1, 0, 1.3, [1.1, 1.5]), (2, 0, 0.95, ci_b2), (1, 64, 0.8, [0.7, 0.9]),
+                               (2, 64, 0.7, [0.6, 0.8]))]
+    summary = {"points": pts, "batch_sizes": [1, 2], "context_lengths": [0, 64]}
+    return json.loads(json.dumps({**summary, "crossover": crossover(pts, ["AR", "X"], "AR", [1, 2], [0, 64])}))
+
+
+def test_the_crossover_lines_cover_both_axes_and_say_when_the_ci_holds_1():
+    """sweep.md printed the crossover by batch size only, though sweep.json has it by context too, and called a
+    point below AR whose CI reached above 1 a crossing without a word (a new user read B = 1 at 0.84 [0.47, 2.06]
+    as 'speculation does not pay')."""
+    from harness.protocol.sweep_readme import crossover_lines
+    lines = crossover_lines(_summary([0.9, 1.1]))
+    assert lines == [
+        "- X against AR by batch size: context 0: at or above AR below B=2, first below it at B=2 (by its point "
+        "estimate; its CI [0.90, 1.10] includes 1); context 64: below AR from the smallest B swept, B=1",
+        "- X against AR by context length: B=1: at or above AR below context=64, first below it at context=64; "
+        "B=2: below AR from the smallest context swept, context=0 (by its point estimate; its CI [0.90, 1.10] "
+        "includes 1)"]
+    assert "includes 1" not in crossover_lines(_summary([0.85, 0.99]))[0]
+
+
+def test_an_interrupted_sweep_says_it_cannot_be_resumed_and_which_folder_to_delete(tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-sweep left config.json and part of samples.jsonl, said only "interrupted", and the same command
+    was then refused (the folder holds a sweep): it now says a sweep cannot be resumed and names the folder."""
+    import benchmark_compile_all as cli
+    from harness.protocol import sweep
+    from tiny import write_run_fixture
+    files = write_run_fixture(tmp_path / "f", [{"turns": ["Add 2 and 3."]}], xpress_std=0.02, markov_std=0.02)
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(sweep, "_decode_point", stop)
+    rc = cli.main(["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
+                   "--drafter-only", "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "4",
+                   "--device", "cpu", "--fair-interleave", "--results-dir", str(tmp_path / "r"), "--run-id", "s",
+                   "--batch-sizes", "1"])
+    err = capsys.readouterr().err
+    assert rc != 0 and f"a sweep cannot be resumed; delete {tmp_path / 'r' / 's'}" in err, err

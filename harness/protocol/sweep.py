@@ -151,13 +151,19 @@ def run(cfg, out=None) -> dict:
     atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
     rows_path = os.path.join(folder, "samples.jsonl")
     by_name, pool, how = {a.name: a for a in models.arms}, {}, set()
-    for pt in points:
-        for r, names in enumerate(order, start=1):
-            for slot, name in enumerate(names, start=1):
-                arm = by_name[name]
-                arm.activate()
-                append_rows(rows_path, _decode_point(plan, models, settings, arm, pt, r, slot, samples, pool, how))
-        print(f"[sweep] B={pt.batch} context={pt.context}: done", file=out)
+    try:
+        for pt in points:
+            for r, names in enumerate(order, start=1):
+                for slot, name in enumerate(names, start=1):
+                    arm = by_name[name]
+                    arm.activate()
+                    append_rows(rows_path, _decode_point(plan, models, settings, arm, pt, r, slot, samples, pool,
+                                                         how))
+            print(f"[sweep] B={pt.batch} context={pt.context}: done", file=out)
+    except KeyboardInterrupt:
+        print(f"[sweep] interrupted: a sweep cannot be resumed; delete {folder} and run the command again",
+              file=sys.stderr)
+        raise
     ar, rows = next((a.name for a in models.arms if a.spec.method == "ar"), None), read_rows(rows_path)
     summary = summarize(rows, plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
                         labels=[x for x in [sweep_readme.run_line(cfg, plan, len(samples)), label(cfg),
@@ -319,15 +325,6 @@ def crossover(points: list[dict], arms: list[str], ar: str | None, batches, cont
             for a in arms if a != ar}
 
 
-def _crossing(b, batches) -> str:
-    """A crossover B (None: none) in words: where the arm beats AR and where it falls below."""
-    if b is None:
-        return f"at or above AR at every B swept ({', '.join(map(str, batches))})"
-    if b == batches[0]:
-        return f"below AR from the smallest B swept, B={b}"
-    return f"at or above AR below B={b}, first below it at B={b}"
-
-
 def format_table(summary: dict) -> str:
     lines = [f"**SWEEP** batch sizes {summary['batch_sizes']} x context lengths {summary['context_lengths']}"
              + (f" [{'; '.join(summary['labels'])}]" if summary["labels"] else ""), "",
@@ -342,9 +339,7 @@ def format_table(summary: dict) -> str:
             lines.append(f"| {p['batch_size']} | {p['context_len']} | {a} | {fmt(e['total_tok_s'], 1)} | "
                          f"{fmt(e['per_request_tok_s'], 1)} | {fmt(e['tau'], 2)} | {sp} | {same} |")
     lines.append("")
-    for a, x in summary["crossover"].items():
-        at = "; ".join(f"context {c}: {_crossing(v, summary['batch_sizes'])}" for c, v in x["batch_at_context"].items())
-        lines.append(f"- {a} against AR by batch size: {at}")
+    lines += sweep_readme.crossover_lines(summary)
     c = summary["conventions"]
     lines += ["", f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Per-request tok/s: "
               f"{c.get('per_request_tok_s', '-')}. Crossover: {c['crossover']}.", ""]

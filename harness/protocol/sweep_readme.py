@@ -18,7 +18,8 @@ FILES = (("sweep.md", "total and per-request tok/s, τ, the speedup over AR at t
          ("speedup_vs_batch.png", "each method's speedup over AR against B, with the 95% CIs"),
          ("speedup_vs_context.png", "the same against context length (with several context lengths)"))
 SAME = ("`same as B=1` (T=0): the requests whose tokens equal the same arm's tokens at B = 1 (same prompt, context and "
-        "round), over the requests compared (every round, warmup included)")
+        "round), over the requests compared (every round, warmup included); `-` at B = 1 itself, at T > 0, and where "
+        "B = 1 was not swept")
 
 
 def run_line(cfg, plan, n_prompts: int) -> str:
@@ -26,7 +27,8 @@ def run_line(cfg, plan, n_prompts: int) -> str:
     model = f"random {cfg.random_weights}" if cfg.random_weights else \
         os.path.basename(str(cfg.model_name_or_path).rstrip("/"))
     scripted = "" if cfg.scripted_accept is None else f", scripted acceptance of {cfg.scripted_accept} drafts a step"
-    return (f"{model} on {cfg.dataset}: {n_prompts} prompts (first turns), {cfg.max_new_tokens} new tokens, "
+    return (f"{model} on {cfg.dataset}: {n_prompts} prompt{'' if n_prompts == 1 else 's'} (first turns), "
+            f"{cfg.max_new_tokens} new tokens, "
             f"T={cfg.temperature:g}, seed {cfg.seed}, {plan.rounds - plan.warmup_rounds} measured + "
             f"{plan.warmup_rounds} warmup round(s){scripted}")
 
@@ -46,9 +48,41 @@ def unbalanced(plan) -> str | None:
     return f"rotation unbalanced by {spread}" if spread else None
 
 
+DECODE_ONLY = "speedups decode-only (prefills timed apart; steps.md counts them in)"
+
+
 def caveats(plan, settings) -> list[str]:
-    """The labels a sweep's numbers carry for how its rounds were laid out (none for a balanced greedy sweep)."""
-    return [x for x in (replicates(plan, settings), unbalanced(plan)) if x]
+    """The labels a sweep's numbers carry for what they leave out and how its rounds were laid out."""
+    return [x for x in (DECODE_ONLY, replicates(plan, settings), unbalanced(plan)) if x]
+
+
+def crossing(first, values: list, unit: str, ci=None) -> str:
+    """A crossover (`first`: the first swept value below AR, None: none) in words; where that point's CI holds 1,
+    the words say the crossing is the point estimate's alone."""
+    if first is None:
+        return f"at or above AR at every {unit} swept ({', '.join(map(str, values))})"
+    note = (f" (by its point estimate; its CI [{ci[0]:.2f}, {ci[1]:.2f}] includes 1)"
+            if ci and None not in ci and ci[0] <= 1 <= ci[1] else "")
+    if first == values[0]:
+        return f"below AR from the smallest {unit} swept, {unit}={first}{note}"
+    return f"at or above AR below {unit}={first}, first below it at {unit}={first}{note}"
+
+
+def crossover_lines(summary: dict) -> list[str]:
+    """sweep.md's crossover lines: per arm, by batch size at each context, and by context at each B (several
+    contexts swept)."""
+    ci = {(p["batch_size"], p["context_len"], a): e.get("speedup_ci") for p in summary["points"]
+          for a, e in p["arms"].items()}
+    bs, cs, out = summary["batch_sizes"], summary["context_lengths"], []
+    for a, x in summary["crossover"].items():
+        at = "; ".join(f"context {c}: {crossing(v, bs, 'B', ci.get((v, int(c), a)))}"
+                       for c, v in x["batch_at_context"].items())
+        out.append(f"- {a} against AR by batch size: {at}")
+        if len(cs) > 1:
+            at = "; ".join(f"B={b}: {crossing(v, cs, 'context', ci.get((int(b), v, a)))}"
+                           for b, v in x["context_at_batch"].items())
+            out.append(f"- {a} against AR by context length: {at}")
+    return out
 
 
 def readme(summary: dict, plots: list[str] | None = None) -> str:
