@@ -244,14 +244,16 @@ def test_the_usage_is_the_whole_header(script, last):
     assert r.returncode == 2 and r.stdout.rstrip().endswith(last)
 
 
-def test_stash_records_the_commit_that_a_device_copy_reports_and_restore_removes_it(tmp_path):
-    """The device runs a copy of the tree without .git, so env.json's git_sha was null on every GPU run: stash writes
-    .xb_commit (the commit, +dirty when a tracked file differs), the scripts copy it beside the code, and
-    results_io.environment reads it where git cannot answer; restore removes it."""
+def test_stash_and_mark_record_the_commit_that_a_device_copy_reports_and_restore_removes_it(tmp_path, monkeypatch):
+    """The device runs a copy of the tree without .git, so env.json's git_sha was null on every GPU run: stash (and
+    mark, after a commit or an edit made while stashed) writes .xb_commit (the commit, +dirty when a file that
+    travels differs, and when), the scripts copy it beside the code, and results_io.environment reads it where git
+    cannot answer; restore removes it."""
     import os
     import shutil
 
     from harness.protocol import results_io
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # no repository above tmp_path answers for a copy
     repo = tmp_path / "repo"
     (repo / "harness" / "lab").mkdir(parents=True)
     shutil.copy(ROOT / "harness" / "lab" / "device_tree.sh", repo / "harness" / "lab")
@@ -262,20 +264,30 @@ def test_stash_records_the_commit_that_a_device_copy_reports_and_restore_removes
            "GIT_COMMITTER_EMAIL": "t@t"}
     for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
         subprocess.run(["git", *cmd], cwd=repo, env=git, check=True)
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
+    head = lambda: subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,  # noqa: E731
+                                  text=True).stdout.strip()
+    sha = head()
     script = repo / "harness" / "lab" / "device_tree.sh"
-    subprocess.run(["bash", str(script), "stash", str(tmp_path / "s")], check=True, capture_output=True)
-    assert (repo / ".xb_commit").read_text().strip() == sha
+    run = lambda *a: subprocess.run(["bash", str(script), *a], check=True, capture_output=True)  # noqa: E731
+    run("stash", str(tmp_path / "s"))
+    assert (repo / ".xb_commit").read_text().split()[0] == sha  # clean: weights/ and results/ moved aside
     copy = tmp_path / "copy"  # what a device call's job runs: the code, no .git, the commit file beside it
     copy.mkdir()
     shutil.copy(repo / ".xb_commit", copy)
     env = results_io.environment(repo=copy)
     assert env["git_sha"] == sha and env["git_dirty"] is False and ".xb_commit" in env["git_sha_from"]
-    subprocess.run(["bash", str(script), "restore", str(tmp_path / "s")], check=True, capture_output=True)
+    (repo / "new.py").write_text("x")  # an untracked file travels too: the tree is no longer the commit
+    run("mark")
+    assert (repo / ".xb_commit").read_text().split()[0] == f"{sha}+dirty"
+    subprocess.run(["git", "add", "new.py"], cwd=repo, env=git, check=True)
+    subprocess.run(["git", "commit", "-qm", "y"], cwd=repo, env=git, check=True)
+    run("mark")  # a commit made while stashed: mark records it
+    assert head() != sha and (repo / ".xb_commit").read_text().split()[0] == head()
+    shutil.copy(repo / ".xb_commit", copy)
+    assert results_io.environment(repo=copy)["git_sha"] == head()
+    (copy / ".xb_commit").write_text(f"{sha}+dirty 2026-12-05T00:00:00Z\n")
+    env = results_io.environment(repo=copy)
+    assert env["git_dirty"] is True and "2026-12-05T00:00:00Z" in env["git_sha_from"]
+    run("restore", str(tmp_path / "s"))
     assert not (repo / ".xb_commit").exists() and (repo / "weights" / "f").exists()
-    (repo / "harness" / "lab" / "device_tree.sh").write_text(script.read_text() + "\n")  # a tracked change
-    subprocess.run(["bash", str(script), "stash", str(tmp_path / "s2")], check=True, capture_output=True)
-    assert (repo / ".xb_commit").read_text().strip() == f"{sha}+dirty"
-    (copy / ".xb_commit").write_text(f"{sha}+dirty\n")
-    assert results_io.environment(repo=copy)["git_dirty"] is True
     assert results_io.environment(repo=tmp_path / "bare")["git_sha"] is None  # neither git nor the file

@@ -67,6 +67,17 @@ def test_triton_ops_take_wide_rows_only_under_launch_wide_rows(monkeypatch):
     assert calls["wide_linear"] == 1  # past WIDE_ROWS: the torch ops
 
 
+def test_the_stacked_twin_keeps_its_calls_to_one_launch_under_wide_rows():
+    """StackedTritonOps' launchers (vmap rules) take at most MAX_ROWS rows; beside a TritonOps with wide rows it
+    routes longer calls to the torch ops, never to a wide launcher it does not have."""
+    from core.ops.stacked import StackedTritonOps
+    of = TritonOps(DEV, kernels.Launch(pdl=None, wide_rows=True))
+    twin = StackedTritonOps(of)
+    assert of.launch.wide_rows and not twin.launch.wide_rows and twin.fallbacks is of.fallbacks
+    w, x = rnd(40, 64, scale=0.1, seed=1), rnd(100, 64, seed=2)
+    torch.testing.assert_close(twin.linear(x, w), TorchOps().linear(x, w), **tol(torch.float32))
+
+
 def test_wide_rows_are_a_launch_setting_that_the_invariant_kernels_refuse():
     assert kernels.Launch(pdl=None, wide_rows=True).resolve(torch.device("cpu")) == \
         kernels.Launch(pdl=False, wide_rows=True)

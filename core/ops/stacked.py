@@ -22,6 +22,8 @@ refinement's: StackedTritonOps runs rms_norm on the torch ops and leaves the res
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from core import kernels
@@ -72,7 +74,7 @@ def _linear_vmap(info, in_dims, x, w, norm, eps, gated, residual, argmax, pdl, i
     res = None if rs is None else rs.reshape(-1, rs.shape[-1])
     if flat.shape[0] <= kernels.MAX_ROWS:
         y, ids = linear(flat, w, norm, eps, gated, res, argmax, pdl, invariant)
-    else:  # more rows than one launch takes: the torch ops (TritonOps routes such calls the same way)
+    else:  # more rows than one launch takes: the torch ops (as TritonOps routes them without Launch.wide_rows)
         out = _TORCH.linear(flat, w, norm=norm, eps=eps, act="silu" if gated else None, residual=res, argmax=argmax)
         y, ids = out if argmax else (out, flat.new_empty(0, dtype=torch.int64))
     y = y.view(*rows, -1)
@@ -147,7 +149,8 @@ class StackedTritonOps(TritonOps):
     beside (its device, launch settings and fallback counter are shared)."""
 
     def __init__(self, of: TritonOps):
-        super().__init__(of.device, of.launch, of.debug, of.torch)
+        # its launchers take at most MAX_ROWS rows a call (STACKED has no wide_linear): Launch.wide_rows off
+        super().__init__(of.device, dataclasses.replace(of.launch, wide_rows=False), of.debug, of.torch)
         self.fallbacks = of.fallbacks
 
     def _kernel(self, name: str):

@@ -6,13 +6,21 @@
 #   bash harness/lab/device_tree.sh size          # tracked bytes: all, without weights/ and results/
 #   bash harness/lab/device_tree.sh stash DIR     # move weights/ and results/ to DIR (before the device calls)
 #   bash harness/lab/device_tree.sh restore DIR   # move them back (after the last call)
+#   bash harness/lab/device_tree.sh mark          # (stash does it) .xb_commit anew: again after every commit or
+#                                                 # edit made while stashed, before the next device call
 #
-# stash also writes .xb_commit (the commit, "+dirty" when a tracked file differed from it): the device runs a copy
-# of the tree without .git, so the scripts copy this file beside the code and results_io.environment records it as
-# the run's git_sha; restore removes it.
+# .xb_commit holds the commit and when it was marked ("+dirty" when a file that travels, tracked or untracked and
+# not ignored, differed from it): the device runs a copy of the tree without .git, so the scripts copy this file
+# beside the code and results_io.environment records it as the run's git_sha; restore removes it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 tracked() { git ls-files -z "$@" | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1; }
+mark() {  # the tree that travels against HEAD: weights/ and results/ (stashed) and the file itself left out
+  local sha; sha=$(git rev-parse HEAD)
+  [[ -z $(git status --porcelain -- . ':(exclude)weights' ':(exclude)results' ':(exclude).xb_commit') ]] ||
+    sha="$sha+dirty"
+  echo "$sha $(date -u +%Y-%m-%dT%H:%M:%SZ)" > .xb_commit
+}
 case "${1:-}" in
   size)
     all=$(tracked); rest=$(git ls-files -z | grep -zv '^weights/\|^results/' | xargs -0 du -cb | tail -1 | cut -f1)
@@ -21,10 +29,11 @@ case "${1:-}" in
   stash)
     d=${2:?stash DIR}; mkdir -p "$d"
     [[ -e $d/weights || -e $d/results ]] && { echo "error: $d already holds weights/ or results/" >&2; exit 2; }
-    sha=$(git rev-parse HEAD)
-    [[ -z $(git status --porcelain --untracked-files=no) ]] || sha="$sha+dirty"
     mv weights results "$d"/
-    echo "$sha" > .xb_commit
+    mark
+    ;;
+  mark)
+    mark; cat .xb_commit
     ;;
   restore)
     d=${2:?restore DIR}

@@ -183,10 +183,10 @@ def environment(exclude=(), repo: Path | None = None) -> dict:
     env["git_sha"] = sha
     env["git_dirty"] = None if status is None else bool(status)
     if sha is None and (repo / COMMIT_FILE).is_file():  # a copy of the tree without .git (a lent GPU machine)
-        recorded = (repo / COMMIT_FILE).read_text().strip()
+        recorded, _, when = (repo / COMMIT_FILE).read_text().strip().partition(" ")
         env["git_sha"], env["git_dirty"] = recorded.removesuffix("+dirty"), recorded.endswith("+dirty")
-        env["git_sha_from"] = (f"{COMMIT_FILE}: the commit harness/lab/device_tree.sh stash recorded where the tree "
-                               "was copied from (this copy had no .git)")
+        env["git_sha_from"] = (f"{COMMIT_FILE}: the commit harness/lab/device_tree.sh stash (or mark) recorded at "
+                               f"{when or 'an unrecorded time'} where the tree was copied from (this copy had no .git)")
     env["git_dirty_counts"] = GIT_DIRTY_COUNTS
     env["git_untracked_files"] = None if untracked is None else sum(
         line.startswith("??") for line in untracked.splitlines())

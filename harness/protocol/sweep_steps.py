@@ -18,10 +18,11 @@ the measured rounds:
   bound on what refilling freed slots with new prompts could buy, leaving out the refills' prefills and any change
   of step cost.
   refill_gain / step_cost bounds such a batch's speedup.
-- `prefill_share`: the batches' prefill seconds (their prompts' prefills before the first step, and a refilled
-  batch's refills, each stalling every row: `batch_prefill_s`; graph captures are not among them) over their
-  decode + prefill seconds; `with_prefill`: decode tokens over decode + prefill seconds, against AR's the same:
-  the speedup with the prefills counted, which every other number of the sweep leaves out.
+- `prefill_share`: the batches' prefill seconds (`batch_prefill_s`: a batch's wall time outside its decode clock
+  and its graph captures, that is its prompts' prefills before the first step, a refilled batch's refills, each
+  stalling every row, and the batch's own setup) over their decode + prefill seconds; `with_prefill`: decode
+  tokens over decode + prefill seconds, against AR's the same: the speedup with the prefills counted, which every
+  other number of the sweep leaves out.
 
 The sweep writes steps.md beside sweep.md (harness.protocol.sweep); for a folder written before that:
 
