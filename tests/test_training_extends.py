@@ -94,3 +94,19 @@ def test_the_grow_preset_is_the_fresh_one_with_a_drafter_grown_from_the_shipped_
     assert d["num_layers"] == 8 and d["grow"] and d["init_from"] == "weights/smollm2-135m/drafter"
     for h in ("xpress", "markov_gated"):
         assert {k: v for k, v in grow["models"][h].items() if v != fresh["models"][h][k]} == {"num_layers": 8}
+
+
+def test_the_round2_preset_continues_the_drafter_on_a_second_magpie_round_with_its_layers_compiled():
+    """smollm2-gpu-round2 (the fourteenth session's H200 run, results/perf/NOTES.md): the continue preset's drafter
+    on prompts no earlier run saw (Magpie round 2, whose seeds differ from the pool's and round 1's; its parts
+    start after the pool's 230 = ceil(58,691 / 256), the model card's pool), 6 minutes of responses, each draft
+    layer compiled (train.compile=layers), and the drafter alone: its heads train in a later session."""
+    cont, r2 = load_config("smollm2-gpu-continue"), load_config("smollm2-gpu-round2")
+    assert {k for k in cont if cont[k] != r2[k]} == {"models", "name", "workdir", "prompts", "responses", "train"}
+    assert {k: v for k, v in r2["prompts"].items() if v != cont["prompts"][k]} == {"more_round": 2}
+    assert {k: v for k, v in r2["responses"].items() if v != cont["responses"][k]} == \
+        {"first_part": 230, "max_minutes": 6}
+    assert {k: v for k, v in r2["train"].items() if v != cont["train"][k]} == {"compile": "layers"}
+    assert list(r2["models"]) == ["drafter"]
+    d, c = r2["models"]["drafter"], cont["models"]["drafter"]
+    assert d == c
