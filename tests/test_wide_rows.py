@@ -87,7 +87,8 @@ def test_wide_rows_are_a_launch_setting_that_the_invariant_kernels_refuse():
 
 def test_bench_batch_measures_the_verify_on_wide_rows(tmp_path, monkeypatch):
     """bench_batch --kernels triton --wide-rows: a verify of 3 x 32 rows runs its matmuls on the kernels (calls of
-    more than MAX_ROWS rows launched), and the file says so in its kernels field."""
+    more than MAX_ROWS rows launched), and the file says so in its kernels field. On the GPU where there is one: with
+    a GPU, conftest leaves Triton's CPU interpreter off, and --device cpu failed there (the H200, 2026-12-05)."""
     import json
 
     from harness.lab import bench_batch
@@ -96,7 +97,7 @@ def test_bench_batch_measures_the_verify_on_wide_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "wide_linear", lambda x, *a, **k: (wide.append(x.shape[0] > T),
                                                                     real(x, *a, **k))[1])
     out = tmp_path / "w.json"
-    assert bench_batch.main(["--preset", "tiny", "--device", "cpu", "--kernels", "triton", "--wide-rows",
+    assert bench_batch.main(["--preset", "tiny", "--device", str(DEV), "--kernels", "triton", "--wide-rows",
                              "--batch-sizes", "3", "--contexts", "8", "--block-size", "32", "--reps", "1",
                              "--warmup", "0", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
