@@ -133,3 +133,33 @@ def test_bad_lineages_fail_in_one_line_and_write_nothing(lineage, args, says):
     r = card_cli(*args, "--out", out)
     assert r.returncode != 0 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists()
+
+
+def _prompts(folder: Path, train: int):
+    (folder / "prompts_manifest.json").write_text(json.dumps({
+        "train": train, "selection": 32, "heldout": 64, "magpie_generated": 52000, "dropped": {"duplicate": 3},
+        "sources": {"heldout": {"magpie:chat": 64}}}))
+
+
+@pytest.mark.parametrize("train, says", [
+    (58691, "its selection set is the one the shipped models were chosen on"),
+    (58656, "its prompt pool was generated anew and differs from the shipped runs'"),
+    (None, "whether its selection set is the shipped models' is not recorded")])
+def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, train, says):
+    """The fourteenth session's run regenerated the Magpie pool (other engine numerics: 58,656 train prompts where the
+    shipped runs had 58,691), so its held-out prompts were not theirs; its card said they were. Its box's device and
+    compile mode, recorded since 2026-12-05, were dropped from the card too."""
+    pytest.importorskip("matplotlib")
+    t, out, md = lineage, lineage / "out", lineage / "CARD.md"
+    _prompts(t / "run2", 58691)
+    write_run(t / "r2", True, {"drafter": (914, 1000)})
+    if train:
+        _prompts(t / "r2", train)
+    box = json.loads((t / "r2" / "drafter_box.json").read_text())
+    (t / "r2" / "drafter_box.json").write_text(json.dumps({**box, "device": "NVIDIA H200", "compile": "layers"}))
+    r = card_cli("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried", f"r2={t / 'r2'}",
+                 "--ship", t / "heads.json", "--out", out, "--markdown", md)
+    assert r.returncode == 0, r.stderr
+    tried = md.read_text()[md.read_text().index("## Tried run `r2`"):]
+    assert says in tried
+    assert "Device: NVIDIA H200; torch.compile (train.compile): drafter layers." in tried

@@ -18,7 +18,7 @@ from pathlib import Path
 from core.errors import UsageError
 
 BOX_KEYS = ("wall_s", "train_wall_s", "unaccounted_s", "steps_share", "steps_per_s", "packed_tokens", "loss_tokens",
-            "tokens_per_s", "box_s", "steps", "first_step", "last_step", "steady_tokens_per_s")
+            "tokens_per_s", "box_s", "steps", "first_step", "last_step", "steady_tokens_per_s", "device", "compile")
 
 
 def _json(path: Path) -> dict | None:

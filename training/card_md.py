@@ -2,6 +2,8 @@
 card.json's, printed as it is there; a record the run lacks prints as "n/a"."""
 from __future__ import annotations
 
+import json
+
 PARTS = ("startup", "steps", "validation", "held_out", "checkpoints", "finish", "export")
 SET_NAMES = {"selection": "selection", "heldout": "held-out"}
 
@@ -90,6 +92,8 @@ def this_run(box: dict) -> str:
 def time_section(stages: dict, models: list[dict]) -> list[str]:
     devices = sorted({str(d) for d in (((m.get("box") or {}).get("device")) for m in models) if d})
     device = ", ".join(devices) if devices else "not recorded (box records before 2026-12-05)"
+    compiled = [f"{m['model']} {b['compile']}" for m in models if (b := m.get("box") or {}).get("compile")]
+    device += f"; torch.compile (train.compile): {', '.join(compiled)}" if compiled else ""
     out = ["## Device time", "", f"Device: {device}.", "", "Stages (wall seconds of the run that did the work):", ""]
     out += table(["stage", "seconds"], [[s, v.get("seconds")] for s, v in stages.items()]) if stages else \
         ["n/a (no stages.json)", ""]
@@ -131,13 +135,20 @@ def box_field(models: list[dict], key: str) -> list[tuple[str, object]]:
     return [(m["model"], v) for m in models if (v := (m.get("box") or {}).get(key))]
 
 
-def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True) -> list[str]:
+def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True,
+                same_pool: bool | None = None) -> list[str]:
     """CHOOSES: the run's models were candidates for shipping (False: a run tried on shipped weights, whose
-    models were compared with the shipped ones and none replaced them)."""
+    models were compared with the shipped ones and none replaced them). SAME_POOL (tried runs): whether its prompt
+    pool is the shipped runs' last recorded one (pool()), so that its selection and held-out sets are theirs."""
     keys = sorted({k for m in models for s in SET_NAMES for k in (m.get(s) or {}) if k.startswith("tau_")},
                   key=lambda k: (k != "tau_drafter", k))
-    what = ("The selection set chooses (the Markov variant shipped)" if chooses else
-            "Nothing of this run was shipped; its selection set is the one the shipped models were chosen on")
+    sets = {True: "its selection set is the one the shipped models were chosen on",
+            False: "its prompt pool was generated anew and differs from the shipped runs' (the prompts manifest's "
+                   "counts), so its selection and held-out prompts are not theirs, and its τ is not comparable "
+                   "with theirs",
+            None: "whether its selection set is the shipped models' is not recorded"}[same_pool]
+    what = "The selection set chooses (the Markov variant shipped)" if chooses else \
+        f"Nothing of this run was shipped; {sets}"
     out = ["## Acceptance τ", "",
            "Greedy, the harness's own decode loop (training/acceptance.py), on every final model after training "
            f"(training/evaluate.py). {what}; the held-out set is "
@@ -221,19 +232,31 @@ def render_lineage(rec: dict) -> str:
         lines += run_section(r)
     if rec.get("tried"):
         lines += ["## Tried on these weights, not shipped", "",
-                  "Runs made on the shipped files after they were shipped, whose models did not replace them: "
+                  "Runs made after these files were shipped, on them or on an earlier tried run's export (each "
+                  "training table's \"from step\" says which), whose models did not replace them: "
                   + ", ".join(f"`{r['name']}`" for r in rec["tried"]) + ". They are outside the count and the totals "
                   "above; each is listed as it trained its models.", ""]
+        pools = [pool(r) for r in runs if pool(r)]
         for r in rec["tried"]:
-            lines += run_section(r, tried=True)
+            lines += run_section(r, tried=True, same_pool=None if not pools or not pool(r) else pool(r) == pools[-1])
     return "\n".join(lines).rstrip() + "\n"
 
 
-def run_section(r: dict, tried: bool = False) -> list[str]:
+def pool(run: dict) -> tuple | None:
+    """What a run's prompts manifest says of its pool (counts, drops, sources by split); None where not recorded.
+    Two runs whose pools differ here drew different selection and held-out prompts: the Magpie prompts are
+    generated, and a change of engine numerics (the responses attention, the top-p cut) generates others."""
+    p = (run["card"]["data"] or {}).get("prompts") or {}
+    return None if not p.get("train") else tuple(json.dumps(p.get(k), sort_keys=True)
+                                                for k in ("train", "selection", "heldout", "dropped", "sources"))
+
+
+def run_section(r: dict, tried: bool = False, same_pool: bool | None = None) -> list[str]:
     c = r["card"]
     body = data_section(c["data"]) + training_section(
         c["models"], f"Loss curves: `loss_curves_{r['name']}.png`; per-step records: `{r['records']}`.")
-    body += time_section(c["stages"], c["models"]) + tau_section(c["models"], None, chooses=not tried)
+    body += time_section(c["stages"], c["models"]) + tau_section(c["models"], None, chooses=not tried,
+                                                                  same_pool=same_pool)
     return [f"## {'Tried run' if tried else 'Run'} `{r['name']}`", ""] + ["#" + x if x.startswith("## ") else x for x in body]
 
 
