@@ -158,3 +158,49 @@ def test_bad_boxes_are_refused_before_anything_loads(tmp_path, section, bad, msg
     (tmp_path / "c.json").write_text(json.dumps(raw))
     with pytest.raises(UsageError, match=msg):
         load_config(str(tmp_path / "c.json"))
+
+
+@pytest.mark.parametrize("engine", ["fast", "hf"])
+def test_sampled_by_group_gives_one_group_more_sampled_answers_and_leaves_the_rest_as_they_were(tmp_path, monkeypatch,
+                                                                                                  engine):
+    """responses.sampled_by_group: the GSM8K train questions (here a.jsonl) get 3 sampled answers, the other group
+    sampled's 1; the greedy answers and every row of the other group are those of a run without the key (its
+    seeds unchanged), and the stage's key is unchanged while the key is unset. An unknown group is refused before
+    the target loads."""
+    import json
+    from training import responses
+    monkeypatch.setattr(responses, "PART_PROMPTS", 8)
+    base = {"sampled": 1, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 6, "engine": engine}
+    cfg0, hf = _tiny_run(tmp_path / "plain", {"a.jsonl": 12, "b.jsonl": 12}, base)
+    cfg, _ = _tiny_run(tmp_path / "more", {"a.jsonl": 12, "b.jsonl": 12}, {**base, "sampled_by_group": {"a.jsonl": 3}})
+    key0 = responses.stage_key(cfg0)
+    cfg0["responses"]["sampled_by_group"] = {}
+    assert responses.stage_key(cfg0) == key0 != responses.stage_key(cfg)
+    rows0 = [r for g in sorted(responses.run(cfg0, load=lambda: hf).glob("parts/*.jsonl")) for r in _read(g)]
+    rows = [r for g in sorted(responses.run(cfg, load=lambda: hf).glob("parts/*.jsonl")) for r in _read(g)]
+    count = {}
+    for r in rows:
+        count[r["source"], r["mode"]] = count.get((r["source"], r["mode"]), 0) + 1
+    a = {s for s, _ in count if s.startswith("a.jsonl")}
+    assert a and all(count[s, "greedy"] == 1 and count[s, "sampled"] == 3 for s in a)
+    assert all(count[s, "sampled"] == 1 for s, m in count if m == "sampled" and s not in a)
+    same = lambda rs: sorted(json.dumps(r, sort_keys=True) for r in rs if r["mode"] == "greedy"  # noqa: E731
+                             or not r["source"].startswith("a.jsonl"))
+    assert same(rows) == same(rows0) and len(rows) == len(rows0) + 2 * len(a)
+    cfg["responses"]["sampled_by_group"] = {"gsm8k": 2}
+    with pytest.raises(UsageError, match=r"sampled_by_group names \['gsm8k'\], no source group .*'a.jsonl', 'b.jsonl'"):
+        responses.run(cfg, load=lambda: pytest.fail("loaded the target"), force=True)
+
+
+def _read(path):
+    import json
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sampled_by_group_must_map_groups_to_counts(tmp_path):
+    import json
+    from training.config import load_config
+    (tmp_path / "c.json").write_text(json.dumps({"target": "t", "models": {"d": {}},
+                                                 "responses": {"sampled_by_group": {"magpie:math": -1}}}))
+    with pytest.raises(UsageError, match="sampled_by_group must map source groups"):
+        load_config(str(tmp_path / "c.json"))

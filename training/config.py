@@ -37,7 +37,7 @@ DEFAULTS = {
                   # attention: the fast engine's decode attention, auto (Triton on CUDA where it runs) | sdpa | triton
                   # first_part: the parts (in the seeded shuffle) before it are not generated: a later session's
                   # fresh data (the warm-start drafter's run wrote parts 0..first_part-1)
-                  "first_part": 0, "attention": "auto"},
+                  "first_part": 0, "attention": "auto", "sampled_by_group": {}},  # {group: sampled answers} (responses.py)
     "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0, "mode": "offline",
                "target_dtype": "float32"},
     "train": {"device": "auto", "attn_impl": "auto", "compile": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
@@ -81,7 +81,7 @@ MODEL_DEFAULTS = {
 def _merge(base: dict, over: dict, where: str) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if k not in base and where != "models":
+        if k not in base and where not in ("models", "sampled_by_group"):  # maps whose keys are names
             raise UsageError(f"config: unknown field {where + '.' if where else ''}{k}; known: {', '.join(base)}")
         out[k] = _merge(base[k], v, k) if isinstance(base.get(k), dict) and isinstance(v, dict) and k != "models" \
             else copy.deepcopy(v)
@@ -246,6 +246,10 @@ def validate_steps(cfg: dict) -> None:
     rm = cfg["responses"]["max_minutes"]
     if not isinstance(rm, (int, float)) or isinstance(rm, bool) or rm < 0:
         raise UsageError(f"config responses.max_minutes must be a number of minutes >= 0 (0: no box; got {rm!r})")
+    sg = cfg["responses"]["sampled_by_group"]
+    if not isinstance(sg, dict) or any(not isinstance(n, int) or isinstance(n, bool) or n < 0 for n in sg.values()):
+        raise UsageError(f"config responses.sampled_by_group must map source groups (e.g. \"magpie:math\") to "
+                         f"integers >= 0, the sampled answers each prompt of the group gets (got {sg!r})")
     fp = cfg["responses"]["first_part"]
     if not isinstance(fp, int) or isinstance(fp, bool) or fp < 0:
         raise UsageError(f"config responses.first_part must be an integer >= 0 (the first part to generate; got {fp!r})")

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from core.errors import UsageError
 from training.config import fingerprint
+from training.domains import group_of
 from training.overlap import read_jsonl
 from training.prompts import out_dir as prompts_dir
 from training.store import read_manifest, resumable, write_json, write_jsonl
@@ -29,7 +30,8 @@ def out_dir(cfg: dict) -> Path:
 def stage_key(cfg: dict) -> str:
     # a box is run control; the attention kernel is the engine's implementation (the same model's answers, to
     # bf16 rounding), so parts made with either are kept and the manifest says which made the last ones
-    rc = {k: v for k, v in cfg["responses"].items() if k not in ("max_minutes", "attention")}
+    rc = {k: v for k, v in cfg["responses"].items() if k not in ("max_minutes", "attention")
+          and not (k == "sampled_by_group" and not v)}  # added later: unset, the key of the parts made before it
     return fingerprint({"responses": rc, "order": "shuffled", "prompts": read_manifest(prompts_dir(cfg))["key"],
                         "seed": cfg["seed"]})
 
@@ -54,18 +56,34 @@ def _encoded(cfg, tokenizer, prompts: list[dict]) -> list[tuple[dict, list[int]]
     return encoded
 
 
+def sampled_for(cfg, source: str) -> int:
+    """The sampled answers a prompt gets: responses.sampled, or its source group's responses.sampled_by_group (e.g.
+    more answers to the GSM8K train questions than to the Magpie prompts)."""
+    return cfg["responses"]["sampled_by_group"].get(group_of(source), cfg["responses"]["sampled"])
+
+
 def _modes(cfg) -> list[tuple[str, int]]:
-    return [("greedy", 0)] + [("sampled", k + 1) for k in range(cfg["responses"]["sampled"])]
+    most = max([cfg["responses"]["sampled"], *cfg["responses"]["sampled_by_group"].values()])
+    return [("greedy", 0)] + [("sampled", k + 1) for k in range(most)]
+
+
+def _takes(cfg, encoded, k: int) -> list:
+    """The rows that get answer k (0: the greedy one): those whose group asks for at least k sampled answers."""
+    return encoded if k == 0 else [e for e in encoded if sampled_for(cfg, e[0]["source"]) >= k]
 
 
 def _rows(cfg, encoded, answer) -> list[dict]:
-    """The part's rows, batch by batch and mode by mode; answer(mode, k, start, chunk) -> the chunk's answers."""
-    rows, size = [], cfg["responses"]["batch_size"]
+    """The part's rows, batch by batch and mode by mode; answer(mode, k, start, chunk) -> the chunk's answers, where
+    chunk is the batch's rows that take answer k and start counts the part's rows that took it before them (the
+    batch's start when every row takes every answer, as before sampled_by_group)."""
+    rows, size, before = [], cfg["responses"]["batch_size"], {}
     for start in range(0, len(encoded), size):
-        chunk = encoded[start:start + size]
         for mode, k in _modes(cfg):
+            chunk = _takes(cfg, encoded[start:start + size], k)
+            at = before.get(k, 0)
+            before[k] = at + len(chunk)
             rows += [{"prompt": e[1], "response": o, "mode": mode, "source": e[0]["source"]}
-                     for e, o in zip(chunk, answer(mode, k, start, chunk)) if o]
+                     for e, o in zip(chunk, answer(mode, k, at, chunk) if chunk else []) if o]
     return rows
 
 
@@ -88,17 +106,20 @@ def _fast_parts(cfg, model, tokenizer, parts: list[tuple[int, list[dict]]], atte
     rc = cfg["responses"]
     stops = stop_ids(model, tokenizer)
     encoded = {g: _encoded(cfg, tokenizer, prompts) for g, prompts in parts}
-    flat = [e[1] for g, _ in parts for e in encoded[g]]
     answers = {}
     for mode, k in _modes(cfg):
+        takes = {g: _takes(cfg, encoded[g], k) for g, _ in parts}
+        flat = [e[1] for g, _ in parts for e in takes[g]]
+        if not flat:
+            continue
         outs = generate_fast(model, flat, rc["max_new_tokens"], stops, sample=mode == "sampled",
                              temperature=rc["temperature"], top_p=rc["top_p"],
                              seed=cfg["seed"] * 1000003 + parts[0][0] * 7919 + k, rows=rc["batch_size"],
                              attention=attention)
         at = 0
         for g, _ in parts:
-            answers[g, mode, k] = outs[at:at + len(encoded[g])]
-            at += len(encoded[g])
+            answers[g, mode, k] = outs[at:at + len(takes[g])]
+            at += len(takes[g])
     return {g: _rows(cfg, encoded[g], lambda mode, k, start, chunk, g=g: answers[g, mode, k][start:start + len(chunk)])
             for g, _ in parts}
 
@@ -139,6 +160,10 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     if first >= len(groups):
         raise UsageError(f"responses.first_part {first}: there are only {len(groups)} parts of {PART_PROMPTS} prompts; "
                          "lower it")
+    named = {group_of(p["source"]) for part in groups for p in part}
+    if set(cfg["responses"]["sampled_by_group"]) - named:
+        raise UsageError(f"responses.sampled_by_group names {sorted(set(cfg['responses']['sampled_by_group']) - named)}, "
+                         f"no source group of the training prompts; the groups are {sorted(named)}")
     parts = out / "parts"
     parts.mkdir(parents=True, exist_ok=True)
     before = read_manifest(out) or {}  # parts kept from earlier processes (same key): which engine settings wrote them
