@@ -157,9 +157,18 @@ def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, 
         _prompts(t / "r2", train)
     box = json.loads((t / "r2" / "drafter_box.json").read_text())
     (t / "r2" / "drafter_box.json").write_text(json.dumps({**box, "device": "NVIDIA H200", "compile": "layers"}))
+    bench = {"set": "bench:gsm8k", "of": 32, "prompts": 2, "seconds": 1.0, "tau_drafter": 3.0,
+             "per_prompt": {"keys": ["a", "b"], "tau_drafter": [[10, 3], [10, 4]]}}
+    acc = json.loads((t / "r2" / "drafter_acceptance.json").read_text())
+    (t / "r2" / "drafter_acceptance.json").write_text(json.dumps({**acc, "bench:gsm8k": bench}))
+    warm = {**bench, "tau_drafter": 2.5, "per_prompt": {"keys": ["a", "b"], "tau_drafter": [[10, 4], [10, 4]]}}
+    (t / "r2" / "drafter_acceptance_warm.json").write_text(json.dumps({"global_step": 914, "bench:gsm8k": warm}))
     r = card_cli("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried", f"r2={t / 'r2'}",
                  "--ship", t / "heads.json", "--out", out, "--markdown", md)
     assert r.returncode == 0, r.stderr
     tried = md.read_text()[md.read_text().index("## Tried run `r2`"):]
     assert says in tried
     assert "Device: NVIDIA H200; torch.compile (train.compile): drafter layers." in tried
+    # the benchmarks' fixed prompts, the same in every run: their tau and its gain over the warm start
+    assert "| drafter | bench:gsm8k | 2 | 32 | 1.0 | 3.0 |" in tried and "bench:gsm8k τ 2.5" in tried
+    assert "bench:gsm8k 1.143x [" in tried  # 20 tokens in 7 steps over 20 in 8

@@ -22,15 +22,16 @@ def test_the_tree_without_weights_and_results_fits_the_device_with_a_gguf_part()
 
 
 def test_training_gpu_back_brings_records_and_the_export_not_data_or_checkpoints(tmp_path):
-    """harness/lab/training_gpu.sh back: records.tgz holds the stage manifests, each model's JSON and metrics and
-    the log, but no prompts, response parts or fp32 checkpoints; the export WHAT comes in parts that join to the
+    """harness/lab/training_gpu.sh back: records.tgz holds the stage manifests, each model's JSON and metrics, the
+    selection and held-out prompts and the log, but no training prompts, response parts or fp32 checkpoints; the export WHAT comes in parts that join to the
     files; without $OUT, or with no subcommand, it refuses (exit non-zero)."""
     import os
     import tarfile
     script = ROOT / "harness" / "lab" / "training_gpu.sh"
     work, out = tmp_path / "xrun", tmp_path / "out"
     files = {"stages.json": "{}", "responses/manifest.json": "{}", "responses/parts/part000.jsonl": "data",
-             "prompts/train.jsonl": "data", "train/drafter/box.json": "{}", "train/drafter/metrics.jsonl": "{}",
+             "prompts/train.jsonl": "data", "prompts/heldout.jsonl": "{}", "prompts/selection.jsonl": "{}",
+             "train/drafter/box.json": "{}", "train/drafter/metrics.jsonl": "{}",
              "train/drafter/1/model.safetensors": "fp32", "export/manifest.json": "{}",
              "export/drafter/model.safetensors": "w" * 40_000, "export/drafter/config.json": "{}"}
     for name, text in files.items():
@@ -44,7 +45,8 @@ def test_training_gpu_back_brings_records_and_the_export_not_data_or_checkpoints
         names = {n.lstrip("./") for n in t.getnames()}
     assert {"stages.json", "responses/manifest.json", "train/drafter/box.json", "train/drafter/metrics.jsonl",
             "export/manifest.json"} <= names
-    assert not any(n.startswith(("prompts/", "responses/parts", "train/drafter/1", "export/drafter")) for n in names)
+    assert {"prompts/heldout.jsonl", "prompts/selection.jsonl"} <= names  # the sets tau is measured on
+    assert not any(n.startswith(("prompts/train", "responses/parts", "train/drafter/1", "export/drafter")) for n in names)
     assert any(n.endswith("xrun.log") for n in names)
     parts = sorted(out.glob("drafter.tar.part.*"))
     (tmp_path / "joined.tar").write_bytes(b"".join(p.read_bytes() for p in parts))

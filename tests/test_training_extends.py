@@ -116,9 +116,12 @@ def test_the_gsm8k_preset_is_round2_over_the_pool_with_six_sampled_answers_to_ea
     """smollm2-gpu-gsm8k (a recipe for a later H200 run, results/perf/NOTES.md, the fourteenth session): the runs
     whose data held no GSM8K train question (round2, grow) left gsm8k tau flat or lower, so the pool's parts from
     0 (its Magpie prompts drawn anew by each session's prompts stage), each GSM8K question answered greedily and 6
-    times sampled, no Magpie round; the rest as smollm2-gpu-round2."""
+    times sampled, no Magpie round, and the drafter's τ on the five benchmarks' fixed prompts (reported, read by no
+    choice: the selection and held-out sets change when the pool is drawn anew); the rest as smollm2-gpu-round2."""
     r2, g = load_config("smollm2-gpu-round2"), load_config("smollm2-gpu-gsm8k")
-    assert {k for k in r2 if r2[k] != g[k]} == {"name", "workdir", "prompts", "responses"}
+    assert {k for k in r2 if r2[k] != g[k]} == {"name", "workdir", "prompts", "responses", "acceptance"}
+    assert {k: v for k, v in g["acceptance"].items() if v != r2["acceptance"][k]} == \
+        {"bench": ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]}
     assert {k: v for k, v in g["prompts"].items() if v != r2["prompts"][k]} == {"more_magpie": 0}
     assert {k: v for k, v in g["responses"].items() if v != r2["responses"][k]} == \
         {"first_part": 0, "sampled_by_group": {"gsm8k_train_questions.jsonl": 6}}

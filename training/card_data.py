@@ -81,12 +81,22 @@ def model_record(d: Path, summary: dict) -> dict:
     elif fit.get("planned_steps") not in (None, fit.get("fitted_steps")):  # the box fit shortened the plan
         out["planned_before_fit"] = fit["planned_steps"]
     out["selection"], out["heldout"] = _tau(acc.get("selection")), _tau(acc.get("heldout"))
+    if _bench(acc):
+        out["bench"] = _bench(acc)
     warm = _json(d / "acceptance_warm.json")  # a warm-started drafter's start, measured alike (training/evaluate.py)
     if warm is not None:
         out["warm_start"] = {"global_step": warm.get("global_step"), "grown": bool(warm.get("grown")),
                              "folder": warm.get("warm_start"), "selection": _tau(warm.get("selection")),
                              "heldout": _tau(warm.get("heldout")), "paired": paired_with_start(warm, acc)}
+        if _bench(warm):
+            out["warm_start"]["bench"] = _bench(warm)
     return out
+
+
+def _bench(acc: dict) -> dict:
+    """acceptance.bench's sets ({"gsm8k": ...} from "bench:gsm8k"): the benchmarks' fixed prompts, the same in
+    every run, where the selection and held-out sets change with a pool drawn anew."""
+    return {k[len("bench:"):]: _tau(v) for k, v in acc.items() if k.startswith("bench:") and isinstance(v, dict)}
 
 
 def paired_with_start(warm: dict, acc: dict) -> list[dict]:
@@ -94,7 +104,7 @@ def paired_with_start(warm: dict, acc: dict) -> list[dict]:
     a set that cannot pair (measured before per-prompt counts were kept) is left out."""
     from training.compare_tau import pair
     out = []
-    for s in ("selection", "heldout"):
+    for s in ("selection", "heldout", *sorted(k for k in acc if k.startswith("bench:"))):
         if isinstance(warm.get(s), dict) and isinstance(acc.get(s), dict):
             try:
                 r = pair(warm[s], acc[s], "tau_drafter", "tau_drafter", s)

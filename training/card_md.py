@@ -140,7 +140,7 @@ def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True,
     """CHOOSES: the run's models were candidates for shipping (False: a run tried on shipped weights, whose
     models were compared with the shipped ones and none replaced them). SAME_POOL (tried runs): whether its prompt
     pool is the shipped runs' last recorded one (pool()), so that its selection and held-out sets are theirs."""
-    keys = sorted({k for m in models for s in SET_NAMES for k in (m.get(s) or {}) if k.startswith("tau_")},
+    keys = sorted({k for m in models for _, r in measured_sets(m) for k in (r or {}) if k.startswith("tau_")},
                   key=lambda k: (k != "tau_drafter", k))
     sets = {True: "its selection set is the one the shipped models were chosen on",
             False: "its prompt pool was generated anew and differs from the shipped runs' (the prompts manifest's "
@@ -152,11 +152,12 @@ def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True,
     out = ["## Acceptance τ", "",
            "Greedy, the harness's own decode loop (training/acceptance.py), on every final model after training "
            f"(training/evaluate.py). {what}; the held-out set is "
-           "reported only and read by no choice. τ = accepted tokens per verify step, the bonus token included.", ""]
+           "reported only and read by no choice. τ = accepted tokens per verify step, the bonus token included."
+           + (" A `bench:NAME` set is the first prompts of that benchmark (data/eval, acceptance.bench), the same in "
+              "every run, reported only." if any(m.get("bench") for m in models) else ""), ""]
     rows = []
     for m in models:
-        for s, label in SET_NAMES.items():
-            r = m.get(s)
+        for label, r in measured_sets(m):
             rows.append([m["model"], label] + ([None] * (3 + len(keys)) if r is None else
                                                [r.get("prompts"), r.get("of"), r.get("seconds")] +
                                                [r.get(k) for k in keys]))
@@ -168,13 +169,19 @@ def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True,
     return out
 
 
+def measured_sets(m: dict) -> list[tuple[str, dict | None]]:
+    """(label, τ record) of a model's (or a warm start's) sets: selection, held-out, then acceptance.bench's."""
+    return [(label, m.get(s)) for s, label in SET_NAMES.items()] + \
+        [(f"bench:{b}", r) for b, r in sorted((m.get("bench") or {}).items())]
+
+
 def warm_start_lines(m: dict) -> list[str]:
     """A drafter continued from a warm start: that start measured the same way, and the gain paired over prompts."""
     w = m.get("warm_start")
     if not w:
         return []
-    sets = "; ".join(f"{label} τ {fmt((w.get(s) or {}).get('tau_drafter'))}" for s, label in SET_NAMES.items())
-    paired = "; ".join(f"{SET_NAMES[p['set']]} {fmt(p['ratio'])}x [{fmt(p['ratio_ci95'][0])}, "
+    sets = "; ".join(f"{label} τ {fmt((r or {}).get('tau_drafter'))}" for label, r in measured_sets(w))
+    paired = "; ".join(f"{SET_NAMES.get(p['set'], p['set'])} {fmt(p['ratio'])}x [{fmt(p['ratio_ci95'][0])}, "
                        f"{fmt(p['ratio_ci95'][1])}] over {p['prompts']} prompts" for p in w.get("paired", []))
     start = (f"was grown from `{w.get('folder')}` (step {fmt(w.get('global_step'))}; training/grow.py), which it "
              "equals before its first step; that drafter" if w.get("grown") else

@@ -171,8 +171,9 @@ case "${1:-}" in
     fi
     rm -rf "$BACK" && mkdir -p "$BACK" && cd "$XRUN"
     { find . -maxdepth 3 \( -name '*.json' -o -name metrics.jsonl \) -not -path './prompts/*' -not -path './export/*/*' \
-        -not -path './responses/parts/*'; ls ./prompts/manifest.json 2>/dev/null || true; } |
-        tar czf "$BACK/records.tgz" -T - $XRUN.log  # the prompts stage's manifest, not its prompts
+        -not -path './responses/parts/*'; ls ./prompts/{manifest.json,selection.jsonl,heldout.jsonl} 2>/dev/null || true; } |
+        tar czf "$BACK/records.tgz" -T - $XRUN.log  # the prompts stage's manifest and the prompts its τ is measured
+        # on (selection, held-out: a few KB), not its training prompts; a regenerated pool draws other sets
     shift
     missing=()
     for w in "$@"; do [[ -e export/$w ]] || missing+=("$w"); done
