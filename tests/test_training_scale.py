@@ -174,8 +174,9 @@ def test_sampled_by_group_gives_one_group_more_sampled_answers_and_leaves_the_re
     cfg0, hf = _tiny_run(tmp_path / "plain", {"a.jsonl": 12, "b.jsonl": 12}, base)
     cfg, _ = _tiny_run(tmp_path / "more", {"a.jsonl": 12, "b.jsonl": 12}, {**base, "sampled_by_group": {"a.jsonl": 3}})
     key0 = responses.stage_key(cfg0)
-    cfg0["responses"]["sampled_by_group"] = {}
+    del cfg0["responses"]["sampled_by_group"]  # a config from before the field: its parts' key
     assert responses.stage_key(cfg0) == key0 != responses.stage_key(cfg)
+    cfg0["responses"]["sampled_by_group"] = {}
     rows0 = [r for g in sorted(responses.run(cfg0, load=lambda: hf).glob("parts/*.jsonl")) for r in _read(g)]
     rows = [r for g in sorted(responses.run(cfg, load=lambda: hf).glob("parts/*.jsonl")) for r in _read(g)]
     count = {}
@@ -204,3 +205,25 @@ def test_sampled_by_group_must_map_groups_to_counts(tmp_path):
                                                  "responses": {"sampled_by_group": {"magpie:math": -1}}}))
     with pytest.raises(UsageError, match="sampled_by_group must map source groups"):
         load_config(str(tmp_path / "c.json"))
+
+
+def test_sampled_by_group_names_a_group_of_the_parts_this_run_generates(tmp_path, monkeypatch):
+    """A group found only in the parts before responses.first_part (which this run does not generate) would do
+    nothing: refused, before the target loads."""
+    from training import responses
+    cfg, _ = _tiny_run(tmp_path, {"a.jsonl": 4, "b.jsonl": 4}, {"first_part": 1, "sampled_by_group": {"a.jsonl": 2}})
+    monkeypatch.setattr(responses, "prompt_parts", lambda cfg: [[{"text": "x", "source": "a.jsonl:1"}],
+                                                                [{"text": "y", "source": "b.jsonl:1"}]])
+    with pytest.raises(UsageError, match=r"sampled_by_group names \['a.jsonl'\].*the groups are \['b.jsonl'\]"):
+        responses.run(cfg, load=lambda: pytest.fail("loaded the target"), force=True)
+
+
+def test_a_child_config_replaces_its_parents_sampled_by_group_whole(tmp_path):
+    import json
+    from training.config import load_config
+    (tmp_path / "p.json").write_text(json.dumps({"target": "t", "models": {"d": {}},
+                                                 "responses": {"sampled_by_group": {"a.jsonl": 2}}}))
+    for over, want in (({}, {}), ({"b.jsonl": 3}, {"b.jsonl": 3})):
+        (tmp_path / "c.json").write_text(json.dumps({"extends": str(tmp_path / "p.json"),
+                                                     "responses": {"sampled_by_group": over}}))
+        assert load_config(str(tmp_path / "c.json"))["responses"]["sampled_by_group"] == want

@@ -144,8 +144,8 @@ def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True,
                   key=lambda k: (k != "tau_drafter", k))
     sets = {True: "its selection set is the one the shipped models were chosen on",
             False: "its prompt pool was generated anew and differs from the shipped runs' (the prompts manifest's "
-                   "counts), so its selection and held-out prompts are not theirs, and its τ is not comparable "
-                   "with theirs",
+                   "counts), so its selection and held-out prompts are not theirs, and its selection and held-out τ "
+                   "are not comparable with theirs",
             None: "whether its selection set is the shipped models' is not recorded"}[same_pool]
     what = "The selection set chooses (the Markov variant shipped)" if chooses else \
         f"Nothing of this run was shipped; {sets}"

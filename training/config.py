@@ -139,8 +139,9 @@ def load_config(name: str, overrides: list[str] = (), workdir: str | None = None
 
 def read_raw(path: Path, seen: tuple = ()) -> dict:
     """A config file's JSON with its `extends` chain resolved: `"extends": "NAME"` (a preset name or a .json path)
-    starts from that config and lays this file's sections over it, field by field, except `models`, which a child
-    that names it replaces whole (a variant that trains fewer models, e.g. smollm2-gpu-drafter)."""
+    starts from that config and lays this file's sections over it, field by field, except `models` and
+    `responses.sampled_by_group`, which a child that names them replaces whole (a variant that trains fewer models,
+    e.g. smollm2-gpu-drafter; `{}` clears a parent's groups)."""
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -159,7 +160,7 @@ def read_raw(path: Path, seen: tuple = ()) -> dict:
 def _overlay(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if k != "models" and isinstance(v, dict) and isinstance(out.get(k), dict):
+        if k not in ("models", "sampled_by_group") and isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _overlay(out[k], v)
         else:
             out[k] = v

@@ -160,7 +160,7 @@ def run(cfg: dict, load, force: bool = False) -> Path:
     if first >= len(groups):
         raise UsageError(f"responses.first_part {first}: there are only {len(groups)} parts of {PART_PROMPTS} prompts; "
                          "lower it")
-    named = {group_of(p["source"]) for part in groups for p in part}
+    named = {group_of(p["source"]) for part in groups[first:] for p in part}  # the parts this run generates
     if set(cfg["responses"]["sampled_by_group"]) - named:
         raise UsageError(f"responses.sampled_by_group names {sorted(set(cfg['responses']['sampled_by_group']) - named)}, "
                          f"no source group of the training prompts; the groups are {sorted(named)}")
