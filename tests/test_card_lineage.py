@@ -135,26 +135,29 @@ def test_bad_lineages_fail_in_one_line_and_write_nothing(lineage, args, says):
     assert not out.exists()
 
 
-def _prompts(folder: Path, train: int):
+def _prompts(folder: Path, train: int, pinned: str | None = None):
     (folder / "prompts_manifest.json").write_text(json.dumps({
         "train": train, "selection": 32, "heldout": 64, "magpie_generated": 52000, "dropped": {"duplicate": 3},
-        "sources": {"heldout": {"magpie:chat": 64}}}))
+        "sources": {"heldout": {"magpie:chat": 64}},
+        **({"eval_sets": {"path": "sets", "digest": pinned}} if pinned else {})}))
 
 
-@pytest.mark.parametrize("train, says", [
-    (58691, "its selection set is the one the shipped models were chosen on"),
-    (58656, "its prompt pool was generated anew and differs from the shipped runs'"),
-    (None, "whether its selection set is the shipped models' is not recorded")])
-def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, train, says):
+@pytest.mark.parametrize("train, pinned, says", [
+    (58691, None, "its selection set is the one the shipped models were chosen on"),
+    (58656, None, "its selection and held-out sets differ from the shipped runs'"),
+    (58656, "d1", "its selection set is the one the shipped models were chosen on"),  # pinned alike: other pools
+    (58691, "d2", "its selection and held-out sets differ from the shipped runs'"),
+    (None, None, "whether its selection set is the shipped models' is not recorded")])
+def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, train, pinned, says):
     """The fourteenth session's run regenerated the Magpie pool (other engine numerics: 58,656 train prompts where the
     shipped runs had 58,691), so its held-out prompts were not theirs; its card said they were. Its box's device and
     compile mode, recorded since 2026-12-05, were dropped from the card too."""
     pytest.importorskip("matplotlib")
     t, out, md = lineage, lineage / "out", lineage / "CARD.md"
-    _prompts(t / "run2", 58691)
+    _prompts(t / "run2", 58691, "d1" if pinned else None)
     write_run(t / "r2", True, {"drafter": (914, 1000)})
     if train:
-        _prompts(t / "r2", train)
+        _prompts(t / "r2", train, pinned)
     box = json.loads((t / "r2" / "drafter_box.json").read_text())
     (t / "r2" / "drafter_box.json").write_text(json.dumps({**box, "device": "NVIDIA H200", "compile": "layers"}))
     bench = {"set": "bench:gsm8k", "of": 32, "prompts": 2, "seconds": 1.0, "tau_drafter": 3.0,

@@ -46,6 +46,8 @@ def data_record(work: Path) -> dict:
     hm = _json(work / "hidden" / "manifest.json")
     prompts = None if pm is None else {k: pm.get(k) for k in ("train", "selection", "heldout", "magpie_generated",
                                                                "dropped", "sources")}
+    if prompts is not None and pm.get("eval_sets"):  # prompts.eval_sets: the sets pinned (training/eval_sets.py)
+        prompts["eval_sets"] = pm["eval_sets"]
     if prompts is not None and pm.get("more"):  # prompts.more_magpie: a round drawn after the pool (prompts.py)
         prompts["more"] = {k: pm["more"].get(k) for k in ("round", "generated", "kept", "dropped")}
     return {"prompts": prompts,

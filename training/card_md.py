@@ -143,8 +143,8 @@ def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True,
     keys = sorted({k for m in models for _, r in measured_sets(m) for k in (r or {}) if k.startswith("tau_")},
                   key=lambda k: (k != "tau_drafter", k))
     sets = {True: "its selection set is the one the shipped models were chosen on",
-            False: "its prompt pool was generated anew and differs from the shipped runs' (the prompts manifest's "
-                   "counts), so its selection and held-out prompts are not theirs, and its selection and held-out τ "
+            False: "its selection and held-out sets differ from the shipped runs' (the prompts manifest's "
+                   "counts, or its pinned sets' digest), so its selection and held-out τ "
                    "are not comparable with theirs",
             None: "whether its selection set is the shipped models' is not recorded"}[same_pool]
     what = "The selection set chooses (the Markov variant shipped)" if chooses else \
@@ -250,10 +250,13 @@ def render_lineage(rec: dict) -> str:
 
 
 def pool(run: dict) -> tuple | None:
-    """What a run's prompts manifest says of its pool (counts, drops, sources by split); None where not recorded.
-    Two runs whose pools differ here drew different selection and held-out prompts: the Magpie prompts are
-    generated, and a change of engine numerics (the responses attention, the top-p cut) generates others."""
+    """What a run's prompts manifest says of its selection and held-out sets: the pinned files' digest
+    (prompts.eval_sets), else the pool's counts, drops and sources by split; None where not recorded. Two runs whose
+    pools differ here drew different sets: the Magpie prompts are generated, and a change of engine numerics (the
+    responses attention, the top-p cut) generates others."""
     p = (run["card"]["data"] or {}).get("prompts") or {}
+    if p.get("eval_sets"):
+        return ("pinned", p["eval_sets"]["digest"])
     return None if not p.get("train") else tuple(json.dumps(p.get(k), sort_keys=True)
                                                 for k in ("train", "selection", "heldout", "dropped", "sources"))
 

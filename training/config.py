@@ -31,7 +31,7 @@ DEFAULTS = {
                 "eval_dir": "data/eval", "heldout": 8, "selection": 8, "magpie_domains": [], "templates": [],
                 # more_magpie: N more Magpie prompts (round more_round) after the pool is split, written apart
                 # (more.jsonl) and taken as parts after the pool's: fresh data for a later run, the same split
-                "more_magpie": 0, "more_round": 1},
+                "more_magpie": 0, "more_round": 1, "eval_sets": ""},  # eval_sets: pinned sets (eval_sets.py)
     "responses": {"max_new_tokens": 256, "batch_size": 32, "sampled": 1, "temperature": 0.8, "top_p": 0.95,
                   "max_prompt_tokens": 512, "engine": "fast", "max_minutes": 0,   # engine: fast (harness.decode.batched_gen) | hf
                   # attention: the fast engine's decode attention, auto (Triton on CUDA where it runs) | sdpa | triton

@@ -48,6 +48,8 @@ def validate_prompts(cfg: dict) -> None:
         if d.get("system") is not None and not isinstance(d["system"], str):
             raise UsageError(f"{where} ({name}): system must be a string or null")
     validate_templates(pc.get("templates", []))
+    from training.eval_sets import check
+    check(cfg)  # prompts.eval_sets: the pinned sets' files and counts
 
 
 def validate_templates(templates) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.errors import UsageError
+from training import eval_sets
 from training.config import REPO_ROOT, fingerprint
 from training.domains import apply_templates, group_counts, magpie_plan, split
 from training.overlap import NgramIndex, eval_index, gram_frequencies, prompt_texts, read_jsonl
@@ -25,11 +26,14 @@ def out_dir(cfg: dict) -> Path:
     return Path(cfg["workdir"]) / "prompts"
 
 
-def stage_key(cfg: dict, eval_files: list[str]) -> str:
+def stage_key(cfg: dict, eval_files: list[str], pinned: str | None = None) -> str:
+    """PINNED: the content digest of prompts.eval_sets' files (training/eval_sets.py), when the sets are pinned."""
     pc = cfg["prompts"]
     if not pc.get("more_magpie"):  # no extension: the key of a pool made before the field existed
         pc = {k: v for k, v in pc.items() if k not in ("more_magpie", "more_round")}
-    key = {"prompts": pc, "target": cfg["target"], "seed": cfg["seed"], "eval": eval_files}
+    pc = {k: v for k, v in pc.items() if k != "eval_sets"}  # the path: its files' content is PINNED
+    key = {"prompts": pc, "target": cfg["target"], "seed": cfg["seed"], "eval": eval_files,
+           **({"eval_sets": pinned} if pinned else {})}
     if cfg["prompts"]["magpie"] or cfg["prompts"].get("more_magpie"):  # generated prompts depend on the engine
         key["magpie_engine"] = cfg["responses"]["engine"]
     return fingerprint(key)
@@ -164,7 +168,8 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
     edir = _repo_path(eval_dir or pc["eval_dir"])
     index, eval_files = eval_index(edir, pc["ngram"], pc["overlap_jaccard"])
     out = out_dir(cfg)
-    key = stage_key(cfg, eval_files)
+    pinned = eval_sets.read(cfg)  # (selection, held-out, digest) or None; checked before anything loads
+    key = stage_key(cfg, eval_files, pinned and pinned[2])
     rows = jsonl_prompts(cfg)
     # benchmark overlap is checked on the raw input, before anything is generated or written
     rows = check_overlap(rows, index, pc["overlap_jaccard"], refuse=True)
@@ -186,10 +191,16 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
         rows += check_overlap(magpie, index, pc["overlap_jaccard"], refuse=False)
     kept, dropped = filter_rows(rows, cfg)
     dropped["benchmark_overlap_generated"] = generated - sum(r["source"].startswith("magpie:") for r in rows)
+    if pinned:
+        kept, dropped["eval_sets_overlap"] = eval_sets.drop_near(kept, pinned[0] + pinned[1], cfg)
     bare = kept  # what the filters compare: the text before any template (more_prompts compares against it too)
     kept = apply_templates(kept, pc["templates"], cfg["seed"])
-    train, selection, held = split(kept, pc["heldout"], pc["selection"], cfg["seed"])
+    train, selection, held = (kept, pinned[0], pinned[1]) if pinned else \
+        split(kept, pc["heldout"], pc["selection"], cfg["seed"])
     more, more_info = ([], None) if not pc["more_magpie"] else more_prompts(cfg, model, tokenizer, bare, index)
+    if pinned and more_info:
+        more, more_info["dropped"]["eval_sets_overlap"] = eval_sets.drop_near(more, pinned[0] + pinned[1], cfg)
+        more_info["kept"], more_info["sources"] = len(more), group_counts(more)
     with staged(out) as tmp:
         write_jsonl(tmp / "train.jsonl", train)
         write_jsonl(tmp / "selection.jsonl", selection)
@@ -202,7 +213,8 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
                         "heldout": group_counts(held)},
             "magpie_generated": generated, "magpie_domains": magpie_counts, "dropped": dropped,
             "templated": sum("template" in r for r in kept),
-            "eval_files": eval_files, "eval_dir": str(edir), **({"more": more_info} if more_info else {})})
+            "eval_files": eval_files, "eval_dir": str(edir), **({"more": more_info} if more_info else {}),
+            **({"eval_sets": {"path": pc["eval_sets"], "digest": pinned[2]}} if pinned else {})})
     extra = f" + {len(more)} more (round {pc['more_round']})" if more_info else ""
     print(f"prompts: {len(train)} train + {len(selection)} selection + {len(held)} held-out{extra} -> {out} "
           f"(dropped {dropped})")

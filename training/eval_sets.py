@@ -1,0 +1,84 @@
+"""`prompts.eval_sets`: the selection and held-out prompts pinned from a folder, instead of drawn from the pool.
+
+The prompts stage draws both sets from a pool whose Magpie prompts the target generates; other engine numerics (the
+responses attention, the top-p cut) generate other prompts and so another split (the fourteenth session's pool had
+58,656 training prompts where the fifth session's had 58,691), and two runs' τ on their own sets cannot be compared.
+A folder of `selection.jsonl` and `heldout.jsonl` (rows as the stage writes them: `text`, `source`, and `template`
+where an instruction template wraps the text; `training_gpu.sh back` brings a run's) pins both: every run that names
+it measures on the same prompts, whatever its pool, and no training prompt near-duplicates one of them (its text
+before templates at `prompts.overlap_jaccard` or above, the benchmark filter's threshold, is dropped and counted).
+The folder's content digest is part of the stage's key.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from core.errors import UsageError
+from training.overlap import NgramIndex, gram_frequencies, read_jsonl
+
+FILES = ("selection.jsonl", "heldout.jsonl")
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent  # training.config's, not imported: config validates through here
+
+
+def folder(cfg: dict) -> Path | None:
+    p = cfg["prompts"]["eval_sets"]
+    return None if not p else (Path(p) if Path(p).is_absolute() else REPO_ROOT / p)
+
+
+def check(cfg: dict) -> None:
+    """The folder holds both files, each row with a text and a source, as many as prompts.selection and
+    prompts.heldout ask for (refused before anything loads)."""
+    d = folder(cfg)
+    if d is None:
+        return
+    if not isinstance(cfg["prompts"]["eval_sets"], str):
+        raise UsageError("config prompts.eval_sets must be a folder path (\"\": draw the sets from the pool)")
+    for name, key in zip(FILES, ("selection", "heldout")):
+        f = d / name
+        if not f.is_file():
+            raise UsageError(f"config prompts.eval_sets {cfg['prompts']['eval_sets']}: no {name} there (a run's "
+                             "prompts/selection.jsonl and heldout.jsonl, as training_gpu.sh back brings them)")
+        rows = read_jsonl(f)
+        bad = next((i for i, r in enumerate(rows, 1) if not (isinstance(r, dict) and isinstance(r.get("text"), str)
+                                                            and isinstance(r.get("source"), str))), None)
+        if bad is not None:
+            raise UsageError(f"{f}:{bad}: a row needs a text and a source (as the prompts stage writes them)")
+        if len(rows) != cfg["prompts"][key]:
+            raise UsageError(f"{f} holds {len(rows)} prompts and prompts.{key} asks for {cfg['prompts'][key]}: set "
+                             f"prompts.{key} to {len(rows)}, or leave prompts.eval_sets empty to draw the sets")
+
+
+def read(cfg: dict) -> tuple[list[dict], list[dict], str] | None:
+    """(selection, held-out, content digest), or None when the sets are drawn from the pool."""
+    d = folder(cfg)
+    if d is None:
+        return None
+    check(cfg)
+    digest = hashlib.sha256(b"".join((d / f).read_bytes() for f in FILES)).hexdigest()[:16]
+    return read_jsonl(d / FILES[0]), read_jsonl(d / FILES[1]), digest
+
+
+def bare(row: dict, templates: list[dict]) -> str:
+    """A pinned row's text before its instruction template (what the filters compare)."""
+    t = templates[row["template"]] if isinstance(row.get("template"), int) and row["template"] < len(templates) \
+        else {}
+    text, pre, suf = row["text"], t.get("prefix", ""), t.get("suffix", "")
+    if text.startswith(pre) and text.endswith(suf) and len(text) >= len(pre) + len(suf):
+        return text[len(pre):len(text) - len(suf)]
+    return text
+
+
+def drop_near(rows: list[dict], pinned: list[dict], cfg: dict) -> tuple[list[dict], int]:
+    """ROWS less those whose text before templates has an n-gram Jaccard with a pinned prompt's reaching
+    prompts.overlap_jaccard; and how many were dropped."""
+    pc = cfg["prompts"]
+    texts = [bare(r, pc["templates"]) for r in pinned]
+    grams = gram_frequencies(texts + [bare(r, pc["templates"]) for r in rows], pc["ngram"])
+    index = NgramIndex(pc["ngram"], pc["overlap_jaccard"], grams)
+    for t, r in zip(texts, pinned):
+        index.add(t, r["source"])
+    kept = [r for r in rows if index.best(bare(r, pc["templates"]))[1] < pc["overlap_jaccard"]]
+    return kept, len(rows) - len(kept)
