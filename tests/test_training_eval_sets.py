@@ -65,7 +65,7 @@ def test_without_eval_sets_the_stage_key_is_the_one_from_before_the_field(tmp_pa
 
 @pytest.mark.parametrize("change, says", [
     ("count", "holds 3 prompts and prompts.selection asks for 2: set prompts.selection to 3"),
-    ("missing", "no heldout.jsonl there"),
+    ("missing", "no heldout.jsonl in "),
     ("row", "a row needs a text and a source")])
 def test_a_folder_that_does_not_match_is_refused_at_the_config(tmp_path, change, says):
     pinned = _setup(tmp_path, sel=3 if change == "count" else 2)
@@ -76,3 +76,33 @@ def test_a_folder_that_does_not_match_is_refused_at_the_config(tmp_path, change,
     with pytest.raises(UsageError, match=says):
         load_config(str(tmp_path / "c.json"), workdir=str(tmp_path / "work"))
     assert not (tmp_path / "work").exists()
+
+
+def test_a_pinned_prompt_without_ngrams_or_under_another_template_index_still_leaves_the_training_prompts(tmp_path):
+    """Found by review: a prompt of no Latin words has no n-grams, so only an exact match catches its copy; and a
+    pinned folder written under other template indices is stripped by the configured template that wraps it."""
+    from training import eval_sets
+    _setup(tmp_path)
+    cfg = load_config(str(tmp_path / "c.json"), workdir=str(tmp_path / "work"))
+    pinned = [{"text": "你好 世界", "source": "m:1"}, {"text": "a question number 7 about apples" + SUFFIX,
+                                                      "source": "x:1", "template": 5}]
+    rows = [{"text": "你好  世界", "source": "t:1"}, {"text": "a question number 7 about apples", "source": "t:2"},
+            {"text": "a question number 8 about pears and plums", "source": "t:3"}]
+    kept, n = eval_sets.drop_near(rows, pinned, cfg)
+    assert n == 2 and [r["source"] for r in kept] == ["t:3"]
+
+
+@pytest.mark.parametrize("value", [123, True, ["x"]])
+def test_eval_sets_must_be_a_path(tmp_path, value):
+    _setup(tmp_path)
+    raw = json.loads((tmp_path / "c.json").read_text())
+    raw["prompts"]["eval_sets"] = value
+    (tmp_path / "c.json").write_text(json.dumps(raw))
+    with pytest.raises(UsageError, match="prompts.eval_sets must be a folder path"):
+        load_config(str(tmp_path / "c.json"))
+
+
+def test_preset_prompt_keys_are_the_ones_from_before_eval_sets():
+    """The keys d73925c computed (before prompts.eval_sets existed): a workdir's pool stays up to date."""
+    got = [prompts.stage_key(load_config(n), ["gsm8k.jsonl"]) for n in ("smollm2-gpu", "smollm2-gpu-continue", "tiny-cpu")]
+    assert got == ["881a456551c7e411", "adeaf8fa9057902e", "73e91a73dc37fcec"]

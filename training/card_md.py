@@ -253,7 +253,8 @@ def pool(run: dict) -> tuple | None:
     """What a run's prompts manifest says of its selection and held-out sets: the pinned files' digest
     (prompts.eval_sets), else the pool's counts, drops and sources by split; None where not recorded. Two runs whose
     pools differ here drew different sets: the Magpie prompts are generated, and a change of engine numerics (the
-    responses attention, the top-p cut) generates others."""
+    responses attention, the top-p cut) generates others. A run pinned to the files an unpinned run wrote reads as
+    differing here: the unpinned manifest has no digest of its sets to compare."""
     p = (run["card"]["data"] or {}).get("prompts") or {}
     if p.get("eval_sets"):
         return ("pinned", p["eval_sets"]["digest"])

@@ -25,6 +25,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent  # training.config's, not imp
 
 def folder(cfg: dict) -> Path | None:
     p = cfg["prompts"]["eval_sets"]
+    if not isinstance(p, str):
+        raise UsageError(f"config prompts.eval_sets must be a folder path (\"\": draw the sets from the pool), not {p!r}")
     return None if not p else (Path(p) if Path(p).is_absolute() else REPO_ROOT / p)
 
 
@@ -34,12 +36,10 @@ def check(cfg: dict) -> None:
     d = folder(cfg)
     if d is None:
         return
-    if not isinstance(cfg["prompts"]["eval_sets"], str):
-        raise UsageError("config prompts.eval_sets must be a folder path (\"\": draw the sets from the pool)")
     for name, key in zip(FILES, ("selection", "heldout")):
         f = d / name
         if not f.is_file():
-            raise UsageError(f"config prompts.eval_sets {cfg['prompts']['eval_sets']}: no {name} there (a run's "
+            raise UsageError(f"config prompts.eval_sets: no {name} in {d} (a run's "
                              "prompts/selection.jsonl and heldout.jsonl, as training_gpu.sh back brings them)")
         rows = read_jsonl(f)
         bad = next((i for i, r in enumerate(rows, 1) if not (isinstance(r, dict) and isinstance(r.get("text"), str)
@@ -57,17 +57,21 @@ def read(cfg: dict) -> tuple[list[dict], list[dict], str] | None:
     if d is None:
         return None
     check(cfg)
-    digest = hashlib.sha256(b"".join((d / f).read_bytes() for f in FILES)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(len(b).to_bytes(8, "big") + b for b in ((d / f).read_bytes() for f in FILES)))
+    digest = digest.hexdigest()[:16]
     return read_jsonl(d / FILES[0]), read_jsonl(d / FILES[1]), digest
 
 
 def bare(row: dict, templates: list[dict]) -> str:
-    """A pinned row's text before its instruction template (what the filters compare)."""
-    t = templates[row["template"]] if isinstance(row.get("template"), int) and row["template"] < len(templates) \
-        else {}
-    text, pre, suf = row["text"], t.get("prefix", ""), t.get("suffix", "")
-    if text.startswith(pre) and text.endswith(suf) and len(text) >= len(pre) + len(suf):
-        return text[len(pre):len(text) - len(suf)]
+    """A row's text before its instruction template (what the filters compare): the template its index names, else
+    the first configured one whose prefix and suffix wrap the text (a pinned folder written under other indices)."""
+    i = row.get("template")
+    named = [templates[i]] if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(templates) else []
+    text = row["text"]
+    for t in named + [t for t in templates if t.get("prefix") or t.get("suffix")]:
+        pre, suf = t.get("prefix", ""), t.get("suffix", "")
+        if text.startswith(pre) and text.endswith(suf) and len(text) >= len(pre) + len(suf):
+            return text[len(pre):len(text) - len(suf)]
     return text
 
 
@@ -80,5 +84,7 @@ def drop_near(rows: list[dict], pinned: list[dict], cfg: dict) -> tuple[list[dic
     index = NgramIndex(pc["ngram"], pc["overlap_jaccard"], grams)
     for t, r in zip(texts, pinned):
         index.add(t, r["source"])
-    kept = [r for r in rows if index.best(bare(r, pc["templates"]))[1] < pc["overlap_jaccard"]]
+    exact = {" ".join(t.split()) for t in texts}  # a text without n-grams (no Latin words) matches nothing above
+    kept = [r for r in rows if index.best(b := bare(r, pc["templates"]))[1] < pc["overlap_jaccard"]
+            and " ".join(b.split()) not in exact]
     return kept, len(rows) - len(kept)

@@ -193,6 +193,9 @@ def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) 
     dropped["benchmark_overlap_generated"] = generated - sum(r["source"].startswith("magpie:") for r in rows)
     if pinned:
         kept, dropped["eval_sets_overlap"] = eval_sets.drop_near(kept, pinned[0] + pinned[1], cfg)
+        if not kept:
+            raise UsageError("prompts: no training prompt is left after the filters and prompts.eval_sets' overlap "
+                             "filter; add prompts (prompts.jsonl, prompts.magpie)")
     bare = kept  # what the filters compare: the text before any template (more_prompts compares against it too)
     kept = apply_templates(kept, pc["templates"], cfg["seed"])
     train, selection, held = (kept, pinned[0], pinned[1]) if pinned else \
