@@ -1,7 +1,6 @@
 """training/README.md names the export folders training/export.py really writes: one per model of the config
 (export.py writes export/<model>/ for every entry of `models`). It once named only export/markov_gated while the
 main README named markov_vanilla; smollm2-gpu exports both, tiny-cpu a `markov`, toy none."""
-import json
 import re
 from pathlib import Path
 
@@ -10,7 +9,9 @@ README = " ".join((ROOT / "training" / "README.md").read_text().split())
 
 
 def models(config: str) -> list[str]:
-    return list(json.loads((ROOT / "training" / "configs" / f"{config}.json").read_text())["models"])
+    """The config's models, its `extends` chain resolved (smollm2-gpu-gsm8k names none of its own)."""
+    from training.config import load_config
+    return list(load_config(config)["models"])
 
 
 def test_the_readme_lists_each_configs_export_folders():
