@@ -243,9 +243,10 @@ def render_lineage(rec: dict) -> str:
                   "training table's \"from step\" says which), whose models did not replace them: "
                   + ", ".join(f"`{r['name']}`" for r in rec["tried"]) + ". They are outside the count and the totals "
                   "above; each is listed as it trained its models.", ""]
-        pools = [pool(r) for r in runs if pool(r)]
+        shipped_pool = next((p for p in map(pool, reversed(runs)) if p), None)  # the last run that recorded one
         for r in rec["tried"]:
-            lines += run_section(r, tried=True, same_pool=None if not pools or not pool(r) else pool(r) == pools[-1])
+            mine = pool(r)
+            lines += run_section(r, tried=True, same_pool=None if not shipped_pool or not mine else mine == shipped_pool)
     return "\n".join(lines).rstrip() + "\n"
 
 

@@ -13,10 +13,9 @@ from pathlib import Path
 
 from core.errors import UsageError
 from training import config_numbers, grow
-from training.store import export_digest
+from training.store import REPO_ROOT, export_digest, repo_path  # noqa: F401  (repo_path: evaluate and ship take it from here)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MODEL_TYPES = ("dflash", "xpress", "dspark")
 MARKOV_TYPES = ("vanilla", "gated", "rnn")
 SECTIONS = ("prompts", "responses", "hidden", "train", "export")
@@ -78,10 +77,13 @@ MODEL_DEFAULTS = {
 }
 
 
+NAME_MAPS = ("models", "sampled_by_group")  # sections keyed by names (any key; a child config replaces them whole)
+
+
 def _merge(base: dict, over: dict, where: str) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if k not in base and where not in ("models", "sampled_by_group"):  # maps whose keys are names
+        if k not in base and where not in NAME_MAPS:
             raise UsageError(f"config: unknown field {where + '.' if where else ''}{k}; known: {', '.join(base)}")
         out[k] = _merge(base[k], v, k) if isinstance(base.get(k), dict) and isinstance(v, dict) and k != "models" \
             else copy.deepcopy(v)
@@ -160,7 +162,7 @@ def read_raw(path: Path, seen: tuple = ()) -> dict:
 def _overlay(base: dict, over: dict) -> dict:
     out = dict(base)
     for k, v in over.items():
-        if k not in ("models", "sampled_by_group") and isinstance(v, dict) and isinstance(out.get(k), dict):
+        if k not in NAME_MAPS and isinstance(v, dict) and isinstance(out.get(k), dict):
             out[k] = _overlay(out[k], v)
         else:
             out[k] = v
@@ -295,12 +297,6 @@ def validate_steps(cfg: dict) -> None:
         raise UsageError(f"config train.warm_start {ws}: not an export folder (no manifest.json); give the export "
                          "stage's output, e.g. runs/<config>/export")
     grow.check_warm(cfg)
-
-
-def repo_path(p: str) -> Path:
-    """A config path: absolute as given, else relative to the repository."""
-    path = Path(p)
-    return path if path.is_absolute() else REPO_ROOT / path
 
 
 def validate_acceptance(cfg: dict) -> None:

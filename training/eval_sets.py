@@ -16,26 +16,25 @@ from pathlib import Path
 
 from core.errors import UsageError
 from training.overlap import NgramIndex, gram_frequencies, read_jsonl
+from training.store import repo_path
 
 FILES = ("selection.jsonl", "heldout.jsonl")
-
-
-REPO_ROOT = Path(__file__).resolve().parent.parent  # training.config's, not imported: config validates through here
 
 
 def folder(cfg: dict) -> Path | None:
     p = cfg["prompts"]["eval_sets"]
     if not isinstance(p, str):
         raise UsageError(f"config prompts.eval_sets must be a folder path (\"\": draw the sets from the pool), not {p!r}")
-    return None if not p else (Path(p) if Path(p).is_absolute() else REPO_ROOT / p)
+    return repo_path(p) if p else None
 
 
-def check(cfg: dict) -> None:
+def check(cfg: dict) -> list[list[dict]] | None:
     """The folder holds both files, each row with a text and a source, as many as prompts.selection and
-    prompts.heldout ask for (refused before anything loads)."""
+    prompts.heldout ask for (refused before anything loads); their rows, or None when the sets are drawn."""
     d = folder(cfg)
     if d is None:
-        return
+        return None
+    sets = []
     for name, key in zip(FILES, ("selection", "heldout")):
         f = d / name
         if not f.is_file():
@@ -49,17 +48,18 @@ def check(cfg: dict) -> None:
         if len(rows) != cfg["prompts"][key]:
             raise UsageError(f"{f} holds {len(rows)} prompts and prompts.{key} asks for {cfg['prompts'][key]}: set "
                              f"prompts.{key} to {len(rows)}, or leave prompts.eval_sets empty to draw the sets")
+        sets.append(rows)
+    return sets
 
 
 def read(cfg: dict) -> tuple[list[dict], list[dict], str] | None:
     """(selection, held-out, content digest), or None when the sets are drawn from the pool."""
-    d = folder(cfg)
-    if d is None:
+    sets = check(cfg)
+    if sets is None:
         return None
-    check(cfg)
-    digest = hashlib.sha256(b"".join(len(b).to_bytes(8, "big") + b for b in ((d / f).read_bytes() for f in FILES)))
-    digest = digest.hexdigest()[:16]
-    return read_jsonl(d / FILES[0]), read_jsonl(d / FILES[1]), digest
+    digest = hashlib.sha256(b"".join(len(b).to_bytes(8, "big") + b for b in ((folder(cfg) / f).read_bytes()
+                                                                            for f in FILES)))
+    return sets[0], sets[1], digest.hexdigest()[:16]
 
 
 def bare(row: dict, templates: list[dict]) -> str:

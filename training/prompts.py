@@ -14,7 +14,7 @@ from pathlib import Path
 
 from core.errors import UsageError
 from training import eval_sets
-from training.config import REPO_ROOT, fingerprint
+from training.config import fingerprint, repo_path
 from training.domains import apply_templates, group_counts, magpie_plan, split
 from training.overlap import NgramIndex, eval_index, gram_frequencies, prompt_texts, read_jsonl
 from training.store import is_done, staged, write_json, write_jsonl
@@ -39,15 +39,10 @@ def stage_key(cfg: dict, eval_files: list[str], pinned: str | None = None) -> st
     return fingerprint(key)
 
 
-def _repo_path(p: str) -> Path:
-    path = Path(p)
-    return path if path.is_absolute() else REPO_ROOT / path
-
-
 def jsonl_prompts(cfg: dict) -> list[dict]:
     pc, rows = cfg["prompts"], []
     for name in pc["jsonl"]:
-        path = _repo_path(name)
+        path = repo_path(name)
         if not path.is_file():
             raise UsageError(f"config prompts.jsonl: {name}: no such file")
         got = 0
@@ -165,7 +160,7 @@ def filter_rows(rows: list[dict], cfg: dict, pool: list[dict] = ()) -> tuple[lis
 
 def run(cfg: dict, eval_dir: str | None = None, force: bool = False, load=None) -> Path:
     pc = cfg["prompts"]
-    edir = _repo_path(eval_dir or pc["eval_dir"])
+    edir = repo_path(eval_dir or pc["eval_dir"])
     index, eval_files = eval_index(edir, pc["ngram"], pc["overlap_jaccard"])
     out = out_dir(cfg)
     pinned = eval_sets.read(cfg)  # (selection, held-out, digest) or None; checked before anything loads

@@ -11,6 +11,14 @@ from pathlib import Path
 
 import numpy as np
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_path(p: str) -> Path:
+    """A config path: absolute as given, else relative to the repository."""
+    path = Path(p)
+    return path if path.is_absolute() else REPO_ROOT / path
+
 MANIFEST = "manifest.json"
 
 
