@@ -293,3 +293,30 @@ def test_stash_and_mark_record_the_commit_that_a_device_copy_reports_and_restore
     run("restore", str(tmp_path / "s"))
     assert not (repo / ".xb_commit").exists() and (repo / "weights" / "f").exists()
     assert results_io.environment(repo=tmp_path / "bare")["git_sha"] is None  # neither git nor the file
+
+
+def test_pack_brings_the_data_stages_over_calls_and_they_unpack_whole(tmp_path):
+    """`pack` (after the job): the prompts and responses stages as travel pieces, moved into $OUT while one call's
+    limits allow (here 2 files), the remainder by `rest`; the pieces of all calls unpack to the same files (a
+    later session's `data`). Before the job has ended it refuses, writing nothing."""
+    import os
+    from tests.test_training_travel import files_of, make_work
+    from training import travel
+    script = ROOT / "harness" / "lab" / "training_gpu.sh"
+    w = make_work(tmp_path, big=4_000_000)  # 4 MB of hex, about 2.2 MB gzip'd: two pieces of PACK_MIB
+    outs = [tmp_path / f"out{i}" for i in range(3)]
+    for o in outs:
+        o.mkdir()
+    env = {**os.environ, "XRUN": str(w), "MAX_BACK": "2", "PACK_MIB": "2"}
+    r = subprocess.run(["bash", str(script), "pack"], env={**env, "OUT": str(outs[0])}, capture_output=True, text=True)
+    assert r.returncode == 3 and "has not ended" in r.stderr and not any(outs[0].iterdir())
+    (tmp_path / "W.done").write_text("rc=0\n")
+    first = subprocess.run(["bash", str(script), "pack"], env={**env, "OUT": str(outs[0])}, check=True,
+                           capture_output=True, text=True).stdout
+    assert len(list(outs[0].iterdir())) == 2 and "left on the machine: 1 file(s)" in first
+    subprocess.run(["bash", str(script), "rest"], env={**env, "OUT": str(outs[1])}, check=True, capture_output=True)
+    for p in (p for o in outs for p in o.iterdir()):
+        p.rename(outs[2] / p.name)
+    assert sorted(p.name for p in outs[2].iterdir()) == ["stages.json", "stages.part000", "stages.part001"]
+    assert travel.main(["unpack", str(outs[2]), "--workdir", str(tmp_path / "W2")]) == 0
+    assert files_of(tmp_path / "W2") == {k: v for k, v in files_of(w).items() if not k.endswith(".tmp")}

@@ -21,6 +21,11 @@
 #                                                              # 15 MB, as many as one call brings back (8 files,
 #                                                              # 64 MiB together); it says what is left
 #            bash harness/lab/training_gpu.sh rest             # the parts back left, in the next call
+#            bash harness/lab/training_gpu.sh pack             # after back: the job's prompts and responses stages
+#                                                              # as travel pieces (of 15 MiB, four a call; about 8 for 120k
+#                                                              # sequences), brought back by this call and `rest`
+#                                                              # calls, for a later session's `data` (kept outside
+#                                                              # the repository: data are never committed)
 #            bash harness/lab/training_gpu.sh tables DS:T...   # after the job: ship its export (training.ship) to
 #                                                              # /tmp/w/smollm2-135m and start those table cells
 #                                                              # (smollm2_gpu.sh tables; TABLE_ARGS, K_LIST pass on)
@@ -183,6 +188,14 @@ case "${1:-}" in
     fi
     if (( $# )); then tar cf - export/manifest.json "${@/#/export/}" | split -b 15000000 - "$BACK/$1.tar.part."; fi
     if [[ -f $XB_CACHE ]]; then split -b 15000000 "$XB_CACHE" "$BACK/compile_cache.part."; fi
+    send_back
+    ;;
+  pack)
+    : "${OUT:?pack runs on the device machine, where \$OUT is set}"
+    [[ -f $XRUN.done ]] || { echo "error: the training job has not ended ($XRUN.done is missing); poll first" >&2; exit 3; }
+    mkdir -p "$BACK"
+    PYTHONPATH=/tmp/site:. python3 -m training.travel pack --workdir "$XRUN" --out "$BACK" --stages prompts,responses \
+        --max-mib "${PACK_MIB:-15}" --name stages  # 15 MiB: four pieces and the index a call
     send_back
     ;;
   rest)  # what `back` left on the machine (over the 8 files or 64 MiB that one call brings back)
