@@ -184,7 +184,7 @@ def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(tmp_path, capsys):
     ("train.rows_in_memory=1", "train.rows_in_memory must be true or false"),
     ("train.profile_steps=-1", "train.profile_steps must be an integer >= 0"),
     ("train.compile_target=all", "train.compile_target 'all': use one of auto, layers, none"),
-    ("train.warm_mode=restart", "train.warm_mode 'restart': use resume"),
+    ("train.warm_mode=rewind", "train.warm_mode 'rewind': use resume"),
     ("train.target_groups=0", "train.target_groups must be an integer in 1..64"),
     ("train.target_groups=65", "train.target_groups must be an integer in 1..64"),
     ("train.profile_start=0", "train.profile_start must be an integer >= 1"),

@@ -126,3 +126,18 @@ def test_the_gsm8k_preset_is_round2_over_the_pool_with_six_sampled_answers_to_ea
     assert {k: v for k, v in g["responses"].items() if v != r2["responses"][k]} == \
         {"first_part": 0, "sampled_by_group": {"gsm8k_train_questions.jsonl": 6}}
     assert g["responses"]["sampled"] == 1 and list(g["models"]) == ["drafter"]
+
+
+def test_the_gsm8k2_preset_is_gsm8k_with_more_gsm8k_answers_pinned_sets_and_a_restarted_schedule():
+    """smollm2-gpu-gsm8k2 (the next run, results/perf/NOTES.md, the fifteenth session): the gsm8k run raised gsm8k τ
+    1.055x with its LR on its first run's decay tail (under 4.5e-5 of 6e-4 from its 400th step), so the next one
+    answers each GSM8K question 15 times sampled (the Magpie prompts greedily only), restarts the schedule at the warm
+    step with half the first run's peak LR, and pins its selection and held-out sets to the gsm8k run's."""
+    g, g2 = load_config("smollm2-gpu-gsm8k"), load_config("smollm2-gpu-gsm8k2")
+    assert {k for k in g if g[k] != g2[k]} == {"name", "workdir", "prompts", "responses", "train"}
+    assert {k: v for k, v in g2["prompts"].items() if v != g["prompts"][k]} == \
+        {"eval_sets": "training/data/smollm2_eval_sets"}
+    assert {k: v for k, v in g2["train"].items() if v != g["train"][k]} == {"warm_mode": "restart", "lr": 3e-4}
+    assert g2["responses"]["sampled_by_group"] == {"gsm8k_train_questions.jsonl": 15, "magpie:chat": 0,
+                                                   "magpie:code": 0, "magpie:math": 0}
+    assert g["train"]["lr"] == 6e-4 and list(g2["models"]) == ["drafter"]

@@ -44,7 +44,8 @@ DEFAULTS = {
               "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
               "num_workers": 0, "stop_after_step": 0, "cut_at_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
               "eval_k": [1], "val_batches": 16, "eval_max_seconds": 60, "eval_share": 0.05, "log_every": 1,
-              # warm_mode: resume (the same run continued) | extend (fresh data, its epochs after the warm step; warm.py)
+              # warm_mode: resume (the same run continued) | extend (fresh data, its epochs after the warm step) |
+              # restart (extend, the LR schedule begun anew there; warm.py)
               "warm_start": None, "warm_mode": "resume", "fit_box": False, "fit_probe_steps": 50, "fit_reserve": 0.1,
               # loss_impl auto: speculators' fused Triton losses on CUDA, its eager ones elsewhere; rows_in_memory: the
               # loaders read the dataset from memory (training/rows.py); profile_steps: torch.profiler over that
@@ -227,7 +228,7 @@ def validate(cfg: dict) -> None:
 HIDDEN_MODES = ("online", "offline")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 LOSS_IMPLS = ("auto", "fused", "eager")
-WARM_MODES = ("resume", "extend")  # train.warm_mode (training/warm.py)
+WARM_MODES = ("resume", "extend", "restart")  # train.warm_mode (training/warm.py)
 TARGET_COMPILE = ("auto", "layers", "none")  # train.compile_target (training/online.py compile_layers)
 
 
@@ -291,8 +292,9 @@ def validate_steps(cfg: dict) -> None:
     validate_acceptance(cfg)
     ws = t["warm_start"]
     if t["warm_mode"] not in WARM_MODES:
-        raise UsageError(f"config train.warm_mode {t['warm_mode']!r}: use resume (the same run continued) or extend "
-                         "(fresh data: its epochs after the warm step, the schedule extended by them)")
+        raise UsageError(f"config train.warm_mode {t['warm_mode']!r}: use resume (the same run continued), extend "
+                         "(fresh data: its epochs after the warm step, the schedule extended by them) or restart "
+                         "(extend with the LR schedule begun anew at the warm step)")
     if ws is not None and not (Path(ws) / "manifest.json").is_file():
         raise UsageError(f"config train.warm_start {ws}: not an export folder (no manifest.json); give the export "
                          "stage's output, e.g. runs/<config>/export")

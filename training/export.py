@@ -92,7 +92,7 @@ def cotrain_pt(d: Path, drafter_dir: Path | None, out: Path) -> None:
 def train_state(cfg: dict, name: str) -> dict:
     m = json.loads((model_dir(cfg, name) / "manifest.json").read_text())
     return {"global_step": m["global_step"], "planned_steps": m["planned_steps"], "truncated": m["truncated"],
-            "key": m["key"], "data_start": m.get("data_start", 0)}
+            "key": m["key"], "data_start": m.get("data_start", 0), "schedule_start": m.get("schedule_start", 0)}
 
 
 def run(cfg: dict, num_target_layers: int) -> Path:

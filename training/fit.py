@@ -29,13 +29,33 @@ from core.errors import UsageError
 _KEYS = ("num_warmup_steps", "num_training_steps")
 
 
-def check_schedulers(schedulers) -> None:
+def check_schedulers(schedulers, setting: str = "train.fit_box false") -> None:
     """speculators 0.9.0 builds transformers' warmup schedules: LambdaLR over a partial of (warmup, total)."""
     for s in schedulers:
         for f in getattr(s, "lr_lambdas", [None]):
-            if not isinstance(f, functools.partial) or not all(k in f.keywords for k in _KEYS):
-                raise UsageError("train.fit_box: this speculators/transformers version's LR schedule is not a "
-                                 "partial over (num_warmup_steps, num_training_steps); set train.fit_box false")
+            if not isinstance(f, functools.partial) or f.args or not all(k in f.keywords for k in _KEYS):
+                raise UsageError("this speculators/transformers version's LR schedule is not a partial over "
+                                 f"(num_warmup_steps, num_training_steps); set {setting}")
+
+
+def shifted(step: int, *, inner, schedule_start: int, **keywords) -> float:
+    """A schedule begun at global step `schedule_start` (train.warm_mode=restart): `inner` at the steps since."""
+    return inner(max(step - schedule_start, 0), **keywords)
+
+
+def start_of(schedulers) -> int:
+    """The global step the schedules began at (0 unless restarted)."""
+    return int(schedulers[0].lr_lambdas[0].keywords.get("schedule_start", 0))
+
+
+def restart(schedulers, start: int, total: int, warmup_ratio: float) -> int:
+    """Every schedule begun anew at global step `start` (train.warm_mode=restart): its warmup (its ratio of the steps
+    from `start` to `total`, rounded down as speculators 0.9.0 rounds a run's) and its decay over those steps, to 0
+    at `total`, as a run from scratch over them; returns the warmup steps."""
+    for s in schedulers:
+        s.lr_lambdas = [functools.partial(shifted, inner=f.func, schedule_start=start, **f.keywords)
+                        for f in s.lr_lambdas]
+    return replan(schedulers, total, warmup_ratio, int(warmup_ratio * (total - start)))
 
 
 def fitted_total(step: int, rate: float, left_s: float, reserve: float, planned: int) -> int:
@@ -43,14 +63,16 @@ def fitted_total(step: int, rate: float, left_s: float, reserve: float, planned:
     return max(step + 1, min(planned, step + math.floor(rate * left_s * (1.0 - reserve))))
 
 
-def warmup_of(schedulers) -> int:
-    """The warmup steps the schedules are planned with now."""
-    return int(schedulers[0].lr_lambdas[0].keywords["num_warmup_steps"])
+def warmup_done(schedulers, step: int) -> int | None:
+    """The warmup steps the schedules are planned with, once global step `step` is past them; else None."""
+    warm = int(schedulers[0].lr_lambdas[0].keywords["num_warmup_steps"])
+    return warm if step >= start_of(schedulers) + warm else None
 
 
 def replan(schedulers, total: int, warmup_ratio: float, warmup: int | None = None) -> int:
-    """Every schedule's warmup and decay re-planned over `total` steps (the warmup `warmup` steps where given, else
-    its ratio of them); returns the warmup steps."""
+    """Every schedule's warmup and decay re-planned to end at global step `total` (the warmup `warmup` steps where
+    given, else its ratio of the steps from the schedule's start); returns the warmup steps."""
+    total -= start_of(schedulers)
     warm = math.ceil(warmup_ratio * total) if warmup is None else warmup
     for s in schedulers:
         s.lr_lambdas = [functools.partial(f.func, *f.args, **{**f.keywords, "num_warmup_steps": warm,

@@ -204,10 +204,10 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
         print(f"train {name}: speculators' {impl} losses (train.loss_impl={tc['loss_impl']})")
     steps_per_epoch = len(train_loader)
     epochs = m["epochs"] or tc["epochs"]
-    extend = tc["warm_mode"] == "extend" and warm_step > 0
-    # the step where this data's epoch 0 began: extend, the warm step; resume, the warmed run's own (0 unless it was
-    # an extend run itself), so that a cut run continues where it was in its data and schedule
-    data_start = warm_step if extend else (warm.data_start(src) if src is not None else 0)
+    extend = tc["warm_mode"] != "resume" and warm_step > 0
+    # the steps where this data's epoch 0 and the LR schedule began: extend, the warm step (data); restart, both;
+    # resume, the warmed run's own, so that a cut run continues where it was in its data and schedule
+    data_start, schedule_start = warm.starts(tc["warm_mode"], warm_step, src)
     total = m["max_steps"] or data_start + epochs * steps_per_epoch
     if warm_step >= total:
         raise UsageError(f"train.warm_start: {src} is at step {warm_step}, the end of this run's {total} steps; "
@@ -229,7 +229,8 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               cut_at_step=tc["cut_at_step"],
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
-                              warm_step=warm_step, data_start=data_start, fit=fit_plan(tc, total),
+                              warm_step=warm_step, data_start=data_start, schedule_start=schedule_start,
+                              fit=fit_plan(tc, total),
                               profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl, trainer.anchor_bias = mode, impl, bias
     trainer.grown_from = getattr(model, "grown_from", None)
@@ -238,7 +239,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
               f"{trainer.grown_from['intermediate_size'] or 'unchanged'} (training/grow.py)")
     if trainer.warm_started:
         print(f"train {name}: warm start from {src} at step {warm_step} of {total} (fresh optimizer"
-              + (f"; {epochs} epochs of this data after it, train.warm_mode=extend)" if extend else ")"))
+              + (f"; {epochs} epochs of this data after it, train.warm_mode={tc['warm_mode']})" if extend else ")"))
     return trainer, total, out
 
 
@@ -319,6 +320,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
                                            "global_step": trainer.global_step,
                                            "planned_steps": trainer.planned_steps or total,
                                            "data_start": trainer.data_start,
+                                           "schedule_start": trainer.schedule_start,
                                            "grown_from": trainer.grown_from,
                                            "truncated": trainer.deadline_hit, "evals": trainer.evals,
                                            "fit": trainer.fit_record})

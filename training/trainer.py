@@ -84,12 +84,13 @@ class PipelineTrainer(Trainer):
                  eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
                  max_seconds: float = 0.0, box=None, eval_max_seconds: float = 0.0, eval_share: float = 1.0,
                  warm_step: int = 0, fit: dict | None = None, profile=None, cut_at_step: int = 0,
-                 data_start: int = 0):
+                 data_start: int = 0, schedule_start: int = 0):
         from training.box import Box
         self._device, self._seed = device, seed
         self.box = box or Box(device)
         self._eval_cap, self._eval_share, self._warm_step = eval_max_seconds, eval_share, warm_step
         self.data_start = data_start  # the global step where this data's epoch 0 began (train.warm_mode)
+        self.schedule_start = schedule_start  # the global step the LR schedule began at (train.warm_mode=restart)
         self.warm_started = False
         model.register_forward_pre_hook(self._count, with_kwargs=True)
         self._deadline = time.monotonic() + max_seconds if max_seconds else None
@@ -122,9 +123,13 @@ class PipelineTrainer(Trainer):
 
     def setup_optimizer(self):
         super().setup_optimizer()
+        from training.fit import check_schedulers, restart
         if self._fit:
-            from training.fit import check_schedulers
             check_schedulers(self.schedulers)
+        if self.schedule_start:  # warmup and decay anew from there to the run's end, which fit_box may move
+            check_schedulers(self.schedulers, "train.warm_mode extend")
+            restart(self.schedulers, self.schedule_start, self.config.scheduler_total_steps,
+                    self.config.scheduler_warmup_ratio)
         if self.warm_started:  # the schedule at the warm step (LambdaLR: lr = base * lambda(last_epoch))
             for sched in self.schedulers:
                 sched.last_epoch = self._warm_step - 1
@@ -180,7 +185,7 @@ class PipelineTrainer(Trainer):
         """training/fit.py: the pass after the fit's probes its rate again, over as many steps after its first; where
         the box now holds more of the plan (a faster pass: the online target's cache serves the epochs after the
         first), the plan is fitted again, longer (never shorter: the deadline still stops a slower run)."""
-        from training.fit import replan, warmup_of
+        from training.fit import replan, warmup_done
         f, got = self._fit, self._probed(self._refit)
         if got is None:
             return
@@ -189,8 +194,7 @@ class PipelineTrainer(Trainer):
         before = self.fit_record["fitted_steps"]
         warm = None
         if total > before:  # a warmup already over keeps its length (its ratio of more steps would restart it)
-            now = warmup_of(self.schedulers)
-            warm = replan(self.schedulers, total, f["warmup_ratio"], now if self.global_step >= now else None)
+            warm = replan(self.schedulers, total, f["warmup_ratio"], warmup_done(self.schedulers, self.global_step))
             self.fit_record["fitted_steps"] = total
         self.fit_record["refit"] = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
                                     "box_left_s": round(left, 1), "before": before,

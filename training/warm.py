@@ -14,7 +14,12 @@ its epochs times the steps an epoch, counted from step 0, and it starts where th
 is for a model continued on fresh data: its epochs run from the data's start, after the warm step, so the total is
 the warm step plus the epochs' steps, and the LR continues at the warm step of that longer schedule (a cosine's
 remaining decay stretched over the new epochs; its warmup, a share of the longer total, is normally long past).
-With `resume`, a warm step at or past the total is refused at the train stage (nothing left to train). Every
+`restart` is `extend` with the LR schedule begun anew at the warm step: its warmup (its ratio of this run's steps)
+from 0 to the configured LR, then its decay to 0 at the run's end, as a run from scratch over these steps would have;
+an `extend` run's LR is the tail of the first run's decay, which a box fitted shorter than planned takes to nearly 0
+(the gsm8k run of 2026-12-05 began at 2.2e-4 of 6e-4 and was under 4.5e-5 from its 400th step on). The step the
+schedule began at is recorded (`schedule_start`) beside `data_start`, so a restart run cut short resumes on its own
+schedule. With `resume`, a warm step at or past the total is refused at the train stage (nothing left to train). Every
 manifest and export records `data_start`, the step where its data's epoch 0 began (the warm step of an extend run,
 else 0), so an extend run cut short continues with `resume` where it was in its data and schedule.
 """
@@ -52,9 +57,13 @@ def train_state(d: Path) -> dict:
     return json.loads(f.read_text())
 
 
-def data_start(d: Path) -> int:
-    """The step where the warmed run's data began (0 in exports from before data_start was recorded)."""
-    return int(train_state(d).get("data_start", 0))
+def starts(mode: str, warm_step: int, d: Path | None) -> tuple[int, int]:
+    """The global steps where this run's data and its LR schedule begin: the warm step (extend: data; restart: both),
+    or, resumed, where the warmed run's began (0 in exports from before they were recorded)."""
+    if warm_step > 0 and mode != "resume":
+        return warm_step, warm_step if mode == "restart" else 0
+    state = train_state(d) if d is not None else {}
+    return int(state.get("data_start", 0)), int(state.get("schedule_start", 0))
 
 
 def load(model, d: Path, name: str) -> int:
