@@ -210,6 +210,26 @@ def test_bench_taps_reports_eager_and_compiled(tmp_path, capsys):
     assert main(["--config-json", str(tmp_path / "t"), "--batches", "0"]) == 2
 
 
+def test_bench_taps_sdpa_limits_the_target_to_one_backend(tmp_path):
+    """--sdpa NAME runs the target's attention under that SDPA backend alone (a CPU has no cuDNN attention: an SDPA
+    call under it fails, under math it runs), and the record says which."""
+    import torch.nn.functional as F
+    from tiny import save_tiny_checkpoint
+    from training.bench_taps import main, sdpa_context
+    q = torch.randn(1, 2, 8, 16)
+    with sdpa_context("cudnn"), pytest.raises(RuntimeError):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    with sdpa_context("math"):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    save_tiny_checkpoint(tmp_path / "t", family="llama")
+    out = tmp_path / "b.json"
+    assert main(["--config-json", str(tmp_path / "t"), "--device", "cpu", "--dtype", "float32", "--total-seq-len",
+                 "128", "--batches", "1", "--warmup", "1", "--backend", "aot_eager", "--sdpa", "math",
+                 "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["sdpa"] == "math"
+    torch._dynamo.reset()
+
+
 def test_profile_summary_counts_each_kernel_once():
     """On CUDA, key_averages holds host ops (their own device time: the kernels they launched) and the kernels
     themselves: the busy time sums the kernels alone, `top` lists host ops, `top_kernels` kernels, and the xb.*

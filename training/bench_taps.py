@@ -59,7 +59,25 @@ def timed(taps, batches, device) -> tuple[list[float], list[torch.Tensor]]:
     return ms, outs
 
 
+SDPA = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
+
+
+def sdpa_context(name: str):
+    """--sdpa: the target's attention kernels limited to one SDPA backend (auto: torch's own choice, which on an
+    H100 with torch 2.11 was cuDNN's, about 0.3 ms of host time a call in the gsm8k run's profile)."""
+    import contextlib
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(getattr(SDPBackend, SDPA[name]))
+
+
 def run(args) -> dict:
+    with sdpa_context(args.sdpa):
+        return _run(args)
+
+
+def _run(args) -> dict:
     from training.online import OnlineTaps, compile_layers
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     target = build(args.config_json, device, dtype, args.seed)
@@ -71,7 +89,7 @@ def run(args) -> dict:
     taps = OnlineTaps(target, layers, dtype, dtype)
     taps.groups = args.groups
     rec = {"config": args.config_json, "weights": "random", "device": str(device), "dtype": args.dtype,
-           "backend": args.backend, "target_groups": args.groups,
+           "backend": args.backend, "sdpa": args.sdpa, "target_groups": args.groups,
            "total_seq_len": args.total_seq_len, "rows_timed": args.batches, "warmup_rows": args.warmup,
            "real_tokens_per_row": round(real, 1), "target_positions_per_row": round(padded, 1)}
     ms_eager, eager = timed(taps, batches, device)
@@ -103,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, default=1,
                    help="train.target_groups: the padded batches a packed row is run as (1: one)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (the tests use aot_eager)")
+    p.add_argument("--sdpa", default="auto", choices=("auto", *SDPA),
+                   help="the SDPA backend the target's attention may use (auto: torch's choice)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
