@@ -192,12 +192,13 @@ def test_greedy_tokens_same_on_both_ops(drafter, graph):
 @pytest.mark.skipif(not kernels.pdl_supported(DEV), reason="programmatic dependent launch needs a Hopper GPU")
 def test_programmatic_dependent_launch_changes_no_bit():
     """PDL only lets a launch start early and wait on the device: bf16 verify logits and the greedy tokens of
-    whole-step graphs with the xPress and Markov refiners are bit-identical with it off and on."""
+    whole-step graphs with the xPress and Markov refiners, and of AR (one-row launches: Launch.one_row_pdl), are
+    bit-identical with it off and on."""
     from tiny import VOCAB
     b = Backend(DEV, torch.bfloat16)
     runs = []
     for pdl in (False, True):
-        ops = triton_ops(DEV, kernels.Launch(pdl=pdl))
+        ops = triton_ops(DEV, kernels.Launch(pdl=pdl, one_row_pdl=pdl))
         t = tiny_target("qwen3", backend=b, capacity=96)
         t.fuse_projections()
         t.use_ops(ops)
@@ -208,7 +209,8 @@ def test_programmatic_dependent_launch_changes_no_bit():
                 MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 16, seed=2, std=0.3).to(DEV, b.dtype),
                               ops=ops)]
         s = DecodeSettings(40, 512, (), use_graph=True, graph_bucket=32)
-        runs.append((logits, [generate(t, list(range(10, 30)), s, b, drafter=d, refiner=r).tokens for r in refs]))
+        runs.append((logits, [generate(t, list(range(10, 30)), s, b, drafter=d, refiner=r).tokens for r in refs]
+                     + [generate(t, list(range(10, 30)), s, b).tokens]))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
 
 

@@ -8,7 +8,7 @@ inputs).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -51,12 +51,15 @@ class Launch:
     (1..MAX_ROWS); the default kernels (matmul, attention) are untouched by it. wide_rows (opt-in, unmeasured):
     core.ops.TritonOps runs linear and rms_norm calls of more than MAX_ROWS rows (a batched verify or draft from
     B x W = 128) on the kernels, the matmul as launches over row tiles of MAX_ROWS (core.kernels.matmul
-    .wide_linear, WIDE_ROWS at most), instead of the torch ops. The settings the measurements settled (results/perf/NOTES.md) are constants, not
-    levers."""
+    .wide_linear, WIDE_ROWS at most), instead of the torch ops. one_row_pdl: PDL for launches of one row too
+    (None or False: several rows only); core.ops.make_ops sets it for a launch-bound target (core.ops.triton_impl
+    .launch_bound). It changes no bit, as PDL never does. The settings the measurements settled
+    (results/perf/NOTES.md) are constants, not levers."""
     pdl: bool | None = False
     attention_splits: int | None = None
     batch_invariant: bool = False
     wide_rows: bool = False
+    one_row_pdl: bool | None = None
 
     def __post_init__(self):
         s = self.attention_splits
@@ -66,13 +69,14 @@ class Launch:
             raise ValueError("attention_splits does not combine with batch_invariant (its split is by slot index)")
         if self.wide_rows and self.batch_invariant:
             raise ValueError("wide_rows does not combine with batch_invariant (its kernels take 1..MAX_ROWS rows)")
+        if not (self.one_row_pdl is None or isinstance(self.one_row_pdl, bool)):
+            raise ValueError(f"one_row_pdl must be None, False or True, got {self.one_row_pdl!r}")
 
     def resolve(self, device: torch.device) -> "Launch":
         """pdl=None becomes whether `device` supports it."""
         if self.pdl is not None:
             return self
-        return Launch(pdl=pdl_supported(device), attention_splits=self.attention_splits,
-                      batch_invariant=self.batch_invariant, wide_rows=self.wide_rows)
+        return replace(self, pdl=pdl_supported(device))
 
 
 @lru_cache(maxsize=None)
@@ -90,8 +94,9 @@ def pdl_supported(device: torch.device) -> bool:
 
 def launch_opts(launch: Launch, device: torch.device, rows: int) -> dict:
     """The PDL constexpr and, when on, the launch attribute that lets the kernel start early: launches of several
-    rows only (at one row PDL was neutral or slower, results/perf/NOTES.md)."""
-    on = rows > 1 and launch.pdl is not False and pdl_supported(device)
+    rows, and of one row under Launch.one_row_pdl (at one row PDL was neutral or slower at Qwen3-8B's shapes,
+    results/perf/NOTES.md; a launch-bound target's one-row launches are what it hides)."""
+    on = (rows > 1 or bool(launch.one_row_pdl)) and launch.pdl is not False and pdl_supported(device)
     return {"PDL": True, "launch_pdl": True} if on else {"PDL": False}
 
 

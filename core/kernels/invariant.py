@@ -262,7 +262,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
         if argmax else (y, y)
     opts = launch_opts(launch, w.device, m)
     line = max(128 // w.element_size(), 1)  # elements per 128-byte line
-    pf_cols = min(pow2_at_least(PREFETCH_TILES * block_k, line), pow2_at_least(k, line)) if opts["PDL"] else 0
+    pf_cols = min(pow2_at_least(PREFETCH_TILES * block_k, line), pow2_at_least(k, line)) \
+        if opts["PDL"] and m > 1 else 0  # as kernels.linear: no prefetch at one row
     _inv_linear_kernel[grid](x, w, y, residual if residual is not None else y, pv, pi, m, n, k, x.stride(0),
                              w.stride(0), y.stride(0), (residual if residual is not None else y).stride(0),
                              RES=residual is not None, ARGMAX=argmax, EVEN_K=k % block_k == 0, UPCAST=upcast(w.dtype),

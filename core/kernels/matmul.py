@@ -222,7 +222,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, *, norm: torch.Tensor | None = None
     opts = launch_opts(launch, w.device, m)
     line = max(128 // w.element_size(), 1)  # elements per 128-byte line
     pf_cols = min(pow2_at_least(PREFETCH_TILES * block_k, line), pow2_at_least(k, line)) \
-        if opts["PDL"] and dot else 0
+        if opts["PDL"] and dot and m > 1 else 0  # one row (Launch.one_row_pdl): it slowed the AR step (NOTES)
     if argmax:
         pv = torch.empty((m, grid[0]), dtype=torch.float32, device=w.device)
         pi = torch.empty((m, grid[0]), dtype=torch.int32, device=w.device)

@@ -64,7 +64,20 @@ def make_ops(kind: str, device: torch.device, dtype: torch.dtype, config=None, c
     if kind == "triton":
         if why is not None:
             raise UsageError(f"--kernels triton: not available for this target: {why}; use --kernels torch")
-        return triton_ops(device, launch)
+        return triton_ops(device, _launch_for(launch, config, dtype))
     if why is None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and not compat:
-        return triton_ops(device, launch)
+        return triton_ops(device, _launch_for(launch, config, dtype))
     return TorchOps()
+
+
+def _launch_for(launch, config, dtype: torch.dtype):
+    """The launch settings (default PDL where supported) with one_row_pdl, unless the caller set it, chosen by the
+    target's config: on for a launch-bound target (core.ops.triton_impl.launch_bound)."""
+    from dataclasses import replace
+
+    from core import kernels
+    from core.ops.triton_impl import launch_bound
+    launch = launch or kernels.Launch(pdl=None)
+    if launch.one_row_pdl is None and config is not None:
+        launch = replace(launch, one_row_pdl=launch_bound(config, dtype))
+    return launch

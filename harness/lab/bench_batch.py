@@ -134,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wide-rows", action="store_true",
                    help="with --kernels triton: linear and RMSNorm calls past 64 rows (the verify from B = 8) on the "
                         "kernels in 64-row tiles (Launch.wide_rows), not the torch ops")
+    p.add_argument("--one-row-pdl", choices=("auto", "on", "off"), default="auto",
+                   help="with the Triton kernels: programmatic dependent launch for one-row launches too (auto: "
+                        "the target's rule, core.ops.triton_impl.launch_bound; off: several-row launches only, as "
+                        "before it)")
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/bench_batch_<preset>.json")
     a = p.parse_args(argv)
 
@@ -154,10 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         if a.graphs and backend.kind != "cuda":
             raise UsageError(f"--graphs captures CUDA graphs and needs --device cuda; drop it on {backend.kind}")
         launch = None
-        if a.wide_rows:
+        if a.wide_rows or a.one_row_pdl != "auto":
             from core.kernels import Launch
-            launch = Launch(pdl=None, wide_rows=True)
+            launch = Launch(pdl=None, wide_rows=a.wide_rows,
+                            one_row_pdl={"auto": None, "on": True, "off": False}[a.one_row_pdl])
         ops = make_ops(a.kernels, backend.device, backend.dtype, config, launch=launch)
+        lch = getattr(ops, "launch", None)  # (the Triton ops': PDL resolved for this device)
+        one_row = bool(lch is not None and lch.pdl and lch.one_row_pdl)
         m = build_random(a.preset, backend, block_size=a.block_size, capacity=max(contexts) + a.block_size + 1,
                          ops=ops)
         bw = copy_bandwidth(backend.device, nbytes=(1 << 31) if backend.kind == "cuda" else (1 << 24))
@@ -165,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         flops = matmul_rate(backend.device, backend.dtype, n)
         name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else "cpu"
         res = {"label": RANDOM_LABEL.split(" / ")[0], "preset": a.preset, "device_name": name,
-               "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels + (", wide rows" if a.wide_rows else ""),
+               "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels + (", wide rows" if a.wide_rows else "")
+               + (", one-row PDL" if one_row else ""), "one_row_pdl": one_row,
                "graphs": a.graphs,
                "copy_bandwidth_GBps": bw / 1e9,
                "matmul_TFLOPs": flops / 1e12, "matmul_shape": f"{n}x{n}x{n} {str(backend.dtype)[6:]}",

@@ -59,12 +59,16 @@ def _timed(m, method, K, topc, prompt, settings, warm: DecodeSettings | None = N
     return _gen(m, method, K, topc, prompt, settings, mark=timer), timer
 
 
-def _ops(a, device, pdl: bool | None = None, attention_splits: int | None = None, invariant: bool | None = None):
-    """The Triton ops with this run's launch settings (--pdl, --batch-invariant; the arguments override them)."""
+def _ops(a, device, pdl: bool | None = None, attention_splits: int | None = None, invariant: bool | None = None,
+         one_row: bool | None = None):
+    """The Triton ops with this run's launch settings (--pdl, --batch-invariant, and a.one_row: Launch.one_row_pdl
+    by the target's rule, which measure() sets; the arguments override them)."""
     from core.kernels import Launch
     pdl = (None if a.pdl == "auto" else False) if pdl is None else pdl
     inv = a.batch_invariant if invariant is None else invariant
-    return triton_ops(device, Launch(pdl=pdl, attention_splits=attention_splits, batch_invariant=inv))
+    one_row = getattr(a, "one_row", None) if one_row is None else one_row
+    return triton_ops(device, Launch(pdl=pdl, attention_splits=attention_splits, batch_invariant=inv,
+                                     one_row_pdl=one_row))
 
 
 def _stage_graph_times(m, method, K, topc, prompt, settings, reps: int) -> dict:
@@ -186,6 +190,8 @@ def measure(a, path: str | None = None) -> dict:
     t0 = time.perf_counter()
     m = build_random(a.preset, backend, block_size=a.block_size, capacity=256)
     build_s = time.perf_counter() - t0
+    from core.ops.triton_impl import launch_bound  # (core.kernels only where it is asked for)
+    a.one_row = launch_bound(m.target.config, backend.dtype)  # as core.ops.make_ops chooses for a run
     vocab = m.target.vocab_size
     prompt = _prompt(a.prompt_len, vocab)
     limit = m.target.max_position or 4096
@@ -219,7 +225,9 @@ def measure(a, path: str | None = None) -> dict:
                         True, _ops(a, backend.device, pdl=False, invariant=True))]
             if kernels.pdl_supported(backend.device):
                 levers += [("core.kernels with programmatic dependent launch (several-row launches)", True,
-                            _ops(a, backend.device, pdl=True, invariant=False))]
+                            _ops(a, backend.device, pdl=True, invariant=False, one_row=False)),
+                           ("core.kernels with programmatic dependent launch (one-row launches too)", True,
+                            _ops(a, backend.device, pdl=True, invariant=False, one_row=True))]
         res["fusion_drafter_only"] = {}
         for label, fuse, ops in levers:
             m.use_ops(ops or TorchOps())
@@ -327,10 +335,6 @@ def _compile_refiners(m, backend: str):
     return watch
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m harness.lab.bench_step", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON path (markdown beside it); default results/perf/<gpu>_<preset>.json")
     a = p.parse_args(argv)
     try:
-        a.ks, a.topc, a.taus = _ints(a.ks), _ints(a.topc), _ints(a.taus)
+        a.ks, a.topc, a.taus = ([int(x) for x in s.split(",") if x.strip()] for s in (a.ks, a.topc, a.taus))
         if a.kernels is None:
             from core import kernels
             a.kernels = "triton" if kernels.available() and torch.cuda.is_available() and a.device != "cpu" else "torch"
@@ -374,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         a.sweep_arms = [x.strip() for x in a.sweep_arms.split(";") if x.strip()]
         if min(a.taus, default=2) < 1 or max(a.taus, default=1) > a.block_size:
             raise UsageError(f"--taus must lie in 1..{a.block_size}")
-        path = a.out or os.path.join("results", "perf", f"{_slug(_device_name(a.device))}_{a.preset}.json")
+        path = a.out or os.path.join("results", "perf", f"{_slug(a.device)}_{a.preset}.json")
         result = measure(a, path)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -385,12 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _device_name(device: str | None) -> str:
+def _slug(device: str | None) -> str:
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
-
-
-def _slug(s: str) -> str:
+    s = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return "".join(c.lower() if c.isalnum() else "-" for c in s).strip("-") or "device"
 
 
