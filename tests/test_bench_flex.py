@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from harness.lab import bench_flex
+from training import bench_flex
 
 pytest.importorskip("speculators.models.dflash.attention", reason="speculators (training extras)")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -103,3 +103,35 @@ def test_dynamo_takes_speculators_draft_layer_whole_and_does_not_recompile(tmp_p
     assert counters["stats"]["unique_graphs"] == graphs  # the second step's data and block mask: no new graph
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)  # the same ops, traced: bit for bit
+
+
+def test_flex_kernel_options_reach_flex_attention(monkeypatch):
+    """train.flex_kernel_options: "auto" makes our compiled flex attention pass 64 x 64 forward tiles (the default
+    forward spilled and took 4x its backward on an H100: results/perf/flex_h100/), {} passes none (torch's choice), a
+    dict passes itself, a caller's own kernel_options win; the mode's record says what was put in place (None where
+    ours is not). torch.compile and flex_attention are stand-ins here (nothing compiles on the CPU)."""
+    import speculators.models.attention as attention
+    import torch.nn.attention.flex_attention as fa
+    monkeypatch.setattr(attention, "flex_attention", attention.flex_attention)
+    monkeypatch.setattr(compiling, "_COMPILED_FLEX", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    seen = []
+    monkeypatch.setattr(fa, "flex_attention", lambda q, k, v, **kw: seen.append(kw.get("kernel_options")))
+    for value, passed in [("auto", {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}), ({}, None),
+                          ({"fwd_num_warps": 8}, {"fwd_num_warps": 8})]:
+        assert compiling.apply(_Decorated(), "attention", "cuda", value) == "attention"
+        attention.flex_attention(1, 2, 3, block_mask=None)
+        assert seen.pop() == passed and compiling.installed == (passed or {})
+    attention.flex_attention(1, 2, 3, kernel_options={"fwd_num_warps": 4})
+    assert seen.pop() == {"fwd_num_warps": 4}
+    compiling.apply(_Decorated(), "model", "cuda", "auto")
+    assert compiling.installed is None
+
+
+@pytest.mark.parametrize("value", [5, "fast", ["fwd_num_warps", 8]])
+def test_bad_flex_kernel_options_are_refused(tmp_path, value):
+    from training.config import load_config
+    p = tmp_path / "c.json"
+    p.write_text(json.dumps({"target": "t", "models": {"d": {}}, "train": {"flex_kernel_options": value}}))
+    with pytest.raises(UsageError, match="train.flex_kernel_options .*: use auto"):
+        load_config(str(p))

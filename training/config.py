@@ -39,7 +39,8 @@ DEFAULTS = {
                   "first_part": 0, "attention": "auto", "sampled_by_group": {}},  # {group: sampled answers} (responses.py)
     "hidden": {"layer_ids": None, "batch_size": 16, "dtype": "bfloat16", "shard_rows": 0, "mode": "offline",
                "target_dtype": "float32"},
-    "train": {"device": "auto", "attn_impl": "auto", "compile": "auto", "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
+    "train": {"device": "auto", "attn_impl": "auto", "compile": "auto", "flex_kernel_options": "auto",  # compiling.py
+              "total_seq_len": 2048, "epochs": 1, "lr": 6e-4,
               "weight_decay": 0.0, "scheduler": "cosine", "warmup_ratio": 0.04, "save_every": 0,
               "eval_every": 0, "eval_prompts": 8, "eval_max_new_tokens": 64, "train_ratio": 0.95,
               "num_workers": 0, "stop_after_step": 0, "cut_at_step": 0, "max_minutes": 0, "on_deadline": "stop", "mask_token_id": None,
@@ -215,7 +216,8 @@ def validate(cfg: dict) -> None:
                          "(the checkpoint reached at train.max_minutes is the final model)")
     if cfg["train"]["device"] not in ("auto", "cpu", "cuda"):
         raise UsageError("config train.device must be auto, cpu or cuda")
-    from training.compiling import MODES
+    from training.compiling import MODES, flex_options
+    flex_options(cfg["train"]["flex_kernel_options"])
     if cfg["train"]["compile"] not in MODES:
         raise UsageError(f"config train.compile {cfg['train']['compile']!r}: use one of {', '.join(MODES)} "
                          "(training/compiling.py says what each compiles)")
@@ -377,7 +379,7 @@ ADDED_LATER = {"warm_mode": "resume"}  # train keys that change the model, at th
 RUN_CONTROL = ("stop_after_step", "cut_at_step", "eval_every", "eval_prompts", "eval_k", "eval_max_new_tokens",
                "num_workers", "device", "max_minutes", "on_deadline", "val_batches", "eval_max_seconds", "eval_share", "log_every",
                "compile", "fit_box", "fit_probe_steps", "fit_reserve", "rows_in_memory", "profile_steps", "profile_start",
-               "compile_target", "target_groups", "taps_cache_gib", "compile_cache")
+               "compile_target", "target_groups", "taps_cache_gib", "compile_cache", "flex_kernel_options")
 
 
 def model_fingerprint(cfg: dict, name: str) -> str:

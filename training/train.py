@@ -184,7 +184,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
     hm = read_manifest(hidden_dir(cfg))
     torch.manual_seed(cfg["seed"])
     model = build_model(cfg, name, verifier, hm["layer_ids"], attn)
-    mode = compiling.apply(model, tc["compile"], device.type)
+    mode = compiling.apply(model, tc["compile"], device.type, tc["flex_kernel_options"])
     if device.type == "cuda":
         print(f"train {name}: torch.compile covers {mode} (train.compile={tc['compile']})")
     src = warm.source(cfg, name)
@@ -233,6 +233,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               fit=fit_plan(tc, total),
                               profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl, trainer.anchor_bias = mode, impl, bias
+    trainer.flex_options = compiling.installed  # None where our compiled flex attention is not in place
     trainer.grown_from = getattr(model, "grown_from", None)
     if trainer.grown_from:
         print(f"train {name}: grown from {m['init_from']}: layers {trainer.grown_from['num_layers']}, MLP width "
@@ -282,6 +283,7 @@ def train_one(cfg: dict, name: str, verifier: str, held_out, max_seconds: float 
         return box.record({"key": key, "status": status, "first_step": start_step, "last_step": trainer.global_step,
                            "box_s": max_seconds or None, "hidden_mode": cfg["hidden"]["mode"],
                            "total_seq_len": tc["total_seq_len"], "compile": trainer.compile_mode,
+                           "flex_kernel_options": trainer.flex_options,
                            "loss_impl": trainer.loss_impl,
                            "profiled_steps": trainer.step_profile.profiled if trainer.step_profile else None,
                            "compile_target": getattr(taps, "compile", None),

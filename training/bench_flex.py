@@ -1,4 +1,4 @@
-"""Flex attention of the DFlash drafter's step, alone: python -m harness.lab.bench_flex --out results/perf/flex.json
+"""Flex attention of the DFlash drafter's step, alone: python -m training.bench_flex --out results/perf/flex.json
 
 Why: an H100 profile of a training step of the 5-layer SmolLM2-135M DFlash drafter (torch 2.11, CUDA 13, bf16, 9
 query / 3 KV heads, head_dim 64) gave flex attention's forward kernel 41.5 ms for 5 layer calls, its backward 10.0
@@ -363,7 +363,7 @@ def table(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m harness.lab.bench_flex", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m training.bench_flex", description=__doc__.splitlines()[0])
     p.add_argument("--device")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     for flag, default in (("--tokens", 33000), ("--doc-len", 350), ("--anchors", 4096), ("--block-size", 16),
