@@ -43,8 +43,6 @@ needs flash-attn's CuTe kernels installed; a refusal is recorded.
 """
 from __future__ import annotations
 
-import json
-import os
 import re
 import statistics
 import sys
@@ -382,11 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         text = table(r)
         print(text)
         if a.out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                json.dump(r, f, indent=2)
-            with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-                f.write(text)
+            from harness.protocol.results_io import write_record
+            write_record(a.out, r, text)
     rc = cli_exit(work)
     if rc or done["r"]["all_match"]:
         return rc

@@ -16,8 +16,6 @@ acceptance. Writes JSON (--out) and a markdown table beside it.
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 
@@ -28,6 +26,7 @@ from core.devices import resolve_backend
 from harness.decode.loop import DecodeSettings, generate
 from core.errors import Parser, UsageError, cli_exit
 from harness.protocol.presets import PRESETS, RANDOM_LABEL, build_random
+from harness.protocol.results_io import write_record
 
 
 def _median_ms(fn, backend, reps: int) -> float:
@@ -156,11 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         text = table(r)
         print(text)
         if a.out:
-            os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-            with open(a.out, "w") as f:
-                json.dump(r, f, indent=2)
-            with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-                f.write(text)
+            write_record(a.out, r, text)
     return cli_exit(work)
 
 

@@ -6,7 +6,6 @@ micro-benchmark of one stage, not the decode loop). The per-pass cost is the slo
 """
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -182,11 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(result)
     print(text)
     if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump({**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=2)
-        with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
-            f.write(text)
+        from harness.protocol.results_io import write_record
+        write_record(a.out, {**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}, text)
     return 0
 
 

@@ -15,7 +15,6 @@ Writes JSON (--out) and a markdown table beside it.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -175,13 +174,9 @@ def hf_reference(model, prompt, n: int, device) -> dict:
 
 def _save(result: dict, path: str | None) -> None:
     """Written after every phase, so that a run cut short still leaves what it measured."""
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}, f, indent=2)
-    with open(os.path.splitext(path)[0] + ".md", "w") as f:
-        f.write(markdown(result))
+    if path:
+        from harness.protocol.results_io import write_record
+        write_record(path, {**result, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}, markdown(result))
 
 
 def measure(a, path: str | None = None) -> dict:

@@ -87,6 +87,15 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     return rows
 
 
+def write_record(path: str | os.PathLike, record: dict, markdown: str) -> None:
+    """A bench's record as JSON at `path` and its table as markdown beside it (the same name, .md), each written
+    atomically, the folder made if missing."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_write(path, json.dumps(record, indent=2))
+    atomic_write(os.path.splitext(path)[0] + ".md", markdown)
+
+
 def atomic_write(path: str | os.PathLike, data: str | bytes) -> None:
     """Temp file in the same folder, fsync, rename: a reader never sees a half-written file."""
     path = os.fspath(path)
