@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from training_fixtures import run_cli, tiny_models, write_config
+from training_fixtures import run_cli, run_on, step_lrs, tiny_models, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BOX_MINUTES = 0.05  # 3 s
@@ -124,18 +124,14 @@ def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(tmp_path, capsys):
     cfg = write_config(tmp_path, tiny_models(heads=False), train={"epochs": 2, "warmup_ratio": 0.3, "eval_prompts": 0})
 
     def run(work, *sets, data="cut"):
-        if data:
-            for stage in ("prompts", "responses", "hidden"):
-                shutil.copytree(tmp_path / data / stage, tmp_path / work / stage)
-        return run_cli("all", "--config", cfg, "--workdir", tmp_path / work,
-                       *[x for item in sets for x in ("--set", item)])
+        return run_on(tmp_path, cfg, work, *sets, data=data)
 
     def passes(work):
         box = json.loads((tmp_path / work / "train" / "drafter" / "box.json").read_text())
         return [(p["epoch"], p["first_step"], p["steps"]) for p in box["epochs"]]
 
     def lrs(work):
-        return {r["global_step"]: r["lr"] for r in _rows(tmp_path / work)}
+        return step_lrs(tmp_path / work)
 
     assert run("one", data=None) == 0
     e = passes("one")[0][2]

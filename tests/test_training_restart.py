@@ -2,12 +2,11 @@
 begun anew at the warm step (warmup from 0, decay to 0 at the run's end), where extend continues the first run's
 decay, which a box fitted short takes to nearly 0."""
 import json
-import shutil
 
 import pytest
 import torch
 
-from training_fixtures import run_cli, tiny_models, write_config
+from training_fixtures import run_on, step_lrs, tiny_models, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -21,15 +20,10 @@ def test_restart_runs_a_fresh_schedule_from_the_warm_step_and_resumes_on_it(tmp_
     cfg = write_config(tmp_path, tiny_models(heads=False), train={"epochs": 2, "warmup_ratio": 0.3, "eval_prompts": 0})
 
     def run(work, *sets, data="one"):
-        if data:
-            for stage in ("prompts", "responses", "hidden"):
-                shutil.copytree(tmp_path / data / stage, tmp_path / work / stage)
-        return run_cli("all", "--config", cfg, "--workdir", tmp_path / work,
-                       *[x for item in sets for x in ("--set", item)])
+        return run_on(tmp_path, cfg, work, *sets, data=data)
 
     def lrs(work):
-        text = (tmp_path / work / "train" / "drafter" / "metrics.jsonl").read_text()
-        return {r["global_step"]: r["lr"] for r in map(json.loads, text.splitlines()) if "train" in r}
+        return step_lrs(tmp_path / work)
 
     assert run("one", data=None) == 0  # from scratch: 2 epochs of E steps
     scratch = lrs("one")

@@ -62,6 +62,22 @@ def run_cli(*args) -> int:
     return main([str(a) for a in args])
 
 
+def run_on(root: Path, cfg: Path, work: str, *sets: str, data: str | None = None) -> int:
+    """`python -m training all` in root/work with these --set items, the prompts, responses and hidden stages of
+    root/data copied in first (the same data as that run's)."""
+    import shutil
+    if data:
+        for stage in ("prompts", "responses", "hidden"):
+            shutil.copytree(root / data / stage, root / work / stage)
+    return run_cli("all", "--config", cfg, "--workdir", root / work, *[x for item in sets for x in ("--set", item)])
+
+
+def step_lrs(work: Path, name: str = "drafter") -> dict:
+    """Each logged training step's LR (train/<name>/metrics.jsonl), by global step."""
+    text = (work / "train" / name / "metrics.jsonl").read_text()
+    return {r["global_step"]: r["lr"] for r in map(json.loads, text.splitlines()) if "train" in r}
+
+
 def harness_from_export(target_dir: Path, export_dir: Path):
     """(backend, harness Target, DFlashDrafter) from a target directory and an export stage's output, on CPU fp32."""
     import torch
