@@ -135,3 +135,26 @@ def test_bad_flex_kernel_options_are_refused(tmp_path, value):
     p.write_text(json.dumps({"target": "t", "models": {"d": {}}, "train": {"flex_kernel_options": value}}))
     with pytest.raises(UsageError, match="train.flex_kernel_options .*: use auto"):
         load_config(str(p))
+
+
+def test_flex_with_kernel_options_traces_alone_and_inside_a_compiled_layer(monkeypatch):
+    """The flex attention compile_attention_only installs (a partial carrying the kernel options) computes flex
+    attention's output, called directly and from inside a compiled caller, as a draft layer compiled by
+    train.compile=layers calls it (dynamo traces through the partial). Dynamo only (backend "eager"): the options
+    pick GPU tiles, which a CPU has none of."""
+    import speculators.models.attention as attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    real_compile = torch.compile
+    monkeypatch.setattr(attention, "flex_attention", attention.flex_attention)
+    monkeypatch.setattr(compiling, "_COMPILED_FLEX", {})
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **{"backend": "eager", **kw}))
+    torch._dynamo.reset()
+    bm = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, 256, 256, device="cpu")
+    q, k, v = (torch.randn(1, 3, 256, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    with torch.no_grad():
+        want = flex_attention(q, k, v, block_mask=bm)
+        compiling.compile_attention_only(compiling.flex_options("auto"))
+        assert torch.allclose(attention.flex_attention(q, k, v, block_mask=bm), want, rtol=0, atol=1e-6)
+        layer = real_compile(lambda q, k, v: attention.flex_attention(q, k, v, block_mask=bm) * 2, backend="eager")
+        assert torch.allclose(layer(q, k, v) / 2, want, rtol=0, atol=1e-6)
+    torch._dynamo.reset()
