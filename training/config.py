@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from core.errors import UsageError
-from training import config_numbers, grow
+from training import config_numbers, fit, grow
 from training.store import REPO_ROOT, export_digest, repo_path  # noqa: F401  (repo_path: evaluate and ship take it from here)
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -223,6 +223,7 @@ def validate(cfg: dict) -> None:
                          "(training/compiling.py says what each compiles)")
     validate_steps(cfg)
     config_numbers.check(cfg)
+    fit.check_schedule(cfg["train"])
     from training.domains import validate_prompts
     validate_prompts(cfg)
 

@@ -44,8 +44,26 @@ def shifted(step: int, *, inner, schedule_start: int, **keywords) -> float:
 
 
 def start_of(schedulers) -> int:
-    """The global step the schedules began at (0 unless restarted)."""
-    return int(schedulers[0].lr_lambdas[0].keywords.get("schedule_start", 0))
+    """The global step the schedules began at (0 unless restarted, or with no schedule: train.scheduler none)."""
+    return int(schedulers[0].lr_lambdas[0].keywords.get("schedule_start", 0)) if schedulers else 0
+
+
+SCHEDULERS = ("linear", "cosine", "none")  # speculators 0.9.0's TrainerConfig.scheduler_type
+
+
+def check_schedule(t: dict) -> None:
+    """train.scheduler is one speculators knows, and a restart has a schedule to begin anew (before anything loads)."""
+    if t["scheduler"] not in SCHEDULERS:
+        raise UsageError(f"config train.scheduler {t['scheduler']!r}: use one of {', '.join(SCHEDULERS)}")
+    if t["warm_mode"] == "restart" and t["scheduler"] == "none":
+        raise UsageError("config train.warm_mode restart begins the LR schedule anew, and train.scheduler none has "
+                         "none: use extend, or a linear or cosine schedule")
+
+
+def _unshifted(f: functools.partial) -> dict:
+    """The keywords of `shifted` over the schedule that `f` computes (itself, or its inner one if already shifted)."""
+    kw = {k: v for k, v in f.keywords.items() if k not in ("inner", "schedule_start")}
+    return {**kw, "inner": f.keywords["inner"] if f.func is shifted else f.func}
 
 
 def restart(schedulers, start: int, total: int, warmup_ratio: float) -> int:
@@ -53,8 +71,7 @@ def restart(schedulers, start: int, total: int, warmup_ratio: float) -> int:
     from `start` to `total`, rounded down as speculators 0.9.0 rounds a run's) and its decay over those steps, to 0
     at `total`, as a run from scratch over them; returns the warmup steps."""
     for s in schedulers:
-        s.lr_lambdas = [functools.partial(shifted, inner=f.func, schedule_start=start, **f.keywords)
-                        for f in s.lr_lambdas]
+        s.lr_lambdas = [functools.partial(shifted, **_unshifted(f), schedule_start=start) for f in s.lr_lambdas]
     return replan(schedulers, total, warmup_ratio, int(warmup_ratio * (total - start)))
 
 
@@ -63,10 +80,23 @@ def fitted_total(step: int, rate: float, left_s: float, reserve: float, planned:
     return max(step + 1, min(planned, step + math.floor(rate * left_s * (1.0 - reserve))))
 
 
+def warmup_of(schedulers) -> int:
+    """The warmup steps the schedules are planned with now."""
+    return int(schedulers[0].lr_lambdas[0].keywords["num_warmup_steps"]) if schedulers else 0
+
+
 def warmup_done(schedulers, step: int) -> int | None:
     """The warmup steps the schedules are planned with, once global step `step` is past them; else None."""
-    warm = int(schedulers[0].lr_lambdas[0].keywords["num_warmup_steps"])
+    warm = warmup_of(schedulers)
     return warm if step >= start_of(schedulers) + warm else None
+
+
+def warmup_running(schedulers, step: int, total: int) -> int | None:
+    """The warmup steps the schedules are planned with, while global step `step` is inside them and they take at most
+    half of a plan ending at `total`: a fit there keeps their length, so the LR goes on up the same ramp instead of
+    jumping to a shorter warmup's (a restart's fit lands inside its warmup); else None (the ratio of the new plan)."""
+    warm, start = warmup_of(schedulers), start_of(schedulers)
+    return warm if step < start + warm and 2 * warm <= total - start else None
 
 
 def replan(schedulers, total: int, warmup_ratio: float, warmup: int | None = None) -> int:

@@ -127,7 +127,7 @@ class PipelineTrainer(Trainer):
         if self._fit:
             check_schedulers(self.schedulers)
         if self.schedule_start:  # warmup and decay anew from there to the run's end, which fit_box may move
-            check_schedulers(self.schedulers, "train.warm_mode extend")
+            check_schedulers(self.schedulers, "train.warm_mode extend (fresh data) or resume (an export's own run)")
             restart(self.schedulers, self.schedule_start, self.config.scheduler_total_steps,
                     self.config.scheduler_warmup_ratio)
         if self.warm_started:  # the schedule at the warm step (LambdaLR: lr = base * lambda(last_epoch))
@@ -164,12 +164,13 @@ class PipelineTrainer(Trainer):
     def _maybe_fit(self):
         """training/fit.py: time this process's `probe` steps after the first one and any profile, then fit the plan
         to what the box has left."""
-        from training.fit import replan
+        from training.fit import replan, warmup_running
         f, got = self._fit, self._probed(self._fit_probe)
         if got is None:
             return
         g1, rate, left, total = got
-        warm = replan(self.schedulers, total, f["warmup_ratio"]) if total < f["planned"] else None
+        warm = replan(self.schedulers, total, f["warmup_ratio"], warmup_running(self.schedulers, self.global_step,
+                                                                                total)) if total < f["planned"] else None
         self.fit_record = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
                            "box_left_s": round(left, 1), "reserve": f["reserve"], "planned_steps": f["planned"],
                            "fitted_steps": total, "warmup_steps": warm}

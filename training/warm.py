@@ -58,11 +58,12 @@ def train_state(d: Path) -> dict:
 
 
 def starts(mode: str, warm_step: int, d: Path | None) -> tuple[int, int]:
-    """The global steps where this run's data and its LR schedule begin: the warm step (extend: data; restart: both),
-    or, resumed, where the warmed run's began (0 in exports from before they were recorded)."""
-    if warm_step > 0 and mode != "resume":
-        return warm_step, warm_step if mode == "restart" else 0
+    """The global steps where this run's data and its LR schedule begin: extend, the warm step and the warmed run's
+    schedule start; restart, the warm step for both; resume, where the warmed run's began (0 in exports from before
+    they were recorded)."""
     state = train_state(d) if d is not None else {}
+    if warm_step > 0 and mode != "resume":  # extend keeps the schedule the export's run had (a restart's too)
+        return warm_step, warm_step if mode == "restart" else int(state.get("schedule_start", 0))
     return int(state.get("data_start", 0)), int(state.get("schedule_start", 0))
 
 
