@@ -12,9 +12,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_every_point_is_timed_against_its_floor(tmp_path):
     out = tmp_path / "b.json"
     assert bench_batch.main(["--preset", "tiny", "--device", "cpu", "--batch-sizes", "1,3", "--contexts", "8,40",
-                             "--block-size", "4", "--reps", "2", "--warmup", "1", "--out", str(out)]) == 0
+                             "--block-size", "4", "--reps", "2", "--warmup", "1", "--one-row-pdl", "on",
+                             "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["label"] == "random weights" and res["graphs"] is False and res["kernels"] == "torch"
+    assert res["reps"] == 2 and res["warmup"] == 1 and res["one_row_pdl"] is False  # the torch ops launch nothing
     assert res["complete"] is True and res["planned_points"] == 8 and "Incomplete" not in (tmp_path / "b.md").read_text()
     assert not list(tmp_path.glob("*.partial.*"))  # a finished run leaves only OUT
     got = {(r["batch"], r["context"], r["width"]) for r in res["rows"]}

@@ -31,7 +31,14 @@ def test_the_rule_picks_smollm2_and_leaves_qwen3_8b():
     to slower there, results/perf/NOTES.md)."""
     smol, qwen = hf_config(preset("smollm2-135m")), hf_config(preset("qwen3-8b"))
     assert launch_bound(smol, torch.bfloat16) and not launch_bound(qwen, torch.bfloat16)
-    assert 7_000_000 < 3_538_944 * 2 < LAUNCH_BOUND_BYTES < 385_000_000
+    from transformers import AutoModelForCausalLM
+    from core.ops.triton_impl import layer_weight_bytes
+    for cfg in (smol, qwen):  # the rule's count against the layer's own matmul weights (built on the meta device)
+        with torch.device("meta"):
+            layer = AutoModelForCausalLM.from_config(cfg).model.layers[0]
+        n = sum(p.numel() for name, p in layer.named_parameters() if p.dim() == 2)
+        assert layer_weight_bytes(cfg, torch.bfloat16) == 2 * n
+    assert layer_weight_bytes(smol, torch.bfloat16) < LAUNCH_BOUND_BYTES < layer_weight_bytes(qwen, torch.bfloat16)
     assert make_ops("triton", DEV, torch.bfloat16, smol).launch.one_row_pdl is True
     assert make_ops("triton", DEV, torch.bfloat16, qwen).launch.one_row_pdl is False
     # a caller's own choice stands (bench_batch --one-row-pdl off: the launches from before the rule)
@@ -131,3 +138,19 @@ def test_one_row_pdl_changes_only_the_launch_attribute(monkeypatch):
         assert kw1.get("PF_COLS", 0) == 0
         assert {k: v for k, v in kw0.items() if k != "PDL"} == \
             {k: v for k, v in kw1.items() if k not in ("PDL", "launch_pdl")}
+
+
+def test_the_batch_invariant_matmul_prefetches_no_weights_at_one_row(monkeypatch):
+    """--batch-invariant on a launch-bound target: its one-row matmul launches take PDL (one_row_pdl) with no weight
+    prefetch before the wait (PF_COLS 0), as kernels.linear's; at two rows PDL and the prefetch, as before."""
+    seen = []
+    monkeypatch.setattr(_module("invariant"), "_inv_linear_kernel", Recorder("_inv_linear_kernel", seen))
+    monkeypatch.setattr(_module("common"), "pdl_supported", lambda device: True)
+    from core.kernels import invariant
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    launch = kernels.Launch(pdl=True, batch_invariant=True, one_row_pdl=True)
+    for rows in (1, 2):
+        invariant.linear(torch.empty(rows, 576, **meta), torch.empty(960, 576, **meta), launch=launch)
+    (_, _, _, one), (_, _, _, two) = seen
+    assert one["PDL"] is True and one["launch_pdl"] is True and one["PF_COLS"] == 0
+    assert two["PDL"] is True and two["PF_COLS"] > 0

@@ -23,6 +23,7 @@ def test_box_accounting_sums_to_the_box(tmp_path, capsys):
     box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
     parts = box["parts_s"]
     assert box["device"] == "cpu"  # the card's "Device time" names it (training/card_md.py)
+    assert box["compile"] == "none" and box["flex_kernel_options"] is None  # no compiled flex attention on a CPU
     assert set(parts) == {"startup", "steps", "validation", "held_out", "checkpoints", "finish", "export"}
     assert all(v > 0 for k, v in parts.items() if k != "finish"), parts
     assert abs(box["wall_s"] - sum(parts.values())) <= 0.02 * box["wall_s"] + 0.15, box

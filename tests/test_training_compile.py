@@ -119,16 +119,18 @@ def test_flex_kernel_options_reach_flex_attention(monkeypatch):
     monkeypatch.setattr(fa, "flex_attention", lambda q, k, v, **kw: seen.append(kw.get("kernel_options")))
     for value, passed in [("auto", {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}), ({}, None),
                           ({"fwd_num_warps": 8}, {"fwd_num_warps": 8})]:
-        assert compiling.apply(_Decorated(), "attention", "cuda", value) == "attention"
+        m = _Decorated()
+        assert compiling.apply(m, "attention", "cuda", value) == "attention"
         attention.flex_attention(1, 2, 3, block_mask=None)
-        assert seen.pop() == passed and compiling.installed == (passed or {})
-    attention.flex_attention(1, 2, 3, kernel_options={"fwd_num_warps": 4})
-    assert seen.pop() == {"fwd_num_warps": 4}
-    compiling.apply(_Decorated(), "model", "cuda", "auto")
-    assert compiling.installed is None
+        assert seen.pop() == passed and m.xb_flex_kernel_options == (passed or {})
+    attention.flex_attention(1, 2, 3, kernel_options={"fwd_num_warps": 4, "fwd_num_stages": 2})
+    assert seen.pop() == {"fwd_num_warps": 4, "fwd_num_stages": 2}  # the caller's key wins, its others added
+    m = _Decorated()
+    compiling.apply(m, "model", "cuda", "auto")
+    assert m.xb_flex_kernel_options is None
 
 
-@pytest.mark.parametrize("value", [5, "fast", ["fwd_num_warps", 8]])
+@pytest.mark.parametrize("value", [5, "fast", ["fwd_num_warps", 8], {"fwd_num_warps": "8"}])
 def test_bad_flex_kernel_options_are_refused(tmp_path, value):
     from training.config import load_config
     p = tmp_path / "c.json"

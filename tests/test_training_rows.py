@@ -210,12 +210,16 @@ def test_bench_taps_reports_eager_and_compiled(tmp_path, capsys):
     assert main(["--config-json", str(tmp_path / "t"), "--batches", "0"]) == 2
 
 
-def test_bench_taps_sdpa_limits_the_target_to_one_backend(tmp_path):
+def test_bench_taps_sdpa_limits_the_target_to_one_backend(tmp_path, monkeypatch, capsys):
     """--sdpa NAME runs the target's attention under that SDPA backend alone (a CPU has no cuDNN attention: an SDPA
-    call under it fails, under math it runs), and the record says which."""
+    call under it fails, under math it runs), the run is inside it, and the record says which; a CUDA-only backend on
+    the CPU is one error line, exit 2."""
     import torch.nn.functional as F
     from tiny import save_tiny_checkpoint
+    from training import bench_taps
     from training.bench_taps import main, sdpa_context
+    used = []
+    monkeypatch.setattr(bench_taps, "sdpa_context", lambda name: used.append(name) or sdpa_context(name))
     q = torch.randn(1, 2, 8, 16)
     with sdpa_context("cudnn"), pytest.raises(RuntimeError):
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
@@ -226,8 +230,12 @@ def test_bench_taps_sdpa_limits_the_target_to_one_backend(tmp_path):
     assert main(["--config-json", str(tmp_path / "t"), "--device", "cpu", "--dtype", "float32", "--total-seq-len",
                  "128", "--batches", "1", "--warmup", "1", "--backend", "aot_eager", "--sdpa", "math",
                  "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["sdpa"] == "math"
+    assert json.loads(out.read_text())["sdpa"] == "math" and used == ["math"]
     torch._dynamo.reset()
+    capsys.readouterr()
+    assert main(["--config-json", str(tmp_path / "t"), "--device", "cpu", "--sdpa", "cudnn"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--sdpa cudnn runs on CUDA only" in err[0], err
 
 
 def test_profile_summary_counts_each_kernel_once():

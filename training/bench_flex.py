@@ -23,7 +23,7 @@ the 2.9-2.12-era sources found; "default_configs" and "kernels" record what the 
 1. Tile and warps: the forward default for bf16, d 64 on sm90 is BLOCK_M = BLOCK_N = 128 with 4 warps, 3 stages: a
    thread holds 128 elements of every [BLOCK_M, BLOCK_N] tensor (fp32 scores, P, the mask_mod's int64 compares and
    booleans); the backward's (64x128 / 128x64 with 8 warps; 64x64 with 4 in older tables) 32. With this mask_mod
-   the forward likely spills. Rows: fwd_bm64_bn64 (32 a thread), fwd_warps8, fwd_bm128_bn64 (64); "kernels" gives
+   the forward spills (measured on an H100, torch 2.11: 738 registers a thread; results/perf/flex_h100/). Rows: fwd_bm64_bn64 (32 a thread), fwd_warps8, fwd_bm128_bn64 (64); "kernels" gives
    n_regs, n_spills and tile_elems_per_thread.
 2. mask_mod on nearly every tile (87% of listed blocks partial: 16x16 anchor blocks inside a 128 block, prefixes
    ending at anchors, documents not aligned to 128): it gathers query_anchor_positions[q], then document_ids[that],
@@ -54,7 +54,8 @@ from core.errors import Parser, UsageError, cli_exit
 
 TILE = 128  # create_block_mask's default BLOCK_SIZE, as speculators builds its masks
 VARIANTS = {  # name: (kernel_options, what it tests)
-    "default": ({}, "speculators' call: no kernel_options, enable_gqa=True"),
+    "default": ({}, "speculators' call: no kernel_options (torch's tiles), enable_gqa=True; training passes "
+                    "train.flex_kernel_options, 64x64 forward tiles by default (fwd_bm64_bn64)"),
     "fwd_bm64_bn64": ({"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}, "H1: forward tile 64x64"),
     "fwd_bm128_bn64": ({"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64}, "H1: forward tile 128x64"),
     "fwd_bm64_bn128": ({"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128}, "H1: forward tile 64x128"),
@@ -319,8 +320,8 @@ def measure(a) -> dict:
         rows.append(row)
     mode = ("torch.compile(flex_attention, dynamic=False) as training/compiling.py; block masks by speculators' "
             "compiled create_block_mask" if device.type == "cuda" else
-            "CPU: eager flex_attention, forward only under no_grad (torch 2.13 has no flex attention backward on "
-            "CPU; eager ignores kernel_options), uncompiled create_block_mask: checks, not speed")
+            f"CPU: eager flex_attention, forward only under no_grad (torch {torch.__version__} as written: no flex "
+            "attention backward on CPU; eager ignores kernel_options), uncompiled create_block_mask: checks, not speed")
     return {"label": "synthetic packed row, random q/k/v", "mode": mode, "device": str(device),
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "dtype": str(dtype).replace("torch.", ""), "torch": torch.__version__,

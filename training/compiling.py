@@ -19,12 +19,12 @@ compiles on its first call. On the H200 that first step took 248.7 s of a 256.9 
 * "auto": "attention" on CUDA, "none" elsewhere.
 
 `train.flex_kernel_options`: the `kernel_options` our compiled flex attention passes (with "attention" and
-"layers"). "auto" is forward tiles of 64 x 64 queries and keys: torch 2.11's default forward for this mask (128 x 128
-tiles, 4 warps) spilled 738 registers a thread and took 41.1 ms over the 5 layers' calls of a training step on an H100
-against 9.7 ms for its backward; at 64 x 64 it spilled none and took 3.4 ms, its output within bf16 rounding of the
-default's (results/perf/flex_h100/, `python -m training.bench_flex`). {} is torch's own choice; any other dict
-is passed as it is (torch.nn.attention.flex_attention's kernel_options, e.g. {"fwd_num_warps": 8}: 4.9 ms there,
-bitwise the default's output).
+"layers"). "auto" is forward tiles of 64 x 64 queries and keys: in `python -m training.bench_flex` on an H100 (torch
+2.11, a packed row shaped as the SmolLM2 run's, results/perf/flex_h100/), torch's default forward for this mask
+(128 x 128 tiles, 4 warps) spilled 738 registers a thread and took 8.21 ms a call against 1.93 ms for its backward;
+with 64 x 64 tiles it spilled none and took 0.69 ms, its output within bf16 rounding of the default's. {} is torch's
+own choice; any other dict is passed as it is (torch.nn.attention.flex_attention's kernel_options, e.g.
+{"fwd_num_warps": 8}: 0.99 ms there, bitwise the default's output).
 """
 from __future__ import annotations
 
@@ -53,7 +53,6 @@ def eager_forward(model) -> bool:
 
 AUTO_FLEX_OPTIONS = {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64}
 _COMPILED_FLEX: dict = {}  # the options (as JSON) -> their compiled flex attention
-installed: dict | None = None  # the options of the flex attention compile_attention_only put in place last
 
 
 def flex_options(value) -> dict:
@@ -61,40 +60,47 @@ def flex_options(value) -> dict:
     from core.errors import UsageError
     if value == "auto":
         return dict(AUTO_FLEX_OPTIONS)
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (bool, int, float))
+                                              for k, v in value.items()):
         raise UsageError(f"config train.flex_kernel_options {value!r}: use auto, {{}} (torch's choice) or a dict of "
-                         "flex_attention kernel_options, e.g. {\"fwd_num_warps\": 8}")
+                         "flex_attention kernel_options to numbers or booleans, e.g. {\"fwd_num_warps\": 8}")
     return dict(value)
+
+
+def _with_options(options: dict):
+    """flex_attention with `options` under the caller's own kernel_options (a caller's key wins)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    def flex(*args, kernel_options=None, **kwargs):
+        return flex_attention(*args, kernel_options={**options, **(kernel_options or {})}, **kwargs)
+    return flex
 
 
 def compile_attention_only(options: dict | None = None) -> None:
     """speculators' flex attention forward calls the module-level `flex_attention` of speculators.models.attention
     (0.9.0); it is replaced there by one compiled function per `options` (kernel_options it passes; none: torch's
-    choice), shared by every model of the process. A caller's own kernel_options win over `options`."""
-    global installed
-    import functools
+    choice), shared by every model of the process. A caller's own kernel_options keys win over `options`'."""
     import json
     import torch
     import speculators.models.attention as attention
     from torch.nn.attention.flex_attention import flex_attention
     key = json.dumps(options or {}, sort_keys=True)
     if key not in _COMPILED_FLEX:
-        fn = functools.partial(flex_attention, kernel_options=dict(options)) if options else flex_attention
-        _COMPILED_FLEX[key] = torch.compile(fn, dynamic=False)
+        _COMPILED_FLEX[key] = torch.compile(_with_options(dict(options)) if options else flex_attention, dynamic=False)
     attention.flex_attention = _COMPILED_FLEX[key]
-    installed = dict(options or {})
 
 
 def apply(model, mode: str, device_type: str, options="auto") -> str:
-    """Set what compiles for `model`'s training (flex attention with `options`, train.flex_kernel_options); returns
+    """Set what compiles for `model`'s training (flex attention with `options`, train.flex_kernel_options, which
+    `model.xb_flex_kernel_options` then records: None where our compiled flex attention is not in place); returns
     the resolved mode."""
-    global installed
     mode = resolve(mode, device_type)
-    installed = None
+    model.xb_flex_kernel_options = None
     if mode in ("attention", "layers", "none"):
         eager_forward(model)
     if mode in ("attention", "layers"):
-        compile_attention_only(flex_options(options))
+        model.xb_flex_kernel_options = flex_options(options)
+        compile_attention_only(model.xb_flex_kernel_options)
     if mode == "layers":
         compile_layers(model)
     return mode

@@ -233,7 +233,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               fit=fit_plan(tc, total),
                               profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl, trainer.anchor_bias = mode, impl, bias
-    trainer.flex_options = compiling.installed  # None where our compiled flex attention is not in place
+    trainer.flex_options = model.xb_flex_kernel_options  # None where our compiled flex attention is not in place
     trainer.grown_from = getattr(model, "grown_from", None)
     if trainer.grown_from:
         print(f"train {name}: grown from {m['init_from']}: layers {trainer.grown_from['num_layers']}, MLP width "

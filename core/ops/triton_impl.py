@@ -37,21 +37,25 @@ def unsupported_reason(config) -> str | None:
 
 # A decoder layer's weights under this many bytes make a launch-bound target: its one-row launches each stream about
 # a microsecond of weights or less, as long as the launch gap PDL hides. SmolLM2-135M: 7.1 MB a layer in bf16, its
-# one-row AR step about 150 launches at 16x its byte floor (1.00 ms on an H100 against 0.80 at B = 2, where every
-# launch had PDL: results/perf/NOTES.md, "B = 1 against B = 2"); Qwen3-8B: 385 MB, where one-row PDL measured
+# one-row AR step about 150 launches at 10x its byte floor (0.913 ms against 0.091 on an H100, 0.713 at B = 2, where
+# every launch had PDL; 0.813 with one-row PDL: results/perf/one_row_pdl_h100/); Qwen3-8B: 386 MB, where one-row PDL measured
 # neutral to slower (the same NOTES), so it keeps them without.
 LAUNCH_BOUND_BYTES = 16 << 20
 
 
-def launch_bound(config, dtype: torch.dtype) -> bool:
-    """Whether a target with this (HF) config's decoder layer reads under LAUNCH_BOUND_BYTES of weights in
-    `dtype` (q/k/v, o_proj, gate/up and down_proj): core.ops.make_ops then gives its one-row launches PDL
-    (kernels.Launch.one_row_pdl)."""
+def layer_weight_bytes(config, dtype: torch.dtype) -> int:
+    """The bytes of one decoder layer's matmul weights in `dtype` (q/k/v, o_proj, gate/up and down_proj) of a
+    target with this (HF) config."""
     h, heads = config.hidden_size, config.num_attention_heads
     d = getattr(config, "head_dim", None) or h // heads
     kv = getattr(config, "num_key_value_heads", None) or heads
-    params = h * d * (2 * heads + 2 * kv) + 3 * h * config.intermediate_size
-    return params * dtype.itemsize < LAUNCH_BOUND_BYTES
+    return (h * d * (2 * heads + 2 * kv) + 3 * h * config.intermediate_size) * dtype.itemsize
+
+
+def launch_bound(config, dtype: torch.dtype) -> bool:
+    """Whether the target's decoder layer reads under LAUNCH_BOUND_BYTES of weights: core.ops.make_ops then gives its
+    one-row launches PDL (kernels.Launch.one_row_pdl)."""
+    return layer_weight_bytes(config, dtype) < LAUNCH_BOUND_BYTES
 
 
 class TritonOps(Ops):

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         res = {"label": RANDOM_LABEL.split(" / ")[0], "preset": a.preset, "device_name": name,
                "dtype": str(backend.dtype)[6:], "kernels": m.target.kernels + (", wide rows" if a.wide_rows else "")
                + (", one-row PDL" if one_row else ""), "one_row_pdl": one_row,
-               "graphs": a.graphs,
+               "graphs": a.graphs, "reps": a.reps, "warmup": a.warmup,
                "copy_bandwidth_GBps": bw / 1e9,
                "matmul_TFLOPs": flops / 1e12, "matmul_shape": f"{n}x{n}x{n} {str(backend.dtype)[6:]}",
                "torch": torch.__version__, "goal_ratio": GOAL,

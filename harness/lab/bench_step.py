@@ -235,6 +235,7 @@ def measure(a, path: str | None = None) -> dict:
     if a.kernels == "triton":
         m.use_ops(_ops(a, backend.device))
         res["pdl"], res["batch_invariant"] = bool(m.target.ops.launch.pdl), a.batch_invariant
+        res["one_row_pdl"] = bool(m.target.ops.launch.pdl and m.target.ops.launch.one_row_pdl)
     res["kernels"] = m.target.kernels
     watch = _compile_refiners(m, a.compile_backend) if a.compile else None
     for arm in arm_list(a.ks, a.topc):
