@@ -79,7 +79,7 @@ def _with_options(options: dict):
 def compile_attention_only(options: dict | None = None) -> None:
     """speculators' flex attention forward calls the module-level `flex_attention` of speculators.models.attention
     (0.9.0); it is replaced there by one compiled function per `options` (kernel_options it passes; none: torch's
-    choice), shared by every model of the process. A caller's own kernel_options keys win over `options`'."""
+    choice), shared by every model of the process. A caller's own kernel_options keys win over `options`."""
     import json
     import torch
     import speculators.models.attention as attention

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from core.errors import UsageError
 from training import config_numbers, fit, grow
-from training.store import REPO_ROOT, export_digest, repo_path  # noqa: F401  (repo_path: evaluate and ship take it from here)
+from training.store import REPO_ROOT, export_digest, repo_path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
 MODEL_TYPES = ("dflash", "xpress", "dspark")

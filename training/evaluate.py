@@ -23,9 +23,9 @@ import json
 import time
 from pathlib import Path
 
-from training.config import fingerprint, model_fingerprint, repo_path
+from training.config import fingerprint, model_fingerprint
 from training.overlap import read_jsonl
-from training.store import export_digest, read_manifest, write_json
+from training.store import export_digest, read_manifest, repo_path, write_json
 
 FILE = "acceptance.json"
 WARM_FILE = "acceptance_warm.json"  # a warm-started drafter's starting weights, measured the same way

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from core.errors import UsageError
 from training import eval_sets
-from training.config import fingerprint, repo_path
+from training.config import fingerprint
 from training.domains import apply_templates, group_counts, magpie_plan, split
 from training.overlap import NgramIndex, eval_index, gram_frequencies, prompt_texts, read_jsonl
-from training.store import is_done, staged, write_json, write_jsonl
+from training.store import is_done, repo_path, staged, write_json, write_jsonl
 
 SENTINEL = "\x00MAGPIE\x00"
 

@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 
 from core.errors import Parser, UsageError, cli_exit
-from training.config import repo_path
-from training.store import staged, write_json
+from training.store import repo_path, staged, write_json
 
 FILE_LIMIT = 16 * 2**20
 # smollm2-gpu's 5-layer drafter (37.4 MB in bf16) with the xPress and a Markov head (16 MB each) is 69.3 MB: the
