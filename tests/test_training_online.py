@@ -125,6 +125,13 @@ def test_a_cached_run_trains_as_the_online_run(pair):
     box = json.loads((root / "cache" / "train" / "drafter" / "box.json").read_text())
     rec = box["taps_cache"]
     assert rec["budget_gib"] == 1 and rec["refused_sequences"] == 0 and rec["sequences"] > 0
+    # the reserve a slab leaves free is the stage's: 4 GiB and the drafter's fp32 logits and gradient at its most
+    # anchors over the tiny target's vocab (TapsCache.step_reserve; without it, FREE_RESERVE's 4 GiB)
+    from training.config import load_config
+    from training.target import target_config
+    c = load_config(str(cfg))
+    m, vocab = c["models"]["drafter"], target_config(c["target"]).vocab_size
+    assert rec["reserve_gib"] == round((4 * 2**30 + 2 * m["max_anchors"] * m["block_size"] * vocab * 4) / 2**30, 3)
     # 3 epochs: the first computes every token of its rows, the next two copy them (validation likewise)
     assert rec["hit_tokens"] == pytest.approx(2 * rec["computed_tokens"], rel=0.02)
     plain = json.loads((root / "on" / "train" / "drafter" / "box.json").read_text())

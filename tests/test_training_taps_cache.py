@@ -235,3 +235,34 @@ def test_the_cache_stops_growing_when_the_device_would_run_short(taps, monkeypat
     rec = taps.cache.record()
     assert rec["stopped_for_memory"] and rec["sequences"] == 2 and rec["slabs_gib"] == round(30 * per_token / 2**30, 3)
     assert all(torch.equal(x, y) for x, y in zip(got, _plain(taps, a)))
+
+
+def test_a_reserve_above_the_default_stops_the_cache_sooner(taps, monkeypatch):
+    """TapsCache(budget, reserve): a slab must leave `reserve` free, not only FREE_RESERVE. With the device's free
+    bytes faked at one slab plus FREE_RESERVE (enough under the default), a cache given one more byte of reserve
+    makes no slab and says it stopped; a reserve below FREE_RESERVE is raised to it. Power: the old rule (FREE_RESERVE
+    alone) would make the slab and keep the sequences."""
+    from training.online import TapsCache
+    per_token = 3 * 64 * 2
+    monkeypatch.setattr(TapsCache, "SLAB", 30 * per_token)
+    monkeypatch.setattr(TapsCache, "free_bytes", staticmethod(lambda dev: 30 * per_token + TapsCache.FREE_RESERVE))
+    assert TapsCache(2**30, reserve=1).reserve == TapsCache.FREE_RESERVE
+    taps.cache = TapsCache(2**30, reserve=TapsCache.FREE_RESERVE + 1)
+    a = _row(_seqs(9, [17, 5]))
+    got = taps.compute(*a)
+    rec = taps.cache.record()
+    assert rec["stopped_for_memory"] and rec["sequences"] == 0 and rec["slabs_gib"] == 0
+    assert rec["reserve_gib"] == round((TapsCache.FREE_RESERVE + 1) / 2**30, 3)
+    assert all(torch.equal(x, y) for x, y in zip(got, _plain(taps, a)))
+
+
+def test_the_step_reserve_covers_the_largest_loss_logits_and_their_gradient():
+    """TapsCache.step_reserve: FREE_RESERVE plus twice the logits of the model with the most anchors x block, in the
+    training dtype. The H100 case that ran out of memory: 4,096 anchors x 16 x 49,152 in bf16 is 6 GiB a buffer, so
+    16 GiB in all (a reserve of 4 GiB had left 5 GiB free). Power: a reserve of one buffer, the smallest model's, or
+    fp32 sizes for bf16 give another number."""
+    from training.online import TapsCache
+    models = [{"max_anchors": 512, "block_size": 8}, {"max_anchors": 4096, "block_size": 16}]
+    assert TapsCache.step_reserve(models, 49152, torch.bfloat16) == 16 * 2**30
+    assert TapsCache.step_reserve(models[:1], 100, torch.float32) == TapsCache.FREE_RESERVE + 2 * 512 * 8 * 100 * 4
+    assert TapsCache.step_reserve([], 100, torch.float32) == TapsCache.FREE_RESERVE

@@ -272,12 +272,17 @@ class TapsCache:
     bytes a slab); the slabs' bytes count against the budget. A sequence larger than `SLAB` gets a slab of its
     own size. On CUDA a slab is made only while the device keeps `FREE_RESERVE` bytes free beside it (the
     training step's own blocks are already reserved after its first step), so a budget larger than the device
-    holds stops the cache from growing (`stopped_for_memory`) instead of failing the stage out of memory."""
+    holds stops the cache from growing (`stopped_for_memory`) instead of failing the stage out of memory.
+
+    `reserve`: the free bytes a new slab must leave, at least FREE_RESERVE. A step's blocks are reserved only as
+    large as the steps so far needed: a later step with more anchors asks for larger ones (`step_reserve`), and a
+    reserve below that ran an H100 out of memory (results/perf/NOTES.md, the sixteenth session)."""
 
     SLAB = 2**30
     FREE_RESERVE = 4 * 2**30
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, reserve: int = 0):
+        self.reserve = max(int(reserve), self.FREE_RESERVE)
         self.budget, self.used, self.allocated = int(budget), 0, 0
         self.store: dict[bytes, torch.Tensor] = {}
         self.hit_tokens = self.computed_tokens = 0
@@ -320,12 +325,21 @@ class TapsCache:
         if tokens < n or self.stopped_for_memory:
             return False
         free = self.free_bytes(like.device)
-        if free is not None and free < tokens * per_token + self.FREE_RESERVE:
+        if free is not None and free < tokens * per_token + self.reserve:
             self.stopped_for_memory = True
             return False
         self._slab, self._at = like.new_empty((tokens, *like.shape[1:])), 0
         self.allocated += tokens * per_token
         return True
+
+    @staticmethod
+    def step_reserve(models: list[dict], vocab: int, dtype: torch.dtype) -> int:
+        """FREE_RESERVE and what a step may newly ask of the device at the most anchors any of `models` (their
+        configs) takes: its loss's logits ([anchors x block, vocab] in the training dtype) and their gradient, which
+        speculators 0.9.0's fused loss allocates apart in its backward (losses/fused.py: 6 GiB at 4,096 anchors x 16
+        x 49,152 in bf16, the allocation that failed)."""
+        worst = max((m["max_anchors"] * m["block_size"] for m in models), default=0)
+        return TapsCache.FREE_RESERVE + 2 * worst * vocab * dtype.itemsize
 
     @staticmethod
     def free_bytes(device: torch.device) -> int | None:
@@ -337,7 +351,8 @@ class TapsCache:
         when off. kept_gib: the kept sequences' bytes; slabs_gib: the slabs' (what the device holds)."""
         if not self.budget:
             return None
-        return {"budget_gib": round(self.budget / 2**30, 3), "kept_gib": round(self.used / 2**30, 3),
+        return {"budget_gib": round(self.budget / 2**30, 3), "reserve_gib": round(self.reserve / 2**30, 3),
+                "kept_gib": round(self.used / 2**30, 3),
                 "slabs_gib": round(self.allocated / 2**30, 3), "sequences": len(self.store),
                 "refused_sequences": len(self.refused), "stopped_for_memory": self.stopped_for_memory,
                 "hit_tokens": self.hit_tokens,

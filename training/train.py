@@ -344,7 +344,9 @@ def online_taps(cfg: dict, load):
     taps = OnlineTaps(target, hm["layer_ids"], DTYPES[cfg["hidden"]["dtype"]], train_dtype(device_of(cfg)))
     taps.compile = resolve_compile(cfg["train"]["compile_target"], device_of(cfg).type)
     taps.groups = cfg["train"]["target_groups"]
-    taps.cache = TapsCache(int(cfg["train"]["taps_cache_gib"] * 2**30))
+    reserve = TapsCache.step_reserve([cfg["models"][n] for n in train_order(cfg)], target.config.vocab_size,
+                                     train_dtype(device_of(cfg)))
+    taps.cache = TapsCache(int(cfg["train"]["taps_cache_gib"] * 2**30), reserve)
     if taps.compile == "layers":  # 163 -> 40 ms a 32K-token row on the H200 (training/bench_taps.py)
         compile_layers(target)
         print(f"train: the online target's {len(target.model.layers)} decoder layers are compiled "
