@@ -141,3 +141,23 @@ def test_the_gsm8k2_preset_is_gsm8k_with_more_gsm8k_answers_pinned_sets_and_a_re
     assert g2["responses"]["sampled_by_group"] == {"gsm8k_train_questions.jsonl": 15, "magpie:chat": 0,
                                                    "magpie:code": 0, "magpie:math": 0}
     assert g["train"]["lr"] == 6e-4 and list(g2["models"]) == ["drafter"]
+
+
+def test_the_gsm8k3_preset_is_gsm8k2_with_a_longer_drafter_box_over_the_same_stages(tmp_path):
+    """smollm2-gpu-gsm8k3 (results/perf/NOTES.md, the sixteenth session): gsm8k2's recipe with only the drafter's box
+    longer (14 minutes, where the responses stage took gsm8k2's 6.5), for a session that carries gsm8k2's stages in;
+    they are used only if its prompts and responses stage keys are gsm8k2's. Power: any change to the prompts or
+    responses sections, the seed or the target, changes a key."""
+    from training import prompts, responses
+    from training.store import write_json
+    g2, g3 = load_config("smollm2-gpu-gsm8k2"), load_config("smollm2-gpu-gsm8k3")
+    assert {k for k in g2 if g2[k] != g3[k]} == {"name", "workdir", "models"}
+    assert list(g3["models"]) == ["drafter"]
+    assert {k: v for k, v in g3["models"]["drafter"].items() if v != g2["models"]["drafter"][k]} == {"max_minutes": 14}
+    files = ["data/eval/gsm8k.jsonl"]
+    assert prompts.stage_key(g3, files, "pinned") == prompts.stage_key(g2, files, "pinned")
+    for c in (g2, g3):
+        c["workdir"] = str(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    write_json(tmp_path / "prompts" / "manifest.json", {"key": prompts.stage_key(g2, files, "pinned")})
+    assert responses.stage_key(g3) == responses.stage_key(g2)
