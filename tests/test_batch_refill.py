@@ -155,6 +155,7 @@ def test_a_request_that_stops_at_its_prefill_hands_its_row_on_at_once(case):
     # row 0: requests 0 and 2 stop at their prefill, so request 3 takes it before the first step, then request 4;
     # row 1: request 1. Had row 0 idled, requests 3 and 4 would have waited for row 1
     assert gens[0].batch_steps == max(steps[1], steps[3] + steps[4]) < steps[1] + steps[3] + steps[4]
+    assert [g.served_row for g in gens] == [0, 1, 0, 0, 0]  # Generation.served_row: the row each decoded on
     ones = generate_batch(t, [prompts[i] for i in ORDER], dataclasses.replace(s, max_new_tokens=1), CPU32, rows=2)
     assert [g.tokens for g in ones] == [refs[i][:1] for i in ORDER] and ones[0].batch_steps == 0
     default = generate_batch(t, [prompts[i] for i in ORDER], dataclasses.replace(s, max_new_tokens=5), CPU32,

@@ -124,7 +124,8 @@ def test_sampled_drafts_at_t0_do_not_depend_on_the_batch(files, tmp_path):
     assert any(x.startswith("FEWER THAN 5 SEEDS (1;") for x in labels), labels  # one sampled round
     assert "rotation unbalanced by 1" in labels, labels  # 4 arms in one measured round: each in one slot
     readme = (tmp_path / "td" / "README.md").read_text()  # one context: no context plot written, none listed
-    assert "speedup_vs_batch.png" in readme and "speedup_vs_context.png" not in readme and "same as B=1" in readme
+    assert "`speedup_vs_batch.png`" in readme and "`speedup_vs_context.png`" not in readme and "same as B=1" in readme
+    assert "Not plotted: no speedup_vs_context.png: one context length swept (0)" in readme
 
 
 def test_batched_requests_decode_their_b1_tokens_and_long_contexts_are_long(swept):
@@ -309,6 +310,12 @@ def test_a_refilled_sweep_decodes_each_request_as_b1_in_one_queue_per_point(file
     assert any("continuous batching" in x for x in s["labels"])
     b2 = [r for r in rows if r["batch_size"] == 2]
     assert {r["batch_index"] for r in b2} == {0} and {r["batch_row"] for r in b2} == {0, 1, 2, 3}
+    for (a, rnd) in {(r["arm"], r["round"]) for r in b2}:  # the rows decoded on: both, the first two in order
+        served = [r["served_row"] for r in sorted(b2, key=lambda r: r["batch_row"]) if (r["arm"], r["round"]) == (a, rnd)]
+        assert served[:2] == [0, 1] and set(served) == {0, 1}
+    assert {r["served_row"] for r in rows if r["batch_size"] == 1} == {0}  # one row, every request in turn
+    assert "Not plotted: no speedup_vs_context.png: one context length swept (0); a line needs two." in \
+        (folder / "README.md").read_text()
     for r in b2:
         assert r["batch_decode_s"] >= r["decode_s"] > 0 and r["refill"] and r["batch_rows"] == 2
     from harness.protocol import sweep_steps
@@ -366,3 +373,22 @@ def test_an_interrupted_sweeps_folder_says_to_delete_it(files, tmp_path, capsys,
         assert cli.main(args(files, tmp_path, "--run-id", "r", *extra)) == 2
         err = capsys.readouterr().err.strip()
         assert f"delete {folder} to run it again, or pick another --run-id" in err and "--resume" not in err, err
+
+
+def test_a_plot_not_written_says_why(swept):
+    """sweep_readme.unplotted: a sweep of one batch size or one context length, or without AR or another arm,
+    says in its README (and on stdout) why each plot is missing, instead of leaving it out silently. Power: a
+    list that named written plots, or gave one reason for every case, fails one of these."""
+    from harness.protocol import sweep_readme
+    _, s, _ = swept
+    assert sweep_readme.unplotted(s, ["speedup_vs_batch.png", "speedup_vs_context.png"]) == []
+    one = dict(s, batch_sizes=[4])
+    assert sweep_readme.unplotted(one, ["speedup_vs_context.png"]) == [
+        "no speedup_vs_batch.png: one batch size swept (4); a line needs two"]
+    assert [m.split(": ", 1)[1] for m in sweep_readme.unplotted(dict(s, reference=None), [])] == \
+        ["no AR arm to take the speedup over"] * 2
+    assert sweep_readme.unplotted(dict(s, arms=[s["reference"]]), [])[0].endswith("no arm besides AR")
+    assert sweep_readme.unplotted(s, [])[0].endswith("matplotlib is not installed (pip install matplotlib)")
+    text = sweep_readme.readme(one, ["speedup_vs_context.png"], sweep_readme.unplotted(one, ["speedup_vs_context.png"]))
+    assert "Not plotted: no speedup_vs_batch.png: one batch size swept (4); a line needs two." in text
+    assert "Not plotted" not in sweep_readme.readme(s, ["speedup_vs_batch.png", "speedup_vs_context.png"], [])

@@ -176,7 +176,7 @@ class _Batch:
         n = len(prompt) + 1
         self.out[slot.row, :n] = run.out[:n]
         run.out = run.stepper.out = self.out[slot.row]
-        run.k, run.paused0, run.end = k, self.paused, None
+        run.k, run.paused0, run.end, run.served_row = k, self.paused, None, slot.row
         return run
 
     @staticmethod
@@ -196,6 +196,7 @@ class _Batch:
         """The request's Generation, read from its output row before the row's next request overwrites it. Its
         decode_s runs from its start to its end (0 if it never stepped) less the refills in between."""
         gen = self.gens[run.k] = run.finish(run.request.produced, run.request.stop)
+        gen.served_row = run.served_row
         if run.end is None:
             gen.decode_s = gen.batch_end_s = 0.0
         else:

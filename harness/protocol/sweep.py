@@ -173,12 +173,16 @@ def run(cfg, out=None) -> dict:
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     sweep_steps.write(folder, rows, plan.arm_names, ar, summary["labels"])
-    plots = write_plots(folder, summary)  # before the README, which lists the plots written
-    atomic_write(os.path.join(folder, "README.md"), sweep_readme.readme(summary, [os.path.basename(p) for p in plots]))
+    plots = write_plots(folder, summary)  # before the README, which lists the plots written and says why not others
+    unplotted = sweep_readme.unplotted(summary, [os.path.basename(p) for p in plots])
+    atomic_write(os.path.join(folder, "README.md"),
+                 sweep_readme.readme(summary, [os.path.basename(p) for p in plots], unplotted))
     atomic_write(os.path.join(folder, "env.json"),
                  json.dumps(environment(exclude=[folder]), indent=1, default=str) + "\n")
     for path in plots:
         print(f"[plot] {path}", file=out)
+    for why in unplotted:
+        print(f"[plot] {why}", file=out)
     print(format_table(summary), f"[results] {folder}", sep="\n", file=out)
     return summary
 
@@ -216,8 +220,9 @@ def _decode_point(plan, models, settings, arm, pt: _Point, round_: int, slot: in
                     if gens[0].refined_batched else "refinements per request")
         for j, (i, gen) in enumerate(zip(ids, gens)):
             row = runner.sample_row(plan.run_id, cfg, arm, i, samples[i], 0, round_, round_ <= plan.warmup_rounds, gen)
+            # batch_row: the request's place in its batch (refills: in the queue); served_row: the row it decoded on
             row.update(batch_size=pt.batch, batch_rows=rows_run, context_len=pt.context, batch_index=g, batch_row=j,
-                       slot=slot,
+                       served_row=gen.served_row, slot=slot,
                        stream_seed=seeds[j], request_copy=copies[k0 + j], batch_decode_s=decode_s,
                        batch_prefill_s=wall - decode_s - gens[0].setup_capture_s, batch_capture_s=gens[0].setup_capture_s,
                        batch_setup_captures=gens[0].setup_captures, graph_steps=gen.graph_steps,
