@@ -180,3 +180,14 @@ def test_a_folder_written_before_a_flag_existed_still_resumes(tmp_path):
     with pytest.raises(UsageError, match=r"written by an older version of the harness \(it records no "
                                          r"--fp32-logits\), which this one cannot continue; start a new run"):
         plan_mod.check_resume(cfg, str(tmp_path))
+
+
+def test_config_json_says_which_k_each_xpress_arm_ran(data, tmp_path):
+    """config.json's resolved section: `xpress_ks` lists the K of every xPress arm, and `xpress_refine_passes` is
+    the K only where no --fair-k-list replaced it (it read 3, the flag's default, beside arms run at K=1,2,4).
+    Power: the old record gives 3 under the list, and no xpress_ks."""
+    base = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(data), "--results-dir", str(tmp_path)]
+    listed = prepare(parse_args(base + ["--fair-interleave", "--fair-k-list", "1,2,4"]), device="cpu").resolved()
+    assert listed["xpress_ks"] == [1, 2, 4] and listed["xpress_refine_passes"] is None
+    one = prepare(parse_args(base + ["--xpress-refine-passes", "5"]), device="cpu").resolved()
+    assert one["xpress_ks"] == [5] and one["xpress_refine_passes"] == 5

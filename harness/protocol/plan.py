@@ -78,7 +78,10 @@ class RunPlan:
         return {"block_size": self.block_size, "max_model_len": self.max_model_len, "rounds": self.rounds,
                 "warmup_rounds": self.warmup_rounds, "arms": self.arm_names, "device": str(self.backend.device),
                 "dtype": str(self.backend.dtype).removeprefix("torch."), "target": target_source(self.config),
-                "xpress_refine_passes": self.passes, "xpress_topc": self.topc,
+                # the K each xPress arm ran; xpress_refine_passes only where no --fair-k-list replaced it
+                "xpress_ks": [a.K for a in self.arms if a.method == "xpress"],
+                "xpress_refine_passes": self.passes if self.config.fair_k_list is None else None,
+                "xpress_topc": self.topc,
                 "draft_temperature": self.config.draft_temperature_used,
                 "refiners": {k: {"source": c.source, "step": c.step, "rank": c.rank, "mixer": c.mixer,
                                  "variant": c.variant} for k, c in self.refiners.items()},
