@@ -220,5 +220,5 @@ def test_the_gain_over_drafter_only_prints_its_own_ci():
     text = report.format_console_table(s, "toy")
     line = next(ln for ln in text.splitlines() if ln.startswith("xPress(K=6) "))
     lo, hi = gain["ci95"]
-    assert line.rstrip().endswith(f"{gain['value']:.3f} [{lo:.2f}, {hi:.2f}]") and lo < hi
+    assert line.rstrip().endswith(f"{gain['value']:.3f} [{lo:.2f}, {hi:.2f}; 9 units]") and lo < hi
     assert "x gain over drafter-only (median) [95% CI]" in text

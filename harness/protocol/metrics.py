@@ -7,7 +7,6 @@ so a report can still print every other column.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -136,17 +135,6 @@ def paired_ratio_stats(ratios: Sequence[float]) -> RatioStats:
 # -------------------------------------------------------------------------------------------- confidence intervals
 
 MIN_CI_UNITS = 2  # one paired unit (a prompt of one round) draws one value: a zero-width "CI"; NaN from fewer
-
-
-def ci_bracket(ci, units: int | None, fmt: str = ".2f") -> str:
-    """' [lo, hi]' as every table prints a CI; ' [CI n/a: 1 unit]' from fewer than MIN_CI_UNITS resampled units
-    (prompts x rounds; None: not known, older summaries), ' [CI n/a]' without one."""
-    if units is not None and units < MIN_CI_UNITS:
-        return f" [CI n/a: {units} unit{'' if units == 1 else 's'}]"
-    lo, hi = ci or (None, None)
-    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (lo, hi)):
-        return " [CI n/a]"
-    return f" [{format(lo, fmt)}, {format(hi, fmt)}]"
 
 
 def _percentile_bootstrap(n: int, stat_of_idx: Callable[[np.ndarray], float], n_boot: int, alpha: float,

@@ -21,7 +21,7 @@ Versions (`schema_version`; readers accept every version up to SCHEMA_VERSION):
 from __future__ import annotations
 
 from core.errors import UsageError
-from harness.protocol import divergence, metrics
+from harness.protocol import ci_text, divergence, metrics
 
 SCHEMA_VERSION = 3
 SCHEMA = f"xpress-bench/summary/{SCHEMA_VERSION}"
@@ -182,6 +182,7 @@ def conventions() -> dict[str, str]:
     c["break_even_tau"] = BREAK_EVEN_NOTE
     c["divergence"] = divergence.convention()
     c["gain"] = "x gain = the same statistic against the drafter-only arm"
+    c["ci_units"] = ci_text.FEW_CI_NOTE
     c["optimal"] = ("throughput-optimal K = the arm of a method with the highest POOLED tok/s on the warmup rounds "
                     "(held out: never reported), reported from the measured rounds; a run without a complete warmup "
                     "round selects on the measured rounds and says so (selected_on: biased upward)")

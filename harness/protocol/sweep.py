@@ -38,7 +38,7 @@ import textwrap
 import numpy as np
 
 from core.errors import UsageError
-from harness.protocol import metrics, runner, sweep_readme, sweep_steps
+from harness.protocol import ci_text, metrics, runner, sweep_readme, sweep_steps
 from harness.protocol.algorithms import DFlashDrafter, DFlashGroup, batch_refiner
 from harness.protocol.build import prepare
 from harness.protocol.console import describe, label
@@ -337,7 +337,7 @@ def format_table(summary: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for p in summary["points"]:
         for a, e in p["arms"].items():
-            sp = (f"{e['speedup']:.3f}" + metrics.ci_bracket(e["speedup_ci"], e.get("speedup_ci_units"))
+            sp = (f"{e['speedup']:.3f}" + ci_text.ci_bracket(e["speedup_ci"], e.get("speedup_ci_units"))
                   if "speedup" in e else "1.000 (ref)" if a == summary["reference"] else "-")
             same = f"{e['same_as_b1']['equal']}/{e['same_as_b1']['of']}" if e.get("same_as_b1") else "-"
             fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from harness.protocol import ci_text
 from harness.protocol.replicates import seeds_short
 from harness.protocol.rounds import imbalance, rotation
 
@@ -116,5 +117,5 @@ def readme(summary: dict, plots: list[str] | None = None, missing: list[str] = (
              *[f"| `{f}` | {what} |" for f, what in FILES if plots is None or not f.endswith(".png") or f in plots],
              *(["", *[f"Not plotted: {m}." for m in missing]] if missing else []),
              "", f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Per-request tok/s: "
-             f"{per_request}. Crossover: {c['crossover']}. {SAME}.", ""]
+             f"{per_request}. Crossover: {c['crossover']}. {SAME}. CIs: {ci_text.FEW_CI_NOTE}.", ""]
     return "\n".join(lines)

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from harness.protocol import divergence, facts, metrics
+from harness.protocol import ci_text, divergence, facts, metrics
 
 def _num(x, fmt: str) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
@@ -38,7 +38,7 @@ def _ratio_cell(p: dict | None, name: str, ref: str | None, ci: bool) -> str:
     if not p or not p.get("n"):
         return "-"
     cell = _num(p.get("value"), ".3f") + (" (1 round)" if p["n"] == 1 else "")
-    return cell + (metrics.ci_bracket(p.get("ci95"), ci_units(p)) if ci else "")
+    return cell + (ci_text.ci_bracket(p.get("ci95"), ci_units(p)) if ci else "")
 
 
 def ci_units(p: dict) -> int | None:
@@ -106,7 +106,7 @@ def _diff(g: dict | None) -> str:
         return "-"
     units = g["prompts"] * g["seeds"] if isinstance(g.get("prompts"), int) and isinstance(g.get("seeds"), int) \
         else None
-    return _num(g.get("diff"), '+.3f') + metrics.ci_bracket(g.get("diff_ci95"), units, "+.3f")
+    return _num(g.get("diff"), '+.3f') + ci_text.ci_bracket(g.get("diff_ci95"), units, "+.3f")
 
 
 def _order(o: dict | None) -> list[str]:
@@ -256,7 +256,7 @@ def _sp_cell(sp: dict, tau, arm: dict, flagged: bool) -> str:
     """'2.03× [1.95, 2.12] (E2E 1.74×) / 2.15 (b-e 1.06)', ⚑ first when the run's AR rounds were flagged."""
     ci = sp.get("ci95") or [None, None]
     units = ci_units(sp)
-    bracket = metrics.ci_bracket(ci, units) if ci[0] is not None or units is not None else ""
+    bracket = ci_text.ci_bracket(ci, units) if ci[0] is not None or units is not None else ""
     e2e = f" (E2E {_num((arm.get('speedup_e2e') or {}).get('value'), '.2f')}×)" if "speedup_e2e" in arm else ""
     be = f" (b-e {_num(arm.get('break_even_tau'), '.2f')})" if "break_even_tau" in arm else ""
     return f"{FLAG + ' ' if flagged else ''}{_num(sp.get('value'), '.2f')}×{bracket}{e2e} / {_num(tau, '.2f')}{be}"
