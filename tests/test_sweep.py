@@ -202,6 +202,9 @@ def test_the_folder_says_what_ran_in_its_titles_and_readme(swept):
     assert f"- {first}" in readme and "| `steps.md` |" in readme and "mean of ratios" in readme
     assert "Per-request tok/s: the mean" in (folder / "sweep.md").read_text()
     assert (folder / "env.json").is_file() and not (folder / "environment.json").exists()
+    # 7 new tokens a request: its last step is cut at the limit in a large share of steps, and the labels say so
+    assert any(x.startswith("tau capped by --max-new-tokens: ") for x in s["labels"]), s["labels"]
+    assert "tau capped by --max-new-tokens" in readme and "CIs: a CI printed as [lo, hi; n units]" in readme
 
 
 def test_the_runs_report_refuses_a_sweep_folder_and_writes_nothing(swept, capsys):

@@ -139,3 +139,24 @@ def labels(out_arms: dict, design_: dict, deterministic: bool) -> list[str]:
     if design_.get("imbalance"):
         out.append(f"rotation unbalanced by {design_['imbalance']}")
     return out
+
+
+CAPPED_SHARE = 0.05  # a label from this share of a speculative arm's verify steps cut at a request's token limit
+
+
+def capped_label(rows: list[dict]) -> list[str]:
+    """A label when --max-new-tokens cuts many verify steps: a request that ends at its limit ends on a step whose
+    accepted length is cut to the tokens left, so tau reads low by up to that share of steps (each such step
+    counts at most what was left). The share: such requests over the verify steps, per speculative arm (rows
+    with stop_reason; AR takes no verify step); the label names the largest."""
+    worst = None
+    for arm in sorted({r["arm"] for r in rows if r.get("method") not in ("ar", None)}):
+        mine = [r for r in rows if r["arm"] == arm]
+        steps = sum(len(r.get("accept_lengths") or ()) for r in mine)
+        cut = sum(r.get("stop_reason") == "max_new_tokens" for r in mine)
+        if steps and (worst is None or cut / steps > worst[0]):
+            worst = (cut / steps, arm)
+    if worst is None or worst[0] < CAPPED_SHARE:
+        return []
+    return [f"tau capped by --max-new-tokens: {worst[0]:.0%} of {worst[1]}'s verify steps ended a request at its "
+            "limit, each cut to the tokens left (tau reads low; a larger --max-new-tokens narrows it)"]

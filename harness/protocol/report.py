@@ -244,7 +244,8 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
         "arms": out_arms, "optimal": optimal,
         "tau_order": replicates.tau_order(g.rows, g.arms, out_arms, optimal, base, g.prompts, n_boot, seed),
         "ar_rounds_off_median": _ar_off_median(g, out_arms, ar),
-        "design": design, "labels": list(labels or []) + untimed + replicates.labels(out_arms, design, g.deterministic),
+        "design": design, "labels": list(labels or []) + untimed + replicates.labels(out_arms, design, g.deterministic)
+        + replicates.capped_label(g.measured),
         "conventions": conventions(),
     })
 

@@ -38,7 +38,7 @@ import textwrap
 import numpy as np
 
 from core.errors import UsageError
-from harness.protocol import ci_text, metrics, runner, sweep_readme, sweep_steps
+from harness.protocol import ci_text, metrics, replicates, runner, sweep_readme, sweep_steps
 from harness.protocol.algorithms import DFlashDrafter, DFlashGroup, batch_refiner
 from harness.protocol.build import prepare
 from harness.protocol.console import describe, label
@@ -169,7 +169,7 @@ def run(cfg, out=None) -> dict:
                         labels=[x for x in [sweep_readme.run_line(cfg, plan, len(samples)), label(cfg),
                                             f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",
                                             f"kernels {models.target.kernels}", *sorted(how),
-                                            *sweep_readme.caveats(plan, settings)] if x])
+                                            *sweep_readme.caveats(plan, settings), *replicates.capped_label(rows)] if x])
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     sweep_steps.write(folder, rows, plan.arm_names, ar, summary["labels"])
