@@ -1,7 +1,8 @@
-"""Files of a results folder: sample rows appended as they finish (and read back after a crash), atomic writes,
-and the environment a run was measured in."""
+"""Files of a results folder: sample rows appended as they finish (and read back after a crash), gzip'd when the
+run ends, atomic writes, and the environment a run was measured in."""
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+import zlib
 from pathlib import Path
 
 from core.errors import UsageError
@@ -17,13 +19,67 @@ from core.errors import UsageError
 _REPO = Path(__file__).resolve().parents[2]
 COMMIT_FILE = ".xb_commit"  # harness/lab/device_tree.sh stash writes it: the commit of a tree copied without .git
 
+# A folder's rows. While a run goes they are plain JSON lines, appended a decode at a time (LIVE_ROWS: append_rows,
+# fsync'd; a crash loses at most the row being written, and --resume appends to the same file); when it ends they
+# are written whole as one gzip stream (ROWS: write_rows) and the plain file goes. Why not gzip while running:
+# appending a gzip member per decode compressed each row alone (results/sweeps/h100/smollm2-135m_gsm8k_batch_refill:
+# 12.4 MB of rows, 1.34 MB as one stream, 4.56 MB as a member per row), and a member cut off by a crash would have to
+# be found by decompressing the whole file before the next append. So a folder holds either file: an interrupted
+# run's rows (and an older folder's, written before rows were gzip'd) are plain, a finished run's gzip'd, and every
+# reader goes through rows_file / read_folder_rows.
+ROWS = "samples.jsonl.gz"
+LIVE_ROWS = "samples.jsonl"
+
+
+def rows_file(folder: str | os.PathLike) -> Path | None:
+    """The file holding a results folder's rows: LIVE_ROWS where there is one (a run appending, an interrupted
+    run, an older folder; never older than a ROWS beside it, which a run killed while finishing may leave with the
+    same rows), else ROWS; None where neither is."""
+    for name in (LIVE_ROWS, ROWS):
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    return None
+
+
+def read_folder_rows(folder: str | os.PathLike) -> list[dict]:
+    """Every row of a results folder (rows_file): its samples.jsonl.gz, or its plain samples.jsonl."""
+    path = rows_file(folder)
+    if path is None:
+        raise UsageError(f"{folder}: no {ROWS} (nor a plain {LIVE_ROWS}); a run writes its rows there")
+    return read_rows(path)
+
+
+def rows_text(rows: list[dict]) -> str:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+
+def write_rows(folder: str | os.PathLike, rows: list[dict]) -> Path:
+    """A finished run's rows, whole, as folder/samples.jsonl.gz (one gzip stream, level 9, no name or time in its
+    header: the same rows give the same bytes), written atomically; then the plain rows the run appended to go."""
+    path = Path(folder) / ROWS
+    atomic_write(path, gzip.compress(rows_text(rows).encode("utf-8"), compresslevel=9, mtime=0))
+    (Path(folder) / LIVE_ROWS).unlink(missing_ok=True)
+    return path
+
+
+def reopen_rows(path: str | os.PathLike) -> bool:
+    """Before a resumed run appends to the plain `path` (folder/samples.jsonl): where only the gzip'd rows are
+    there (a run stopped after writing them, before its summary), they are unpacked to it. True if it did."""
+    packed = Path(f"{os.fspath(path)}.gz")
+    if os.path.exists(path) or not packed.is_file():
+        return False
+    atomic_write(path, rows_text(read_rows(packed)))
+    return True
+
 
 def append_rows(path: str | os.PathLike, rows: list[dict]) -> None:
     """Append rows as JSON lines, then flush and fsync, so a crash loses at most the row being written.
 
     A partial last line left by an earlier crash is cut off first (or closed, when it is a whole object), so the
-    new rows never fuse with it.
+    new rows never fuse with it. Only to a plain file (see LIVE_ROWS): gzip'd rows are written whole (write_rows).
     """
+    if os.fspath(path).endswith(".gz"):
+        raise ValueError(f"{path}: rows are appended to a plain .jsonl; write_rows writes the .gz whole")
     with open(path, "ab+") as f:
         _close_tail(f, path)
         for row in rows:
@@ -64,12 +120,34 @@ def _parse(line: bytes):
         return None
 
 
+def _gunzip(data: bytes, path) -> bytes:
+    """A .gz file's bytes, every member of it (concatenated gzip streams read as one). A stream cut off short (a
+    copy that stopped; write_rows itself writes atomically) gives what it holds up to the cut, with a note, as a
+    plain file's truncated last line does; the line it cut through is then read_rows' truncated last line."""
+    out = []
+    while any(data):  # what follows the last member may be zero padding (any: stops at the first byte not 0)
+        unpack = zlib.decompressobj(wbits=31)
+        try:
+            out.append(unpack.decompress(data))
+        except zlib.error as e:
+            raise UsageError(f"{path}: not a readable gzip file ({e})") from None
+        if not unpack.eof:
+            print(f"[report] {path}: the gzip stream ends early (cut off); read the rows before the cut",
+                  file=sys.stderr)
+            break
+        data = unpack.unused_data
+    return b"".join(out)
+
+
 def read_rows(path: str | os.PathLike) -> list[dict]:
-    """Every row of a samples.jsonl; a truncated last line (an interrupted append) is ignored with a note."""
+    """Every row of a samples.jsonl (or, by its .gz name, a gzip'd one); a truncated last line (an interrupted
+    append, or a gzip stream cut off) is ignored with a note."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise UsageError(f"{path}: no such file; a run writes samples.jsonl in its results folder") from None
+        raise UsageError(f"{path}: no such file; a run writes {ROWS} in its results folder") from None
+    if os.fspath(path).endswith(".gz"):
+        data = _gunzip(data, path)
     lines = data.split(b"\n")
     while lines and not lines[-1].strip():
         lines.pop()
