@@ -6,7 +6,7 @@ import torch
 
 import benchmark_compile_all as cli
 from harness.decode.compiling import CompileWatch, recompile_error_types
-from harness.protocol.results_io import read_rows
+from harness.protocol.results_io import read_folder_rows
 from tiny import write_run_fixture
 
 # tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
@@ -79,7 +79,7 @@ def test_cli_compile_all_reports_and_matches_uncompiled(files, tmp_path, capsys,
     assert stats["graphs"] == 1 and stats["compile_s"] > 0 and stats["recompile_guard"] is True
     assert not torch._dynamo.config.error_on_recompile  # put back when the run ended
     plain, comp = ({(r["round"], r["arm"], r["question_id"], r["turn"]): r["tokens"]
-                    for r in read_rows(tmp_path / run / "samples.jsonl")} for run in ("plain", "comp"))
+                    for r in read_folder_rows(tmp_path / run)} for run in ("plain", "comp"))
     assert plain == comp and len(plain) > 4  # the same tokens, compiled or not
 
 

@@ -15,7 +15,7 @@ import torch
 
 import benchmark_compile_all as cli
 import harness.protocol.runner as runner
-from harness.protocol.results_io import read_rows
+from harness.protocol.results_io import read_folder_rows, read_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 NOT_COMPARED = {"ttft_s", "drafter_prefill_s", "decode_s", "rank"}  # timings, and the rank that decoded a row
@@ -78,8 +78,8 @@ def masked_csv(folder: Path, labels: bool = True) -> list[list[str]]:
 
 
 def assert_same_run(dist: Path, single: Path, world: int = 2, same_labels: bool = True):
-    merged = read_rows(dist / "samples.jsonl")
-    assert strip(merged) == strip(read_rows(single / "samples.jsonl"))  # same prompts, tokens, tau, same order
+    merged = read_folder_rows(dist)
+    assert strip(merged) == strip(read_folder_rows(single))  # same prompts, tokens, tau, same order
     per_rank = [read_rows(dist / f"samples.rank{r}.jsonl") for r in range(world)]
     for r, rows in enumerate(per_rank):
         assert rows and {x["rank"] for x in rows} == {r}
@@ -182,7 +182,7 @@ def test_killed_rank_loses_only_its_prompt_and_resumes_without_duplicates(data, 
     codes = fork_ranks(args(data, tmp_path, "1"), die=(1, 2))
     assert codes[1] == 9 and codes[0] != 0  # rank 1 died; rank 0 was stopped as torchrun stops it
     folder = tmp_path / "r"
-    assert not (folder / "samples.jsonl").exists()  # nothing merged from a broken run
+    assert not (folder / "samples.jsonl.gz").exists()  # nothing merged from a broken run
     before = read_rows(folder / "samples.rank1.jsonl")
     assert len({k[:3] for k in keys(before)}) == 2  # two finished prompt-arms kept; the third, unfinished, lost
     # a resume needs the launcher and process count the run started with

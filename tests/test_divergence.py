@@ -11,7 +11,7 @@ import harness.protocol.replays as replays
 import harness.protocol.runner as runner
 from harness.decode.target import Target
 from harness.protocol import comparisons, divergence
-from harness.protocol.results_io import read_rows
+from harness.protocol.results_io import read_folder_rows
 from tiny import write_run_fixture
 
 # tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
@@ -63,7 +63,7 @@ def run(files, tmp_path, monkeypatch, capsys, shift, run_id):
     plant(monkeypatch, shift)
     assert cli.main(args(files, tmp_path, run_id)) == 0
     folder = tmp_path / run_id
-    return (json.loads((folder / "summary.json").read_text()), read_rows(folder / "samples.jsonl"),
+    return (json.loads((folder / "summary.json").read_text()), read_folder_rows(folder),
             (folder / "table.md").read_text(), capsys.readouterr().out)
 
 
@@ -172,12 +172,12 @@ def test_reference_dtype_float32_end_to_end_on_a_bfloat16_run(files, tmp_path, c
     with the float32 reference of its prompt, scored once per prompt (counted against a float32 run's own AR
     tokens); table.md has the reference row."""
     assert cli.main(args(files, tmp_path, "fp32", "--ar-only")) == 0
-    fp32 = {r["question_id"]: r["tokens"] for r in read_rows(tmp_path / "fp32" / "samples.jsonl")}
+    fp32 = {r["question_id"]: r["tokens"] for r in read_folder_rows(tmp_path / "fp32")}
     capsys.readouterr()
     assert cli.main(args(files, tmp_path, "bf16", "--dtype", "bfloat16", "--fair-interleave", "3",
                          "--reference-dtype", "float32")) == 0
     assert "replay(s) up to a first divergence, 2 float32 scoring(s) of AR's text" in capsys.readouterr().out
-    rows = [r for r in read_rows(tmp_path / "bf16" / "samples.jsonl") if r["arm"] == "AR"]
+    rows = [r for r in read_folder_rows(tmp_path / "bf16") if r["arm"] == "AR"]
     rm = json.loads((tmp_path / "bf16" / "summary.json").read_text())["arms"]["AR"]["reference_match"]
     assert rm["rows_compared"] == len(rows) == 6 and rm["dtype"] == "float32" and not rm["same_run"]
     assert rm["rows_identical"] == sum(r["tokens"] == fp32[r["question_id"]] for r in rows)

@@ -9,7 +9,7 @@ import pytest
 
 import benchmark_compile_all as cli
 from core.errors import UsageError
-from harness.protocol import report, runner, setups
+from harness.protocol import report, results_io, runner, setups
 from harness.protocol.build import prepare
 from harness.protocol.data import Sample, render_prompt
 from harness.protocol.flags import parse_args
@@ -115,9 +115,9 @@ def test_a_resume_is_recorded_in_the_folder(data, tmp_path, capsys):
     config = json.loads((folder / "config.json").read_text())
     assert config["device"] == "cpu" and config["resolved"]["device"] == "cpu"
     assert "resumed" not in (folder / "table.md").read_text().splitlines()[0]
-    lines = (folder / "samples.jsonl").read_text().splitlines()
-    kept = [json.loads(x) for x in lines[:2]]
-    (folder / "samples.jsonl").write_text("".join(x + "\n" for x in lines[:2]))
+    kept = results_io.read_folder_rows(folder)[:2]  # as if it stopped after two decodes: plain rows, no .gz
+    (folder / "samples.jsonl.gz").unlink()
+    results_io.append_rows(folder / "samples.jsonl", kept)
     assert cli.main(["--resume", str(folder), "--quiet"]) == 0
     (entry,) = json.loads((folder / "resumes.json").read_text())
     assert entry["reused_decodes"] == len({(r["round"], r["arm"], r["question_id"]) for r in kept})
@@ -157,7 +157,7 @@ def test_presize_sizes_the_caches_for_later_turns(data, tmp_path, monkeypatch):
                         real(t, arms, longest, s, b))
     assert cli.main(RANDOM + ["--data-dir", str(data), "--max-new-tokens", "4", "--ar-only", "--results-dir",
                               str(tmp_path), "--run-id", "p", "--quiet"]) == 0
-    rows = [json.loads(x) for x in (tmp_path / "p" / "samples.jsonl").read_text().splitlines()]
+    rows = results_io.read_folder_rows(tmp_path / "p")
     assert max(r["prompt_tokens"] for r in rows if r["turn"] == 1) <= seen[0]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import benchmark_compile_all as cli
 import harness.protocol.runner as runner
-from harness.protocol.results_io import read_rows
+from harness.protocol.results_io import read_folder_rows, read_rows
 from tiny import write_run_fixture
 
 # tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
@@ -43,9 +43,10 @@ def test_bench_fair_fast_script_end_to_end(files, tmp_path):
     assert "K_LIST=1,3" in proc.stdout and "round 6/6" in proc.stdout  # 0.0 parsed as greedy; 5 arms + 1 warmup
     (folder,) = list((tmp_path / "out").iterdir())
     names = set(os.listdir(folder))
-    assert {"config.json", "env.json", "samples.jsonl", "summary.json", "table.md", "table.csv",
+    assert {"config.json", "env.json", "samples.jsonl.gz", "summary.json", "table.md", "table.csv",
             "tau_vs_K.png", "speedup_vs_K.png", "acceptance_per_position.png"} <= names
-    rows = read_rows(folder / "samples.jsonl")
+    assert "samples.jsonl" not in names  # the rows appended while it ran: gzip'd at its end
+    rows = read_rows(folder / "samples.jsonl.gz")
     arms = {"AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=3)"}
     assert {r["arm"] for r in rows} == arms
     assert len(rows) == 6 * 5 * 4  # rounds x arms x turns (the second prompt has two)
@@ -74,7 +75,7 @@ def strip(rows):
 def test_killed_and_resumed_run_gives_the_same_rows(files, tmp_path, monkeypatch):
     full = tmp_path / "full"
     assert cli.main(fair_args(files, full, "--run-id", "a")) == 0
-    expected = read_rows(full / "a" / "samples.jsonl")
+    expected = read_folder_rows(full / "a")
 
     calls = {"n": 0}
     real = runner.generate
@@ -89,10 +90,12 @@ def test_killed_and_resumed_run_gives_the_same_rows(files, tmp_path, monkeypatch
     monkeypatch.setattr(runner, "generate", flaky)
     assert cli.main(fair_args(files, part, "--run-id", "b")) == 130
     monkeypatch.setattr(runner, "generate", real)
-    partial = read_rows(part / "b" / "samples.jsonl")
+    partial = read_rows(part / "b" / "samples.jsonl")  # an interrupted run's rows: plain, appended as it went
+    assert not (part / "b" / "samples.jsonl.gz").exists()
     assert 0 < len(partial) < len(expected)
     assert cli.main(fair_args(files, part, "--resume", str(part / "b"))) == 0
-    resumed = read_rows(part / "b" / "samples.jsonl")
+    resumed = read_rows(part / "b" / "samples.jsonl.gz")
+    assert not (part / "b" / "samples.jsonl").exists()
     assert strip(resumed) == strip(expected)  # nothing lost, nothing duplicated
 
 
@@ -119,7 +122,7 @@ def test_a_resumed_trace_keeps_the_interrupted_processs_steps(files, tmp_path, m
 
 
 def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(files, tmp_path, capsys, monkeypatch):
-    """Every decode already in samples.jsonl: nothing would run, and a resume would rewrite env.json with this
+    """Every decode already in the rows: nothing would run, and a resume would rewrite env.json with this
     machine and label the tables resumed; refused in one line before any model loads, every file unchanged."""
     assert cli.main(fair_args(files, tmp_path, "--run-id", "f")) == 0
     folder = tmp_path / "f"
@@ -131,8 +134,10 @@ def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(files, t
     assert len(err) == 1 and "the run is finished" in err[0] and "--rebuild" in err[0], err
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
     monkeypatch.undo()  # a run that stopped after its last decode, before its summary: the resume finishes it
-    (folder / "summary.json").unlink()
+    (folder / "summary.json").unlink()  # its rows were gzip'd already: the resume reads them and appends to none
     assert cli.main(["--resume", str(folder), "--quiet"]) == 0
+    assert (folder / "samples.jsonl.gz").read_bytes() == before["samples.jsonl.gz"]  # the same rows, the same bytes
+    assert not (folder / "samples.jsonl").exists()
     assert (folder / "summary.json").is_file()
 
 
@@ -292,7 +297,7 @@ def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     for name, arm in summary["arms"].items():
         # 16 decode tokens: four steps of 3 accepted drafts + 1, exactly (no stop ids with random weights)
         assert arm["tau_per_step"] == (1.0 if name == "AR" else 4.0), name
-    rows = read_rows(tmp_path / "rw" / "samples.jsonl")
+    rows = read_folder_rows(tmp_path / "rw")
     assert all(r["new_tokens"] == 17 and r["stop_reason"] == "max_new_tokens" for r in rows)
 
 
@@ -376,7 +381,7 @@ def test_first_turns_are_rendered_once_per_prompt_not_per_arm_and_round(files, t
     real = runner.render_prompt
     monkeypatch.setattr(runner, "render_prompt", lambda tok, messages: calls.append(len(messages)) or real(tok, messages))
     assert cli.main(fair_args(files, tmp_path, "--run-id", "once")) == 0
-    rows = read_rows(tmp_path / "once" / "samples.jsonl")
+    rows = read_folder_rows(tmp_path / "once")
     arms, rounds = {r["arm"] for r in rows}, {r["round"] for r in rows}
     firsts = sum(1 for n in calls if n == 1)
     assert len(arms) == 5 and len(rounds) >= 2

@@ -142,19 +142,19 @@ def test_rebuild_labels_a_folder_from_its_samples(tmp_path, capsys):
 
 
 def test_rebuild_works_from_samples_and_config_alone(tmp_path, capsys):
-    """--help says --rebuild works from samples.jsonl and config.json: an interrupted run (no summary.json) is
-    rebuilt, not refused with 'is the run finished?'; a folder without samples.jsonl gets one line naming both."""
+    """--help says --rebuild works from samples.jsonl.gz and config.json: an interrupted run (no summary.json) is
+    rebuilt, not refused with 'is the run finished?'; a folder without its rows gets one line naming both."""
     folder = tmp_path / "run"
     report.write_results(folder, {"dataset": "toy"}, {}, example(), report.summarize(example(), n_boot=50))
     (folder / "summary.json").unlink()
     assert report.main(["--rebuild", str(folder)]) == 0
     assert "xPress(K=6)" in json.loads((folder / "summary.json").read_text())["arms"]
     capsys.readouterr()
-    (folder / "samples.jsonl").unlink()
+    (folder / "samples.jsonl.gz").unlink()
     assert report.main(["--rebuild", str(folder)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no samples.jsonl; --rebuild recomputes a run's tables from its samples.jsonl " \
-        "and config.json" in err, err
+    assert err.count("\n") == 1 and "no samples.jsonl.gz; --rebuild recomputes a run's tables from its " \
+        "samples.jsonl.gz (or plain samples.jsonl) and config.json" in err, err
 
 
 def test_rebuild_keeps_what_the_runner_added_beside_the_rows(tmp_path, capsys):

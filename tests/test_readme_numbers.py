@@ -229,9 +229,10 @@ def test_ar_self_counts_prompts_whose_ar_text_agrees_across_two_runs(tmp_path):
     root = tiny_repo(tmp_path, "none\n")
     runs = root / "results" / "smollm2-135m"
 
-    def write(folder, rows):
+    def write(folder, rows):  # "a" as a run writes its rows (gzip'd), "b" as an older folder has them (plain)
+        from harness.protocol.results_io import append_rows, write_rows
         (runs / folder).mkdir(exist_ok=True)
-        (runs / folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        write_rows(runs / folder, rows) if folder == "a" else append_rows(runs / folder / "samples.jsonl", rows)
     row = lambda q, toks, arm="AR", turn=0: {"dataset_row": q, "arm": arm, "turn": turn, "tokens": toks}
     write("a", [row(1, [5, 6, 7, 8]), row(1, [5, 6, 7, 8]), row(2, [1, 2, 3]), row(3, [9]), row(2, [0], "drafter-only")])
     write("b", [row(1, [5, 6]), row(2, [1, 2, 3, 4]), row(2, [1, 2, 4]), row(4, [1]), row(1, [0], turn=1)])

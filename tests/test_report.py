@@ -185,11 +185,11 @@ def test_write_results_writes_every_file(tmp_path, summary, capsys):
     env = {"python": "3.11", "git_sha": None}
     written = report.write_results(tmp_path / "run", {"dataset": "toy", "temperature": 0.0}, env, rows, summary)
     folder = tmp_path / "run"
-    for name in ("config.json", "env.json", "samples.jsonl", "summary.json", "table.md", "table.csv"):
+    for name in ("config.json", "env.json", "samples.jsonl.gz", "summary.json", "table.md", "table.csv"):
         assert (folder / name).stat().st_size > 0 and str(folder / name) in written
     assert json.loads((folder / "summary.json").read_text()) == summary
     assert json.loads((folder / "env.json").read_text()) == env
-    assert results_io.read_rows(folder / "samples.jsonl") == rows
+    assert results_io.read_rows(folder / "samples.jsonl.gz") == rows and not (folder / "samples.jsonl").exists()
     csv_lines = (folder / "table.csv").read_text().splitlines()
     assert csv_lines[0].startswith("arm,method,K") and len(csv_lines) == 3
     assert "| xPress(K=6) |" in (folder / "table.md").read_text()

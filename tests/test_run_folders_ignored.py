@@ -39,7 +39,7 @@ def default_folder(tmp_path, monkeypatch, taken: int = 0, temperature: float = 0
 @pytest.mark.parametrize("taken,temperature", [(0, 0.0), (1, 0.7), (2, 1e-6)])
 def test_a_default_named_run_folder_is_ignored(tmp_path, monkeypatch, taken, temperature):
     folder = default_folder(tmp_path, monkeypatch, taken, temperature)
-    for name in ("config.json", "samples.jsonl", "plots/tau_vs_K.png"):
+    for name in ("config.json", "samples.jsonl", "samples.jsonl.gz", "plots/tau_vs_K.png"):
         assert ignored(f"{folder}/{name}"), folder
 
 

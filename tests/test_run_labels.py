@@ -191,7 +191,7 @@ def test_an_untyped_draft_temperature_records_the_one_that_ran(tmp_path, capsys)
     assert cli.main(base + ["--dataset", "math500", "--run-id", "typed", "--draft-temperature", "0"]) == 0
     config = json.loads((tmp_path / "untyped" / "config.json").read_text())
     assert config["draft_temperature"] is None and config["resolved"]["draft_temperature"] == 0.0
-    rows = results_io.read_rows(tmp_path / "untyped" / "samples.jsonl")
+    rows = results_io.read_folder_rows(tmp_path / "untyped")
     assert {r["draft_temperature"] for r in rows} == {0.0}
     capsys.readouterr()
     assert report.main([str(tmp_path / "untyped"), str(tmp_path / "typed")]) == 0

@@ -4,11 +4,14 @@ reader takes either; a gzip stream cut short reads as a plain file with a trunca
 folder held a plain samples.jsonl (120 MB of the 149 MB committed under results/)."""
 import gzip
 import json
+import shutil
+from types import SimpleNamespace
 
 import pytest
 
 from core.errors import UsageError
-from harness.protocol import results_io
+from harness.protocol import plan, report, results_io
+from test_report import example
 
 ROWS = [{"i": 1, "tokens": [1, 2, 3], "text": "é"}, {"i": 2, "tokens": []}, {"i": 3, "tokens": [9] * 50}]
 
@@ -88,3 +91,27 @@ def test_rows_are_appended_plain_and_reopened_from_the_gz_for_a_resume(tmp_path)
     results_io.append_rows(live, ROWS[2:])
     assert results_io.reopen_rows(live) is False  # the live file is kept as it is
     assert results_io.read_folder_rows(tmp_path) == ROWS
+
+
+def test_a_folder_holding_only_gzipd_rows_is_taken(tmp_path):
+    cfg = SimpleNamespace(run_id="r", results_dir=str(tmp_path), batch_sizes=None, context_lengths=None)
+    (tmp_path / "r").mkdir()
+    assert plan.run_folder(cfg) == str(tmp_path / "r")
+    results_io.write_rows(tmp_path / "r", ROWS)
+    with pytest.raises(UsageError, match="already holds a run"):
+        plan.run_folder(cfg)
+
+
+def test_rebuild_reads_a_legacy_plain_folder_as_a_gzipd_one(tmp_path):
+    """--rebuild of a folder written before rows were gzip'd (plain samples.jsonl): the same summary as from the
+    .gz, and its rows are left as they are."""
+    rows = example()
+    new, old = tmp_path / "new", tmp_path / "old"
+    report.write_results(new, {"dataset": "toy"}, {}, rows, report.summarize(rows, n_boot=50))
+    shutil.copytree(new, old)
+    (old / "samples.jsonl.gz").unlink()
+    (old / "samples.jsonl").write_bytes(plain(rows))
+    for folder in (new, old):
+        assert report.main(["--rebuild", str(folder)]) == 0
+    assert json.loads((old / "summary.json").read_text()) == json.loads((new / "summary.json").read_text())
+    assert (old / "samples.jsonl").read_bytes() == plain(rows) and not (old / "samples.jsonl.gz").exists()

@@ -19,7 +19,7 @@ def test_a_written_summary_matches_its_documented_schema(tmp_path, summary):
     assert summary_schema.problems(written) == []
     assert set(written) == set(summary_schema.TOP) and all(set(a) == set(summary_schema.ARM)
                                                            for a in written["arms"].values())
-    real = report.summarize(results_io.read_rows(ROOT / "results/smollm2-135m/gsm8k_t0/samples.jsonl"))
+    real = report.summarize(results_io.read_folder_rows(ROOT / "results/smollm2-135m/gsm8k_t0"))
     assert summary_schema.problems(real) == []  # a real run: every arm kind, nulls where undefined
     broken = dict(written, extra=1, prompts="3")
     del broken["labels"]

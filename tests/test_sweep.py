@@ -6,7 +6,7 @@ import pytest
 
 import benchmark_compile_all as cli
 from harness.protocol import sweep
-from harness.protocol.results_io import read_rows
+from harness.protocol.results_io import read_folder_rows, read_rows
 from tiny import write_run_fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -32,7 +32,8 @@ def swept(files, tmp_path_factory):
     results = tmp_path_factory.mktemp("swept")
     assert cli.main(args(files, results, "--run-id", "s", "--batch-sizes", "2,1", "--context-lengths", "0,60")) == 0
     folder = results / "s"
-    return folder, json.loads((folder / "sweep.json").read_text()), read_rows(folder / "samples.jsonl")
+    assert not (folder / "samples.jsonl").exists()  # appended while it ran, gzip'd at its end
+    return folder, json.loads((folder / "sweep.json").read_text()), read_rows(folder / "samples.jsonl.gz")
 
 
 @pytest.mark.parametrize("extra,says", [
@@ -112,7 +113,7 @@ def test_sampled_drafts_at_t0_do_not_depend_on_the_batch(files, tmp_path):
     by the batch would make them depend on the neighbour decoded beside it)."""
     assert cli.main(args(files, tmp_path, "--run-id", "td", "--batch-sizes", "1,2", "--draft-temperature", "1",
                          "--fair-interleave", "1", "--fair-warmup-rounds", "0")) == 0
-    rows = read_rows(tmp_path / "td" / "samples.jsonl")
+    rows = read_folder_rows(tmp_path / "td")
     one = {(r["arm"], r["round"], r["question_id"]): r["accept_lengths"] for r in rows
            if r["batch_size"] == 1 and r["arm"] != "AR"}
     # requests [0, 1, 2, 0] in batches [0, 1] and [2, 0]: the last is prompt 0's repeat, on a stream of its own
@@ -148,7 +149,7 @@ def test_batched_requests_decode_their_b1_tokens_and_long_contexts_are_long(swep
 
 
 def test_the_numbers_follow_from_the_rows(swept):
-    """total tok/s, tau and the speedup's point estimate recomputed from samples.jsonl; the CI brackets it."""
+    """total tok/s, tau and the speedup's point estimate recomputed from samples.jsonl.gz; the CI brackets it."""
     from harness.protocol import metrics
     _, s, rows = swept
     for p in s["points"]:
@@ -309,7 +310,7 @@ def test_a_refilled_sweep_decodes_each_request_as_b1_in_one_queue_per_point(file
     to its last request's end, and the label says continuous batching; --refill needs --batch-sizes."""
     assert cli.main(args(files, tmp_path, "--run-id", "r", "--batch-sizes", "1,2", "--refill")) == 0
     folder = tmp_path / "r"
-    s, rows = json.loads((folder / "sweep.json").read_text()), read_rows(folder / "samples.jsonl")
+    s, rows = json.loads((folder / "sweep.json").read_text()), read_folder_rows(folder)
     assert any("continuous batching" in x for x in s["labels"])
     b2 = [r for r in rows if r["batch_size"] == 2]
     assert {r["batch_index"] for r in b2} == {0} and {r["batch_row"] for r in b2} == {0, 1, 2, 3}

@@ -71,7 +71,7 @@ def test_a_spyre_sweep_runs_three_requests_as_four_rows_and_compiles_first(tmp_p
     import core.spyre
     from harness.decode import batch_loop
     from harness.protocol import sweep
-    from harness.protocol.results_io import read_rows
+    from harness.protocol.results_io import read_folder_rows
     from tiny import write_run_fixture
     files = write_run_fixture(tmp_path / "f", [{"turns": [q]} for q in ("Add 2 and 3.", "Name a colour.",
                                                                         "Count to four.")])
@@ -90,7 +90,7 @@ def test_a_spyre_sweep_runs_three_requests_as_four_rows_and_compiles_first(tmp_p
                      "cpu", "--fair-interleave", "--results-dir", str(tmp_path / "r"), "--run-id", "s",
                      "--batch-sizes", "3"]) == 0
     assert calls == [0] and sizes and set(sizes) == {4}
-    rows = read_rows(tmp_path / "r" / "s" / "samples.jsonl")
+    rows = read_folder_rows(tmp_path / "r" / "s")
     assert rows and {(r["batch_size"], r["batch_rows"]) for r in rows} == {(3, 4)}
     assert {r["batch_row"] for r in rows} == {0, 1, 2}  # the padding row is no request
     summary = json.loads((tmp_path / "r" / "s" / "sweep.json").read_text())

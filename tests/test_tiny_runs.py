@@ -1,4 +1,5 @@
 """Tiny end-to-end runs as a new user meets them: progress, resume, provenance, plots and bench_fair_fast.sh."""
+import gzip
 import json
 import os
 import shlex
@@ -85,16 +86,16 @@ def test_ctrl_c_prints_the_resume_command_and_resume_dir_alone_finishes(files, t
     argv = shlex.split(line)
     folder = str(tmp_path / "c")
     assert argv[:2] == ["python3", "benchmark_compile_all.py"] and argv[2:] == ["--resume", folder]
-    saved = len(read_rows(Path(folder) / "samples.jsonl"))
+    saved = len(read_rows(Path(folder) / "samples.jsonl"))  # interrupted: the plain rows it appended
     monkeypatch.setattr(runner, "generate", real)
     assert cli.main(argv[2:]) == 0  # --resume DIR and nothing else: config.json has every setting
     out = capsys.readouterr().out
     assert f"reusing {saved} of 60 (round, arm, prompt) decodes" in out
-    assert len(read_rows(Path(folder) / "samples.jsonl")) == 60
+    assert len(read_rows(Path(folder) / "samples.jsonl.gz")) == 60 and not (Path(folder) / "samples.jsonl").exists()
     proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh")], env={**os.environ, "RESUME": folder},
                           capture_output=True, text=True, timeout=600)  # the same through the script: the
     assert proc.returncode == 2, proc.stderr[-2000:]  # run is finished now, so the resume is refused, files kept
-    assert "the run is finished" in proc.stderr and len(read_rows(Path(folder) / "samples.jsonl")) == 60
+    assert "the run is finished" in proc.stderr and len(read_rows(Path(folder) / "samples.jsonl.gz")) == 60
 
 
 def git(repo, *args):
@@ -222,7 +223,8 @@ def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_pat
     With the weights put back it resumes."""
     assert cli.main(fair(files, tmp_path, "--fair-k-list", "1", "--max-samples", "1", "--run-id", "r", "--quiet")) == 0
     folder = tmp_path / "r"
-    rows = (folder / "samples.jsonl").read_text().splitlines()
+    rows = gzip.decompress((folder / "samples.jsonl.gz").read_bytes()).decode().splitlines()
+    (folder / "samples.jsonl.gz").unlink()  # as if it stopped after its first decode
     (folder / "samples.jsonl").write_text(rows[0] + "\n")
     original = (files / "markov.pt").read_bytes()
     try:

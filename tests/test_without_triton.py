@@ -84,7 +84,8 @@ print("KERNELS_IMPORTED", any(m == "core.kernels" or m.startswith("core.kernels.
     assert "KERNELS_IMPORTED False" in proc.stdout
     config = json.loads((tmp_path / "no_triton" / "config.json").read_text())
     assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=2)"]
-    rows = [json.loads(x) for x in (tmp_path / "no_triton" / "samples.jsonl").read_text().splitlines()]
+    from harness.protocol.results_io import read_folder_rows
+    rows = read_folder_rows(tmp_path / "no_triton")
     assert {r["arm"] for r in rows} == set(config["resolved"]["arms"])
 
 

@@ -207,11 +207,11 @@ def _card_field(root, card: str, run, name, path, d):
     return str(rec) if isinstance(rec, int) else fmt(rec, d)
 
 
-# --- AR's text in two runs (samples.jsonl) -------------------------------------------------------------------------
+# --- AR's text in two runs (samples.jsonl.gz) ----------------------------------------------------------------------
 def _ar_texts(root, folder: str) -> dict:
-    from harness.protocol.results_io import read_rows
+    from harness.protocol.results_io import read_folder_rows
     out: dict = {}
-    for r in read_rows(run_dir(root, folder) / "samples.jsonl"):
+    for r in read_folder_rows(run_dir(root, folder)):
         if r["arm"] == "AR" and r["turn"] == 0:
             out.setdefault(r["dataset_row"], []).append(r["tokens"])
     return out
@@ -233,7 +233,7 @@ def q_ar_self(root, a, b, sep="/"):
 
 
 
-# --- sweeps (results/sweeps/NAME/: sweep.json, and the step breakdown from samples.jsonl) ------------------------
+# --- sweeps (results/sweeps/NAME/: sweep.json, and the step breakdown from samples.jsonl.gz) ---------------------
 def _sweep_entry(root, folder: str, b: str, c: str, a: str) -> dict:
     from harness.lab.readme_numbers_keys import arm_name
     for p in _json(root / "results/sweeps" / folder / "sweep.json")["points"]:
@@ -311,7 +311,7 @@ def q_sweep_same(root, folder, b, c, a):
 @quantity("sweep_step")
 def q_sweep_step(root, folder, b, c, a, field, d=2):
     """The step breakdown's FIELD (ms_per_step, tokens_per_step, step_cost, token_gain) of ARM at B and context C,
-    recomputed from results/sweeps/FOLDER/samples.jsonl (harness.protocol.sweep_steps)."""
+    recomputed from results/sweeps/FOLDER/samples.jsonl.gz (harness.protocol.sweep_steps)."""
     from harness.lab.readme_numbers_keys import arm_name
     entry = _sweep_steps(root, folder).get((int(b), int(c), arm_name(a)))
     if entry is None:
@@ -322,8 +322,8 @@ def q_sweep_step(root, folder, b, c, a, field, d=2):
 @lru_cache(maxsize=8)
 def _sweep_steps(root, folder: str) -> dict:
     from harness.protocol import sweep_steps
-    from harness.protocol.results_io import read_rows
+    from harness.protocol.results_io import read_folder_rows
     summary = _json(root / "results/sweeps" / folder / "sweep.json")
-    rows = read_rows(root / "results/sweeps" / folder / "samples.jsonl")
+    rows = read_folder_rows(root / "results/sweeps" / folder)
     return {(e["batch_size"], e["context_len"], e["arm"]): e
             for e in sweep_steps.breakdown(rows, summary["arms"], summary["reference"])}

@@ -15,7 +15,7 @@ nothing here changes.
   number of processes it started with (the shards depend on it); under torchrun --max-restarts a restarted group
   continues its --run-id folder by itself.
 - Rank 0 chooses the folder and writes config.json; at the end it gathers every rank's rows, environment and
-  GPU state (harness.protocol.rank_report) and writes the merged samples.jsonl, summary, tables and env.json as a
+  GPU state (harness.protocol.rank_report) and writes the merged samples.jsonl.gz, summary, tables and env.json as a
   single-process run does. The rows travel through the process group, so ranks on other nodes need no shared
   filesystem for the merge (a resume on another node layout needs their rank files where the ranks run).
 - Coordination is a few small Python objects over gloo on the host, before the first and after the last timed
@@ -107,7 +107,7 @@ class Shard:
         if self.launched:
             config["resolved"]["distributed"] = {
                 "world_size": self.world, "sharding": "round-robin: rank r decodes question ids r, r+N, ...",
-                "rows": "samples.rank{r}.jsonl per rank, merged by rank 0 into samples.jsonl"}
+                "rows": "samples.rank{r}.jsonl per rank, merged by rank 0 into samples.jsonl.gz"}
         return config
 
     def check_resume(self, folder: str) -> None:
@@ -141,11 +141,12 @@ class Shard:
         return self.agree(pick)
 
     def done(self, rows_path: str, resume: bool) -> list[dict]:
-        """Rows this rank already wrote (--resume); a rank that died before its first row has none."""
+        """Rows this rank already wrote (--resume); a rank that died before its first row has none. A single
+        process reads its folder's rows: the plain samples.jsonl it appends to, or the .gz a finished run wrote."""
         if not resume or (self.launched and not os.path.exists(rows_path)):
             return []
-        from harness.protocol.results_io import read_rows
-        return read_rows(rows_path)
+        from harness.protocol.results_io import read_folder_rows, read_rows
+        return read_rows(rows_path) if self.launched else read_folder_rows(os.path.dirname(rows_path))
 
     # ------------------------------------------------------------------------------------------ collectives
 

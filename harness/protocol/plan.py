@@ -21,7 +21,7 @@ from typing import Mapping
 
 from core.errors import UsageError
 from harness.protocol.config import RunConfig
-from harness.protocol.results_io import atomic_write
+from harness.protocol.results_io import atomic_write, rows_file
 
 # Flags that may differ between an interrupted run and its --resume.
 RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain", "reference_dtype",
@@ -123,7 +123,7 @@ def run_folder(cfg: RunConfig, resume: str | None = None) -> str:
     """The results folder: the resumed one, --run-id's, or a new dataset_T<temperature>_<time> one."""
     if resume:
         return resume
-    taken = lambda f: os.path.exists(os.path.join(f, "samples.jsonl")) or os.path.exists(os.path.join(f, "config.json"))
+    taken = lambda f: rows_file(f) is not None or os.path.exists(os.path.join(f, "config.json"))
     if cfg.run_id:
         folder = os.path.join(cfg.results_dir, cfg.run_id)
         if taken(folder):
@@ -178,7 +178,7 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
 
 
 def check_unfinished(plan: "RunPlan", folder: str, done: set, qids: list[int], launched: bool) -> None:
-    """--resume of a finished run (every (round, arm, prompt) decode in samples.jsonl and its summary.json written,
+    """--resume of a finished run (every (round, arm, prompt) decode in its rows and its summary.json written,
     which the run does last): nothing would run, and the run's records would be rewritten (env.json with this
     machine, the tables labelled resumed): refused. A run that stopped after its last decode but before its summary
     (the T=0 marks, the report) resumes, and finishes those. (A torchrun rank decides nothing alone: each rank's
@@ -187,7 +187,7 @@ def check_unfinished(plan: "RunPlan", folder: str, done: set, qids: list[int], l
         return
     want = {(r, a, q) for r in range(1, plan.rounds + 1) for a in plan.arm_names for q in qids}
     if want and want <= done:
-        raise UsageError(f"--resume {folder}: the run is finished (every decode in samples.jsonl, its summary.json "
+        raise UsageError(f"--resume {folder}: the run is finished (every decode in its rows, its summary.json "
                          f"written), so there is nothing to run; to rewrite its tables, python -m "
                          f"harness.protocol.report --rebuild {folder}")
 

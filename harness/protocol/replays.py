@@ -15,13 +15,12 @@ the timer, for whoever wants the full profile.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import torch
 
 from harness.decode.loop import gap_lists, generate, top2
 from harness.protocol import divergence, metrics
-from harness.protocol.results_io import atomic_write, read_rows
+from harness.protocol.results_io import atomic_write, read_rows, rows_text
 
 EMBEDDED_REFERENCE = "float32"  # --reference-dtype auto: float32 for the embedded default, else off
 
@@ -210,5 +209,5 @@ def after_rounds(plan, models, settings, rows_path: str, ar: str | None, by_name
                 torch.cuda.empty_cache()
     done["replays"], done["reference_decodes"] = replayer.replays, len(decoded)
     if done["divergences"] or done["references"]:
-        atomic_write(rows_path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+        atomic_write(rows_path, rows_text(rows))
     return done

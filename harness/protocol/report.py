@@ -23,7 +23,7 @@ from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
 from harness.protocol.labels import RANDOM_MARK, config_labels, weights_label  # noqa: F401 (re-exported)
 from harness.protocol.plan import check_run_folder, resume_count
-from harness.protocol.results_io import atomic_write
+from harness.protocol.results_io import ROWS, atomic_write, read_folder_rows, rows_file, write_rows
 from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
 from harness.protocol.rounds import paired_ratios
 from harness.protocol.tables import (format_console_table, format_conventions, format_csv, format_markdown_table,
@@ -112,7 +112,7 @@ def _checked(rows: list[dict]) -> tuple[list[dict], int]:
             raise UsageError(f"sample row {i} lacks {missing}; rows must follow the samples.jsonl schema")
     rows, duplicates = _dedupe(rows)
     if not rows:
-        raise UsageError("no sample rows to summarize; is samples.jsonl empty?")
+        raise UsageError("no sample rows to summarize; are the rows (samples.jsonl.gz) empty?")
     return rows, duplicates
 
 
@@ -271,7 +271,8 @@ def _json(obj) -> str:
 
 def write_results(folder: str | os.PathLike, config: dict, env: dict, rows: list[dict], summary: dict,
                   out=None) -> list[str]:
-    """Write the results folder; returns the paths written. samples.jsonl is rewritten whole from `rows`.
+    """Write the results folder; returns the paths written. The rows are written whole from `rows`, gzip'd, as
+    samples.jsonl.gz, and the plain samples.jsonl the run appended to goes (results_io.write_rows).
     summary.json goes last, after the plots: it marks the run finished (plan.check_unfinished), so a run stopped
     before it resumes and writes the rest."""
     out = out or sys.stdout
@@ -279,18 +280,18 @@ def write_results(folder: str | os.PathLike, config: dict, env: dict, rows: list
     folder.mkdir(parents=True, exist_ok=True)
     dataset = summary.get("dataset") or config.get("dataset") or "?"
     files = {"config.json": _json(config), "env.json": _json(env),
-             "samples.jsonl": "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows),
              "table.md": format_markdown_table(summary, dataset) + format_ranks(summary, markdown=True),
              "table.csv": format_csv(summary), "README.md": format_conventions(summary, dataset)}
     for name, text in files.items():
         atomic_write(folder / name, text)
+    packed = write_rows(folder, rows)
     plots = write_plots(folder, summary, dataset, out)
     atomic_write(folder / "summary.json", _json(summary))
-    return [str(folder / n) for n in files] + plots + [str(folder / "summary.json")]
+    return [str(folder / n) for n in files] + [str(packed)] + plots + [str(folder / "summary.json")]
 
 
 def _read_json(folder: str, name: str, missing: str = "is the run finished? (summary.json is written at the "
-               "end; --rebuild writes it from samples.jsonl and config.json)"):
+               "end; --rebuild writes it from samples.jsonl.gz and config.json)"):
     try:
         return json.loads((Path(folder) / name).read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -317,16 +318,16 @@ def _load_folder(folder: str) -> dict:
 
 def rebuild(folder: str) -> dict:
     """Recompute a results folder's tables, README.md, plots and summary.json (this schema version; the old one may
-    be any up to it) from its samples.jsonl and config.json; the rows themselves are not touched."""
-    from harness.protocol.results_io import read_rows
+    be any up to it) from its rows (samples.jsonl.gz; an interrupted run's or an older folder's plain samples.jsonl)
+    and config.json; the rows themselves are not touched."""
     path = Path(folder)
     check_run_folder(folder)
-    need = "--rebuild recomputes a run's tables from its samples.jsonl and config.json"
+    need = f"--rebuild recomputes a run's tables from its {ROWS} (or plain samples.jsonl) and config.json"
     config = _read_json(folder, "config.json", need)
-    if not (path / "samples.jsonl").is_file():
-        raise UsageError(f"{folder}: no samples.jsonl; {need}")
+    if rows_file(path) is None:
+        raise UsageError(f"{folder}: no {ROWS}; {need}")
     old = _read_json(folder, "summary.json") if (path / "summary.json").is_file() else {}  # none: an interrupted run
-    summary = summarize(read_rows(str(path / "samples.jsonl")), tau_from_warmup=bool(config.get("compat_reference")),
+    summary = summarize(read_folder_rows(path), tau_from_warmup=bool(config.get("compat_reference")),
                         labels=config_labels({**config, "resumes": resume_count(folder)}), run=facts.run_facts(config))
     for key in ("compile", "kernel_fallbacks"):  # what the runner adds beside the rows' statistics
         if key in old:
@@ -353,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m harness.protocol.report", description="One table over several results folders "
                "(rows = datasets), one per target and protocol (harness.protocol.merge).")
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json "
-                                              "(with --rebuild: samples.jsonl and config.json)")
+                                              "(with --rebuild: samples.jsonl.gz and config.json)")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--rebuild", action="store_true", help="first recompute each folder's tables, plots and "
-                   "summary.json from its samples.jsonl and config.json (an interrupted run's: its complete rounds)")
+                   "summary.json from its samples.jsonl.gz (or plain samples.jsonl) and config.json (an interrupted run's: its "
+                   "complete rounds)")
     ns = p.parse_args(argv)
 
     def work():

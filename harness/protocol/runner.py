@@ -4,7 +4,7 @@ Order matters: every check that reads only configs and file headers runs before 
 makes the run's one frozen plan (harness.protocol.plan.RunPlan) that everything after it reads. One code
 path serves a single run (one measured round) and the paired protocol (--fair-interleave: rounds rotated left by
 one, the first --fair-warmup-rounds excluded). Every finished (round, arm, prompt) is appended to
-results/<run_id>/samples.jsonl at once, which is what --resume continues from.
+results/<run_id>/samples.jsonl at once (--resume continues from it); a finished run gzips them: samples.jsonl.gz.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from harness.protocol.plan import (RESUMES, RunPlan, check_resume, check_unfinis
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
 from core.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
-from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
+from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows, reopen_rows
 from harness.protocol.rounds import refuse_captures, rotation, stream_seed  # noqa: F401  (the runner's name)
 from harness.decode.accounting import accounting_for, model_stop_ids
 from harness.decode import capture_plan
@@ -238,8 +238,9 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     work = Work(samples, mine, rows_path, done, plan.rounds * len(models.arms) * len(mine))
     if plan.resume:
         record_resume(shard.per_rank(os.path.join(folder, RESUMES)), len(done), work.total)
+        reopen_rows(rows_path)  # rows gzip'd by a run stopped before its summary: plain again, to append to
         print(f"[resume] {folder}: reusing {len(done)} of {work.total} (round, arm, prompt) decodes from "
-              f"samples.jsonl; {work.total - len(done)} to run (recorded in {RESUMES})", file=out)
+              f"its rows; {work.total - len(done)} to run (recorded in {RESUMES})", file=out)
     try:
         return _measure(plan, models, settings, work, order, shard, watch, out)
     except KeyboardInterrupt:

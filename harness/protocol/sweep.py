@@ -44,7 +44,7 @@ from harness.protocol.build import prepare
 from harness.protocol.console import describe, label
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
 from harness.protocol.plan import run_folder
-from harness.protocol.results_io import append_rows, atomic_write, environment, read_rows
+from harness.protocol.results_io import LIVE_ROWS, append_rows, atomic_write, environment, read_rows, write_rows
 from harness.protocol.rounds import rotation
 from harness.protocol.sweep_points import (batch_sizes, context_lengths, is_sweep, padded_requests,  # noqa: F401
                                            repeats, request_ids, served_rows)
@@ -149,7 +149,7 @@ def run(cfg, out=None) -> dict:
         "dataset": dataset_provenance(cfg.dataset, cfg.data_dir), "label": label(cfg),
         "kernels": models.target.kernels}}
     atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
-    rows_path = os.path.join(folder, "samples.jsonl")
+    rows_path = os.path.join(folder, LIVE_ROWS)  # plain while it runs; gzip'd once every point is done
     by_name, pool, how = {a.name: a for a in models.arms}, {}, set()
     try:
         for pt in points:
@@ -165,6 +165,7 @@ def run(cfg, out=None) -> dict:
               file=sys.stderr)
         raise
     ar, rows = next((a.name for a in models.arms if a.spec.method == "ar"), None), read_rows(rows_path)
+    write_rows(folder, rows)  # samples.jsonl.gz (results_io.ROWS); the plain rows go
     summary = summarize(rows, plan.arm_names, plan.warmup_rounds, batches, contexts, reference=ar,
                         labels=[x for x in [sweep_readme.run_line(cfg, plan, len(samples)), label(cfg),
                                             f"{plan.backend.device.type} {str(plan.backend.dtype)[6:]}",

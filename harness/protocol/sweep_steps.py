@@ -35,7 +35,7 @@ import os
 import sys
 
 from core.errors import Parser
-from harness.protocol.results_io import atomic_write, read_rows
+from harness.protocol.results_io import atomic_write, read_folder_rows, rows_file
 
 
 def _steps(row: dict) -> int:
@@ -117,19 +117,19 @@ def write(folder: str, rows: list[dict], arms: list[str], reference: str | None,
 
 def main(argv=None) -> int:
     ap = Parser(prog="python -m harness.protocol.sweep_steps",
-                description="(Re)write a sweep folder's steps.md from its samples.jsonl.")
-    ap.add_argument("folders", nargs="+", help="sweep folders (each with sweep.json and samples.jsonl)")
+                description="(Re)write a sweep folder's steps.md from its samples.jsonl.gz.")
+    ap.add_argument("folders", nargs="+", help="sweep folders (each with sweep.json and samples.jsonl.gz, or an "
+                                               "older folder's plain samples.jsonl)")
     args = ap.parse_args(argv)
     for folder in args.folders:
-        summary_path, rows_path = os.path.join(folder, "sweep.json"), os.path.join(folder, "samples.jsonl")
-        if not (os.path.isfile(summary_path) and os.path.isfile(rows_path)):
-            print(f"error: {folder} is not a sweep folder (it needs sweep.json and samples.jsonl); pass the folder "
-                  "a sweep wrote", file=sys.stderr)
+        if not (os.path.isfile(os.path.join(folder, "sweep.json")) and rows_file(folder) is not None):
+            print(f"error: {folder} is not a sweep folder (it needs sweep.json and samples.jsonl.gz); pass the "
+                  "folder a sweep wrote", file=sys.stderr)
             return 2
     for folder in args.folders:
         with open(os.path.join(folder, "sweep.json")) as f:
             summary = json.load(f)
-        print(write(folder, read_rows(os.path.join(folder, "samples.jsonl")), summary["arms"],
+        print(write(folder, read_folder_rows(folder), summary["arms"],
                     summary.get("reference"), summary.get("labels", ())))
     return 0
 

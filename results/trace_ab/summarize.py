@@ -1,5 +1,5 @@
 """Summarise the --trace A/B runs of run_ab.sh: per run, AR and drafter-only ms per step and the speedup, all
-recomputed from each run's samples.jsonl with the current report (the same statistic for every run)."""
+recomputed from each run's samples.jsonl.gz with the current report (the same statistic for every run)."""
 import json
 import sys
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from harness.protocol.report import summarize  # noqa: E402
-from harness.protocol.results_io import read_rows  # noqa: E402
+from harness.protocol.results_io import read_folder_rows  # noqa: E402
 
 
 def ms_per_step(rows, arm):
@@ -22,7 +22,7 @@ def main(out: str) -> None:
     for run in ("before_trace_off", "before_trace_on", "after_trace_off", "after_trace_on"):
         reps = []
         for folder in sorted(Path(out).glob(f"{run}_*/")):
-            rows = read_rows(str(folder / "samples.jsonl"))
+            rows = read_folder_rows(folder)
             sp = summarize(rows, n_boot=1000)["arms"]["drafter-only"]["speedup"]
             reps.append({"AR_ms_per_step": ms_per_step(rows, "AR"),
                          "drafter_only_ms_per_step": ms_per_step(rows, "drafter-only"),
