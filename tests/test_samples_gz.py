@@ -5,6 +5,7 @@ folder held a plain samples.jsonl (120 MB of the 149 MB committed under results/
 import gzip
 import json
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ from core.errors import UsageError
 from harness.protocol import plan, report, results_io
 from test_report import example
 
+ROOT = Path(__file__).resolve().parents[1]
 ROWS = [{"i": 1, "tokens": [1, 2, 3], "text": "é"}, {"i": 2, "tokens": []}, {"i": 3, "tokens": [9] * 50}]
 
 
@@ -115,3 +117,23 @@ def test_rebuild_reads_a_legacy_plain_folder_as_a_gzipd_one(tmp_path):
         assert report.main(["--rebuild", str(folder)]) == 0
     assert json.loads((old / "summary.json").read_text()) == json.loads((new / "summary.json").read_text())
     assert (old / "samples.jsonl").read_bytes() == plain(rows) and not (old / "samples.jsonl.gz").exists()
+
+
+def test_sweep_steps_reads_a_gzipd_or_a_plain_sweep_folder(tmp_path, capsys):
+    from harness.protocol import sweep_steps
+    src = ROOT / "results" / "sweeps" / "h100" / "qwen3-8b_tau7_batch"
+    folder = tmp_path / "s"
+    folder.mkdir()
+    for name in ("sweep.json", "samples.jsonl.gz"):
+        shutil.copy(src / name, folder / name)
+    assert sweep_steps.main([str(folder)]) == 0
+    steps = (folder / "steps.md").read_text()
+    assert steps == (src / "steps.md").read_text()  # the committed table, from the committed gzip'd rows
+    (folder / "samples.jsonl").write_bytes(gzip.decompress((folder / "samples.jsonl.gz").read_bytes()))
+    (folder / "samples.jsonl.gz").unlink()
+    (folder / "steps.md").unlink()
+    assert sweep_steps.main([str(folder)]) == 0 and (folder / "steps.md").read_text() == steps
+    (folder / "samples.jsonl").unlink()
+    capsys.readouterr()
+    assert sweep_steps.main([str(folder)]) == 2
+    assert "it needs sweep.json and samples.jsonl.gz" in capsys.readouterr().err

@@ -2,7 +2,8 @@
 against a greedy reference in --reference-dtype (float32), AR's text scored teacher-forced (teacher_forced).
 
 Nothing here runs inside a timer: the rounds are over, their rows are written, and this pass only adds records to
-them (the rank's samples.jsonl is rewritten whole; a resumed run replays only rows that lack them).
+them (the rank's plain samples.jsonl, gzip'd only when the run ends, is rewritten whole; a resumed run replays
+only rows that lack them).
 
 What is replayed, and why not every token: a divergence needs one position, so only a turn-0 row whose tokens
 differ from AR's of the same round is replayed, with its arm and the same stream, up to and including the first

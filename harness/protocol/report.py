@@ -109,7 +109,8 @@ def _checked(rows: list[dict]) -> tuple[list[dict], int]:
     for i, r in enumerate(rows):
         missing = [k for k in _REQUIRED if k not in r]
         if missing:
-            raise UsageError(f"sample row {i} lacks {missing}; rows must follow the samples.jsonl schema")
+            raise UsageError(f"sample row {i} lacks {missing}; rows must follow the samples.jsonl.gz schema "
+                             "(results/README.md)")
     rows, duplicates = _dedupe(rows)
     if not rows:
         raise UsageError("no sample rows to summarize; are the rows (samples.jsonl.gz) empty?")

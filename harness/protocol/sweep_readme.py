@@ -12,7 +12,8 @@ FILES = (("sweep.md", "total and per-request tok/s, τ, the speedup over AR at t
                       "and each method's crossover"),
          ("steps.md", "the step breakdown: each point's token gain and step cost over AR's, and the rows' slot use"),
          ("sweep.json", "every number of sweep.md, with the conventions"),
-         ("samples.jsonl", "one row per (round, arm, point, request): the tokens, accepted counts and clocks"),
+         ("samples.jsonl.gz", "one row per (round, arm, point, request): the tokens, accepted counts and clocks "
+                              "(gzip'd JSON lines)"),
          ("config.json", "every setting of the run, resolved"),
          ("env.json", "the machine, the packages and the commit (environment.json in sweeps written before "
                       "2026-12-05)"),

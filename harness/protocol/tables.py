@@ -196,8 +196,9 @@ def format_conventions(summary: dict, dataset: str) -> str:
     run = summary.get("run") if isinstance(summary.get("run"), dict) else {}
     lines = [f"# {dataset} at T={summary['temperature']:g}" + (f" ({'; '.join(labels)})" if labels else ""), "",
              f"Run: {facts.describe(run)}; the drafter's and refiners' weights: config.json `resolved.weights`.", "",
-             "Files: table.md / table.csv (the tables), summary.json (every statistic), samples.jsonl (one row per "
-             "arm, round, prompt and turn: everything above recomputes from it), config.json, env.json.", "",
+             "Files: table.md / table.csv (the tables), summary.json (every statistic), samples.jsonl.gz (gzip'd JSON "
+             "lines, one row per arm, round, prompt and turn: everything above recomputes from it), config.json, "
+             "env.json.", "",
              "## Conventions", ""]
     lines += [f"- **{k}**: {v}" for k, v in summary["conventions"].items()]
     return "\n".join(lines) + "\n"
