@@ -180,10 +180,8 @@ def run(cfg, out=None) -> dict:
                  sweep_readme.readme(summary, [os.path.basename(p) for p in plots], unplotted))
     atomic_write(os.path.join(folder, "env.json"),
                  json.dumps(environment(exclude=[folder]), indent=1, default=str) + "\n")
-    for path in plots:
-        print(f"[plot] {path}", file=out)
-    for why in unplotted:
-        print(f"[plot] {why}", file=out)
+    for line in [*plots, *unplotted]:  # the plots written, then why any other is not
+        print(f"[plot] {line}", file=out)
     print(format_table(summary), f"[results] {folder}", sep="\n", file=out)
     return summary
 
