@@ -295,3 +295,18 @@ def test_a_launched_rank_leaves_without_finalization(launched):
         assert (proc.returncode, proc.stdout) == (0, "rows written and returned\nfinalized\n"), proc
     main_block = (ROOT / "benchmark_compile_all.py").read_text().split('if __name__ == "__main__":')[1]
     assert "leave(code)" in main_block and main_block.index("leave(code)") < main_block.index("sys.exit(code)")
+
+
+def test_a_single_process_resume_of_a_run_stopped_before_its_first_row_starts_from_none(tmp_path):
+    """Shard.done: a run stopped after config.json and before its first row has no rows file; its --resume starts
+    from no rows (it was refused: "no samples.jsonl.gz"), as a torchrun rank that died before its first row does.
+    With rows there, plain or gzip'd, they are read."""
+    from harness.protocol.distributed import Shard
+    from harness.protocol.results_io import append_rows, write_rows
+    (tmp_path / "config.json").write_text("{}")
+    rows_path = str(tmp_path / "samples.jsonl")
+    assert Shard().done(rows_path, resume=True) == []
+    append_rows(rows_path, [{"a": 1}])
+    assert Shard().done(rows_path, resume=True) == [{"a": 1}] and Shard().done(rows_path, resume=False) == []
+    write_rows(tmp_path, [{"a": 1}, {"a": 2}])
+    assert Shard().done(rows_path, resume=True) == [{"a": 1}, {"a": 2}]

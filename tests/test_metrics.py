@@ -219,10 +219,11 @@ def test_a_ci_from_one_paired_unit_is_not_a_zero_width_interval():
 
 def test_a_ci_from_few_units_says_how_many_as_the_bootstrap_runs_narrow_there():
     """ci_text.FEW_CI_UNITS: a percentile bootstrap's 95% interval for a mean covers well under 95% from a few
-    units, so ci_bracket names the count below FEW_CI_UNITS. Recomputed as its comment states it (500 normal samples
-    a size, 500 resamples each, seeded): coverage under 0.82 from 4 units and over 0.88 from 16. Power: at 4
-    units the binomial sd of the coverage is 0.018, so 0.79 clears 0.82 by 1.6 sd and 0.93 clears 0.88 by 4 sd;
-    a bootstrap that covered 95% at 4 units would fail the first by 7 sd."""
+    units, so ci_bracket names the count below FEW_CI_UNITS. A smaller rerun of its comment's check (500 normal
+    samples a size, 500 resamples each, seeded, so the same numbers on every machine): coverage under 0.82 from 4
+    units and over 0.88 from 16. Power: the binomial sd of a coverage over 500 samples is 0.018 at 0.79 and 0.011
+    at 0.93, so 0.79 clears 0.82 by 1.7 sd and 0.93 clears 0.88 by 4.5 sd; a bootstrap that covered 95% at 4 units
+    would fail the first by 13 sd of its own (0.0097)."""
     rng = np.random.default_rng(0)
 
     def coverage(n, trials=500):

@@ -397,4 +397,3 @@ def test_a_sampled_runs_token_match_says_it_is_no_identity_check(summary):
     assert lines and not any("by design" in x for x in lines)
     sampled = [x for x in tables._notes({**summary, "temperature": 1.0}) if " vs AR" in x and "token match" in x]
     assert sampled and all("(differ by design, sampled: no identity check)" in x for x in sampled)
-

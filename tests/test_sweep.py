@@ -133,6 +133,7 @@ def test_batched_requests_decode_their_b1_tokens_and_long_contexts_are_long(swep
     """fp32 on the CPU: every request's tokens at B=2 are its B=1 tokens (same arm, round and context), and every
     speculative arm's are AR's; context 60 gives prompts of >= 60 tokens that end with the request's own question."""
     _, s, rows = swept
+    assert all(r["served_row"] == r["batch_row"] for r in rows)  # a static batch: each request on its own row
     for p in s["points"]:
         for a, e in p["arms"].items():
             if p["batch_size"] == 2:
@@ -194,7 +195,7 @@ def test_the_folder_says_what_ran_in_its_titles_and_readme(swept):
     """The titles (sweep.md, steps.md, the plots' labels) open with the model, dataset, prompts, new tokens,
     temperature, seed and rounds; README.md lists them with what each file holds and how per-request tok/s is
     defined (a mean of ratios, above the pooled total at times); the environment is env.json, as a run's."""
-    folder, s, _ = swept
+    folder, s, rows = swept
     first = s["labels"][0]
     assert first == "target on mini: 3 prompts (first turns), 7 new tokens, T=0, seed 0, 4 measured + 1 warmup round(s)"
     for name in ("sweep.md", "steps.md"):
@@ -203,9 +204,11 @@ def test_the_folder_says_what_ran_in_its_titles_and_readme(swept):
     assert f"- {first}" in readme and "| `steps.md` |" in readme and "mean of ratios" in readme
     assert "Per-request tok/s: the mean" in (folder / "sweep.md").read_text()
     assert (folder / "env.json").is_file() and not (folder / "environment.json").exists()
-    # 7 new tokens a request: its last step is cut at the limit in a large share of steps, and the labels say so
-    assert any(x.startswith("tau capped by --max-new-tokens: ") for x in s["labels"]), s["labels"]
-    assert "tau capped by --max-new-tokens" in readme and "CIs: a CI printed as [lo, hi; n units]" in readme
+    # the labels say "tau capped" exactly when the rows' cut steps call for it (replicates.capped_label)
+    from harness.protocol import replicates
+    capped = replicates.capped_label(rows)
+    assert [x for x in s["labels"] if x.startswith("tau capped")] == capped and (capped[0] in readme if capped else 1)
+    assert "CIs: a CI printed as [lo, hi; n units]" in readme
 
 
 def test_the_runs_report_refuses_a_sweep_folder_and_writes_nothing(swept, capsys):
@@ -293,14 +296,14 @@ def test_a_long_label_line_is_wrapped_to_the_figure(swept, tmp_path, monkeypatch
     """The labels' suptitle is wrapped to the figure's width (one 5-inch panel: 70 characters a line); unwrapped,
     a single-panel figure cut the labels off at both sides."""
     import matplotlib.figure
-    from harness.protocol import sweep
+    from harness.protocol import sweep_plots
     _, s, _ = swept
     titles = []
     real = matplotlib.figure.Figure.suptitle
     monkeypatch.setattr(matplotlib.figure.Figure, "suptitle",
                         lambda self, t, **k: (titles.append(t), real(self, t, **k))[1])
     one = dict(s, context_lengths=[s["context_lengths"][0]], labels=s["labels"] + ["a long label " * 6])
-    sweep.write_plots(str(tmp_path), one)
+    sweep_plots.write_plots(str(tmp_path), one)
     assert titles and all(len(line) <= 70 for line in titles[0].split("\n")) and "\n" in titles[0]
 
 
@@ -315,11 +318,10 @@ def test_a_refilled_sweep_decodes_each_request_as_b1_in_one_queue_per_point(file
     b2 = [r for r in rows if r["batch_size"] == 2]
     assert {r["batch_index"] for r in b2} == {0} and {r["batch_row"] for r in b2} == {0, 1, 2, 3}
     for (a, rnd) in {(r["arm"], r["round"]) for r in b2}:  # the rows decoded on: both, the first two in order
-        served = [r["served_row"] for r in sorted(b2, key=lambda r: r["batch_row"]) if (r["arm"], r["round"]) == (a, rnd)]
-        assert served[:2] == [0, 1] and set(served) == {0, 1}
-    assert {r["served_row"] for r in rows if r["batch_size"] == 1} == {0}  # one row, every request in turn
-    assert "Not plotted: no speedup_vs_context.png: one context length swept (0); a line needs two." in \
-        (folder / "README.md").read_text()
+        assert [r["served_row"] for r in sorted(b2, key=lambda r: r["batch_row"]) if (r["arm"], r["round"]) == (a, rnd)
+                ][:2] == [0, 1] and {r["served_row"] for r in b2} == {0, 1}
+    assert {r["served_row"] for r in rows if r["batch_size"] == 1} == {0}  # one row, every request in turn (None: unset)
+    assert "Not plotted: no speedup_vs_context.png: one context length swept (0)" in (folder / "README.md").read_text()
     for r in b2:
         assert r["batch_decode_s"] >= r["decode_s"] > 0 and r["refill"] and r["batch_rows"] == 2
     from harness.protocol import sweep_steps
@@ -377,22 +379,3 @@ def test_an_interrupted_sweeps_folder_says_to_delete_it(files, tmp_path, capsys,
         assert cli.main(args(files, tmp_path, "--run-id", "r", *extra)) == 2
         err = capsys.readouterr().err.strip()
         assert f"delete {folder} to run it again, or pick another --run-id" in err and "--resume" not in err, err
-
-
-def test_a_plot_not_written_says_why(swept):
-    """sweep_readme.unplotted: a sweep of one batch size or one context length, or without AR or another arm,
-    says in its README (and on stdout) why each plot is missing, instead of leaving it out silently. Power: a
-    list that named written plots, or gave one reason for every case, fails one of these."""
-    from harness.protocol import sweep_readme
-    _, s, _ = swept
-    assert sweep_readme.unplotted(s, ["speedup_vs_batch.png", "speedup_vs_context.png"]) == []
-    one = dict(s, batch_sizes=[4])
-    assert sweep_readme.unplotted(one, ["speedup_vs_context.png"]) == [
-        "no speedup_vs_batch.png: one batch size swept (4); a line needs two"]
-    assert [m.split(": ", 1)[1] for m in sweep_readme.unplotted(dict(s, reference=None), [])] == \
-        ["no AR arm to take the speedup over"] * 2
-    assert sweep_readme.unplotted(dict(s, arms=[s["reference"]]), [])[0].endswith("no arm besides AR")
-    assert sweep_readme.unplotted(s, [])[0].endswith("matplotlib is not installed (pip install matplotlib)")
-    text = sweep_readme.readme(one, ["speedup_vs_context.png"], sweep_readme.unplotted(one, ["speedup_vs_context.png"]))
-    assert "Not plotted: no speedup_vs_batch.png: one batch size swept (4); a line needs two." in text
-    assert "Not plotted" not in sweep_readme.readme(s, ["speedup_vs_batch.png", "speedup_vs_context.png"], [])

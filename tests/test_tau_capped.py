@@ -1,28 +1,43 @@
 """The "tau capped" label (harness/protocol/replicates.py capped_label): a run whose requests end at
---max-new-tokens on many verify steps says its tau reads low."""
-from harness.protocol import report
+--max-new-tokens on many verify steps cut to the tokens left says its tau reads low."""
+from harness.protocol import replicates, report
 from test_report import example
 
 
-def test_tau_capped_by_the_token_limit_is_labelled():
-    """replicates.capped_label: a request that ends at --max-new-tokens ends on a step cut to the tokens left.
-    From CAPPED_SHARE (5%) of a speculative arm's verify steps, the summary's labels say so and name the largest
-    share; below it, or where requests end at EOS, no label; AR's rows never count. Power: a label counting every
-    row (not only limit stops), or AR's steps, gives another share or a label where none is due."""
-    from harness.protocol import replicates
+def rows(arm, method, stops, steps, cut=True):
+    """Requests of `steps` verify steps of 2 accepted drafts each; one stopped at its limit has its last entry cut
+    to 2 tokens (`cut`) or lands on its limit exactly (not `cut`)."""
+    out = []
+    for s in stops:
+        lengths = [3] * steps
+        if s == "max_new_tokens" and cut:
+            lengths[-1] = 2
+        out.append({"arm": arm, "method": method, "stop_reason": s, "accept_lengths": lengths, "accepted": [2] * steps})
+    return out
 
-    def rows(arm, method, stops, steps):
-        return [{"arm": arm, "method": method, "stop_reason": s, "accept_lengths": [3] * steps} for s in stops]
+
+def test_tau_capped_by_the_token_limit_is_labelled():
+    """replicates.capped_label: from CAPPED_SHARE (5%) of a speculative arm's verify steps cut at a request's limit,
+    the summary's labels say so and name the largest share; below it, where requests end at EOS, or where they land
+    on their limit exactly (nothing cut, as a scripted run's or the reference accounting's), no label; AR's rows
+    never count. Power: counting every limit stop (the first version) labels the exact landings; counting AR's
+    steps or every row gives another share."""
     cut = rows("xPress(K=1)", "xpress", ["max_new_tokens"] * 2 + ["eos"] * 2, 5)  # 2 of 20 steps: 10%
     eos = rows("drafter-only", "drafter-only", ["eos"] * 4, 5)
     ar = rows("AR", "ar", ["max_new_tokens"] * 4, 1)
     assert replicates.capped_label(cut + eos + ar) == [
-        "tau capped by --max-new-tokens: 10% of xPress(K=1)'s verify steps ended a request at its limit, each cut "
-        "to the tokens left (tau reads low; a larger --max-new-tokens narrows it)"]
+        "tau capped by --max-new-tokens: 10% of xPress(K=1)'s verify steps were a request's last, cut to the tokens "
+        "its limit left (tau reads low; a larger --max-new-tokens narrows it)"]
     assert replicates.capped_label(eos + ar) == []
+    assert replicates.capped_label(rows("x", "xpress", ["max_new_tokens"] * 4, 5, cut=False)) == []  # exact landings
     assert replicates.capped_label(rows("x", "xpress", ["max_new_tokens"] + ["eos"] * 4, 5)) == []  # 1 of 25: 4%
-    ex = example()  # the summary carries it, from the measured rows
+
+
+def test_the_summary_carries_the_label_from_its_measured_rows():
+    ex = example()
+    for r in ex:  # every request at its limit, landing on it exactly: no label
+        r["stop_reason"], r["accepted"] = "max_new_tokens", [x - 1 for x in r["accept_lengths"]]
     assert not any(x.startswith("tau capped") for x in report.summarize(ex, n_boot=50)["labels"])
-    for r in ex:
-        r["stop_reason"] = "max_new_tokens"
+    for r in ex:  # the last step's entry cut below its accepted drafts + 1
+        r["accepted"][-1] += 3
     assert any(x.startswith("tau capped") for x in report.summarize(ex, n_boot=50)["labels"])

@@ -259,7 +259,7 @@ def test_a_reserve_above_the_default_stops_the_cache_sooner(taps, monkeypatch):
 def test_the_step_reserve_covers_the_largest_loss_logits_and_their_gradient():
     """TapsCache.step_reserve: FREE_RESERVE plus twice the logits of the model with the most anchors x block, in the
     training dtype. The H100 case that ran out of memory: 4,096 anchors x 16 x 49,152 in bf16 is 6 GiB a buffer, so
-    16 GiB in all (a reserve of 4 GiB had left 5 GiB free). Power: a reserve of one buffer, the smallest model's, or
+    16 GiB in all (with a reserve of 4 GiB, 5.1 GiB were free when it failed). Power: a reserve of one buffer, the smallest model's, or
     fp32 sizes for bf16 give another number."""
     from training.online import TapsCache
     models = [{"max_anchors": 512, "block_size": 8}, {"max_anchors": 4096, "block_size": 16}]

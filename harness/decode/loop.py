@@ -99,7 +99,7 @@ class Generation:
     batch_end_s: float = 0.0           # batched: seconds from the batch's first step to this request's end (=
     #                                    decode_s in a static batch; with refills, later requests start later)
     batch_steps: int = 0               # batched: the steps its batch took, every request's included
-    served_row: int = 0                # batched: the batch's row it decoded on (with refills, a row serves several)
+    served_row: int | None = None      # batched: the batch's row it decoded on (with refills, a row serves several)
     refined_batched: bool = False      # batched: its refinements ran in one call for the batch (refine_batch)
     top2_gaps: list[float] | None = None  # per token: the target's top-2 logit gap (settings.record_gaps)
     top_logits: list[float] | None = None  # per token: the target's largest logit (beside top2_gaps)

@@ -11,8 +11,8 @@ from harness.protocol.metrics import MIN_CI_UNITS
 # units, 79% from 4, 84% from 5, 89% from 8 and 10, 93% from 16 (tests/test_metrics.py recomputes it)
 FEW_CI_UNITS = 16
 FEW_CI_NOTE = (f"a CI printed as [lo, hi; n units] came from n < {FEW_CI_UNITS} resampled units (prompts x rounds, or "
-               "a sweep's batches x rounds): a percentile bootstrap that small runs narrow (its 95% held the mean "
-               "79% of the time from 4 normal units, 89% from 8)")
+               "a sweep's batches x rounds): a percentile bootstrap that small runs narrow, covering the true value "
+               "less often than its nominal level (harness/protocol/ci_text.py gives the coverage measured)")
 
 
 def ci_bracket(ci, units: int | None, fmt: str = ".2f") -> str:

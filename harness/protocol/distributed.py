@@ -143,10 +143,10 @@ class Shard:
     def done(self, rows_path: str, resume: bool) -> list[dict]:
         """Rows this rank already wrote (--resume); a rank that died before its first row has none. A single
         process reads its folder's rows: the plain samples.jsonl it appends to, or the .gz a finished run wrote."""
-        if not resume or (self.launched and not os.path.exists(rows_path)):
-            return []
-        from harness.protocol.results_io import read_folder_rows, read_rows
-        return read_rows(rows_path) if self.launched else read_folder_rows(os.path.dirname(rows_path))
+        from harness.protocol.results_io import read_rows, rows_file
+        path = (rows_path if os.path.exists(rows_path) else None) if self.launched else \
+            rows_file(os.path.dirname(rows_path))
+        return read_rows(path) if resume and path is not None else []  # stopped before its first row: none
 
     # ------------------------------------------------------------------------------------------ collectives
 

@@ -145,18 +145,20 @@ CAPPED_SHARE = 0.05  # a label from this share of a speculative arm's verify ste
 
 
 def capped_label(rows: list[dict]) -> list[str]:
-    """A label when --max-new-tokens cuts many verify steps: a request that ends at its limit ends on a step whose
-    accepted length is cut to the tokens left, so tau reads low by up to that share of steps (each such step
-    counts at most what was left). The share: such requests over the verify steps, per speculative arm (rows
-    with stop_reason; AR takes no verify step); the label names the largest."""
+    """A label when --max-new-tokens cuts many verify steps: a request that ends at its limit may end on a step
+    whose entry is cut to the tokens left (accept_lengths' last below its accepted drafts + 1), so tau reads low by
+    up to that share of steps. The share: such cut steps over the verify steps, per speculative arm (AR takes no
+    verify step); a request that lands on its limit exactly, or an accounting that does not cut (the reference's),
+    counts none. The label names the largest share."""
     worst = None
     for arm in sorted({r["arm"] for r in rows if r.get("method") not in ("ar", None)}):
         mine = [r for r in rows if r["arm"] == arm]
         steps = sum(len(r.get("accept_lengths") or ()) for r in mine)
-        cut = sum(r.get("stop_reason") == "max_new_tokens" for r in mine)
+        cut = sum(r.get("stop_reason") == "max_new_tokens" and bool(r.get("accept_lengths")) and bool(r.get("accepted"))
+                  and r["accept_lengths"][-1] < r["accepted"][-1] + 1 for r in mine)
         if steps and (worst is None or cut / steps > worst[0]):
             worst = (cut / steps, arm)
     if worst is None or worst[0] < CAPPED_SHARE:
         return []
-    return [f"tau capped by --max-new-tokens: {worst[0]:.0%} of {worst[1]}'s verify steps ended a request at its "
-            "limit, each cut to the tokens left (tau reads low; a larger --max-new-tokens narrows it)"]
+    return [f"tau capped by --max-new-tokens: {worst[0]:.0%} of {worst[1]}'s verify steps were a request's last, "
+            "cut to the tokens its limit left (tau reads low; a larger --max-new-tokens narrows it)"]

@@ -145,7 +145,8 @@ def read_rows(path: str | os.PathLike) -> list[dict]:
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise UsageError(f"{path}: no such file; a run writes {ROWS} in its results folder") from None
+        raise UsageError(f"{path}: no such file; a run writes its rows in its results folder ({ROWS}, or a plain "
+                         f"{LIVE_ROWS} while it runs)") from None
     if os.fspath(path).endswith(".gz"):
         data = _gunzip(data, path)
     lines = data.split(b"\n")

@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import sys
-import textwrap
 
 import numpy as np
 
@@ -46,6 +45,7 @@ from harness.protocol.data import dataset_provenance, load_samples, render_promp
 from harness.protocol.plan import run_folder
 from harness.protocol.results_io import LIVE_ROWS, append_rows, atomic_write, environment, read_rows, write_rows
 from harness.protocol.rounds import rotation
+from harness.protocol.sweep_plots import write_plots
 from harness.protocol.sweep_points import (batch_sizes, context_lengths, is_sweep, padded_requests,  # noqa: F401
                                            repeats, request_ids, served_rows)
 
@@ -174,8 +174,7 @@ def run(cfg, out=None) -> dict:
     atomic_write(os.path.join(folder, SWEEP), json.dumps(summary, indent=1) + "\n")
     atomic_write(os.path.join(folder, "sweep.md"), format_table(summary))
     sweep_steps.write(folder, rows, plan.arm_names, ar, summary["labels"])
-    plots = write_plots(folder, summary)  # before the README, which lists the plots written and says why not others
-    unplotted = sweep_readme.unplotted(summary, [os.path.basename(p) for p in plots])
+    plots, unplotted = write_plots(folder, summary)  # before the README: the plots written, and why not others
     atomic_write(os.path.join(folder, "README.md"),
                  sweep_readme.readme(summary, [os.path.basename(p) for p in plots], unplotted))
     atomic_write(os.path.join(folder, "env.json"),
@@ -348,51 +347,3 @@ def format_table(summary: dict) -> str:
     lines += ["", f"Speedup: {c['speedup']}; {c['unit']}. Total tok/s: {c['total_tok_s']}. Per-request tok/s: "
               f"{c.get('per_request_tok_s', '-')}. Crossover: {c['crossover']}.", ""]
     return "\n".join(lines)
-
-
-def write_plots(folder: str, summary: dict) -> list[str]:
-    """speedup_vs_batch.png (a line per method, a panel per context) and, with several contexts,
-    speedup_vs_context.png (a panel per batch size). None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
-    arms = [a for a in summary["arms"] if a != summary["reference"]]
-    if not arms or summary["reference"] is None:
-        return []
-    sp = {(p["batch_size"], p["context_len"], a): (p["arms"][a].get("speedup"), p["arms"][a].get("speedup_ci"))
-          for p in summary["points"] for a in arms}
-    paths = []
-    for name, xs, panels, key, xlabel in (
-            ("speedup_vs_batch.png", summary["batch_sizes"], summary["context_lengths"],
-             lambda x, panel, a: (x, panel, a), "batch size B (requests decoding together)"),
-            ("speedup_vs_context.png", summary["context_lengths"], summary["batch_sizes"],
-             lambda x, panel, a: (panel, x, a), "context length (prompt tokens, at least)")):
-        if len(xs) < 2:
-            continue
-        fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
-        for ax, panel in zip(axes[0], panels):
-            for a in arms:
-                got = [sp.get(key(x, panel, a), (None, None)) for x in xs]
-                ys = np.array([np.nan if y is None else y for y, _ in got])
-                lo = np.array([np.nan if ci is None else ci[0] for _, ci in got])
-                hi = np.array([np.nan if ci is None else ci[1] for _, ci in got])
-                ax.errorbar(xs, ys, yerr=[np.maximum(ys - lo, 0), np.maximum(hi - ys, 0)], marker="o", capsize=3,
-                            label=a)  # the bars: each point's 95% CI
-            ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-            if name.endswith("batch.png"):
-                ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [str(x) for x in xs])
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("speedup over AR (95% CI)")  # longer, it overran the panel's height
-            ax.set_title(f"{'context' if name.endswith('batch.png') else 'B'} = {panel}", fontsize=9)
-            ax.legend(fontsize=7)
-        if summary["labels"]:  # once for the figure, wrapped to its width: a panel's title is too narrow for them
-            fig.suptitle(textwrap.fill("; ".join(summary["labels"]), 70 * len(panels)), fontsize=8)
-        fig.tight_layout()
-        fig.savefig(path := os.path.join(folder, name), dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths

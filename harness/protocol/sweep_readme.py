@@ -87,29 +87,9 @@ def crossover_lines(summary: dict) -> list[str]:
     return out
 
 
-def unplotted(summary: dict, plots: list[str]) -> list[str]:
-    """Why each of the sweep's plots (`plots`: those written) is missing, one line each: an axis of one value, no
-    AR arm to divide by, no other arm, or no matplotlib."""
-    out = []
-    for name, axis, unit in (("speedup_vs_batch.png", "batch_sizes", "batch size"),
-                             ("speedup_vs_context.png", "context_lengths", "context length")):
-        if name in plots:
-            continue
-        if len(summary[axis]) < 2:
-            why = f"one {unit} swept ({summary[axis][0]}); a line needs two"
-        elif summary["reference"] is None:
-            why = "no AR arm to take the speedup over"
-        elif not [a for a in summary["arms"] if a != summary["reference"]]:
-            why = "no arm besides AR"
-        else:
-            why = "matplotlib is not installed (pip install matplotlib)"
-        out.append(f"no {name}: {why}")
-    return out
-
-
-def readme(summary: dict, plots: list[str] | None = None, missing: list[str] = ()) -> str:
+def readme(summary: dict, plots: list[str] | None = None, missing: list[str] | tuple = ()) -> str:
     """The folder's README.md: what ran (the labels), what each file holds (`plots`: the plot files written, None:
-    both listed; `missing`: why a plot is not, from `unplotted`) and how the numbers are defined."""
+    both listed; `missing`: why a plot is not, from sweep_plots.write_plots) and how the numbers are defined."""
     c = summary["conventions"]
     per_request = c.get("per_request_tok_s") or ("each request's decode tokens over its own decode seconds, "
                                                   "averaged over the requests (it can exceed the total rate)")
