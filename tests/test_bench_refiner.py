@@ -3,6 +3,16 @@ import json
 from harness.lab import bench_refiner
 
 
+def interpreter_sized(monkeypatch):
+    """For the runs on Triton's CPU interpreter, which runs a launch's programs one by one in Python: a 64-token
+    vocabulary (w2's readout, a one-row launch of 16 columns a program: 4 programs, not the tiny preset's 32) and
+    no warmup calls (each call ran ~20 s at the tiny preset's 512). These tests check which ops and latents run and
+    what is recorded, not the times."""
+    monkeypatch.setitem(bench_refiner.PRESETS, "tiny", (64, *bench_refiner.PRESETS["tiny"][1:]))
+    timed = bench_refiner.time_call
+    monkeypatch.setattr(bench_refiner, "time_call", lambda fn, backend, repeats: timed(fn, backend, repeats, warmup=0))
+
+
 def test_bench_refiner_writes_json_and_markdown(tmp_path, capsys):
     out = tmp_path / "cost.json"
     assert bench_refiner.main(["--preset", "tiny", "--device", "cpu", "--repeats", "2", "--passes", "0,1,3",
@@ -46,6 +56,7 @@ def test_bench_refiner_times_xpress_on_the_chosen_ops_and_compiled(tmp_path, mon
         def refine(self, proposal, ctx):
             return self.inner.refine(proposal, ctx)
     monkeypatch.setattr(bench_refiner, "CompiledRefiner", Spy)
+    interpreter_sized(monkeypatch)
     out = tmp_path / "cost.json"
     assert bench_refiner.main(["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--passes", "1,2",
                                "--topc", "0", "--kernels", "triton", "--compile", "--out", str(out)]) == 0
@@ -76,6 +87,7 @@ def test_unfused_latents_run_on_the_heads_modules_and_the_rest_on_the_kernels(tm
         real = getattr(kernels, attr)
         monkeypatch.setattr(kernels, attr, lambda *a, _r=real, _k=key, **kw: calls.__setitem__(_k, calls[_k] + 1)
                             or _r(*a, **kw))
+    interpreter_sized(monkeypatch)
     args = ["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--passes", "1", "--topc", "0",
             "--kernels", "triton"]
     out = tmp_path / "cost.json"
