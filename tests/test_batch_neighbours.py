@@ -20,8 +20,9 @@ def _case(backend):
     from drafters.dflash import DFlashDrafter
     from drafters.dflash_batch import DFlashGroup
     from tiny import tiny_drafter, tiny_target
-    t = tiny_target("qwen3", capacity=128, backend=backend)
-    base = tiny_drafter(t, block=BLOCK, backend=backend)
+    # 2 target layers: every layer runs the same kernels, each a few seconds in the interpreter (6 took ~60 s a case)
+    t = tiny_target("qwen3", capacity=128, backend=backend, layers=2)
+    base = tiny_drafter(t, block=BLOCK, backend=backend, target_layer_ids=[0, 1])
     ops = triton_ops(backend.device)
     t.use_ops(triton_ops(backend.device, launch=dataclasses.replace(ops.launch, batch_invariant=True)))
     g = torch.Generator().manual_seed(4)

@@ -64,8 +64,8 @@ def test_generate_batch_keeps_the_refiners_own_kernels_at_b1_and_the_twin_from_b
     from tiny import CPU32, tiny_drafter, tiny_target
     if DEV.type != "cpu":
         pytest.skip("the decode half runs on the CPU's fp32 target; the GPU's is tests/test_batch_graphs_gpu.py")
-    t = tiny_target("qwen3", capacity=128)
-    base = tiny_drafter(t, block=BLOCK)
+    t = tiny_target("qwen3", capacity=128, layers=2)  # 2 layers: every layer runs the same ops
+    base = tiny_drafter(t, block=BLOCK, target_layer_ids=[0, 1])
     r = _refiners()["xpress2"]
     b = batch_refiner(r)
     calls = []
@@ -96,8 +96,9 @@ def test_one_request_on_triton_kernels_decodes_what_the_single_request_loop_does
     from tiny import CPU32, tiny_drafter, tiny_target
     if DEV.type != "cpu":
         pytest.skip("the CPU interpreter's check; the GPU's is tests/test_batch_graphs_gpu.py")
-    t = tiny_target("qwen3", capacity=128)
-    base = tiny_drafter(t, block=BLOCK)
+    # 2 target layers: every layer runs the same kernels, each a few seconds in the interpreter (6 took ~100 s)
+    t = tiny_target("qwen3", capacity=128, layers=2)
+    base = tiny_drafter(t, block=BLOCK, target_layer_ids=[0, 1])
     t.use_ops(triton_ops(DEV))
     r = _refiners()["xpress2"]
     g = torch.Generator().manual_seed(9)
