@@ -26,9 +26,11 @@ def files(tmp_path_factory):
 
 
 def fair_args(files, results, *extra):
+    """6 new tokens: greedy blocks of 4, so each decode still takes more than one step; a run here decodes 6
+    rounds x 5 arms x 4 turns."""
     return ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
             "--xpress-refiner-path", str(files / "xpress.pt"), "--markov-refiner-path", str(files / "markov.pt"),
-            "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "10", "--device", "cpu",
+            "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "6", "--device", "cpu",
             "--fair-interleave", "--fair-k-list", "1,2", "--results-dir", str(results), *extra]
 
 
@@ -270,7 +272,7 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
 
 def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
-            "--max-new-tokens", "17", "--scripted-accept", "3", "--fair-interleave", "--fair-k-list", "1,2",
+            "--max-new-tokens", "9", "--scripted-accept", "3", "--fair-interleave", "--fair-k-list", "1,2",
             "--results-dir", str(tmp_path), "--run-id", "rw", "--trace", str(tmp_path / "trace.jsonl")]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -281,7 +283,7 @@ def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     # labels wherever a reader looks: the table's title line, a column of every CSV row, the folder's README
     title = (tmp_path / "rw" / "table.md").read_text().splitlines()[0]
     assert title.startswith(f"**RESULT  [{'; '.join(labels)}]")
-    assert "max_new_tokens=17" in title and "rounds=6 (warmup [1] excluded, measured [2, 3, 4, 5, 6])" in title
+    assert "max_new_tokens=9" in title and "rounds=6 (warmup [1] excluded, measured [2, 3, 4, 5, 6])" in title
     csv_rows = (tmp_path / "rw" / "table.csv").read_text().splitlines()
     assert csv_rows[0].endswith(",labels") and all(r.endswith("; traced (steps replayed untimed)")
                                                      for r in csv_rows[1:])
@@ -292,10 +294,10 @@ def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
     assert config["resolved"]["kernels"] == "torch"  # auto: the Triton kernels only on CUDA
     assert set(summary["arms"]) == {"AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=2)"}
     for name, arm in summary["arms"].items():
-        # 16 decode tokens: four steps of 3 accepted drafts + 1, exactly (no stop ids with random weights)
+        # 8 decode tokens: two steps of 3 accepted drafts + 1, exactly (no stop ids with random weights)
         assert arm["tau_per_step"] == (1.0 if name == "AR" else 4.0), name
     rows = read_folder_rows(tmp_path / "rw")
-    assert all(r["new_tokens"] == 17 and r["stop_reason"] == "max_new_tokens" for r in rows)
+    assert all(r["new_tokens"] == 9 and r["stop_reason"] == "max_new_tokens" for r in rows)
 
 
 @pytest.mark.parametrize("argv, message", [
