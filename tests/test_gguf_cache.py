@@ -146,3 +146,38 @@ def test_a_failed_conversion_falls_back_to_the_gguf_and_leaves_nothing(tmp_path,
     assert "reading the GGUF itself" in capsys.readouterr().err
     root = tmp_path / "cache" / "hf"
     assert not root.exists() or not list(root.iterdir())
+
+
+def test_the_quantization_label_is_read_from_the_header_alone(tmp_path, monkeypatch):
+    """gguf_cache.header_file_type walks the header's keys to general.file_type past string arrays and an array of
+    arrays (GGUFReader reads the answer on the same files); without the key, quantization falls back to GGUFReader
+    (the most common tensor type); a file that is no GGUF v2/v3 gives None there too."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    def write(path, file_type=None):
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_array("tokenizer.ggml.tokens", ["a", "bc", "", "déf" * 40])
+        w.add_array("nested", [[1, 2, 3], [4.5], ["x", "yz"]])
+        w.add_uint64("a.count", 7)
+        w.add_bool("a.flag", True)
+        if file_type is not None:
+            w.add_file_type(int(file_type))
+        w.add_string("after", "z")
+        w.add_tensor("t", np.zeros(4, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return path
+    typed = write(tmp_path / "a.gguf", gguf.LlamaFileType.MOSTLY_Q8_0)
+    assert gguf_cache.header_file_type(typed) == int(gguf.LlamaFileType.MOSTLY_Q8_0)
+    field = gguf.GGUFReader(str(typed)).fields["general.file_type"]
+    assert int(field.parts[field.data[0]][0]) == gguf_cache.header_file_type(typed)
+    _no_gguf_reads(monkeypatch)  # the label alone: GGUFReader never runs
+    assert gguf_cache.quantization(str(typed)) == "Q8_0"
+    monkeypatch.undo()
+    untyped = write(tmp_path / "b.gguf")
+    assert gguf_cache.header_file_type(untyped) is None and gguf_cache.quantization(str(untyped)) == "F32"
+    (tmp_path / "c.gguf").write_bytes(b"GGUF\x01\x00\x00\x00")
+    assert gguf_cache.header_file_type(tmp_path / "c.gguf") is None
