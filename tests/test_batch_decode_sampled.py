@@ -20,8 +20,8 @@ BLOCK = 4
 
 @pytest.fixture(scope="module")
 def case():
-    t = tiny_target("qwen3", capacity=128)
-    base = tiny_drafter(t, block=BLOCK)
+    t = tiny_target("qwen3", capacity=128, layers=2)  # 2 layers: each layer is the same code; 6 cost 3x
+    base = tiny_drafter(t, block=BLOCK, target_layer_ids=[0, 1])
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(8, 104, (n,), generator=g).tolist() for n in (6, 19, 2)]
     refiners = {"markov": MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 8, seed=3, std=0.3)),

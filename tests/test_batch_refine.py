@@ -155,8 +155,8 @@ class _Member:
 
 @pytest.fixture(scope="module")
 def case():
-    t = tiny_target("qwen3", capacity=128)
-    base = tiny_drafter(t, block=BLOCK)
+    t = tiny_target("qwen3", capacity=128, layers=2)  # 2 layers: each layer is the same code; 6 cost 3x
+    base = tiny_drafter(t, block=BLOCK, target_layer_ids=[0, 1])
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(8, 104, (n,), generator=g).tolist() for n in LENGTHS]
     refs = [generate(t, p, DecodeSettings(40, 512, ()), CPU32).tokens for p in prompts]
