@@ -161,3 +161,22 @@ def test_the_gsm8k3_preset_is_gsm8k2_with_a_longer_drafter_box_over_the_same_sta
     (tmp_path / "prompts").mkdir()
     write_json(tmp_path / "prompts" / "manifest.json", {"key": prompts.stage_key(g2, files, "pinned")})
     assert responses.stage_key(g3) == responses.stage_key(g2)
+
+
+def test_the_heads_gsm8k3_preset_trains_heads_long_heads_over_gsm8k3s_stages(tmp_path):
+    """smollm2-gpu-heads-gsm8k3: the shipped heads' recipe (smollm2-gpu-heads-long's models, each init_from the
+    drafter folder the device's warm copy fills) over the gsm8k3 run's carried stages, so the job skips the prompts
+    and responses stages. Power: a different model set or recipe, or any change to a stage's section, fails."""
+    from training import prompts, responses
+    from training.store import write_json
+    g3, h = load_config("smollm2-gpu-gsm8k3"), load_config("smollm2-gpu-heads-gsm8k3")
+    assert h["models"] == load_config("smollm2-gpu-heads-long")["models"]
+    assert {k for k in g3 if g3[k] != h[k]} == {"name", "workdir", "models"}
+    files = ["data/eval/gsm8k.jsonl"]
+    assert prompts.stage_key(h, files, "pinned") == prompts.stage_key(g3, files, "pinned")
+    for c in (g3, h):
+        c["workdir"] = str(tmp_path)
+    (tmp_path / "prompts").mkdir()
+    write_json(tmp_path / "prompts" / "manifest.json", {"key": prompts.stage_key(g3, files, "pinned")})
+    assert responses.stage_key(h) == responses.stage_key(g3)
+    assert all(m["init_from"] == "weights/smollm2-135m/drafter" and m["freeze_backbone"] for m in h["models"].values())
