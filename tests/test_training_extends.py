@@ -148,35 +148,32 @@ def test_the_gsm8k3_preset_is_gsm8k2_with_a_longer_drafter_box_over_the_same_sta
     longer (14 minutes, where the responses stage took gsm8k2's 6.5), for a session that carries gsm8k2's stages in;
     they are used only if its prompts and responses stage keys are gsm8k2's. Power: any change to the prompts or
     responses sections, the seed or the target, changes a key."""
-    from training import prompts, responses
-    from training.store import write_json
     g2, g3 = load_config("smollm2-gpu-gsm8k2"), load_config("smollm2-gpu-gsm8k3")
-    assert {k for k in g2 if g2[k] != g3[k]} == {"name", "workdir", "models"}
     assert list(g3["models"]) == ["drafter"]
     assert {k: v for k, v in g3["models"]["drafter"].items() if v != g2["models"]["drafter"][k]} == {"max_minutes": 14}
-    files = ["data/eval/gsm8k.jsonl"]
-    assert prompts.stage_key(g3, files, "pinned") == prompts.stage_key(g2, files, "pinned")
-    for c in (g2, g3):
-        c["workdir"] = str(tmp_path)
-    (tmp_path / "prompts").mkdir()
-    write_json(tmp_path / "prompts" / "manifest.json", {"key": prompts.stage_key(g2, files, "pinned")})
-    assert responses.stage_key(g3) == responses.stage_key(g2)
+    _same_stages(g2, g3, tmp_path)
 
 
 def test_the_heads_gsm8k3_preset_trains_heads_long_heads_over_gsm8k3s_stages(tmp_path):
     """smollm2-gpu-heads-gsm8k3: the shipped heads' recipe (smollm2-gpu-heads-long's models, each init_from the
     drafter folder the device's warm copy fills) over the gsm8k3 run's carried stages, so the job skips the prompts
     and responses stages. Power: a different model set or recipe, or any change to a stage's section, fails."""
-    from training import prompts, responses
-    from training.store import write_json
     g3, h = load_config("smollm2-gpu-gsm8k3"), load_config("smollm2-gpu-heads-gsm8k3")
     assert h["models"] == load_config("smollm2-gpu-heads-long")["models"]
-    assert {k for k in g3 if g3[k] != h[k]} == {"name", "workdir", "models"}
+    assert all(m["init_from"] == "weights/smollm2-135m/drafter" and m["freeze_backbone"] for m in h["models"].values())
+    _same_stages(g3, h, tmp_path)
+
+
+def _same_stages(a: dict, b: dict, tmp_path) -> None:
+    """b differs from a only in its models, and its prompts and responses stages have a's keys (so a's carried stages
+    are b's, up to date)."""
+    from training import prompts, responses
+    from training.store import write_json
+    assert {k for k in a if a[k] != b[k]} == {"name", "workdir", "models"}
     files = ["data/eval/gsm8k.jsonl"]
-    assert prompts.stage_key(h, files, "pinned") == prompts.stage_key(g3, files, "pinned")
-    for c in (g3, h):
+    assert prompts.stage_key(b, files, "pinned") == prompts.stage_key(a, files, "pinned")
+    for c in (a, b):
         c["workdir"] = str(tmp_path)
     (tmp_path / "prompts").mkdir()
-    write_json(tmp_path / "prompts" / "manifest.json", {"key": prompts.stage_key(g3, files, "pinned")})
-    assert responses.stage_key(h) == responses.stage_key(g3)
-    assert all(m["init_from"] == "weights/smollm2-135m/drafter" and m["freeze_backbone"] for m in h["models"].values())
+    write_json(tmp_path / "prompts" / "manifest.json", {"key": prompts.stage_key(a, files, "pinned")})
+    assert responses.stage_key(b) == responses.stage_key(a)
