@@ -14,7 +14,9 @@
 #            bash harness/lab/training_gpu.sh cache            # carry .gpu5 (when an earlier session brought a
 #                                                              # compile cache back): train.compile_cache loads it
 #            bash harness/lab/training_gpu.sh start [ARGS...]  # carry .gpu2: the GGUF whole, the job started
-#                                                              # in its own session (ARGS: more --set overrides)
+#                                                              # in its own session (ARGS: more --set overrides);
+#                                                              # on 2026-12-06 the call did not return until its
+#                                                              # limit while the job ran: call it with timeout_s 60
 #            bash harness/lab/training_gpu.sh poll [SECONDS]   # until the job ends or SECONDS (default 540) pass
 #            bash harness/lab/training_gpu.sh back [WHAT...]   # into $OUT: records.tgz, and WHAT (e.g. drafter, or
 #                                                              # xpress markov_gated) of the export in tar parts of
