@@ -31,7 +31,7 @@ def _case(backend):
     def run(prompts, drafted: bool):
         from harness.decode.batch_loop import generate_batch
         from harness.decode.loop import DecodeSettings
-        s = DecodeSettings(12, 512, (3,))
+        s = DecodeSettings(6, 512, (3,))  # 6 tokens: several steps, each a few interpreter launches a layer
         fresh = lambda: DFlashDrafter(base.model, t.embed, t.lm_head, backend)
         members = DFlashGroup(fresh(), len(prompts)).members if drafted else None
         return [gen.tokens for gen in generate_batch(t, prompts, s, backend, drafters=members)]

@@ -73,7 +73,7 @@ def test_generate_batch_keeps_the_refiners_own_kernels_at_b1_and_the_twin_from_b
     monkeypatch.setattr(b, "refine_stacked", lambda *a: (calls.append(1), stacked(*a))[1])
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(8, 104, (n,), generator=g).tolist() for n in (5, 23, 1)]
-    s = DecodeSettings(10, 512, (3,))
+    s = DecodeSettings(6, 512, (3,))  # 6 tokens: several steps (the interpreter pays per launch)
     fresh = lambda: DFlashDrafter(base.model, t.embed, t.lm_head, CPU32)
     singles = [generate(t, p, s, CPU32, drafter=fresh(), refiner=r).tokens for p in prompts]
     for n in (1, 3):
@@ -103,7 +103,7 @@ def test_one_request_on_triton_kernels_decodes_what_the_single_request_loop_does
     r = _refiners()["xpress2"]
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(8, 104, (n,), generator=g).tolist() for n in (7, 19)]
-    s = DecodeSettings(10, 512, (3,))
+    s = DecodeSettings(6, 512, (3,))  # 6 tokens: several steps (the interpreter pays per launch)
     fresh = lambda: DFlashDrafter(base.model, t.embed, t.lm_head, CPU32)
     singles = [generate(t, p, s, CPU32, drafter=fresh(), refiner=r) for p in prompts]
     for n in (1, 2):
