@@ -1,6 +1,7 @@
 """The paired protocol end to end on tiny models: bench_fair_fast.sh, the results folder, --resume, bad input."""
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -74,13 +75,14 @@ def strip(rows):
     return sorted((json.dumps({k: v for k, v in r.items() if k not in TIMING}, sort_keys=True) for r in rows))
 
 
-def test_killed_and_resumed_run_gives_the_same_rows(files, tmp_path, monkeypatch):
-    full = tmp_path / "full"
-    assert cli.main(fair_args(files, full, "--run-id", "a")) == 0
-    expected = read_folder_rows(full / "a")
+@pytest.fixture(scope="module")
+def full_run(files, tmp_path_factory):  # one uninterrupted run, made once; read only (a test copies it to change it)
+    assert cli.main(fair_args(files, folder := tmp_path_factory.mktemp("full"), "--run-id", "a")) == 0
+    return folder / "a"
 
-    calls = {"n": 0}
-    real = runner.generate
+
+def test_killed_and_resumed_run_gives_the_same_rows(files, full_run, tmp_path, monkeypatch):
+    expected, calls, real = read_folder_rows(full_run), {"n": 0}, runner.generate
 
     def flaky(*a, **k):
         calls["n"] += 1
@@ -123,11 +125,11 @@ def test_a_resumed_trace_keeps_the_interrupted_processs_steps(files, tmp_path, m
     assert first < units(trace) == units(tmp_path / "a.jsonl")
 
 
-def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(files, tmp_path, capsys, monkeypatch):
+def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(full_run, tmp_path, capsys, monkeypatch):
     """Every decode already in the rows: nothing would run, and a resume would rewrite env.json with this
     machine and label the tables resumed; refused in one line before any model loads, every file unchanged."""
-    assert cli.main(fair_args(files, tmp_path, "--run-id", "f")) == 0
     folder = tmp_path / "f"
+    shutil.copytree(full_run, folder)  # a finished run (the module's, copied: this test changes it)
     before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     monkeypatch.setattr(runner, "load_models", lambda *a, **k: pytest.fail("a model was loaded"))
     capsys.readouterr()
@@ -159,10 +161,10 @@ def test_a_run_stopped_while_its_plots_are_drawn_resumes_and_finishes(files, tmp
     assert (folder / "summary.json").is_file() and list(folder.glob("*.png"))
 
 
-def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(files, tmp_path, capsys, monkeypatch):
+def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(files, full_run, tmp_path, capsys, monkeypatch):
     from harness.protocol import report
-    for run in ("a", "b"):
-        assert cli.main(fair_args(files, tmp_path, "--run-id", run)) == 0
+    shutil.copytree(full_run, tmp_path / "a")  # the module's run, copied (rebuilt below)
+    assert cli.main(fair_args(files, tmp_path, "--run-id", "b")) == 0
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     capsys.readouterr()
     rebuilt = []
@@ -185,8 +187,7 @@ def test_resume_refuses_other_settings(files, tmp_path, capsys):
 
 
 def bad_jsonl(files, tmp_path):
-    d = tmp_path / "bad"
-    d.mkdir()
+    (d := tmp_path / "bad").mkdir()
     (d / "mini.jsonl").write_text('{"turns": ["ok"]}\n{"turns": "not a list"}\n')
     return d
 
