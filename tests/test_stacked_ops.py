@@ -128,11 +128,11 @@ def test_an_xpress_stack_launches_each_kernel_once_a_pass(monkeypatch, n, block)
 def test_a_markov_stack_launches_each_kernel_once_a_slot(monkeypatch):
     r = MarkovRefiner(_markov(), ops=triton_ops(DEV))
     b = BatchRefiner(r, ops=StackedTritonOps(r.ops))
-    args = _stack(3, 8, seed=6)
+    args = _stack(3, 5, seed=6)  # 4 slots for 3 requests: once a slot (4) is neither once a request nor N x slots
     own = _own(r, *args)
     calls = _counting(monkeypatch)
     tokens, q = b.refine_stacked(*args)
-    assert calls == {"linear": 7, "xpress_latent": 0, "markov_gated_latent": 7}, calls
+    assert calls == {"linear": 4, "xpress_latent": 0, "markov_gated_latent": 4}, calls
     for i, p in enumerate(own):
         assert torch.equal(tokens[i], p.tokens), i
         assert_close(q[i], p.logits, steps=4 if DT == torch.float32 else 2)
