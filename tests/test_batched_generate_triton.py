@@ -26,7 +26,9 @@ def _prompts(lengths, seed=1):
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])  # per-head q/k norms in the kernel, and none
 def test_triton_attention_answers_equal_sdpa_with_refills_and_stops(family):
-    model = tiny_hf_model(family).to(DEV)  # on a GPU, with CUDA graphs (one for every bucket with the kernel)
+    # 2 layers (every layer runs the same kernel; a call on the neighbour layer's cache still shows); on a GPU, with
+    # CUDA graphs (one for every bucket with the kernel)
+    model = tiny_hf_model(family, layers=2).to(DEV)
     prompts = _prompts((7, 2, 11, 4), seed=3)
     sdpa = BatchedGenerator(model, rows=2, bucket=16, check_every=2)
     stop = sdpa.generate(prompts[:1], NEW, [])[0][2]
@@ -43,7 +45,8 @@ def test_triton_attention_answers_equal_sdpa_with_refills_and_stops(family):
 def test_kv_slot_bookkeeping_of_the_kernel_path_by_hand():
     """One 5-token prompt, 4 new tokens (3 decode steps), 2 rows (one idle), bucket 16: the busy row reads its own
     6, 7 and 8 slots, the idle row (length 0) one a step; SDPA's count would be 3 x 2 x 16 = 96."""
-    gen = BatchedGenerator(tiny_hf_model("llama").to(DEV), rows=2, bucket=16, check_every=8, attention="triton")
+    gen = BatchedGenerator(tiny_hf_model("llama", layers=2).to(DEV), rows=2, bucket=16, check_every=8,
+                           attention="triton")
     gen.generate(_prompts((5,)), 4, [])
     assert (gen.stats["kv_slots_read"], gen.stats["kv_slots_needed"]) == (6 + 7 + 8 + 3, 6 + 7 + 8)
 
