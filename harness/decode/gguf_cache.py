@@ -194,29 +194,30 @@ def quantization(spec: str) -> str | None:
         return f"unknown ({type(e).__name__})"
 
 
-_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value types of fixed size
-_INTS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
-
-
 def header_file_type(gguf: Path) -> int | None:
     """`general.file_type` read key by key from a GGUF (version 2 or 3) header, stopping there: GGUFReader parses
     every field first (SmolLM2's 49k-token vocabulary and merges: ~7 s of a run on the 2-core machine, for a label).
-    None where the header has no such integer key before its end, or is another version (GGUFReader decides)."""
+    The value types and their widths are gguf's own (GGUFValueType, GGUFReader.gguf_scalar_to_np; gguf 0.19). None
+    where the header has no such integer key before its end, or is another version (GGUFReader decides)."""
     import struct
+
+    import numpy as np
+    from gguf import GGUFReader, GGUFValueType
+    scalars = {int(k): np.dtype(v).newbyteorder("<") for k, v in GGUFReader.gguf_scalar_to_np.items()}
     with open(gguf, "rb") as f:
         def read(fmt):
             return struct.unpack(fmt, f.read(struct.calcsize(fmt)))[0]
 
         def skip(kind, count=1):
-            if kind == 8:  # strings: each its own length
+            if kind == GGUFValueType.STRING:  # strings: each its own length
                 for _ in range(count):
                     f.seek(read("<Q"), 1)
-            elif kind == 9:  # arrays: each its own item type and count, then its items
+            elif kind == GGUFValueType.ARRAY:  # arrays: each its own item type and count, then its items
                 for _ in range(count):
                     item = read("<I")
                     skip(item, read("<Q"))
             else:
-                f.seek(_SIZES[kind] * count, 1)  # (KeyError: a type this reader does not know)
+                f.seek(scalars[kind].itemsize * count, 1)  # (KeyError: a type this reader does not know)
         try:
             if f.read(4) != b"GGUF" or read("<I") not in (2, 3):
                 return None
@@ -224,8 +225,8 @@ def header_file_type(gguf: Path) -> int | None:
             for _ in range(n_kv):
                 key = f.read(read("<Q"))
                 kind = read("<I")
-                if key == b"general.file_type" and kind in _INTS:
-                    return int(read(_INTS[kind]))
+                if key == b"general.file_type" and kind in scalars and scalars[kind].kind in "iu":
+                    return int(np.frombuffer(f.read(scalars[kind].itemsize), scalars[kind])[0])
                 skip(kind)
         except (KeyError, struct.error):
             return None

@@ -8,8 +8,12 @@ import textwrap
 import numpy as np
 
 
-PLOTS = (("speedup_vs_batch.png", "batch_sizes", "batch size"), ("speedup_vs_context.png", "context_lengths",
-                                                                      "context length"))
+# each plot: its file, the axis it sweeps along (a summary key), the axis of its panels, the unit the axis counts
+# and its label
+PLOTS = (("speedup_vs_batch.png", "batch_sizes", "context_lengths", "batch size",
+          "batch size B (requests decoding together)"),
+         ("speedup_vs_context.png", "context_lengths", "batch_sizes", "context length",
+          "context length (prompt tokens, at least)"))
 
 
 def write_plots(folder: str, summary: dict) -> tuple[list[str], list[str]]:
@@ -29,34 +33,32 @@ def write_plots(folder: str, summary: dict) -> tuple[list[str], list[str]]:
         import matplotlib.pyplot as plt
     except ImportError:
         return [], missing("matplotlib is not installed (pip install matplotlib)")
-    skipped = [m for name, axis, unit in PLOTS if len(summary[axis]) < 2
+    skipped = [m for name, axis, _, unit, _ in PLOTS if len(summary[axis]) < 2
                for m in missing(f"one {unit} swept ({summary[axis][0]}); a line needs two", [name])]
     sp = {(p["batch_size"], p["context_len"], a): (p["arms"][a].get("speedup"), p["arms"][a].get("speedup_ci"))
           for p in summary["points"] for a in arms}
     paths = []
-    for name, xs, panels, key, xlabel in (
-            ("speedup_vs_batch.png", summary["batch_sizes"], summary["context_lengths"],
-             lambda x, panel, a: (x, panel, a), "batch size B (requests decoding together)"),
-            ("speedup_vs_context.png", summary["context_lengths"], summary["batch_sizes"],
-             lambda x, panel, a: (panel, x, a), "context length (prompt tokens, at least)")):
+    for name, axis, panel_axis, _, xlabel in PLOTS:
+        xs, panels = summary[axis], summary[panel_axis]
         if len(xs) < 2:  # said in `skipped`
             continue
+        by_batch = axis == "batch_sizes"
         fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
         for ax, panel in zip(axes[0], panels):
             for a in arms:
-                got = [sp.get(key(x, panel, a), (None, None)) for x in xs]
+                got = [sp.get((x, panel, a) if by_batch else (panel, x, a), (None, None)) for x in xs]
                 ys = np.array([np.nan if y is None else y for y, _ in got])
                 lo = np.array([np.nan if ci is None else ci[0] for _, ci in got])
                 hi = np.array([np.nan if ci is None else ci[1] for _, ci in got])
                 ax.errorbar(xs, ys, yerr=[np.maximum(ys - lo, 0), np.maximum(hi - ys, 0)], marker="o", capsize=3,
                             label=a)  # the bars: each point's 95% CI
             ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-            if name.endswith("batch.png"):
+            if by_batch:
                 ax.set_xscale("log", base=2)
             ax.set_xticks(xs, [str(x) for x in xs])
             ax.set_xlabel(xlabel)
             ax.set_ylabel("speedup over AR (95% CI)")  # longer, it overran the panel's height
-            ax.set_title(f"{'context' if name.endswith('batch.png') else 'B'} = {panel}", fontsize=9)
+            ax.set_title(f"{'context' if by_batch else 'B'} = {panel}", fontsize=9)
             ax.legend(fontsize=7)
         if summary["labels"]:  # once for the figure, wrapped to its width: a panel's title is too narrow for them
             fig.suptitle(textwrap.fill("; ".join(summary["labels"]), 70 * len(panels)), fontsize=8)

@@ -124,8 +124,7 @@ def main(argv=None) -> int:
     for folder in args.folders:
         if not (os.path.isfile(os.path.join(folder, "sweep.json")) and rows_file(folder) is not None):
             print(f"error: {folder} is not a sweep folder (it needs sweep.json and samples.jsonl.gz, or a plain "
-                  "samples.jsonl); pass the "
-                  "folder a sweep wrote", file=sys.stderr)
+                  "samples.jsonl); pass the folder a sweep wrote", file=sys.stderr)
             return 2
     for folder in args.folders:
         with open(os.path.join(folder, "sweep.json")) as f:
