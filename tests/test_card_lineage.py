@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def write_run(folder: Path, flat: bool, models: dict, stages=True):
+def write_run(folder: Path, flat: bool, models: dict, stages=True, key=None):
     """models: name -> (first_step, last_step): train rows logged every 20 steps, a box.json and acceptance.json."""
     for m, (first, last) in models.items():
         d = folder if flat else folder / "train" / m
@@ -34,7 +34,7 @@ def write_run(folder: Path, flat: bool, models: dict, stages=True):
             "heldout": {"set": "heldout", "of": 64, "prompts": 64, "seconds": 1.0, "tau_drafter": 2.3 + first / 1e4}}))
     (folder / ("responses_manifest.json" if flat else "responses/manifest.json")).parent.mkdir(exist_ok=True)
     (folder / ("responses_manifest.json" if flat else "responses/manifest.json")).write_text(
-        json.dumps({"sequences": 7, "response_tokens": 700, "prompt_tokens": 70}))
+        json.dumps({"sequences": 7, "response_tokens": 700, "prompt_tokens": 70, **({"key": key} if key else {})}))
     if stages:
         (folder / "stages.json").write_text(json.dumps({"train": {"seconds": 10.0}}))
 
@@ -87,6 +87,25 @@ def test_a_lineage_card_gives_every_run_in_order_with_the_steps_each_made(lineag
     again = lineage / "again.md"
     assert card_cli("--from-json", out / "card.json", "--markdown", again).returncode == 0
     assert again.read_text() == text  # the card is card.json's rendering
+
+
+def test_a_run_on_a_carried_responses_stage_is_not_counted_as_new_data(tmp_path):
+    """Runs that trained on the responses another run made (the stage carried between sessions: the same key) did
+    not generate them: the lineage's totals count that stage once, and the row names the run that made it."""
+    pytest.importorskip("matplotlib")
+    write_run(tmp_path / "a", True, {"drafter": (0, 914)}, key="k1")
+    write_run(tmp_path / "b", True, {"drafter": (914, 2248)}, key="k2")
+    write_run(tmp_path / "c", True, {"drafter": (2248, 3000)}, key="k2")
+    write_run(tmp_path / "h", True, {"xpress": (0, 494)}, key="k2")
+    ship_manifest(tmp_path / "heads.json")
+    md = tmp_path / "CARD.md"
+    r = card_cli(*[x for n in "abch" for x in ("--lineage", f"{n}={tmp_path / n}")], "--ship", tmp_path / "heads.json",
+                 "--out", tmp_path / "out", "--markdown", md)
+    assert r.returncode == 0, r.stderr
+    text = md.read_text()
+    assert "| `b` | 7 | 700 | drafter: 1334, 1000 |" in text
+    assert "| `c` | none: `b`'s (7, carried) | none | drafter: 752, 1000 |" in text
+    assert "| all | 14 | 1400 | drafter: 3000; xpress: 1000 |" in text  # not 28 sequences: b's stage counted once
 
 
 def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_totals(lineage):

@@ -51,7 +51,7 @@ def data_record(work: Path) -> dict:
     if prompts is not None and pm.get("more"):  # prompts.more_magpie: a round drawn after the pool (prompts.py)
         prompts["more"] = {k: pm["more"].get(k) for k in ("round", "generated", "kept", "dropped")}
     return {"prompts": prompts,
-            "responses": _pick(rm, ("sequences", "response_tokens", "prompt_tokens")),
+            "responses": _pick(rm, ("sequences", "response_tokens", "prompt_tokens", "key")),
             "hidden": _pick(hm, ("sequences", "tokens", "mode", "dtype", "layer_ids"))}
 
 

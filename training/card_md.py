@@ -201,23 +201,31 @@ def shipped_lines(shipped: dict) -> list[str]:
 
 def totals_section(runs: list[dict]) -> list[str]:
     """One row a run: the responses it generated and what each of its models trained on (box.json's packed tokens,
-    this run's steps), then the sums over the lineage."""
+    this run's steps), then the sums over the lineage. A run that trained on a responses stage an earlier run made
+    (carried: the same stage key) generated none: its row names that run, and the sums count the stage once."""
     lines = ["## The lineage in numbers", "",
              "| run | sequences generated | response tokens | models: steps this run, packed tokens |",
              "|---|---|---|---|"]
     seqs = toks = 0
     packed: dict = {}
+    made_by: dict = {}
     for r in runs:
         resp = (r["card"]["data"] or {}).get("responses") or {}
-        seqs, toks = seqs + resp.get("sequences", 0), toks + resp.get("response_tokens", 0)
+        key = resp.get("key")
+        if key is not None and key in made_by:
+            generated = f"none: `{made_by[key]}`'s ({fmt(resp.get('sequences'))}, carried) | none"
+        else:
+            if key is not None:
+                made_by[key] = r["name"]
+            seqs, toks = seqs + resp.get("sequences", 0), toks + resp.get("response_tokens", 0)
+            generated = f"{fmt(resp.get('sequences'))} | {fmt(resp.get('response_tokens'))}"
         trained = []
         for m in r["card"]["models"]:
             box = m.get("box") or {}
             if box.get("packed_tokens") is not None:
                 packed[m["model"]] = packed.get(m["model"], 0) + box["packed_tokens"]
             trained.append(f"{m['model']}: {fmt(box.get('steps'))}, {fmt(box.get('packed_tokens'))}")
-        lines.append(f"| `{r['name']}` | {fmt(resp.get('sequences'))} | {fmt(resp.get('response_tokens'))} | "
-                     f"{'; '.join(trained) or 'none'} |")
+        lines.append(f"| `{r['name']}` | {generated} | {'; '.join(trained) or 'none'} |")
     lines.append(f"| all | {seqs} | {toks} | " + "; ".join(f"{k}: {v}" for k, v in packed.items()) + " |")
     return lines + ["", "A model name trained in several runs sums its packed tokens over them: one model's total only "
                     "where each run continued the one before (the training tables' \"from step\" say which).", ""]
