@@ -5,7 +5,7 @@ step it computes exactly what that drafter computes.
 Why (issue 26, item 5: depth 3 against 5, "and more, if it pays"): each continuation of the 5-layer drafter gained
 about half what the one before it did (results/perf/NOTES.md, "The drafter continued on fresh data"), so more of
 the same recipe looks near its end; a deeper drafter has more capacity, but trained from random it would first
-have to relearn what the steps behind its source taught (3,588 behind the shipped drafter, 4,798 behind the
+have to relearn what the steps behind its source taught (3,588 behind the drafter shipped then, 4,798 behind the
 candidate). Grown, it starts at its source's τ.
 
 How: every tensor of the source is copied. Layers past the source's count are appended on top (speculators 0.9.0's

@@ -53,7 +53,7 @@ TARGET_FLAGS = ("model_name_or_path", "random_weights")
 #   * xPress at one K, K=1: the throughput-optimal K of all ten H200 cells of the old size (results/smollm2-135m-v1/
 #     h200_96tok/table_h200.md, the first weights); K=2 was 2.6-4.3% slower in 9 of them, and tau stops rising by K=4. One K costs the
 #     throughput-optimal-K scan; --fair-k-list 1,2,4,6,8 brings it back (and needs 8 measured rounds to balance).
-#     With the step-3,588 weights (results/smollm2-135m/*_t0, K 1,2,4, 2026-12-04) K=2's pooled tok/s was 0.986-1.021x
+#     With the step-3,588 weights (results/smollm2-135m-v3/*_t0, K 1,2,4, 2026-12-04) K=2's pooled tok/s was 0.986-1.021x
 #     K=1's (the runs chose K=2 on three of five) and K=4's 0.947-0.998x: K=1 stays, K=2 within a few percent.
 #   * 7 prompts keep the decoded tokens (prompts x new tokens x arms x rounds, the cap reached everywhere) at 71,680,
 #     0.97x the old size's 73,728 (32 x 96 x 8 arms x 3 rounds), which took 91-125 s a cell on an H200.
@@ -72,9 +72,9 @@ EMBEDDED_CUDA = dict(max_samples=7, max_new_tokens=512, fair_k_list="1", fair_in
 
 # The CPU main job's wall time on the idle 2-core development machine (shipped weights, GGUF cached, model fetch
 # excluded; results/perf/NOTES.md): --help quotes it, and README.md must quote the same (tests/test_help_facts.py).
-CPU_MAIN_JOB_WALL_S = 100  # 2026-12-04, the step-3,588 weights, on an Intel Xeon (234 s on 2026-12-03 with the
-#                           step-2,248 weights on an AMD EPYC, and with the first weights on 2026-12-02; the older,
-#                           unbalanced size: 154 s on another day)
+CPU_MAIN_JOB_WALL_S = 259  # 2026-12-06, the step-13,289 weights, on a CPU that ran AR at 12.2 tok/s (100 s on
+#                           2026-12-04 with the step-3,588 weights, AR at 29.9 tok/s; 234 s on 2026-12-03 with the
+#                           step-2,248 weights on an AMD EPYC; the older, unbalanced size: 154 s on another day)
 
 
 def wall_time(seconds: int) -> str:
