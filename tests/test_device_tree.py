@@ -184,6 +184,25 @@ def test_shipped_puts_the_shipped_heads_beside_the_warm_drafter_and_tables_then_
     assert r.returncode == 3 and "run warm first" in r.stderr
 
 
+def test_a_second_tables_job_clears_the_first_ones_done_file(tmp_path):
+    """`tables` twice on one machine (the T=1 cells after the T=0 ones): the first job's .done must go, or `tpoll`
+    reports the second job finished at once (it did on 2026-12-06, while the second job's cells ran)."""
+    import os
+    wdir, xrun = tmp_path / "w", tmp_path / "xrun"
+    wdir.mkdir()
+    (wdir / ".shipped").write_text("")  # tables after `shipped`: no finished training job needed
+    (tmp_path / "xrun.tables.done").write_text("rc=0\n")  # the first job's, beside its log
+    (tmp_path / "xrun.tables.log").write_text("== gsm8k_t0\n")
+    env = {**os.environ, "WDIR": str(wdir), "XRUN": str(xrun), "JOB_CODE": str(tmp_path / "no-code"),
+           "TABLES_WAIT": "0"}  # no code copy there: the job cannot start, only the call's own steps run
+    r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / "training_gpu.sh"), "tables", "gsm8k:1"], env=env,
+                       capture_output=True, text=True)
+    assert not (tmp_path / "xrun.tables.done").exists(), r.stdout + r.stderr
+    r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / "training_gpu.sh"), "tpoll", "0"], env=env,
+                       capture_output=True, text=True)
+    assert r.stdout.startswith("running"), r.stdout
+
+
 def test_heads_carries_the_shipped_folder_without_its_drafter(tmp_path):
     """`heads DIR` (here): every file of the shipped folder but drafter/ (which `warm` carries) into the carry."""
     import os

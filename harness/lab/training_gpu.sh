@@ -30,7 +30,9 @@
 #                                                              # the repository: data are never committed)
 #            bash harness/lab/training_gpu.sh tables DS:T...   # after the job: ship its export (training.ship) to
 #                                                              # /tmp/w/smollm2-135m and start those table cells
-#                                                              # (smollm2_gpu.sh tables; TABLE_ARGS, K_LIST pass on)
+#                                                              # (smollm2_gpu.sh tables; TABLE_ARGS, K_LIST pass on;
+#                                                              # DEADLINE skips a cell that would end past it); like
+#                                                              # `start`, give the call timeout_s 60 and tpoll
 #            bash harness/lab/training_gpu.sh tpoll [SECONDS]  # until the cells end; `back tables` brings them
 #            bash harness/lab/training_gpu.sh shipped          # carry .gpu4 (after `warm`): the shipped folder's
 #                                                              # heads and files beside the warm drafter make
@@ -52,6 +54,7 @@ GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 XRUN=${XRUN:-/tmp/xrun}  # the workdir on the device (its log: $XRUN.log)
 WARM=${WARM:-/tmp/warm}  # the warm export on the device (`warm`); SHIPPED_DIR: the shipped heads' carry (`heads`)
 WDIR=${WDIR:-/tmp/w}     # where the weights that `tables` measures are put together
+JOB_CODE=${JOB_CODE:-/tmp/code}  # the copy of the code that `start` makes and the jobs run from
 # train.compile_cache on the device (training/compiling.py load_cache); not named CC, the C compiler's variable: the
 # H200 machine of 2026-12-05 sets CC=/opt/gcc/bin/gcc, so the job saved its compile cache over gcc
 XB_CACHE=${XB_CACHE:-/tmp/compile_cache.bin}
@@ -121,16 +124,16 @@ case "${1:-}" in
     shift
     cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
     sha256sum /tmp/xb/$GGUF | cut -c1-16
-    rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
-    [[ ! -f .xb_commit ]] || cp .xb_commit /tmp/code/  # the commit (device_tree.sh stash): the copy has no .git
-    if [[ -d $WARM ]]; then mkdir -p /tmp/code/weights && rm -rf /tmp/code/weights/smollm2-135m && cp -r "$WARM" /tmp/code/weights/smollm2-135m; fi
+    rm -rf "$JOB_CODE" && mkdir -p "$JOB_CODE" && cp -r $CODE "$JOB_CODE/"
+    [[ ! -f .xb_commit ]] || cp .xb_commit "$JOB_CODE/"  # the commit (device_tree.sh stash): the copy has no .git
+    if [[ -d $WARM ]]; then mkdir -p "$JOB_CODE/weights" && rm -rf "$JOB_CODE/weights/smollm2-135m" && cp -r "$WARM" "$JOB_CODE/weights/smollm2-135m"; fi
     args=(--set train.compile_cache="$XB_CACHE" "$@")  # loaded if `cache` put one there; saved after the train stage
     # WARM_START=0: the warm export is only a folder the config names (e.g. models.drafter.init_from with grow,
     # smollm2-gpu-grow), not train.warm_start
     if [[ -d $WARM && ${WARM_START:-1} != 0 ]]; then args+=(--set train.warm_start="$WARM"); fi
     rm -f $XRUN.done "$WDIR/.shipped"  # a new job's tables ship its own export unless `shipped` runs again after it
     date +%s > $XRUN.t0
-    (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
+    (cd "$JOB_CODE" && PYTHONPATH=/tmp/site:$JOB_CODE XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
         PYTHONUNBUFFERED=1 setsid nohup bash -c 'python3 -m training all --config smollm2-gpu --workdir "$0" "${@}";
         echo "rc=$?" > "$0.done"' "$XRUN" "${args[@]}" >> $XRUN.log 2>&1 < /dev/null &)
     sleep 20; tail -n 5 $XRUN.log
@@ -153,15 +156,18 @@ case "${1:-}" in
       echo "error: the training job has not ended ($XRUN.done is missing); poll first, or run shipped" >&2; exit 3
     fi
     cells=("$@")
+    # a second `tables` job on the same machine (e.g. the T=1 cells after the T=0 ones) must not find the first
+    # job's .done, or `tpoll` returns at once (2026-12-06: it did, while the second job ran on)
+    rm -f "$XRUN.tables.done"
     # after `shipped`, the shipped weights are measured as they are; otherwise the job's export is shipped first
-    (cd /tmp/code && PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
+    (cd "$JOB_CODE" && PYTHONPATH=/tmp/site:$JOB_CODE XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
         SHIPPED=$shipped W="$WDIR/smollm2-135m" PYTHONUNBUFFERED=1 setsid nohup bash -c '{ if [[ -n $SHIPPED ]]; then
           echo "ship: the shipped weights as they are (training_gpu.sh shipped), not the job export"; else
           python3 -m training.ship --workdir "$0" --out "$W"; fi; } &&
         for c in "${@}"; do DATASETS=${c%%:*} RES=/tmp/res XPRESS_BENCH_WEIGHTS=$W \
           bash harness/lab/smollm2_gpu.sh tables "${c##*:}"; done; echo "rc=$?" > "$0.tables.done"' \
         "$XRUN" "${cells[@]}" > $XRUN.tables.log 2>&1 < /dev/null &)
-    sleep 10; tail -n 5 $XRUN.tables.log
+    sleep "${TABLES_WAIT:-10}"; tail -n 5 $XRUN.tables.log
     ;;
   tpoll)
     [[ -f $XRUN.tables.log ]] || { echo "error: no tables job on this machine: it was given back" >&2; exit 3; }
