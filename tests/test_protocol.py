@@ -14,8 +14,6 @@ from tiny import write_run_fixture
 
 # tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = {"ttft_s", "drafter_prefill_s", "decode_s", "run_id"}
 
@@ -76,9 +74,20 @@ def strip(rows):
 
 
 @pytest.fixture(scope="module")
-def full_run(files, tmp_path_factory):  # one uninterrupted run, made once; read only (a test copies it to change it)
-    assert cli.main(fair_args(files, folder := tmp_path_factory.mktemp("full"), "--run-id", "a")) == 0
-    return folder / "a"
+def traced_full_run(files, tmp_path_factory):
+    """One uninterrupted run, made once, traced (rows from the timed decodes), its render_prompt calls counted; read
+    only (a test copies it to change it): the folder, a copy of its trace as it finished, the calls' lengths."""
+    folder, calls, real = tmp_path_factory.mktemp("full"), [], runner.render_prompt
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(runner, "render_prompt", lambda tok, messages: calls.append(len(messages)) or real(tok, messages))
+        assert cli.main(fair_args(files, folder, "--run-id", "a", "--trace", str(folder / "a.jsonl"))) == 0
+    shutil.copy(folder / "a.jsonl", reference := folder / "reference.jsonl")
+    return folder / "a", reference, calls
+
+
+@pytest.fixture(scope="module")
+def full_run(traced_full_run):
+    return traced_full_run[0]
 
 
 def test_killed_and_resumed_run_gives_the_same_rows(files, full_run, tmp_path, monkeypatch):
@@ -103,12 +112,11 @@ def test_killed_and_resumed_run_gives_the_same_rows(files, full_run, tmp_path, m
     assert strip(resumed) == strip(expected)  # nothing lost, nothing duplicated
 
 
-def test_a_resumed_trace_keeps_the_interrupted_processs_steps(files, tmp_path, monkeypatch):
+def test_a_resumed_trace_keeps_the_interrupted_processs_steps(files, traced_full_run, tmp_path, monkeypatch):
     """--trace with --resume: the resumed process appends (it truncated the file, losing the decodes the first
-    process traced and the resume reuses)."""
+    process traced and the resume reuses). The reference: the module's uninterrupted traced run."""
     def units(path):
         return {(r["round"], r["arm"], r["question_id"]) for r in map(json.loads, path.read_text().splitlines())}
-    assert cli.main(fair_args(files, tmp_path / "full", "--run-id", "a", "--trace", str(tmp_path / "a.jsonl"))) == 0
     calls, real = {"n": 0}, runner.generate
 
     def flaky(*a, **k):
@@ -122,7 +130,7 @@ def test_a_resumed_trace_keeps_the_interrupted_processs_steps(files, tmp_path, m
     monkeypatch.setattr(runner, "generate", real)
     first = units(trace)
     assert cli.main(fair_args(files, part, "--resume", str(part / "b"))) == 0
-    assert first < units(trace) == units(tmp_path / "a.jsonl")
+    assert first < units(trace) == units(traced_full_run[1])
 
 
 def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(full_run, tmp_path, capsys, monkeypatch):
@@ -161,10 +169,10 @@ def test_a_run_stopped_while_its_plots_are_drawn_resumes_and_finishes(files, tmp
     assert (folder / "summary.json").is_file() and list(folder.glob("*.png"))
 
 
-def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(files, full_run, tmp_path, capsys, monkeypatch):
+def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(full_run, tmp_path, capsys, monkeypatch):
     from harness.protocol import report
     shutil.copytree(full_run, tmp_path / "a")  # the module's run, copied (rebuilt below)
-    assert cli.main(fair_args(files, tmp_path, "--run-id", "b")) == 0
+    shutil.copytree(full_run, tmp_path / "b")  # a second run of mini at T=0 (distinct() keys on dataset and T)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     capsys.readouterr()
     rebuilt = []
@@ -179,8 +187,8 @@ def test_rebuild_refuses_two_runs_of_one_dataset_before_rewriting_either(files, 
     assert report.main(["--rebuild", str(tmp_path / "a")]) == 0 and list((tmp_path / "a").glob("*.png"))
 
 
-def test_resume_refuses_other_settings(files, tmp_path, capsys):
-    assert cli.main(fair_args(files, tmp_path, "--run-id", "r", "--first-turn-only")) == 0
+def test_resume_refuses_other_settings(files, full_run, tmp_path, capsys):
+    shutil.copytree(full_run, tmp_path / "r")  # the module's run (check_resume runs before the finished check)
     assert cli.main(fair_args(files, tmp_path, "--resume", str(tmp_path / "r"), "--max-new-tokens", "11")) == 2
     err = capsys.readouterr().err
     assert "other settings (--max-new-tokens); drop those flags" in err and "--resume DIR alone" in err
@@ -190,6 +198,13 @@ def bad_jsonl(files, tmp_path):
     (d := tmp_path / "bad").mkdir()
     (d / "mini.jsonl").write_text('{"turns": ["ok"]}\n{"turns": "not a list"}\n')
     return d
+
+
+# went through without a word: past the positions trained at; capped to block - 1; nan decoded, broke the tables
+EXTRA = {"max_samples0": ["--max-samples", "0"], "past_positions": ["--max-model-len", "100000"],
+         "scripted_over_block": ["--block-size", "4", "--scripted-accept", "4"],
+         "temperature_nan": ["--temperature=nan"], "draft_temperature_inf": ["--draft-temperature=-inf"],
+         "top_p_inf": ["--top-p=inf"]}
 
 
 @pytest.mark.parametrize("case, message", [
@@ -227,12 +242,10 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
         argv[argv.index("--dataset") + 1] = "mini2"
     elif case == "malformed_row":
         argv[argv.index("--data-dir") + 1] = str(bad_jsonl(files, tmp_path))
-    elif case == "empty_k":
-        argv[argv.index("--fair-k-list") + 1] = ","
-    elif case == "k0":
-        argv[argv.index("--fair-k-list") + 1] = "0,2"
-    elif case == "max_samples0":
-        argv += ["--max-samples", "0"]
+    elif case in ("empty_k", "k0", "k_twice"):  # k_twice ran two arms named xPress(K=1); the report kept one
+        argv[argv.index("--fair-k-list") + 1] = {"empty_k": ",", "k0": "0,2", "k_twice": "1,2,1"}[case]
+    elif case in EXTRA:
+        argv += EXTRA[case]
     elif case == "rounds":
         argv[argv.index("--fair-interleave")] = "--fair-interleave=1"
     elif case == "unwritable":
@@ -244,16 +257,11 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
         i = argv.index("--fair-k-list")
         del argv[i:i + 2]
         argv += ["--xpress-refine-passes", "0"]
-    elif case == "k_twice":  # ran two arms named xPress(K=1); the report kept one
-        argv[argv.index("--fair-k-list") + 1] = "1,2,1"
     elif case in ("k_unpaired", "warmup_unpaired"):  # ignored without a word: one round of AR and the default K
         argv.remove("--fair-interleave")
         if case == "warmup_unpaired":
             i = argv.index("--fair-k-list")
             argv[i:i + 2] = ["--fair-warmup-rounds", "2"]
-    elif case in ("temperature_nan", "draft_temperature_inf", "top_p_inf"):  # nan decoded, then broke the tables
-        argv += [{"temperature_nan": "--temperature=nan", "draft_temperature_inf": "--draft-temperature=-inf",
-                  "top_p_inf": "--top-p=inf"}[case]]
     elif case in ("run_id_up", "run_id_absolute"):  # wrote the run outside --results-dir
         argv += ["--run-id", "../escape" if case == "run_id_up" else str(tmp_path / "abs")]
     elif case == "drafter_only_k":  # the K list was ignored without a word (the embedded default's heads dropped)
@@ -261,10 +269,6 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
             i = argv.index(flag)
             del argv[i:i + 2]
         argv += ["--drafter-only"]
-    elif case == "past_positions":  # decoded past the positions the target was trained at, without a word
-        argv += ["--max-model-len", "100000"]
-    elif case == "scripted_over_block":  # was capped to block - 1 without a word
-        argv += ["--block-size", "4", "--scripted-accept", "4"]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err, err
@@ -374,14 +378,10 @@ def test_one_ops_object_reaches_target_drafter_and_every_refiner():
     assert m.refiner("xpress", 2).ops is ops and m.refiner("markov").ops is ops
 
 
-def test_first_turns_are_rendered_once_per_prompt_not_per_arm_and_round(files, tmp_path, monkeypatch):
+def test_first_turns_are_rendered_once_per_prompt_not_per_arm_and_round(traced_full_run):
     # a first turn is the same for every arm and round: the runner renders it once per prompt (later turns depend
-    # on each arm's own replies and are rendered each time)
-    calls = []
-    real = runner.render_prompt
-    monkeypatch.setattr(runner, "render_prompt", lambda tok, messages: calls.append(len(messages)) or real(tok, messages))
-    assert cli.main(fair_args(files, tmp_path, "--run-id", "once")) == 0
-    rows = read_folder_rows(tmp_path / "once")
+    # on each arm's own replies and are rendered each time); counted in the module's run (a replay reuses the prompt)
+    rows, calls = read_folder_rows(traced_full_run[0]), traced_full_run[2]
     arms, rounds = {r["arm"] for r in rows}, {r["round"] for r in rows}
     firsts = sum(1 for n in calls if n == 1)
     assert len(arms) == 5 and len(rounds) >= 2
@@ -390,9 +390,9 @@ def test_first_turns_are_rendered_once_per_prompt_not_per_arm_and_round(files, t
     assert sum(1 for n in calls if n == 3) == len(arms) * len(rounds) + 1
 
 
-def test_a_saved_config_with_a_non_finite_temperature_is_refused(files, tmp_path, capsys):
+def test_a_saved_config_with_a_non_finite_temperature_is_refused(full_run, tmp_path, capsys):
     """--resume takes config.json's values without parsing them as flags: validate checks them too."""
-    assert cli.main(fair_args(files, tmp_path, "--run-id", "r", "--max-new-tokens", "4")) == 0
+    shutil.copytree(full_run, tmp_path / "r")  # the module's run (parse_args validates before the finished check)
     path = tmp_path / "r" / "config.json"
     path.write_text(path.read_text().replace('"temperature": 0.0', '"temperature": NaN'))
     assert cli.main(["--resume", str(tmp_path / "r")]) == 2
