@@ -164,6 +164,17 @@ def test_the_heads_gsm8k3_preset_trains_heads_long_heads_over_gsm8k3s_stages(tmp
     _same_stages(g3, h, tmp_path)
 
 
+def test_the_xpress_long_preset_is_the_shipped_xpress_head_with_a_longer_box_alone(tmp_path):
+    """smollm2-gpu-heads-xpress-long (results/perf/NOTES.md, "After the eighteenth session"): the shipped xPress
+    recipe with a 14-minute box and 3 epochs (the shipped head's 6-minute box fitted under one), no Markov head, over
+    the same carried stages, so its held-out tau pairs with the shipped head's. Power: any other recipe change fails."""
+    h, x = load_config("smollm2-gpu-heads-gsm8k3"), load_config("smollm2-gpu-heads-xpress-long")
+    assert list(x["models"]) == ["xpress"]
+    diff = {k: v for k, v in x["models"]["xpress"].items() if v != h["models"]["xpress"][k]}
+    assert diff == {"epochs": 3, "max_minutes": 14.0} and set(x["models"]["xpress"]) == set(h["models"]["xpress"])
+    _same_stages(h, x, tmp_path)
+
+
 def _same_stages(a: dict, b: dict, tmp_path) -> None:
     """b differs from a only in its models, and its prompts and responses stages have a's keys (so a's carried stages
     are b's, up to date)."""
