@@ -212,20 +212,19 @@ def totals_section(runs: list[dict]) -> list[str]:
     for r in runs:
         resp = (r["card"]["data"] or {}).get("responses") or {}
         key = resp.get("key")
-        if key is not None and key in made_by:
-            generated = f"none: `{made_by[key]}`'s ({fmt(resp.get('sequences'))}, carried) | none"
+        if key is not None and key in made_by:  # the two generated-data cells of this run's row
+            generated = [f"none: `{made_by[key]}`'s ({fmt(resp.get('sequences'))}, carried)", "none"]
         else:
-            if key is not None:
-                made_by[key] = r["name"]
+            made_by.setdefault(key, r["name"])
             seqs, toks = seqs + resp.get("sequences", 0), toks + resp.get("response_tokens", 0)
-            generated = f"{fmt(resp.get('sequences'))} | {fmt(resp.get('response_tokens'))}"
+            generated = [fmt(resp.get("sequences")), fmt(resp.get("response_tokens"))]
         trained = []
         for m in r["card"]["models"]:
             box = m.get("box") or {}
             if box.get("packed_tokens") is not None:
                 packed[m["model"]] = packed.get(m["model"], 0) + box["packed_tokens"]
             trained.append(f"{m['model']}: {fmt(box.get('steps'))}, {fmt(box.get('packed_tokens'))}")
-        lines.append(f"| `{r['name']}` | {generated} | {'; '.join(trained) or 'none'} |")
+        lines.append(" | ".join([f"| `{r['name']}`", *generated, "; ".join(trained) or "none"]) + " |")
     lines.append(f"| all | {seqs} | {toks} | " + "; ".join(f"{k}: {v}" for k, v in packed.items()) + " |")
     return lines + ["", "A model name trained in several runs sums its packed tokens over them: one model's total only "
                     "where each run continued the one before (the training tables' \"from step\" say which).", ""]
