@@ -256,6 +256,43 @@ def test_table_cells_take_the_shipped_tables_kernels_unless_told(tmp_path, table
     assert (tmp_path / "res" / "gsm8k_t0.log").read_text() == f"EXTRA={want}\n"
 
 
+def test_table_cells_take_a_comma_list_of_datasets(tmp_path):
+    """DATASETS="math500,humaneval" is two cells, as "math500 humaneval" is (2026-12-06: the comma list ran as one
+    cell of a dataset named "math500,humaneval", which failed)."""
+    import os
+    import shutil
+    (tmp_path / "harness" / "lab").mkdir(parents=True)
+    shutil.copy(ROOT / "harness" / "lab" / "smollm2_gpu.sh", tmp_path / "harness" / "lab")
+    stub = tmp_path / "bench_fair_fast.sh"
+    stub.write_text('#!/usr/bin/env bash\nmkdir -p "$OUTDIR/$1_t$2" && : > "$OUTDIR/$1_t$2/table.md"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "DATASETS": "math500,humaneval", "RES": str(tmp_path / "res")}
+    r = subprocess.run(["bash", str(tmp_path / "harness" / "lab" / "smollm2_gpu.sh"), "tables", "1"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in (tmp_path / "res").glob("*.log")) == ["humaneval_t1.log", "math500_t1.log"]
+
+
+def test_a_sweeps_job_with_nocheck_runs_no_gpu_tests_or_bench(tmp_path):
+    """sweeps_gpu.sh job with NOCHECK=1 (a second job on one machine, or a session whose code ran them): neither
+    the GPU tests nor bench_batch run first; without it both do."""
+    import os
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text('#!/usr/bin/env bash\necho "$*" >> "$CALLS"\n')
+    (fake / "python3").chmod(0o755)
+    for nocheck, want in (("1", []), ("", ["pytest", "harness.lab.bench_batch"])):
+        calls = tmp_path / f"calls{nocheck}"
+        calls.write_text("")
+        env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}", "CALLS": str(calls), "NOCHECK": nocheck,
+               "ONLY": "none", "DEADLINE": "0", "XSW": str(tmp_path / "j"), "XSWRES": str(tmp_path / "r")}
+        (tmp_path / "j").mkdir(exist_ok=True), (tmp_path / "r").mkdir(exist_ok=True)
+        r = subprocess.run(["bash", str(ROOT / "harness" / "lab" / "sweeps_gpu.sh"), "job"], env=env,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert [ln.split()[1] for ln in calls.read_text().splitlines()] == want, calls.read_text()
+
+
 @pytest.mark.parametrize("script, last", [("tables_gpu.sh", "the jobs die with the machine."),
                                           ("sweeps_gpu.sh", "the job dies with the machine.")])
 def test_the_usage_is_the_whole_header(script, last):

@@ -26,6 +26,7 @@ CONFIG=${CONFIG:-smollm2-gpu}
 WORK=${WORK:-runs/smollm2-gpu}
 RES=${RES:-results/smollm2-135m}
 DATASETS=${DATASETS:-gsm8k math500 humaneval mbpp mt-bench}
+DATASETS=${DATASETS//,/ }  # "gsm8k,mbpp" as "gsm8k mbpp" (a comma list made one cell of an unknown dataset)
 DRAFTERS=${DRAFTERS:-drafter}
 HEADS=${HEADS:-xpress markov_vanilla markov_gated}
 # time boxes in minutes (0: none); the shipped weights were trained with DRAFTER_MIN=2 HEAD_MIN=1.2 (the

@@ -6,7 +6,8 @@
 #                                                       # job below, in its own session (ONLY="ID ...": just those
 #                                                       # sweeps; DEADLINE_S: seconds for all; SWEEP_ARGS: flags added
 #                                                       # to the embedded default's sweeps, e.g. --fair-k-list 1,4;
-#                                                       # BENCH_ARGS: bench_batch's, e.g. --batch-sizes 1,2,4,8,16)
+#                                                       # BENCH_ARGS: bench_batch's, e.g. --batch-sizes 1,2,4,8,16;
+#                                                       # NOCHECK=1: no GPU tests or bench_batch first)
 #            bash harness/lab/sweeps_gpu.sh poll [S]    # until the job ends or S seconds pass; sweeps.tgz in $OUT
 #   here:    tar xzf sweeps.tgz -C results/sweeps
 # The job: the GPU tests of the batched graphs, bench_batch --graphs at Qwen3-8B's shape (results/perf/), then each
@@ -43,18 +44,20 @@ case "${1:-}" in
     [[ ! -f .xb_commit ]] || cp .xb_commit /tmp/code/  # the commit (device_tree.sh stash): the copy has no .git
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
     (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m DEADLINE=$deadline ONLY="${ONLY:-}" \
-        SWEEP_ARGS="${SWEEP_ARGS:-}" BENCH_ARGS="${BENCH_ARGS:-}" setsid nohup \
+        NOCHECK="${NOCHECK:-}" SWEEP_ARGS="${SWEEP_ARGS:-}" BENCH_ARGS="${BENCH_ARGS:-}" setsid nohup \
         bash harness/lab/sweeps_gpu.sh job > $J/job.log 2>&1 < /dev/null &)
     sleep 20; tail -n 5 $J/job.log
     ;;
   job)
     export -f sweep; export R COMMON
-    python3 -m pytest -o addopts="" -q tests/test_batch_graphs_gpu.py tests/test_bench_batch.py \
-        tests/test_batch_rows_attention.py tests/test_batch_neighbours_gpu.py 2>&1 | tail -n 15
-    # issue 29 item 5: the batched AR and verify steps against their byte floors, graphed, at Qwen3-8B's shape
-    python3 -m harness.lab.bench_batch --preset qwen3-8b --kernels triton --graphs ${BENCH_ARGS:-} \
-        --out $R/bench_batch_qwen3-8b_graphs.json > $R/bench_batch.log 2>&1 || echo "bench_batch: failed"
-    tail -n 3 $R/bench_batch.log
+    if [[ -z ${NOCHECK:-} ]]; then  # NOCHECK=1: the sweeps only (a session whose code ran these already)
+      python3 -m pytest -o addopts="" -q tests/test_batch_graphs_gpu.py tests/test_bench_batch.py \
+          tests/test_batch_rows_attention.py tests/test_batch_neighbours_gpu.py 2>&1 | tail -n 15
+      # issue 29 item 5: the batched AR and verify steps against their byte floors, graphed, at Qwen3-8B's shape
+      python3 -m harness.lab.bench_batch --preset qwen3-8b --kernels triton --graphs ${BENCH_ARGS:-} \
+          --out $R/bench_batch_qwen3-8b_graphs.json > $R/bench_batch.log 2>&1 || echo "bench_batch: failed"
+      tail -n 3 $R/bench_batch.log
+    fi
     S=smollm2-135m; B=1,2,4,8,16,32,64; A=${SWEEP_ARGS:-}
     sweep ${S}_gsm8k_batch --preset $S --dataset gsm8k --batch-sizes $B --max-samples 16 --max-new-tokens 128 $A
     # continuous batching: 128 requests in one queue over B rows (at B = 16 each row serves about 8)
