@@ -166,7 +166,10 @@ def test_a_decode_with_refiners_hands_nothing_to_the_torch_ops():
               MarkovRefiner(random_markov_head("vanilla", VOCAB, 64, 16, seed=2, std=0.3).to(DEV), ops=t.ops)):
         g = generate(t, list(range(10, 30)), DecodeSettings(3, 512, ()), F32, drafter=d, refiner=r)
         assert len(g.accepted) >= 1  # at least one speculative step: draft, refine, verify
-    assert not t.ops.fallbacks, dict(t.ops.fallbacks)
+    # fp32 on a GPU: the fused xPress latent is refused by design (core.kernels.xpress); every other call is a kernel's
+    refused = kernels.xpress_refused(torch.float32, DEV)
+    left = {k: n for k, n in t.ops.fallbacks.items() if refused is None or k != ("xpress latent", refused)}
+    assert not left, dict(t.ops.fallbacks)
 
 
 @pytest.mark.parametrize("graph", [False, True] if DEV.type == "cuda" else [False])
