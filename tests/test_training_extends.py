@@ -175,6 +175,19 @@ def test_the_xpress_long_preset_is_the_shipped_xpress_head_with_a_longer_box_alo
     _same_stages(h, x, tmp_path)
 
 
+def test_the_xpress_cotrain_preset_moves_the_drafter_at_the_drafters_rate(tmp_path):
+    """smollm2-gpu-heads-xpress-cotrain (results/perf/NOTES.md, "After the nineteenth session"): the shipped xPress
+    recipe co-trained with its drafter, as the paper's recipe trains it (base anchor term on), the head at the shipped
+    head's 1e-2 and the drafter at 6e-4 (the paper's rate), an 11-minute box, alone, over the same stages."""
+    h, x = load_config("smollm2-gpu-heads-gsm8k3"), load_config("smollm2-gpu-heads-xpress-cotrain")
+    assert list(x["models"]) == ["xpress"]
+    diff = {k: v for k, v in x["models"]["xpress"].items() if v != h["models"]["xpress"][k]}
+    assert diff == {"freeze_backbone": False, "backbone_lr_scale": 0.06, "epochs": 3, "max_minutes": 11.0}
+    assert x["models"]["xpress"]["lr"] * 0.06 == pytest.approx(6e-4)
+    assert x["models"]["xpress"]["base_anchor_weight"] > 0  # training/train.py passes it when the drafter trains
+    _same_stages(h, x, tmp_path)
+
+
 def _same_stages(a: dict, b: dict, tmp_path) -> None:
     """b differs from a only in its models, and its prompts and responses stages have a's keys (so a's carried stages
     are b's, up to date)."""

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from core.errors import UsageError
-from training import config_numbers, fit, grow
+from training import config_numbers, cotrain, fit, grow
 from training.store import REPO_ROOT, export_digest, repo_path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -75,8 +75,9 @@ MODEL_DEFAULTS = {
     "consistency_passes": 3, "base_anchor_weight": 0.6,
     "markov_rank": 64, "markov_head_type": "vanilla", "enable_confidence_head": True,
     "epochs": None, "lr": None, "max_steps": None, "max_minutes": None, "anchor_bias": 0.0,
-    "grow": False,
+    "grow": False, "backbone_lr_scale": 1.0,
 }
+MODEL_ADDED_LATER = {"anchor_bias": 0.0, "grow": False, "backbone_lr_scale": 1.0}  # the value models trained before had
 
 
 NAME_MAPS = ("models", "sampled_by_group")  # sections keyed by names (any key; a child config replaces them whole)
@@ -196,8 +197,7 @@ def validate(cfg: dict) -> None:
         elif src is not None and cfg["models"][src]["type"] != "dflash":
             raise UsageError(f"{where}: init_from must name a dflash model (got {cfg['models'][src]['type']})")
         grow.check_options(where, m)
-        if m["freeze_backbone"] and src is None:
-            raise UsageError(f"{where}: freeze_backbone needs init_from (a trained drafter to freeze)")
+        cotrain.check(where, m)
         ab = m["anchor_bias"]
         if isinstance(ab, bool) or not isinstance(ab, (int, float)) or not 0 <= ab <= 1 or \
                 (ab and m["type"] != "dflash"):
@@ -388,7 +388,7 @@ def model_fingerprint(cfg: dict, name: str) -> str:
     data); a resume with another one is refused."""
     train = {k: v for k, v in cfg["train"].items() if k not in RUN_CONTROL and ADDED_LATER.get(k, ...) != v}
     model = {k: v for k, v in cfg["models"][name].items() if k != "max_minutes"  # a box is run control
-             and not (k in ("anchor_bias", "grow") and not v)}  # added later: the keys of models trained before
+             and MODEL_ADDED_LATER.get(k, ...) != v}  # added later: the keys of models trained before
     init = init_export(cfg, name)
     if init is not None:  # the folder's content, not its path
         model["init_from"] = export_digest(init)

@@ -20,10 +20,10 @@ import torch
 
 from core.errors import UsageError
 from training.config import init_export
+from training.cotrain import HEAD_PREFIXES  # a head model's own tensors: what a frozen-backbone head ships
 from training.store import staged, write_json
 from training.train import final_dir, model_dir
 
-HEAD_PREFIXES = ("refiner_head.", "markov_head.", "confidence_head.")
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 

@@ -230,6 +230,7 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
                               warm_step=warm_step, data_start=data_start, schedule_start=schedule_start,
+                              backbone_lr_scale=m["backbone_lr_scale"],
                               fit=fit_plan(tc, total),
                               profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl, trainer.anchor_bias = mode, impl, bias

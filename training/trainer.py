@@ -84,9 +84,9 @@ class PipelineTrainer(Trainer):
                  eval_fn=None, eval_every: int = 0, stop_after_step: int = 0, metrics_file: Path | None = None,
                  max_seconds: float = 0.0, box=None, eval_max_seconds: float = 0.0, eval_share: float = 1.0,
                  warm_step: int = 0, fit: dict | None = None, profile=None, cut_at_step: int = 0,
-                 data_start: int = 0, schedule_start: int = 0):
+                 data_start: int = 0, schedule_start: int = 0, backbone_lr_scale: float = 1.0):
         from training.box import Box
-        self._device, self._seed = device, seed
+        self._device, self._seed, self._backbone_scale = device, seed, backbone_lr_scale
         self.box = box or Box(device)
         self._eval_cap, self._eval_share, self._warm_step = eval_max_seconds, eval_share, warm_step
         self.data_start = data_start  # the global step where this data's epoch 0 began (train.warm_mode)
@@ -122,7 +122,16 @@ class PipelineTrainer(Trainer):
             self.warm_started = True
 
     def setup_optimizer(self):
-        super().setup_optimizer()
+        if self._backbone_scale == 1:
+            super().setup_optimizer()
+        else:  # training/cotrain.py: speculators 0.9.0's setup_optimizer builds its optimizers through the trainer
+            import speculators.train.trainer as st  # module's build_optimizers, swapped for this call only
+            from training.cotrain import optimizers
+            real, st.build_optimizers = st.build_optimizers, lambda m, c: optimizers(m, c, self._backbone_scale)
+            try:
+                super().setup_optimizer()
+            finally:
+                st.build_optimizers = real
         from training.fit import check_schedulers, restart
         if self._fit:
             check_schedulers(self.schedulers)
