@@ -3,7 +3,9 @@ candidate's drafter from random weights in one session, warm-started in the next
 read from the flat records folders results/perf keeps (or from workdirs). Guards issue 26 item 7 ("the model card
 gives the data, steps, GPU time, box accounting, loss curves and held-out tau for every model tried") for weights
 no single run made, and the step count of records that log every 20th step."""
+import contextlib
 import gzip
+import io
 import json
 import subprocess
 import sys
@@ -50,6 +52,19 @@ def card_cli(*args):
                           cwd=ROOT)
 
 
+def card_main(*args):
+    """training.card's main in this process (its exit code and stderr, as card_cli gives them): the CLI's own
+    process is tested by the lineage card's test; the others check what main does (~2 s a process saved)."""
+    from training import card
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            rc = card.main([str(a) for a in args])
+        except SystemExit as e:  # argparse's refusals
+            rc = e.code
+    return subprocess.CompletedProcess(args, rc, "", err.getvalue())
+
+
 @pytest.fixture
 def lineage(tmp_path):
     write_run(tmp_path / "run2", True, {"drafter": (0, 914)})
@@ -85,7 +100,7 @@ def test_a_lineage_card_gives_every_run_in_order_with_the_steps_each_made(lineag
     for n in ("run2", "run3", "heads"):
         assert (out / f"loss_curves_{n}.png").stat().st_size > 0
     again = lineage / "again.md"
-    assert card_cli("--from-json", out / "card.json", "--markdown", again).returncode == 0
+    assert card_main("--from-json", out / "card.json", "--markdown", again).returncode == 0
     assert again.read_text() == text  # the card is card.json's rendering
 
 
@@ -99,7 +114,7 @@ def test_a_run_on_a_carried_responses_stage_is_not_counted_as_new_data(tmp_path)
     write_run(tmp_path / "h", True, {"xpress": (0, 494)}, key="k2")
     ship_manifest(tmp_path / "heads.json")
     md = tmp_path / "CARD.md"
-    r = card_cli(*[x for n in "abch" for x in ("--lineage", f"{n}={tmp_path / n}")], "--ship", tmp_path / "heads.json",
+    r = card_main(*[x for n in "abch" for x in ("--lineage", f"{n}={tmp_path / n}")], "--ship", tmp_path / "heads.json",
                  "--out", tmp_path / "out", "--markdown", md)
     assert r.returncode == 0, r.stderr
     text = md.read_text()
@@ -116,7 +131,7 @@ def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_total
     write_run(t / "cons", True, {"xpress": (0, 353), "xpress_cw1": (0, 701)})
     box = json.loads((t / "cons" / "xpress_box.json").read_text())  # the box fit cut its plan: the card says so
     (t / "cons" / "xpress_box.json").write_text(json.dumps({**box, "fit": {"planned_steps": 702, "fitted_steps": 353}}))
-    r = card_cli("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried",
+    r = card_main("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried",
                  f"cons={t / 'cons'}", "--ship", t / "heads.json", "--out", out, "--markdown", md)
     assert r.returncode == 0, r.stderr
     card = json.loads((out / "card.json").read_text())
@@ -129,12 +144,12 @@ def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_total
     assert "| xpress_cw1 | 701 |" in text and (out / "loss_curves_cons.png").stat().st_size > 0
     tried = text[text.index("## Tried run `cons`"):]
     assert "Nothing of this run was shipped" in tried and "(the Markov variant shipped)" not in tried
-    assert card_cli("--from-json", out / "card.json", "--markdown", lineage / "again.md").returncode == 0
+    assert card_main("--from-json", out / "card.json", "--markdown", lineage / "again.md").returncode == 0
     assert (lineage / "again.md").read_text() == text
     # a tried run needs the lineage it was tried on, and its name must differ from the lineage's
     for args, says in ((["--tried", f"cons={t / 'cons'}"], "--tried needs --lineage"),
                        (["--lineage", f"cons={t / 'run2'}", "--tried", f"cons={t / 'cons'}"], "must differ")):
-        r = card_cli(*args, "--out", t / "out2")
+        r = card_main(*args, "--out", t / "out2")
         assert r.returncode != 0 and says in r.stderr and not (t / "out2").exists(), r.stderr
 
 
@@ -149,7 +164,7 @@ def test_bad_lineages_fail_in_one_line_and_write_nothing(lineage, args, says):
     (lineage / "empty").mkdir()
     out = lineage / "out"
     args = [a.format(run2=lineage / "run2", tmp=lineage) for a in args]
-    r = card_cli(*args, "--out", out)
+    r = card_main(*args, "--out", out)
     assert r.returncode != 0 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists()
 
@@ -185,7 +200,7 @@ def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, 
     (t / "r2" / "drafter_acceptance.json").write_text(json.dumps({**acc, "bench:gsm8k": bench}))
     warm = {**bench, "tau_drafter": 2.5, "per_prompt": {"keys": ["a", "b"], "tau_drafter": [[10, 4], [10, 4]]}}
     (t / "r2" / "drafter_acceptance_warm.json").write_text(json.dumps({"global_step": 914, "bench:gsm8k": warm}))
-    r = card_cli("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried", f"r2={t / 'r2'}",
+    r = card_main("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried", f"r2={t / 'r2'}",
                  "--ship", t / "heads.json", "--out", out, "--markdown", md)
     assert r.returncode == 0, r.stderr
     tried = md.read_text()[md.read_text().index("## Tried run `r2`"):]
