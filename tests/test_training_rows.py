@@ -116,8 +116,10 @@ def test_profile_steps_writes_a_profile(tmp_path):
     the most own time and the online target's range; box.json names the profiled steps and times the summary as
     its `profile` part. (Without the option there is neither: tests/test_training_box.py.)"""
     cfg = _stages(tmp_path)
+    # one epoch: these rows make 9 steps an epoch, past both runs' max_steps (with train.epochs=50 every later
+    # epoch validated, saved a checkpoint and took one more step past max_steps: 55 steps, 50 saves a run)
     assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w", "--set", "models.drafter.max_steps=6",
-                   "--set", "train.epochs=50", "--set", "train.profile_steps=2") == 0
+                   "--set", "train.epochs=1", "--set", "train.profile_steps=2") == 0
     d = tmp_path / "w" / "train" / "drafter"
     box = json.loads((d / "box.json").read_text())
     assert box["compile_target"] == "none"  # auto on a CPU
@@ -133,7 +135,7 @@ def test_profile_steps_writes_a_profile(tmp_path):
     for stage in ("prompts", "responses", "hidden"):
         shutil.copytree(tmp_path / "w" / stage, tmp_path / "w2" / stage)
     assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w2", "--set", "models.drafter.max_steps=9",
-                   "--set", "train.epochs=50", "--set", "train.profile_steps=2", "--set", "train.profile_start=6") == 0
+                   "--set", "train.epochs=1", "--set", "train.profile_steps=2", "--set", "train.profile_start=6") == 0
     later = json.loads((tmp_path / "w2" / "train" / "drafter" / "profile.json").read_text())
     assert later["global_steps"] == [7, 8]
 
