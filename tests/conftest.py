@@ -11,6 +11,9 @@ def worker_threads(cpus: int | None, workers: int) -> int:
 
 
 def pytest_configure(config):
+    if os.environ.get("TRITON_INTERPRET") == "1":  # (the root conftest chose the interpreter: no CUDA here)
+        from interpreter_patch import cache_builtin_names
+        cache_builtin_names()  # the interpreter's per-launch patch without its getmembers scans (its docstring)
     n = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if n and os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
