@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "harness", "drafters", "refiners", "scripts", "training")
 # Imported before anything else in the child: `import triton` (and any triton.*) raises ImportError, as it does
@@ -44,44 +46,98 @@ def test_the_blocker_blocks_triton():
     assert proc.returncode != 0 and "blocked: the CPU wheel brings no Triton" in proc.stderr
 
 
-def test_every_module_imports_without_triton():
-    code = f"""
-import importlib, json
-failed = {{}}
-for m in {modules()!r}:
+# One child process where `import triton` fails runs three checks in turn, each with its own stdout, stderr and exit
+# code (they took a child each: 27 s; the child starts torch and the project once). The decode runs first, so that
+# "auto never imports the kernels" is read before anything else has imported them; every module is imported last.
+STAGES = """
+import contextlib, io, json, sys, traceback
+RESULTS = {}
+
+
+def stage(name, fn):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = fn() or 0
+        except SystemExit as e:
+            rc = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+            rc = 1
+    RESULTS[name] = {"rc": rc, "stdout": out.getvalue(), "stderr": err.getvalue()}
+
+
+def decode():
+    import runpy
+    sys.argv = %(argv)r
     try:
-        importlib.import_module(m)
-    except ModuleNotFoundError as e:
-        if e.name is None or e.name.split(".")[0] not in {TRAINING_EXTRAS!r}:
+        runpy.run_path("benchmark_compile_all.py", run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (0, None):
+            raise
+    print("KERNELS_IMPORTED", any(m == "core.kernels" or m.startswith("core.kernels.") for m in sys.modules))
+
+
+def refusal():
+    from harness.lab.bench_generate import main
+    rc = main(["--random-weights", "tiny", "--device", "cpu", "--prompts", "2", "--attention", "triton"])
+    from core.errors import UsageError
+    from harness.decode.batched_gen import BatchedGenerator
+    from harness.protocol.presets import build_random
+    from core.devices import resolve_backend
+    m = build_random("tiny", resolve_backend("cpu", "float32"), fuse=False)
+    try:
+        BatchedGenerator(m.target.model, rows=2, attention="triton")
+    except UsageError as e:
+        print("refused:", e)
+    return rc
+
+
+def imports():
+    import importlib
+    failed = {}
+    for m in %(modules)r:
+        try:
+            importlib.import_module(m)
+        except ModuleNotFoundError as e:
+            if e.name is None or e.name.split(".")[0] not in %(extras)r:
+                failed[m] = repr(e)
+        except Exception as e:
             failed[m] = repr(e)
-    except Exception as e:
-        failed[m] = repr(e)
-print(json.dumps(failed))
+    print(json.dumps(failed))
+
+
+for name, fn in (("decode", decode), ("refusal", refusal), ("imports", imports)):
+    stage(name, fn)
+print("STAGES " + json.dumps(RESULTS))
 """
-    proc = run_child(code)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {}
 
 
-def test_every_arm_decodes_without_triton_and_auto_never_imports_the_kernels(tmp_path):
-    """The main job's shape (the embedded default's arms: AR, drafter-only, Markov, xPress) on the tiny random
-    preset, through the CLI, with --kernels auto on the CPU."""
+@pytest.fixture(scope="module")
+def blocked(tmp_path_factory):
+    """{stage: {rc, stdout, stderr}} of the one child without Triton; the decode's results folder."""
+    results = tmp_path_factory.mktemp("no_triton")
     argv = ["benchmark_compile_all.py", "--random-weights", "tiny", "--max-samples", "1", "--max-new-tokens", "4",
             "--fair-interleave", "1", "--fair-warmup-rounds", "0", "--fair-k-list", "1,2", "--device", "cpu", "--quiet",
-            "--results-dir", str(tmp_path), "--run-id", "no_triton"]
-    code = f"""
-import runpy, sys
-sys.argv = {argv!r}
-try:
-    runpy.run_path("benchmark_compile_all.py", run_name="__main__")
-except SystemExit as e:
-    if e.code not in (0, None):
-        raise
-print("KERNELS_IMPORTED", any(m == "core.kernels" or m.startswith("core.kernels.") for m in sys.modules))
-"""
-    proc = run_child(code)
+            "--results-dir", str(results), "--run-id", "no_triton"]
+    proc = run_child(STAGES % {"argv": argv, "modules": modules(), "extras": TRAINING_EXTRAS})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "KERNELS_IMPORTED False" in proc.stdout
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("STAGES "))
+    return json.loads(line[len("STAGES "):]), results
+
+
+def test_every_module_imports_without_triton(blocked):
+    got = blocked[0]["imports"]
+    assert got["rc"] == 0, got["stderr"][-3000:]
+    assert json.loads(got["stdout"].strip().splitlines()[-1]) == {}
+
+
+def test_every_arm_decodes_without_triton_and_auto_never_imports_the_kernels(blocked):
+    """The main job's shape (the embedded default's arms: AR, drafter-only, Markov, xPress) on the tiny random
+    preset, through the CLI, with --kernels auto on the CPU."""
+    got, tmp_path = blocked[0]["decode"], blocked[1]
+    assert got["rc"] == 0, got["stderr"][-3000:]
+    assert "KERNELS_IMPORTED False" in got["stdout"]
     config = json.loads((tmp_path / "no_triton" / "config.json").read_text())
     assert config["resolved"]["arms"] == ["AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=2)"]
     from harness.protocol.results_io import read_folder_rows
@@ -104,28 +160,14 @@ print(type(ops).__name__, any(m.startswith(("core.kernels", "triton")) for m in 
     assert proc.stdout.split() == ["TorchOps", "False"]
 
 
-def test_the_triton_attention_of_the_batched_generator_is_refused_without_triton():
+def test_the_triton_attention_of_the_batched_generator_is_refused_without_triton(blocked):
     """bench_generate --attention triton, and BatchedGenerator(attention="triton") itself, say in one line that
     Triton is needed (before any model loads, for the CLI) instead of failing inside a kernel launch."""
-    proc = run_child("""
-import sys
-from harness.lab.bench_generate import main
-rc = main(["--random-weights", "tiny", "--device", "cpu", "--prompts", "2", "--attention", "triton"])
-from core.errors import UsageError
-from harness.decode.batched_gen import BatchedGenerator
-from harness.protocol.presets import build_random
-from core.devices import resolve_backend
-m = build_random("tiny", resolve_backend("cpu", "float32"), fuse=False)
-try:
-    BatchedGenerator(m.target.model, rows=2, attention="triton")
-except UsageError as e:
-    print("refused:", e)
-sys.exit(rc)
-""")
-    assert proc.returncode == 2, proc.stderr
-    assert "error: batched generation: attention triton needs the triton package" in proc.stderr
-    assert "random weights" not in proc.stdout  # refused before the model loads
-    assert "refused: batched generation: attention triton needs the triton package" in proc.stdout
+    proc = blocked[0]["refusal"]
+    assert proc["rc"] == 2, proc["stderr"]
+    assert "error: batched generation: attention triton needs the triton package" in proc["stderr"]
+    assert "random weights" not in proc["stdout"]  # refused before the model loads
+    assert "refused: batched generation: attention triton needs the triton package" in proc["stdout"]
 
 
 def test_the_triton_attention_on_a_cpu_without_the_interpreter_is_refused_before_loading():
