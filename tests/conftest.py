@@ -5,6 +5,8 @@ the scripts): OMP_NUM_THREADS, which torch reads when it loads. On the busy 2-co
 took 76 s with a thread per core against 22 s with one (OpenMP's barriers spin on cores the other worker holds)."""
 import os
 
+import pytest
+
 
 def worker_threads(cpus: int | None, workers: int) -> int:
     return max(1, (cpus or 1) // max(1, workers))
@@ -20,3 +22,32 @@ def pytest_configure(config):
         share = worker_threads(os.cpu_count(), int(n))
         torch.set_num_threads(share)
         os.environ["OMP_NUM_THREADS"] = str(share)
+
+
+# --dist loadfile hands a module to a worker as one unit; pytest.ini turns off xdist's own order (most tests first)
+# so that the modules go out in this order: the longest first, the short ones last, where they fill the gaps, so the
+# two workers end together (longest-processing-time first). xdist's order put the 47 s compile-cache module and the
+# 34 s GGUF module among the last handed out (3 and 4 tests), while the other worker idled. Seconds: each module
+# alone, one thread, on the 2-core machine unloaded; a module missing here counts 0 and keeps its collection place.
+MODULE_SECONDS = {
+    "test_sampling.py": 61, "test_training_compile_cache.py": 47, "test_sampling_rows.py": 41,
+    "test_protocol.py": 40, "test_distributed.py": 39, "test_tiny_runs.py": 35, "test_batch_invariant.py": 35,
+    "test_gguf_cache.py": 34, "test_ops.py": 34, "test_batch_decode_sampled.py": 30, "test_training_toy.py": 25,
+    "test_topp.py": 25, "test_smollm2.py": 24, "test_training_compile.py": 24, "test_compiling.py": 21,
+    "test_without_triton.py": 20, "test_batch_refine_twin.py": 19, "test_training_box.py": 19,
+    "test_wide_rows.py": 17, "test_kernels.py": 17, "test_training_rows.py": 16, "test_stacked_ops.py": 15,
+    "test_batch_neighbours.py": 15, "test_cli_refiners.py": 15, "test_loop.py": 12, "test_training_online.py": 11,
+    "test_batch_graphs.py": 10, "test_batch_refill.py": 10, "test_sweep.py": 10, "test_spyre_numerics.py": 9,
+    "test_batched_generate_triton.py": 9, "test_training_pipeline.py": 8, "test_card_lineage.py": 8,
+    "test_capture_plan.py": 8, "test_batch_decode.py": 7, "test_training_restart.py": 6, "test_divergence.py": 6,
+}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # one process (-n 0): the order does not matter
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(item.path.name, i)
+    items.sort(key=lambda item: (-MODULE_SECONDS.get(item.path.name, 0), first[item.path.name]))
