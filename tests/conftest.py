@@ -27,8 +27,9 @@ def pytest_configure(config):
 # --dist loadfile hands a module to a worker as one unit; pytest.ini turns off xdist's own order (most tests first)
 # so that the modules go out in this order: the longest first, the short ones last, where they fill the gaps, so the
 # two workers end together (longest-processing-time first). xdist's order put the 47 s compile-cache module and the
-# 34 s GGUF module among the last handed out (3 and 4 tests), while the other worker idled. Seconds: each module
-# alone, one thread, on the 2-core machine unloaded; a module missing here counts 0 and keeps its collection place.
+# 34 s GGUF module among the last handed out (3 and 4 tests), while the other worker idled. Seconds: each module's
+# summed --durations in a whole-suite run on the 2-core machine unloaded (2026-12-06), less the measured savings of
+# that day's test-speed commits; only the order matters. A module missing here counts 0 and keeps its place.
 MODULE_SECONDS = {
     "test_sampling.py": 61, "test_training_compile_cache.py": 47, "test_sampling_rows.py": 41,
     "test_protocol.py": 40, "test_distributed.py": 39, "test_tiny_runs.py": 35, "test_batch_invariant.py": 35,
