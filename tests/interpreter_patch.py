@@ -1,5 +1,6 @@
-"""Triton 3.6.0's CPU interpreter (the test extras' pin, .ci/run) re-patches triton.language on every kernel launch and on every call of a device function
-inside one (interpreter._patch_lang): each patch ran inspect.getmembers over triton.language, its tensor class and
+"""Triton 3.6.0's CPU interpreter (the test extras' pin, .ci/run) re-patches triton.language on every kernel launch
+and on every call of a device function inside one (interpreter._patch_lang): each patch ran inspect.getmembers
+over triton.language, its tensor class and
 math module (dir, getattr of every name and a sort) to find the builtins. In the kernel tests that was about a
 quarter of the interpreter's time (test_ops: 28 s of 121 s under cProfile, 20,416 patches for 1,142 launches).
 
