@@ -291,3 +291,15 @@ def test_profiling_starts_after_step_3_with_or_without_the_fit():
             prof.after_step(step)
         rec = json.loads((Path(d) / "p.json").read_text())
     assert rec["global_steps"] == [6, 7] and prof.profiled == [6, 7]
+
+
+def test_max_steps_ends_the_run_there_whatever_the_epochs(tmp_path):
+    """models.X.max_steps with more epochs than it needs: the run stops at that step (speculators 0.9.0 alone went on
+    through every epoch, each one step, a validation and a checkpoint more: 55 steps for max_steps 6 and 50 epochs
+    of 9 steps; training/train.py caps num_epochs)."""
+    cfg = _stages(tmp_path)
+    assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w", "--set", "models.drafter.max_steps=6",
+                   "--set", "train.epochs=50") == 0
+    d = tmp_path / "w" / "train" / "drafter"
+    assert json.loads((d / "manifest.json").read_text())["global_step"] == 6
+    assert len([p for p in d.iterdir() if p.is_dir() and p.name.isdigit()]) == 1

@@ -218,7 +218,9 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
     out = model_dir(cfg, name)
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / FINGERPRINT, {"key": model_fingerprint(cfg, name)})
-    tconf = TrainerConfig(lr=m["lr"] or tc["lr"], num_epochs=epochs, save_path=str(out), resume_from_checkpoint=True,
+    # speculators 0.9.0 runs every epoch of num_epochs past max_steps (each a step, a validation and a checkpoint more)
+    tconf = TrainerConfig(lr=m["lr"] or tc["lr"], num_epochs=min(epochs, -(-(total - data_start) // steps_per_epoch)),
+                          save_path=str(out), resume_from_checkpoint=True,
                           train_call_kwargs=train_kw, val_call_kwargs=val_kw, weight_decay=tc["weight_decay"],
                           scheduler_type=tc["scheduler"], scheduler_warmup_ratio=tc["warmup_ratio"],
                           scheduler_total_steps=total, checkpoint_freq=min(1.0, save_every / steps_per_epoch)
@@ -226,13 +228,11 @@ def _setup(cfg: dict, name: str, verifier: str, held_out, max_seconds: float, bo
                           max_steps=m["max_steps"])
     trainer = PipelineTrainer(model, tconf, train_loader, val_loader, device=device, seed=cfg["seed"],
                               eval_fn=held_out, eval_every=tc["eval_every"], stop_after_step=tc["stop_after_step"],
-                              cut_at_step=tc["cut_at_step"],
                               metrics_file=out / "metrics.jsonl", max_seconds=max_seconds, box=box,
                               eval_max_seconds=tc["eval_max_seconds"], eval_share=tc["eval_share"],
                               warm_step=warm_step, data_start=data_start, schedule_start=schedule_start,
                               backbone_lr_scale=m["backbone_lr_scale"],
-                              fit=fit_plan(tc, total),
-                              profile=_profile(tc, out, device))
+                              fit=fit_plan(tc, total), cut_at_step=tc["cut_at_step"], profile=_profile(tc, out, device))
     trainer.compile_mode, trainer.loss_impl, trainer.anchor_bias = mode, impl, bias
     trainer.flex_options = model.xb_flex_kernel_options  # None where our compiled flex attention is not in place
     trainer.grown_from = getattr(model, "grown_from", None)
