@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from training_fixtures import harness_from_export, run_cli, tiny_models, write_config
+from training_fixtures import harness_from_export, run_cli, tiny_models, write_config, xpress_tokens_and_ar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,10 +42,8 @@ def test_the_drafter_under_a_co_trained_head_moves_and_ships_with_it(runs):
 
 
 def test_the_harness_decodes_with_the_co_trained_drafter_losslessly(runs):
-    from harness.decode.loop import DecodeSettings, generate
     from harness.protocol.build import _device_state
     from refiners.formats import load_refiner_checkpoint
-    from refiners.xpress import XPressRefiner, xpress_head_from_state
     w = runs / "work"
     shutil.copytree(runs / "warm" / "drafter", runs / "base" / "drafter")  # the base drafter the other arms run
     backend, target, drafter = harness_from_export(runs / "target", runs / "base")
@@ -53,9 +51,5 @@ def test_the_harness_decodes_with_the_co_trained_drafter_losslessly(runs):
     base = {k: v.clone() for k, v in drafter.model.state_dict().items()}
     drafter.model.load_state_dict(_device_state(drafter.model, ck.draft_state, backend), strict=True)
     assert any(not torch.equal(v, base[k]) for k, v in drafter.model.state_dict().items())
-    s = DecodeSettings(max_new_tokens=16, max_model_len=128, stop_ids=(3, 5))
-    prompt = [11, 40, 23, 77, 9]
-    want = generate(target, prompt, s, backend).tokens
-    got = generate(target, prompt, s, backend, drafter=drafter,
-                   refiner=XPressRefiner(xpress_head_from_state(ck.head_state), 2)).tokens
+    got, want = xpress_tokens_and_ar(backend, target, drafter, ck.head_state)
     assert got == want

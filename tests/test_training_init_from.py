@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from core.errors import UsageError
-from training_fixtures import harness_from_export, run_cli, tiny_models, write_config
+from training_fixtures import harness_from_export, run_cli, tiny_models, write_config, xpress_tokens_and_ar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,9 +53,7 @@ def test_heads_train_on_the_exported_drafter_and_keep_it_frozen(runs):
 
 
 def test_ship_takes_the_drafter_from_the_heads_folder_and_it_decodes(runs):
-    from harness.decode.loop import DecodeSettings, generate
     from refiners.formats import load_refiner_checkpoint
-    from refiners.xpress import XPressRefiner, xpress_head_from_state
     from training.ship import ship
     out = runs / "shipped"
     manifest = ship(runs / "work", out)
@@ -66,11 +64,7 @@ def test_ship_takes_the_drafter_from_the_heads_folder_and_it_decodes(runs):
     assert sorted(f.name for f in (out / "drafter").iterdir()) == sorted(f.name for f in warm.iterdir())
     backend, target, drafter = harness_from_export(runs / "target", out)
     xp = load_refiner_checkpoint(out / "xpress", "xpress")
-    s = DecodeSettings(max_new_tokens=16, max_model_len=128, stop_ids=(3, 5))
-    prompt = [11, 40, 23, 77, 9]
-    want = generate(target, prompt, s, backend).tokens
-    got = generate(target, prompt, s, backend, drafter=drafter,
-                   refiner=XPressRefiner(xpress_head_from_state(xp.head_state), 2)).tokens
+    got, want = xpress_tokens_and_ar(backend, target, drafter, xp.head_state)
     assert got == want
 
 

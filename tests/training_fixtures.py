@@ -90,3 +90,14 @@ def harness_from_export(target_dir: Path, export_dir: Path):
     dcfg.check_target(target.config)
     drafter = DFlashDrafter(load_dflash(export_dir / "drafter", dcfg, backend), target.embed, target.lm_head, backend)
     return backend, target, drafter
+
+
+def xpress_tokens_and_ar(backend, target, drafter, head_state) -> tuple[list, list]:
+    """A short greedy decode with an xPress head (K=2) on this drafter, and AR's on the same prompt."""
+    from harness.decode.loop import DecodeSettings, generate
+    from refiners.xpress import XPressRefiner, xpress_head_from_state
+    s = DecodeSettings(max_new_tokens=16, max_model_len=128, stop_ids=(3, 5))
+    prompt = [11, 40, 23, 77, 9]
+    got = generate(target, prompt, s, backend, drafter=drafter,
+                   refiner=XPressRefiner(xpress_head_from_state(head_state), 2)).tokens
+    return got, generate(target, prompt, s, backend).tokens
