@@ -1,8 +1,9 @@
-"""A head co-trained with its drafter (`freeze_backbone` false), as the xPress recipe trains it (../shared/SPYRE.md,
-"Validated Qwen3-8B recipe"): the head's tensors learn at `lr` and the drafter's at `lr` x `backbone_lr_scale`, two
-parameter groups of one AdamW, so a head started from zeros can take a head's learning rate while the trained
-drafter under it moves at a drafter's. The schedules (warmup, decay, training/fit.py's refits) act on both groups
-alike. With the scale at 1 (the default) nothing changes: speculators builds its one group as before."""
+"""A head co-trained with its drafter (`freeze_backbone` false), as the xPress paper's recipe trains it (drafter and
+head together, the drafter held near its own logits by the base-anchor term): the head's tensors learn at `lr` and
+the drafter's at `lr` x `backbone_lr_scale`, two parameter groups of one AdamW, so a head started from zeros can take
+a head's learning rate while the trained drafter under it moves at a drafter's. The schedules (warmup, decay,
+training/fit.py's refits) act on both groups alike. With the scale at 1 (the default) nothing changes: speculators
+builds its one group as before."""
 from __future__ import annotations
 
 from core.errors import UsageError
