@@ -25,15 +25,22 @@ def check(where: str, m: dict) -> None:
 
 
 def optimizers(model, config, scale: float) -> list:
-    """speculators 0.9.0's build_optimizers for optimizer "adamw" (one AdamW over every parameter at config.lr and
-    config.weight_decay), with the drafter's parameters in a second group at config.lr x scale."""
-    import torch
-    if config.optimizer != "adamw":
+    """speculators' own optimizer for optimizer "adamw" (speculators.train.optimizers.build_optimizers: one AdamW over
+    every parameter, one group), its group cut to the head's parameters and the drafter's added as a second group at
+    its lr x scale (the group's other settings carried over by torch's add_param_group)."""
+    from speculators.train.optimizers import build_optimizers
+    built = build_optimizers(model, config)
+    if config.optimizer != "adamw" or len(built) != 1 or len(built[0].param_groups) != 1:
         raise UsageError(f"backbone_lr_scale works with the adamw optimizer only (got {config.optimizer!r})")
     head, body = [], []
     for name, p in model.named_parameters():
-        (head if name.startswith(HEAD_PREFIXES) else body).append(p)
+        (head if name.startswith(HEAD_PREFIXES) else body).append((name, p))
     if not head:
         raise UsageError("backbone_lr_scale: this model has no head tensors (" + ", ".join(HEAD_PREFIXES) + ")")
-    return [torch.optim.AdamW([{"params": head, "lr": config.lr}, {"params": body, "lr": config.lr * scale}],
-                              lr=config.lr, weight_decay=config.weight_decay)]
+    opt, (group,) = built[0], built[0].param_groups
+    group["params"] = [p for _, p in head]
+    second = {"params": [p for _, p in body], "lr": group["lr"] * scale}
+    if "param_names" in group:  # speculators passes named_parameters(): the group keeps the names beside them
+        group["param_names"], second["param_names"] = [n for n, _ in head], [n for n, _ in body]
+    opt.add_param_group(second)
+    return [opt]
