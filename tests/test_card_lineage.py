@@ -209,3 +209,36 @@ def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, 
     # the benchmarks' fixed prompts, the same in every run: their tau and its gain over the warm start
     assert "| drafter | bench:gsm8k | 2 | 32 | 1.0 | 3.0 |" in tried and "bench:gsm8k τ 2.5" in tried
     assert "bench:gsm8k 1.143x [" in tried  # 20 tokens in 7 steps over 20 in 8
+
+
+def test_the_card_says_how_each_model_trained_from_the_export_manifest(lineage):
+    """A head co-trained with its drafter (training/cotrain.py) and one on a frozen drafter read alike in every
+    other table of the card; the recipe table, from the records' export_manifest.json, tells them apart. Records
+    without that file get no table (nothing is guessed)."""
+    pytest.importorskip("matplotlib")
+    t, out, md = lineage, lineage / "out", lineage / "CARD.md"
+    write_run(t / "cot", True, {"xpress": (0, 1402), "xpress_frozen": (0, 986)})
+    head = {"type": "xpress", "init_from": "weights/smollm2-135m/drafter", "lr": 0.01, "epochs": 3,
+            "max_minutes": 9, "consistency_weight": 0.3, "base_anchor_weight": 0.6}
+    (t / "cot" / "export_manifest.json").write_text(json.dumps({"models": {
+        "xpress": {**head, "freeze_backbone": False, "backbone_lr_scale": 0.06},
+        "xpress_frozen": {**head, "freeze_backbone": True}}}))
+    (t / "run2" / "export_manifest.json").write_text(json.dumps({"models": {
+        "drafter": {"type": "dflash", "init_from": None, "freeze_backbone": False, "lr": None, "epochs": 3,
+                    "max_minutes": 12}}}))
+    r = card_main("--lineage", f"run2={t / 'run2'}", "--lineage", f"heads={t / 'heads'}", "--tried",
+                  f"cot={t / 'cot'}", "--ship", t / "heads.json", "--out", out, "--markdown", md)
+    assert r.returncode == 0, r.stderr
+    text = md.read_text()
+    tried = text[text.index("## Tried run `cot`"):]
+    assert ("| xpress | xpress | weights/smollm2-135m/drafter | co-trained at lr x 0.06 | 0.01 | 3 | 9 | 0.3 | 0.6 |"
+            in tried)
+    assert "| xpress_frozen | xpress | weights/smollm2-135m/drafter | frozen | 0.01 | 3 | 9 | 0.3 | n/a |" in tried
+    run2 = text[text.index("## Run `run2`"):text.index("## Run `heads`")]
+    assert "| drafter | dflash | random weights | trained | n/a | 3 | 12 | n/a | n/a |" in run2
+    heads = text[text.index("## Run `heads`"):text.index("## Tried")]
+    assert "Recipe" not in heads  # no export_manifest.json among its records
+    card = json.loads((out / "card.json").read_text())
+    assert "recipe" not in card["lineage"][1]["card"]["models"][0]
+    assert card_main("--from-json", out / "card.json", "--markdown", t / "again.md").returncode == 0
+    assert (t / "again.md").read_text() == text

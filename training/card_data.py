@@ -4,7 +4,8 @@ it (τ to 3 decimals, seconds to 1, losses to 4), so that the card (training/car
     {"title", "data": {"prompts": {train, selection, heldout, magpie_generated, dropped, sources}, "responses":
      {sequences, response_tokens, prompt_tokens}, "hidden": {sequences, tokens, mode, dtype, layer_ids}},
      "stages": {stage: {seconds[, remeasured_seconds]}}, "models": [{model, steps, planned_steps, truncated,
-     first_loss, last_loss_mean25, val_loss_per_epoch, median_step_ms, box: {...}, selection: {...}, heldout: {...}}],
+     first_loss, last_loss_mean25, val_loss_per_epoch, median_step_ms, box: {...}, selection: {...}, heldout: {...},
+     recipe: {...} (the model's settings as export/manifest.json records them; null without that file)}],
      "shipped": {drafter, xpress, markov, total_mb, markov_choice[, drafter_from, drafter_step]} or null}
 A card over several runs (training/card_lineage.py) is {"title", "lineage": [{"name", "records", "card"}],
 "shipped"}, each "card" one run's record as above (its "shipped" null).
@@ -133,11 +134,40 @@ def shipped_record(ship_dir: Path | None) -> dict | None:
     return rec
 
 
+def recipe_record(spec: dict | None) -> dict | None:
+    """What a model was trained from and how, from its config as the export recorded it: the folder it started
+    from, whether its drafter backbone trained (a drafter), stayed frozen (a head on a drafter) or was co-trained with
+    the head at lr x backbone_lr_scale (training/cotrain.py), its lr (null: train.lr), epochs and time box, and for
+    xPress the consistency and base-anchor weights of its loss (the base-anchor term counts only while the drafter
+    trains with the head)."""
+    if spec is None:
+        return None
+    head = spec.get("type") != "dflash"
+    if not head:
+        backbone = "trained"
+    elif spec.get("freeze_backbone"):
+        backbone = "frozen"
+    else:
+        backbone = f"co-trained at lr x {spec.get('backbone_lr_scale') or 1}"
+    out = {"type": spec.get("type"), "init_from": spec.get("init_from"), "backbone": backbone, "lr": spec.get("lr"),
+           "epochs": spec.get("epochs"), "max_minutes": spec.get("max_minutes")}
+    if spec.get("type") == "xpress":
+        out["consistency_weight"] = spec.get("consistency_weight")
+        out["base_anchor_weight"] = spec.get("base_anchor_weight") if backbone.startswith("co-trained") else None
+    return out
+
+
 def card_record(work: Path, summary: list[dict], ship_dir: Path | None = None, title: str | None = None) -> dict:
     from training.stages import read
+    specs = (_json(work / "export" / "manifest.json") or {}).get("models")
+    models = []
+    for s in summary:
+        rec = model_record(work / "train" / s["model"], s)
+        if specs is not None:
+            rec["recipe"] = recipe_record(specs.get(s["model"]))
+        models.append(rec)
     return {"title": title or work.resolve().name, "data": data_record(work), "stages": read(work),
-            "models": [model_record(work / "train" / s["model"], s) for s in summary],
-            "shipped": shipped_record(ship_dir)}
+            "models": models, "shipped": shipped_record(ship_dir)}
 
 
 def write_card(rec: dict, path: Path, markdown: Path | None = None) -> None:

@@ -8,8 +8,9 @@ run's card (training/card_data.py) from the records it brought back, in the orde
         --markdown weights/smollm2-135m/CARD.md --title "SmolLM2-135M"
 
 A run's DIR is either its workdir (train/<model>/manifest.json, metrics.jsonl, box.json, acceptance.json; the
-stage manifests) or the flat records folder that results/perf keeps of it (<model>_manifest.json,
-<model>_metrics.jsonl.gz, <model>_box.json, <model>_acceptance.json, <stage>_manifest.json, stages.json).
+stage manifests, export/manifest.json) or the flat records folder that results/perf keeps of it
+(<model>_manifest.json, <model>_metrics.jsonl.gz, <model>_box.json, <model>_acceptance.json, <stage>_manifest.json,
+stages.json, export_manifest.json).
 OUT gets card.json ({"title", "lineage": [{"name", "records", "card"}], "shipped"}) and loss_curves_<name>.png;
 the per-step records stay where they are (each run names its folder).
 """
@@ -59,6 +60,9 @@ def as_workdir(records: Path, into: Path) -> Path:
             shutil.copy(src, into / s / "manifest.json")
     if (records / "stages.json").is_file():
         shutil.copy(records / "stages.json", into / "stages.json")
+    if (records / "export_manifest.json").is_file():  # the models' settings (the card's recipe table)
+        (into / "export").mkdir(parents=True, exist_ok=True)
+        shutil.copy(records / "export_manifest.json", into / "export" / "manifest.json")
     return into
 
 

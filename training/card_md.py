@@ -63,6 +63,15 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
                  [[m["model"], m["steps"], planned(m), this_run(m.get("box") or {}), m["truncated"],
                    m["first_loss"], m["last_loss_mean25"], m["val_loss_per_epoch"], m["median_step_ms"]]
                   for m in models])
+    recipes = [(m["model"], m["recipe"]) for m in models if m.get("recipe")]
+    if recipes:  # training/card_data.py recipe_record; records without export/manifest.json have none
+        out += ["Recipe (the models' settings as the export recorded them; lr n/a: the run's train.lr; base-anchor "
+                "weight n/a: no drafter trained with the head):", ""]
+        out += table(["model", "type", "from", "drafter backbone", "lr", "epochs", "box minutes",
+                      "consistency weight", "base-anchor weight"],
+                     [[name, r["type"], r["init_from"] or "random weights", r["backbone"], r["lr"], r["epochs"],
+                       r["max_minutes"], r.get("consistency_weight"), r.get("base_anchor_weight")]
+                      for name, r in recipes])
     return out
 
 
