@@ -113,6 +113,13 @@ def test_labels_in_tables_csv_and_plot_titles(tmp_path, monkeypatch):
     from harness.protocol.plots import write_plots
     assert write_plots(tmp_path, s, "toy", None)
     assert titles and all("; ".join(labels) in t for t in titles)
+    # an AR round table.md flags as timing noise is flagged on every plot too (math500 at T=1, 2026-12-06: the
+    # table said so, its plots did not)
+    for off, says in (([{"round": 3, "pooled_tok_s": 50.0, "off_median": 0.31}], "FLAGGED: AR round 3 31% off"),
+                      ([], None)):
+        titles.clear()
+        assert write_plots(tmp_path, {**s, "ar_rounds_off_median": off}, "toy", None)
+        assert titles and all((says in t) if says else ("FLAGGED" not in t) for t in titles)
 
 
 def test_merged_table_labels_and_refuses_a_dataset_twice(tmp_path, capsys):

@@ -58,7 +58,11 @@ def plot_title(summary: dict, dataset: str, model: str | None) -> str:
     head += "\n" + "  ".join(f"{k}={run.get(k, facts.UNKNOWN)}" for k in ("quantization", "device", "dtype", "kernels",
                                                                          "seed"))
     marks = labels(summary)
-    return head + (f"\n[{'; '.join(marks)}]" if marks else "")
+    # the AR rounds table.md flags (timing noise): the speedups drawn rest on them too
+    from harness.protocol.tables import _flags
+    flags = _flags({"summary": summary})
+    return (head + (f"\n[{'; '.join(marks)}]" if marks else "")
+            + (f"\nFLAGGED: {'; '.join(flags)} (timing noise; Sp. is a median over rounds)" if flags else ""))
 
 
 def _model(folder) -> str | None:
