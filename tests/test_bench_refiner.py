@@ -23,6 +23,17 @@ def test_bench_refiner_writes_json_and_markdown(tmp_path, capsys):
     assert all(r["ms"] >= 0 for r in data["rows"] if r["K"] != "per pass")
     assert (tmp_path / "cost.md").read_text().startswith("Refinement cost") and "profile" not in data
     assert bench_refiner.main(["--preset", "tiny", "--passes", "-1"]) == 2
+    assert bench_refiner.main(["--preset", "tiny", "--rank", "0"]) == 2
+
+
+def test_bench_refiner_rank_overrides_the_presets_alone(tmp_path):
+    """--rank: a recipe's head rank at a preset's vocab, hidden and block (smollm2-gpu-heads-xpress-r256's 256 at
+    SmolLM2's shapes), recorded with the shapes the heads were built at."""
+    out = tmp_path / "cost.json"
+    assert bench_refiner.main(["--preset", "tiny", "--rank", "24", "--device", "cpu", "--repeats", "1", "--passes",
+                               "1", "--topc", "0", "--out", str(out)]) == 0
+    vocab, hidden, _, block = bench_refiner.PRESETS["tiny"]
+    assert json.loads(out.read_text())["shapes"] == {"vocab": vocab, "hidden": hidden, "rank": 24, "block": block}
     assert bench_refiner.main(["--preset", "tiny", "--profile", "-1"]) == 2
 
 

@@ -60,18 +60,20 @@ def profiled(fn, backend, calls: int) -> dict:
 
 def measure(preset: str, device: str | None, dtype: str | None, passes: list[int], topcs: list[int],
             repeats: int, use_graph: bool = False, kernels: str = "torch", compiled: bool = False,
-            profile_k: int | None = None, fused_latents: bool = True) -> dict:
+            profile_k: int | None = None, fused_latents: bool = True, rank: int | None = None) -> dict:
     """`kernels`: the ops both heads run on (the decode's --kernels: triton runs an xPress pass's latent and a gated
     Markov step's in one launch each, and their w2 product, base add and argmax in one more); `compiled`: each
     refiner through torch.compile first, as --compile-refiner runs it; `profile_k`: xPress at that K (full
     vocabulary) once more under the profiler, eagerly (a graph's replay hides its kernels from it);
     `fused_latents=False`: the xPress pass's and the Markov step's latents on the heads' own torch modules (as
-    before the fused kernels), everything else on `kernels`: the fused latents' effect, read on one machine."""
+    before the fused kernels), everything else on `kernels`: the fused latents' effect, read on one machine;
+    `rank`: both heads' rank instead of the preset's (e.g. a recipe's xpress_rank 256 at SmolLM2's shapes)."""
     backend = resolve_backend(device, dtype)
     ops = make_ops(kernels, backend.device, backend.dtype)
     if not fused_latents:
         ops.xpress_latent, ops.markov_latent = partial(Ops.xpress_latent, ops), partial(Ops.markov_latent, ops)
-    vocab, hidden, rank, block = PRESETS[preset]
+    vocab, hidden, preset_rank, block = PRESETS[preset]
+    rank = rank or preset_rank
     g = torch.Generator().manual_seed(0)
     proposal = Proposal(tokens=torch.randint(0, vocab, (block - 1,), generator=g).to(backend.device),
                         logits=torch.randn(block - 1, vocab, generator=g).to(backend.device, backend.dtype),
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--kernels (the fused kernels' effect on one machine)")
     p.add_argument("--profile", type=int, metavar="K",
                    help="also profile xPress at K passes, eagerly, --repeats calls: each kernel's time per call")
+    p.add_argument("--rank", type=int, help="the heads' rank instead of the preset's (its vocab, hidden and block kept)")
     p.add_argument("--out", help="write JSON here and markdown beside it (.md)")
     a = p.parse_args(argv)
     try:
@@ -173,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         topcs = [int(x) for x in a.topc.split(",")]
         if any(k < 0 for k in passes) or any(c < 0 for c in topcs) or a.repeats < 1 or (a.profile or 0) < 0:
             raise UsageError("--passes, --topc and --profile must be non-negative integers and --repeats >= 1")
+        if a.rank is not None and a.rank < 1:
+            raise UsageError(f"--rank {a.rank}: give a positive rank (e.g. 80 or 256), or drop it for the preset's")
         result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph, a.kernels, a.compile,
-                         a.profile, fused_latents=not a.unfused_latents)
+                         a.profile, fused_latents=not a.unfused_latents, rank=a.rank)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
