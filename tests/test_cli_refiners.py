@@ -93,3 +93,66 @@ def test_seeded_replay_is_byte_identical_at_t1(files, tmp_path, extra, capsys):
                 "--temperature", "1.0", "--seed", "6", "--no-answer-timing", "--answer-file", str(other), *extra)
     assert cli.main(argv) == 0
     assert other.read_bytes() != outs[0]  # the seed matters
+
+
+def test_cotrained_drafter_only_arms_run_each_refiners_drafter_in_the_paired_rounds(files, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """--cotrained-drafter-only: the reference's drafter-only carries the xPress checkpoint's co-trained drafter, our
+    paired rounds' the base one; the flag adds one arm per checkpoint with a drafter of its own, lossless like every
+    arm, while "drafter-only" (the base drafter) stays the gains' reference and the table's drafter-only choice.
+    Power: the weights each arm swaps in are checked against the checkpoint's drafter and the base one (the tiny
+    random drafters draft alike, so their drafts cannot tell them apart)."""
+    import torch
+    from harness.protocol import build
+    swapped, real = {}, build.Arm.activate
+
+    def spy(arm):
+        if arm.state is not None:
+            swapped[arm.name] = sum(float(t.double().sum()) for t in arm.state.values())
+        return real(arm)
+    monkeypatch.setattr(build.Arm, "activate", spy)
+    trace, results = tmp_path / "trace.jsonl", tmp_path / "res"
+    heads = ["--xpress-refiner-path", str(files / "xpress.pt"), "--markov-refiner-path", str(files / "markov.pt")]
+    assert cli.main(args(files, *heads, "--fair-interleave", "--fair-k-list", "1", "--cotrained-drafter-only",
+                         "--trace", str(trace), "--run-id", "cot", "--results-dir", str(results))) == 0
+    own = ["drafter-only (xPress's drafter)", "drafter-only (Markov's drafter)"]
+    printed = capsys.readouterr().out
+    assert all(a in printed for a in own)
+    summary = json.loads((results / "cot" / "summary.json").read_text())
+    assert set(own) <= set(summary["arms"]) and summary["drafter_only_arm"] == "drafter-only"
+    assert summary["optimal"]["drafter-only"]["arm"] == "drafter-only"
+    from harness.protocol.results_io import read_rows
+    rows = read_rows(next((results / "cot").glob("samples.jsonl*")))
+    ar = {(r["question_id"], r["turn"], r["round"]): r["tokens"] for r in rows if r["arm"] == "AR"}
+    for name in own:
+        mine = [r for r in rows if r["arm"] == name]
+        assert mine and all(r["method"] == "drafter-only" and r["tokens"] == ar[(r["question_id"], r["turn"], r["round"])]
+                            for r in mine)
+    cot = sum(float(t.double().sum()) for t in torch.load(files / "xpress.pt", weights_only=False)["draft_state_dict"].values())
+    assert swapped[own[0]] == pytest.approx(cot) and swapped[own[1]] == pytest.approx(cot)  # one drafter in both
+    assert swapped["drafter-only"] != pytest.approx(cot)  # the base drafter's weights, swapped back in
+    assert {s["arm"] for s in answers(trace)} >= set(own)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--xpress-refiner-path", "xpress.pt", "--cotrained-drafter-only"], "--fair-interleave"),
+    (["--fair-interleave", "--cotrained-drafter-only"], "no refiner is given"),
+    (["--fair-interleave", "--xpress-refiner-path", "frozen", "--cotrained-drafter-only"], "no refiner checkpoint"),
+    (["--fair-interleave", "--xpress-refiner-path", "xpress.pt", "--cotrained-drafter-only", "--batch-sizes", "1,2"],
+     "sweeps"),
+])
+def test_cotrained_drafter_only_refusals_come_before_loading(files, tmp_path, extra, message, capsys, monkeypatch):
+    import torch
+    from safetensors.torch import save_file
+    import harness.protocol.runner as runner
+    head = torch.load(files / "xpress.pt", weights_only=False)["refiner_state_dict"]
+    frozen = tmp_path / "frozen"  # a head trained on a frozen drafter, as training.ship writes it: no drafter of
+    frozen.mkdir()  # its own (a serving folder whose tensors are the head's alone)
+    cfg = json.loads((files / "drafter" / "config.json").read_text())
+    (frozen / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3XPressModel"]}))
+    save_file({"xpress_head." + k: v.contiguous() for k, v in head.items()}, str(frozen / "model.safetensors"))
+    monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))
+    extra = [str(frozen) if x == "frozen" else str(files / x) if x.endswith(".pt") else x for x in extra]
+    assert cli.main(args(files, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err, err

@@ -197,6 +197,8 @@ def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint], passes: int, 
     xp, mk = ckpts.get(XPRESS), ckpts.get(MARKOV)
     if cfg.fair:
         arms.append(ArmSpec("drafter-only", "drafter-only"))
+        if cfg.cotrained_drafter_only:
+            arms += cotrained_arms(ckpts)
         if mk:
             arms.append(ArmSpec("Markov", "markov", weights=MARKOV))
         if xp:
@@ -210,6 +212,22 @@ def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint], passes: int, 
     if ck is xp:
         return arms + [ArmSpec(_xpress_name(passes, topc), "xpress", passes, XPRESS)]
     return arms + [ArmSpec("Markov", "markov", weights=MARKOV)]
+
+
+COTRAINED_ARMS = {XPRESS: "drafter-only (xPress's drafter)", MARKOV: "drafter-only (Markov's drafter)"}
+
+
+def cotrained_arms(ckpts: dict[str, RefinerCheckpoint]) -> list[ArmSpec]:
+    """--cotrained-drafter-only: each checkpoint's co-trained drafter alone (its `draft_state`), one arm each; the base
+    drafter's arm keeps the name "drafter-only" and stays every gain's reference (report._pick, comparisons.optimal).
+    A checkpoint with no drafter of its own (a head trained on a frozen drafter) adds none; none at all is refused."""
+    own = [k for k in (XPRESS, MARKOV) if ckpts.get(k) is not None and ckpts[k].draft_state]
+    if not own:
+        given = ", ".join(f"{ckpts[k].source} ({k})" for k in (XPRESS, MARKOV) if ckpts.get(k) is not None)
+        raise UsageError(f"--cotrained-drafter-only: no refiner checkpoint given carries a drafter of its own ({given}: "
+                         "heads trained on a frozen drafter); their drafter is the base one, which the drafter-only "
+                         "arm runs already; drop the flag")
+    return [ArmSpec(COTRAINED_ARMS[k], "drafter-only", weights=k) for k in own]
 
 
 def _device_state(model, tensors: dict, backend: Backend) -> dict:

@@ -43,6 +43,8 @@ def optimal(arms: dict, out_arms: dict, rows: list[dict], prompts: list[int]) ->
     optimal = {}
     for method in dict.fromkeys(i["method"] for i in arms.values()):
         names = [a for a, i in arms.items() if i["method"] == method]
+        if method == "drafter-only" and "drafter-only" in names:  # the base drafter's arm; one on a refiner's own
+            names = ["drafter-only"]  # co-trained drafter (--cotrained-drafter-only) is reported, never chosen
         held_out = {}
         for a in names:
             by_round: dict[int, list[dict]] = {}

@@ -30,6 +30,7 @@ class RunConfig:
     draft_noise: str = "gumbel"
     compat_reference: bool = False
     drafter_only: bool = False
+    cotrained_drafter_only: bool = False      # paired rounds: each refiner's co-trained drafter alone, one arm each
     ar_only: bool = False
     skip_ar: bool = False
     answer_file: str | None = None
@@ -212,6 +213,8 @@ def validate(c: RunConfig) -> None:
         raise UsageError("--fair-k-list lists xPress's K, and --drafter-only runs no xPress arm; drop one of them")
     if c.fair and c.ar_only:
         raise UsageError("--ar-only with --fair-interleave: the protocol compares arms; drop one")
+    if c.cotrained_drafter_only:
+        check_cotrained_drafter_only(c)
     if c.fair_warmup_rounds < 0:
         raise UsageError(f"--fair-warmup-rounds {c.fair_warmup_rounds}: must be >= 0")
     if c.fair_interleave is not None and c.fair_interleave < 0:
@@ -229,6 +232,23 @@ def validate(c: RunConfig) -> None:
             check_writable(path)
     check_results_dir(c.resume or c.results_dir, must_exist=bool(c.resume), flag="--resume" if c.resume else
                       "--results-dir")
+
+
+def check_cotrained_drafter_only(c: RunConfig) -> None:
+    """--cotrained-drafter-only adds, to the paired rounds, each refiner checkpoint's own co-trained drafter run alone
+    (harness.protocol.build.cotrained_arms; whether a checkpoint carries one is known once its header is read)."""
+    if not c.fair:
+        raise UsageError("--cotrained-drafter-only adds arms to the paired rounds: add --fair-interleave (outside them, "
+                         "--drafter-only with a refiner path already runs that refiner's co-trained drafter)")
+    if c.random_weights:
+        raise UsageError("--cotrained-drafter-only: --random-weights builds one drafter and no refiner carries its own; "
+                         "drop one of them")
+    if not (c.xpress_refiner_path or c.markov_refiner_path):
+        raise UsageError("--cotrained-drafter-only runs a refiner checkpoint's own drafter alone, and no refiner is "
+                         "given; pass --xpress-refiner-path or --markov-refiner-path, or drop the flag")
+    if c.batch_sizes or c.context_lengths:
+        raise UsageError("--cotrained-drafter-only is not part of the sweeps (--batch-sizes, --context-lengths) yet; "
+                         "run it as a single point without them")
 
 
 def drafter_only_conflict(c: RunConfig) -> str:

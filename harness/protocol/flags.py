@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--ar-only", action="store_true", help="run only the autoregressive baseline (block 1)")
     a("--skip-ar", action="store_true", help="run only the speculative arm")
     a("--drafter-only", action="store_true", help="speculative arm uses the drafter's own draft (no refiner, K=0)")
+    a("--cotrained-drafter-only", action="store_true",
+      help="paired rounds: also run each refiner checkpoint's own co-trained drafter alone, one arm each "
+           "('drafter-only (xPress's drafter)'), beside the base drafter's 'drafter-only', which stays the gains' "
+           "reference (the reference harness's drafter-only carries the xPress checkpoint's drafter)")
     a("--xpress-refiner-path", help="xPress checkpoint: co-training .pt, serving directory, HF id user/repo or "
                                     "user/repo:file; default: env XPRESS_CKPT")
     a("--markov-refiner-path", help="Markov-head checkpoint, same forms; default: env MK_CKPT")
