@@ -27,7 +27,7 @@ def test_bench_refiner_writes_json_and_markdown(tmp_path, capsys):
 
 
 def test_bench_refiner_rank_overrides_the_presets_alone(tmp_path):
-    """--rank: a recipe's head rank at a preset's vocab, hidden and block (smollm2-gpu-heads-xpress-r256's 256 at
+    """--rank: a recipe's head rank at a preset's vocab, hidden and block (smollm2-gpu-heads-xpress-r160's 160 at
     SmolLM2's shapes), recorded with the shapes the heads were built at."""
     out = tmp_path / "cost.json"
     assert bench_refiner.main(["--preset", "tiny", "--rank", "24", "--device", "cpu", "--repeats", "1", "--passes",

@@ -241,3 +241,29 @@ def test_a_model_field_typo_in_the_config_file_names_its_model(tmp_path, capsys)
     assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown field models.drafter.block_sz;" in err[0], err
+
+
+def test_a_head_over_the_shard_limit_is_refused_before_any_stage(tmp_path, capsys):
+    """Export writes whole tensors: a head whose vocab x rank tensor is over export.max_shard_mib failed only at the
+    export stage, after the data stages and its whole box (a rank-256 xPress head over SmolLM2's 49,152 tokens is
+    24 MiB a tensor in bf16). Now refused before the workdir is made, with the largest rank that fits."""
+    from types import SimpleNamespace
+    from core.errors import UsageError
+    from training.config import load_config
+    from training.export import check_fit
+    models = tiny_models()
+    models["xpress"]["xpress_rank"] = 512  # 128 x 512 elements: 256 KiB in fp32, 128 KiB in bf16
+    cfg = write_config(tmp_path, models, export={"max_shard_mib": 0.06})
+    capsys.readouterr()
+    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "models.xpress" in err[0] and "xpress_rank 512" in err[0], err
+    assert "lower it to at most" in err[0] and not (tmp_path / "w").exists()
+    smollm2 = SimpleNamespace(vocab_size=49152, hidden_size=576, intermediate_size=1536)
+    big = load_config("smollm2-gpu-heads-gsm8k3", ["models.xpress.xpress_rank=256"])
+    with pytest.raises(UsageError, match=r"24\.0 MiB in bfloat16, over export.max_shard_mib 15.5.*at most 165"):
+        check_fit(big, "xpress", smollm2)
+    for name in ("smollm2-gpu", "smollm2-gpu-heads-xpress-cotrain", "smollm2-gpu-heads-xpress-r160"):
+        c = load_config(name)
+        for m in c["models"]:
+            check_fit(c, m, smollm2)  # the shipped recipes fit, the co-trained drafter's layers included

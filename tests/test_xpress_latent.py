@@ -40,7 +40,8 @@ def _case(block, rank, mlp, dtype, vocab=300, hidden=48, seed=0, folded=True):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("folded", [True, False])
-@pytest.mark.parametrize("block,rank,mlp", [(16, 80, 160), (8, 16, 32), (5, 24, 40), (32, 256, 512)])
+@pytest.mark.parametrize("block,rank,mlp", [(16, 80, 160), (8, 16, 32), (5, 24, 40), (32, 256, 512),
+                                            (16, 160, 320)])  # rank 160: smollm2-gpu-heads-xpress-r160
 def test_the_fused_latent_is_the_heads_own(dtype, folded, block, rank, mlp):
     """The serving form (folded M) and training's (raw L, masked to the lower triangle, x added)."""
     head, cache, prev = _case(block, rank, mlp, dtype, folded=folded)

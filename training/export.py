@@ -44,6 +44,44 @@ def shipped_tensors(cfg: dict, name: str) -> tuple[dict, dict]:
     return spec, {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
 
 
+def largest_tensors(cfg: dict, name: str, tcfg) -> list[tuple[str, int]]:
+    """The tensors of model NAME whose size its config sets, as (what, elements), from the config and the target's
+    (no model built): a head's vocabulary-wide ones (xPress's token embedding and readout, the Markov head's w1 and
+    w2: vocab x rank) and, when its drafter trains (a drafter, or a head co-trained with its drafter), the draft
+    layers' MLP weights and the fc over the tapped layers. The embedding and lm_head are the target's, not exported."""
+    m = cfg["models"][name]
+    vocab, hidden = tcfg.vocab_size, tcfg.hidden_size
+    out = []
+    if m["type"] == "xpress":
+        out.append((f"the xPress head's token embedding and readout (vocab {vocab} x xpress_rank {m['xpress_rank']})",
+                    vocab * m["xpress_rank"]))
+    elif m["type"] == "dspark":
+        out.append((f"the Markov head's w1 and w2 (vocab {vocab} x markov_rank {m['markov_rank']})",
+                    vocab * m["markov_rank"]))
+    if m["type"] == "dflash" or not m["freeze_backbone"]:
+        inter = m["intermediate_size"] or tcfg.intermediate_size
+        taps = len(cfg["hidden"]["layer_ids"])
+        out += [(f"a draft layer's MLP weight ({inter} x {hidden})", inter * hidden),
+                (f"the fc over {taps} tapped layers ({hidden} x {taps * hidden})", hidden * taps * hidden)]
+    return out
+
+
+def check_fit(cfg: dict, name: str, tcfg) -> None:
+    """Export writes whole tensors, each file under export.max_shard_mib: a tensor above it failed only at the
+    export stage, after the data stages and the whole time box (a rank-256 xPress head over SmolLM2's 49,152-token
+    vocabulary is 24 MiB a tensor in bf16). Refused before any stage writes, with the largest rank that fits."""
+    ec = cfg["export"]
+    limit, size = ec["max_shard_mib"] * 2**20, DTYPES[ec["dtype"]].itemsize
+    for what, n in largest_tensors(cfg, name, tcfg):
+        if n * size > limit:
+            rank = cfg["models"][name].get("xpress_rank" if "xPress" in what else "markov_rank")
+            hint = (f"lower it to at most {int(limit // (tcfg.vocab_size * size))}, or " if "rank" in what and rank
+                    else "")
+            raise UsageError(f"config models.{name}: {what} is {n * size / 2**20:.1f} MiB in {ec['dtype']}, over "
+                             f"export.max_shard_mib {ec['max_shard_mib']:g}, and export writes whole tensors; "
+                             f"{hint}raise export.max_shard_mib (the shipped weights keep every file under 16 MiB)")
+
+
 def shards(tensors: dict, limit_bytes: int) -> list[list[str]]:
     groups, size = [[]], 0
     for k in sorted(tensors):

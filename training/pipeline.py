@@ -52,6 +52,8 @@ class Pipeline:
         hidden.layer_ids(self.cfg, tcfg.num_hidden_layers)
         for n in self.cfg["models"]:
             train.check_target_fit(self.cfg, n, tcfg)
+            if {"train", "export"} & set(stages):  # before the box, not after it
+                export.check_fit(self.cfg, n, tcfg)
             if "train" in stages and train.final_dir(self.cfg, n) is None:
                 train.check_resume(self.cfg, n)
 
