@@ -258,7 +258,7 @@ def test_a_head_over_the_shard_limit_is_refused_before_any_stage(tmp_path, capsy
     assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "models.xpress" in err[0] and "xpress_rank 512" in err[0], err
-    assert "lower it to at most" in err[0] and not (tmp_path / "w").exists()
+    assert "lower xpress_rank to at most" in err[0] and not (tmp_path / "w").exists()
     smollm2 = SimpleNamespace(vocab_size=49152, hidden_size=576, intermediate_size=1536)
     big = load_config("smollm2-gpu-heads-gsm8k3", ["models.xpress.xpress_rank=256"])
     with pytest.raises(UsageError, match=r"24\.0 MiB in bfloat16, over export.max_shard_mib 15.5.*at most 165"):

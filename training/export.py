@@ -44,25 +44,24 @@ def shipped_tensors(cfg: dict, name: str) -> tuple[dict, dict]:
     return spec, {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in tensors.items()}
 
 
-def largest_tensors(cfg: dict, name: str, tcfg) -> list[tuple[str, int]]:
-    """The tensors of model NAME whose size its config sets, as (what, elements), from the config and the target's
-    (no model built): a head's vocabulary-wide ones (xPress's token embedding and readout, the Markov head's w1 and
-    w2: vocab x rank) and, when its drafter trains (a drafter, or a head co-trained with its drafter), the draft
-    layers' MLP weights and the fc over the tapped layers. The embedding and lm_head are the target's, not exported."""
+def largest_tensors(cfg: dict, name: str, tcfg) -> list[tuple[str, int, str | None]]:
+    """The tensors of model NAME whose size its config sets, as (what, elements, the rank key that sets it or None),
+    from the config and the target's (no model built): a head's vocabulary-wide ones (xPress's token embedding and
+    readout, the Markov head's w1 and w2: vocab x rank) and, when its drafter trains (a drafter, or a head co-trained
+    with its drafter), the draft layers' MLP weights and the fc over the tapped layers. The embedding and lm_head are
+    the target's, not exported."""
     m = cfg["models"][name]
     vocab, hidden = tcfg.vocab_size, tcfg.hidden_size
     out = []
-    if m["type"] == "xpress":
-        out.append((f"the xPress head's token embedding and readout (vocab {vocab} x xpress_rank {m['xpress_rank']})",
-                    vocab * m["xpress_rank"]))
-    elif m["type"] == "dspark":
-        out.append((f"the Markov head's w1 and w2 (vocab {vocab} x markov_rank {m['markov_rank']})",
-                    vocab * m["markov_rank"]))
+    key = {"xpress": "xpress_rank", "dspark": "markov_rank"}.get(m["type"])
+    if key:
+        head = "the xPress head's token embedding and readout" if key == "xpress_rank" else "the Markov head's w1 and w2"
+        out.append((f"{head} (vocab {vocab} x {key} {m[key]})", vocab * m[key], key))
     if m["type"] == "dflash" or not m["freeze_backbone"]:
         inter = m["intermediate_size"] or tcfg.intermediate_size
         taps = len(cfg["hidden"]["layer_ids"])
-        out += [(f"a draft layer's MLP weight ({inter} x {hidden})", inter * hidden),
-                (f"the fc over {taps} tapped layers ({hidden} x {taps * hidden})", hidden * taps * hidden)]
+        out += [(f"a draft layer's MLP weight ({inter} x {hidden})", inter * hidden, None),
+                (f"the fc over {taps} tapped layers ({hidden} x {taps * hidden})", hidden * taps * hidden, None)]
     return out
 
 
@@ -72,11 +71,9 @@ def check_fit(cfg: dict, name: str, tcfg) -> None:
     vocabulary is 24 MiB a tensor in bf16). Refused before any stage writes, with the largest rank that fits."""
     ec = cfg["export"]
     limit, size = ec["max_shard_mib"] * 2**20, DTYPES[ec["dtype"]].itemsize
-    for what, n in largest_tensors(cfg, name, tcfg):
+    for what, n, key in largest_tensors(cfg, name, tcfg):
         if n * size > limit:
-            rank = cfg["models"][name].get("xpress_rank" if "xPress" in what else "markov_rank")
-            hint = (f"lower it to at most {int(limit // (tcfg.vocab_size * size))}, or " if "rank" in what and rank
-                    else "")
+            hint = f"lower {key} to at most {int(limit // (tcfg.vocab_size * size))}, or " if key else ""
             raise UsageError(f"config models.{name}: {what} is {n * size / 2**20:.1f} MiB in {ec['dtype']}, over "
                              f"export.max_shard_mib {ec['max_shard_mib']:g}, and export writes whole tensors; "
                              f"{hint}raise export.max_shard_mib (the shipped weights keep every file under 16 MiB)")

@@ -67,7 +67,7 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
     vocabulary) once more under the profiler, eagerly (a graph's replay hides its kernels from it);
     `fused_latents=False`: the xPress pass's and the Markov step's latents on the heads' own torch modules (as
     before the fused kernels), everything else on `kernels`: the fused latents' effect, read on one machine;
-    `rank`: both heads' rank instead of the preset's (e.g. a recipe's xpress_rank 256 at SmolLM2's shapes)."""
+    `rank`: both heads' rank instead of the preset's (e.g. a recipe's xpress_rank 160 at SmolLM2's shapes)."""
     backend = resolve_backend(device, dtype)
     ops = make_ops(kernels, backend.device, backend.dtype)
     if not fused_latents:
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         if any(k < 0 for k in passes) or any(c < 0 for c in topcs) or a.repeats < 1 or (a.profile or 0) < 0:
             raise UsageError("--passes, --topc and --profile must be non-negative integers and --repeats >= 1")
         if a.rank is not None and a.rank < 1:
-            raise UsageError(f"--rank {a.rank}: give a positive rank (e.g. 80 or 256), or drop it for the preset's")
+            raise UsageError(f"--rank {a.rank}: give a positive rank (e.g. 80 or 160), or drop it for the preset's")
         result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph, a.kernels, a.compile,
                          a.profile, fused_latents=not a.unfused_latents, rank=a.rank)
     except (UsageError, ValueError) as e:
