@@ -315,7 +315,7 @@ def test_merge_cli_on_a_real_results_folder(tmp_path, summary, capsys):
     lo, hi = sp["ci95"]
     x = summary["arms"]["xPress(K=6)"]
     e2e, be = x["speedup_e2e"]["value"], x["break_even_tau"]
-    flags = "; ".join(tables._flags({"summary": summary}))
+    flags = "; ".join(tables.flagged_rounds(summary))
     assert flags  # the toy rows time AR unevenly: the merged row keeps the flags and marks the cell
     assert line == (f"| toy | 0 | - | - | ⚑ {sp['value']:.2f}× [{lo:.2f}, {hi:.2f}; 6 units] (E2E {e2e:.2f}×) / {16 / 6:.2f} "
                     f"(b-e {be:.2f}) | 6 | - | 3 | 2 | unknown | unknown | unknown | FLAGGED: {flags} | - |")

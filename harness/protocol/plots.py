@@ -59,8 +59,8 @@ def plot_title(summary: dict, dataset: str, model: str | None) -> str:
                                                                          "seed"))
     marks = labels(summary)
     # the AR rounds table.md flags (timing noise): the speedups drawn rest on them too
-    from harness.protocol.tables import _flags
-    flags = _flags({"summary": summary})
+    from harness.protocol.tables import flagged_rounds
+    flags = flagged_rounds(summary)
     return (head + (f"\n[{'; '.join(marks)}]" if marks else "")
             + (f"\nFLAGGED: {'; '.join(flags)} (timing noise; Sp. is a median over rounds)" if flags else ""))
 

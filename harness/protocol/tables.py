@@ -263,10 +263,10 @@ def _sp_cell(sp: dict, tau, arm: dict, flagged: bool) -> str:
     return f"{FLAG + ' ' if flagged else ''}{_num(sp.get('value'), '.2f')}×{bracket}{e2e} / {_num(tau, '.2f')}{be}"
 
 
-def _flags(e: dict) -> list[str]:
-    """The folder's FLAGGED noisy AR rounds, kept in the merged table."""
+def flagged_rounds(summary: dict) -> list[str]:
+    """The run's FLAGGED noisy AR rounds, short: the merged table's flags column and every plot title."""
     return [f"AR round {f['round']} {100 * f['off_median']:.0f}% off the median"
-            for f in e["summary"].get("ar_rounds_off_median") or []]
+            for f in summary.get("ar_rounds_off_median") or []]
 
 
 _COLS = (("drafter-only", "drafter-only"), ("markov", "Markov"), ("xpress", "xPress"))
@@ -285,7 +285,7 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
         s = e["summary"]
         cells = [e["dataset"], _num(e["temperature"], "g")]
         v = {"T": e["temperature"]}
-        flags = _flags(e)
+        flags = flagged_rounds(e["summary"])
         for method, _ in _COLS:
             sp, tau, _arm = _cell_values(e, method)
             v[f"{method}.sp"], v[f"{method}.tau"] = sp.get("value"), tau
@@ -337,7 +337,7 @@ def format_multi_dataset_table(entries: list[dict]) -> str:
               "× Gain = the same statistic of xPress (at its K) over the drafter-only arm of the same run.",
               "Avg. = arithmetic mean of the rows above, recomputed here from the per-dataset numbers"
               + ("." if len(temps) == 1 else ", one row per temperature (each over the rows at that T).")]
-    if any(_flags(e) for e in entries):
+    if any(flagged_rounds(e["summary"]) for e in entries):
         notes.append(f"{FLAG} = a cell of a run whose AR rounds were FLAGGED (a round far from the AR median: timing "
                      "noise; Sp. is a median over rounds, see the flags column and that folder's table.md).")
     notes.append("E2E = the same statistic over TTFT + drafter prefill + decode; b-e = break-even τ (the arm's step "
