@@ -137,9 +137,10 @@ def shipped_record(ship_dir: Path | None) -> dict | None:
 def recipe_record(spec: dict | None) -> dict | None:
     """What a model was trained from and how, from its config as the export recorded it: the folder it started
     from, whether its drafter backbone trained (a drafter), stayed frozen (a head on a drafter) or was co-trained with
-    the head at lr x backbone_lr_scale (training/cotrain.py), its lr (null: train.lr), epochs and time box, and for
-    xPress the consistency and base-anchor weights of its loss (the base-anchor term counts only while the drafter
-    trains with the head)."""
+    the head at lr x backbone_lr_scale (training/cotrain.py), a head's rank (xpress_rank, markov_rank: the export's
+    config carries both heads' defaults, so only the model's own is read), its lr (null: train.lr), epochs and time
+    box, and for xPress the consistency and base-anchor weights of its loss (the base-anchor term counts only while
+    the drafter trains with the head)."""
     if spec is None:
         return None
     head = spec.get("type") != "dflash"
@@ -149,7 +150,9 @@ def recipe_record(spec: dict | None) -> dict | None:
         backbone = "frozen"
     else:
         backbone = f"co-trained at lr x {spec.get('backbone_lr_scale') or 1}"
-    out = {"type": spec.get("type"), "init_from": spec.get("init_from"), "backbone": backbone, "lr": spec.get("lr"),
+    rank = {"xpress": "xpress_rank", "dspark": "markov_rank"}.get(spec.get("type"))
+    out = {"type": spec.get("type"), "init_from": spec.get("init_from"), "backbone": backbone,
+           "rank": spec.get(rank) if rank else None, "lr": spec.get("lr"),
            "epochs": spec.get("epochs"), "max_minutes": spec.get("max_minutes")}
     if spec.get("type") == "xpress":
         out["consistency_weight"] = spec.get("consistency_weight")
