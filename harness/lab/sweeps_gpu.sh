@@ -45,7 +45,7 @@ case "${1:-}" in
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
     (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m DEADLINE=$deadline ONLY="${ONLY:-}" \
         NOCHECK="${NOCHECK:-}" SWEEP_ARGS="${SWEEP_ARGS:-}" BENCH_ARGS="${BENCH_ARGS:-}" setsid nohup \
-        bash harness/lab/sweeps_gpu.sh job > $J/job.log 2>&1 < /dev/null &)
+        bash harness/lab/sweeps_gpu.sh job &) > $J/job.log 2>&1 < /dev/null
     sleep 20; tail -n 5 $J/job.log
     ;;
   job)

@@ -53,7 +53,7 @@ case "${1:-}" in
     if [[ -n ${NOBENCH:-} ]]; then echo "rc=skipped" > $J/bench.done; exit 0; fi   # the tables only
     export -f bench_job
     (cd /tmp/code && env $ENVS setsid nohup bash -c 'bench_job smollm2-135m; echo "rc=$?" > '$J'/bench.done' \
-        > $J/bench.log 2>&1 < /dev/null &)
+        &) > $J/bench.log 2>&1 < /dev/null
     sleep 15; tail -n 3 $J/bench.log
     ;;
   gguf)
@@ -79,7 +79,7 @@ case "${1:-}" in
         'while [[ ! -f '$J'/bench.done ]]; do sleep 2; done; bash harness/lab/smollm2_gpu.sh tables '"$ts"';
          echo "rc=$?" > '$J'/tables.done
          if [[ -z ${NOBENCH:-} ]] && (( $(date +%s) + 240 < DEADLINE )); then bench_job qwen3-8b; fi' \
-        > $J/tables.log 2>&1 < /dev/null &)
+        &) > $J/tables.log 2>&1 < /dev/null
     sleep 5; tail -n 3 $J/bench.log $J/tables.log 2>/dev/null || true
     ;;
   poll)

@@ -15,8 +15,8 @@
 #                                                              # compile cache back): train.compile_cache loads it
 #            bash harness/lab/training_gpu.sh start [ARGS...]  # carry .gpu2: the GGUF whole, the job started
 #                                                              # in its own session (ARGS: more --set overrides);
-#                                                              # on 2026-12-06 the call did not return until its
-#                                                              # limit while the job ran: call it with timeout_s 60
+#                                                              # returns after START_WAIT s (default 20) with the
+#                                                              # log's tail
 #            bash harness/lab/training_gpu.sh poll [SECONDS]   # until the job ends or SECONDS (default 540) pass
 #            bash harness/lab/training_gpu.sh back [WHAT...]   # into $OUT: records.tgz, and WHAT (e.g. drafter, or
 #                                                              # xpress markov_gated) of the export in tar parts of
@@ -32,7 +32,7 @@
 #                                                              # /tmp/w/smollm2-135m and start those table cells
 #                                                              # (smollm2_gpu.sh tables; TABLE_ARGS, K_LIST pass on;
 #                                                              # DEADLINE skips a cell that would end past it); like
-#                                                              # `start`, give the call timeout_s 60 and tpoll
+#                                                              # `start`, it returns at once; then tpoll
 #            bash harness/lab/training_gpu.sh tpoll [SECONDS]  # until the cells end; `back tables` brings them
 #            bash harness/lab/training_gpu.sh shipped          # carry .gpu4 (after `warm`): the shipped folder's
 #                                                              # heads and files beside the warm drafter make
@@ -58,6 +58,8 @@ JOB_CODE=${JOB_CODE:-/tmp/code}  # the copy of the code that `start` makes and t
 # train.compile_cache on the device (training/compiling.py load_cache); not named CC, the C compiler's variable: the
 # H200 machine of 2026-12-05 sets CC=/opt/gcc/bin/gcc, so the job saved its compile cache over gcc
 XB_CACHE=${XB_CACHE:-/tmp/compile_cache.bin}
+GPARTS=${GPARTS:-/tmp/g}  # the GGUF's first part (setup), joined with the second by start
+XB_DIR=${XB_DIR:-/tmp/xb}  # XPRESS_BENCH_CACHE of the jobs: the joined GGUF
 SHIPPED_DIR=${SHIPPED_DIR:-.gpu4}
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
 
@@ -106,7 +108,7 @@ case "${1:-}" in
     ;;
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-    mkdir -p /tmp/g /tmp/xb && cp .gpu1/gguf.part.aa /tmp/g/
+    mkdir -p "$GPARTS" "$XB_DIR" && cp .gpu1/gguf.part.aa "$GPARTS/"
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
     ;;
   cache)  # torch.compile's artifacts from an earlier session's job (`back` brings them as compile_cache.part.*)
@@ -122,8 +124,8 @@ case "${1:-}" in
     ;;
   start)
     shift
-    cat /tmp/g/gguf.part.aa .gpu2/gguf.part.ab > /tmp/xb/$GGUF
-    sha256sum /tmp/xb/$GGUF | cut -c1-16
+    cat "$GPARTS/gguf.part.aa" .gpu2/gguf.part.ab > "$XB_DIR/$GGUF"
+    sha256sum "$XB_DIR/$GGUF" | cut -c1-16
     rm -rf "$JOB_CODE" && mkdir -p "$JOB_CODE" && cp -r $CODE "$JOB_CODE/"
     [[ ! -f .xb_commit ]] || cp .xb_commit "$JOB_CODE/"  # the commit (device_tree.sh stash): the copy has no .git
     if [[ -d $WARM ]]; then mkdir -p "$JOB_CODE/weights" && rm -rf "$JOB_CODE/weights/smollm2-135m" && cp -r "$WARM" "$JOB_CODE/weights/smollm2-135m"; fi
@@ -133,10 +135,10 @@ case "${1:-}" in
     if [[ -d $WARM && ${WARM_START:-1} != 0 ]]; then args+=(--set train.warm_start="$WARM"); fi
     rm -f $XRUN.done "$WDIR/.shipped"  # a new job's tables ship its own export unless `shipped` runs again after it
     date +%s > $XRUN.t0
-    (cd "$JOB_CODE" && PYTHONPATH=/tmp/site:$JOB_CODE XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
+    (cd "$JOB_CODE" && PYTHONPATH=/tmp/site:$JOB_CODE XPRESS_BENCH_CACHE="$XB_DIR" TOKENIZERS_PARALLELISM=false \
         PYTHONUNBUFFERED=1 setsid nohup bash -c 'python3 -m training all --config smollm2-gpu --workdir "$0" "${@}";
-        echo "rc=$?" > "$0.done"' "$XRUN" "${args[@]}" >> $XRUN.log 2>&1 < /dev/null &)
-    sleep 20; tail -n 5 $XRUN.log
+        echo "rc=$?" > "$0.done"' "$XRUN" "${args[@]}" &) >> $XRUN.log 2>&1 < /dev/null
+    sleep "${START_WAIT:-20}"; tail -n 5 $XRUN.log
     ;;
   poll)
     # a machine given back takes the job with it, and the next call gets a bare one: say so at once instead of
@@ -160,13 +162,13 @@ case "${1:-}" in
     # job's .done, or `tpoll` returns at once (2026-12-06: it did, while the second job ran on)
     rm -f "$XRUN.tables.done"
     # after `shipped`, the shipped weights are measured as they are; otherwise the job's export is shipped first
-    (cd "$JOB_CODE" && PYTHONPATH=/tmp/site:$JOB_CODE XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false \
+    (cd "$JOB_CODE" && PYTHONPATH=/tmp/site:$JOB_CODE XPRESS_BENCH_CACHE="$XB_DIR" TOKENIZERS_PARALLELISM=false \
         SHIPPED=$shipped W="$WDIR/smollm2-135m" PYTHONUNBUFFERED=1 setsid nohup bash -c '{ if [[ -n $SHIPPED ]]; then
           echo "ship: the shipped weights as they are (training_gpu.sh shipped), not the job export"; else
           python3 -m training.ship --workdir "$0" --out "$W"; fi; } &&
         for c in "${@}"; do DATASETS=${c%%:*} RES=/tmp/res XPRESS_BENCH_WEIGHTS=$W \
           bash harness/lab/smollm2_gpu.sh tables "${c##*:}"; done; echo "rc=$?" > "$0.tables.done"' \
-        "$XRUN" "${cells[@]}" > $XRUN.tables.log 2>&1 < /dev/null &)
+        "$XRUN" "${cells[@]}" &) > $XRUN.tables.log 2>&1 < /dev/null
     sleep "${TABLES_WAIT:-10}"; tail -n 5 $XRUN.tables.log
     ;;
   tpoll)

@@ -1,0 +1,69 @@
+"""The lab scripts' `start` calls return while their job runs on (harness/lab/training_gpu.sh, tables_gpu.sh,
+sweeps_gpu.sh). The device tool ends a call when the command's output pipe closes; a job launched as
+`(cd DIR && setsid nohup CMD > LOG &)` left the backgrounded and-list's shell holding that pipe until the job ended,
+so every `start` call of 2026-12-06 ran to its limit (60 s of device time a call, the log's tail never shown)."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CODE = "core data drafters harness refiners training scripts".split()
+FILES = "benchmark_compile_all.py bench_fair_fast.sh requirements.txt".split()
+
+
+def test_training_start_returns_while_the_job_runs(tmp_path):
+    """`training_gpu.sh start` in a copy of the layout it expects, with a fake python3 whose job lasts 30 s: the
+    call returns after START_WAIT with the job's first log line, the job still running. Before the fix the call
+    lasted as long as the job (30 s)."""
+    repo = tmp_path / "repo"
+    (repo / "harness" / "lab").mkdir(parents=True)
+    shutil.copy(ROOT / "harness" / "lab" / "training_gpu.sh", repo / "harness" / "lab")
+    for d in CODE:
+        (repo / d).mkdir(exist_ok=True)
+    for f in FILES:
+        (repo / f).write_text("")
+    (repo / ".gpu2").mkdir()
+    (repo / ".gpu2" / "gguf.part.ab").write_bytes(b"second")
+    parts, xb, fakebin = tmp_path / "g", tmp_path / "xb", tmp_path / "bin"
+    for d in (parts, xb, fakebin):
+        d.mkdir()
+    (parts / "gguf.part.aa").write_bytes(b"first")
+    pid = tmp_path / "job.pid"
+    fake = fakebin / "python3"
+    fake.write_text(f'#!/bin/sh\necho $$ > {pid}\necho "job started: $*"\nexec sleep 30\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fakebin}:{os.environ['PATH']}", "GPARTS": str(parts), "XB_DIR": str(xb),
+           "XRUN": str(tmp_path / "xrun"), "JOB_CODE": str(tmp_path / "code"), "WARM": str(tmp_path / "no-warm"),
+           "WDIR": str(tmp_path / "w"), "XB_CACHE": str(tmp_path / "cc.bin"), "START_WAIT": "3"}
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(repo / "harness" / "lab" / "training_gpu.sh"), "start", "--set", "a=1"],
+                       capture_output=True, text=True, env=env, timeout=90)
+    took = time.monotonic() - t0
+    try:
+        assert r.returncode == 0, r.stderr
+        assert took < 20, f"start held its call {took:.1f} s, as long as the job"
+        assert "job started: -m training all --config smollm2-gpu --workdir" in r.stdout  # the log's tail
+        assert "--set a=1" in r.stdout
+        assert (xb / "SmolLM2-135M-Instruct.Q4_1.gguf").read_bytes() == b"firstsecond"
+        assert not (tmp_path / "xrun.done").exists()  # the job runs on
+    finally:
+        if pid.is_file():
+            try:
+                os.kill(int(pid.read_text()), signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def test_no_lab_script_launches_a_job_that_holds_the_calls_output():
+    """Every background job of the lab scripts redirects the launching subshell, not the command inside it: a
+    redirection before `&)` leaves the and-list's shell on the call's pipe (the pattern the test above caught in
+    training_gpu.sh; tables_gpu.sh and sweeps_gpu.sh had it too)."""
+    bad = []
+    for f in sorted((ROOT / "harness" / "lab").glob("*.sh")):
+        text = f.read_text()
+        bad += [f"{f.name}: {m.group(0)!r}" for m in re.finditer(r"[^\n]*< ?/dev/null &\)", text)]
+    assert not bad, bad
