@@ -42,8 +42,12 @@ def _case(block, rank, mlp, dtype, vocab=300, hidden=48, seed=0, folded=True):
 @pytest.mark.parametrize("folded", [True, False])
 @pytest.mark.parametrize("block,rank,mlp", [(16, 80, 160), (8, 16, 32), (5, 24, 40), (32, 256, 512),
                                             (16, 160, 320)])  # rank 160: smollm2-gpu-heads-xpress-r160
-def test_the_fused_latent_is_the_heads_own(dtype, folded, block, rank, mlp):
-    """The serving form (folded M) and training's (raw L, masked to the lower triangle, x added)."""
+@pytest.mark.parametrize("mix_transposed", [False, True])
+def test_the_fused_latent_is_the_heads_own(dtype, folded, block, rank, mlp, mix_transposed):
+    """The serving form (folded M) and training's (raw L, masked to the lower triangle, x added); the mix as the
+    GPU-measured path computes it and transposed (kernels.xpress.latent's mix_transposed, the faster candidate
+    harness/lab/probe_latent_speed.py times). Power (transposed): a mask of j < k instead of j <= k, or M[c, j, k]
+    for M[c, k, j], moves outputs by far more than the tolerance (the random mixer's entries are 0.3)."""
     head, cache, prev = _case(block, rank, mlp, dtype, folded=folded)
     want = head.latent(cache, prev)
     m = head.mlp
@@ -51,9 +55,9 @@ def test_the_fused_latent_is_the_heads_own(dtype, folded, block, rank, mlp):
             m.up_proj.weight, m.down_proj.weight)
     if kernels.xpress_refused(dtype, DEV) is not None:  # fp32 on a GPU: refused, never a wrong latent
         with pytest.raises(ValueError, match="fp32 on a GPU is not taken"):
-            kernels.xpress_latent(*args, folded=folded)
+            kernels.xpress_latent(*args, folded=folded, mix_transposed=mix_transposed)
         return
-    got = kernels.xpress_latent(*args, folded=folded)
+    got = kernels.xpress_latent(*args, folded=folded, mix_transposed=mix_transposed)
     assert got.shape == (block - 1, rank) and got.dtype == dtype
     assert_close(got, want, steps=steps(dtype))
 
@@ -128,3 +132,39 @@ def test_a_strided_prev_reads_its_own_elements():
     strided = torch.stack((prev, torch.zeros_like(prev)), 1)[:, 0]
     assert strided.stride(0) == 2
     assert torch.equal(kernels.xpress_latent(cache, strided, *args), kernels.xpress_latent(cache, prev, *args))
+
+
+@pytest.mark.parametrize("folded", [True, False])
+def test_the_transposed_mix_keeps_a_requests_latent_its_own(folded):
+    """Several requests' blocks in one launch, the mix transposed: each request's latent is bit for bit its
+    one-block latent (the batched decode's contract), and within rounding of the other mix path's."""
+    head, cache, prev = _case(16, 80, 160, KDT, folded=folded)
+    _, cache2, prev2 = _case(16, 80, 160, KDT, seed=3, folded=folded)
+    m = head.mlp
+    w = (head.w1.weight, head.in_proj.weight[:, 2 * 80:], head.mix.L, m.gate_proj.weight, m.up_proj.weight,
+         m.down_proj.weight)
+    both = kernels.xpress_latent(torch.stack((cache, cache2)), torch.stack((prev, prev2)), *w, folded=folded,
+                                 mix_transposed=True)
+    for i, (c, p) in enumerate(((cache, prev), (cache2, prev2))):
+        one = kernels.xpress_latent(c, p, *w, folded=folded, mix_transposed=True)
+        assert torch.equal(both[i], one)
+        assert_close(one, kernels.xpress_latent(c, p, *w, folded=folded), steps=steps(KDT) + 1)
+
+
+def test_the_speed_probe_launches_every_setting_it_times_correctly():
+    """harness.lab.probe_latent_speed calls the kernel directly (past the launcher) for each setting it times: in
+    the interpreter, with a null timer, every setting's latent is the launcher's within rounding and none fails to
+    launch, so a GPU session spends its time timing, not finding a wrong argument. Power: a setting whose BK, BH
+    or mix path were dropped, or a swapped argument, gives an error or a difference at the outputs' scale."""
+    from harness.lab import probe_latent_speed as probe
+    dt = KDT
+    only = [(mixt, 4, bk, bh) for mixt in (False, True) for bk, bh in ((16, 32), (64, 64))]
+    for folded in (False, True):
+        rows = probe.probe(16, 80, 160, folded, DEV, dtype=dt, timer=lambda go: 0.0, only=only, vocab=300,
+                           hidden=48)
+        assert [(r["mix_transposed"], r["BK"], r["BH"]) for r in rows] == [(m, k, h) for m, _, k, h in only]
+        for r in rows:
+            assert "error" not in r, r
+            # STEPS ulps of the largest output: the sums in another order (tile sizes, the mix's reduction)
+            assert r["max_diff"] <= 2 * STEPS * torch.finfo(dt).eps * r["scale"], r
+    assert len(probe.settings(80)) == 2 * 4 * 3 * 2 and len(probe.settings(160)) == 2 * 4 * 3 * 2

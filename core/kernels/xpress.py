@@ -52,7 +52,7 @@ if triton is not None:
     def _latent_kernel(cache_ptr, prev_ptr, w1_ptr, wt_ptr, m_ptr, g_ptr, u_ptr, d_ptr, z_ptr, B, R, H,
                        s_cache, s_prev, s_w1, s_wt, s_g, s_u, s_d, s_z, n_cache, n_prev, n_z, PDL: tl.constexpr,
                        PREC: tl.constexpr, RAW: tl.constexpr, BP: tl.constexpr, RP: tl.constexpr, BK: tl.constexpr,
-                       BH: tl.constexpr):
+                       BH: tl.constexpr, MIXT: tl.constexpr = False):
         after_previous(PDL)
         req = tl.program_id(0).to(tl.int64)  # the request whose block this program runs (n_*: its strides)
         cache_ptr += req * n_cache
@@ -76,12 +76,27 @@ if triton is not None:
         x = rounded(cache + rounded(lin, dt), dt)
         # y[k, c] = sum_j M[c, k, j] x[j, c]: slot j's row picked out of the block, times M's column j of every
         # channel (a folded M holds the identity; a raw L is masked to j <= k and x added after, rounded once more)
-        y = tl.zeros((BP, RP), dtype=tl.float32)
-        for j in range(0, B):
-            xj = tl.sum(tl.where(rows[:, None] == j, x, 0.0), axis=0)
-            live = both & (rows[:, None] >= j) if RAW else both
-            mj = tl.load(m_ptr + cols[None, :] * B * B + rows[:, None] * B + j, mask=live, other=0.0)
-            y += mj.to(tl.float32) * xj[None, :]
+        if MIXT:
+            # the same mix over the transposed block (channels down, slots across): output slot k is one sum along
+            # the slots of M[c, k, :] (B contiguous elements a channel) times x^T, no slot picked out of the block
+            # first; the sum over j in the reduction's order, not j's (mix_transposed in `latent`)
+            xt = tl.trans(x)
+            yt = tl.zeros((RP, BP), dtype=tl.float32)
+            for k in range(0, B):
+                live_t = cok[:, None] & rok[None, :]
+                if RAW:
+                    live_t = live_t & (rows[None, :] <= k)
+                mk = tl.load(m_ptr + cols[:, None] * B * B + k * B + rows[None, :], mask=live_t, other=0.0)
+                yk = tl.sum(mk.to(tl.float32) * xt, axis=1)
+                yt = tl.where(rows[None, :] == k, yk[:, None], yt)
+            y = tl.trans(yt)
+        else:
+            y = tl.zeros((BP, RP), dtype=tl.float32)
+            for j in range(0, B):
+                xj = tl.sum(tl.where(rows[:, None] == j, x, 0.0), axis=0)
+                live = both & (rows[:, None] >= j) if RAW else both
+                mj = tl.load(m_ptr + cols[None, :] * B * B + rows[:, None] * B + j, mask=live, other=0.0)
+                y += mj.to(tl.float32) * xj[None, :]
         y = rounded(y, dt)
         if RAW:
             y = rounded(x + y, dt)
@@ -106,10 +121,13 @@ if triton is not None:
 
 def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: torch.Tensor, mix: torch.Tensor,
            gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, folded: bool = True,
-           launch: Launch = Launch()) -> torch.Tensor:
+           launch: Launch = Launch(), mix_transposed: bool = False) -> torch.Tensor:
     """The module's contract: z [B-1, r] of one pass, in one launch (or [N, B-1, r] for N requests' blocks, cache
     [N, B, r] and prev [N, B]). folded=False: `mix` is the raw L (training's form), and the mix is x + (L ⊙ tril)
-    x, as CausalMixer computes it."""
+    x, as CausalMixer computes it. mix_transposed: the mix as sums along each output slot's row of M (coalesced
+    loads, one sum a slot) instead of one slot's column of x at a time (the path measured on GPUs: on an H200 the
+    launch took 14 us of a 22 us pass, harness/lab/probe_latent_speed.py times both); the same values to the
+    dtype's rounding, not bit for bit (the sum over slots in another order)."""
     if cache.dim() not in (2, 3):
         raise ValueError(f"kernels.xpress.latent: cache {tuple(cache.shape)} is not [B, r] or [N, B, r]")
     stacked = cache.dim() == 3
@@ -136,6 +154,6 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
                          w1.stride(0), w_tok.stride(0), gate.stride(0), up.stride(0), down.stride(0), z.stride(1),
                          c3.stride(0), p2.stride(0), z.stride(0),
                          PREC=prec(cache.dtype), RAW=not folded, BP=pow2_at_least(b, 16), RP=rp, BK=min(rp, 64),
-                         BH=32 if rp >= 256 else 64, num_warps=8 if rp >= 256 else 4,
+                         BH=32 if rp >= 256 else 64, num_warps=8 if rp >= 256 else 4, MIXT=mix_transposed,
                          **launch_opts(launch, cache.device, b))
     return z if stacked else z[0]

@@ -1,0 +1,121 @@
+"""How fast the fused xPress latent runs under each launch setting and mix path: python -m
+harness.lab.probe_latent_speed [--out FILE.json] (CUDA and Triton needed; about a minute, most of it compiling).
+
+On an H200 the latent launch took 14 us of a 22 us xPress pass at the shipped geometry (results/perf/
+gpu_check_h200_quick/refiner_profile.md): one program does the whole block, and its mix picks one slot out of the
+block (a reduction across the slots) and gathers M's column for it (one element a channel) B times in turn. This
+times, in a CUDA graph of many launches, each combination of the mix path (core.kernels.xpress.latent's
+mix_transposed), warps and the in_proj and MLP tiles (BK, BH) at the shipped geometry (block 16, rank 80, MLP 160,
+bf16; the raw mixer the shipped heads run, and the folded one) and at rank 160, and prints each one's time per
+launch and its largest difference from the launcher's own setting (0: the same bits). A setting that is faster and
+within the dtype's rounding is a candidate for the launcher, after tests/test_xpress_latent.py passes compiled with
+it; results/perf/NOTES.md says what was chosen.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from core.errors import Parser
+from core.kernels import xpress
+from core.kernels.common import pow2_at_least, prec
+from refiners.xpress import random_xpress_head
+
+CASES = [(16, 80, 160, False), (16, 80, 160, True), (16, 160, 320, False)]  # block, rank, MLP hidden, folded
+LAUNCHES, REPLAYS = 100, 20
+
+
+def _launcher(head, cache, prev, folded: bool, mixt: bool, warps: int, bk: int, bh: int):
+    r, b = head.rank, head.block
+    m = head.mlp
+    w1, wt, mix = head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L
+    gw, uw, dw = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+    z = torch.empty((b - 1, r), dtype=cache.dtype, device=cache.device)
+
+    def go():
+        xpress._latent_kernel[(1,)](cache, prev, w1, wt, mix, gw, uw, dw, z, b, r, gw.shape[0], cache.stride(0),
+                                    prev.stride(0), w1.stride(0), wt.stride(0), gw.stride(0), uw.stride(0),
+                                    dw.stride(0), z.stride(0), 0, 0, 0, PDL=False, PREC=prec(cache.dtype),
+                                    RAW=not folded,
+                                    BP=pow2_at_least(b, 16), RP=pow2_at_least(r, 16), BK=bk, BH=bh, MIXT=mixt,
+                                    num_warps=warps)
+        return z
+    return go
+
+
+def _time(go) -> float:
+    """Microseconds a launch, from a CUDA graph of LAUNCHES launches replayed REPLAYS times."""
+    go()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(LAUNCHES):
+            go()
+    g.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(REPLAYS):
+        g.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / (LAUNCHES * REPLAYS)
+
+
+def settings(rank: int) -> list[tuple]:
+    """(mix_transposed, num_warps, BK, BH) tried at this rank."""
+    return list(itertools.product((False, True), (1, 2, 4, 8), sorted({16, 32, min(pow2_at_least(rank, 16), 64)}),
+                                  (32, 64)))
+
+
+def probe(block: int, rank: int, mlp: int, folded: bool, dev: torch.device, dtype=torch.bfloat16, timer=None,
+          only: list[tuple] | None = None, vocab: int = 49152, hidden: int = 576) -> list[dict]:
+    """Each setting's record at one geometry; `timer` (default: a CUDA graph's) and `only` (a subset of
+    `settings`) let the tests run the same launches in Triton's CPU interpreter."""
+    timer = timer or _time
+    head = random_xpress_head(vocab, hidden, rank, block, seed=0, mlp_hidden=mlp, std=0.2, mix_std=0.3)
+    head = (head.fold() if folded else head).to(dev, dtype).requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    cache = head.block_cache(torch.randn(block, hidden, generator=g).to(dev, dtype))
+    prev = torch.randint(0, vocab, (block,), generator=g).to(dev)
+    ref = xpress.latent(cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * rank:], head.mix.L,
+                        head.mlp.gate_proj.weight, head.mlp.up_proj.weight, head.mlp.down_proj.weight,
+                        folded=folded).clone()
+    rows = []
+    for mixt, warps, bk, bh in only or settings(rank):
+        rec = {"block": block, "rank": rank, "mlp": mlp, "folded": folded, "mix_transposed": mixt,
+               "num_warps": warps, "BK": bk, "BH": bh}
+        try:
+            go = _launcher(head, cache, prev, folded, mixt, warps, bk, bh)
+            z = go().clone()
+            rec["max_diff"] = (z.float() - ref.float()).abs().max().item()
+            rec["scale"] = ref.float().abs().max().item()
+            rec["us"] = timer(go)
+        except Exception as e:  # a setting that does not compile or launch here (shared memory, registers)
+            rec["error"] = f"{type(e).__name__}: {str(e)[:120]}"
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = Parser(prog="python -m harness.lab.probe_latent_speed", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, help="write every setting's record here (JSON)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or xpress.triton is None:
+        print("error: harness.lab.probe_latent_speed needs a CUDA device and triton", file=sys.stderr)
+        return 2
+    rows = [r for case in CASES for r in probe(*case, torch.device("cuda"))]
+    if args.out:
+        args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                        "launches_per_graph": LAUNCHES, "replays": REPLAYS, "rows": rows},
+                                       indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
