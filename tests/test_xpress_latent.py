@@ -45,8 +45,8 @@ def _case(block, rank, mlp, dtype, vocab=300, hidden=48, seed=0, folded=True):
 @pytest.mark.parametrize("mix_transposed", [False, True])
 def test_the_fused_latent_is_the_heads_own(dtype, folded, block, rank, mlp, mix_transposed):
     """The serving form (folded M) and training's (raw L, masked to the lower triangle, x added); the mix as the
-    GPU-measured path computes it and transposed (kernels.xpress.latent's mix_transposed, the faster candidate
-    harness/lab/probe_latent_speed.py times). Power (transposed): a mask of j < k instead of j <= k, or M[c, j, k]
+    GPU-measured path computes it and transposed (kernels.xpress.latent's mix_transposed, which
+    harness/lab/probe_latent_speed.py times against it). Power (transposed): a mask of j < k instead of j <= k, or M[c, j, k]
     for M[c, k, j], moves outputs by far more than the tolerance (the random mixer's entries are 0.3)."""
     head, cache, prev = _case(block, rank, mlp, dtype, folded=folded)
     want = head.latent(cache, prev)
