@@ -1,5 +1,6 @@
 """How fast the fused xPress latent runs under each launch setting and mix path: python -m
-harness.lab.probe_latent_speed [--out FILE.json] (CUDA and Triton needed; about a minute, most of it compiling).
+harness.lab.probe_latent_speed [--quick] [--out FILE.json] (CUDA and Triton needed; --quick about a minute on an
+H100, most of it compiling 48 settings; all three geometries about three).
 
 On an H200 the latent launch took 14 us of a 22 us xPress pass at the shipped geometry (results/perf/
 gpu_check_h200_quick/refiner_profile.md): one program does the whole block, and its mix picks one slot out of the
