@@ -24,7 +24,7 @@ import torch
 from core.errors import Parser
 from core.kernels import xpress
 from core.kernels.common import pow2_at_least, prec
-from refiners.xpress import random_xpress_head
+from harness.protocol.algorithms import random_xpress_head
 
 CASES = [(16, 80, 160, False), (16, 80, 160, True), (16, 160, 320, False)]  # block, rank, MLP hidden, folded
 LAUNCHES, REPLAYS = 100, 20
