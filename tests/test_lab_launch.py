@@ -67,3 +67,68 @@ def test_no_lab_script_launches_a_job_that_holds_the_calls_output():
         text = f.read_text()
         bad += [f"{f.name}: {m.group(0)!r}" for m in re.finditer(r"[^\n]*< ?/dev/null &\)", text)]
     assert not bad, bad
+
+
+def _copy_script(repo: Path) -> Path:
+    (repo / "harness" / "lab").mkdir(parents=True)
+    shutil.copy(ROOT / "harness" / "lab" / "training_gpu.sh", repo / "harness" / "lab")
+    return repo / "harness" / "lab" / "training_gpu.sh"
+
+
+def _weights(tmp_path: Path) -> dict:
+    """A warm drafter, the shipped heads (as `heads` carries them) and a heads-only job's export, each file saying
+    where it came from; the environment that points training_gpu.sh at them."""
+    for d, what in (("warm/drafter", "warm drafter"), ("gpu4/shipped/xpress", "shipped xpress"),
+                    ("gpu4/shipped/markov", "shipped markov"), ("xrun/export/xpress", "job xpress"),
+                    ("xrun/export/markov_gated", "job markov_gated")):
+        (tmp_path / d).mkdir(parents=True)
+        (tmp_path / d / "config.json").write_text(what)
+    (tmp_path / "warm" / "manifest.json").write_text("{}")
+    return {**os.environ, "WARM": str(tmp_path / "warm"), "SHIPPED_DIR": str(tmp_path / "gpu4"),
+            "WDIR": str(tmp_path / "w"), "XRUN": str(tmp_path / "xrun"), "JOB_CODE": str(tmp_path / "code"),
+            "TRES": str(tmp_path / "res2"), "TABLES_WAIT": "3"}
+
+
+def test_jobhead_swaps_the_jobs_head_into_the_shipped_folder(tmp_path):
+    """A heads-only job's export has no drafter for training.ship: `shipped` assembles the shipped folder and
+    `jobhead` puts the job's head in place of the shipped one of its kind, saying so in JOBHEAD; the drafter and the
+    other head stay the shipped ones. Refused before `shipped`, for a name that is no head, and for a head the
+    export lacks."""
+    script, env = _copy_script(tmp_path / "repo"), _weights(tmp_path)
+    run = lambda *a: subprocess.run(["bash", str(script), *a], capture_output=True, text=True, env=env, timeout=60)
+    r = run("jobhead")
+    assert r.returncode == 3 and "run shipped after the job's start" in r.stderr
+    assert run("shipped").returncode == 0
+    assert run("jobhead", "drafter").returncode == 2
+    r = run("jobhead", "markov_vanilla")
+    assert r.returncode == 3 and "the export holds: markov_gated xpress" in r.stderr
+    r = run("jobhead")
+    assert r.returncode == 0, r.stderr
+    w = tmp_path / "w" / "smollm2-135m"
+    read = lambda d: (w / d / "config.json").read_text()
+    assert (read("drafter"), read("xpress"), read("markov")) == ("warm drafter", "job xpress", "shipped markov")
+    assert run("jobhead", "markov_gated").returncode == 0
+    assert read("markov") == "job markov_gated"
+    assert (w / "JOBHEAD").read_text().splitlines() == [
+        f"xpress: the job's export/xpress ({tmp_path / 'xrun'}), not the shipped head",
+        f"markov: the job's export/markov_gated ({tmp_path / 'xrun'}), not the shipped head"]
+
+
+def test_tables_after_jobhead_says_so_and_writes_where_tres_says(tmp_path):
+    """`tables` after `shipped` and `jobhead` starts its cells in the background (the call returns at once), logs
+    the swapped head, and hands TRES to the cells (a second set of cells on one machine goes to another folder
+    instead of finding the first set done)."""
+    script, env = _copy_script(tmp_path / "repo"), _weights(tmp_path)
+    cells = tmp_path / "code" / "harness" / "lab"
+    cells.mkdir(parents=True)
+    (cells / "smollm2_gpu.sh").write_text('mkdir -p "$RES/${DATASETS}_t$2" && echo "cell $DATASETS T=$2 in $RES '
+                                          'of $XPRESS_BENCH_WEIGHTS"\nsleep 20\n')
+    run = lambda *a: subprocess.run(["bash", str(script), *a], capture_output=True, text=True, env=env, timeout=90)
+    assert run("shipped").returncode == 0 and run("jobhead").returncode == 0
+    t0 = time.monotonic()
+    r = run("tables", "gsm8k:0")
+    assert r.returncode == 0, r.stderr
+    assert time.monotonic() - t0 < 15  # the cells take 20 s
+    assert "ship: the shipped weights" in r.stdout and "xpress: the job's export/xpress" in r.stdout
+    assert f"cell gsm8k T=0 in {tmp_path / 'res2'} of {tmp_path / 'w' / 'smollm2-135m'}" in r.stdout
+    assert (tmp_path / "res2" / "gsm8k_t0").is_dir()

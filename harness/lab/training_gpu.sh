@@ -34,10 +34,17 @@
 #                                                              # DEADLINE skips a cell that would end past it); like
 #                                                              # `start`, it returns at once; then tpoll
 #            bash harness/lab/training_gpu.sh tpoll [SECONDS]  # until the cells end; `back tables` brings them
+#                                                              # (TRES: where the cells go, default /tmp/res; a
+#                                                              # second set of cells on one machine needs another)
 #            bash harness/lab/training_gpu.sh shipped          # carry .gpu4 (after `warm`): the shipped folder's
 #                                                              # heads and files beside the warm drafter make
 #                                                              # /tmp/w/smollm2-135m, and `tables` then measures
 #                                                              # those weights instead of shipping the job's export
+#            bash harness/lab/training_gpu.sh jobhead [MODEL]  # after the job and `shipped`: the job's MODEL (default
+#                                                              # xpress, or a markov_* head) in place of the shipped
+#                                                              # head of its kind, so `tables` measures the shipped
+#                                                              # drafter and other head with the head the job trained
+#                                                              # (a heads-only job's export has no drafter to ship)
 #   here, for `shipped`:  bash harness/lab/training_gpu.sh heads weights/smollm2-135m   # into .gpu4/ (32 MB)
 #
 # With a warm export (warm), the job's copy of the code holds it at weights/smollm2-135m/ (the tree travels without
@@ -61,6 +68,7 @@ XB_CACHE=${XB_CACHE:-/tmp/compile_cache.bin}
 GPARTS=${GPARTS:-/tmp/g}  # the GGUF's first part (setup), joined with the second by start
 XB_DIR=${XB_DIR:-/tmp/xb}  # XPRESS_BENCH_CACHE of the jobs: the joined GGUF
 SHIPPED_DIR=${SHIPPED_DIR:-.gpu4}
+TRES=${TRES:-/tmp/res}    # where `tables` writes its cells and `back tables` reads them
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
 
 BACK=${BACK:-$XRUN.back}  # what `back` staged; each call moves into $OUT what one call can bring back
@@ -105,6 +113,21 @@ case "${1:-}" in
     [[ -d $WARM/drafter ]] || { echo "error: no warm drafter on this machine ($WARM/drafter); run warm first" >&2; exit 3; }
     rm -rf "$WDIR/smollm2-135m" && mkdir -p "$WDIR" && cp -r "$WARM" "$WDIR/smollm2-135m"
     cp -r "$SHIPPED_DIR/shipped/." "$WDIR/smollm2-135m/" && touch "$WDIR/.shipped" && ls "$WDIR/smollm2-135m"
+    ;;
+  jobhead)
+    what=${2:-xpress}
+    case $what in
+      xpress) slot=xpress ;;
+      markov_*) slot=markov ;;
+      *) echo "error: jobhead takes xpress or a markov_* head of the job's export, not '$what'" >&2; exit 2 ;;
+    esac
+    [[ -f $WDIR/.shipped ]] || { echo "error: no shipped folder to swap a head into ($WDIR/.shipped is missing:" \
+        "run shipped after the job's start)" >&2; exit 3; }
+    [[ -d $XRUN/export/$what ]] || { echo "error: no $XRUN/export/$what (the export holds:" \
+        "$(ls "$XRUN/export" 2>/dev/null | xargs)); poll until the job ends" >&2; exit 3; }
+    rm -rf "${WDIR:?}/smollm2-135m/$slot" && cp -r "$XRUN/export/$what" "$WDIR/smollm2-135m/$slot"
+    echo "$slot: the job's export/$what ($XRUN), not the shipped head" >> "$WDIR/smollm2-135m/JOBHEAD"
+    cat "$WDIR/smollm2-135m/JOBHEAD" && ls "$WDIR/smollm2-135m/$slot"
     ;;
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -163,10 +186,12 @@ case "${1:-}" in
     rm -f "$XRUN.tables.done"
     # after `shipped`, the shipped weights are measured as they are; otherwise the job's export is shipped first
     (cd "$JOB_CODE" && PYTHONPATH=/tmp/site:$JOB_CODE XPRESS_BENCH_CACHE="$XB_DIR" TOKENIZERS_PARALLELISM=false \
-        SHIPPED=$shipped W="$WDIR/smollm2-135m" PYTHONUNBUFFERED=1 setsid nohup bash -c '{ if [[ -n $SHIPPED ]]; then
-          echo "ship: the shipped weights as they are (training_gpu.sh shipped), not the job export"; else
+        SHIPPED=$shipped W="$WDIR/smollm2-135m" TRES="$TRES" PYTHONUNBUFFERED=1 setsid nohup \
+        bash -c '{ if [[ -n $SHIPPED ]]; then
+          echo "ship: the shipped weights (training_gpu.sh shipped), not the job export"
+          cat "$W/JOBHEAD" 2>/dev/null || true; else
           python3 -m training.ship --workdir "$0" --out "$W"; fi; } &&
-        for c in "${@}"; do DATASETS=${c%%:*} RES=/tmp/res XPRESS_BENCH_WEIGHTS=$W \
+        for c in "${@}"; do DATASETS=${c%%:*} RES="$TRES" XPRESS_BENCH_WEIGHTS=$W \
           bash harness/lab/smollm2_gpu.sh tables "${c##*:}"; done; echo "rc=$?" > "$0.tables.done"' \
         "$XRUN" "${cells[@]}" &) > $XRUN.tables.log 2>&1 < /dev/null
     sleep "${TABLES_WAIT:-10}"; tail -n 5 $XRUN.tables.log
@@ -181,7 +206,8 @@ case "${1:-}" in
   back)
     : "${OUT:?back runs on the device machine, where \$OUT is set}"
     if [[ ${2:-} == tables ]]; then
-      tar czf "$OUT/tables.tgz" -C /tmp/res . $XRUN.tables.log && tar czf "$OUT/shipped.tgz" -C "$WDIR" smollm2-135m/manifest.json
+      tar czf "$OUT/tables.tgz" -C "$TRES" . $XRUN.tables.log && tar czf "$OUT/shipped.tgz" -C "$WDIR" \
+          smollm2-135m/manifest.json $(cd "$WDIR" && ls smollm2-135m/JOBHEAD 2>/dev/null)
       ls -la "$OUT"; exit 0
     fi
     rm -rf "$BACK" && mkdir -p "$BACK" && cd "$XRUN"
