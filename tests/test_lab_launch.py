@@ -10,6 +10,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CODE = "core data drafters harness refiners training scripts".split()
 FILES = "benchmark_compile_all.py bench_fair_fast.sh requirements.txt".split()
@@ -65,7 +67,9 @@ def test_no_lab_script_launches_a_job_that_holds_the_calls_output():
     bad = []
     for f in sorted((ROOT / "harness" / "lab").glob("*.sh")):
         text = f.read_text()
-        bad += [f"{f.name}: {m.group(0)!r}" for m in re.finditer(r"[^\n]*< ?/dev/null &\)", text)]
+        # the command's redirections right before the subshell's `&)` (with or without stdin from /dev/null)
+        pattern = r"[^\n]*>\s*[^'\"\s]+(\s+2>&1)?(\s*<\s*/dev/null)?\s*&\)"
+        bad += [f"{f.name}: {m.group(0)!r}" for m in re.finditer(pattern, text)]
     assert not bad, bad
 
 
@@ -84,6 +88,7 @@ def _weights(tmp_path: Path) -> dict:
         (tmp_path / d).mkdir(parents=True)
         (tmp_path / d / "config.json").write_text(what)
     (tmp_path / "warm" / "manifest.json").write_text("{}")
+    (tmp_path / "xrun.done").write_text("rc=0\n")  # the job has ended
     return {**os.environ, "WARM": str(tmp_path / "warm"), "SHIPPED_DIR": str(tmp_path / "gpu4"),
             "WDIR": str(tmp_path / "w"), "XRUN": str(tmp_path / "xrun"), "JOB_CODE": str(tmp_path / "code"),
             "TRES": str(tmp_path / "res2"), "TABLES_WAIT": "3"}
@@ -93,12 +98,16 @@ def test_jobhead_swaps_the_jobs_head_into_the_shipped_folder(tmp_path):
     """A heads-only job's export has no drafter for training.ship: `shipped` assembles the shipped folder and
     `jobhead` puts the job's head in place of the shipped one of its kind, saying so in JOBHEAD; the drafter and the
     other head stay the shipped ones. Refused before `shipped`, for a name that is no head, and for a head the
-    export lacks."""
+    export lacks, and while the job has not ended (its export may be another job's)."""
     script, env = _copy_script(tmp_path / "repo"), _weights(tmp_path)
     run = lambda *a: subprocess.run(["bash", str(script), *a], capture_output=True, text=True, env=env, timeout=60)
     r = run("jobhead")
     assert r.returncode == 3 and "run shipped after the job's start" in r.stderr
     assert run("shipped").returncode == 0
+    (tmp_path / "xrun.done").unlink()  # a job still running (or another job's export in its workdir)
+    r = run("jobhead")
+    assert r.returncode == 3 and "has not ended" in r.stderr
+    (tmp_path / "xrun.done").write_text("rc=0\n")
     assert run("jobhead", "drafter").returncode == 2
     r = run("jobhead", "markov_vanilla")
     assert r.returncode == 3 and "the export holds: markov_gated xpress" in r.stderr
@@ -114,21 +123,32 @@ def test_jobhead_swaps_the_jobs_head_into_the_shipped_folder(tmp_path):
         f"markov: the job's export/markov_gated ({tmp_path / 'xrun'}), not the shipped head"]
 
 
-def test_tables_after_jobhead_says_so_and_writes_where_tres_says(tmp_path):
+@pytest.mark.parametrize("tres", [None, "res2"])
+def test_tables_after_jobhead_says_so_and_writes_where_tres_says(tmp_path, tres):
     """`tables` after `shipped` and `jobhead` starts its cells in the background (the call returns at once), logs
-    the swapped head, and hands TRES to the cells (a second set of cells on one machine goes to another folder
-    instead of finding the first set done)."""
+    the swapped head, and hands its TRES to the cells: the default when none is given (a script variable, not in
+    the environment: it must be passed to the cells' shell), another folder when given (a second set of cells on
+    one machine, instead of finding the first set done)."""
     script, env = _copy_script(tmp_path / "repo"), _weights(tmp_path)
+    env.pop("TRES")
+    if tres:
+        env["TRES"] = str(tmp_path / tres)
     cells = tmp_path / "code" / "harness" / "lab"
     cells.mkdir(parents=True)
-    (cells / "smollm2_gpu.sh").write_text('mkdir -p "$RES/${DATASETS}_t$2" && echo "cell $DATASETS T=$2 in $RES '
-                                          'of $XPRESS_BENCH_WEIGHTS"\nsleep 20\n')
+    # the fake cells only say where they would write (the default, /tmp/res, is outside the test's folder)
+    (cells / "smollm2_gpu.sh").write_text('echo "cell $DATASETS T=$2 in [$RES] of $XPRESS_BENCH_WEIGHTS"\nsleep 6\n')
     run = lambda *a: subprocess.run(["bash", str(script), *a], capture_output=True, text=True, env=env, timeout=90)
     assert run("shipped").returncode == 0 and run("jobhead").returncode == 0
     t0 = time.monotonic()
     r = run("tables", "gsm8k:0")
     assert r.returncode == 0, r.stderr
-    assert time.monotonic() - t0 < 15  # the cells take 20 s
+    assert time.monotonic() - t0 < 6  # the cells take 6 s
     assert "ship: the shipped weights" in r.stdout and "xpress: the job's export/xpress" in r.stdout
-    assert f"cell gsm8k T=0 in {tmp_path / 'res2'} of {tmp_path / 'w' / 'smollm2-135m'}" in r.stdout
-    assert (tmp_path / "res2" / "gsm8k_t0").is_dir()
+    where = str(tmp_path / tres) if tres else "/tmp/res"
+    assert f"cell gsm8k T=0 in [{where}] of {tmp_path / 'w' / 'smollm2-135m'}" in r.stdout
+    done = tmp_path / "xrun.tables.done"
+    for _ in range(100):  # the cells' job ends: nothing left running after the test
+        if done.is_file():
+            break
+        time.sleep(0.1)
+    assert done.read_text().strip() == "rc=0"

@@ -154,8 +154,9 @@ def test_the_transposed_mix_keeps_a_requests_latent_its_own(folded):
 def test_the_speed_probe_launches_every_setting_it_times_correctly():
     """harness.lab.probe_latent_speed calls the kernel directly (past the launcher) for each setting it times: in
     the interpreter, with a null timer, every setting's latent is the launcher's within rounding and none fails to
-    launch, so a GPU session spends its time timing, not finding a wrong argument. Power: a setting whose BK, BH
-    or mix path were dropped, or a swapped argument, gives an error or a difference at the outputs' scale."""
+    launch, so a GPU session spends its time timing, not finding a wrong argument, and each record's launch is the
+    setting it is filed under. Power: a swapped argument gives an error or a difference at the outputs' scale; a
+    setting not passed on (BK, BH, warps or the mix path fixed) files a launch under the wrong setting."""
     from harness.lab import probe_latent_speed as probe
     dt = KDT
     only = [(mixt, 4, bk, bh) for mixt in (False, True) for bk, bh in ((16, 32), (64, 64))]
@@ -165,6 +166,8 @@ def test_the_speed_probe_launches_every_setting_it_times_correctly():
         assert [(r["mix_transposed"], r["BK"], r["BH"]) for r in rows] == [(m, k, h) for m, _, k, h in only]
         for r in rows:
             assert "error" not in r, r
+            assert r["launched"] == {"MIXT": r["mix_transposed"], "num_warps": r["num_warps"], "BK": r["BK"],
+                                     "BH": r["BH"], "RAW": not folded, "PDL": False}  # no PDL off a GPU
             # STEPS ulps of the largest output: the sums in another order (tile sizes, the mix's reduction)
             assert r["max_diff"] <= 2 * STEPS * torch.finfo(dt).eps * r["scale"], r
     assert len(probe.settings(80)) == 2 * 4 * 3 * 2 and len(probe.settings(160)) == 2 * 4 * 3 * 2

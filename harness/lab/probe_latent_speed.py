@@ -7,8 +7,9 @@ gpu_check_h200_quick/refiner_profile.md): one program does the whole block, and 
 block (a reduction across the slots) and gathers M's column for it (one element a channel) B times in turn. This
 times, in a CUDA graph of many launches, each combination of the mix path (core.kernels.xpress.latent's
 mix_transposed), warps and the in_proj and MLP tiles (BK, BH) at the shipped geometry (block 16, rank 80, MLP 160,
-bf16; the raw mixer the shipped heads run, and the folded one) and at rank 160, and prints each one's time per
-launch and its largest difference from the launcher's own setting (0: the same bits). A setting that is faster and
+bf16; the folded mixer the decode serves, and the raw one of training's form) and at rank 160, PDL as the decode
+launches it, and prints each one's time per launch and its largest difference from the launcher's own setting (0:
+the same bits). A setting that is faster and
 within the dtype's rounding is a candidate for the launcher, after tests/test_xpress_latent.py passes compiled with
 it; results/perf/NOTES.md says what was chosen.
 """
@@ -23,29 +24,33 @@ import torch
 
 from core.errors import Parser
 from core.kernels import xpress
-from core.kernels.common import pow2_at_least, prec
+from core.kernels.common import Launch, launch_opts, pow2_at_least, prec
 from harness.protocol.algorithms import random_xpress_head
 
-CASES = [(16, 80, 160, False), (16, 80, 160, True), (16, 160, 320, False)]  # block, rank, MLP hidden, folded
+# block, rank, MLP hidden, folded: the decode folds the mixer after the cast (--no-fold-mixer keeps it raw), so the
+# shipped heads' serving launch is the first; the raw mixer is training's form
+CASES = [(16, 80, 160, True), (16, 80, 160, False), (16, 160, 320, True)]
 LAUNCHES, REPLAYS = 100, 20
 
 
 def _launcher(head, cache, prev, folded: bool, mixt: bool, warps: int, bk: int, bh: int):
+    """A launch of the kernel at one setting, and the settings it passes (PDL as the decode's TritonOps launches
+    it: Launch(pdl=None), on where the GPU supports it)."""
     r, b = head.rank, head.block
     m = head.mlp
     w1, wt, mix = head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L
     gw, uw, dw = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
     z = torch.empty((b - 1, r), dtype=cache.dtype, device=cache.device)
+    opts = dict(PREC=prec(cache.dtype), RAW=not folded, BP=pow2_at_least(b, 16), RP=pow2_at_least(r, 16), BK=bk,
+                BH=bh, MIXT=mixt, num_warps=warps,
+                **launch_opts(Launch(pdl=None).resolve(cache.device), cache.device, b))
 
     def go():
         xpress._latent_kernel[(1,)](cache, prev, w1, wt, mix, gw, uw, dw, z, b, r, gw.shape[0], cache.stride(0),
                                     prev.stride(0), w1.stride(0), wt.stride(0), gw.stride(0), uw.stride(0),
-                                    dw.stride(0), z.stride(0), 0, 0, 0, PDL=False, PREC=prec(cache.dtype),
-                                    RAW=not folded,
-                                    BP=pow2_at_least(b, 16), RP=pow2_at_least(r, 16), BK=bk, BH=bh, MIXT=mixt,
-                                    num_warps=warps)
+                                    dw.stride(0), z.stride(0), 0, 0, 0, **opts)
         return z
-    return go
+    return go, opts
 
 
 def _time(go) -> float:
@@ -91,7 +96,8 @@ def probe(block: int, rank: int, mlp: int, folded: bool, dev: torch.device, dtyp
         rec = {"block": block, "rank": rank, "mlp": mlp, "folded": folded, "mix_transposed": mixt,
                "num_warps": warps, "BK": bk, "BH": bh}
         try:
-            go = _launcher(head, cache, prev, folded, mixt, warps, bk, bh)
+            go, opts = _launcher(head, cache, prev, folded, mixt, warps, bk, bh)
+            rec["launched"] = {k: opts[k] for k in ("MIXT", "num_warps", "BK", "BH", "RAW", "PDL")}
             z = go().clone()
             rec["max_diff"] = (z.float() - ref.float()).abs().max().item()
             rec["scale"] = ref.float().abs().max().item()
@@ -106,8 +112,8 @@ def probe(block: int, rank: int, mlp: int, folded: bool, dev: torch.device, dtyp
 def main(argv=None) -> int:
     ap = Parser(prog="python -m harness.lab.probe_latent_speed", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, help="write every setting's record here (JSON)")
-    ap.add_argument("--quick", action="store_true", help="the shipped heads' geometry and raw mixer alone (48 "
-                    "settings to compile instead of 144)")
+    ap.add_argument("--quick", action="store_true", help="the shipped heads' serving launch alone (rank 80, the "
+                    "mixer folded: 48 settings to compile instead of 144)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or xpress.triton is None:
         print("error: harness.lab.probe_latent_speed needs a CUDA device and triton", file=sys.stderr)

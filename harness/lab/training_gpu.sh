@@ -41,7 +41,7 @@
 #                                                              # /tmp/w/smollm2-135m, and `tables` then measures
 #                                                              # those weights instead of shipping the job's export
 #            bash harness/lab/training_gpu.sh jobhead [MODEL]  # after the job and `shipped`: the job's MODEL (default
-#                                                              # xpress, or a markov_* head) in place of the shipped
+#                                                              # xpress, an xpress_* or markov_* head) in place of the shipped
 #                                                              # head of its kind, so `tables` measures the shipped
 #                                                              # drafter and other head with the head the job trained
 #                                                              # (a heads-only job's export has no drafter to ship)
@@ -117,12 +117,14 @@ case "${1:-}" in
   jobhead)
     what=${2:-xpress}
     case $what in
-      xpress) slot=xpress ;;
+      xpress*) slot=xpress ;;
       markov_*) slot=markov ;;
-      *) echo "error: jobhead takes xpress or a markov_* head of the job's export, not '$what'" >&2; exit 2 ;;
+      *) echo "error: jobhead takes an xpress* or markov_* head of the job's export, not '$what'" >&2; exit 2 ;;
     esac
     [[ -f $WDIR/.shipped ]] || { echo "error: no shipped folder to swap a head into ($WDIR/.shipped is missing:" \
         "run shipped after the job's start)" >&2; exit 3; }
+    [[ -f $XRUN.done ]] || { echo "error: the training job has not ended ($XRUN.done is missing; its workdir may" \
+        "still hold an earlier job's export): poll first" >&2; exit 3; }
     [[ -d $XRUN/export/$what ]] || { echo "error: no $XRUN/export/$what (the export holds:" \
         "$(ls "$XRUN/export" 2>/dev/null | xargs)); poll until the job ends" >&2; exit 3; }
     rm -rf "${WDIR:?}/smollm2-135m/$slot" && cp -r "$XRUN/export/$what" "$WDIR/smollm2-135m/$slot"
