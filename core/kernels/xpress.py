@@ -125,10 +125,11 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
     """The module's contract: z [B-1, r] of one pass, in one launch (or [N, B-1, r] for N requests' blocks, cache
     [N, B, r] and prev [N, B]). folded=False: `mix` is the raw L (training's form), and the mix is x + (L ⊙ tril)
     x, as CausalMixer computes it. mix_transposed: the mix as sums along each output slot's row of M (coalesced
-    loads, one sum a slot) instead of one slot's column of x at a time. Not the default: on an H100 it saved about
-    1 us of a 12.8 us launch at its best warps and tiles (results/perf/latent_probe_h100/, the launch is latency-
-    bound), with the same bf16 bits there; in general the same values to the dtype's rounding, not bit for bit (the
-    sum over slots in another order). harness/lab/probe_latent_speed.py times both."""
+    loads, one sum a slot) instead of one slot's column of x at a time. Not the default yet: on an H100, with 8 warps
+    it took 10.6 us against the launcher's 14.2 us on the served launch (folded, PDL), the same bf16 bits on that
+    input (results/perf/latent_probe_h100/), but the compiled tests have not run at that setting. In general the
+    same values to the dtype's rounding, not bit for bit (the sum over slots in another order).
+    harness/lab/probe_latent_speed.py times both."""
     if cache.dim() not in (2, 3):
         raise ValueError(f"kernels.xpress.latent: cache {tuple(cache.shape)} is not [B, r] or [N, B, r]")
     stacked = cache.dim() == 3
