@@ -23,6 +23,10 @@ import torch
 from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, prec, rounded, triton, tl
 
 MAX_BLOCK = 32   # slots: the mix loops over them, and every slot's row stays in registers
+# the launcher's mix path and warps below rank 256 (results/perf/latent_probe_h100/: the transposed mix with 8 warps
+# was the faster on an H100, not yet taken: results/perf/NOTES.md, "After the twenty-first session", (a0))
+MIX_TRANSPOSED = False
+WARPS = 4
 MAX_RANK = 256   # r: three [block, r] fp32 blocks and a weight tile live in one program's registers
 
 
@@ -121,10 +125,10 @@ if triton is not None:
 
 def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: torch.Tensor, mix: torch.Tensor,
            gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, folded: bool = True,
-           launch: Launch = Launch(), mix_transposed: bool = False) -> torch.Tensor:
+           launch: Launch = Launch(), mix_transposed: bool | None = None) -> torch.Tensor:
     """The module's contract: z [B-1, r] of one pass, in one launch (or [N, B-1, r] for N requests' blocks, cache
     [N, B, r] and prev [N, B]). folded=False: `mix` is the raw L (training's form), and the mix is x + (L ⊙ tril)
-    x, as CausalMixer computes it. mix_transposed: the mix as sums along each output slot's row of M (coalesced
+    x, as CausalMixer computes it. mix_transposed (None: MIX_TRANSPOSED): the mix as sums along each output slot's row of M (coalesced
     loads, one sum a slot) instead of one slot's column of x at a time. Not the default yet: on an H100, with 8 warps
     it took 10.6 us against the launcher's 14.2 us on the served launch (folded, PDL), the same bf16 bits on that
     input (results/perf/latent_probe_h100/), but the compiled tests have not run at that setting. In general the
@@ -156,6 +160,7 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
                          w1.stride(0), w_tok.stride(0), gate.stride(0), up.stride(0), down.stride(0), z.stride(1),
                          c3.stride(0), p2.stride(0), z.stride(0),
                          PREC=prec(cache.dtype), RAW=not folded, BP=pow2_at_least(b, 16), RP=rp, BK=min(rp, 64),
-                         BH=32 if rp >= 256 else 64, num_warps=8 if rp >= 256 else 4, MIXT=mix_transposed,
+                         BH=32 if rp >= 256 else 64, num_warps=8 if rp >= 256 else WARPS,
+                         MIXT=MIX_TRANSPOSED if mix_transposed is None else mix_transposed,
                          **launch_opts(launch, cache.device, b))
     return z if stacked else z[0]
