@@ -41,9 +41,10 @@
 #                                                              # /tmp/w/smollm2-135m, and `tables` then measures
 #                                                              # those weights instead of shipping the job's export
 #            bash harness/lab/training_gpu.sh jobhead [MODEL]  # after the job and `shipped`: the job's MODEL (default
-#                                                              # xpress, an xpress_* or markov_* head) in place of the shipped
-#                                                              # head of its kind, so `tables` measures the shipped
-#                                                              # drafter and other head with the head the job trained
+#                                                              # xpress, an xpress_* or markov_* head) in place of
+#                                                              # the shipped head of its kind, so `tables` measures
+#                                                              # the shipped drafter and other head with the head
+#                                                              # the job trained
 #                                                              # (a heads-only job's export has no drafter to ship)
 #   here, for `shipped`:  bash harness/lab/training_gpu.sh heads weights/smollm2-135m   # into .gpu4/ (32 MB)
 #
