@@ -156,3 +156,18 @@ def test_cotrained_drafter_only_refusals_come_before_loading(files, tmp_path, ex
     assert cli.main(args(files, *extra)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and message in err and "\n" not in err, err
+
+
+def test_only_the_base_drafter_stands_for_drafter_only():
+    """comparisons.method_arms, which the gains' reference (report) and the throughput-optimal choice both read: a
+    co-trained drafter's arm, even listed first, never stands for drafter-only while the base one ran; alone, it
+    does; other methods keep every arm."""
+    from harness.protocol import comparisons, report
+    arms = {"AR": {"method": "ar"}, "drafter-only (xPress's drafter)": {"method": "drafter-only"},
+            "drafter-only": {"method": "drafter-only"}, "xPress(K=1)": {"method": "xpress"},
+            "xPress(K=2)": {"method": "xpress"}}
+    assert comparisons.method_arms(arms, "drafter-only") == ["drafter-only"]
+    assert report._pick(arms, "drafter-only", comparisons.BASE_DRAFTER_ARM) == "drafter-only"
+    alone = {k: v for k, v in arms.items() if k != "drafter-only"}
+    assert comparisons.method_arms(alone, "drafter-only") == ["drafter-only (xPress's drafter)"]
+    assert comparisons.method_arms(arms, "xpress") == ["xPress(K=1)", "xPress(K=2)"]

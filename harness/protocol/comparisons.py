@@ -35,6 +35,17 @@ def paired(arm: str, ref: str, by: dict[str, dict[int, dict]], rounds_used: dict
                        "ci95": list(metrics.pooled_speedup_ci_over_prompts(*pooled, n_boot=n_boot, seed=seed))}}
 
 
+BASE_DRAFTER_ARM = "drafter-only"  # --cotrained-drafter-only adds "drafter-only (<refiner>'s drafter)" beside it
+
+
+def method_arms(arms: dict, method: str) -> list[str]:
+    """The arms that may stand for a method (the gains' reference in report, the throughput-optimal choice here):
+    all of its arms, but for drafter-only the base drafter's arm alone when it ran: a refiner checkpoint's
+    co-trained drafter alone (--cotrained-drafter-only) is reported, never the reference or the choice."""
+    names = [a for a, i in arms.items() if i["method"] == method]
+    return [BASE_DRAFTER_ARM] if method == "drafter-only" and BASE_DRAFTER_ARM in names else names
+
+
 def optimal(arms: dict, out_arms: dict, rows: list[dict], prompts: list[int]) -> dict:
     """Per method, the arm with the highest POOLED tok/s, SELECTED on rounds that are not reported (the warmup
     rounds, turn 0, complete ones only) and REPORTED from the measured rounds. Without a complete warmup round
@@ -42,9 +53,7 @@ def optimal(arms: dict, out_arms: dict, rows: list[dict], prompts: list[int]) ->
     warm = [r for r in rows if r["warmup"] and r["turn"] == 0]
     optimal = {}
     for method in dict.fromkeys(i["method"] for i in arms.values()):
-        names = [a for a, i in arms.items() if i["method"] == method]
-        if method == "drafter-only" and "drafter-only" in names:  # the base drafter's arm; one on a refiner's own
-            names = ["drafter-only"]  # co-trained drafter (--cotrained-drafter-only) is reported, never chosen
+        names = method_arms(arms, method)
         held_out = {}
         for a in names:
             by_round: dict[int, list[dict]] = {}

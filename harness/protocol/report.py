@@ -67,7 +67,7 @@ def _arms(rows: list[dict]) -> dict[str, dict]:
 
 
 def _pick(arms: dict[str, dict], method: str, prefer: str) -> str | None:
-    names = [a for a, i in arms.items() if i["method"] == method]
+    names = comparisons.method_arms(arms, method)
     return prefer if prefer in names else (names[0] if names else None)
 
 
@@ -227,7 +227,7 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
     rows, duplicates = _checked(rows)
     g = _group(rows)
     ar = _pick(g.arms, "ar", "AR")
-    base = _pick(g.arms, "drafter-only", "drafter-only")
+    base = _pick(g.arms, "drafter-only", comparisons.BASE_DRAFTER_ARM)
     out_arms = {a: _arm(g, a, tau_from_warmup) for a in g.arms}
     _compare(g, out_arms, ar, base, n_boot, seed)
     replicates.add_tau_gains(g.rows, out_arms, base, g.prompts, n_boot, seed)
