@@ -17,13 +17,18 @@ CODE = "core data drafters harness refiners training scripts".split()
 FILES = "benchmark_compile_all.py bench_fair_fast.sh requirements.txt".split()
 
 
+def _copy_script(repo: Path) -> Path:
+    (repo / "harness" / "lab").mkdir(parents=True)
+    shutil.copy(ROOT / "harness" / "lab" / "training_gpu.sh", repo / "harness" / "lab")
+    return repo / "harness" / "lab" / "training_gpu.sh"
+
+
 def test_training_start_returns_while_the_job_runs(tmp_path):
     """`training_gpu.sh start` in a copy of the layout it expects, with a fake python3 whose job lasts 30 s: the
     call returns after START_WAIT with the job's first log line, the job still running. Before the fix the call
     lasted as long as the job (30 s)."""
     repo = tmp_path / "repo"
-    (repo / "harness" / "lab").mkdir(parents=True)
-    shutil.copy(ROOT / "harness" / "lab" / "training_gpu.sh", repo / "harness" / "lab")
+    script = _copy_script(repo)
     for d in CODE:
         (repo / d).mkdir(exist_ok=True)
     for f in FILES:
@@ -42,7 +47,7 @@ def test_training_start_returns_while_the_job_runs(tmp_path):
            "XRUN": str(tmp_path / "xrun"), "JOB_CODE": str(tmp_path / "code"), "WARM": str(tmp_path / "no-warm"),
            "WDIR": str(tmp_path / "w"), "XB_CACHE": str(tmp_path / "cc.bin"), "START_WAIT": "3"}
     t0 = time.monotonic()
-    r = subprocess.run(["bash", str(repo / "harness" / "lab" / "training_gpu.sh"), "start", "--set", "a=1"],
+    r = subprocess.run(["bash", str(script), "start", "--set", "a=1"],
                        capture_output=True, text=True, env=env, timeout=90)
     took = time.monotonic() - t0
     try:
@@ -71,12 +76,6 @@ def test_no_lab_script_launches_a_job_that_holds_the_calls_output():
         pattern = r"[^\n]*>\s*[^'\"\s]+(\s+2>&1)?(\s*<\s*/dev/null)?\s*&\)"
         bad += [f"{f.name}: {m.group(0)!r}" for m in re.finditer(pattern, text)]
     assert not bad, bad
-
-
-def _copy_script(repo: Path) -> Path:
-    (repo / "harness" / "lab").mkdir(parents=True)
-    shutil.copy(ROOT / "harness" / "lab" / "training_gpu.sh", repo / "harness" / "lab")
-    return repo / "harness" / "lab" / "training_gpu.sh"
 
 
 def _weights(tmp_path: Path) -> dict:

@@ -17,6 +17,7 @@ import json
 from pathlib import Path
 
 from core.errors import UsageError
+from training.config import RANK_KEY
 
 BOX_KEYS = ("wall_s", "train_wall_s", "unaccounted_s", "steps_share", "steps_per_s", "packed_tokens", "loss_tokens",
             "tokens_per_s", "box_s", "steps", "first_step", "last_step", "steady_tokens_per_s", "device", "compile")
@@ -150,7 +151,7 @@ def recipe_record(spec: dict | None) -> dict | None:
         backbone = "frozen"
     else:
         backbone = f"co-trained at lr x {spec.get('backbone_lr_scale') or 1}"
-    rank = {"xpress": "xpress_rank", "dspark": "markov_rank"}.get(spec.get("type"))
+    rank = RANK_KEY.get(spec.get("type"))
     out = {"type": spec.get("type"), "init_from": spec.get("init_from"), "backbone": backbone,
            "rank": spec.get(rank) if rank else None, "lr": spec.get("lr"),
            "epochs": spec.get("epochs"), "max_minutes": spec.get("max_minutes")}

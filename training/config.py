@@ -77,6 +77,7 @@ MODEL_DEFAULTS = {
     "epochs": None, "lr": None, "max_steps": None, "max_minutes": None, "anchor_bias": 0.0,
     "grow": False, "backbone_lr_scale": 1.0,
 }
+RANK_KEY = {"xpress": "xpress_rank", "dspark": "markov_rank"}  # a head type's own rank (MODEL_DEFAULTS has both)
 MODEL_ADDED_LATER = {"anchor_bias": 0.0, "grow": False, "backbone_lr_scale": 1.0}  # the value models trained before had
 
 

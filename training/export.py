@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from core.errors import UsageError
-from training.config import init_export
+from training.config import RANK_KEY, init_export
 from training.cotrain import HEAD_PREFIXES  # a head model's own tensors: what a frozen-backbone head ships
 from training.store import staged, write_json
 from training.train import final_dir, model_dir
@@ -53,7 +53,7 @@ def largest_tensors(cfg: dict, name: str, tcfg) -> list[tuple[str, int, str | No
     m = cfg["models"][name]
     vocab, hidden = tcfg.vocab_size, tcfg.hidden_size
     out = []
-    key = {"xpress": "xpress_rank", "dspark": "markov_rank"}.get(m["type"])
+    key = RANK_KEY.get(m["type"])
     if key:
         head = "the xPress head's token embedding and readout" if key == "xpress_rank" else "the Markov head's w1 and w2"
         out.append((f"{head} (vocab {vocab} x {key} {m[key]})", vocab * m[key], key))

@@ -123,17 +123,28 @@ if triton is not None:
         tl.store(z_ptr + (rows[:, None] - 1) * s_z + cols[None, :], z, mask=both & (rows[:, None] >= 1))
 
 
+def settings(block: int, rank: int, dtype: torch.dtype, device: torch.device, folded: bool = True,
+             launch: Launch = Launch(), mix_transposed: bool | None = None, tiles: dict | None = None) -> dict:
+    """The compile-time settings and warps `latent` launches with at this geometry: the launcher's, or `tiles` (BK,
+    BH, num_warps, MIXT) in their place, as harness/lab/probe_latent_speed times them."""
+    rp = pow2_at_least(rank, 16)
+    return {"PREC": prec(dtype), "RAW": not folded, "BP": pow2_at_least(block, 16), "RP": rp, "BK": min(rp, 64),
+            "BH": 32 if rp >= 256 else 64, "num_warps": 8 if rp >= 256 else WARPS,
+            "MIXT": MIX_TRANSPOSED if mix_transposed is None else mix_transposed, **(tiles or {}),
+            **launch_opts(launch, device, block)}
+
+
 def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: torch.Tensor, mix: torch.Tensor,
            gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, folded: bool = True,
-           launch: Launch = Launch(), mix_transposed: bool | None = None) -> torch.Tensor:
+           launch: Launch = Launch(), mix_transposed: bool | None = None, tiles: dict | None = None) -> torch.Tensor:
     """The module's contract: z [B-1, r] of one pass, in one launch (or [N, B-1, r] for N requests' blocks, cache
     [N, B, r] and prev [N, B]). folded=False: `mix` is the raw L (training's form), and the mix is x + (L ⊙ tril)
-    x, as CausalMixer computes it. mix_transposed (None: MIX_TRANSPOSED): the mix as sums along each output slot's row of M (coalesced
-    loads, one sum a slot) instead of one slot's column of x at a time. Not the default yet: on an H100, with 8 warps
-    it took 10.6 us against the launcher's 14.2 us on the served launch (folded, PDL), the same bf16 bits on that
-    input (results/perf/latent_probe_h100/), but the compiled tests have not run at that setting. In general the
-    same values to the dtype's rounding, not bit for bit (the sum over slots in another order).
-    harness/lab/probe_latent_speed.py times both."""
+    x, as CausalMixer computes it. mix_transposed (None: MIX_TRANSPOSED): the mix as sums along each output slot's
+    row of M (coalesced loads, one sum a slot) instead of one slot's column of x at a time. Not the default yet: on
+    an H100, with 8 warps it took 10.6 us against the launcher's 14.2 us on the served launch (folded, PDL), the same
+    bf16 bits on that input (results/perf/latent_probe_h100/), but the compiled tests have not run at that
+    setting. In general the same values to the dtype's rounding, not bit for bit (the sum over slots in another
+    order). harness/lab/probe_latent_speed.py times both, and other `tiles` (see `settings`)."""
     if cache.dim() not in (2, 3):
         raise ValueError(f"kernels.xpress.latent: cache {tuple(cache.shape)} is not [B, r] or [N, B, r]")
     stacked = cache.dim() == 3
@@ -155,12 +166,8 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
             raise ValueError("kernels.xpress.latent: every matrix's rows must be contiguous")
     z = torch.empty((n, b - 1, r), dtype=cache.dtype, device=cache.device)
     c3, p2 = (cache, prev) if stacked else (cache.unsqueeze(0), prev.unsqueeze(0))
-    rp = pow2_at_least(r, 16)
     _latent_kernel[(n,)](c3, p2, w1, w_tok, mix, gate, up, down, z, b, r, h, c3.stride(1), p2.stride(1),
                          w1.stride(0), w_tok.stride(0), gate.stride(0), up.stride(0), down.stride(0), z.stride(1),
                          c3.stride(0), p2.stride(0), z.stride(0),
-                         PREC=prec(cache.dtype), RAW=not folded, BP=pow2_at_least(b, 16), RP=rp, BK=min(rp, 64),
-                         BH=32 if rp >= 256 else 64, num_warps=8 if rp >= 256 else WARPS,
-                         MIXT=MIX_TRANSPOSED if mix_transposed is None else mix_transposed,
-                         **launch_opts(launch, cache.device, b))
+                         **settings(b, r, cache.dtype, cache.device, folded, launch, mix_transposed, tiles))
     return z if stacked else z[0]

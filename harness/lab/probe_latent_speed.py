@@ -24,7 +24,7 @@ import torch
 
 from core.errors import Parser
 from core.kernels import xpress
-from core.kernels.common import Launch, launch_opts, pow2_at_least, prec
+from core.kernels.common import Launch, pow2_at_least
 from harness.protocol.algorithms import random_xpress_head
 
 # block, rank, MLP hidden, folded: the decode folds the mixer after the cast (--no-fold-mixer keeps it raw), so the
@@ -34,23 +34,14 @@ LAUNCHES, REPLAYS = 100, 20
 
 
 def _launcher(head, cache, prev, folded: bool, mixt: bool, warps: int, bk: int, bh: int):
-    """A launch of the kernel at one setting, and the settings it passes (PDL as the decode's TritonOps launches
+    """A launch of `latent` at one setting, and the settings it launches with (PDL as the decode's TritonOps launches
     it: Launch(pdl=None), on where the GPU supports it)."""
-    r, b = head.rank, head.block
-    m = head.mlp
-    w1, wt, mix = head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L
-    gw, uw, dw = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
-    z = torch.empty((b - 1, r), dtype=cache.dtype, device=cache.device)
-    opts = dict(PREC=prec(cache.dtype), RAW=not folded, BP=pow2_at_least(b, 16), RP=pow2_at_least(r, 16), BK=bk,
-                BH=bh, MIXT=mixt, num_warps=warps,
-                **launch_opts(Launch(pdl=None).resolve(cache.device), cache.device, b))
-
-    def go():
-        xpress._latent_kernel[(1,)](cache, prev, w1, wt, mix, gw, uw, dw, z, b, r, gw.shape[0], cache.stride(0),
-                                    prev.stride(0), w1.stride(0), wt.stride(0), gw.stride(0), uw.stride(0),
-                                    dw.stride(0), z.stride(0), 0, 0, 0, **opts)
-        return z
-    return go, opts
+    r, m = head.rank, head.mlp
+    weights = (head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L, m.gate_proj.weight, m.up_proj.weight,
+               m.down_proj.weight)
+    launch, tiles = Launch(pdl=None).resolve(cache.device), {"MIXT": mixt, "num_warps": warps, "BK": bk, "BH": bh}
+    opts = xpress.settings(head.block, r, cache.dtype, cache.device, folded, launch, tiles=tiles)
+    return (lambda: xpress.latent(cache, prev, *weights, folded=folded, launch=launch, tiles=tiles)), opts
 
 
 def _time(go) -> float:
