@@ -74,7 +74,32 @@ def test_bench_refiner_times_xpress_on_the_chosen_ops_and_compiled(tmp_path, mon
     data = json.loads(out.read_text())
     assert data["kernels"] == "TritonOps" and data["compiled"] is True
     assert wrapped.count("xpress") == 2 and wrapped.count("markov") == 3
-    assert "xPress ops TritonOps, latents fused (Triton), compiled=True" in (tmp_path / "cost.md").read_text()
+    assert "xPress ops TritonOps, latents fused (Triton) (mix " in (tmp_path / "cost.md").read_text()
+    assert ", compiled=True" in (tmp_path / "cost.md").read_text()
+
+
+def test_the_file_names_the_fused_latents_launch_it_timed(tmp_path, monkeypatch):
+    """The fused latent's launch setting (the mix path and warps, module constants of core.kernels.xpress) is in
+    the file and its table, so two files timed before and after a change of setting say which is which; a run on
+    the torch ops records none. Power: a file that did not read the constants records the same setting twice."""
+    import pytest
+    from core import ops as core_ops
+    from core.kernels import xpress
+    if not core_ops.interpreted():
+        pytest.skip("needs Triton's CPU interpreter (TRITON_INTERPRET=1 and triton installed)")
+    interpreter_sized(monkeypatch)
+    args = ["--preset", "tiny", "--device", "cpu", "--repeats", "1", "--passes", "1", "--topc", "0"]
+    seen = []
+    for mixt, warps in ((False, 4), (True, 8)):
+        monkeypatch.setattr(xpress, "MIX_TRANSPOSED", mixt)
+        monkeypatch.setattr(xpress, "WARPS", warps)
+        out = tmp_path / f"cost{warps}.json"
+        assert bench_refiner.main(args + ["--kernels", "triton", "--out", str(out)]) == 0
+        seen.append(json.loads(out.read_text())["latent_launch"])
+    assert [(s["mix"], s["num_warps"]) for s in seen] == [("by slot columns", 4), ("by rows (transposed)", 8)]
+    assert "mix by rows (transposed), 8 warps" in (tmp_path / "cost8.md").read_text()
+    assert bench_refiner.main(args + ["--kernels", "torch", "--out", str(tmp_path / "t.json")]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["latent_launch"] is None
 
 
 def test_bench_refiner_refuses_triton_where_it_cannot_run(tmp_path, monkeypatch, capsys):

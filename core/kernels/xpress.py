@@ -23,10 +23,11 @@ import torch
 from core.kernels.common import Launch, after_previous, launch_opts, pow2_at_least, prec, rounded, triton, tl
 
 MAX_BLOCK = 32   # slots: the mix loops over them, and every slot's row stays in registers
-# the launcher's mix path and warps below rank 256 (results/perf/latent_probe_h100/: the transposed mix with 8 warps
-# was the faster on an H100, not yet taken: results/perf/NOTES.md, "After the twenty-first session", (a0))
-MIX_TRANSPOSED = False
-WARPS = 4
+# the launcher's mix path and warps below rank 256: the transposed mix with 8 warps, the faster on an H100 (the
+# probe: 10.6 against 14.2 us a launch; bench_refiner, two pairs on one card: 19.5 and 18.9 against 22.1 us a pass;
+# results/perf/latent_probe_h100/), under which tests/test_xpress_latent.py passed compiled there
+MIX_TRANSPOSED = True
+WARPS = 8
 MAX_RANK = 256   # r: three [block, r] fp32 blocks and a weight tile live in one program's registers
 
 
@@ -140,10 +141,10 @@ def latent(cache: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w_tok: tor
     """The module's contract: z [B-1, r] of one pass, in one launch (or [N, B-1, r] for N requests' blocks, cache
     [N, B, r] and prev [N, B]). folded=False: `mix` is the raw L (training's form), and the mix is x + (L ⊙ tril)
     x, as CausalMixer computes it. mix_transposed (None: MIX_TRANSPOSED): the mix as sums along each output slot's
-    row of M (coalesced loads, one sum a slot) instead of one slot's column of x at a time. Not the default yet: on
-    an H100, with 8 warps it took 10.6 us against the launcher's 14.2 us on the served launch (folded, PDL), the same
-    bf16 bits on that input (results/perf/latent_probe_h100/), but the compiled tests have not run at that
-    setting. In general the same values to the dtype's rounding, not bit for bit (the sum over slots in another
+    row of M (coalesced loads, one sum a slot) instead of one slot's column of x at a time: the default (with 8
+    warps) since the twenty-second session; on an H100 10.6 us against 14.2 us for the column mix with 4 warps on
+    the served launch (folded, PDL), the same bf16 bits on that input (results/perf/latent_probe_h100/). In general
+    the two paths give the same values to the dtype's rounding, not bit for bit (the sum over slots in another
     order). harness/lab/probe_latent_speed.py times both, and other `tiles` (see `settings`)."""
     if cache.dim() not in (2, 3):
         raise ValueError(f"kernels.xpress.latent: cache {tuple(cache.shape)} is not [B, r] or [N, B, r]")

@@ -117,6 +117,7 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
             "device": str(backend.device), "device_name": device_name, "dtype": str(backend.dtype),
             "threads": torch.get_num_threads(), "cuda_graph": use_graph, "kernels": type(ops).__name__,
             "latents": ops_latents(ops) if fused_latents else "torch modules (--unfused-latents)",
+            "latent_launch": latent_launch(ops, block, rank, backend) if fused_latents else None,
             "compiled": compiled,
             "host_load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "repeats": repeats,
             "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows,
@@ -128,10 +129,27 @@ def ops_latents(ops) -> str:
     return "fused (Triton)" if getattr(ops, "name", None) == "triton" else "torch modules"
 
 
+def latent_launch(ops, block: int, rank: int, backend) -> dict | None:
+    """The fused xPress latent's launch at this geometry (the mix path, warps, tiles: kernels.xpress.settings), so a
+    file says which setting it timed; None where the latents are not fused."""
+    if ops_latents(ops) != "fused (Triton)":
+        return None
+    from core.kernels import xpress
+    s = xpress.settings(block, rank, backend.dtype, backend.device)
+    return {"mix": "by rows (transposed)" if s["MIXT"] else "by slot columns", "num_warps": s["num_warps"],
+            "BK": s["BK"], "BH": s["BH"]}
+
+
+def launch_words(launch: dict | None) -> str:
+    return "" if not launch else (f" (mix {launch['mix']}, {launch['num_warps']} warps, BK {launch['BK']}, "
+                                  f"BH {launch['BH']})")
+
+
 def markdown(result: dict) -> str:
     lines = [f"Refinement cost, preset {result['preset']} {result['shapes']}, {result['device_name']} "
              f"({result['device']}, {result['dtype']}, {result['threads']} threads, graph={result['cuda_graph']}, "
-             f"xPress ops {result.get('kernels', 'TorchOps')}, latents {result.get('latents', 'unrecorded')}, "
+             f"xPress ops {result.get('kernels', 'TorchOps')}, latents {result.get('latents', 'unrecorded')}"
+             f"{launch_words(result.get('latent_launch'))}, "
              f"compiled={result.get('compiled', False)}), "
              f"median of {result['repeats']} calls; {result['weights']}.", "",
              "| refiner | K | top-C | ms |", "|---|---|---|---|"]
