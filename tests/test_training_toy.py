@@ -104,6 +104,24 @@ def test_the_train_stage_loads_and_saves_its_compile_cache(toy):
     assert isinstance(rec["saved_bytes"], int)
 
 
+def test_a_failing_train_stage_reports_its_own_error_not_the_cache_record(toy, tmp_path, monkeypatch):
+    """A workdir whose train/ folder is gone (its stages kept) and a model that fails as it starts: the stage's error
+    is the one reported. Before, the compile cache's record was written into the missing folder in the stage's
+    `finally`, and its FileNotFoundError hid the failure (a device session, 2026-12-06). The record is written."""
+    from training import train
+    root, _ = toy
+    work = tmp_path / "work"
+    for stage in ("prompts", "responses", "hidden"):
+        shutil.copytree(root / "work" / stage, work / stage)
+
+    def fail(*a, **k):
+        raise RuntimeError("the model failed to start")
+    monkeypatch.setattr(train, "train_one", fail)
+    with pytest.raises(RuntimeError, match="the model failed to start"):  # before: "error: ...: No such file"
+        run_cli("train", "--config", "toy", "--workdir", work, *cli_sets(toy_sets(root)))
+    assert json.loads((work / "train" / "compile_cache.json").read_text())["file"] == str(root / "cc.bin")
+
+
 def test_acceptance_keeps_each_prompt_and_pairs_two_records(toy, tmp_path, capsys):
     """acceptance.json keeps each prompt's accepted tokens and steps per arm, keyed by the prompt's ids: summed they
     give the recorded tau exactly, and training.compare_tau pairs two records on them. The head's file and the

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from core.errors import UsageError
-from training import config_numbers, cotrain, fit, grow
+from training import config_numbers, cotrain, fit, grow, loss_spec
 from training.store import REPO_ROOT, export_digest, repo_path
 
 CONFIG_DIR = Path(__file__).resolve().parent / "configs"
@@ -197,8 +197,8 @@ def validate(cfg: dict) -> None:
             check_init_export(cfg, name)
         elif src is not None and cfg["models"][src]["type"] != "dflash":
             raise UsageError(f"{where}: init_from must name a dflash model (got {cfg['models'][src]['type']})")
-        grow.check_options(where, m)
-        cotrain.check(where, m)
+        for check in (grow.check_options, cotrain.check, loss_spec.check):
+            check(where, m)
         ab = m["anchor_bias"]
         if isinstance(ab, bool) or not isinstance(ab, (int, float)) or not 0 <= ab <= 1 or \
                 (ab and m["type"] != "dflash"):

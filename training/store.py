@@ -57,6 +57,8 @@ def staged(d: Path):
 
 
 def write_json(path: Path, obj) -> None:
+    """The folder made if it is missing (a record written in a `finally` must not hide the error that left it so)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=1) + "\n")
 
 
