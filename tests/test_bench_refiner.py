@@ -33,8 +33,23 @@ def test_bench_refiner_rank_overrides_the_presets_alone(tmp_path):
     assert bench_refiner.main(["--preset", "tiny", "--rank", "24", "--device", "cpu", "--repeats", "1", "--passes",
                                "1", "--topc", "0", "--out", str(out)]) == 0
     vocab, hidden, _, block = bench_refiner.PRESETS["tiny"]
-    assert json.loads(out.read_text())["shapes"] == {"vocab": vocab, "hidden": hidden, "rank": 24, "block": block}
+    assert json.loads(out.read_text())["shapes"] == {"vocab": vocab, "hidden": hidden, "rank": 24, "block": block,
+                                                     "xpress_mlp": 48}
     assert bench_refiner.main(["--preset", "tiny", "--profile", "-1"]) == 2
+
+
+def test_bench_refiner_mlp_ratio_builds_the_head_it_records(tmp_path, monkeypatch):
+    """--mlp-ratio: a recipe's xpress_mlp_ratio (the MLP's hidden over the rank); the head timed has that MLP, and
+    the file says so. Power: an option not passed on builds the default 2 x rank."""
+    built = []
+    real = bench_refiner.random_xpress_head
+    monkeypatch.setattr(bench_refiner, "random_xpress_head",
+                        lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    out = tmp_path / "cost.json"
+    assert bench_refiner.main(["--preset", "tiny", "--rank", "24", "--mlp-ratio", "4", "--device", "cpu", "--repeats",
+                               "1", "--passes", "1", "--topc", "0", "--out", str(out)]) == 0
+    assert built[0].mlp.gate_proj.weight.shape[0] == 96 and json.loads(out.read_text())["shapes"]["xpress_mlp"] == 96
+    assert bench_refiner.main(["--preset", "tiny", "--mlp-ratio", "0"]) == 2
 
 
 def test_bench_refiner_profiles_a_pass(tmp_path):

@@ -60,14 +60,16 @@ def profiled(fn, backend, calls: int) -> dict:
 
 def measure(preset: str, device: str | None, dtype: str | None, passes: list[int], topcs: list[int],
             repeats: int, use_graph: bool = False, kernels: str = "torch", compiled: bool = False,
-            profile_k: int | None = None, fused_latents: bool = True, rank: int | None = None) -> dict:
+            profile_k: int | None = None, fused_latents: bool = True, rank: int | None = None,
+            mlp_ratio: int = 2) -> dict:
     """`kernels`: the ops both heads run on (the decode's --kernels: triton runs an xPress pass's latent and a gated
     Markov step's in one launch each, and their w2 product, base add and argmax in one more); `compiled`: each
     refiner through torch.compile first, as --compile-refiner runs it; `profile_k`: xPress at that K (full
     vocabulary) once more under the profiler, eagerly (a graph's replay hides its kernels from it);
     `fused_latents=False`: the xPress pass's and the Markov step's latents on the heads' own torch modules (as
     before the fused kernels), everything else on `kernels`: the fused latents' effect, read on one machine;
-    `rank`: both heads' rank instead of the preset's (e.g. a recipe's xpress_rank 160 at SmolLM2's shapes)."""
+    `rank`: both heads' rank instead of the preset's (e.g. a recipe's xpress_rank 160 at SmolLM2's shapes);
+    `mlp_ratio`: the xPress head's MLP hidden over its rank (a recipe's xpress_mlp_ratio; 2, the shipped head's)."""
     backend = resolve_backend(device, dtype)
     ops = make_ops(kernels, backend.device, backend.dtype)
     if not fused_latents:
@@ -79,7 +81,8 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
                         logits=torch.randn(block - 1, vocab, generator=g).to(backend.device, backend.dtype),
                         hidden=torch.randn(block, hidden, generator=g).to(backend.device, backend.dtype))
     ctx = RefineContext(anchor=torch.tensor(5, device=backend.device), prev_token=torch.tensor(7, device=backend.device))
-    head = random_xpress_head(vocab, hidden, rank, block, seed=1).to(backend.device, backend.dtype).fold()
+    head = random_xpress_head(vocab, hidden, rank, block, seed=1, mlp_hidden=mlp_ratio * rank)
+    head = head.to(backend.device, backend.dtype).fold()
     rows = []
 
     def wrap(refiner):
@@ -113,7 +116,8 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
                        **profiled(lambda: r.refine(proposal, ctx), backend, repeats)}
     device_name = torch.cuda.get_device_name(backend.device) if backend.kind == "cuda" else platform.processor() or "cpu"
     return {"what": "refinement step alone (seed + K passes, or the Markov steps), median wall time per call",
-            "preset": preset, "shapes": {"vocab": vocab, "hidden": hidden, "rank": rank, "block": block},
+            "preset": preset, "shapes": {"vocab": vocab, "hidden": hidden, "rank": rank, "block": block,
+                                          "xpress_mlp": mlp_ratio * rank},
             "device": str(backend.device), "device_name": device_name, "dtype": str(backend.dtype),
             "threads": torch.get_num_threads(), "cuda_graph": use_graph, "kernels": type(ops).__name__,
             "latents": ops_latents(ops) if fused_latents else "torch modules (--unfused-latents)",
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=int, metavar="K",
                    help="also profile xPress at K passes, eagerly, --repeats calls: each kernel's time per call")
     p.add_argument("--rank", type=int, help="the heads' rank instead of the preset's (its vocab, hidden and block kept)")
+    p.add_argument("--mlp-ratio", type=int, default=2,
+                   help="the xPress head's MLP hidden over its rank (default 2, the shipped head's)")
     p.add_argument("--out", help="write JSON here and markdown beside it (.md)")
     a = p.parse_args(argv)
     try:
@@ -194,10 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         topcs = [int(x) for x in a.topc.split(",")]
         if any(k < 0 for k in passes) or any(c < 0 for c in topcs) or a.repeats < 1 or (a.profile or 0) < 0:
             raise UsageError("--passes, --topc and --profile must be non-negative integers and --repeats >= 1")
+        if a.mlp_ratio < 1:
+            raise UsageError(f"--mlp-ratio {a.mlp_ratio}: give a positive integer (2 is the shipped head's)")
         if a.rank is not None and a.rank < 1:
             raise UsageError(f"--rank {a.rank}: give a positive rank (e.g. 80 or 160), or drop it for the preset's")
         result = measure(a.preset, a.device, a.dtype, passes, topcs, a.repeats, a.use_graph, a.kernels, a.compile,
-                         a.profile, fused_latents=not a.unfused_latents, rank=a.rank)
+                         a.profile, fused_latents=not a.unfused_latents, rank=a.rank, mlp_ratio=a.mlp_ratio)
     except (UsageError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
