@@ -115,6 +115,10 @@ def test_the_file_names_the_fused_latents_launch_it_timed(tmp_path, monkeypatch)
     assert "mix by rows (transposed), 8 warps" in (tmp_path / "cost8.md").read_text()
     assert bench_refiner.main(args + ["--kernels", "torch", "--out", str(tmp_path / "t.json")]) == 0
     assert json.loads((tmp_path / "t.json").read_text())["latent_launch"] is None
+    # a head the kernel hands to the torch ops (MLP wider than one program takes): no launch recorded
+    wide = str(4 * xpress.MAX_RANK // bench_refiner.PRESETS["tiny"][2] + 1)  # the MLP past 4 x MAX_RANK
+    assert bench_refiner.main(args + ["--kernels", "triton", "--mlp-ratio", wide, "--out", str(tmp_path / "w.json")]) == 0
+    assert json.loads((tmp_path / "w.json").read_text())["latent_launch"] is None
 
 
 def test_bench_refiner_refuses_triton_where_it_cannot_run(tmp_path, monkeypatch, capsys):

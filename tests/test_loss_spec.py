@@ -21,12 +21,14 @@ def test_a_weights_mapping_from_set_becomes_the_string_speculators_takes():
     assert load_config("toy")["models"]["xpress"]["loss_fn"] == '{"ce": 0.1, "tv": 0.9}'  # the default, untouched
 
 
-@pytest.mark.parametrize("value", ['{"ce": 0.1, "tvd": 0.9}', '{"ce": -1}', '{}', '"{not json"', '"mse"', '[1, 2]',
-                                   '{"tv": true}'])
-def test_a_bad_loss_spec_is_refused_with_the_config(value):
+@pytest.mark.parametrize("value, named", [('{"ce": 0.1, "tvd": 0.9}', "'tvd': 0.9"), ('{"ce": -1}', "'ce': -1"),
+                                          ('{}', "not a name"), ('"{not json"', "not a name"), ('"mse"', "not a name"),
+                                          ('[1, 2]', "not a name"), ('{"tv": true}', "'tv': True"),
+                                          ('{"tv": 1e999}', "'tv': inf")])
+def test_a_bad_loss_spec_is_refused_with_the_config(value, named):
     with pytest.raises(UsageError, match=r"config models\.xpress: loss_fn .* is not a loss name") as e:
         load_config("toy", [f"models.xpress.loss_fn={value}"])
-    assert "\n" not in str(e.value) and "--set 'models.NAME.loss_fn=" in str(e.value)
+    assert "\n" not in str(e.value) and "--set 'models.NAME.loss_fn=" in str(e.value) and f"({named}" in str(e.value)
 
 
 def test_the_names_are_speculators_own():

@@ -37,6 +37,15 @@ def test_a_goal_past_the_first_slots_ceiling_is_unreachable():
     assert "unreachable (ceiling τ 8.50)" in tau_needs.markdown([r])
 
 
+def test_a_goal_the_first_slot_alone_exceeds_has_no_rate():
+    """τ = 0.3 x drafter-only asks fewer accepted drafts than the arm's first slot alone gives: no c solves it (the
+    bisection would otherwise return c = 0 and a negative cut)."""
+    r = tau_needs.needs(table({"drafter-only": (0.8, 0.7), "xPress(K=4)": (0.8, 0.75)}), 0.3, "xPress(K=4)")
+    assert r["c_goal"] is None and r["rejection_cut_goal"] is None
+    assert "n/a (the first slot alone gives more)" in tau_needs.markdown([r])
+    assert tau_needs.rate_for(0.8, 0.5, 15) is None and tau_needs.rate_for(0.8, 0.8, 15) == pytest.approx(0, abs=1e-9)
+
+
 def test_the_command_writes_its_files_and_refuses_bad_input_in_one_line(tmp_path, capsys):
     d = tmp_path / "gsm8k_t0"
     d.mkdir()
@@ -46,7 +55,15 @@ def test_the_command_writes_its_files_and_refuses_bad_input_in_one_line(tmp_path
     row = json.loads(out.read_text())["rows"][0]
     assert row["table"] == "gsm8k_t0" and row["goal"] == 1.30 and "| gsm8k_t0 |" in (tmp_path / "needs.md").read_text()
     capsys.readouterr()
-    for args in ([str(tmp_path / "none")], [str(d), "--arm", "Markov"], [str(d), "--goal", "0"]):
+    bad, notau = tmp_path / "bad", tmp_path / "notau"
+    bad.mkdir()
+    (bad / "summary.json").write_text("{not json")
+    notau.mkdir()
+    t = table({"drafter-only": (0.8, 0.7), "xPress(K=4)": (0.8, 0.75)})
+    t["arms"]["drafter-only"]["tau_per_step"] = None
+    (notau / "summary.json").write_text(json.dumps(t))
+    for args in ([str(tmp_path / "none")], [str(d), "--arm", "Markov"], [str(d), "--goal", "0"], [str(bad)],
+                 [str(notau)]):
         assert tau_needs.main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: "), err

@@ -172,3 +172,13 @@ def test_the_speed_probe_launches_every_setting_it_times_correctly():
             # STEPS ulps of the largest output: the sums in another order (tile sizes, the mix's reduction)
             assert r["max_diff"] <= 2 * STEPS * torch.finfo(dt).eps * r["scale"], r
     assert len(probe.settings(80)) == 2 * 4 * 3 * 2 and len(probe.settings(160)) == 2 * 4 * 3 * 2
+
+
+def test_the_launcher_takes_the_transposed_mix_with_8_warps_below_rank_256():
+    """The launch default measured faster on an H100 (results/perf/latent_probe_h100/: about 3 us a pass) and run
+    under this file compiled there: the transposed mix, 8 warps, at the shipped geometry; rank 256 keeps 8 warps and
+    its own tile. Fails if the constants go back to the column mix or 4 warps unmeasured."""
+    from core.kernels import xpress
+    s = xpress.settings(16, 80, torch.bfloat16, torch.device("cpu"))
+    assert (s["MIXT"], s["num_warps"], s["BK"], s["BH"]) == (True, 8, 64, 64)
+    assert xpress.settings(16, 256, torch.bfloat16, torch.device("cpu"))["BH"] == 32

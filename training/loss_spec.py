@@ -8,6 +8,7 @@ string, and an unknown name or a weight that is not a number > 0 is refused with
 from __future__ import annotations
 
 import json
+import math
 
 from core.errors import UsageError
 
@@ -27,11 +28,12 @@ def check(where: str, m: dict) -> None:
             weights = json.loads(spec)
         except json.JSONDecodeError:
             weights = None
-    ok = isinstance(weights, dict) and weights and all(
-        k in NAMES and isinstance(w, (int, float)) and not isinstance(w, bool) and w > 0 for k, w in weights.items())
-    if not ok:
+    bad = "not a name or a mapping" if not isinstance(weights, dict) or not weights else next(
+        (f"{k!r}: {w!r}" for k, w in weights.items() if k not in NAMES or isinstance(w, bool)
+         or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0), None)
+    if bad:
         raise UsageError(f"{where}: loss_fn {spec!r} is not a loss name ({', '.join(NAMES)}) or a mapping of those "
-                         "names to weights > 0, e.g. {\"ce\": 0.1, \"tv\": 0.9} (on the command line: --set "
-                         "'models.NAME.loss_fn={\"ce\": 0.1, \"tv\": 1.8}')")
+                         f"names to finite weights > 0 ({bad}), e.g. {{\"ce\": 0.1, \"tv\": 0.9}} (on the command "
+                         "line: --set 'models.NAME.loss_fn={\"ce\": 0.1, \"tv\": 1.8}')")
     if isinstance(spec, dict):  # a string stays as written (the stages' keys hash the config)
         m["loss_fn"] = json.dumps(weights)

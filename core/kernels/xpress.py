@@ -46,7 +46,8 @@ def refused(dtype: torch.dtype, device: torch.device) -> str | None:
     and the in_proj tile BK = 64 that the launcher picks at rank 80; right with BK = 16 or 8 warps, with or without
     PDL, and with the folded mixer. A Triton 3.6 code-generation fault is the likely cause, not confirmed; until a
     changed launch is tested on a GPU at every geometry (rank 256 also ran out of shared memory in fp32), the
-    torch ops run fp32 heads on a GPU."""
+    torch ops run fp32 heads on a GPU. The launcher's default is now 8 warps with the transposed mix (bf16 and fp16
+    measured and tested so); fp32 stays refused, not retested at that setting."""
     if dtype == torch.float32 and device.type == "cuda":
         return "fp32 on a GPU"
     return None

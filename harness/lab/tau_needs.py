@@ -7,7 +7,8 @@ continues a block once its first draft is right. A refiner of the later slots le
 had it (xPress refines a slot from the tokens before it, and the first one's is the verified token), so a goal
 "τ = R x drafter-only" asks for the c that gives (R x τ_drafter - 1) with the refined arm's a_1; the share of
 the drafter's later-slot rejections (1 - c) it must remove is 1 - (1 - c_goal) / (1 - c_drafter), set beside the
-share the arm removed. A goal above 1 + (B-1) a_1 cannot be reached without a better first slot: reported as such.
+share the arm removed (a cut of a fitted conditional rate, not a count: a step has one rejection at most). A goal
+above 1 + (B-1) a_1 cannot be reached without a better first slot: reported as such.
 
     python -m harness.lab.tau_needs results/smollm2-135m/gsm8k_t0 ... --goal 1.30 --arm "xPress(K=4)" --out FILE
 
@@ -16,10 +17,10 @@ own per-position rates (the real arms' a_k need not be geometric; c is the geome
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
+from core.checkpoints import read_json
 from core.errors import Parser, UsageError, cli_exit
 
 REFERENCE = "drafter-only"
@@ -31,8 +32,9 @@ def continued(a1: float, c: float, slots: int) -> float:
 
 
 def rate_for(a1: float, accepted: float, slots: int) -> float | None:
-    """The c in [0, 1] with continued(a1, c, slots) == accepted; None where even c = 1 falls short."""
-    if accepted > continued(a1, 1.0, slots) * (1 + 1e-12):
+    """The c in [0, 1] with continued(a1, c, slots) == accepted; None where no c gives it: even c = 1 falls short,
+    or the first slot alone already accepts more (accepted < a1)."""
+    if a1 <= 0 or accepted > continued(a1, 1.0, slots) * (1 + 1e-12) or accepted < a1 * (1 - 1e-12):
         return None
     lo, hi = 0.0, 1.0
     for _ in range(80):
@@ -44,18 +46,18 @@ def rate_for(a1: float, accepted: float, slots: int) -> float | None:
 def needs(summary: dict, goal: float, arm: str, table: str = "") -> dict:
     """One table's rows: each arm's a_1, c and τ; the c and rejection cut `goal` x drafter-only asks with `arm`'s
     a_1, and what `arm` achieved."""
-    arms = summary.get("arms") or {}
-    for name in (REFERENCE, arm):
-        if not (arms.get(name) or {}).get("per_position"):
-            raise UsageError(f"tau_needs: {table or 'the table'} has no per-position acceptance for arm {name!r} "
-                             f"(arms: {', '.join(arms) or 'none'}); name one with --arm")
+    arms = summary.get("arms") if isinstance(summary.get("arms"), dict) else {}
     rows = {}
     for name, a in arms.items():
-        pp = a.get("per_position")
+        pp = a.get("per_position") if isinstance(a, dict) else None
         if not pp or pp[0] is None or a.get("tau_per_step") is None:
             continue
         slots, a1, tau = len(pp), float(pp[0]), float(a["tau_per_step"])
-        rows[name] = {"a1": a1, "tau": tau, "c": rate_for(a1, tau - 1, slots) if a1 > 0 else None}
+        rows[name] = {"a1": a1, "tau": tau, "c": rate_for(a1, tau - 1, slots)}
+    for name in (REFERENCE, arm):
+        if name not in rows:
+            raise UsageError(f"tau_needs: {table or 'the table'} has no per-position acceptance and tau for arm "
+                             f"{name!r} (arms with both: {', '.join(rows) or 'none'}); name one with --arm")
     ref, own = rows[REFERENCE], rows[arm]
     slots = len(arms[arm]["per_position"])
     c_goal = rate_for(own["a1"], goal * ref["tau"] - 1, slots)
@@ -80,7 +82,9 @@ def markdown(rows: list[dict]) -> str:
            "rejections cut: the arm | rejections cut: the goal |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref, own = r["arms"][REFERENCE], r["arms"][r["arm"]]
-        goal_c = fmt(r["c_goal"]) if r["reachable"] else f"unreachable (ceiling τ {r['ceiling_tau']:.2f})"
+        goal_c = fmt(r["c_goal"]) if r["reachable"] else (
+            f"unreachable (ceiling τ {r['ceiling_tau']:.2f})" if r["tau_goal"] > r["ceiling_tau"] else
+            "n/a (the first slot alone gives more)")
         out.append(f"| {r['table']} | {fmt(ref['a1'])} | {fmt(ref['c'])} | {fmt(own['a1'])} | {fmt(own['c'])} | "
                    f"{own['tau'] / ref['tau']:.3f} | {goal_c} | {fmt(r['rejection_cut_arm'])} | "
                    f"{fmt(r['rejection_cut_goal'])} |")
@@ -98,11 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     def work():
         if not a.goal > 0:
             raise UsageError(f"--goal {a.goal}: give a ratio > 0, e.g. 1.30")
-        files = [Path(t) / "summary.json" for t in a.tables]
-        for f in files:
-            if not f.is_file():
-                raise UsageError(f"tau_needs: {f} not found; give table folders (results/smollm2-135m/gsm8k_t0)")
-        rows = [needs(json.loads(f.read_text()), a.goal, a.arm, Path(t).name) for f, t in zip(files, a.tables)]
+        summaries = [read_json(Path(t) / "summary.json", "tau_needs: a table folder's") for t in a.tables]
+        rows = [needs(s, a.goal, a.arm, Path(t).name) for s, t in zip(summaries, a.tables)]
         text = markdown(rows)
         print(text, end="")
         if a.out:
