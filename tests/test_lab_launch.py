@@ -151,3 +151,36 @@ def test_tables_after_jobhead_says_so_and_writes_where_tres_says(tmp_path, tres)
             break
         time.sleep(0.1)
     assert done.read_text().strip() == "rc=0"
+
+
+def test_a_second_tables_job_without_benchmarks_starts_in_its_own_xtab(tmp_path):
+    """`tables_gpu.sh start` with NOBENCH=1 and an XTAB/XRES of its own (a second set of cells on one machine, whose
+    `setup` never wrote that XTAB's bench.done): the cells run and end. Before, the job waited for a bench.done that
+    nothing would write (a hand-written one was the workaround, twenty-first session), and its paths were fixed
+    under /tmp (JOB_CODE and WDIR move them now)."""
+    repo = tmp_path / "repo"
+    (repo / "harness" / "lab").mkdir(parents=True)
+    shutil.copy(ROOT / "harness" / "lab" / "tables_gpu.sh", repo / "harness" / "lab")
+    code, w = tmp_path / "code", tmp_path / "w"
+    (code / "harness" / "lab").mkdir(parents=True)
+    (code / "harness" / "lab" / "smollm2_gpu.sh").write_text(
+        'echo "cells $2 into $RES of $XPRESS_BENCH_WEIGHTS"\n')
+    for m in ("drafter", "xpress", "markov"):
+        (w / "smollm2-135m" / m).mkdir(parents=True)
+    xtab, xres = tmp_path / "xtab2", tmp_path / "res2"
+    env = {**os.environ, "NOBENCH": "1", "XTAB": str(xtab), "XRES": str(xres), "JOB_CODE": str(code),
+           "WDIR": str(w), "DATASETS": "gsm8k"}
+    r = subprocess.run(["bash", str(repo / "harness" / "lab" / "tables_gpu.sh"), "start", "0"], cwd=repo,
+                       capture_output=True, text=True, env=env, timeout=60)
+    done = xtab / "tables.done"
+    try:
+        assert r.returncode == 0, r.stderr
+        for _ in range(100):
+            if done.is_file():
+                break
+            time.sleep(0.1)
+        assert done.is_file() and done.read_text().strip() == "rc=0", (xtab / "tables.log").read_text()
+        assert f"cells 0 into {xres} of {w / 'smollm2-135m'}" in (xtab / "tables.log").read_text()
+    finally:  # a job still waiting for its bench.done (the bug) is released, so nothing is left running
+        if xtab.is_dir() and not (xtab / "bench.done").exists():
+            (xtab / "bench.done").write_text("rc=released by the test\n")

@@ -21,16 +21,19 @@
 #
 # TABLE_ARGS (flags appended to every cell; unset: --kernels triton --batch-invariant, the shipped tables'),
 # DEADLINE_S (seconds from `start` after which no new cell begins), DATASETS, K_LIST, ROUNDS and MAX_SAMPLES pass
-# through to smollm2_gpu.sh and bench_fair_fast.sh; XRES and XTAB move the folders and logs (a second job's). Both
-# jobs run from a copy of the code in /tmp/code, so the tree that each call re-sends cannot change them. Make the
-# calls back to back: the jobs die with the machine.
+# through to smollm2_gpu.sh and bench_fair_fast.sh; XRES and XTAB move the folders and logs (a second job's: with
+# NOBENCH, `start` alone in its XTAB suffices). Both jobs run from a copy of the code in /tmp/code (JOB_CODE; WDIR
+# moves /tmp/w, the weights), so the tree that each call re-sends cannot change them. Make the calls back to back:
+# the jobs die with the machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
 CODE="core data drafters harness refiners training scripts benchmark_compile_all.py bench_fair_fast.sh requirements.txt"
 J=${XTAB:-/tmp/xtab}  # the jobs' logs and done-files
 R=${XRES:-/tmp/res}   # the tables' folders
-ENVS="PYTHONPATH=/tmp/site:/tmp/code XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1"
+TCODE=${JOB_CODE:-/tmp/code}  # the copy of the code the jobs run from (setup makes it)
+TW=${WDIR:-/tmp/w}            # where the weights the tables measure are put together (part, start)
+ENVS="PYTHONPATH=/tmp/site:$TCODE XPRESS_BENCH_CACHE=/tmp/xb TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1"
 
 bench_job() {  # bench_job PRESET...: the AR and verify steps with and without the batch-invariant tiles
   local p inv
@@ -47,12 +50,12 @@ case "${1:-}" in
   setup)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     mkdir -p /tmp/g /tmp/xb /tmp/bench $J && cp .gpu1/gguf.part.aa /tmp/g/
-    rm -rf /tmp/code && mkdir -p /tmp/code && cp -r $CODE /tmp/code/
-    [[ ! -f .xb_commit ]] || cp .xb_commit /tmp/code/  # the commit (device_tree.sh stash): the copy has no .git
+    rm -rf "$TCODE" && mkdir -p "$TCODE" && cp -r $CODE "$TCODE/"
+    [[ ! -f .xb_commit ]] || cp .xb_commit "$TCODE/"  # the commit (device_tree.sh stash): the copy has no .git
     nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader
     if [[ -n ${NOBENCH:-} ]]; then echo "rc=skipped" > $J/bench.done; exit 0; fi   # the tables only
     export -f bench_job
-    (cd /tmp/code && env $ENVS setsid nohup bash -c 'bench_job smollm2-135m; echo "rc=$?" > '$J'/bench.done' \
+    (cd "$TCODE" && env $ENVS setsid nohup bash -c 'bench_job smollm2-135m; echo "rc=$?" > '$J'/bench.done' \
         &) > $J/bench.log 2>&1 < /dev/null
     sleep 15; tail -n 3 $J/bench.log
     ;;
@@ -61,20 +64,22 @@ case "${1:-}" in
     sha256sum /tmp/xb/$GGUF | cut -c1-16
     tail -n 2 $J/bench.log 2>/dev/null || true   # none with NOBENCH
     ;;
-  part)  # part DIR: a piece of the weights carried apart (DIR/markov/ ...) goes to /tmp/w/smollm2-135m/
-    d=${2:?part DIR}; mkdir -p /tmp/w/smollm2-135m && cp -r "$d"/. /tmp/w/smollm2-135m/ && ls /tmp/w/smollm2-135m
+  part)  # part DIR: a piece of the weights carried apart (DIR/markov/ ...) goes to $TW/smollm2-135m/
+    d=${2:?part DIR}; mkdir -p "$TW/smollm2-135m" && cp -r "$d"/. "$TW/smollm2-135m/" && ls "$TW/smollm2-135m"
     tail -n 2 $J/bench.log 2>/dev/null || true   # none with NOBENCH
     ;;
   start)
     shift
-    mkdir -p /tmp/w && { [[ ! -d .gpuw ]] || cp -r .gpuw/. /tmp/w/; } && ls /tmp/w/smollm2-135m  # .gpuw: optional when every piece came by part
+    mkdir -p "$TW" && { [[ ! -d .gpuw ]] || cp -r .gpuw/. "$TW/"; } && ls "$TW/smollm2-135m"  # .gpuw: optional when every piece came by part
     for m in drafter xpress markov; do
-      [[ -d /tmp/w/smollm2-135m/$m ]] || { echo "error: /tmp/w/smollm2-135m/$m is missing: carry it (part DIR)" >&2; exit 3; }
+      [[ -d $TW/smollm2-135m/$m ]] || { echo "error: $TW/smollm2-135m/$m is missing: carry it (part DIR)" >&2; exit 3; }
     done
+    # NOBENCH: no step benchmark to wait for, in this XTAB too (a second job's, whose setup never ran)
+    mkdir -p $J && if [[ -n ${NOBENCH:-} && ! -f $J/bench.done ]]; then echo "rc=skipped" > $J/bench.done; fi
     ts=${*:-0 1}
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
     export -f bench_job
-    (cd /tmp/code && env $ENVS XPRESS_BENCH_WEIGHTS=/tmp/w/smollm2-135m RES=$R DEADLINE=$deadline \
+    (cd "$TCODE" && env $ENVS XPRESS_BENCH_WEIGHTS=$TW/smollm2-135m RES=$R DEADLINE=$deadline \
         TABLE_ARGS="${TABLE_ARGS---kernels triton --batch-invariant}" CELL_S=${CELL_S:-200} setsid nohup bash -c \
         'while [[ ! -f '$J'/bench.done ]]; do sleep 2; done; bash harness/lab/smollm2_gpu.sh tables '"$ts"';
          echo "rc=$?" > '$J'/tables.done
