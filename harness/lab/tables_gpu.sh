@@ -108,6 +108,6 @@ case "${1:-}" in
     ls -la "$OUT"
     ;;
   *)
-    sed -n 2,26p "$0"; exit 2
+    awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"; exit 2  # the header: every comment line after the shebang
     ;;
 esac
