@@ -93,3 +93,31 @@ def test_an_existing_out_is_refused(tmp_path, capsys):
     out.write_text("{}")
     assert main(["--out", str(out)]) == 2 and "exists" in capsys.readouterr().err
     assert out.read_text() == "{}"
+
+
+def test_input_norms_are_the_two_halves_of_a_pass_and_leave_the_latent_unchanged():
+    """InputNorms.watch: per slot, the mean norm of the head's block_cache row (the drafter's half of x) and of
+    in_proj's token half applied to w1(prev), over the passes seen; the latent it wraps returns what the head's own
+    method does, and `del head.latent` restores the method. Power: the halves swapped, or summed without the
+    in_proj slice, differ from the sums computed here by far more than fp32 rounding."""
+    import torch
+    from refiners.xpress import random_xpress_head
+    from training.anchor_runs import InputNorms
+    head = random_xpress_head(50, 12, 6, 4, seed=0, std=0.3).fold().requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    cases = [(head.block_cache(torch.randn(4, 12, generator=g)), torch.randint(0, 50, (4,), generator=g))
+             for _ in range(2)]
+    want = [head.latent(c, p) for c, p in cases]
+    norms = InputNorms(4)
+    norms.watch(head)
+    got = [head.latent(c, p) for c, p in cases]
+    del head.latent
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and "latent" not in vars(head)
+    tok = [torch.nn.functional.linear(head.w1(p), head.in_proj.weight[:, 12:]) for _, p in cases]
+    rec = norms.record()
+    assert rec["passes"] == 2
+    for k in range(4):
+        h = sum(float(c[k].norm()) for c, _ in cases) / 2
+        t = sum(float(x[k].norm()) for x in tok) / 2
+        assert rec["hidden_norm"][k] == pytest.approx(h, abs=1e-4) and rec["token_norm"][k] == pytest.approx(t, abs=1e-4)
+        assert rec["token_share"][k] == pytest.approx(t / (t + h), abs=1e-3)

@@ -207,6 +207,10 @@ def test_anchor_runs_replay_the_decode_on_the_toy(toy, tmp_path):
     assert xp["arm"] == "xPress(K=3)" and xp["replay_equals_decode"] == xp["replay_prompts"] == 4
     assert all(q["decode_equals_ar"] for q in xp["per_prompt"])
     assert xp["decoded_tau"] > rec["decoded_tau"] and xp["all_anchor_eal"] > rec["all_anchor_eal"]
+    # the head's inputs were watched over the teacher-forced passes alone: K = 3 at every anchor, none of the decode's
+    ins = xp["xpress_inputs"]
+    assert ins["passes"] == 3 * xp["anchors"] and len(ins["token_share"]) == xp["block_size"]
+    assert all(0 < s < 1 for s in ins["token_share"]) and "xpress_inputs" not in rec
 
 
 GPU_PRESET = Path(__file__).resolve().parent.parent / "training" / "configs" / "smollm2-gpu.json"

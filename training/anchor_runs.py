@@ -20,7 +20,9 @@ decoded τ, the run at decode anchors (after the first) against all anchors, per
 (as speculators' position_k_acc), and per prompt its anchors, steps and whether the replay equals the decode.
 Drafter-only by default; `--refiner xpress` (K = `--passes`) or `markov` refines every draft, teacher-forced and
 in the decode alike, with the head in WEIGHTS/xpress or WEIGHTS/markov (heads trained on the drafter in
-WEIGHTS/drafter, as training.ship writes them; a head with its own co-trained drafter is refused)."""
+WEIGHTS/drafter, as training.ship writes them; a head with its own co-trained drafter is refused). With xPress the
+file also holds `xpress_inputs`: per slot, how large a pass's input from the drafter's states is against its input
+from the previous token (InputNorms), over the teacher-forced passes."""
 from __future__ import annotations
 
 import json
@@ -32,6 +34,36 @@ import torch
 from core.errors import Parser, UsageError, cli_exit
 
 ROWS = 256  # logits rows softmaxed at a time (a 49K vocabulary: 50 MB in fp32)
+
+
+class InputNorms:
+    """What an xPress pass takes from each of its inputs, per block slot: the L2 norm of the drafter's half of x
+    (the head's block_cache: in_proj over [down_h(h_k) ; down_g(g)]) and of the token half (in_proj over
+    w1(prev_k)), summed over every pass it sees (`watch` wraps the head's latent for the teacher-forced runs)."""
+
+    def __init__(self, block: int):
+        self.hidden, self.token, self.passes = [0.0] * block, [0.0] * block, 0
+
+    def watch(self, head):
+        real = head.latent
+
+        def latent(cache, prev):
+            tok = torch.nn.functional.linear(head.w1(prev), head.in_proj.weight[:, 2 * head.rank:])
+            for k, (h, t) in enumerate(zip(cache.float().norm(dim=-1).tolist(), tok.float().norm(dim=-1).tolist())):
+                self.hidden[k] += h
+                self.token[k] += t
+            self.passes += 1
+            return real(cache, prev)
+        head.latent = latent  # an instance attribute over the method: `del head.latent` restores it
+
+    def record(self) -> dict:
+        n = max(self.passes, 1)
+        share = [round(t / (t + h), 4) if t + h else None for h, t in zip(self.hidden, self.token)]
+        return {"what": "per block slot, the mean L2 norm of an xPress pass's input from the drafter's states "
+                        "(in_proj's hidden half) and from the previous token (its token half), over the "
+                        "teacher-forced passes; token_share = token / (token + hidden)",
+                "passes": self.passes, "hidden_norm": [round(h / n, 4) for h in self.hidden],
+                "token_norm": [round(t / n, 4) for t in self.token], "token_share": share}
 
 
 def teacher_forced_runs(target, drafter, ids: list[int], start: int, refiner=None
@@ -249,6 +281,7 @@ def run(args) -> dict:
     target, tok = load_target(spec, backend, taps=dcfg.target_layer_ids)
     drafter = DFlashDrafter(load_dflash(weights / "drafter", dcfg, backend), target.embed, target.lm_head, backend)
     refiner, arm = build_refiner(args, ck, backend)
+    norms = InputNorms(drafter.block_size) if args.refiner == "xpress" else None
     settings = DecodeSettings(max_new_tokens=args.max_new_tokens, max_model_len=8192,
                               stop_ids=model_stop_ids(target.model, tok, STANDARD))
     prompts = []
@@ -256,7 +289,11 @@ def run(args) -> dict:
         ids = render_prompt(tok, [{"role": "user", "content": s.turns[0]}])
         ar = generate(target, ids, settings, backend)
         dec = generate(target, ids, settings, backend, drafter=drafter, refiner=refiner)
+        if norms is not None:
+            norms.watch(refiner.head)
         runs, probs = teacher_forced_runs(target, drafter, ids + ar.tokens, len(ids), refiner)
+        if norms is not None:
+            del refiner.head.latent
         rep = replay(runs, len(ids))
         prompts.append({"row": s.row, "prompt_tokens": len(ids), "new_tokens": len(ar.tokens),
                         "decode_equals_ar": dec.tokens == ar.tokens, "runs": runs, "target_prob": probs,
@@ -275,6 +312,7 @@ def run(args) -> dict:
            "dataset": args.dataset, "max_new_tokens": args.max_new_tokens,
            "device": backend.device.type, "dtype": str(backend.dtype).replace("torch.", ""),
            "block_size": drafter.block_size, **summary(prompts, drafter.block_size),
+           **({"xpress_inputs": norms.record()} if norms is not None else {}),
            "per_prompt": [{**q, **{k: {str(p): v for p, v in q[k].items()} for k in ("runs", "target_prob")}}
                           for q in prompts]}
     atomic_write(out, json.dumps(rec, indent=1) + "\n")
