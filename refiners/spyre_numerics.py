@@ -48,7 +48,7 @@ class _Block:
     def __init__(self, head: XPressHead, hidden: torch.Tensor, ids: torch.Tensor, base_c: torch.Tensor,
                  lead: torch.Tensor):
         r = head.rank
-        tok = head.in_proj.weight[:, 2 * r:]
+        tok = head.w_tok
         dt = head.w2.weight.dtype
         self.head, self.base_c = head, base_c
         self.cache = head.block_cache(hidden.to(dt))                                       # [B, r]

@@ -122,6 +122,7 @@ class XPressHead(nn.Module):
     block = property(lambda self: self.mix.L.shape[-1])
     hidden_size = property(lambda self: self.down_h.in_features)
     folded = property(lambda self: self.mix.folded)
+    w_tok = property(lambda self: self.in_proj.weight[:, 2 * self.rank:])  # in_proj's token half, [r, r]
 
     def fold(self) -> "XPressHead":
         self.mix.fold()
@@ -139,9 +140,13 @@ class XPressHead(nn.Module):
         return F.linear(torch.cat((self.down_h(hidden), g), -1), self.in_proj.weight[:, : 2 * r])
 
     # --- per pass --------------------------------------------------------------------------------------------------
+    def token_input(self, prev: torch.Tensor) -> torch.Tensor:
+        """prev [B] -> in_proj's token half applied to w1(prev), [B, r]: what a pass adds to the block cache."""
+        return F.linear(self.w1(prev), self.w_tok)
+
     def latent(self, cache: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """cache [B, r], prev [B] -> z [B-1, r] for the draft slots 1..B-1 (slot 0 is never read out)."""
-        x = cache + F.linear(self.w1(prev), self.in_proj.weight[:, 2 * self.rank:])
+        x = cache + self.token_input(prev)
         y = self.mix(x)[1:]
         return y + self.mlp(y)
 

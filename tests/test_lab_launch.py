@@ -17,10 +17,18 @@ CODE = "core data drafters harness refiners training scripts".split()
 FILES = "benchmark_compile_all.py bench_fair_fast.sh requirements.txt".split()
 
 
-def _copy_script(repo: Path) -> Path:
+def _copy_script(repo: Path, name: str = "training_gpu.sh") -> Path:
     (repo / "harness" / "lab").mkdir(parents=True)
-    shutil.copy(ROOT / "harness" / "lab" / "training_gpu.sh", repo / "harness" / "lab")
-    return repo / "harness" / "lab" / "training_gpu.sh"
+    shutil.copy(ROOT / "harness" / "lab" / name, repo / "harness" / "lab")
+    return repo / "harness" / "lab" / name
+
+
+def _wait_for(path: Path, tries: int = 100) -> None:
+    """Until a background job writes `path` (10 s at most): nothing it started is left running after the test."""
+    for _ in range(tries):
+        if path.is_file():
+            return
+        time.sleep(0.1)
 
 
 def test_training_start_returns_while_the_job_runs(tmp_path):
@@ -146,10 +154,7 @@ def test_tables_after_jobhead_says_so_and_writes_where_tres_says(tmp_path, tres)
     where = str(tmp_path / tres) if tres else "/tmp/res"
     assert f"cell gsm8k T=0 in [{where}] of {tmp_path / 'w' / 'smollm2-135m'}" in r.stdout
     done = tmp_path / "xrun.tables.done"
-    for _ in range(100):  # the cells' job ends: nothing left running after the test
-        if done.is_file():
-            break
-        time.sleep(0.1)
+    _wait_for(done)  # the cells' job ends: nothing left running after the test
     assert done.read_text().strip() == "rc=0"
 
 
@@ -159,8 +164,7 @@ def test_a_second_tables_job_without_benchmarks_starts_in_its_own_xtab(tmp_path)
     nothing would write (a hand-written one was the workaround, twenty-first session), and its paths were fixed
     under /tmp (JOB_CODE and WDIR move them now)."""
     repo = tmp_path / "repo"
-    (repo / "harness" / "lab").mkdir(parents=True)
-    shutil.copy(ROOT / "harness" / "lab" / "tables_gpu.sh", repo / "harness" / "lab")
+    script = _copy_script(repo, "tables_gpu.sh")
     code, w = tmp_path / "code", tmp_path / "w"
     (code / "harness" / "lab").mkdir(parents=True)
     (code / "harness" / "lab" / "smollm2_gpu.sh").write_text(
@@ -170,15 +174,12 @@ def test_a_second_tables_job_without_benchmarks_starts_in_its_own_xtab(tmp_path)
     xtab, xres = tmp_path / "xtab2", tmp_path / "res2"
     env = {**os.environ, "NOBENCH": "1", "XTAB": str(xtab), "XRES": str(xres), "JOB_CODE": str(code),
            "WDIR": str(w), "DATASETS": "gsm8k"}
-    r = subprocess.run(["bash", str(repo / "harness" / "lab" / "tables_gpu.sh"), "start", "0"], cwd=repo,
+    r = subprocess.run(["bash", str(script), "start", "0"], cwd=repo,
                        capture_output=True, text=True, env=env, timeout=60)
     done = xtab / "tables.done"
     try:
         assert r.returncode == 0, r.stderr
-        for _ in range(100):
-            if done.is_file():
-                break
-            time.sleep(0.1)
+        _wait_for(done)
         assert done.is_file() and done.read_text().strip() == "rc=0", (xtab / "tables.log").read_text()
         assert f"cells 0 into {xres} of {w / 'smollm2-135m'}" in (xtab / "tables.log").read_text()
     finally:  # a job still waiting for its bench.done (the bug) is released, so nothing is left running

@@ -48,7 +48,7 @@ class InputNorms:
         real = head.latent
 
         def latent(cache, prev):
-            tok = torch.nn.functional.linear(head.w1(prev), head.in_proj.weight[:, 2 * head.rank:])
+            tok = head.token_input(prev)
             for k, (h, t) in enumerate(zip(cache.float().norm(dim=-1).tolist(), tok.float().norm(dim=-1).tolist())):
                 self.hidden[k] += h
                 self.token[k] += t

@@ -21,9 +21,10 @@ from core.kernels.markov import fits as markov_fits, gated_latent as markov_gate
 from core.kernels.matmul import MAX_ROWS, WIDE_ROWS, LinearConfig, wide_linear
 from core.kernels.rows import rms_norm, silu_mul
 from core.kernels.select import attention, choose_linear, fits, linear
-from core.kernels.xpress import fits as xpress_fits, latent as xpress_latent, refused as xpress_refused
+from core.kernels.xpress import (fits as xpress_fits, head_weights as xpress_head_weights, latent as xpress_latent,
+                                 refused as xpress_refused)
 
 __all__ = ["MAX_ATTN_ROWS", "MAX_ROWS", "MAX_SPLITS", "HAS_GDC", "WIDE_ROWS", "Launch", "LinearConfig", "attention",
            "available", "choose_linear", "fits", "heads_fit", "interpreted", "linear", "markov_fits",
            "markov_gated_latent", "pdl_supported", "rms_norm", "silu_mul", "triton", "wide_linear", "write_kv",
-           "xpress_fits", "xpress_latent", "xpress_refused"]
+           "xpress_fits", "xpress_head_weights", "xpress_latent", "xpress_refused"]

@@ -88,10 +88,9 @@ if triton is not None:
             # first; the sum over j in the reduction's order, not j's (mix_transposed in `latent`)
             xt = tl.trans(x)
             yt = tl.zeros((RP, BP), dtype=tl.float32)
+            both_t = cok[:, None] & rok[None, :]
             for k in range(0, B):
-                live_t = cok[:, None] & rok[None, :]
-                if RAW:
-                    live_t = live_t & (rows[None, :] <= k)
+                live_t = both_t & (rows[None, :] <= k) if RAW else both_t
                 mk = tl.load(m_ptr + cols[:, None] * B * B + k * B + rows[None, :], mask=live_t, other=0.0)
                 yk = tl.sum(mk.to(tl.float32) * xt, axis=1)
                 yt = tl.where(rows[None, :] == k, yk[:, None], yt)
@@ -123,6 +122,13 @@ if triton is not None:
             acc += tl.dot(a, wd, input_precision=PREC)
         z = (y + rounded(acc, dt)).to(dt)
         tl.store(z_ptr + (rows[:, None] - 1) * s_z + cols[None, :], z, mask=both & (rows[:, None] >= 1))
+
+
+def head_weights(head) -> tuple:
+    """`latent`'s weight arguments from an xPress head (refiners.xpress.XPressHead, duck-typed: core sits below the
+    refiners): w1, in_proj's token half, the mixer, the MLP's gate, up and down."""
+    m = head.mlp
+    return head.w1.weight, head.w_tok, head.mix.L, m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
 
 
 def settings(block: int, rank: int, dtype: torch.dtype, device: torch.device, folded: bool = True,

@@ -145,10 +145,8 @@ class TritonOps(Ops):
         if why is not None:
             self.fallbacks["xpress latent", why] += 1
             return head.latent(cache, prev)
-        r, mlp = head.rank, head.mlp
-        return self._kernel("xpress_latent")(
-            cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L, mlp.gate_proj.weight,
-            mlp.up_proj.weight, mlp.down_proj.weight, folded=head.folded, launch=self.launch)
+        return self._kernel("xpress_latent")(cache, prev, *kernels.xpress_head_weights(head), folded=head.folded,
+                                             launch=self.launch)
 
     def markov_latent(self, head, prev, h, state):
         if head.variant == "vanilla":  # its latent is the embedding row itself: nothing to fuse

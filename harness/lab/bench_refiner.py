@@ -121,7 +121,7 @@ def measure(preset: str, device: str | None, dtype: str | None, passes: list[int
             "device": str(backend.device), "device_name": device_name, "dtype": str(backend.dtype),
             "threads": torch.get_num_threads(), "cuda_graph": use_graph, "kernels": type(ops).__name__,
             "latents": ops_latents(ops) if fused_latents else "torch modules (--unfused-latents)",
-            "latent_launch": latent_launch(ops, block, rank, mlp_ratio * rank, backend) if fused_latents else None,
+            "latent_launch": latent_launch(ops, block, rank, backend) if fused_latents else None,
             "compiled": compiled,
             "host_load_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "repeats": repeats,
             "torch": torch.__version__, "weights": "random (timing does not depend on values)", "rows": rows,
@@ -133,15 +133,13 @@ def ops_latents(ops) -> str:
     return "fused (Triton)" if getattr(ops, "name", None) == "triton" else "torch modules"
 
 
-def latent_launch(ops, block: int, rank: int, mlp: int, backend) -> dict | None:
+def latent_launch(ops, block: int, rank: int, backend) -> dict | None:
     """The fused xPress latent's launch at this geometry (the mix path, warps, tiles: kernels.xpress.settings), so a
-    file says which setting it timed; None where the latents are not fused, or where the kernel hands this head to
-    the torch ops (a geometry outside one program, or a dtype it refuses on this device)."""
-    if ops_latents(ops) != "fused (Triton)":
+    file says which setting it timed; None where the latents are not fused, or where the ops handed this head's
+    passes to the torch modules (their `fallbacks`: a geometry outside one program, a dtype the kernel refuses)."""
+    if ops_latents(ops) != "fused (Triton)" or any(what == "xpress latent" for what, _ in ops.fallbacks):
         return None
     from core.kernels import xpress
-    if not xpress.fits(block, rank, mlp) or xpress.refused(backend.dtype, backend.device) is not None:
-        return None
     s = xpress.settings(block, rank, backend.dtype, backend.device)
     return {"mix": "by rows (transposed)" if s["MIXT"] else "by slot columns", "num_warps": s["num_warps"],
             "BK": s["BK"], "BH": s["BH"]}

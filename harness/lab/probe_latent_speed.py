@@ -36,11 +36,9 @@ LAUNCHES, REPLAYS = 100, 20
 def _launcher(head, cache, prev, folded: bool, mixt: bool, warps: int, bk: int, bh: int):
     """A launch of `latent` at one setting, and the settings it launches with (PDL as the decode's TritonOps launches
     it: Launch(pdl=None), on where the GPU supports it)."""
-    r, m = head.rank, head.mlp
-    weights = (head.w1.weight, head.in_proj.weight[:, 2 * r:], head.mix.L, m.gate_proj.weight, m.up_proj.weight,
-               m.down_proj.weight)
+    weights = xpress.head_weights(head)
     launch, tiles = Launch(pdl=None).resolve(cache.device), {"MIXT": mixt, "num_warps": warps, "BK": bk, "BH": bh}
-    opts = xpress.settings(head.block, r, cache.dtype, cache.device, folded, launch, tiles=tiles)
+    opts = xpress.settings(head.block, head.rank, cache.dtype, cache.device, folded, launch, tiles=tiles)
     return (lambda: xpress.latent(cache, prev, *weights, folded=folded, launch=launch, tiles=tiles)), opts
 
 
@@ -79,9 +77,7 @@ def probe(block: int, rank: int, mlp: int, folded: bool, dev: torch.device, dtyp
     g = torch.Generator().manual_seed(1)
     cache = head.block_cache(torch.randn(block, hidden, generator=g).to(dev, dtype))
     prev = torch.randint(0, vocab, (block,), generator=g).to(dev)
-    ref = xpress.latent(cache, prev, head.w1.weight, head.in_proj.weight[:, 2 * rank:], head.mix.L,
-                        head.mlp.gate_proj.weight, head.mlp.up_proj.weight, head.mlp.down_proj.weight,
-                        folded=folded).clone()
+    ref = xpress.latent(cache, prev, *xpress.head_weights(head), folded=folded).clone()
     rows = []
     for mixt, warps, bk, bh in only or settings(rank):
         rec = {"block": block, "rank": rank, "mlp": mlp, "folded": folded, "mix_transposed": mixt,

@@ -31,9 +31,7 @@ def probe(block: int, rank: int, mlp: int, folded: bool, dev: torch.device) -> N
     prev = torch.randint(0, 300, (block,), generator=g).to(dev)
     cache = head.block_cache(h)
     want = head.latent(cache, prev)
-    m = head.mlp
-    w1, wt, mix = head.w1.weight, head.in_proj.weight[:, 2 * rank:], head.mix.L
-    gw, uw, dw = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+    w1, wt, mix, gw, uw, dw = xpress.head_weights(head)
     rp = pow2_at_least(rank, 16)
     for pdl, prec, warps, bk in itertools.product((False, True), ("ieee", "tf32", None), (4, 8),
                                                   sorted({16, min(rp, 64)})):
