@@ -96,9 +96,14 @@ def test_a_key_that_does_not_resolve_fails_with_its_reason(tmp_path, key, says):
 
 
 def test_run_folder_readmes_are_left_to_the_harness(tmp_path):
-    """Only hand-written READMEs are scanned: a run folder's README.md (beside summary.json) is the harness's."""
+    """Only hand-written READMEs are scanned: a run folder's README.md (beside summary.json) and a sweep folder's
+    (beside sweep.json) are the harness's."""
     root = tiny_repo(tmp_path, "none\n")
     (root / "results" / "smollm2-135m" / "gsm8k_t0" / "README.md").write_text("τ 9.99\n")
+    sweep = root / "results" / "sweeps" / "s1"
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.json").write_text("{}")
+    (sweep / "README.md").write_text("- tau capped by --max-new-tokens: 6% of Markov's verify steps\n")
     (root / "results" / "smollm2-135m" / "README.md").write_text("τ 9.99\n")
     assert [str(p.relative_to(root)) for p in rn.readmes(root)] == ["README.md", "results/smollm2-135m/README.md"]
     # the shipped weights' README quotes their training numbers too: it is scanned

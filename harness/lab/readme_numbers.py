@@ -19,8 +19,8 @@ The unmarked-number scan is a conservative heuristic: outside code, links and ma
 unit of results (×, %, ms, s, min, tok/s, MB, GB), or a decimal number in a table row or on a line that names
 τ, tau, speedup, Sp., ×, tok/s, % or ms, must be marked. Generic phrases ("95% CI") are allowed.
 
-Files: README.md and every README.md under results/ except those of run folders (a folder with summary.json:
-the harness writes them). A generated model card (`python -m training.card --from-json CARD --markdown MD`) is
+Files: README.md and every README.md under results/ except those of run and sweep folders (a folder with
+summary.json or sweep.json: the harness writes them). A generated model card (`python -m training.card --from-json CARD --markdown MD`) is
 compared with its committed card.json's rendering when that card.json is committed (CARDS).
 
 Adding a number: wrap its text in a marker whose key names an existing family, or add a family (a decorated
@@ -64,11 +64,11 @@ class Finding:
 
 
 def readmes(root: Path) -> list[Path]:
-    """README.md, the results READMEs a person writes (run folders' READMEs are the harness's) and the shipped
-    weights' READMEs."""
+    """README.md, the results READMEs a person writes (run and sweep folders' READMEs are the harness's: beside
+    summary.json or sweep.json) and the shipped weights' READMEs."""
     out = [root / "README.md"] if (root / "README.md").is_file() else []
     for p in sorted((root / "results").rglob("README.md")) if (root / "results").is_dir() else []:
-        if not (p.parent / "summary.json").is_file():
+        if not any((p.parent / f).is_file() for f in ("summary.json", "sweep.json")):
             out.append(p)
     return out + (sorted((root / "weights").glob("*/README.md")) if (root / "weights").is_dir() else [])
 
