@@ -121,3 +121,28 @@ def test_input_norms_are_the_two_halves_of_a_pass_and_leave_the_latent_unchanged
         t = sum(float(x[k].norm()) for x in tok) / 2
         assert rec["hidden_norm"][k] == pytest.approx(h, abs=1e-4) and rec["token_norm"][k] == pytest.approx(t, abs=1e-4)
         assert rec["token_share"][k] == pytest.approx(t / (t + h), abs=1e-3)
+
+
+def test_miss_rank_counts_the_tokens_above_the_truth_as_argmax_breaks_ties():
+    """A block's first wrong draft and where the true token stood: a hit block has none; a runner-up is rank 1; a
+    tie with a lower id counts above (argmax would pick it). Power: ranking from the hit's row, counting ties the
+    other way or from 0 each changes one assertion."""
+    import torch
+    from training.anchor_runs import miss_rank
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0],    # slot 0: drafted 1, truth 1 (a hit)
+                           [3.0, 1.0, 2.0, 0.0],    # slot 1: drafted 0, truth 2 (runner-up: rank 1)
+                           [1.0, 1.0, 1.0, 0.0]])   # slot 2: truth 2 ties 0 and 1 (both below its id: rank 2)
+    assert miss_rank(logits, torch.tensor([1, 2, 2]), run=1) == [1, 1]
+    assert miss_rank(logits, torch.tensor([1, 0, 2]), run=2) == [2, 2]
+    assert miss_rank(logits, torch.tensor([1, 0, 0]), run=3) is None
+
+
+def test_miss_ranks_split_the_first_slot_from_the_later_ones():
+    from training.anchor_runs import miss_ranks
+    q = [{"first_miss": {0: [0, 1], 1: [0, 7], 2: [3, 1]}}, {"first_miss": {5: [1, 20], 6: [2, 4], 7: [0, 2]}}]
+    s = miss_ranks(q)
+    assert s["first_slot"] == {"misses": 3, "runner_up": round(1 / 3, 4), "top5": round(2 / 3, 4), "top16": 1.0,
+                               "median_rank": 2}
+    assert s["later_slots"] == {"misses": 3, "runner_up": round(1 / 3, 4), "top5": round(2 / 3, 4),
+                                "top16": round(2 / 3, 4), "median_rank": 4}
+    assert miss_ranks([{"runs": {}}]) is None and miss_ranks([{"first_miss": {}}])["first_slot"] == {"misses": 0}

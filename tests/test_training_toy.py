@@ -196,6 +196,14 @@ def test_anchor_runs_replay_the_decode_on_the_toy(toy, tmp_path):
     assert max(r for q in rec["per_prompt"] for r in q["replay"]) >= 3  # multi-token jumps, not all misses
     assert rec["decoded_tau"] > 2 and rec["anchors"] == sum(len(q["runs"]) for q in rec["per_prompt"])
     assert rec["arm"] == "drafter-only"
+    # every block with a wrong draft records its first one: at the accepted run, with AR's token ranked below it
+    block = rec["block_size"]
+    for q in rec["per_prompt"]:
+        assert set(q["first_miss"]) == {p for p, r in q["runs"].items() if r < block - 1}
+        assert all(slot == q["runs"][p] and rank >= 1 for p, (slot, rank) in q["first_miss"].items())
+    fm = rec["first_miss"]
+    total = sum(len(q["first_miss"]) for q in rec["per_prompt"])
+    assert total and fm["first_slot"]["misses"] + fm["later_slots"]["misses"] == total
     # the xPress head refines every draft, teacher-forced and in the decode alike: the replay is still the decode's,
     # and the head raises the runs (the toy's K=3 leads drafter-only by >= 1.35 tau: this module's docstring)
     head = tmp_path / "xpress.json"

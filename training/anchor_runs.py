@@ -22,7 +22,10 @@ Drafter-only by default; `--refiner xpress` (K = `--passes`) or `markov` refines
 in the decode alike, with the head in WEIGHTS/xpress or WEIGHTS/markov (heads trained on the drafter in
 WEIGHTS/drafter, as training.ship writes them; a head with its own co-trained drafter is refused). With xPress the
 file also holds `xpress_inputs`: per slot, how large a pass's input from the drafter's states is against its input
-from the previous token (InputNorms), over the teacher-forced passes."""
+from the previous token (InputNorms), over the teacher-forced passes. At every teacher-forced anchor whose block has a
+wrong draft, `first_miss` records where AR's token stood in the logits that draft was chosen from (the drafter's,
+or the head's refined ones): how many tokens were put above it (1: it was the runner-up), over the first draft
+slot and the later ones apart; a refinement that reorders near-misses can only fix a miss whose token is close."""
 from __future__ import annotations
 
 import json
@@ -66,11 +69,21 @@ class InputNorms:
                 "token_norm": [round(t / n, 4) for t in self.token], "token_share": share}
 
 
+def miss_rank(logits: torch.Tensor, truth: torch.Tensor, run: int) -> list[int] | None:
+    """[slot, rank] of the first wrong draft of a block (slot = the accepted run before it), rank = the tokens its
+    logits row puts above the true token (greater, or equal with a lower id, as argmax breaks ties: a miss has
+    rank >= 1); None when every draft is right."""
+    if run >= truth.shape[0]:
+        return None
+    row, t = logits[run].float(), int(truth[run])
+    return [run, int((row > row[t]).sum()) + int((row[:t] == row[t]).sum())]
+
+
 def teacher_forced_runs(target, drafter, ids: list[int], start: int, refiner=None
-                        ) -> tuple[dict[int, int], dict[int, float]]:
-    """({anchor p: accepted drafts}, {p: the target's probability of token p after what precedes it}) for p in
-    [start, len(ids) - block]: drafts (refined by `refiner` when given, as the decode refines them) compared with
-    ids[p+1 : p+block]."""
+                        ) -> tuple[dict[int, int], dict[int, float], dict[int, list[int]]]:
+    """({anchor p: accepted drafts}, {p: the target's probability of token p after what precedes it}, {p: the first
+    wrong draft's [slot, rank] (miss_rank), for the anchors that have one}) for p in [start, len(ids) - block]:
+    drafts (refined by `refiner` when given, as the decode refines them) compared with ids[p+1 : p+block]."""
     from core.protocols import RefineContext
     from harness.decode.verify import leading_run
     block = drafter.block_size
@@ -83,7 +96,7 @@ def teacher_forced_runs(target, drafter, ids: list[int], start: int, refiner=Non
     chosen = torch.cat([logits[a:min(a + ROWS, n - 1)].float().softmax(-1).gather(1, t[a + 1:a + ROWS + 1, None])[:, 0]
                         for a in range(0, n - 1, ROWS)])  # chosen[i]: P(token i+1 | up to i), ROWS rows at a time
     drafter.begin(feats)
-    runs, probs = {}, {}
+    runs, probs, misses = {}, {}, {}
     for p in range(start, n - block + 1):
         pos = torch.tensor(p, device=t.device)
         prop = drafter.propose(t[p], pos, p + block)
@@ -91,10 +104,13 @@ def teacher_forced_runs(target, drafter, ids: list[int], start: int, refiner=Non
             prop = refiner.refine(prop, RefineContext(anchor=t[p], prev_token=t[p - 1]))
         runs[p] = int(leading_run(prop.tokens == t[p + 1:p + block]))
         probs[p] = round(float(chosen[p - 1]), 5)
+        miss = miss_rank(prop.logits, t[p + 1:p + block], runs[p])
+        if miss is not None:
+            misses[p] = miss
         # the block wrote its K/V over slots p .. p+block-1: the context's rows go back for the next anchor
         drafter.model.write_context(feats[p:p + block], torch.arange(p, p + block, device=t.device), drafter.kv,
                                     drafter.ops)
-    return runs, probs
+    return runs, probs, misses
 
 
 def visited(runs: dict[int, int], start: int) -> list[int]:
@@ -139,6 +155,29 @@ def auc_lower(pos: list[float], neg: list[float]) -> float | None:
         below += n_neg
         i = j
     return wins / (len(pos) * len(neg))
+
+
+def miss_ranks(prompts: list[dict]) -> dict | None:
+    """Where AR's token stood at the first wrong draft of each block (the prompts' `first_miss`), the first draft
+    slot and the later slots apart: the misses, the share whose token was the runner-up (rank 1), in the top 5 and
+    in the top 16, and the median rank. None when no prompt recorded misses."""
+    if not any("first_miss" in q for q in prompts):
+        return None
+
+    def group(ranks):
+        if not ranks:
+            return {"misses": 0}
+        ranks = sorted(ranks)
+
+        def share(k):
+            return round(sum(r <= k for r in ranks) / len(ranks), 4)
+        return {"misses": len(ranks), "runner_up": share(1), "top5": share(4), "top16": share(15),
+                "median_rank": ranks[(len(ranks) - 1) // 2]}
+    ms = [m for q in prompts for m in q.get("first_miss", {}).values()]
+    return {"what": "at each teacher-forced anchor with a wrong draft, the first one's rank of AR's token in the "
+                    "logits it was chosen from (tokens above it; 1 = runner-up)",
+            "first_slot": group([r for slot, r in ms if slot == 0]),
+            "later_slots": group([r for slot, r in ms if slot > 0])}
 
 
 def summary(prompts: list[dict], block: int) -> dict:
@@ -187,6 +226,7 @@ def summary(prompts: list[dict], block: int) -> dict:
         # of the prompts with a replay (a whole block after the answer's start), those whose replay is the decode
         "replay_equals_decode": sum(q["replay_equals_decode"] for q in compared), "replay_prompts": len(compared),
         "prompts": len(prompts),
+        **({"first_miss": fm} if (fm := miss_ranks(prompts)) is not None else {}),
     }
 
 
@@ -291,12 +331,13 @@ def run(args) -> dict:
         dec = generate(target, ids, settings, backend, drafter=drafter, refiner=refiner)
         if norms is not None:
             norms.watch(refiner.head)
-        runs, probs = teacher_forced_runs(target, drafter, ids + ar.tokens, len(ids), refiner)
+        runs, probs, misses = teacher_forced_runs(target, drafter, ids + ar.tokens, len(ids), refiner)
         if norms is not None:
             del refiner.head.latent
         rep = replay(runs, len(ids))
         prompts.append({"row": s.row, "prompt_tokens": len(ids), "new_tokens": len(ar.tokens),
                         "decode_equals_ar": dec.tokens == ar.tokens, "runs": runs, "target_prob": probs,
+                        "first_miss": misses,
                         "replay": rep,
                         "decode_accepted": dec.accepted, "decode_lengths": dec.accept_lengths,
                         # the decode's steps the replay covers (its last ones run out of room for a whole block)
@@ -313,7 +354,8 @@ def run(args) -> dict:
            "device": backend.device.type, "dtype": str(backend.dtype).replace("torch.", ""),
            "block_size": drafter.block_size, **summary(prompts, drafter.block_size),
            **({"xpress_inputs": norms.record()} if norms is not None else {}),
-           "per_prompt": [{**q, **{k: {str(p): v for p, v in q[k].items()} for k in ("runs", "target_prob")}}
+           "per_prompt": [{**q, **{k: {str(p): v for p, v in q[k].items()}
+                                   for k in ("runs", "target_prob", "first_miss")}}
                           for q in prompts]}
     atomic_write(out, json.dumps(rec, indent=1) + "\n")
     replayed, decoded = (sum(len(q[k]) for q in prompts) for k in ("replay", "decode_accepted"))
