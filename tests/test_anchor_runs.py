@@ -67,6 +67,9 @@ def test_auc_counts_pairs_and_half_ties():
     (["--refiner", "xpress", "--passes", "0"], "--passes must be >= 1"),
     (["--passes", "3"], "--passes 3 refines with xPress only; add --refiner xpress"),
     (["--refiner", "markov", "--passes", "3"], "--passes 3 refines with xPress only"),
+    (["--topc", "5"], "--topc 5 refines with xPress only; add --refiner xpress"),
+    (["--refiner", "xpress", "--topc", "-1"], "--topc must be 0 (the full vocabulary) or a shortlist of 1..1024"),
+    (["--refiner", "xpress", "--topc", "1025"], "--topc must be 0"),
     (["--refiner", "xpress", "--weights", "EMPTY"], "is not a folder"),
 ])
 def test_refusals_say_what_and_write_nothing(tmp_path, capsys, monkeypatch, args, says):

@@ -219,6 +219,15 @@ def test_anchor_runs_replay_the_decode_on_the_toy(toy, tmp_path):
     ins = xp["xpress_inputs"]
     assert ins["passes"] == 3 * xp["anchors"] and len(ins["token_share"]) == xp["block_size"]
     assert all(0 < s < 1 for s in ins["token_share"]) and "xpress_inputs" not in rec
+    # --topc 1 leaves each slot one candidate, the drafter's own best: the head's runs become drafter-only's
+    one = tmp_path / "xpress_top1.json"
+    assert main(["--out", str(one), "--weights", str(root / "work" / "export"), "--model-name-or-path",
+                 str(root / "target"), "--data-dir", str(root / "eval"), "--dataset", "toy_eval",
+                 "--max-samples", "4", "--max-new-tokens", str(NEW_TOKENS), "--refiner", "xpress",
+                 "--passes", "3", "--topc", "1"]) == 0
+    top1 = json.loads(one.read_text())
+    assert top1["arm"] == "xPress(K=3, top-C 1)"
+    assert [q["runs"] for q in top1["per_prompt"]] == [q["runs"] for q in rec["per_prompt"]]
 
 
 GPU_PRESET = Path(__file__).resolve().parent.parent / "training" / "configs" / "smollm2-gpu.json"

@@ -3,7 +3,7 @@ against the anchors a greedy decode visits.
 
     python -m training.anchor_runs --out FILE.json [--weights DIR] [--model-name-or-path SPEC] [--dataset gsm8k]
                                    [--max-samples 16] [--max-new-tokens 96] [--device cpu] [--dtype float32]
-                                   [--refiner none|xpress|markov] [--passes 4]
+                                   [--refiner none|xpress|markov] [--passes 4] [--topc 0]
 
 For each prompt: AR's greedy text, then, at every anchor p of it (the first new token up to the last position a
 whole block fits), the drafter's block from the target's taps before p and the token at p, teacher-forced as
@@ -18,7 +18,7 @@ rounded differently from the decode's, and the count of prompts that agree says 
 What the file holds (every number is over the prompts and anchors it names): all-anchor eal, replayed τ and
 decoded τ, the run at decode anchors (after the first) against all anchors, per-position accuracy over all anchors
 (as speculators' position_k_acc), and per prompt its anchors, steps and whether the replay equals the decode.
-Drafter-only by default; `--refiner xpress` (K = `--passes`) or `markov` refines every draft, teacher-forced and
+Drafter-only by default; `--refiner xpress` (K = `--passes`, shortlist `--topc`) or `markov` refines every draft, teacher-forced and
 in the decode alike, with the head in WEIGHTS/xpress or WEIGHTS/markov (heads trained on the drafter in
 WEIGHTS/drafter, as training.ship writes them; a head with its own co-trained drafter is refused). With xPress the
 file also holds `xpress_inputs`: per slot, how large a pass's input from the drafter's states is against its input
@@ -247,15 +247,24 @@ def parse(argv):
                     help="refine each draft with the head in WEIGHTS/xpress or WEIGHTS/markov (default: drafter-only)")
     ap.add_argument("--passes", type=int, default=None, help="xPress's refinement passes K (--refiner xpress only; "
                     "default 4)")
+    ap.add_argument("--topc", type=int, default=None, help="xPress's shortlist: every pass picks among the drafter's "
+                    "C best tokens a slot (--refiner xpress only; default 0, the full vocabulary, as --xpress-topc)")
     return ap.parse_args(argv)
 
 
 def check_refiner_args(args, weights: Path) -> None:
     """--refiner and --passes, from the arguments and the folder alone."""
-    if args.passes is not None and args.refiner != "xpress":
-        raise UsageError(f"--passes {args.passes} refines with xPress only; add --refiner xpress or drop --passes")
+    for flag, value in (("--passes", args.passes), ("--topc", args.topc)):
+        if value is not None and args.refiner != "xpress":
+            raise UsageError(f"{flag} {value} refines with xPress only; add --refiner xpress or drop {flag}")
     if args.passes is None:
         args.passes = 4
+    if args.topc is None:
+        args.topc = 0
+    from refiners.xpress import MAX_TOPC
+    if not 0 <= args.topc <= MAX_TOPC:
+        raise UsageError(f"--topc must be 0 (the full vocabulary) or a shortlist of 1..{MAX_TOPC} tokens "
+                         f"(got {args.topc})")
     if args.refiner == "xpress" and args.passes < 1:
         raise UsageError(f"--passes must be >= 1 for --refiner xpress (got {args.passes}); K=0 is drafter-only")
     if args.refiner != "none" and not (weights / args.refiner).is_dir():
@@ -280,12 +289,17 @@ def refiner_checkpoint(args, weights: Path, dcfg, vocab: int):
 def build_refiner(args, ck, backend):
     """The refiner as the main CLI builds it for a head without a co-trained drafter (harness/protocol/build.py)."""
     from refiners.markov import MarkovRefiner, markov_head_from_state
-    from refiners.xpress import XPressRefiner, xpress_head_from_state
+    from refiners.xpress import XPressRefiner, validate_topc, xpress_head_from_state
     if ck is None:
         return None, "drafter-only"
     if args.refiner == "xpress":
         head = xpress_head_from_state(ck.head_state, mixer=ck.mixer, device=backend.device, dtype=backend.dtype)
-        return XPressRefiner(head, args.passes), f"xPress(K={args.passes})"
+        try:
+            topc = validate_topc(args.topc, head.vocab)
+        except ValueError as e:  # a vocabulary smaller than the shortlist (the bound above is MAX_TOPC)
+            raise UsageError(f"--topc: {e}") from None
+        arm = f"xPress(K={args.passes}, top-C {topc})" if topc else f"xPress(K={args.passes})"
+        return XPressRefiner(head, args.passes, topc=topc), arm
     head = markov_head_from_state(ck.head_state, ck.variant, device=backend.device, dtype=backend.dtype)
     return MarkovRefiner(head), f"Markov ({ck.variant})"
 
