@@ -20,12 +20,13 @@ decoded τ, the run at decode anchors (after the first) against all anchors, per
 (as speculators' position_k_acc), and per prompt its anchors, steps and whether the replay equals the decode.
 Drafter-only by default; `--refiner xpress` (K = `--passes`, shortlist `--topc`) or `markov` refines every draft,
 teacher-forced and in the decode alike, with the head in WEIGHTS/xpress or WEIGHTS/markov (heads trained on the
-drafter in WEIGHTS/drafter, as training.ship writes them; a head with its own co-trained drafter is refused). With xPress the
-file also holds `xpress_inputs`: per slot, how large a pass's input from the drafter's states is against its input
-from the previous token (InputNorms), over the teacher-forced passes. At every teacher-forced anchor whose block has a
-wrong draft, `first_miss` records where AR's token stood in the logits that draft was chosen from (the drafter's,
-or the head's refined ones): how many tokens were put above it (1: it was the runner-up), over the first draft
-slot and the later ones apart: how near the drafter's (or the head's) best the token a refinement had to pick was."""
+drafter in WEIGHTS/drafter, as training.ship writes them; a head with its own co-trained drafter is refused). With
+xPress the file also holds `xpress_inputs`: per slot, how large a pass's input from the drafter's states is against
+its input from the previous token (InputNorms), over the teacher-forced passes. At every teacher-forced anchor whose
+block has a wrong draft, `first_miss` records where AR's token stood in the logits that draft was chosen from (the
+drafter's, or the head's refined ones): how many tokens were put above it (1: it was the runner-up), over the first
+draft slot and the later ones apart: how near the drafter's (or the head's) best the token a refinement had to pick
+was."""
 from __future__ import annotations
 
 import json
