@@ -134,18 +134,26 @@ def test_miss_rank_counts_the_tokens_above_the_truth_as_argmax_breaks_ties():
     from training.anchor_runs import miss_rank
     logits = torch.tensor([[0.0, 5.0, 1.0, 2.0],    # slot 0: drafted 1, truth 1 (a hit)
                            [3.0, 1.0, 2.0, 0.0],    # slot 1: drafted 0, truth 2 (runner-up: rank 1)
-                           [1.0, 1.0, 1.0, 0.0]])   # slot 2: truth 2 ties 0 and 1 (both below its id: rank 2)
+                           [1.0, 1.0, 1.0, 1.0]])   # slot 2: four equal logits
     assert miss_rank(logits, torch.tensor([1, 2, 2]), run=1) == [1, 1]
-    assert miss_rank(logits, torch.tensor([1, 0, 2]), run=2) == [2, 2]
+    assert miss_rank(logits, torch.tensor([1, 0, 2]), run=2) == [2, 2]  # ties 0 and 1 rank above, 3 does not
+    assert miss_rank(logits, torch.tensor([1, 0, 1]), run=2) == [2, 1]
     assert miss_rank(logits, torch.tensor([1, 0, 0]), run=3) is None
+    # a shortlist of two (-inf elsewhere): a truth off it ranks below both, whatever its id
+    inf = float("-inf")
+    short = torch.tensor([[inf, 2.0, inf, 1.0, inf, inf]])
+    assert miss_rank(short, torch.tensor([0]), run=0) == [0, 2] == miss_rank(short, torch.tensor([5]), run=0)
+    assert miss_rank(short, torch.tensor([3]), run=0) == [0, 1]
 
 
 def test_miss_ranks_split_the_first_slot_from_the_later_ones():
     from training.anchor_runs import miss_ranks
-    q = [{"first_miss": {0: [0, 1], 1: [0, 7], 2: [3, 1]}}, {"first_miss": {5: [1, 20], 6: [2, 4], 7: [0, 2]}}]
+    # ranks 4/5 and 15/16 sit on the top-5 and top-16 edges (rank counts the tokens above: top 5 is rank <= 4)
+    q = [{"first_miss": {0: [0, 1], 1: [0, 5], 2: [3, 1]}}, {"first_miss": {5: [1, 16], 6: [2, 4], 7: [0, 2],
+                                                                           8: [4, 15]}}]
     s = miss_ranks(q)
     assert s["first_slot"] == {"misses": 3, "runner_up": round(1 / 3, 4), "top5": round(2 / 3, 4), "top16": 1.0,
                                "median_rank": 2}
-    assert s["later_slots"] == {"misses": 3, "runner_up": round(1 / 3, 4), "top5": round(2 / 3, 4),
-                                "top16": round(2 / 3, 4), "median_rank": 4}
+    assert s["later_slots"] == {"misses": 4, "runner_up": 0.25, "top5": 0.5, "top16": 0.75,
+                                "median_rank": 4}  # ranks 1, 4, 15, 16: the lower median
     assert miss_ranks([{"runs": {}}]) is None and miss_ranks([{"first_miss": {}}])["first_slot"] == {"misses": 0}

@@ -73,11 +73,13 @@ class InputNorms:
 def miss_rank(logits: torch.Tensor, truth: torch.Tensor, run: int) -> list[int] | None:
     """[slot, rank] of the first wrong draft of a block (slot = the accepted run before it), rank = the tokens its
     logits row puts above the true token (greater, or equal with a lower id, as argmax breaks ties: a miss has
-    rank >= 1); None when every draft is right."""
+    rank >= 1); None when every draft is right. A true token off an xPress shortlist (its logit -inf) ranks below
+    every candidate: rank C, whatever its id."""
     if run >= truth.shape[0]:
         return None
     row, t = logits[run].float(), int(truth[run])
-    return [run, int((row > row[t]).sum()) + int((row[:t] == row[t]).sum())]
+    ties = int((row[:t] == row[t]).sum()) if torch.isfinite(row[t]) else 0
+    return [run, int((row > row[t]).sum()) + ties]
 
 
 def teacher_forced_runs(target, drafter, ids: list[int], start: int, refiner=None
@@ -161,7 +163,8 @@ def auc_lower(pos: list[float], neg: list[float]) -> float | None:
 def miss_ranks(prompts: list[dict]) -> dict | None:
     """Where AR's token stood at the first wrong draft of each block (the prompts' `first_miss`), the first draft
     slot and the later slots apart: the misses, the share whose token was the runner-up (rank 1), in the top 5 and
-    in the top 16, and the median rank. None when no prompt recorded misses."""
+    in the top 16, and the median rank (the lower one of an even count). None when no prompt has a `first_miss`
+    record; a group without misses is {"misses": 0}."""
     if not any("first_miss" in q for q in prompts):
         return None
 
