@@ -139,10 +139,10 @@ def test_miss_rank_counts_the_tokens_above_the_truth_as_argmax_breaks_ties():
     assert miss_rank(logits, torch.tensor([1, 0, 2]), run=2) == [2, 2]  # ties 0 and 1 rank above, 3 does not
     assert miss_rank(logits, torch.tensor([1, 0, 1]), run=2) == [2, 1]
     assert miss_rank(logits, torch.tensor([1, 0, 0]), run=3) is None
-    # a shortlist of two (-inf elsewhere): a truth off it ranks below both, whatever its id
+    # a shortlist of two (-inf elsewhere): a truth off it has no rank, whatever its id
     inf = float("-inf")
     short = torch.tensor([[inf, 2.0, inf, 1.0, inf, inf]])
-    assert miss_rank(short, torch.tensor([0]), run=0) == [0, 2] == miss_rank(short, torch.tensor([5]), run=0)
+    assert miss_rank(short, torch.tensor([0]), run=0) == [0, None] == miss_rank(short, torch.tensor([5]), run=0)
     assert miss_rank(short, torch.tensor([3]), run=0) == [0, 1]
 
 
@@ -153,7 +153,11 @@ def test_miss_ranks_split_the_first_slot_from_the_later_ones():
                                                                            8: [4, 15]}}]
     s = miss_ranks(q)
     assert s["first_slot"] == {"misses": 3, "runner_up": round(1 / 3, 4), "top5": round(2 / 3, 4), "top16": 1.0,
-                               "median_rank": 2}
+                               "median_rank": 2, "off_shortlist": 0}
     assert s["later_slots"] == {"misses": 4, "runner_up": 0.25, "top5": 0.5, "top16": 0.75,
-                                "median_rank": 4}  # ranks 1, 4, 15, 16: the lower median
+                                "median_rank": 4, "off_shortlist": 0}  # ranks 1, 4, 15, 16: the lower median
+    # off a shortlist: in no top-k share, ranked past the others (here the median), counted apart
+    off = miss_ranks([{"first_miss": {0: [2, None], 1: [2, 1], 2: [3, None]}}])["later_slots"]
+    assert off == {"misses": 3, "runner_up": round(1 / 3, 4), "top5": round(1 / 3, 4), "top16": round(1 / 3, 4),
+                   "median_rank": None, "off_shortlist": 2}
     assert miss_ranks([{"runs": {}}]) is None and miss_ranks([{"first_miss": {}}])["first_slot"] == {"misses": 0}

@@ -228,6 +228,10 @@ def test_anchor_runs_replay_the_decode_on_the_toy(toy, tmp_path):
     top1 = json.loads(one.read_text())
     assert top1["arm"] == "xPress(K=3, top-C 1)"
     assert [q["runs"] for q in top1["per_prompt"]] == [q["runs"] for q in rec["per_prompt"]]
+    # and each miss's token was off that one-token list (none ranked)
+    fm1 = top1["first_miss"]
+    assert all(rank is None for q in top1["per_prompt"] for _, rank in q["first_miss"].values())
+    assert fm1["first_slot"].get("off_shortlist", 0) + fm1["later_slots"].get("off_shortlist", 0) == total
 
 
 GPU_PRESET = Path(__file__).resolve().parent.parent / "training" / "configs" / "smollm2-gpu.json"

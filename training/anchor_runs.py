@@ -73,13 +73,14 @@ class InputNorms:
 def miss_rank(logits: torch.Tensor, truth: torch.Tensor, run: int) -> list[int] | None:
     """[slot, rank] of the first wrong draft of a block (slot = the accepted run before it), rank = the tokens its
     logits row puts above the true token (greater, or equal with a lower id, as argmax breaks ties: a miss has
-    rank >= 1); None when every draft is right. A true token off an xPress shortlist (its logit -inf) ranks below
-    every candidate: rank C, whatever its id."""
+    rank >= 1); None when every draft is right. A true token off an xPress shortlist (its logit -inf: the arm could
+    not pick it) has rank None, whatever its id."""
     if run >= truth.shape[0]:
         return None
     row, t = logits[run].float(), int(truth[run])
-    ties = int((row[:t] == row[t]).sum()) if torch.isfinite(row[t]) else 0
-    return [run, int((row > row[t]).sum()) + ties]
+    if not torch.isfinite(row[t]):
+        return [run, None]
+    return [run, int((row > row[t]).sum()) + int((row[:t] == row[t]).sum())]
 
 
 def teacher_forced_runs(target, drafter, ids: list[int], start: int, refiner=None
@@ -163,20 +164,22 @@ def auc_lower(pos: list[float], neg: list[float]) -> float | None:
 def miss_ranks(prompts: list[dict]) -> dict | None:
     """Where AR's token stood at the first wrong draft of each block (the prompts' `first_miss`), the first draft
     slot and the later slots apart: the misses, the share whose token was the runner-up (rank 1), in the top 5 and
-    in the top 16, and the median rank (the lower one of an even count). None when no prompt has a `first_miss`
-    record; a group without misses is {"misses": 0}."""
+    in the top 16, and the median rank (the lower one of an even count), each over all the misses; a token off an
+    xPress shortlist (rank None) is in none of them, ranks past every other, and is counted in `off_shortlist`.
+    None when no prompt has a `first_miss` record; a group without misses is {"misses": 0}."""
     if not any("first_miss" in q for q in prompts):
         return None
 
     def group(ranks):
         if not ranks:
             return {"misses": 0}
-        ranks = sorted(ranks)
+        off = sum(r is None for r in ranks)
+        ranks = sorted(r for r in ranks if r is not None) + [None] * off
 
         def share(k):
-            return round(sum(r <= k for r in ranks) / len(ranks), 4)
+            return round(sum(r is not None and r <= k for r in ranks) / len(ranks), 4)
         return {"misses": len(ranks), "runner_up": share(1), "top5": share(4), "top16": share(15),
-                "median_rank": ranks[(len(ranks) - 1) // 2]}
+                "median_rank": ranks[(len(ranks) - 1) // 2], "off_shortlist": off}
     ms = [m for q in prompts for m in q.get("first_miss", {}).values()]
     return {"what": "at each teacher-forced anchor with a wrong draft, the first one's rank of AR's token in the "
                     "logits it was chosen from (tokens above it; 1 = runner-up)",
