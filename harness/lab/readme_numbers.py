@@ -20,8 +20,8 @@ unit of results (×, %, ms, s, min, tok/s, MB, GB), or a decimal number in a tab
 τ, tau, speedup, Sp., ×, tok/s, % or ms, must be marked. Generic phrases ("95% CI") are allowed.
 
 Files: README.md and every README.md under results/ except those of run and sweep folders (a folder with
-summary.json or sweep.json: the harness writes them). A generated model card (`python -m training.card --from-json CARD --markdown MD`) is
-compared with its committed card.json's rendering when that card.json is committed (CARDS).
+summary.json or sweep.json: the harness writes them). A generated model card (`python -m training.card --from-json
+CARD --markdown MD`) is compared with its committed card.json's rendering when that card.json is committed (CARDS).
 
 Adding a number: wrap its text in a marker whose key names an existing family, or add a family (a decorated
 function of a few lines in readme_numbers_keys.py or readme_numbers_more.py), then run --write and --check.
