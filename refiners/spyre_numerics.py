@@ -18,7 +18,6 @@ of greedy drafts is an exact match, which never reads q).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from core.protocols import Proposal, RefineContext
 from refiners.xpress import XPressHead, check_geometry, validate_passes, validate_topc
@@ -47,14 +46,12 @@ class _Block:
 
     def __init__(self, head: XPressHead, hidden: torch.Tensor, ids: torch.Tensor, base_c: torch.Tensor,
                  lead: torch.Tensor):
-        r = head.rank
-        tok = head.w_tok
         dt = head.w2.weight.dtype
         self.head, self.base_c = head, base_c
         self.cache = head.block_cache(hidden.to(dt))                                       # [B, r]
-        self.lead = F.linear(head.w1(lead), tok)                                           # [2, r]
+        self.lead = head.token_input(lead)                                                 # [2, r]
         self.w2_c = head.w2.weight.index_select(0, ids.flatten()).view(*ids.shape, -1)     # [B-1, C, r]
-        self.emb_c = F.linear(head.w1.weight.index_select(0, ids[:-1].flatten()), tok).view(*ids[:-1].shape, r)
+        self.emb_c = head.token_input(ids[:-1].flatten()).view(*ids[:-1].shape, head.rank)
         self.order = torch.arange(ids.shape[-1], device=ids.device, dtype=torch.int32)
 
     def onehot(self, positions: torch.Tensor) -> torch.Tensor:
