@@ -139,9 +139,10 @@ def recipe_record(spec: dict | None) -> dict | None:
     """What a model was trained from and how, from its config as the export recorded it: the folder it started
     from, whether its drafter backbone trained (a drafter), stayed frozen (a head on a drafter) or was co-trained with
     the head at lr x backbone_lr_scale (training/cotrain.py), a head's rank (xpress_rank, markov_rank: the export's
-    config carries both heads' defaults, so only the model's own is read), its lr (null: train.lr), epochs and time
-    box, and for xPress the consistency and base-anchor weights of its loss (the base-anchor term counts only while
-    the drafter trains with the head)."""
+    config carries both heads' defaults, so only the model's own is read), its loss (loss_fn: a name or a mapping of
+    names to weights), its lr (null: train.lr), epochs and time box, and for xPress its MLP's width over its rank
+    (xpress_mlp_ratio) and the consistency and base-anchor weights of its loss (the base-anchor term counts only
+    while the drafter trains with the head)."""
     if spec is None:
         return None
     head = spec.get("type") != "dflash"
@@ -153,12 +154,25 @@ def recipe_record(spec: dict | None) -> dict | None:
         backbone = f"co-trained at lr x {spec.get('backbone_lr_scale') or 1}"
     rank = RANK_KEY.get(spec.get("type"))
     out = {"type": spec.get("type"), "init_from": spec.get("init_from"), "backbone": backbone,
-           "rank": spec.get(rank) if rank else None, "lr": spec.get("lr"),
+           "rank": spec.get(rank) if rank else None, "loss": loss_text(spec.get("loss_fn")), "lr": spec.get("lr"),
            "epochs": spec.get("epochs"), "max_minutes": spec.get("max_minutes")}
     if spec.get("type") == "xpress":
+        out["mlp_ratio"] = spec.get("xpress_mlp_ratio")
         out["consistency_weight"] = spec.get("consistency_weight")
         out["base_anchor_weight"] = spec.get("base_anchor_weight") if backbone.startswith("co-trained") else None
     return out
+
+
+def loss_text(spec) -> str | None:
+    """models.<name>.loss_fn as the card prints it: a name as it is, a mapping ('{"ce": 0.1, "tv": 0.9}', the JSON
+    string training/loss_spec.py leaves) as "ce 0.1 + tv 0.9"."""
+    if not isinstance(spec, str):
+        return None
+    try:
+        weights = json.loads(spec)
+    except json.JSONDecodeError:
+        return spec
+    return " + ".join(f"{k} {w}" for k, w in weights.items()) if isinstance(weights, dict) else spec
 
 
 def card_record(work: Path, summary: list[dict], ship_dir: Path | None = None, title: str | None = None) -> dict:
