@@ -27,7 +27,7 @@ rec = compiling.load_cache(path)
 fns = {"f": lambda x, w: torch.nn.functional.silu(x @ w).sum(-1) * 2, "g": lambda x, w: torch.tanh(x @ w).mean(-1) + 3}
 for name in filter(None, names.split(",")):
     torch.compile(fns[name], dynamic=False)(torch.randn(4, 8), torch.randn(8, 8))
-also = compiling.save_cache(also, rec) if also else None  # before the save below, which rec then records
+also = compiling.save_cache(also, rec) if also else None  # first: the save below starts from the same rec
 rec = compiling.save_cache(save_to, rec)
 print(json.dumps({**rec, "also": also, "hit": counters["inductor"]["fxgraph_cache_hit"],
                   "miss": counters["inductor"]["fxgraph_cache_miss"]}))
