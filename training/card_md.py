@@ -66,8 +66,9 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
     recipes = [(m["model"], m["recipe"]) for m in models if m.get("recipe")]
     if recipes:  # training/card_data.py recipe_record; records without export/manifest.json have none
         out += ["Recipe (the models' settings as the export recorded them; rank n/a: a drafter; MLP ratio: the "
-                "xPress MLP's width over its rank; lr n/a: the run's train.lr; base-anchor weight n/a: no drafter "
-                "trained with the head):", ""]
+                "xPress MLP's width over its rank (n/a: not xPress, or a record made before the card read it); "
+                "loss: models.<name>.loss_fn (n/a: not recorded); lr n/a: the run's train.lr; base-anchor weight "
+                "n/a: no drafter trained with the head):", ""]
         out += table(["model", "type", "from", "drafter backbone", "rank", "MLP ratio", "loss", "lr", "epochs",
                       "box minutes", "consistency weight", "base-anchor weight"],
                      [[name, r["type"], r["init_from"] or "random weights", r["backbone"], r.get("rank"),
