@@ -39,24 +39,30 @@ class Count:
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_target_on_triton_ops_matches_torch_ops(family):
-    ref, fast = tiny_target(family, backend=F32, taps=(1, 5), capacity=48), fast_target(family, taps=(1, 5),
-                                                                                        capacity=48)
+    """2 layers (every layer runs the same kernels; 6 cost ~3x on the interpreter), both tapped: the last tap is
+    the last layer's, after the final norm, as tap 5 of 6 was."""
+    kw = dict(backend=F32, taps=(0, 1), capacity=48, layers=2)
+    ref, fast = tiny_target(family, **kw), fast_target(family, **{k: v for k, v in kw.items() if k != "backend"})
     assert fast.kernels == "triton" and ref.kernels == "torch"
     prompt = torch.randint(8, 100, (9,), generator=torch.Generator().manual_seed(0)).to(DEV)
     for m in (ref, fast):
         m.prefill(prompt, want_features=True)
     block = torch.randint(8, 100, (4,), generator=torch.Generator().manual_seed(1)).to(DEV)
     (la, fa), (lb, fb) = (m.verify(block, 16, want_features=True) for m in (ref, fast))
-    assert_close(lb, la, steps=ref.n_layers)
-    assert_close(fb, fa, steps=ref.n_layers)  # taps, the last one after the final norm
-    assert_close(fast.kv.k[:, :, :, :13], ref.kv.k[:, :, :, :13], steps=ref.n_layers)
+    # rounding steps in series: each layer's two sums into the residual stream (attention, MLP), then the lm_head
+    # (one a layer held at 6 layers, whose residual stream is larger; at 2 the llama logits were 14% over it)
+    steps = 2 * ref.n_layers + 1
+    assert_close(lb, la, steps=steps)
+    assert_close(fb, fa, steps=steps)  # taps, the last one after the final norm
+    assert_close(fast.kv.k[:, :, :, :13], ref.kv.k[:, :, :, :13], steps=steps)
 
 
 def test_norms_fold_into_the_one_row_matmuls_after_them(monkeypatch):
     """An AR step of the tiny model (every one-row matmul without tensor cores) runs no RMSNorm launch of its
     own: each is folded into the matmul after it (q/k/v, gate/up, lm_head); a block of rows (tensor-core loops)
-    runs one per norm. The drafter's context write normalises once, not once per layer."""
-    t = fast_target(capacity=32)
+    runs one per norm. The drafter's context write normalises once, not once per layer. 2 target layers: the
+    count per layer (2 a layer + the final norm) is what is checked; 6 cost ~3x on the interpreter."""
+    t = fast_target(capacity=32, layers=2)
     norms = Count(monkeypatch, kernels.matmul, "rms_norm")
     direct = Count(monkeypatch, kernels, "rms_norm")
     t.prefill(torch.randint(8, 100, (5,), generator=torch.Generator().manual_seed(0)).to(DEV), want_features=False)
@@ -64,7 +70,7 @@ def test_norms_fold_into_the_one_row_matmuls_after_them(monkeypatch):
         norms.calls.clear()
         t.verify(torch.tensor(block, device=DEV), 16, want_features=False)
         assert len(norms) == want and not direct
-    d = tiny_drafter(t, block=4, backend=F32)
+    d = tiny_drafter(t, block=4, backend=F32, target_layer_ids=[0, 1])
     d.ops = t.ops
     d.begin(torch.randn(6, len(d.target_layer_ids) * t.config.hidden_size, device=DEV))
     assert len(direct) == 1
@@ -238,9 +244,10 @@ def test_make_ops_refuses_what_the_kernels_cannot_run():
 
 
 def test_prefill_and_wide_blocks_run_on_the_torch_ops(monkeypatch):
-    """A prompt, and blocks whose query rows would not fit one attention program, take the torch ops."""
+    """A prompt, and blocks whose query rows would not fit one attention program, take the torch ops. 2 layers: a
+    launch a layer is the count checked (6 cost ~3x on the interpreter)."""
     assert kernels.fits(16, 4) and kernels.fits(64, 2) and not kernels.fits(65, 1) and not kernels.fits(40, 4)
-    t = fast_target(capacity=160)  # 2 query heads per K/V head
+    t = fast_target(capacity=160, layers=2)  # 2 query heads per K/V head
     attn = Count(monkeypatch, kernels, "attention")
     t.prefill(torch.arange(8, 20, device=DEV), want_features=False)
     t.verify(torch.arange(8, 73, device=DEV), 80, want_features=False)  # 65 rows
@@ -250,7 +257,8 @@ def test_prefill_and_wide_blocks_run_on_the_torch_ops(monkeypatch):
 
 
 def test_unfused_projections_still_match_on_the_triton_ops():
-    ref, fast = tiny_target("qwen3", backend=F32, capacity=32), fast_target(capacity=32)
+    """2 layers: every layer runs the same unfused launches (6 cost ~3x on the interpreter)."""
+    ref, fast = tiny_target("qwen3", backend=F32, capacity=32, layers=2), fast_target(capacity=32, layers=2)
     fast.fuse_projections(False)
     for m in (ref, fast):
         m.prefill(torch.arange(8, 20, device=DEV), want_features=False)
