@@ -18,7 +18,11 @@ from refiners.batch import BatchRefiner
 from refiners.markov import MarkovRefiner, random_markov_head
 from refiners.xpress import XPressRefiner, random_xpress_head
 
-VOCAB, HIDDEN, BLOCK = 128, 64, 4
+VOCAB, HIDDEN, BLOCK = 128, 32, 4
+# The decode tests' target: 2 layers (every layer runs the same ops), hidden 32 with 2 query heads and 1 K/V head
+# of 16 (the tiny default's 64, 4 and 2 made twice the interpreter's programs a launch); HIDDEN is its hidden size
+SMALL = dict(layers=2, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_attention_heads=2,
+             num_key_value_heads=1)
 
 
 def _refiners():
@@ -64,7 +68,7 @@ def test_generate_batch_keeps_the_refiners_own_kernels_at_b1_and_the_twin_from_b
     from tiny import CPU32, tiny_drafter, tiny_target
     if DEV.type != "cpu":
         pytest.skip("the decode half runs on the CPU's fp32 target; the GPU's is tests/test_batch_graphs_gpu.py")
-    t = tiny_target("qwen3", capacity=128, layers=2)  # 2 layers: every layer runs the same ops
+    t = tiny_target("qwen3", capacity=128, **SMALL)
     base = tiny_drafter(t, block=BLOCK, target_layer_ids=[0, 1])
     r = _refiners()["xpress2"]
     b = batch_refiner(r)
@@ -97,7 +101,7 @@ def test_one_request_on_triton_kernels_decodes_what_the_single_request_loop_does
     if DEV.type != "cpu":
         pytest.skip("the CPU interpreter's check; the GPU's is tests/test_batch_graphs_gpu.py")
     # 2 target layers: every layer runs the same kernels, each a few seconds in the interpreter (6 took ~100 s)
-    t = tiny_target("qwen3", capacity=128, layers=2)
+    t = tiny_target("qwen3", capacity=128, **SMALL)
     base = tiny_drafter(t, block=BLOCK, target_layer_ids=[0, 1])
     t.use_ops(triton_ops(DEV))
     r = _refiners()["xpress2"]
