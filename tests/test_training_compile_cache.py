@@ -5,7 +5,8 @@ but not used; a file that does not load, or cannot be written, is reported and t
 Power: the first process compiles in an empty inductor cache and must miss (the control); the second, in another
 empty cache, must hit with no miss, which only the loaded file can give. A load_cache that read nothing, or a
 save_cache that wrote nothing, fails the second process's counts; a save that dropped the loaded but unused artifact
-fails its saved count (each process costs about 15 s on the 2-core machine: two, not three).
+fails its saved count (each process costs about 15 s on the 2-core machine: two, not three; the first also serves
+the "compiled nothing, saves nothing" check by saving once before it compiles, which was a third process).
 """
 import json
 import os
@@ -22,41 +23,53 @@ PROBE = """
 import json, sys, torch
 from torch._dynamo.utils import counters
 from training import compiling
-path, names, save_to, also = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+path, names, save_to, also, before = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
 rec = compiling.load_cache(path)
+before = compiling.save_cache(before, rec) if before else None  # a process that has compiled nothing yet
 fns = {"f": lambda x, w: torch.nn.functional.silu(x @ w).sum(-1) * 2, "g": lambda x, w: torch.tanh(x @ w).mean(-1) + 3}
 for name in filter(None, names.split(",")):
     torch.compile(fns[name], dynamic=False)(torch.randn(4, 8), torch.randn(8, 8))
 also = compiling.save_cache(also, rec) if also else None  # first: the save below starts from the same rec
 rec = compiling.save_cache(save_to, rec)
-print(json.dumps({**rec, "also": also, "hit": counters["inductor"]["fxgraph_cache_hit"],
+print(json.dumps({**rec, "also": also, "before": before, "hit": counters["inductor"]["fxgraph_cache_hit"],
                   "miss": counters["inductor"]["fxgraph_cache_miss"]}))
 """
 
 
 def probe(tmp_path: Path, cache_dir: str, path: Path, names: str = "f", save_to: Path | None = None,
-          also: Path | None = None) -> dict:
-    """A fresh process with an empty inductor cache: load `path`, compile the functions `names`, save (to `also`
-    first, when given: its record is the output's "also")."""
+          also: Path | None = None, before: Path | None = None) -> dict:
+    """A fresh process with an empty inductor cache: load `path`, save to `before` when given (nothing compiled
+    yet: its record is the output's "before"), compile the functions `names`, save (to `also` first, when given:
+    its record is the output's "also")."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / cache_dir), "PYTHONPATH": str(ROOT),
            "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-c", PROBE, str(path), names, str(save_to or path), str(also or "")]
+    argv = [sys.executable, "-c", PROBE, str(path), names, str(save_to or path), str(also or ""), str(before or "")]
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_saved_cache_is_found_by_processes_with_empty_caches_and_keeps_what_they_did_not_use(tmp_path):
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """The two processes, shared by the tests below: (first, second, tmp_path). The first saves to none.bin before
+    it compiles (test_a_file_that_does_not_load_...), then compiles f and g; the second loads, compiles g alone."""
+    tmp_path = tmp_path_factory.mktemp("cc")
+    path = tmp_path / "cc" / "compile_cache.bin"
+    first = probe(tmp_path, "inductor_a", path, "f,g", before=tmp_path / "none.bin")
+    (tmp_path / "afile").write_text("")
+    second = probe(tmp_path, "inductor_b", path, "g", also=tmp_path / "afile" / "cc.bin")
+    return first, second, tmp_path
+
+
+def test_a_saved_cache_is_found_by_processes_with_empty_caches_and_keeps_what_they_did_not_use(probes):
     """The first process compiles f and g (misses: the control); the second loads, compiles g alone (hits) and
     saves f too, which it never used. Before the loaded artifacts were recorded again, the second save held g alone
     (review, 2026-12-04). A file that cannot be written is noted, not raised, and leaves no temporary file."""
+    first, second, tmp_path = probes
     path = tmp_path / "cc" / "compile_cache.bin"
-    first = probe(tmp_path, "inductor_a", path, "f,g")
     assert first["loaded_bytes"] == 0 and "no file yet" in first["note"]
     assert first["miss"] >= 2 and first["hit"] == 0  # an empty cache compiles
     assert first["saved_bytes"] == path.stat().st_size > 0 and first["saved_artifacts"]["inductor"] >= 2
-    (tmp_path / "afile").write_text("")
-    second = probe(tmp_path, "inductor_b", path, "g", also=tmp_path / "afile" / "cc.bin")
     assert second["loaded_bytes"] == first["saved_bytes"] and second["merged"] and "note" not in second
     assert second["hit"] >= 1 and second["miss"] == 0, second
     assert second["saved_artifacts"]["inductor"] >= first["saved_artifacts"]["inductor"]  # f kept, though unused
@@ -65,7 +78,7 @@ def test_a_saved_cache_is_found_by_processes_with_empty_caches_and_keeps_what_th
     assert not list(path.parent.glob("*.tmp"))
 
 
-def test_a_file_that_does_not_load_is_reported_and_nothing_is_saved_without_compiling(tmp_path):
+def test_a_file_that_does_not_load_is_reported_and_nothing_is_saved_without_compiling(tmp_path, probes):
     from training import compiling
     bad = tmp_path / "cc.bin"
     bad.write_bytes(b"not an artifact file")
@@ -75,8 +88,11 @@ def test_a_file_that_does_not_load_is_reported_and_nothing_is_saved_without_comp
     with mock.patch("torch.compiler.load_cache_artifacts", side_effect=OSError(28, "No space left on device")):
         rec = compiling.load_cache(str(bad))  # torch raising while it fills its caches: noted, not raised
     assert rec["loaded_bytes"] == 0 and rec["note"].startswith("not loaded (OSError")
-    fresh = tmp_path / "none.bin"  # a process that compiled nothing (a CPU run) saves nothing and writes no file
-    assert probe(tmp_path, "inductor_d", fresh, "")["saved_bytes"] == 0 and not fresh.exists()
+    # a process that compiled nothing (a CPU run) saves nothing and writes no file: the first probe's save before it
+    # compiled (its own process, an empty inductor cache, no file loaded; its later save wrote f and g)
+    first = probes[0]
+    assert first["before"]["saved_bytes"] == 0 and not (probes[2] / "none.bin").exists()
+    assert "saved_artifacts" not in first["before"] and first["saved_bytes"] > 0
     folder = tmp_path / "adir"
     folder.mkdir()
     rec = compiling.load_cache(str(folder))

@@ -145,19 +145,35 @@ def test_every_arm_decodes_without_triton_and_auto_never_imports_the_kernels(blo
     assert {r["arm"] for r in rows} == set(config["resolved"]["arms"])
 
 
-def test_auto_on_the_cpu_leaves_the_kernels_unimported_with_triton_present():
+# One child with Triton as installed here (TRITON_INTERPRET unset, which core.ops and core.kernels read as "0")
+# serves the two checks below (a child each before: each started torch and the project). The ops check runs first,
+# so that nothing else has imported the kernels when their absence is read; the refusal's exit code comes last.
+PRESENT = """
+import sys, torch
+from core.ops import make_ops
+ops = make_ops("auto", torch.device("cpu"), torch.float32)
+print("OPS", type(ops).__name__, any(m.startswith(("core.kernels", "triton")) for m in sys.modules), flush=True)
+from harness.lab.bench_generate import main
+rc = main(['--random-weights', 'tiny', '--device', 'cpu', '--prompts', '2', '--attention', 'triton'])
+print("RC", rc)
+"""
+
+
+@pytest.fixture(scope="module")
+def present():
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", PRESENT], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and lines and lines[0].startswith("OPS "), proc.stderr[-3000:]
+    return proc
+
+
+def test_auto_on_the_cpu_leaves_the_kernels_unimported_with_triton_present(present):
     """Without the blocker (Triton may be installed, as in CI): --kernels auto on the CPU picks the torch ops and
     imports neither the kernels nor Triton."""
-    code = """
-import sys, torch
-from core.ops import make_ops, TorchOps
-ops = make_ops("auto", torch.device("cpu"), torch.float32)
-print(type(ops).__name__, any(m.startswith(("core.kernels", "triton")) for m in sys.modules))
-"""
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "TRITON_INTERPRET": "0"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["TorchOps", "False"]
+    assert present.stdout.splitlines()[0].split() == ["OPS", "TorchOps", "False"]
 
 
 def test_the_triton_attention_of_the_batched_generator_is_refused_without_triton(blocked):
@@ -170,16 +186,10 @@ def test_the_triton_attention_of_the_batched_generator_is_refused_without_triton
     assert "refused: batched generation: attention triton needs the triton package" in proc["stdout"]
 
 
-def test_the_triton_attention_on_a_cpu_without_the_interpreter_is_refused_before_loading():
+def test_the_triton_attention_on_a_cpu_without_the_interpreter_is_refused_before_loading(present):
     """Triton installed, TRITON_INTERPRET unset, --device cpu: one line before the model loads (it was a
     RuntimeError from the kernel launch, after loading)."""
-    import os
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("import sys; from harness.lab.bench_generate import main; sys.exit(main(['--random-weights', 'tiny', "
-            "'--device', 'cpu', '--prompts', '2', '--attention', 'triton']))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env=env)
-    if "needs the triton package" in proc.stderr:
+    if "needs the triton package" in present.stderr:
         return  # no Triton here: the other refusal, tested above
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "attention triton runs on a CUDA device" in proc.stderr and "random weights" not in proc.stdout
+    assert present.stdout.splitlines()[-1] == "RC 2", present.stderr[-2000:]
+    assert "attention triton runs on a CUDA device" in present.stderr and "random weights" not in present.stdout
