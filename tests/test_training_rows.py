@@ -42,17 +42,22 @@ def test_rows_equal_what_datasets_reads(tmp_path):
 
 def test_rows_load_without_torchs_read_only_warning(tmp_path):
     """arrow's buffers are read-only; the rows own writable copies (torch warned "The given NumPy array is not
-    writable" on every training run when they did not). In a child process: torch gives that warning once a
-    process, so an earlier test here could have used it up."""
-    import subprocess
-    import sys
+    writable" on every training run when they did not). torch gives that warning once a process, so an earlier test
+    here could have used it up: torch.set_warn_always(True) makes it warn on every call (it ran in a child process
+    before, which cost a torch start)."""
+    import warnings
     from training.hidden import write_dataset
+    from training.rows import Rows
     write_dataset(tmp_path / "d", [{"prompt": [1, 2, 3], "response": [4, 5]}, {"prompt": [6], "response": [7]}])
-    code = ("import warnings; warnings.simplefilter('error')\n"
-            f"from training.rows import Rows; Rows.load({str(tmp_path / 'd')!r})")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=str(Path(__file__).resolve().parents[1]))
-    assert proc.returncode == 0 and "not writable" not in proc.stderr, proc.stderr[-2000:]
+    always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rows = Rows.load(str(tmp_path / "d"))
+    finally:
+        torch.set_warn_always(always)
+    assert len(rows) == 2 and rows.input_ids(0).tolist() == [1, 2, 3, 4, 5]
 
 
 def test_rows_are_read_once_a_process_and_again_when_rewritten(tmp_path):
@@ -68,12 +73,32 @@ def test_rows_are_read_once_a_process_and_again_when_rewritten(tmp_path):
     assert again is not first and len(again) == 2 and again.input_ids(0).tolist() == [1, 2, 3, 4, 5]
 
 
-def _stages(tmp_path, **train):
-    cfg = write_config(tmp_path, tiny_models(heads=False), hidden={"mode": "online"},
-                       train={"eval_prompts": 0, **train})
+@pytest.fixture(scope="module")
+def staged(tmp_path_factory):
+    """(config, workdir) with the prompts, responses and hidden stages run once for the module (online hidden
+    states); a test that trains copies the stages into its own workdir (`copy_stages`)."""
+    root = tmp_path_factory.mktemp("rows")
+    cfg = write_config(root, tiny_models(heads=False), hidden={"mode": "online"}, train={"eval_prompts": 0})
     for stage in ("prompts", "responses", "hidden"):
-        assert run_cli(stage, "--config", cfg, "--workdir", tmp_path / "w") == 0
-    return cfg
+        assert run_cli(stage, "--config", cfg, "--workdir", root / "w") == 0
+    return cfg, root / "w"
+
+
+def copy_stages(staged, work: Path) -> Path:
+    import shutil
+    for stage in ("prompts", "responses", "hidden"):
+        shutil.copytree(staged[1] / stage, work / stage)
+    return work
+
+
+@pytest.fixture(scope="module")
+def profiled(staged, tmp_path_factory):
+    """One train run that serves the profile and the max_steps checks: models.drafter.max_steps=6 with
+    train.epochs=50 (these rows make 9 steps an epoch) and train.profile_steps=2."""
+    work = copy_stages(staged, tmp_path_factory.mktemp("profiled") / "w")
+    assert run_cli("train", "--config", staged[0], "--workdir", work, "--set", "models.drafter.max_steps=6",
+                   "--set", "train.epochs=50", "--set", "train.profile_steps=2") == 0
+    return work
 
 
 def _batches(loader):
@@ -83,7 +108,7 @@ def _batches(loader):
     return out
 
 
-def test_loaders_from_memory_give_the_same_batches(tmp_path):
+def test_loaders_from_memory_give_the_same_batches(staged):
     """make_loaders with train.rows_in_memory true (each ArrowDataset's table swapped for a view of `Rows`) and
     false (speculators' reads of the arrow table): the same train and validation batches, key by key and bitwise.
     With it on, the datasets serve from memory."""
@@ -92,11 +117,11 @@ def test_loaders_from_memory_give_the_same_batches(tmp_path):
     from training.store import read_manifest
     from training.target import verifier_dir
     from training.train import hidden_dir, make_loaders
-    cfg_path = _stages(tmp_path)
+    cfg_path, work = staged
     got = {}
     for on in (True, False):
-        cfg = load_config(str(cfg_path), [f"train.rows_in_memory={str(on).lower()}"], str(tmp_path / "w"))
-        vdir = verifier_dir(cfg["target"], tmp_path / "w")
+        cfg = load_config(str(cfg_path), [f"train.rows_in_memory={str(on).lower()}"], str(work))
+        vdir = verifier_dir(cfg["target"], work)
         train, val = make_loaders(cfg, str(vdir), read_manifest(hidden_dir(cfg)), torch.float32)
         assert isinstance(train.dataset.data, Rows) == on and isinstance(val.dataset.data, Rows) == on
         got[on] = (_batches(train), _batches(val))
@@ -111,16 +136,13 @@ def test_loaders_from_memory_give_the_same_batches(tmp_path):
                     assert a[k] == b[k], k
 
 
-def test_profile_steps_writes_a_profile(tmp_path):
+def test_profile_steps_writes_a_profile(staged, profiled, tmp_path):
     """train.profile_steps=2: profile.json covers steps 4-5 (after the process's third), with the ops that took
     the most own time and the online target's range; box.json names the profiled steps and times the summary as
-    its `profile` part. (Without the option there is neither: tests/test_training_box.py.)"""
-    cfg = _stages(tmp_path)
-    # one epoch: these rows make 9 steps an epoch, past both runs' max_steps (with train.epochs=50 every later
-    # epoch validated, saved a checkpoint and took one more step past max_steps: 55 steps, 50 saves a run)
-    assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w", "--set", "models.drafter.max_steps=6",
-                   "--set", "train.epochs=1", "--set", "train.profile_steps=2") == 0
-    d = tmp_path / "w" / "train" / "drafter"
+    its `profile` part. (Without the option there is neither: tests/test_training_box.py.) The run is the module's
+    `profiled` (max_steps 6 of 50 epochs: test_max_steps_ends_the_run_there_whatever_the_epochs)."""
+    cfg = staged[0]
+    d = profiled / "train" / "drafter"
     box = json.loads((d / "box.json").read_text())
     assert box["compile_target"] == "none"  # auto on a CPU
     prof = json.loads((d / "profile.json").read_text())
@@ -131,9 +153,7 @@ def test_profile_steps_writes_a_profile(tmp_path):
     assert any(r["op"].startswith("aten::") for r in prof["top"])
     assert prof["ranges"]["xb.online_target"]["count"] == 2 and prof["ranges"]["xb.online_target"]["host_s"] > 0
     # train.profile_start: later steps (past the compile's warm-up on a GPU), the fit's probe after them
-    import shutil
-    for stage in ("prompts", "responses", "hidden"):
-        shutil.copytree(tmp_path / "w" / stage, tmp_path / "w2" / stage)
+    copy_stages(staged, tmp_path / "w2")
     assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w2", "--set", "models.drafter.max_steps=9",
                    "--set", "train.epochs=1", "--set", "train.profile_steps=2", "--set", "train.profile_start=6") == 0
     later = json.loads((tmp_path / "w2" / "train" / "drafter" / "profile.json").read_text())
@@ -189,53 +209,61 @@ def test_compiled_layers_are_one_graph_and_give_the_eager_hidden_states(tmp_path
     torch._dynamo.reset()
 
 
-def test_bench_taps_reports_eager_and_compiled(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    """One `python -m training.bench_taps` run on a CPU over a tiny checkpoint (aot_eager, fast) with --sdpa math,
+    sdpa_context watched: (record, the SDPA names it was asked for, the checkpoint). It serves both tests below
+    (a run each before: the record's fields do not depend on the SDPA backend; auto's context is checked apart)."""
+    from tiny import save_tiny_checkpoint
+    from training import bench_taps
+    root = tmp_path_factory.mktemp("bench_taps")
+    save_tiny_checkpoint(root / "t", family="llama")
+    out, used, real = root / "b.json", [], bench_taps.sdpa_context
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench_taps, "sdpa_context", lambda name: used.append(name) or real(name))
+        assert bench_taps.main(["--config-json", str(root / "t"), "--device", "cpu", "--dtype", "float32",
+                                "--total-seq-len", "128", "--batches", "1", "--warmup", "1", "--backend", "aot_eager",
+                                "--sdpa", "math", "--out", str(out)]) == 0
+    torch._dynamo.reset()
+    return json.loads(out.read_text()), used, root / "t"
+
+
+def test_bench_taps_reports_eager_and_compiled(bench, tmp_path, capsys):
     """python -m training.bench_taps on a CPU over a tiny checkpoint (aot_eager, fast): both timings, their ratio,
     the padded and real tokens, and the compiled states within fp32 rounding of the eager ones; a bad argument is
-    one error line and exit 2, before any model loads."""
-    from tiny import save_tiny_checkpoint
-    from training.bench_taps import main
-    save_tiny_checkpoint(tmp_path / "t", family="llama")
-    out = tmp_path / "b.json"
-    assert main(["--config-json", str(tmp_path / "t"), "--device", "cpu", "--dtype", "float32", "--total-seq-len",
-                 "128", "--batches", "1", "--warmup", "1", "--backend", "aot_eager", "--out", str(out)]) == 0
-    rec = json.loads(out.read_text())
+    one error line and exit 2, before any model loads. (The module's `bench` run; --sdpa auto, the default, is
+    torch's own choice: no context, checked here directly.)"""
+    import torch.nn.functional as F
+    from training.bench_taps import main, sdpa_context
+    rec = bench[0]
     assert rec["weights"] == "random" and rec["eager_ms"] > 0 and rec["compiled_ms"] > 0
     assert rec["speedup"] == pytest.approx(rec["eager_ms"] / rec["compiled_ms"], rel=0.01)
     assert rec["real_tokens_per_row"] <= 128 <= rec["target_positions_per_row"] * 2
     assert rec["max_rel_diff"] <= 64 * rec["dtype_eps"]
-    torch._dynamo.reset()
+    q = torch.randn(1, 2, 8, 16)
+    with sdpa_context("auto"):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True)
     capsys.readouterr()
     assert main(["--config-json", str(tmp_path / "nothing"), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no such config.json" in err[0], err
-    assert main(["--config-json", str(tmp_path / "t"), "--batches", "0"]) == 2
+    assert main(["--config-json", str(bench[2]), "--batches", "0"]) == 2
 
 
-def test_bench_taps_sdpa_limits_the_target_to_one_backend(tmp_path, monkeypatch, capsys):
+def test_bench_taps_sdpa_limits_the_target_to_one_backend(bench, capsys):
     """--sdpa NAME runs the target's attention under that SDPA backend alone (a CPU has no cuDNN attention: an SDPA
     call under it fails, under math it runs), the run is inside it, and the record says which; a CUDA-only backend on
-    the CPU is one error line, exit 2."""
+    the CPU is one error line, exit 2. (The module's `bench` run, --sdpa math.)"""
     import torch.nn.functional as F
-    from tiny import save_tiny_checkpoint
-    from training import bench_taps
     from training.bench_taps import main, sdpa_context
-    used = []
-    monkeypatch.setattr(bench_taps, "sdpa_context", lambda name: used.append(name) or sdpa_context(name))
     q = torch.randn(1, 2, 8, 16)
     with sdpa_context("cudnn"), pytest.raises(RuntimeError):
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
     with sdpa_context("math"):
         F.scaled_dot_product_attention(q, q, q, is_causal=True)
-    save_tiny_checkpoint(tmp_path / "t", family="llama")
-    out = tmp_path / "b.json"
-    assert main(["--config-json", str(tmp_path / "t"), "--device", "cpu", "--dtype", "float32", "--total-seq-len",
-                 "128", "--batches", "1", "--warmup", "1", "--backend", "aot_eager", "--sdpa", "math",
-                 "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["sdpa"] == "math" and used == ["math"]
-    torch._dynamo.reset()
+    assert bench[0]["sdpa"] == "math" and bench[1] == ["math"]
     capsys.readouterr()
-    assert main(["--config-json", str(tmp_path / "t"), "--device", "cpu", "--sdpa", "cudnn"]) == 2
+    assert main(["--config-json", str(bench[2]), "--device", "cpu", "--sdpa", "cudnn"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--sdpa cudnn runs on CUDA only" in err[0], err
 
@@ -293,13 +321,11 @@ def test_profiling_starts_after_step_3_with_or_without_the_fit():
     assert rec["global_steps"] == [6, 7] and prof.profiled == [6, 7]
 
 
-def test_max_steps_ends_the_run_there_whatever_the_epochs(tmp_path):
+def test_max_steps_ends_the_run_there_whatever_the_epochs(profiled):
     """models.X.max_steps with more epochs than it needs: the run stops at that step (speculators 0.9.0 alone went on
     through every epoch, each one step, a validation and a checkpoint more: 55 steps for max_steps 6 and 50 epochs
-    of 9 steps; training/train.py caps num_epochs)."""
-    cfg = _stages(tmp_path)
-    assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w", "--set", "models.drafter.max_steps=6",
-                   "--set", "train.epochs=50") == 0
-    d = tmp_path / "w" / "train" / "drafter"
+    of 9 steps; training/train.py caps num_epochs). The run is the module's `profiled` (its profile of steps 4-5
+    changes neither)."""
+    d = profiled / "train" / "drafter"
     assert json.loads((d / "manifest.json").read_text())["global_step"] == 6
     assert len([p for p in d.iterdir() if p.is_dir() and p.name.isdigit()]) == 1
