@@ -12,14 +12,38 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 BOX_MINUTES = 0.05  # 3 s
 
 
-def test_box_accounting_sums_to_the_box(tmp_path, capsys):
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The prompts, responses and hidden stages, made once for the module's runs (each run made its own before:
+    the same data, as the stages are seeded). Their keys hold the target's and the prompt files' paths, so every
+    config below names this root's (`box_config`); a run copies the stages into its workdir (`staged`)."""
+    root = tmp_path_factory.mktemp("box_data")
+    cfg = write_config(root, tiny_models(heads=False))
+    for stage in ("prompts", "responses", "hidden"):
+        assert run_cli(stage, "--config", cfg, "--workdir", root / "w") == 0
+    return root
+
+
+def box_config(data, tmp_path, **train):
+    """write_config's tiny config in tmp_path with these train settings, on the module's target and prompt files."""
+    return write_config(tmp_path, tiny_models(heads=False), target=str(data / "target"),
+                        prompts={"jsonl": [str(data / "train.jsonl")], "eval_dir": str(data / "eval")}, train=train)
+
+
+def staged(data, work):
+    """`work` with the module's data stages copied in: `all` there trains and exports (the stages are up to date)."""
+    for stage in ("prompts", "responses", "hidden"):
+        shutil.copytree(data / "w" / stage, work / stage)
+    return work
+
+
+def test_box_accounting_sums_to_the_box(data, tmp_path, capsys):
     """A 3-second time-boxed run with checkpoints, validation each epoch and held-out evaluation every 2 steps:
     box.json's parts, each timed on its own, add up to its wall time (the gaps between them under 2% + 0.15 s), the
     steps fill most of it, and the rates follow from the counts. Without the accounting there is no box.json."""
-    cfg = write_config(tmp_path, tiny_models(heads=False),
-                       train={"epochs": 200, "save_every": 3, "eval_every": 2, "eval_share": 0.1,
-                              "max_minutes": BOX_MINUTES, "on_deadline": "finish"})
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    cfg = box_config(data, tmp_path, epochs=200, save_every=3, eval_every=2, eval_share=0.1,
+                     max_minutes=BOX_MINUTES, on_deadline="finish")
+    assert run_cli("all", "--config", cfg, "--workdir", staged(data, tmp_path / "w")) == 0
     box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
     parts = box["parts_s"]
     assert box["device"] == "cpu"  # the card's "Device time" names it (training/card_md.py)
@@ -74,7 +98,7 @@ def _rows(work, name="drafter"):
     return [r for r in map(json.loads, text.splitlines()) if "train" in r]
 
 
-def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
+def test_resume_from_exported_weights_continues_the_schedule(data, tmp_path):
     """A run cut short by its box (on_deadline=finish) exports bf16 weights and the step it reached; a new run with
     train.warm_start = that export starts from those weights and at that step: the LR at every step after the warm
     start equals the uninterrupted run's LR at that step (warm-up + cosine), and it ends at the same step. (The
@@ -82,11 +106,10 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
     from training.config import load_config
     from training.train import build_model
     from training.warm import load
-    cfg = write_config(tmp_path, tiny_models(heads=False),
-                       train={"epochs": 3, "warmup_ratio": 0.3, "eval_prompts": 0})
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "full") == 0
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "cut", "--set", "train.max_minutes=1e-6",
-                   "--set", "train.on_deadline=finish") == 0
+    cfg = box_config(data, tmp_path, epochs=3, warmup_ratio=0.3, eval_prompts=0)
+    assert run_cli("all", "--config", cfg, "--workdir", staged(data, tmp_path / "full")) == 0
+    assert run_cli("all", "--config", cfg, "--workdir", staged(data, tmp_path / "cut"),
+                   "--set", "train.max_minutes=1e-6", "--set", "train.on_deadline=finish") == 0
     export = tmp_path / "cut" / "export"
     state = json.loads((export / "drafter" / "train_state.json").read_text())
     assert state["truncated"] and state["global_step"] == 1
@@ -101,7 +124,7 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
     assert warm == {g: full[g] for g in warm}
     # the warm start's weights are the exported ones (bf16 -> fp32 exactly), i.e. the cut run's up to bf16 rounding
     c = load_config(str(cfg), [f"train.warm_start={export}"], str(tmp_path / "warm"))
-    model = build_model(c, "drafter", str(tmp_path / "target"), [1, 3, 5], "eager")
+    model = build_model(c, "drafter", c["target"], [1, 3, 5], "eager")
     assert load(model, export / "drafter", "drafter") == 1
     from core.checkpoints import read_tensors, shard_files
     from safetensors.torch import load_file
@@ -114,7 +137,7 @@ def test_resume_from_exported_weights_continues_the_schedule(tmp_path):
         assert torch.allclose(v.float(), cut[k], rtol=2 ** -8, atol=0), k
 
 
-def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(tmp_path, capsys):
+def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(data, tmp_path, capsys):
     """train.warm_mode=extend (a drafter continued on fresh data): a run cut at step W = E + 2 (off an epoch's
     boundary), warm-started with 2 more epochs, trains 2 whole passes (epochs 0 and 1) from W to W + 2E, with the LR
     at every step of one schedule over W + 2E steps; the same extend run cut at W + E + 3 and continued from its
@@ -122,7 +145,7 @@ def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(tmp_path, capsys):
     into epoch 1: data_start recorded). Power: resume from W with the same 2 epochs plans 2E steps from step 0 and
     trains one partial pass; a resume that ignored data_start plans 2E too; skipping W mod E batches shortens the
     first pass."""
-    cfg = write_config(tmp_path, tiny_models(heads=False), train={"epochs": 2, "warmup_ratio": 0.3, "eval_prompts": 0})
+    cfg = box_config(data, tmp_path, epochs=2, warmup_ratio=0.3, eval_prompts=0)
 
     def run(work, *sets, data="cut"):
         return run_on(tmp_path, cfg, work, *sets, data=data)
@@ -134,6 +157,7 @@ def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(tmp_path, capsys):
     def lrs(work):
         return step_lrs(tmp_path / work)
 
+    staged(data, tmp_path / "one")
     assert run("one", data=None) == 0
     e = passes("one")[0][2]
     w = e + 2
@@ -196,7 +220,7 @@ def test_bad_step_and_hidden_settings_are_refused(tmp_path, capsys, item, messag
     assert not (tmp_path / "w").exists()
 
 
-def test_fit_box_plans_the_steps_the_box_holds_and_anneals(tmp_path, monkeypatch):
+def test_fit_box_plans_the_steps_the_box_holds_and_anneals(data, tmp_path, monkeypatch):
     """train.fit_box on a 3-second box with 200 epochs planned (far more than fit): after 3 timed steps the plan
     becomes what the box holds (here set to 12 steps past the probe, so that neither a loaded CI machine nor a fast
     one moves it: a rate measured on a loaded machine once fitted fewer than 12); the run ends there untruncated, inside the box, with the cosine schedule
@@ -210,10 +234,9 @@ def test_fit_box_plans_the_steps_the_box_holds_and_anneals(tmp_path, monkeypatch
         assert real(step, rate, left_s, reserve, planned) > step  # the arithmetic itself: test_fitted_total_arithmetic
         return step + 12 if len(seen) == 1 else step  # the next pass's fit again: never shorter (test below)
     monkeypatch.setattr(training.fit, "fitted_total", capped)
-    cfg = write_config(tmp_path, tiny_models(heads=False),
-                       train={"epochs": 200, "eval_prompts": 0, "max_minutes": BOX_MINUTES, "on_deadline": "finish",
-                              "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2, "warmup_ratio": 0.1})
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    cfg = box_config(data, tmp_path, epochs=200, eval_prompts=0, max_minutes=BOX_MINUTES, on_deadline="finish",
+                     fit_box=True, fit_probe_steps=3, fit_reserve=0.2, warmup_ratio=0.1)
+    assert run_cli("all", "--config", cfg, "--workdir", staged(data, tmp_path / "w")) == 0
     d = tmp_path / "w" / "train" / "drafter"
     manifest = json.loads((d / "manifest.json").read_text())
     box = json.loads((d / "box.json").read_text())
@@ -228,7 +251,7 @@ def test_fit_box_plans_the_steps_the_box_holds_and_anneals(tmp_path, monkeypatch
     assert max(lr) > 10 * lr[-1]  # annealed by the re-planned cosine
 
 
-def test_the_next_pass_fits_again_when_the_box_holds_more(tmp_path, monkeypatch):
+def test_the_next_pass_fits_again_when_the_box_holds_more(data, tmp_path, monkeypatch):
     """The fit cut the plan to 12 steps past its probe; the next pass (epoch) probes again over 3 steps after its
     first and finds the box holds 10 more steps past there (a faster pass: the online target's cache serves the
     epochs after the first): the plan is fitted again, longer, the schedule re-planned over it, and the run ends
@@ -240,10 +263,9 @@ def test_the_next_pass_fits_again_when_the_box_holds_more(tmp_path, monkeypatch)
         seen.append(step)
         return step + (12 if len(seen) == 1 else 10)
     monkeypatch.setattr(training.fit, "fitted_total", fitted)
-    cfg = write_config(tmp_path, tiny_models(heads=False),
-                       train={"epochs": 200, "eval_prompts": 0, "max_minutes": 0.5, "on_deadline": "finish",
-                              "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2, "warmup_ratio": 0.1})
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    cfg = box_config(data, tmp_path, epochs=200, eval_prompts=0, max_minutes=0.5, on_deadline="finish", fit_box=True,
+                     fit_probe_steps=3, fit_reserve=0.2, warmup_ratio=0.1)
+    assert run_cli("all", "--config", cfg, "--workdir", staged(data, tmp_path / "w")) == 0
     d = tmp_path / "w" / "train" / "drafter"
     manifest = json.loads((d / "manifest.json").read_text())
     box = json.loads((d / "box.json").read_text())
@@ -260,7 +282,7 @@ def test_the_next_pass_fits_again_when_the_box_holds_more(tmp_path, monkeypatch)
     assert max(lr) > 10 * lr[-1]
 
 
-def test_the_fit_probe_leaves_out_held_out_evaluations(tmp_path, monkeypatch):
+def test_the_fit_probe_leaves_out_held_out_evaluations(data, tmp_path, monkeypatch):
     """A held-out evaluation after every step, each made to take 1 s: the fit's rate is the steps' own (tiny CPU
     steps, 5 to 50 a second; CI's loaded machine measured 5.0), within a factor 2 of the box's steady step rate, not
     3 steps over the evaluations' 3 s or more. Power: the probe without the evaluations' time taken out measures at
@@ -270,27 +292,24 @@ def test_the_fit_probe_leaves_out_held_out_evaluations(tmp_path, monkeypatch):
     from training import trainer
     monkeypatch.setattr(trainer.PipelineTrainer, "_log_eval", lambda self: _time.sleep(1.0))
     monkeypatch.setattr(training.fit, "fitted_total", lambda step, *a: step + 2)
-    cfg = write_config(tmp_path, tiny_models(heads=False),
-                       train={"epochs": 200, "eval_every": 1, "eval_share": 1.0, "max_minutes": 0.5,
-                              "on_deadline": "finish", "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2})
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    cfg = box_config(data, tmp_path, epochs=200, eval_every=1, eval_share=1.0, max_minutes=0.5, on_deadline="finish",
+                     fit_box=True, fit_probe_steps=3, fit_reserve=0.2)
+    assert run_cli("all", "--config", cfg, "--workdir", staged(data, tmp_path / "w")) == 0
     box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
     rate = box["fit"]["steps_per_s"]
     assert box["parts_s"]["held_out"] >= 3 and rate > 1.5 and rate > 0.5 * box["steady_steps_per_s"], box
 
 
-def test_the_fit_probe_starts_after_a_profile(tmp_path, monkeypatch):
+def test_the_fit_probe_starts_after_a_profile(data, tmp_path, monkeypatch):
     """train.profile_steps=2 with fit_box: the profile covers the process's steps 4-5 and the probe's clock starts
     after them, so its steps and its summary are spent before the fit measures what the box has left (a profile after
     the probe, as before, was outside the fit's reserve: 90-second boxes on the H200 ran 5 s over). A 30 s box, the
     fit capped at 2 steps past the probe so that the run ends there."""
     import training.fit
     monkeypatch.setattr(training.fit, "fitted_total", lambda step, *a: step + 2)
-    cfg = write_config(tmp_path, tiny_models(heads=False),
-                       train={"epochs": 200, "eval_prompts": 0, "max_minutes": 0.5, "on_deadline": "finish",
-                              "fit_box": True, "fit_probe_steps": 3, "fit_reserve": 0.2, "warmup_ratio": 0.1,
-                              "profile_steps": 2})
-    assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "w") == 0
+    cfg = box_config(data, tmp_path, epochs=200, eval_prompts=0, max_minutes=0.5, on_deadline="finish", fit_box=True,
+                     fit_probe_steps=3, fit_reserve=0.2, warmup_ratio=0.1, profile_steps=2)
+    assert run_cli("all", "--config", cfg, "--workdir", staged(data, tmp_path / "w")) == 0
     box = json.loads((tmp_path / "w" / "train" / "drafter" / "box.json").read_text())
     assert box["profiled_steps"] == [4, 5] and box["fit"]["probe_steps"] == [5, 8]
     assert box["parts_s"]["profile"] > 0
