@@ -20,23 +20,33 @@ TIMING = {"ttft_s", "drafter_prefill_s", "decode_s", "run_id"}
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    rows = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour.", "Another?"]}, {"turns": ["Count to 4."]}]
+    # the two-turn prompt first: --max-samples 2 (fair_args, the script's MAX_SAMPLES) takes rows [2, 0]
+    rows = [{"turns": ["Name a colour.", "Another?"]}, {"turns": ["Add 2 and 3."]}, {"turns": ["Count to 4."]}]
     return write_run_fixture(tmp_path_factory.mktemp("proto"), rows, xpress_std=0.02, markov_std=0.02)
 
 
 def fair_args(files, results, *extra):
-    """6 new tokens: greedy blocks of 4, so each decode still takes more than one step; a run here decodes 6
-    rounds x 5 arms x 4 turns."""
+    """6 new tokens: greedy blocks of 4, so each decode still takes more than one step; 2 of the 3 prompts (the
+    two-turn one among them): a run here decodes 6 rounds x 5 arms x 3 turns."""
     return ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
             "--xpress-refiner-path", str(files / "xpress.pt"), "--markov-refiner-path", str(files / "markov.pt"),
             "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "6", "--device", "cpu",
-            "--fair-interleave", "--fair-k-list", "1,2", "--results-dir", str(results), *extra]
+            "--fair-interleave", "--fair-k-list", "1,2", "--max-samples", "2", "--results-dir", str(results), *extra]
+
+
+@pytest.fixture
+def no_plots(monkeypatch):
+    """For runs whose checks read no plot (drawing them costs about 3 s of CPU a run); plots are checked by the
+    script's test, the plots-interrupted test, --rebuild's test and test_tiny_runs."""
+    from harness.protocol import report
+    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])
 
 
 def test_bench_fair_fast_script_end_to_end(files, tmp_path):
     env = {**os.environ, "TARGET": str(files / "target"), "DRAFT": str(files / "drafter"),
-           "XPRESS_CKPT": str(files / "xpress.pt"), "MK_CKPT": str(files / "markov.pt"), "DATA_DIR": str(files / "data"),
-           "MAX_SAMPLES": "3", "MAX_NEW_TOKENS": "8", "K_LIST": "1,3", "BLOCK": "4", "DEVICE": "cpu",
+           "XPRESS_CKPT": str(files / "xpress.pt"), "MK_CKPT": str(files / "markov.pt"),
+           "DATA_DIR": str(files / "data"),
+           "MAX_SAMPLES": "2", "MAX_NEW_TOKENS": "8", "K_LIST": "1,3", "BLOCK": "4", "DEVICE": "cpu",
            "OUTDIR": str(tmp_path / "out")}
     proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), "mini", "0.0"], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -50,7 +60,8 @@ def test_bench_fair_fast_script_end_to_end(files, tmp_path):
     rows = read_rows(folder / "samples.jsonl.gz")
     arms = {"AR", "drafter-only", "Markov", "xPress(K=1)", "xPress(K=3)"}
     assert {r["arm"] for r in rows} == arms
-    assert len(rows) == 6 * 5 * 4  # rounds x arms x turns (the second prompt has two)
+    assert len(rows) == 6 * 5 * 3  # rounds x arms x turns: MAX_SAMPLES=2 reached the CLI (2 of the 3 prompts,
+    assert {r["dataset_row"] for r in rows} == {0, 2}  # the two-turn one among them: data.subset_rows)
     config = json.loads((folder / "config.json").read_text())
     order = config["resolved"]["rotation"]
     measured = order[1:]
@@ -76,9 +87,12 @@ def strip(rows):
 @pytest.fixture(scope="module")
 def traced_full_run(files, tmp_path_factory):
     """One uninterrupted run, made once, traced (rows from the timed decodes), its render_prompt calls counted; read
-    only (a test copies it to change it): the folder, a copy of its trace as it finished, the calls' lengths."""
+    only (a test copies it to change it): the folder, a copy of its trace as it finished, the calls' lengths. No
+    plots drawn (no_plots): the tests that read them draw them (--rebuild, the plots-interrupted resume)."""
+    from harness.protocol import report
     folder, calls, real = tmp_path_factory.mktemp("full"), [], runner.render_prompt
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(report, "write_plots", lambda *a, **k: [])
         mp.setattr(runner, "render_prompt", lambda tok, messages: calls.append(len(messages)) or real(tok, messages))
         assert cli.main(fair_args(files, folder, "--run-id", "a", "--trace", str(folder / "a.jsonl"))) == 0
     shutil.copy(folder / "a.jsonl", reference := folder / "reference.jsonl")
@@ -90,46 +104,33 @@ def full_run(traced_full_run):
     return traced_full_run[0]
 
 
-def test_killed_and_resumed_run_gives_the_same_rows(files, full_run, tmp_path, monkeypatch):
-    expected, calls, real = read_folder_rows(full_run), {"n": 0}, runner.generate
+def test_killed_and_resumed_run_gives_the_same_rows_and_trace(files, traced_full_run, tmp_path, monkeypatch,
+                                                                no_plots):
+    """Killed in round 2 and resumed: the rows of the module's uninterrupted run, none lost or duplicated. Traced as
+    that run was: the resumed process appends to the trace (it truncated it, losing the decodes the first process
+    traced and the resume reuses). One killed run serves both checks (rows come from the timed decodes anyway)."""
+    def units(path):
+        return {(r["round"], r["arm"], r["question_id"]) for r in map(json.loads, path.read_text().splitlines())}
+    expected, calls, real = read_folder_rows(traced_full_run[0]), {"n": 0}, runner.generate
 
     def flaky(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 25:  # the warmup makes 5 calls; this dies in the middle of round 2
+        if calls["n"] == 25:  # the warmup makes 5 calls, a round 15: this dies in the middle of round 2
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    part = tmp_path / "part"
+    part, trace = tmp_path / "part", tmp_path / "b.jsonl"
     monkeypatch.setattr(runner, "generate", flaky)
-    assert cli.main(fair_args(files, part, "--run-id", "b")) == 130
+    assert cli.main(fair_args(files, part, "--run-id", "b", "--trace", str(trace))) == 130
     monkeypatch.setattr(runner, "generate", real)
     partial = read_rows(part / "b" / "samples.jsonl")  # an interrupted run's rows: plain, appended as it went
     assert not (part / "b" / "samples.jsonl.gz").exists()
     assert 0 < len(partial) < len(expected)
+    first = units(trace)
     assert cli.main(fair_args(files, part, "--resume", str(part / "b"))) == 0
     resumed = read_rows(part / "b" / "samples.jsonl.gz")
     assert not (part / "b" / "samples.jsonl").exists()
     assert strip(resumed) == strip(expected)  # nothing lost, nothing duplicated
-
-
-def test_a_resumed_trace_keeps_the_interrupted_processs_steps(files, traced_full_run, tmp_path, monkeypatch):
-    """--trace with --resume: the resumed process appends (it truncated the file, losing the decodes the first
-    process traced and the resume reuses). The reference: the module's uninterrupted traced run."""
-    def units(path):
-        return {(r["round"], r["arm"], r["question_id"]) for r in map(json.loads, path.read_text().splitlines())}
-    calls, real = {"n": 0}, runner.generate
-
-    def flaky(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 25:  # in the middle of round 2, as above
-            raise KeyboardInterrupt
-        return real(*a, **k)
-    monkeypatch.setattr(runner, "generate", flaky)
-    part, trace = tmp_path / "part", tmp_path / "b.jsonl"
-    assert cli.main(fair_args(files, part, "--run-id", "b", "--trace", str(trace))) == 130
-    monkeypatch.setattr(runner, "generate", real)
-    first = units(trace)
-    assert cli.main(fair_args(files, part, "--resume", str(part / "b"))) == 0
     assert first < units(trace) == units(traced_full_run[1])
 
 
@@ -147,25 +148,18 @@ def test_resume_of_a_finished_run_is_refused_and_leaves_its_files_alone(full_run
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
     monkeypatch.undo()  # a run that stopped after its last decode, before its summary: the resume finishes it
     (folder / "summary.json").unlink()  # its rows were gzip'd already: the resume reads them and appends to none
-    assert cli.main(["--resume", str(folder), "--quiet"]) == 0
-    assert (folder / "samples.jsonl.gz").read_bytes() == before["samples.jsonl.gz"]  # the same rows, the same bytes
-    assert not (folder / "samples.jsonl").exists()
-    assert (folder / "summary.json").is_file()
-
-
-def test_a_run_stopped_while_its_plots_are_drawn_resumes_and_finishes(files, tmp_path, monkeypatch):
-    """summary.json is written last (it marks the run finished): an interruption while the plots are drawn leaves
-    none, so --resume is not refused and writes the plots and the summary."""
+    # ... and one stopped while its plots are drawn: summary.json is written last (it marks the run finished), so the
+    # interruption leaves none and --resume is not refused. Its report (the one a fresh run ends with) stops there:
+    (folder / "table.md").unlink()  # (written again before the plots)
     from harness.protocol import report
-
-    def stop(*a, **k):
-        raise KeyboardInterrupt
-    monkeypatch.setattr(report, "write_plots", stop)
-    assert cli.main(fair_args(files, tmp_path, "--run-id", "p")) == 130
-    folder = tmp_path / "p"
+    monkeypatch.setattr(report, "write_plots", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 130
     assert (folder / "table.md").is_file() and not (folder / "summary.json").exists()
     monkeypatch.undo()
-    assert cli.main(["--resume", str(folder), "--quiet"]) == 0
+    assert not list(folder.glob("*.png"))  # (the module's run drew none)
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 0  # it writes the plots and the summary
+    assert (folder / "samples.jsonl.gz").read_bytes() == before["samples.jsonl.gz"]  # the same rows, the same bytes
+    assert not (folder / "samples.jsonl").exists()
     assert (folder / "summary.json").is_file() and list(folder.glob("*.png"))
 
 
@@ -275,9 +269,11 @@ def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message,
     assert not (tmp_path / "res").exists() and not (tmp_path / "escape").exists() and not (tmp_path / "abs").exists()
 
 
-def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys):
+def test_random_weights_and_scripted_acceptance(files, tmp_path, capsys, no_plots):
+    # one prompt (--max-samples 1): what is checked is per arm and per row, the same for every prompt
     argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
-            "--max-new-tokens", "9", "--scripted-accept", "3", "--fair-interleave", "--fair-k-list", "1,2",
+            "--max-samples", "1", "--max-new-tokens", "9", "--scripted-accept", "3", "--fair-interleave",
+            "--fair-k-list", "1,2",
             "--results-dir", str(tmp_path), "--run-id", "rw", "--trace", str(tmp_path / "trace.jsonl")]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -341,7 +337,7 @@ def test_kernels_auto_keeps_torch_ops_for_reference_numerics(monkeypatch, extra,
     assert runner.choose_ops(plan).name == expect
 
 
-def test_a_run_reports_the_calls_its_kernels_handed_to_torch_ops(files, tmp_path, capsys, monkeypatch):
+def test_a_run_reports_the_calls_its_kernels_handed_to_torch_ops(files, tmp_path, capsys, monkeypatch, no_plots):
     """Decode-sized calls the Triton ops did not take (a slower step than the kernels') are printed after the
     table and kept in summary.json, never silent."""
     from collections import Counter
@@ -353,7 +349,8 @@ def test_a_run_reports_the_calls_its_kernels_handed_to_torch_ops(files, tmp_path
 
     monkeypatch.setattr(runner, "choose_ops", lambda plan: Leaky())
     argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
-            "--max-new-tokens", "6", "--xpress-refine-passes", "1", "--results-dir", str(tmp_path), "--run-id", "fb"]
+            "--max-samples", "1", "--max-new-tokens", "6", "--xpress-refine-passes", "1",
+            "--results-dir", str(tmp_path), "--run-id", "fb"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     note = "[kernels] decode-sized calls the Triton kernels do not take ran on torch ops"
@@ -385,8 +382,8 @@ def test_first_turns_are_rendered_once_per_prompt_not_per_arm_and_round(traced_f
     arms, rounds = {r["arm"] for r in rows}, {r["round"] for r in rows}
     firsts = sum(1 for n in calls if n == 1)
     assert len(arms) == 5 and len(rounds) >= 2
-    assert firsts <= 3 * 2 + 1  # presize's length check and one render each for 3 prompts, the warmup's prompt
-    # the second prompt's second turn, every time, and once with empty replies for presize's bound (prompt_bound)
+    assert firsts <= 2 * 2 + 1  # presize's length check and one render each for 2 prompts, the warmup's prompt
+    # the two-turn prompt's second turn, every time, and once with empty replies for presize's bound (prompt_bound)
     assert sum(1 for n in calls if n == 3) == len(arms) * len(rounds) + 1
 
 
