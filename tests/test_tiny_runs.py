@@ -36,8 +36,22 @@ def fair(files, results, *extra, refiners=True):
             "--results-dir", str(results), *extra]
 
 
-def test_progress_shows_arm_prompt_rate_and_stays_between_decodes(files, tmp_path, monkeypatch, capsys):
-    events = []
+@pytest.fixture
+def no_plots(monkeypatch):
+    """For runs whose checks read no plot (drawing them costs about 3 s of CPU a run); the module's shown run and
+    test_plots_... draw theirs."""
+    from harness.protocol import report
+    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])
+
+
+@pytest.fixture(scope="module")
+def shown_run(files, tmp_path_factory):
+    """One full run (2 prompts, 5 arms), made once, as a person at a terminal sees it: its folder, the order of its
+    generations and progress updates, its stderr, and the figures its plots were drawn on (one run serves the
+    progress test and the plots test; neither's checks depend on the other's spies)."""
+    import contextlib
+    import io
+    events, err, folder = [], io.StringIO(), tmp_path_factory.mktemp("shown")
     real_generate, real_show = runner.generate, runner.show_progress
 
     def generate(*a, **k):
@@ -50,18 +64,27 @@ def test_progress_shows_arm_prompt_rate_and_stays_between_decodes(files, tmp_pat
         events.append("progress")
         return real_show(bar, *a)
 
-    monkeypatch.setattr(runner, "generate", generate)
-    monkeypatch.setattr(runner, "show_progress", show)
-    monkeypatch.setattr(runner, "on_terminal", lambda: True)
-    assert cli.main(fair(files, tmp_path, "--run-id", "p")) == 0
-    err = capsys.readouterr().err
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stderr(err):
+        mp.setattr(runner, "generate", generate)
+        mp.setattr(runner, "show_progress", show)
+        mp.setattr(runner, "on_terminal", lambda: True)
+        seen = _figures(mp)
+        assert cli.main(fair(files, folder, "--run-id", "full")) == 0
+    return folder / "full", events, err.getvalue(), seen
+
+
+def test_progress_shows_arm_prompt_rate_and_stays_between_decodes(files, shown_run, tmp_path, monkeypatch, capsys,
+                                                                  no_plots):
+    _, events, err, _ = shown_run
     assert "tok/s" in err and "prompt 2/2" in err and "round 6/6" in err and "xPress(K=2)" in err
     assert events.count("progress") == 6 * 5 * 2  # rounds x arms x prompts: one update per finished decode
     inside = False
     for e in events:  # never while a (timed) generation runs
         inside = {"start": True, "end": False}.get(e, inside)
         assert not (e == "progress" and inside)
-    events.clear()  # (one prompt from here: these runs only show no progress)
+    events = []  # (one prompt from here: these runs only show no progress)
+    monkeypatch.setattr(runner, "show_progress", lambda *a: events.append("progress"))
+    monkeypatch.setattr(runner, "on_terminal", lambda: True)
     assert cli.main(fair(files, tmp_path, "--run-id", "q", "--quiet", "--max-samples", "1")) == 0
     assert "progress" not in events and "tok/s" not in capsys.readouterr().err
     monkeypatch.setattr(runner, "on_terminal", lambda: False)
@@ -69,7 +92,8 @@ def test_progress_shows_arm_prompt_rate_and_stays_between_decodes(files, tmp_pat
     assert "progress" not in events and "tok/s" not in capsys.readouterr().err
 
 
-def test_ctrl_c_prints_the_resume_command_and_resume_dir_alone_finishes(files, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_prints_the_resume_command_and_resume_dir_alone_finishes(files, tmp_path, monkeypatch, capsys,
+                                                                        no_plots):
     calls = {"n": 0}
     real = runner.generate
 
@@ -139,14 +163,13 @@ def _figures(monkeypatch):
     return seen
 
 
-def test_plots_colour_per_method_ar_line_titles_and_no_empty_k_plots(files, tmp_path, monkeypatch):
+def test_plots_colour_per_method_ar_line_titles_and_no_empty_k_plots(files, shown_run, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
     from matplotlib.colors import to_hex
-    seen = _figures(monkeypatch)
-    assert cli.main(fair(files, tmp_path, "--run-id", "full", "--quiet")) == 0
-    names = {p.name for p in (tmp_path / "full").glob("*.png")}
+    folder, _, _, seen = shown_run
+    names = {p.name for p in folder.glob("*.png")}
     assert names == {"summary_by_arm.png", "tau_vs_K.png", "speedup_vs_K.png", "acceptance_per_position.png"}
-    summary = json.loads((tmp_path / "full" / "summary.json").read_text())
+    summary = json.loads((folder / "summary.json").read_text())
     colors = plots.arm_colors(summary["arms"])
     assert to_hex(colors["Markov"]) == plots.COLORS["markov"] and to_hex(colors["xPress(K=2)"]) == plots.COLORS["xpress"]
     by_arm, tau_k, speed_k, per_pos = seen
@@ -164,8 +187,8 @@ def test_plots_colour_per_method_ar_line_titles_and_no_empty_k_plots(files, tmp_
     assert refs["drafter-only"] == plots.COLORS["drafter-only"] and refs["Markov"] == plots.COLORS["markov"]
     pos = {ln.get_label(): to_hex(ln.get_color()) for ln in per_pos.axes[0].get_lines()}
     assert pos["Markov"] == plots.COLORS["markov"] and pos["drafter-only"] == plots.COLORS["drafter-only"]
-    seen.clear()
-    assert cli.main(fair(files, tmp_path, "--run-id", "plain", "--quiet", refiners=False)) == 0
+    plain = fair(files, tmp_path, "--run-id", "plain", "--quiet", "--max-samples", "1", refiners=False)
+    assert cli.main(plain) == 0
     assert {p.name for p in (tmp_path / "plain").glob("*.png")} == {"summary_by_arm.png",
                                                                       "acceptance_per_position.png"}
 
@@ -190,7 +213,7 @@ def test_speedup_error_bars_are_the_ci(monkeypatch, tmp_path):
 def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "USE_GRAPH", "TARGET", "PRESET")}
     env.update(EXTRA_ARGS="--random-weights tiny --quiet", MAX_SAMPLES="1", MAX_NEW_TOKENS="4", K_LIST="1",
-               OUTDIR=str(tmp_path / "rw"))
+               OUTDIR=str(tmp_path / "rw"), ROUNDS="2")  # 2 rounds: only the run's settings are checked
     proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh")], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -217,7 +240,7 @@ def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
     assert resolved["weights"]["markov"]["files"] == 1 and len(resolved["weights"]["drafter"]["digest"]) == 16
 
 
-def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_path, capsys):
+def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_path, capsys, no_plots):
     """config.json records the drafter's and refiners' digests; a --resume after the weights at those paths
     changed would put two models' rows in one table: one line, exit 2, before any model loads, rows untouched.
     With the weights put back it resumes."""
