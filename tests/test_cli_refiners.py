@@ -77,11 +77,13 @@ def test_bad_refiner_input_fails_before_loading(files, tmp_path, extra, message,
 
 @pytest.mark.parametrize("extra", [[], ["--compat-reference"], ["--draft-noise", "uniform", "--top-p", "0.9"]])
 def test_seeded_replay_is_byte_identical_at_t1(files, tmp_path, extra, capsys):
+    one = ["--max-samples", "1"]  # one prompt's 14 sampled tokens: a replay's bytes and another seed's differ there too
     outs = []
     for i in range(2):
         out = tmp_path / f"r{i}.jsonl"
         argv = args(files, "--xpress-refiner-path", str(files / "xpress.pt"), "--xpress-refine-passes", "2",
-                    "--temperature", "1.0", "--seed", "5", "--no-answer-timing", "--answer-file", str(out), *extra)
+                    "--temperature", "1.0", "--seed", "5", "--no-answer-timing", "--answer-file", str(out),
+                    *one, *extra)
         assert cli.main(argv) == 0
         outs.append(out.read_bytes())
     assert outs[0] == outs[1]
@@ -90,7 +92,7 @@ def test_seeded_replay_is_byte_identical_at_t1(files, tmp_path, extra, capsys):
     assert "wall_time" not in rows[0]["choices"][0] and "tstamp" not in rows[0]
     other = tmp_path / "other.jsonl"
     argv = args(files, "--xpress-refiner-path", str(files / "xpress.pt"), "--xpress-refine-passes", "2",
-                "--temperature", "1.0", "--seed", "6", "--no-answer-timing", "--answer-file", str(other), *extra)
+                "--temperature", "1.0", "--seed", "6", "--no-answer-timing", "--answer-file", str(other), *one, *extra)
     assert cli.main(argv) == 0
     assert other.read_bytes() != outs[0]  # the seed matters
 
@@ -103,7 +105,7 @@ def test_cotrained_drafter_only_arms_run_each_refiners_drafter_in_the_paired_rou
     Power: the weights each arm swaps in are checked against the checkpoint's drafter and the base one (the tiny
     random drafters draft alike, so their drafts cannot tell them apart)."""
     import torch
-    from harness.protocol import build
+    from harness.protocol import build, report
     swapped, real = {}, build.Arm.activate
 
     def spy(arm):
@@ -113,6 +115,8 @@ def test_cotrained_drafter_only_arms_run_each_refiners_drafter_in_the_paired_rou
     monkeypatch.setattr(build.Arm, "activate", spy)
     trace, results = tmp_path / "trace.jsonl", tmp_path / "res"
     heads = ["--xpress-refiner-path", str(files / "xpress.pt"), "--markov-refiner-path", str(files / "markov.pt")]
+    heads += ["--max-samples", "1", "--max-new-tokens", "8"]  # 6 arms x 7 rounds of one prompt: each arm's rows
+    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])  # (and no plots: none is read here)
     assert cli.main(args(files, *heads, "--fair-interleave", "--fair-k-list", "1", "--cotrained-drafter-only",
                          "--trace", str(trace), "--run-id", "cot", "--results-dir", str(results))) == 0
     own = ["drafter-only (xPress's drafter)", "drafter-only (Markov's drafter)"]
