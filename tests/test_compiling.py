@@ -18,6 +18,13 @@ def files(tmp_path_factory):
     return write_run_fixture(tmp_path_factory.mktemp("comp"), [{"turns": ["Add 2 and 3."]}, {"turns": ["Hi."]}])
 
 
+@pytest.fixture
+def no_plots(monkeypatch):
+    """These runs' checks read no plot (drawing them costs about 3 s of CPU a run; test_tiny_runs checks them)."""
+    from harness.protocol import report
+    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])
+
+
 def test_watch_counts_compiles_and_refuses_recompiles_after_freeze():
     torch._dynamo.reset()
     watch = CompileWatch("eager")  # dynamo's guards and counters are the same whatever the backend
@@ -46,10 +53,11 @@ def test_release_puts_dynamo_settings_back():
     assert {n: getattr(cfg, n) for n in before} == before
 
 
-def test_compile_refiner_uses_the_chosen_backend_without_the_guard(files, tmp_path, capsys):
-    torch._dynamo.reset()
+def test_compile_refiner_uses_the_chosen_backend_without_the_guard(files, tmp_path, capsys,
+                                                                    no_plots):
+    torch._dynamo.reset()  # one prompt: what is checked is which functions were compiled, and how
     argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
-            "--max-new-tokens", "8", "--fair-interleave", "--fair-k-list", "1", "--results-dir", str(tmp_path),
+            "--max-samples", "1", "--max-new-tokens", "8", "--fair-interleave", "--fair-k-list", "1", "--results-dir", str(tmp_path),
             "--compile-refiner", "--compile-backend", "eager"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
@@ -64,7 +72,7 @@ def test_bad_backend():
 
 
 @pytest.mark.parametrize("temperature", ["0", "0.7"])
-def test_cli_compile_all_reports_and_matches_uncompiled(files, tmp_path, capsys, temperature):
+def test_cli_compile_all_reports_and_matches_uncompiled(files, tmp_path, capsys, temperature, no_plots):
     """Sampled drafts too: the run's one draft sampler is shared by every generation, so nothing recompiles."""
     torch._dynamo.reset()
     base = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
