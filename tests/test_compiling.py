@@ -53,12 +53,11 @@ def test_release_puts_dynamo_settings_back():
     assert {n: getattr(cfg, n) for n in before} == before
 
 
-def test_compile_refiner_uses_the_chosen_backend_without_the_guard(files, tmp_path, capsys,
-                                                                    no_plots):
+def test_compile_refiner_uses_the_chosen_backend_without_the_guard(files, tmp_path, capsys, no_plots):
     torch._dynamo.reset()  # one prompt: what is checked is which functions were compiled, and how
     argv = ["--random-weights", "tiny", "--dataset", "mini", "--data-dir", str(files / "data"), "--device", "cpu",
-            "--max-samples", "1", "--max-new-tokens", "8", "--fair-interleave", "--fair-k-list", "1", "--results-dir", str(tmp_path),
-            "--compile-refiner", "--compile-backend", "eager"]
+            "--max-samples", "1", "--max-new-tokens", "8", "--fair-interleave", "--fair-k-list", "1",
+            "--results-dir", str(tmp_path), "--compile-refiner", "--compile-backend", "eager"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     # every refiner (Markov too), with the backend asked for; no recompile guard without --compile-all
