@@ -52,3 +52,12 @@ def pytest_collection_modifyitems(items):
     for i, item in enumerate(items):
         first.setdefault(item.path.name, i)
     items.sort(key=lambda item: (-MODULE_SECONDS.get(item.path.name, 0), first[item.path.name]))
+
+
+@pytest.fixture
+def no_plots(monkeypatch):
+    """For tiny runs whose checks read no plot: drawing a run's plots costs about 3 s of CPU. The plots themselves
+    are checked by test_tiny_runs (its module run), test_protocol (the script, --rebuild and the plots-interrupted
+    resume) and the torchrun/accelerate runs of test_distributed, which draw theirs."""
+    from harness.protocol import report
+    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])

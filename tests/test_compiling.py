@@ -18,13 +18,6 @@ def files(tmp_path_factory):
     return write_run_fixture(tmp_path_factory.mktemp("comp"), [{"turns": ["Add 2 and 3."]}, {"turns": ["Hi."]}])
 
 
-@pytest.fixture
-def no_plots(monkeypatch):
-    """These runs' checks read no plot (drawing them costs about 3 s of CPU a run; test_tiny_runs checks them)."""
-    from harness.protocol import report
-    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])
-
-
 def test_watch_counts_compiles_and_refuses_recompiles_after_freeze():
     torch._dynamo.reset()
     watch = CompileWatch("eager")  # dynamo's guards and counters are the same whatever the backend

@@ -34,14 +34,6 @@ def fair_args(files, results, *extra):
             "--fair-interleave", "--fair-k-list", "1,2", "--max-samples", "2", "--results-dir", str(results), *extra]
 
 
-@pytest.fixture
-def no_plots(monkeypatch):
-    """For runs whose checks read no plot (drawing them costs about 3 s of CPU a run); plots are checked by the
-    script's test, the plots-interrupted test, --rebuild's test and test_tiny_runs."""
-    from harness.protocol import report
-    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])
-
-
 def test_bench_fair_fast_script_end_to_end(files, tmp_path):
     env = {**os.environ, "TARGET": str(files / "target"), "DRAFT": str(files / "drafter"),
            "XPRESS_CKPT": str(files / "xpress.pt"), "MK_CKPT": str(files / "markov.pt"),

@@ -36,14 +36,6 @@ def fair(files, results, *extra, refiners=True):
             "--results-dir", str(results), *extra]
 
 
-@pytest.fixture
-def no_plots(monkeypatch):
-    """For runs whose checks read no plot (drawing them costs about 3 s of CPU a run); the module's shown run and
-    test_plots_... draw theirs."""
-    from harness.protocol import report
-    monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])
-
-
 @pytest.fixture(scope="module")
 def shown_run(files, tmp_path_factory):
     """One full run (2 prompts, 5 arms), made once, as a person at a terminal sees it: its folder, the order of its
