@@ -142,18 +142,23 @@ def test_tables_after_jobhead_says_so_and_writes_where_tres_says(tmp_path, tres)
         env["TRES"] = str(tmp_path / tres)
     cells = tmp_path / "code" / "harness" / "lab"
     cells.mkdir(parents=True)
-    # the fake cells only say where they would write (the default, /tmp/res, is outside the test's folder)
-    (cells / "smollm2_gpu.sh").write_text('echo "cell $DATASETS T=$2 in [$RES] of $XPRESS_BENCH_WEIGHTS"\nsleep 6\n')
-    run = lambda *a: subprocess.run(["bash", str(script), *a], capture_output=True, text=True, env=env, timeout=90)
+    # the fake cells only say where they would write (the default, /tmp/res, is outside the test's folder), then
+    # last until the test lets them end: `tables` must return while they run
+    go = tmp_path / "go"
+    (cells / "smollm2_gpu.sh").write_text('echo "cell $DATASETS T=$2 in [$RES] of $XPRESS_BENCH_WEIGHTS"\n'
+                                          f'while [ ! -f {go} ]; do sleep 0.05; done\n')
+    run = lambda *a: subprocess.run(["bash", str(script), *a], capture_output=True, text=True, env=env, timeout=60)
     assert run("shipped").returncode == 0 and run("jobhead").returncode == 0
-    t0 = time.monotonic()
-    r = run("tables", "gsm8k:0")
-    assert r.returncode == 0, r.stderr
-    assert time.monotonic() - t0 < 6  # the cells take 6 s
+    done = tmp_path / "xrun.tables.done"
+    try:
+        r = run("tables", "gsm8k:0")
+        assert r.returncode == 0, r.stderr
+        assert not done.exists()  # returned with the cells still running
+    finally:
+        go.write_text("")
     assert "ship: the shipped weights" in r.stdout and "xpress: the job's export/xpress" in r.stdout
     where = str(tmp_path / tres) if tres else "/tmp/res"
     assert f"cell gsm8k T=0 in [{where}] of {tmp_path / 'w' / 'smollm2-135m'}" in r.stdout
-    done = tmp_path / "xrun.tables.done"
     _wait_for(done)  # the cells' job ends: nothing left running after the test
     assert done.read_text().strip() == "rc=0"
 
@@ -173,7 +178,7 @@ def test_a_second_tables_job_without_benchmarks_starts_in_its_own_xtab(tmp_path)
         (w / "smollm2-135m" / m).mkdir(parents=True)
     xtab, xres = tmp_path / "xtab2", tmp_path / "res2"
     env = {**os.environ, "NOBENCH": "1", "XTAB": str(xtab), "XRES": str(xres), "JOB_CODE": str(code),
-           "WDIR": str(w), "DATASETS": "gsm8k"}
+           "WDIR": str(w), "DATASETS": "gsm8k", "START_WAIT": "0"}
     r = subprocess.run(["bash", str(script), "start", "0"], cwd=repo,
                        capture_output=True, text=True, env=env, timeout=60)
     done = xtab / "tables.done"

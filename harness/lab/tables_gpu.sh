@@ -23,8 +23,8 @@
 # DEADLINE_S (seconds from `start` after which no new cell begins), DATASETS, K_LIST, ROUNDS and MAX_SAMPLES pass
 # through to smollm2_gpu.sh and bench_fair_fast.sh; XRES and XTAB move the folders and logs (a second job's: with
 # NOBENCH, `start` alone in its XTAB suffices). Both jobs run from a copy of the code in /tmp/code (JOB_CODE; WDIR
-# moves /tmp/w, the weights), so the tree that each call re-sends cannot change them. Make the calls back to back:
-# the jobs die with the machine.
+# moves /tmp/w, the weights), so the tree that each call re-sends cannot change them; START_WAIT (default 5) is how
+# long `start` waits before it shows the logs' tails. Make the calls back to back: the jobs die with the machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 GGUF=SmolLM2-135M-Instruct.Q4_1.gguf
@@ -85,7 +85,7 @@ case "${1:-}" in
          echo "rc=$?" > '$J'/tables.done
          if [[ -z ${NOBENCH:-} ]] && (( $(date +%s) + 240 < DEADLINE )); then bench_job qwen3-8b; fi' \
         &) > $J/tables.log 2>&1 < /dev/null
-    sleep 5; tail -n 3 $J/bench.log $J/tables.log 2>/dev/null || true
+    sleep "${START_WAIT:-5}"; tail -n 3 $J/bench.log $J/tables.log 2>/dev/null || true
     ;;
   poll)
     [[ -f $J/tables.log ]] || { echo "error: no tables job on this machine ($J/tables.log is missing): it was" \
