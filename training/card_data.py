@@ -166,13 +166,11 @@ def recipe_record(spec: dict | None) -> dict | None:
 def loss_text(spec) -> str | None:
     """models.<name>.loss_fn as the card prints it: a name as it is, a mapping ('{"ce": 0.1, "tv": 0.9}', the JSON
     string training/loss_spec.py leaves) as "ce 0.1 + tv 0.9"."""
+    from training.loss_spec import mapping
     if not isinstance(spec, str):
         return None
-    try:
-        weights = json.loads(spec)
-    except json.JSONDecodeError:
-        return spec
-    return " + ".join(f"{k} {w}" for k, w in weights.items()) if isinstance(weights, dict) else spec
+    weights = mapping(spec)
+    return " + ".join(f"{k} {w}" for k, w in weights.items()) if weights is not None else spec
 
 
 def card_record(work: Path, summary: list[dict], ship_dir: Path | None = None, title: str | None = None) -> dict:

@@ -17,17 +17,23 @@ from core.errors import UsageError
 NAMES = ("ce", "jsd", "kl_div", "lk_hybrid", "nla", "rkl", "tv")
 
 
+def mapping(spec):
+    """The weights a loss_fn spec holds: a dict as it is, a JSON string parsed; None for a name or anything else
+    (what check refuses, or the card prints as written)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError:
+            return None
+    return spec if isinstance(spec, dict) else None
+
+
 def check(where: str, m: dict) -> None:
     """m["loss_fn"]: a name, a JSON string or a dict of name -> weight; a dict is replaced by its JSON string."""
     spec = m["loss_fn"]
     if isinstance(spec, str) and spec in NAMES:
         return
-    weights = spec
-    if isinstance(spec, str):
-        try:
-            weights = json.loads(spec)
-        except json.JSONDecodeError:
-            weights = None
+    weights = mapping(spec)
     bad = "not a name or a mapping" if not isinstance(weights, dict) or not weights else next(
         (f"{k!r}: {w!r}" for k, w in weights.items() if k not in NAMES or isinstance(w, bool)
          or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0), None)
