@@ -98,7 +98,7 @@ def run(files, out, *extra):
     return "".join(f.name[len(out.stem):] + f.read_text() for f in sorted(out.parent.glob(out.stem + ".*.jsonl")))
 
 
-def test_greedy_output_equals_ar_for_every_method(files, tmp_path):
+def test_greedy_output_equals_ar_for_every_method(files, tmp_path, no_plots):  # (no check reads a plot)
     run(files, tmp_path / "a.jsonl")
     arms = sorted(tmp_path.glob("a.*.jsonl"))
     assert [f.name for f in arms] == ["a.drafter-only.jsonl", "a.markov.jsonl", "a.xpress-k-2--c-8.jsonl",
@@ -109,7 +109,7 @@ def test_greedy_output_equals_ar_for_every_method(files, tmp_path):
             assert ar["method"] == "AR" and ar["turns"] and spec["turns"] == ar["turns"], (f.name, spec["method"])
 
 
-def test_seeded_replay_is_deterministic_with_spyre_numerics(files, tmp_path):
+def test_seeded_replay_is_deterministic_with_spyre_numerics(files, tmp_path, no_plots):
     extra = ("--temperature", "1.0", "--draft-temperature", "0", "--seed", "5")
     first = run(files, tmp_path / "a.jsonl", *extra)
     assert first == run(files, tmp_path / "b.jsonl", *extra)
