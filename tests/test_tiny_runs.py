@@ -163,7 +163,8 @@ def test_plots_colour_per_method_ar_line_titles_and_no_empty_k_plots(files, show
     assert names == {"summary_by_arm.png", "tau_vs_K.png", "speedup_vs_K.png", "acceptance_per_position.png"}
     summary = json.loads((folder / "summary.json").read_text())
     colors = plots.arm_colors(summary["arms"])
-    assert to_hex(colors["Markov"]) == plots.COLORS["markov"] and to_hex(colors["xPress(K=2)"]) == plots.COLORS["xpress"]
+    assert to_hex(colors["Markov"]) == plots.COLORS["markov"]
+    assert to_hex(colors["xPress(K=2)"]) == plots.COLORS["xpress"]
     by_arm, tau_k, speed_k, per_pos = seen
     for fig in seen:
         title = fig.axes[0].get_title()
@@ -202,14 +203,34 @@ def test_speedup_error_bars_are_the_ci(monkeypatch, tmp_path):
     assert (x0, x1) == (4, 4) and (round(y0, 9), round(y1, 9)) == (1.2, 1.9)
 
 
-def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
+def script_argv(tmp_path, env, *args):
+    """Runs bench_fair_fast.sh with a python3 on PATH that hands its -c checks to the real one and records the
+    command the script execs (benchmark_compile_all.py's argv) instead of running it: the script's exit code and
+    the argv it builds are its behaviour; the CLI then runs in-process (no interpreter start, no torch import).
+    The exec into the real python3 is run by the Ctrl-C test (RESUME) and test_protocol's script run."""
+    import sys
+    shim, out = tmp_path / "bin", tmp_path / "argv"
+    shim.mkdir(exist_ok=True)
+    (shim / "python3").write_text(f'#!/usr/bin/env bash\nif [ "$1" = benchmark_compile_all.py ]; then shift; '
+                                  f'printf "%s\\0" "$@" > {shlex.quote(str(out))}; exit 0; fi\n'
+                                  f'exec {shlex.quote(sys.executable)} "$@"\n')
+    (shim / "python3").chmod(0o755)
+    env = {**env, "PATH": f"{shim}{os.pathsep}{env.get('PATH', '')}"}
+    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out.read_text().split("\0")[:-1]
+
+
+def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path, monkeypatch, capsys, no_plots):
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "USE_GRAPH", "TARGET", "PRESET")}
     env.update(EXTRA_ARGS="--random-weights tiny --quiet", MAX_SAMPLES="1", MAX_NEW_TOKENS="4", K_LIST="1",
                OUTDIR=str(tmp_path / "rw"), ROUNDS="2")  # 2 rounds: only the run's settings are checked
-    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh")], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "random weights" in proc.stdout and "use-graph" not in proc.stderr  # CPU: no CUDA graphs asked for
+    argv = script_argv(tmp_path, env)
+    monkeypatch.chdir(ROOT)  # where the script runs it (cd "$(dirname "$0")"): data/eval/ and weights/ relative
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "random weights" in out and "use-graph" not in err and "--use-graph" not in argv  # CPU: no CUDA graphs
     (folder,) = (tmp_path / "rw").iterdir()
     config = json.loads((folder / "config.json").read_text())
     assert config["preset"] == "smollm2-135m" and config["use_graph"] is False and config["dataset"] == "gsm8k"
@@ -219,9 +240,7 @@ def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path):
     env.update(TARGET=str(files / "target"), DRAFT=str(files / "drafter"), XPRESS_CKPT="",
                MK_CKPT=str(files / "markov.pt"), DATA_DIR=str(files / "data"), MAX_SAMPLES="1", MAX_NEW_TOKENS="4",
                OUTDIR=str(tmp_path / "drop"), ROUNDS="2")
-    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), "mini"], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert cli.main(script_argv(tmp_path, env, "mini")) == 0
     (folder,) = (tmp_path / "drop").iterdir()
     resolved = json.loads((folder / "config.json").read_text())["resolved"]
     assert resolved["arms"] == ["AR", "drafter-only", "Markov"]
