@@ -112,6 +112,22 @@ def test_run_folder_readmes_are_left_to_the_harness(tmp_path):
     assert [str(p.relative_to(root)) for p in rn.readmes(root)][-1] == "weights/smollm2-135m/README.md"
 
 
+def render_in_process(argv, cwd, **kw):
+    """What check_cards' subprocess.run does, without the interpreter start and its torch import (about 3 s of CPU
+    a render): the same command, checked, run through training.card.main; a real process renders the committed
+    card in test_the_committed_readmes_pass_check and fails on the bad card.json below."""
+    import contextlib
+    import io
+    import subprocess
+    import sys
+    from training import card as card_cli
+    assert argv[:3] == [sys.executable, "-m", "training.card"] and Path(cwd) == ROOT, (argv, cwd)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        rc = card_cli.main(argv[3:])
+    return subprocess.CompletedProcess(argv, rc, "", err.getvalue())
+
+
 def test_a_generated_model_card_must_equal_its_card_json_rendering(tmp_path, monkeypatch):
     """A committed card.json is rendered through `python -m training.card --from-json`: the committed Markdown
     passes when it is that rendering, and an edit by hand (or a card.json that does not render) fails."""
@@ -120,12 +136,14 @@ def test_a_generated_model_card_must_equal_its_card_json_rendering(tmp_path, mon
     monkeypatch.setattr(rn, "CARDS", (("card.json", "CARD.md"),))
     card.write_text(json.dumps({"title": "t", "data": {}, "models": [], "stages": {}}))
     md.write_text("stale\n")
-    (bad,) = rn.check_cards(root)
-    assert bad.kind == "card" and "differs" in bad.text
-    from training.card_md import render
-    md.write_text(render(json.loads(card.read_text())))
-    assert rn.check_cards(root) == []
-    card.write_text(json.dumps({"title": "t"}))
+    with monkeypatch.context() as mp:  # the two renders that succeed: in-process
+        mp.setattr(rn.subprocess, "run", render_in_process)
+        (bad,) = rn.check_cards(root)
+        assert bad.kind == "card" and "differs" in bad.text
+        from training.card_md import render
+        md.write_text(render(json.loads(card.read_text())))
+        assert rn.check_cards(root) == []
+    card.write_text(json.dumps({"title": "t"}))  # a real process that fails
     (bad,) = rn.check_cards(root)
     assert "failed" in bad.text
 
@@ -165,7 +183,8 @@ def test_the_shipping_families_read_gain_order_card_and_ranges_over_folders(tmp_
     s = json.loads((runs / "gsm8k_t0" / "summary.json").read_text())
     s["arms"]["xPress(K=1)"] = {"method": "xpress", "arm": "xPress(K=1)", "tau_per_step": 2.94,
                                 "gain": {"value": 1.0232, "ci95": [1.0039, 1.0410]}}
-    s["tau_order"] = {"xpress": [{"arm": "xPress(K=1)", "vs_markov": {"ratio": 0.9746, "ratio_ci95": [0.9489, 1.0124]}}]}
+    s["tau_order"] = {"xpress": [{"arm": "xPress(K=1)",
+                                  "vs_markov": {"ratio": 0.9746, "ratio_ci95": [0.9489, 1.0124]}}]}
     (runs / "gsm8k_t0" / "summary.json").write_text(json.dumps(s))
     other = json.loads(json.dumps(s))
     other["arms"]["drafter-only"]["tau_per_step"] = 2.887
@@ -175,7 +194,8 @@ def test_the_shipping_families_read_gain_order_card_and_ranges_over_folders(tmp_
     assert [R["xgain"](root, f, "x1", w) for w in ("value", "lo", "hi")] == ["1.023", "1.004", "1.041"]
     assert [R["tau_vs_markov"](root, f, "x1", w) for w in ("value", "lo", "hi")] == ["0.975", "0.949", "1.012"]
     both = "gsm8k_t0,math500_t0"
-    assert (R["tau_end"](root, both, "drafter", "min"), R["tau_end"](root, both, "drafter", "max")) == ("2.148", "2.887")
+    ends = (R["tau_end"](root, both, "drafter", "min"), R["tau_end"](root, both, "drafter", "max"))
+    assert ends == ("2.148", "2.887")
     card = {"lineage": [{"name": "run3", "card": {"models": [{"model": "drafter", "steps": 2248,
                                                               "heldout": {"tau_drafter": 2.295},
                                                               "val_loss_per_epoch": [0.2888, 0.2706]}]}}]}
@@ -239,7 +259,8 @@ def test_ar_self_counts_prompts_whose_ar_text_agrees_across_two_runs(tmp_path):
         (runs / folder).mkdir(exist_ok=True)
         write_rows(runs / folder, rows) if folder == "a" else append_rows(runs / folder / "samples.jsonl", rows)
     row = lambda q, toks, arm="AR", turn=0: {"dataset_row": q, "arm": arm, "turn": turn, "tokens": toks}
-    write("a", [row(1, [5, 6, 7, 8]), row(1, [5, 6, 7, 8]), row(2, [1, 2, 3]), row(3, [9]), row(2, [0], "drafter-only")])
+    write("a", [row(1, [5, 6, 7, 8]), row(1, [5, 6, 7, 8]), row(2, [1, 2, 3]), row(3, [9]),
+                row(2, [0], "drafter-only")])
     write("b", [row(1, [5, 6]), row(2, [1, 2, 3, 4]), row(2, [1, 2, 4]), row(4, [1]), row(1, [0], turn=1)])
     assert R["ar_self"](root, "a", "b") == "1/2"  # prompt 1 agrees through 2 tokens; prompt 2's second round differs
     assert R["ar_self"](root, "a", "b", "of") == "1 of 2"
