@@ -77,11 +77,12 @@ def test_auto_picks_the_kernel_on_cuda_where_it_runs(monkeypatch):
 
 
 def test_bench_generate_runs_the_triton_attention(tmp_path):
-    """bench_generate --attention triton on the tiny random preset: the same greedy rows as HF's, labelled."""
+    """bench_generate --attention triton on the tiny random preset: the same greedy rows as HF's, labelled. Two
+    prompts, one batch: the kernel's refills and stops are the test above's; this one checks the CLI's path."""
     import json
     from harness.lab.bench_generate import main
     out = tmp_path / "g.json"
-    assert main(["--random-weights", "tiny", "--device", DEV.type, "--dtype", "float32", "--prompts", "3",
+    assert main(["--random-weights", "tiny", "--device", DEV.type, "--dtype", "float32", "--prompts", "2",
                  "--batch", "2", "--max-new-tokens", "3", "--bucket", "32", "--attention", "triton",
                  "--out", str(out)]) == 0
     r = json.loads(out.read_text())
