@@ -66,6 +66,14 @@ def card_main(*args):
 
 
 @pytest.fixture
+def no_curves(monkeypatch):
+    """For the cards whose checks read no loss-curve figure (about 0.4 s of CPU a figure): the figures are drawn
+    and checked by the lineage card's test (its CLI process) and the tried-run test (loss_curves_cons.png)."""
+    from training import card_curves
+    monkeypatch.setattr(card_curves, "plot", lambda named, out, title: None)
+
+
+@pytest.fixture
 def lineage(tmp_path):
     write_run(tmp_path / "run2", True, {"drafter": (0, 914)})
     write_run(tmp_path / "run3", False, {"drafter": (914, 2248)})  # a workdir, not flat records
@@ -104,7 +112,7 @@ def test_a_lineage_card_gives_every_run_in_order_with_the_steps_each_made(lineag
     assert again.read_text() == text  # the card is card.json's rendering
 
 
-def test_a_run_on_a_carried_responses_stage_is_not_counted_as_new_data(tmp_path):
+def test_a_run_on_a_carried_responses_stage_is_not_counted_as_new_data(tmp_path, no_curves):
     """Runs that trained on the responses another run made (the stage carried between sessions: the same key) did
     not generate them: the lineage's totals count that stage once, and the row names the run that made it."""
     pytest.importorskip("matplotlib")
@@ -182,7 +190,7 @@ def _prompts(folder: Path, train: int, pinned: str | None = None):
     (58656, "d1", "its selection set is the one the shipped models were chosen on"),  # pinned alike: other pools
     (58691, "d2", "its selection and held-out sets differ from the shipped runs'"),
     (None, None, "whether its selection set is the shipped models' is not recorded")])
-def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, train, pinned, says):
+def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, train, pinned, says, no_curves):
     """The fourteenth session's run regenerated the Magpie pool (other engine numerics: 58,656 train prompts where the
     shipped runs had 58,691), so its held-out prompts were not theirs; its card said they were. Its box's device and
     compile mode, recorded since 2026-12-05, were dropped from the card too."""
@@ -211,7 +219,7 @@ def test_a_tried_run_says_whether_its_prompt_sets_are_the_shipped_runs(lineage, 
     assert "bench:gsm8k 1.143x [" in tried  # 20 tokens in 7 steps over 20 in 8
 
 
-def test_the_card_says_how_each_model_trained_from_the_export_manifest(lineage):
+def test_the_card_says_how_each_model_trained_from_the_export_manifest(lineage, no_curves):
     """A head co-trained with its drafter (training/cotrain.py) and one on a frozen drafter read alike in every
     other table of the card; the recipe table, from the records' export_manifest.json, tells them apart. Records
     without that file get no table (nothing is guessed)."""
