@@ -108,10 +108,10 @@ def test_ctrl_c_prints_the_resume_command_and_resume_dir_alone_finishes(files, t
     out = capsys.readouterr().out
     assert f"reusing {saved} of 60 (round, arm, prompt) decodes" in out
     assert len(read_rows(Path(folder) / "samples.jsonl.gz")) == 60 and not (Path(folder) / "samples.jsonl").exists()
-    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh")], env={**os.environ, "RESUME": folder},
-                          capture_output=True, text=True, timeout=600)  # the same through the script: the
-    assert proc.returncode == 2, proc.stderr[-2000:]  # run is finished now, so the resume is refused, files kept
-    assert "the run is finished" in proc.stderr and len(read_rows(Path(folder) / "samples.jsonl.gz")) == 60
+    argv = script_argv(tmp_path, {**os.environ, "RESUME": folder}, rc=2)  # the same through the script: it
+    assert argv == ["--resume", folder] and cli.main(argv) == 2  # passes --resume DIR alone and the exit code on;
+    assert "the run is finished" in capsys.readouterr().err  # the run is finished now, so the resume is refused
+    assert len(read_rows(Path(folder) / "samples.jsonl.gz")) == 60  # and its files are kept
 
 
 def git(repo, *args):
@@ -203,22 +203,22 @@ def test_speedup_error_bars_are_the_ci(monkeypatch, tmp_path):
     assert (x0, x1) == (4, 4) and (round(y0, 9), round(y1, 9)) == (1.2, 1.9)
 
 
-def script_argv(tmp_path, env, *args):
+def script_argv(tmp_path, env, *args, rc=0):
     """Runs bench_fair_fast.sh with a python3 on PATH that hands its -c checks to the real one and records the
-    command the script execs (benchmark_compile_all.py's argv) instead of running it: the script's exit code and
-    the argv it builds are its behaviour; the CLI then runs in-process (no interpreter start, no torch import).
-    The exec into the real python3 is run by the Ctrl-C test (RESUME) and test_protocol's script run."""
+    command the script execs (benchmark_compile_all.py's argv) instead of running it, exiting with rc (the script
+    must pass it on: it execs): the script's exit code and the argv it builds are its behaviour; the CLI then runs
+    in-process (no interpreter start, no torch import). test_protocol's script run execs the real python3."""
     import sys
     shim, out = tmp_path / "bin", tmp_path / "argv"
     shim.mkdir(exist_ok=True)
     (shim / "python3").write_text(f'#!/usr/bin/env bash\nif [ "$1" = benchmark_compile_all.py ]; then shift; '
-                                  f'printf "%s\\0" "$@" > {shlex.quote(str(out))}; exit 0; fi\n'
+                                  f'printf "%s\\0" "$@" > {shlex.quote(str(out))}; exit {rc}; fi\n'
                                   f'exec {shlex.quote(sys.executable)} "$@"\n')
     (shim / "python3").chmod(0o755)
     env = {**env, "PATH": f"{shim}{os.pathsep}{env.get('PATH', '')}"}
     proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), *args], env=env, capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == rc, proc.stderr[-2000:]
     return out.read_text().split("\0")[:-1]
 
 
