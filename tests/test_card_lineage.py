@@ -131,10 +131,17 @@ def test_a_run_on_a_carried_responses_stage_is_not_counted_as_new_data(tmp_path,
     assert "| all | 14 | 1400 | drafter: 3000; xpress: 1000 |" in text  # not 28 sequences: b's stage counted once
 
 
-def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_totals(lineage):
+def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_totals(lineage, monkeypatch):
     """--tried: a recipe run on the shipped weights that lost (its models not shipped) is in the card, as the issue's
     "every model tried" asks, without being counted as a run that made the weights."""
     pytest.importorskip("matplotlib")
+    from training import card_curves
+    asked, real = [], card_curves.plot  # only the tried run's figure (the one checked) is drawn; each run's asked
+
+    def plot(named, out, title):
+        asked.append(out.name)
+        return real(named, out, title) if out.name == "loss_curves_cons.png" else None
+    monkeypatch.setattr(card_curves, "plot", plot)
     t, out, md = lineage, lineage / "out", lineage / "CARD.md"
     write_run(t / "cons", True, {"xpress": (0, 353), "xpress_cw1": (0, 701)})
     box = json.loads((t / "cons" / "xpress_box.json").read_text())  # the box fit cut its plan: the card says so
@@ -152,6 +159,7 @@ def test_a_tried_run_is_listed_after_the_lineage_and_outside_its_count_and_total
     assert "| xpress_cw1 | 701 |" in text and (out / "loss_curves_cons.png").stat().st_size > 0
     tried = text[text.index("## Tried run `cons`"):]
     assert "Nothing of this run was shipped" in tried and "(the Markov variant shipped)" not in tried
+    assert sorted(asked) == ["loss_curves_cons.png", "loss_curves_heads.png", "loss_curves_run2.png"]
     assert card_main("--from-json", out / "card.json", "--markdown", lineage / "again.md").returncode == 0
     assert (lineage / "again.md").read_text() == text
     # a tried run needs the lineage it was tried on, and its name must differ from the lineage's
