@@ -318,3 +318,15 @@ def test_a_root_without_any_readme_is_refused(tmp_path, capsys, sub):
     err = capsys.readouterr().err
     assert err.startswith(f"error: --root {root}: ") and err.count("\n") == 1, err
     assert ("no such folder" if sub == "missing" else "no README to check") in err
+
+
+def test_check_and_write_read_the_sweeps_anew(tmp_path, monkeypatch):
+    """A sweep's step breakdown is cached while one check or write quotes it many times; each check and write starts
+    with the cache empty, so a folder rewritten between two of them in one process is read again."""
+    import harness.lab.readme_numbers_more as more
+    cleared = []
+    monkeypatch.setattr(more, "clear_caches", lambda: cleared.append(1))
+    (tmp_path / "README.md").write_text("nothing quoted\n")
+    rn.check(tmp_path)
+    rn.write(tmp_path)
+    assert len(cleared) == 2

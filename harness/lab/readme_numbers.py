@@ -185,6 +185,7 @@ def check_cards(root: Path) -> list[Finding]:
 
 
 def check(root: Path = ROOT) -> list[Finding]:
+    harness.lab.readme_numbers_more.clear_caches()
     out = []
     for p in readmes(root):
         out += check_text(root, str(p.relative_to(root)), p.read_text(encoding="utf-8"))
@@ -192,6 +193,7 @@ def check(root: Path = ROOT) -> list[Finding]:
 
 
 def write(root: Path = ROOT) -> list[str]:
+    harness.lab.readme_numbers_more.clear_caches()
     changed = []
     for p in readmes(root):
         old = p.read_text(encoding="utf-8")

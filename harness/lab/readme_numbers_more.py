@@ -319,7 +319,12 @@ def q_sweep_step(root, folder, b, c, a, field, d=2):
     return fmt(entry[field], d)
 
 
-@lru_cache(maxsize=8)
+def clear_caches() -> None:
+    """Before a check or a write reads the files anew (a folder may have changed since the last one)."""
+    _sweep_steps.cache_clear()
+
+
+@lru_cache(maxsize=None)  # a sweep's steps are quoted many times and folders alternate (8 re-read rows 43 times)
 def _sweep_steps(root, folder: str) -> dict:
     from harness.protocol import sweep_steps
     from harness.protocol.results_io import read_folder_rows
