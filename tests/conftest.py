@@ -28,19 +28,21 @@ def pytest_configure(config):
 # so that the modules go out in this order: the longest first, the short ones last, where they fill the gaps, so the
 # two workers end together (longest-processing-time first). xdist's order put the 47 s compile-cache module and the
 # 34 s GGUF module among the last handed out (3 and 4 tests), while the other worker idled. Seconds: each module's
-# summed --durations in a whole-suite run on the 2-core machine unloaded (2026-12-06), less the measured savings of
-# that day's test-speed commits; only the order matters. A module missing here counts 0 and keeps its place.
+# summed --durations in a whole-suite run on the 2-core machine unloaded (2026-12-07, after that day's test-speed
+# commits; 933 s summed, 499 s wall); only the order matters. A module missing here counts 0 and keeps its place.
 MODULE_SECONDS = {
-    "test_sampling.py": 61, "test_training_compile_cache.py": 47, "test_sampling_rows.py": 41,
-    "test_protocol.py": 40, "test_distributed.py": 39, "test_tiny_runs.py": 35, "test_batch_invariant.py": 35,
-    "test_gguf_cache.py": 34, "test_ops.py": 34, "test_batch_decode_sampled.py": 30, "test_training_toy.py": 25,
-    "test_topp.py": 25, "test_smollm2.py": 24, "test_training_compile.py": 24, "test_compiling.py": 21,
-    "test_without_triton.py": 20, "test_batch_refine_twin.py": 19, "test_training_box.py": 19,
-    "test_wide_rows.py": 17, "test_kernels.py": 17, "test_training_rows.py": 16, "test_stacked_ops.py": 15,
-    "test_batch_neighbours.py": 15, "test_cli_refiners.py": 15, "test_loop.py": 12, "test_training_online.py": 11,
-    "test_batch_graphs.py": 10, "test_batch_refill.py": 10, "test_sweep.py": 10, "test_spyre_numerics.py": 9,
-    "test_batched_generate_triton.py": 9, "test_training_pipeline.py": 8, "test_card_lineage.py": 8,
-    "test_capture_plan.py": 8, "test_batch_decode.py": 7, "test_training_restart.py": 6, "test_divergence.py": 6,
+    "test_sampling.py": 73, "test_distributed.py": 50, "test_batch_invariant.py": 40, "test_protocol.py": 38,
+    "test_ops.py": 34, "test_training_toy.py": 33, "test_sampling_rows.py": 32, "test_gguf_cache.py": 31,
+    "test_training_compile_cache.py": 30, "test_smollm2.py": 30, "test_batch_decode_sampled.py": 27,
+    "test_cli_refiners.py": 25, "test_kernels.py": 23, "test_batch_refine_twin.py": 23, "test_training_box.py": 20,
+    "test_topp.py": 18, "test_stacked_ops.py": 18, "test_loop.py": 18, "test_without_triton.py": 17,
+    "test_batch_graphs.py": 14, "test_wide_rows.py": 13, "test_training_online.py": 13, "test_tiny_runs.py": 13,
+    "test_compiling.py": 13, "test_training_rows.py": 12, "test_sweep.py": 12, "test_batch_refill.py": 11,
+    "test_batch_neighbours.py": 11, "test_xpress_latent.py": 9, "test_lab_launch.py": 9, "test_capture_plan.py": 9,
+    "test_batch_decode.py": 9, "test_training_inputs.py": 8, "test_training_compile.py": 8,
+    "test_spyre_numerics.py": 8, "test_readme_numbers.py": 8, "test_publish.py": 8,
+    "test_batched_generate_triton.py": 8, "test_training_pipeline.py": 7, "test_divergence.py": 7,
+    "test_bench_refiner.py": 7, "test_xpress.py": 6, "test_verify.py": 6, "test_cli.py": 6, "test_batch_draft.py": 6
 }
 
 
