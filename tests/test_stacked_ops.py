@@ -108,18 +108,18 @@ def _own(refiner, drafts, logits, hidden, anchors, prev):
 
 @pytest.mark.parametrize("n,block", [(2, 16), (5, 16)])
 def test_an_xpress_stack_launches_each_kernel_once_a_pass(monkeypatch, n, block):
-    """n = 5 at block 16: 75 readout rows, past MAX_ROWS, so the readout runs on the torch ops (no linear launch)
-    while the latent still launches once a pass; the tokens are each request's own either way. n = 2 within
-    MAX_ROWS: 2 launches of each kernel for 2 passes, not N x K = 4 (n = 3 cost half as much again in the
-    per-request references, each ~1 s of interpreter launches)."""
-    r = XPressRefiner(_xpress(block), 2, ops=triton_ops(DEV))
+    """K = 3 passes. n = 5 at block 16: 75 readout rows, past MAX_ROWS, so the readout runs on the torch ops (no
+    linear launch) while the latent still launches once a pass; the tokens are each request's own either way. n = 2
+    within MAX_ROWS: 3 launches of each kernel, neither once a request (2) nor N x K (6); the per-request references
+    launch N x K = 6 times, as n = 3 at 2 passes did (each ~1 s of interpreter launches)."""
+    r = XPressRefiner(_xpress(block), 3, ops=triton_ops(DEV))
     b = BatchRefiner(r, ops=StackedTritonOps(r.ops))
     args = _stack(n, block)
     own = _own(r, *args)
     calls = _counting(monkeypatch)
     tokens, q = b.refine_stacked(*args)
     over = n * (block - 1) > kernels.MAX_ROWS
-    assert calls == {"linear": 0 if over else 2, "xpress_latent": 2, "markov_gated_latent": 0}, calls
+    assert calls == {"linear": 0 if over else 3, "xpress_latent": 3, "markov_gated_latent": 0}, calls
     assert len({tuple(p.tokens.tolist()) for p in own}) == n
     for i, p in enumerate(own):
         assert torch.equal(tokens[i], p.tokens), i
