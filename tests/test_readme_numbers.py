@@ -320,13 +320,27 @@ def test_a_root_without_any_readme_is_refused(tmp_path, capsys, sub):
     assert ("no such folder" if sub == "missing" else "no README to check") in err
 
 
-def test_check_and_write_read_the_sweeps_anew(tmp_path, monkeypatch):
-    """A sweep's step breakdown is cached while one check or write quotes it many times; each check and write starts
-    with the cache empty, so a folder rewritten between two of them in one process is read again."""
+def test_check_and_write_read_the_files_anew(tmp_path, monkeypatch):
+    """The JSON files and a sweep's step breakdown are cached while one check or write quotes them many times; each
+    check and write starts with both caches empty, so a file rewritten between two of them in one process is read
+    again: a number that went stale fails the second check."""
     import harness.lab.readme_numbers_more as more
-    cleared = []
-    monkeypatch.setattr(more, "clear_caches", lambda: cleared.append(1))
-    (tmp_path / "README.md").write_text("nothing quoted\n")
+    (tmp_path / "results").mkdir()
+    src = tmp_path / "results" / "n.json"
+    src.write_text(json.dumps({"ms": 4.25}))
+    (tmp_path / "README.md").write_text("step <!--n:json:results/n.json:ms:2-->4.25<!--/n--> ms\n")
+    assert not [f for f in rn.check(tmp_path) if f.kind != "untraced"]
+    src.write_text(json.dumps({"ms": 5.12}))
+    assert [f for f in rn.check(tmp_path) if f.kind != "untraced"]
+    assert rn.write(tmp_path) == ["README.md"] and "5.12" in (tmp_path / "README.md").read_text()
+    # a sweep's breakdown (its reads stubbed): cached within a check, emptied when the next one starts
+    sweep = tmp_path / "results" / "sweeps" / "s"
+    sweep.mkdir(parents=True)
+    (sweep / "sweep.json").write_text(json.dumps({"arms": ["AR"], "reference": "AR"}))
+    from harness.protocol import results_io, sweep_steps
+    monkeypatch.setattr(results_io, "read_folder_rows", lambda folder: [])
+    monkeypatch.setattr(sweep_steps, "breakdown", lambda rows, arms, ref: [])
+    more._sweep_steps(tmp_path, "s")
+    assert more._sweep_steps.cache_info().currsize == 1
     rn.check(tmp_path)
-    rn.write(tmp_path)
-    assert len(cleared) == 2
+    assert more._sweep_steps.cache_info().currsize == 0

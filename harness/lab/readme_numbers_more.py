@@ -320,7 +320,10 @@ def q_sweep_step(root, folder, b, c, a, field, d=2):
 
 
 def clear_caches() -> None:
-    """Before a check or a write reads the files anew (a folder may have changed since the last one)."""
+    """Before a check or a write: the files are read anew (one may have changed since the last check in this
+    process): the JSON files and the sweeps' step breakdowns, each cached while one check quotes it many times."""
+    from harness.lab import readme_numbers_keys
+    readme_numbers_keys._json.cache_clear()
     _sweep_steps.cache_clear()
 
 
