@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture
 def no_plots(monkeypatch):
     """For tiny runs whose checks read no plot: drawing a run's plots costs about 3 s of CPU. The plots themselves
-    are checked by test_tiny_runs (its module run), test_protocol (the script, --rebuild and the plots-interrupted
-    resume) and the torchrun/accelerate runs of test_distributed, which draw theirs."""
+    are checked by test_tiny_runs (its module run) and test_protocol (the script, --rebuild and the
+    plots-interrupted resume); the torchrun/accelerate runs of test_distributed draw theirs, unread."""
     from harness.protocol import report
     monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])

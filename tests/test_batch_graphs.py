@@ -91,16 +91,17 @@ def no_per_request_step(monkeypatch):
     monkeypatch.setattr(batch_loop._Batch, "step", refuse)
 
 
-# each request's own B=1 decode, made once per (drafter kind, arm, request, settings) for the module: the
-# single-request loop is deterministic here (CPU fp32, greedy), so a request in several batches (B = 1, 3, 5, and
-# the capture test's) is compared with one reference
+# each request's own B=1 decode, made once per (target, drafter kind, arm, request, settings) in a process (this
+# module's and test_batch_refill's, which imports assert_b1): the single-request loop is deterministic here (CPU
+# fp32, greedy), so a request in several batches (B = 1, 3, 5, and the capture test's) is compared with one
+# reference. The key holds the target itself, so a freed target's id is never taken for another's
 B1 = {}
 
 
 def b1(case, kind, arm, i, s):
     t, _, prompts, _, _ = case
     s = dataclasses.replace(s, max_new_tokens=BUDGETS[i])
-    key = (id(case[0]), kind, arm, i, repr(s))
+    key = (t, kind, arm, i, repr(s))
     if key not in B1:
         B1[key] = generate(t, prompts[i], s, CPU32, drafter=None if arm == "ar" else alone(case, kind, i),
                            refiner=REFINERS.get(arm))
