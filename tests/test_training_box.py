@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from training_fixtures import run_cli, run_on, step_lrs, tiny_models, write_config
+from training_fixtures import copy_stages, make_stages, run_cli, run_on, step_lrs, tiny_models, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BOX_MINUTES = 0.05  # 3 s
@@ -18,9 +18,7 @@ def data(tmp_path_factory):
     the same data, as the stages are seeded). Their keys hold the target's and the prompt files' paths, so every
     config below names this root's (`box_config`); a run copies the stages into its workdir (`staged`)."""
     root = tmp_path_factory.mktemp("box_data")
-    cfg = write_config(root, tiny_models(heads=False))
-    for stage in ("prompts", "responses", "hidden"):
-        assert run_cli(stage, "--config", cfg, "--workdir", root / "w") == 0
+    make_stages(write_config(root, tiny_models(heads=False)), root / "w")
     return root
 
 
@@ -32,9 +30,7 @@ def box_config(data, tmp_path, **train):
 
 def staged(data, work):
     """`work` with the module's data stages copied in: `all` there trains and exports (the stages are up to date)."""
-    for stage in ("prompts", "responses", "hidden"):
-        shutil.copytree(data / "w" / stage, work / stage)
-    return work
+    return copy_stages(data / "w", work)
 
 
 def test_box_accounting_sums_to_the_box(data, tmp_path, capsys):
@@ -113,8 +109,7 @@ def test_resume_from_exported_weights_continues_the_schedule(data, tmp_path):
     export = tmp_path / "cut" / "export"
     state = json.loads((export / "drafter" / "train_state.json").read_text())
     assert state["truncated"] and state["global_step"] == 1
-    for stage in ("prompts", "responses", "hidden"):  # the same data as the session before
-        shutil.copytree(tmp_path / "cut" / stage, tmp_path / "warm" / stage)
+    copy_stages(tmp_path / "cut", tmp_path / "warm")  # the same data as the session before
     assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "warm", "--set",
                    f"train.warm_start={export}") == 0
     full = {r["global_step"]: r["lr"] for r in _rows(tmp_path / "full")}

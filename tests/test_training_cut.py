@@ -1,11 +1,10 @@
 """train.cut_at_step: a run planned over several sessions, each cut at a chosen global step (where its device time
 ends), continued by the next session's warm start (training/warm.py) on the same schedule."""
 import json
-import shutil
 
 import pytest
 
-from training_fixtures import run_cli, tiny_models, write_config
+from training_fixtures import copy_stages, run_cli, tiny_models, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -32,8 +31,7 @@ def test_a_cut_run_exports_its_step_and_the_next_session_finishes_the_schedule(t
     state = json.loads((tmp_path / "cut" / "export" / "drafter" / "train_state.json").read_text())
     assert (state["global_step"], state["planned_steps"], state["truncated"]) == (c, n, True)
     assert sorted(_lrs(tmp_path / "cut")) == list(range(c))
-    for stage in ("prompts", "responses", "hidden"):
-        shutil.copytree(tmp_path / "cut" / stage, tmp_path / "next" / stage)
+    copy_stages(tmp_path / "cut", tmp_path / "next")
     assert run_cli("all", "--config", cfg, "--workdir", tmp_path / "next", "--set",
                    f"train.warm_start={tmp_path / 'cut' / 'export'}") == 0
     rest = _lrs(tmp_path / "next")

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from training_fixtures import run_cli, tiny_models, write_config
+from training_fixtures import copy_stages, run_cli, tiny_models, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 WIDE = 8192
@@ -173,8 +173,7 @@ def test_a_biased_drafter_trains_and_draws_toward_the_unsure_tokens(pair, monkey
     monkeypatch.setattr(anchors.AnchorBias, "select", recording_select)
     work = root / f"bias_{mode}"
     src = root / ("on" if mode == "online" else "off")
-    for stage in ("prompts", "responses", "hidden"):
-        shutil.copytree(src / stage, work / stage)
+    copy_stages(src, work)
     assert run_cli("all", "--config", cfg, "--workdir", work, "--set", f"hidden.mode={mode}",
                    "--set", "models.drafter.anchor_bias=1") == 0
     box = json.loads((work / "train" / "drafter" / "box.json").read_text())

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from training_fixtures import run_cli, tiny_models, write_config
+from training_fixtures import copy_stages, make_stages, run_cli, tiny_models, write_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,23 +79,14 @@ def staged(tmp_path_factory):
     states); a test that trains copies the stages into its own workdir (`copy_stages`)."""
     root = tmp_path_factory.mktemp("rows")
     cfg = write_config(root, tiny_models(heads=False), hidden={"mode": "online"}, train={"eval_prompts": 0})
-    for stage in ("prompts", "responses", "hidden"):
-        assert run_cli(stage, "--config", cfg, "--workdir", root / "w") == 0
-    return cfg, root / "w"
-
-
-def copy_stages(staged, work: Path) -> Path:
-    import shutil
-    for stage in ("prompts", "responses", "hidden"):
-        shutil.copytree(staged[1] / stage, work / stage)
-    return work
+    return cfg, make_stages(cfg, root / "w")
 
 
 @pytest.fixture(scope="module")
 def profiled(staged, tmp_path_factory):
     """One train run that serves the profile and the max_steps checks: models.drafter.max_steps=6 with
     train.epochs=50 (these rows make 9 steps an epoch) and train.profile_steps=2."""
-    work = copy_stages(staged, tmp_path_factory.mktemp("profiled") / "w")
+    work = copy_stages(staged[1], tmp_path_factory.mktemp("profiled") / "w")
     assert run_cli("train", "--config", staged[0], "--workdir", work, "--set", "models.drafter.max_steps=6",
                    "--set", "train.epochs=50", "--set", "train.profile_steps=2") == 0
     return work
@@ -153,7 +144,7 @@ def test_profile_steps_writes_a_profile(staged, profiled, tmp_path):
     assert any(r["op"].startswith("aten::") for r in prof["top"])
     assert prof["ranges"]["xb.online_target"]["count"] == 2 and prof["ranges"]["xb.online_target"]["host_s"] > 0
     # train.profile_start: later steps (past the compile's warm-up on a GPU), the fit's probe after them
-    copy_stages(staged, tmp_path / "w2")
+    copy_stages(staged[1], tmp_path / "w2")
     assert run_cli("train", "--config", cfg, "--workdir", tmp_path / "w2", "--set", "models.drafter.max_steps=9",
                    "--set", "train.epochs=1", "--set", "train.profile_steps=2", "--set", "train.profile_start=6") == 0
     later = json.loads((tmp_path / "w2" / "train" / "drafter" / "profile.json").read_text())

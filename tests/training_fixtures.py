@@ -62,13 +62,30 @@ def run_cli(*args) -> int:
     return main([str(a) for a in args])
 
 
+DATA_STAGES = ("prompts", "responses", "hidden")
+
+
+def make_stages(cfg: Path, work: Path) -> Path:
+    """The data stages of `cfg` run into `work` (once, for the runs that copy them: `copy_stages`)."""
+    for stage in DATA_STAGES:
+        assert run_cli(stage, "--config", cfg, "--workdir", work) == 0
+    return work
+
+
+def copy_stages(src: Path, work: Path) -> Path:
+    """`work` with the data stages of the workdir `src` copied in: a run there on the same config finds them up to
+    date and trains on the same data."""
+    import shutil
+    for stage in DATA_STAGES:
+        shutil.copytree(src / stage, work / stage)
+    return work
+
+
 def run_on(root: Path, cfg: Path, work: str, *sets: str, data: str | None = None) -> int:
     """`python -m training all` in root/work with these --set items, the prompts, responses and hidden stages of
     root/data copied in first (the same data as that run's)."""
-    import shutil
     if data:
-        for stage in ("prompts", "responses", "hidden"):
-            shutil.copytree(root / data / stage, root / work / stage)
+        copy_stages(root / data, root / work)
     return run_cli("all", "--config", cfg, "--workdir", root / work, *[x for item in sets for x in ("--set", item)])
 
 

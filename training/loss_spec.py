@@ -34,7 +34,7 @@ def check(where: str, m: dict) -> None:
     if isinstance(spec, str) and spec in NAMES:
         return
     weights = mapping(spec)
-    bad = "not a name or a mapping" if not isinstance(weights, dict) or not weights else next(
+    bad = "not a name or a mapping" if not weights else next(
         (f"{k!r}: {w!r}" for k, w in weights.items() if k not in NAMES or isinstance(w, bool)
          or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0), None)
     if bad:
