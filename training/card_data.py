@@ -141,8 +141,9 @@ def recipe_record(spec: dict | None) -> dict | None:
     the head at lr x backbone_lr_scale (training/cotrain.py), a head's rank (xpress_rank, markov_rank: the export's
     config carries both heads' defaults, so only the model's own is read), its loss (loss_fn: a name or a mapping of
     names to weights), its lr (null: train.lr), epochs and time box, and for xPress its MLP's width over its rank
-    (xpress_mlp_ratio) and the consistency and base-anchor weights of its loss (the base-anchor term counts only
-    while the drafter trains with the head)."""
+    (xpress_mlp_ratio), its loss's consistency rounds (consistency_passes: the free-running passes after the
+    teacher-forced one) and their weight, and the base-anchor weight (the base-anchor term counts only while the
+    drafter trains with the head)."""
     if spec is None:
         return None
     head = spec.get("type") != "dflash"
@@ -158,6 +159,7 @@ def recipe_record(spec: dict | None) -> dict | None:
            "epochs": spec.get("epochs"), "max_minutes": spec.get("max_minutes")}
     if spec.get("type") == "xpress":
         out["mlp_ratio"] = spec.get("xpress_mlp_ratio")
+        out["consistency_passes"] = spec.get("consistency_passes")
         out["consistency_weight"] = spec.get("consistency_weight")
         out["base_anchor_weight"] = spec.get("base_anchor_weight") if backbone.startswith("co-trained") else None
     return out

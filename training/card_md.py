@@ -70,10 +70,10 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
                 "loss: models.<name>.loss_fn (n/a: not recorded); lr n/a: the run's train.lr; base-anchor weight "
                 "n/a: no drafter trained with the head):", ""]
         out += table(["model", "type", "from", "drafter backbone", "rank", "MLP ratio", "loss", "lr", "epochs",
-                      "box minutes", "consistency weight", "base-anchor weight"],
+                      "box minutes", "consistency passes", "consistency weight", "base-anchor weight"],
                      [[name, r["type"], r["init_from"] or "random weights", r["backbone"], r.get("rank"),
                        r.get("mlp_ratio"), r.get("loss"), r["lr"], r["epochs"], r["max_minutes"],
-                       r.get("consistency_weight"), r.get("base_anchor_weight")]
+                       r.get("consistency_passes"), r.get("consistency_weight"), r.get("base_anchor_weight")]
                       for name, r in recipes])
     return out
 
