@@ -39,3 +39,44 @@ def test_the_names_are_speculators_own():
         assert sorted(utils._LOSS_FN_MAPS[impl]) == list(loss_spec.NAMES), impl
     for spec in loss_spec.NAMES + (json.dumps({"ce": 0.1, "tv": 0.9}),):
         assert utils.resolve_loss_config(spec, "eager")  # what passes here, speculators takes
+
+
+# models.<name>.per_position_loss_weight / dpace_alpha (training/loss_spec.py check_positions): speculators 0.9.0's
+# weights of a block's slots, checked with the config and passed to its trainer (training.train.trainer_kwargs)
+
+def test_slot_weights_default_to_what_ran_before_and_take_dpace_with_ce_alone():
+    m = load_config("toy")["models"]["drafter"]
+    assert (m["per_position_loss_weight"], m["dpace_alpha"]) == ("fixed-exp-decay", 0.5)
+    for loss in ("ce", '{"ce": 2.0}'):
+        m = load_config("toy", ["models.drafter.per_position_loss_weight=dpace", f"models.drafter.loss_fn={loss}",
+                                "models.drafter.dpace_alpha=0.25"])["models"]["drafter"]
+        assert (m["per_position_loss_weight"], m["dpace_alpha"]) == ("dpace", 0.25)
+    # the defaults leave a model's key as it was (tests/test_training_anchor_bias.py pins the presets' keys); another
+    # weighting is another model, so a checkpoint of one does not resume as the other
+    from training.config import model_fingerprint
+    cfgs = [load_config("toy", ["models.drafter.loss_fn=ce"] + extra) for extra in
+            ([], ["models.drafter.per_position_loss_weight=dpace"], ["models.drafter.dpace_alpha=0.25"])]
+    assert len({model_fingerprint(c, "drafter") for c in cfgs}) == 3
+
+
+@pytest.mark.parametrize("sets, says", [(["per_position_loss_weight=linear"], "'linear' is not one of"),
+                                        (["dpace_alpha=0"], r"dpace_alpha must be a number in \(0, 1\]"),
+                                        (["dpace_alpha=true"], r"\(got True\)"), (["dpace_alpha=1.5"], "got 1.5"),
+                                        (["per_position_loss_weight=dpace"], "cross-entropy alone"),
+                                        (["per_position_loss_weight=dpace", "loss_fn=tv"], "cross-entropy alone")])
+def test_bad_slot_weights_are_refused_with_the_config(sets, says):
+    with pytest.raises(UsageError, match=says) as e:
+        load_config("toy", [f"models.xpress.{s}" for s in sets])
+    assert "\n" not in str(e.value) and str(e.value).startswith("config models.xpress: ")
+
+
+def test_the_slot_weights_reach_speculators_trainer_for_every_model_type():
+    """What training.train hands speculators' get_trainer_kwargs (its train and val forward's keywords) carries the
+    two fields for a drafter and both heads; without them speculators falls back to fixed-exp-decay silently."""
+    registry = pytest.importorskip("speculators.model").SpeculatorModel.registry
+    from training.train import trainer_kwargs
+    base = load_config("toy", ["models.drafter.per_position_loss_weight=dpace", "models.drafter.loss_fn=ce",
+                               "models.drafter.dpace_alpha=0.3"])["models"]["drafter"]
+    for kind in ("dflash", "xpress", "dspark"):
+        for kw in registry[kind].get_trainer_kwargs(**trainer_kwargs({**base, "type": kind}))[:2]:
+            assert (kw["per_position_loss_weight"], kw["dpace_alpha"]) == ("dpace", 0.3), kind

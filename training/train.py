@@ -3,8 +3,7 @@ in dependency order (a model with `init_from` starts from that drafter's final w
 only its head trains, so every arm shares one drafter and one set of drafter weights ships).
 
 Checkpoints: <workdir>/train/<model>/<epoch>/ (speculators' layout) plus a fingerprint of what trained them; a
-run resumes from the latest one, and one from another config is refused before anything is loaded or written.
-"""
+run resumes from the latest one, and one from another config is refused before anything is loaded or written."""
 from __future__ import annotations
 
 import json
@@ -134,7 +133,8 @@ def loss_impl(tc: dict, device: torch.device) -> str:
 
 def trainer_kwargs(m: dict, impl: str = "eager") -> dict:
     base = dict(loss_fn=m["loss_fn"], loss_implementation=impl, dflash_decay_gamma=m["gamma"],
-                max_anchors=m["max_anchors"])
+                max_anchors=m["max_anchors"], per_position_loss_weight=m["per_position_loss_weight"],
+                dpace_alpha=m["dpace_alpha"])
     if m["type"] == "xpress":
         base.update(consistency_weight=m["consistency_weight"], consistency_passes=m["consistency_passes"],
                     base_anchor_weight=0.0 if m["freeze_backbone"] else m["base_anchor_weight"])
