@@ -236,12 +236,13 @@ def test_the_card_says_how_each_model_trained_from_the_export_manifest(lineage, 
     write_run(t / "cot", True, {"xpress": (0, 1402), "xpress_frozen": (0, 986), "markov": (0, 1015)})
     head = {"type": "xpress", "init_from": "weights/smollm2-135m/drafter", "lr": 0.01, "epochs": 3,
             "max_minutes": 9, "consistency_passes": 3, "consistency_weight": 0.3, "base_anchor_weight": 0.6,
-            "xpress_rank": 80, "markov_rank": 64, "xpress_mlp_ratio": 2, "loss_fn": '{"ce": 0.1, "tv": 0.9}'}
+            "xpress_rank": 80, "markov_rank": 64, "xpress_mlp_ratio": 2, "loss_fn": '{"ce": 0.1, "tv": 0.9}',
+            "gamma": 4.0}  # no per_position_loss_weight: a record from before the field, exp decay at gamma
     # the export's config carries both heads' defaults: only the model's own is its rank (and the MLP ratio xPress's)
     (t / "cot" / "export_manifest.json").write_text(json.dumps({"models": {
         "xpress": {**head, "freeze_backbone": False, "backbone_lr_scale": 0.06},
-        "xpress_frozen": {**head, "freeze_backbone": True, "xpress_rank": 160, "xpress_mlp_ratio": 8, "loss_fn": "tv",
-                          "consistency_passes": 4},
+        "xpress_frozen": {**head, "freeze_backbone": True, "xpress_rank": 160, "xpress_mlp_ratio": 8, "loss_fn": "ce",
+                          "consistency_passes": 4, "per_position_loss_weight": "dpace", "dpace_alpha": 0.3},
         "markov": {**head, "type": "dspark", "freeze_backbone": True, "lr": 0.03}}}))
     (t / "run2" / "export_manifest.json").write_text(json.dumps({"models": {
         "drafter": {"type": "dflash", "init_from": None, "freeze_backbone": False, "lr": None, "epochs": 3,
@@ -252,12 +253,16 @@ def test_the_card_says_how_each_model_trained_from_the_export_manifest(lineage, 
     text = md.read_text()
     tried = text[text.index("## Tried run `cot`"):]
     frm = "| weights/smollm2-135m/drafter |"
-    loss = "ce 0.1 + tv 0.9"
-    assert f"| xpress | xpress {frm} co-trained at lr x 0.06 | 80 | 2 | {loss} | 0.01 | 3 | 9 | 3 | 0.3 | 0.6 |" in tried
-    assert f"| xpress_frozen | xpress {frm} frozen | 160 | 8 | tv | 0.01 | 3 | 9 | 4 | 0.3 | n/a |" in tried
-    assert f"| markov | dspark {frm} frozen | 64 | n/a | {loss} | 0.03 | 3 | 9 | n/a | n/a | n/a |" in tried
+    loss, decay = "ce 0.1 + tv 0.9", "exp decay, gamma 4.0"
+    rest = "| 0.01 | 3 | 9 |"  # lr, epochs, box minutes
+    assert f"| xpress | xpress {frm} co-trained at lr x 0.06 | 80 | 2 | {loss} | {decay} {rest} 3 | 0.3 | 0.6 |" \
+        in tried
+    assert f"| xpress_frozen | xpress {frm} frozen | 160 | 8 | ce | D-PACE, alpha 0.3 {rest} 4 | 0.3 | n/a |" in tried
+    assert f"| markov | dspark {frm} frozen | 64 | n/a | {loss} | {decay} | 0.03 | 3 | 9 | n/a | n/a | n/a |" in tried
     run2 = text[text.index("## Run `run2`"):text.index("## Run `heads`")]
-    assert "| drafter | dflash | random weights | trained | n/a | n/a | n/a | n/a | 3 | 12 | n/a | n/a | n/a |" in run2
+    # no gamma in the record: no slot weights printed
+    assert "| drafter | dflash | random weights | trained | n/a | n/a | n/a | n/a | n/a | 3 | 12 | n/a | n/a | n/a |" \
+        in run2
     heads = text[text.index("## Run `heads`"):text.index("## Tried")]
     assert "Recipe" not in heads  # no export_manifest.json among its records
     card = json.loads((out / "card.json").read_text())

@@ -140,7 +140,9 @@ def recipe_record(spec: dict | None) -> dict | None:
     from, whether its drafter backbone trained (a drafter), stayed frozen (a head on a drafter) or was co-trained with
     the head at lr x backbone_lr_scale (training/cotrain.py), a head's rank (xpress_rank, markov_rank: the export's
     config carries both heads' defaults, so only the model's own is read), its loss (loss_fn: a name or a mapping of
-    names to weights), its lr (null: train.lr), epochs and time box, and for xPress its MLP's width over its rank
+    names to weights) and how it weighs a block's slots (per_position_loss_weight: exponential decay at gamma, which
+    a record from before the field existed used, or D-PACE at dpace_alpha; training/loss_spec.py), its lr (null:
+    train.lr), epochs and time box, and for xPress its MLP's width over its rank
     (xpress_mlp_ratio), its loss's consistency rounds (consistency_passes: the free-running passes after the
     teacher-forced one) and their weight, and the base-anchor weight (the base-anchor term counts only while the
     drafter trains with the head)."""
@@ -156,13 +158,22 @@ def recipe_record(spec: dict | None) -> dict | None:
     rank = RANK_KEY.get(spec.get("type"))
     out = {"type": spec.get("type"), "init_from": spec.get("init_from"), "backbone": backbone,
            "rank": spec.get(rank) if rank else None, "loss": loss_text(spec.get("loss_fn")), "lr": spec.get("lr"),
-           "epochs": spec.get("epochs"), "max_minutes": spec.get("max_minutes")}
+           "epochs": spec.get("epochs"), "max_minutes": spec.get("max_minutes"), "position_weights": positions(spec)}
     if spec.get("type") == "xpress":
         out["mlp_ratio"] = spec.get("xpress_mlp_ratio")
         out["consistency_passes"] = spec.get("consistency_passes")
         out["consistency_weight"] = spec.get("consistency_weight")
         out["base_anchor_weight"] = spec.get("base_anchor_weight") if backbone.startswith("co-trained") else None
     return out
+
+
+def positions(spec: dict) -> str | None:
+    """The slot weighting as the card prints it; None where the record has no gamma (nothing is guessed)."""
+    from training.config import MODEL_ADDED_LATER
+    how = spec.get("per_position_loss_weight", MODEL_ADDED_LATER["per_position_loss_weight"])
+    if how == "dpace":
+        return f"D-PACE, alpha {spec.get('dpace_alpha')}"
+    return f"exp decay, gamma {spec['gamma']}" if spec.get("gamma") is not None else None
 
 
 def loss_text(spec) -> str | None:

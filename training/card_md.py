@@ -67,13 +67,15 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
     if recipes:  # training/card_data.py recipe_record; records without export/manifest.json have none
         out += ["Recipe (the models' settings as the export recorded them; rank n/a: a drafter; MLP ratio: the "
                 "xPress MLP's width over its rank (n/a: not xPress, or a record made before the card read it); "
-                "loss: models.<name>.loss_fn (n/a: not recorded); lr n/a: the run's train.lr; base-anchor weight "
-                "n/a: no drafter trained with the head):", ""]
-        out += table(["model", "type", "from", "drafter backbone", "rank", "MLP ratio", "loss", "lr", "epochs",
-                      "box minutes", "consistency passes", "consistency weight", "base-anchor weight"],
+                "loss: models.<name>.loss_fn (n/a: not recorded); slot weights: how the loss weighs a block's "
+                "slots (models.<name>.per_position_loss_weight; training/loss_spec.py); lr n/a: the run's "
+                "train.lr; base-anchor weight n/a: no drafter trained with the head):", ""]
+        out += table(["model", "type", "from", "drafter backbone", "rank", "MLP ratio", "loss", "slot weights", "lr",
+                      "epochs", "box minutes", "consistency passes", "consistency weight", "base-anchor weight"],
                      [[name, r["type"], r["init_from"] or "random weights", r["backbone"], r.get("rank"),
-                       r.get("mlp_ratio"), r.get("loss"), r["lr"], r["epochs"], r["max_minutes"],
-                       r.get("consistency_passes"), r.get("consistency_weight"), r.get("base_anchor_weight")]
+                       r.get("mlp_ratio"), r.get("loss"), r.get("position_weights"), r["lr"], r["epochs"],
+                       r["max_minutes"], r.get("consistency_passes"), r.get("consistency_weight"),
+                       r.get("base_anchor_weight")]
                       for name, r in recipes])
     return out
 
