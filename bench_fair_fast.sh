@@ -20,6 +20,22 @@ cd "$(dirname "$0")"
 export TOKENIZERS_PARALLELISM=false
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"
 
+case "${1:-}" in
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;  # the header
+  -*) echo "error: '$1' is not a dataset: the arguments are [dataset] [temperature], and everything else is set in" \
+           "the environment (./bench_fair_fast.sh --help; CLI flags in EXTRA_ARGS)" >&2; exit 2 ;;
+esac
+if [ $# -gt 2 ]; then
+  echo "error: $# arguments ($*); the script takes at most two, [dataset] [temperature], and everything else from" \
+       "the environment (./bench_fair_fast.sh --help)" >&2
+  exit 2
+fi
+case "${USE_GRAPH:-}" in
+  ""|0|1) ;;
+  *) echo "error: USE_GRAPH='$USE_GRAPH': use 1 (whole-step CUDA graphs) or 0 (none), or leave it unset (the setup's" \
+          "choice: on with CUDA)" >&2; exit 2 ;;
+esac
+
 if [ -n "${RESUME:-}" ]; then
   echo "resuming $RESUME with its own settings"
   exec python3 benchmark_compile_all.py --resume "$RESUME"

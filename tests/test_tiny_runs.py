@@ -226,6 +226,32 @@ def script_argv(tmp_path, env, *args, rc=0):
     return out.read_text().split("\0")[:-1]
 
 
+@pytest.mark.parametrize("args, env, says", [(["--dataset", "gsm8k"], {}, "'--dataset' is not a dataset"),
+                                             (["gsm8k", "0", "extra"], {}, "3 arguments (gsm8k 0 extra)"),
+                                             (["gsm8k"], {"USE_GRAPH": "yes"}, "USE_GRAPH='yes': use 1"),
+                                             (["gsm8k", "x"], {}, "temperature 'x' is not a number")])
+def test_the_bench_script_refuses_what_it_would_drop_or_misread(tmp_path, args, env, says):
+    """A flag where the dataset goes, a third argument and a USE_GRAPH that is neither 1 nor 0 were run as if
+    absent (or failed later in the CLI's argument parser); one line, exit 2, nothing run. --help prints the
+    header's usage and runs nothing."""
+    out = tmp_path / "argv"
+    shim = tmp_path / "python3"  # records an exec of the CLI; the -c checks go to the real interpreter
+    shim.write_text(f'#!/usr/bin/env bash\n[ "$1" = benchmark_compile_all.py ] && {{ touch {out}; exit 0; }}\n'
+                    'exec "$REAL" "$@"\n')
+    shim.chmod(0o755)
+    import sys
+    base = {k: v for k, v in os.environ.items() if k not in ("USE_GRAPH", "RESUME", "EXTRA_ARGS")}
+    base.update(PATH=f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}", REAL=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), *args], env={**base, **env},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
+    assert not out.exists()
+    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), "--help"], env=base, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and not out.exists() and proc.stdout.startswith("The paired protocol as one run")
+    assert "EXTRA_ARGS" in proc.stdout and "set -e" not in proc.stdout
+
+
 def test_bench_script_offline_random_weights_and_dropped_arms(files, tmp_path, monkeypatch, capsys, no_plots):
     env = {k: v for k, v in os.environ.items() if k not in ("DEVICE", "USE_GRAPH", "TARGET", "PRESET")}
     env.update(EXTRA_ARGS="--random-weights tiny --quiet", MAX_SAMPLES="1", MAX_NEW_TOKENS="4", K_LIST="1",
