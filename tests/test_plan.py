@@ -191,3 +191,11 @@ def test_config_json_says_which_k_each_xpress_arm_ran(data, tmp_path):
     assert listed["xpress_ks"] == [1, 2, 4] and listed["xpress_refine_passes"] is None
     one = prepare(parse_args(base + ["--xpress-refine-passes", "5"]), device="cpu").resolved()
     assert one["xpress_ks"] == [5] and one["xpress_refine_passes"] == 5
+
+
+def test_skip_ar_leaves_ar_out_of_the_random_weights_paired_rounds(data, tmp_path):
+    """--skip-ar --fair-interleave with --random-weights ran AR anyway (its paired branch always added it), while
+    real models and the embedded default left it out (build.plan_arms)."""
+    base = RANDOM + ["--data-dir", str(data), "--results-dir", str(tmp_path), "--fair-interleave", "--skip-ar"]
+    assert [a.name for a in prepare(parse_args(base)).arms] == ["drafter-only", "Markov", "xPress(K=3)"]
+    assert [a.name for a in prepare(parse_args(base + ["--drafter-only"])).arms] == ["drafter-only"]

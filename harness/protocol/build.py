@@ -123,7 +123,8 @@ def _prepare_random(cfg: RunConfig, backend: Backend, place: dict) -> RunPlan:
     if cfg.run_spec:
         check_scripted(cfg, cfg.block_size or 16)
     if cfg.fair:
-        specs = [ArmSpec("AR", "ar"), ArmSpec("drafter-only", "drafter-only")]
+        specs = [ArmSpec("AR", "ar")] if cfg.run_ar else []  # --skip-ar, as plan_arms honours it
+        specs.append(ArmSpec("drafter-only", "drafter-only"))
         if not cfg.drafter_only:  # --drafter-only: AR against the drafter alone, in paired rounds
             specs += [ArmSpec("Markov", "markov")]
             specs += [ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k) for k in cfg.k_list]
