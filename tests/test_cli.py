@@ -75,6 +75,8 @@ def test_ar_only_and_skip_ar(files, tmp_path):
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),
     (["--answer-file", "/nonexistent-dir/x.jsonl"], "does not exist"),
+    (["--answer-file", str(ROOT)], "is a directory"),  # it failed only after the whole run, on a temporary name
+    (["--trace", str(ROOT)], "is a directory"),
     (["--attn-implementation", "flash_attention_2"], "attn-implementation"),
     (["--max-samples", "0"], "max"),
     (["--max-model-len", "10"], "raise --max-model-len above"),  # a prompt longer than the limit: what to raise

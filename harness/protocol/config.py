@@ -227,9 +227,9 @@ def validate(c: RunConfig) -> None:
     if c.run_id is not None and (c.run_id in ("", ".", "..") or any(ch in c.run_id for ch in "/\\\0")):
         raise UsageError(f"--run-id {c.run_id!r}: must be a plain folder name (no /, no .., not empty), made inside "
                          "--results-dir; name the parent folder with --results-dir instead")
-    for path in (c.answer_file, c.trace):
+    for flag, path, example in (("--answer-file", c.answer_file, "answers.jsonl"), ("--trace", c.trace, "trace.jsonl")):
         if path:
-            check_writable(path)
+            check_writable(path, flag, example)
     check_results_dir(c.resume or c.results_dir, must_exist=bool(c.resume), flag="--resume" if c.resume else
                       "--results-dir")
 
@@ -302,7 +302,12 @@ def check_model_path(flag: str, spec: str) -> None:
                          "has the form user/repo)")
 
 
-def check_writable(path: str) -> None:
+def check_writable(path: str, flag: str, example: str) -> None:
+    """An output file's folder must exist and be writable, and the path must not be a folder itself (writing it
+    failed only after the whole run)."""
+    if os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a directory, and {flag} names a file; name one inside it, e.g. "
+                         f"{flag} {os.path.join(path, example)}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise UsageError(f"{path}: folder {folder} does not exist")
