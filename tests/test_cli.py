@@ -71,6 +71,10 @@ def test_ar_only_and_skip_ar(files, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--ar-only", "--skip-ar"], "exclude each other"),
+    (["--ar-only", "--drafter-only"], "--ar-only and --drafter-only exclude each other"),  # both ran AR alone
+    (["--ar-only", "--xpress-refine-passes", "4"], "--ar-only and --xpress-refine-passes exclude each other"),
+    (["--ar-only", "--fair-k-list", "2"], "--ar-only and --fair-k-list exclude each other"),
+    (["--drafter-only", "--xpress-refine-passes", "4"], "--drafter-only runs no xPress arm"),  # K was ignored
     (["--block-size", "1"], "--block-size 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),

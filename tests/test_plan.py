@@ -73,6 +73,8 @@ def test_drafter_only_with_the_embedded_default_runs_ar_against_the_drafter(embe
     rand = parse_args(["--drafter-only", "--preset", "smollm2-135m", "--random-weights", "tiny", "--device", "cpu",
                        "--results-dir", str(tmp_path)])
     assert [a.name for a in prepare(rand).arms] == ["AR", "drafter-only"]
+    k0 = parse_args(RANDOM[:2] + ["--drafter-only", "--xpress-refine-passes", "0", "--results-dir", str(tmp_path)])
+    assert [a.name for a in prepare(k0).arms] == ["AR", "drafter-only"]  # K=0 is drafter-only: no contradiction
     monkeypatch.setenv("XPRESS_CKPT", str(embedded / "xpress"))  # a refiner the user asked for elsewhere
     with pytest.raises(UsageError) as e:
         parse_args(["--drafter-only", "--device", "cpu", "--results-dir", str(tmp_path)])

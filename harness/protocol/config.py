@@ -105,6 +105,16 @@ def validate(c: RunConfig) -> None:
     """Everything that can be wrong without reading a model."""
     if c.ar_only and c.skip_ar:
         raise UsageError("--ar-only and --skip-ar exclude each other; pick one")
+    if c.ar_only:  # each of these selects a drafter's arm, which --ar-only would drop without a word
+        chosen = [flag for flag, on in (("--drafter-only", c.drafter_only), ("--cotrained-drafter-only",
+                  c.cotrained_drafter_only), ("--xpress-refine-passes", "xpress_refine_passes" in c.given),
+                  ("--fair-k-list", c.fair_k_list is not None)) if on]
+        if chosen:
+            raise UsageError(f"--ar-only and {' and '.join(chosen)} exclude each other (--ar-only runs AR alone, no "
+                             "drafter); pick one")
+    if c.drafter_only and c.xpress_refine_passes and "xpress_refine_passes" in c.given:
+        raise UsageError(f"--xpress-refine-passes {c.xpress_refine_passes} sets xPress's K, and --drafter-only runs no "
+                         "xPress arm (K=0); drop one of them")
     if c.random_weights:
         from harness.protocol.presets import preset
         preset(c.random_weights)
