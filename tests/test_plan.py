@@ -83,6 +83,21 @@ def test_drafter_only_with_the_embedded_default_runs_ar_against_the_drafter(embe
     assert "\n" not in msg
 
 
+def test_the_embedded_default_needs_only_the_weights_its_arms_load(embedded, tmp_path):
+    """A weights folder with only drafter/ was refused for --drafter-only ("xpress/config.json is missing"), which
+    loads no head; --ar-only needs no drafter either; a run of every arm still needs every piece."""
+    import shutil
+    shutil.rmtree(embedded / "xpress")
+    shutil.rmtree(embedded / "markov")
+    base = ["--device", "cpu", "--results-dir", str(tmp_path)]
+    cfg = parse_args(base + ["--drafter-only"])
+    assert cfg.xpress_refiner_path is None and cfg.markov_refiner_path is None
+    with pytest.raises(UsageError, match="xpress/config.json is missing"):
+        parse_args(base)
+    (embedded / "drafter" / "config.json").unlink()  # the folder stays: the fixture's stand-in target
+    assert parse_args(base + ["--ar-only"]).draft_name_or_path is None
+
+
 def test_spyre_numerics_refuse_cuda_graphs_and_setups_leave_them_off(tmp_path):
     """--refine-numerics spyre copies to the host inside the step: --use-graph is refused before any load, and
     a CUDA setup (which turns graphs on) leaves them off."""

@@ -13,7 +13,8 @@
 
 Typed flags always win, one piece at a time: `--draft-name-or-path`, `--xpress-refiner-path` or
 `--markov-refiner-path` alone replaces that piece of the embedded default and keeps the rest; `--ar-only` drops
-the setup's drafter, refiners and paired rounds, and `--xpress-refine-passes K` its K list (REPLACES); only a typed target
+the setup's drafter, refiners and paired rounds, `--drafter-only` its refiners, and `--xpress-refine-passes K` its K
+list (REPLACES), so only the weights the arms load must be there; only a typed target
 (`--model-name-or-path`) or `--random-weights` means the user names the models. A refiner whose env variable
 (XPRESS_CKPT / MK_CKPT) is set is taken from there (an empty value drops that arm). Nothing here imports torch: the
 device is probed only when a setup is used.
@@ -167,10 +168,12 @@ def apply(values: dict, typed: set[str]) -> dict:
 
 
 # A typed flag replaces the setup's settings it contradicts, not only its own: --ar-only runs no drafter, so the
-# setup's drafter, refiners and paired rounds go; a typed K (--xpress-refine-passes) is the K that runs, so the
-# setup's K list goes (a typed --fair-k-list still wins over both).
+# setup's drafter, refiners and paired rounds go; --drafter-only runs no refiner, so the setup's heads go (and are
+# neither required nor loaded: check_shipped); a typed K (--xpress-refine-passes) is the K that runs, so the setup's
+# K list goes (a typed --fair-k-list still wins over both).
 REPLACES = {"ar_only": ("draft_name_or_path", "xpress_refiner_path", "markov_refiner_path", "fair_interleave",
                         "fair_k_list", "fair_warmup_rounds"),
+            "drafter_only": ("xpress_refiner_path", "markov_refiner_path"),
             "xpress_refine_passes": ("fair_k_list",)}
 
 
