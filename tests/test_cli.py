@@ -78,6 +78,8 @@ def test_ar_only_and_skip_ar(files, tmp_path):
     (["--block-size", "1"], "--block-size 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),
+    (["--draft-noise", "uniform"], "--draft-noise uniform"),  # greedy drafts draw no noise: it had no effect
+    (["--record-logit-gaps", "--temperature", "1"], "--record-logit-gaps"),  # T>0: no divergence is reported
     (["--answer-file", "/nonexistent-dir/x.jsonl"], "does not exist"),
     (["--answer-file", str(ROOT)], "is a directory"),  # it failed only after the whole run, on a temporary name
     (["--trace", str(ROOT)], "is a directory"),

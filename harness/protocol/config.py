@@ -137,6 +137,13 @@ def validate(c: RunConfig) -> None:
         raise UsageError(f"--reference-dtype {c.reference_dtype!r}: use auto, float32 or none")
     if c.reference_dtype == "float32" and c.temperature >= 1e-5:
         raise UsageError("--reference-dtype float32 compares AR's greedy text and needs --temperature 0; drop it")
+    if c.record_logit_gaps and c.temperature >= 1e-5:  # at T > 0 no divergence from AR is checked (divergence.py)
+        raise UsageError("--record-logit-gaps reports each divergence from AR's greedy text with its logit gaps and "
+                         "needs --temperature 0 (at T > 0 the texts differ by design, none is reported); drop it")
+    if c.draft_noise != "gumbel" and c.draft_temperature_used < 1e-5:
+        raise UsageError(f"--draft-noise {c.draft_noise} is the noise of sampled drafts, and the drafts here are "
+                         "greedy (draft temperature 0): it changes nothing; give --draft-temperature > 0 (or "
+                         "--temperature > 0), or drop it")
     if c.scripted_accept is not None and c.scripted_accept < 0:
         raise UsageError(f"--scripted-accept {c.scripted_accept}: must be >= 0")
     from harness.protocol.spyre_contract import check_run, is_spyre
