@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     c("--top-p", type=finite("--top-p"), default=1.0, help="nucleus sampling mass (1 = off); applied to p and to q")
     c("--draft-temperature", type=finite("--draft-temperature"), help="temperature of the drafts; default: --temperature")
     c("--draft-noise", default="gumbel", choices=["gumbel", "uniform"],
-      help="frozen per-block draft noise: Gumbel-max (the reference) or one inverse-CDF uniform per slot")
+      help="frozen per-block draft noise of sampled drafts (a draft temperature > 0): Gumbel-max (the reference) "
+           "or one inverse-CDF uniform per slot")
     c("--seed", type=int, default=0, help="seed of the per-(prompt, turn) random streams")
     c("--fp32-logits", action="store_true",
       help="compute the target's lm_head logits in float32 (bf16 logits tie where the top-2 gap is below their "
@@ -177,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="print the conventions of every number after the table (they are always in the results folder's "
            "README.md)")
     o("--record-logit-gaps", action="store_true",
-      help="store the target's top-2 logit gap of every token, so each divergence from AR is reported with its gap "
-           "in both runs (one top-2 per step inside the timer: the run is labelled)")
+      help="T=0: store the target's top-2 logit gap of every token, so each divergence from AR is reported with its "
+           "gap in both runs (one top-2 per step inside the timer: the run is labelled)")
     o("--reference-dtype", default="auto", choices=["auto", "float32", "none"],
       help="T=0: after the measured rounds, untimed, score AR's text with a second target in this dtype "
            "(teacher-forced: a greedy decode in this dtype through its first divergence) and report where the "
