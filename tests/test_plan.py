@@ -216,3 +216,31 @@ def test_skip_ar_leaves_ar_out_of_the_random_weights_paired_rounds(data, tmp_pat
     base = RANDOM + ["--data-dir", str(data), "--results-dir", str(tmp_path), "--fair-interleave", "--skip-ar"]
     assert [a.name for a in prepare(parse_args(base)).arms] == ["drafter-only", "Markov", "xPress(K=3)"]
     assert [a.name for a in prepare(parse_args(base + ["--drafter-only"])).arms] == ["drafter-only"]
+
+
+def test_a_first_turn_with_no_room_to_speculate_is_refused_before_loading(data, tmp_path, capsys, monkeypatch,
+                                                                         no_plots):
+    """--max-model-len below a first turn + block + 1: the decode loop, which speculates only while pos + block <
+    the limit, never took a speculative step, and the table printed the speculative arms' AR-like speedups without
+    a word. Now one line before any model loads, nothing written; at prompt + block + 1 the arm speculates (the
+    loop's own rule), and a run without a speculative arm needs no such room."""
+    from harness.protocol import plan as plan_mod, presets
+    samples = [Sample("mini", 0, ("Add 2 and 3.",)), Sample("mini", 1, ("Name a colour.", "Another?"))]
+    firsts = [tuple(render_prompt(ByteTokenizer(512), [{"role": "user", "content": s.turns[0]}])) for s in samples]
+    need = len(firsts[1]) + 16 + 1  # the longer first turn, the random presets' block 16
+    argv = RANDOM + ["--data-dir", str(data), "--max-new-tokens", "4", "--results-dir", str(tmp_path / "r"),
+                     "--run-id", "p", "--quiet"]
+    real = presets.build_random
+    monkeypatch.setattr(presets, "build_random", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli.main(argv + ["--max-model-len", str(need - 1)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (f"error: prompt 1 (dataset row 1) has {len(firsts[1])} tokens: with block 16 "
+                                     f"a speculative step needs {need} positions, over the context limit "
+                                     f"{need - 1}") in err and f"raise --max-model-len to {need}" in err, err
+    assert not (tmp_path / "r").exists()
+    plan_mod.check_room(SimpleNamespace(arms=(plan_mod.ArmSpec("AR", "ar"),), block_size=16, max_model_len=need - 1),
+                        samples, firsts)  # AR alone: no error
+    monkeypatch.setattr(presets, "build_random", real)
+    assert cli.main(argv + ["--max-model-len", str(need), "--drafter-only", "--skip-ar"]) == 0
+    rows = results_io.read_folder_rows(tmp_path / "r" / "p")
+    assert [r["spec_steps"] for r in rows if r["question_id"] == 1 and r["turn"] == 0 and r["method"] != "ar"] == [1]

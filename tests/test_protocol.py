@@ -185,8 +185,10 @@ def bad_jsonl(files, tmp_path):
     return d
 
 
-# went through without a word: past the positions trained at; capped to block - 1; nan decoded, broke the tables
+# went through without a word: past the positions trained at; capped to block - 1; nan decoded, broke the tables;
+# a first turn (17 tokens) with no room for a block of 4: the speculative arms never speculated
 EXTRA = {"max_samples0": ["--max-samples", "0"], "past_positions": ["--max-model-len", "100000"],
+         "no_room": ["--max-model-len", "20"],
          "scripted_over_block": ["--block-size", "4", "--scripted-accept", "4"],
          "temperature_nan": ["--temperature=nan"], "draft_temperature_inf": ["--draft-temperature=-inf"],
          "top_p_inf": ["--top-p=inf"]}
@@ -215,6 +217,7 @@ EXTRA = {"max_samples0": ["--max-samples", "0"], "past_positions": ["--max-model
     ("run_id_absolute", "must be a plain folder name"),
     ("past_positions", "above the target's max_position_embeddings"),
     ("drafter_only_k", "--drafter-only runs no xPress arm"),
+    ("no_room", "with block 4 a speculative step needs 22 positions, over the context limit 20"),
 ])
 def test_bad_protocol_input_fails_before_loading(files, tmp_path, case, message, capsys, monkeypatch):
     monkeypatch.setattr(runner, "load_target", lambda *a, **k: pytest.fail("a model was loaded"))

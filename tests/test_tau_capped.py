@@ -1,5 +1,6 @@
 """The "tau capped" label (harness/protocol/replicates.py capped_label): a run whose requests end at
---max-new-tokens on many verify steps cut to the tokens left says its tau reads low."""
+--max-new-tokens on many verify steps cut to the tokens left says its tau reads low; and its neighbour for
+requests cut short by the context limit (context_label)."""
 from harness.protocol import replicates, report
 from test_report import example
 
@@ -41,3 +42,20 @@ def test_the_summary_carries_the_label_from_its_measured_rows():
     for r in ex:  # the last step's entry cut below its accepted drafts + 1
         r["accepted"][-1] += 3
     assert any(x.startswith("tau capped") for x in report.summarize(ex, n_boot=50)["labels"])
+
+
+def test_requests_cut_by_the_context_limit_label_the_run():
+    """A --max-model-len that ends requests short of --max-new-tokens showed only in a stop-reasons note: every arm
+    timed on fewer tokens than asked, the speculative ones' last steps plain target steps. From CAPPED_SHARE of the
+    measured requests (all arms together) the header says so; below it, or in rows that are not measured (warmup,
+    later turns), no label."""
+    ex = example()
+    label = lambda: [x for x in report.summarize(ex, n_boot=50)["labels"] if x.startswith("generation cut")]
+    for r in ex:
+        if r["warmup"] or r["turn"]:
+            r["stop_reason"] = "max_model_len"
+    assert label() == []
+    next(r for r in ex if not r["warmup"] and r["turn"] == 0)["stop_reason"] = "max_model_len"  # 1 of 12 measured
+    assert label() == ["generation cut by --max-model-len: 1 of 12 measured requests stopped at the context limit, "
+                       "short of --max-new-tokens (a larger --max-model-len lets them finish)"]
+    assert replicates.context_label([{"stop_reason": "max_model_len"}] + [{"stop_reason": "eos"}] * 20) == []  # 1 of 21

@@ -192,6 +192,22 @@ def check_unfinished(plan: "RunPlan", folder: str, done: set, qids: list[int], l
                          f"harness.protocol.report --rebuild {folder}")
 
 
+def check_room(plan: "RunPlan", samples, firsts) -> None:
+    """A run with a speculative arm: every first turn leaves room for one speculative step, which the decode loop
+    takes only while pos + block < the context limit (harness.decode.loop.generate; pos starts at the prompt's
+    length). Without it every speculative arm decodes the prompt with plain target steps, and its speedup is no
+    speculative decoding's. A later turn's prompt holds the replies before it: not known before decoding."""
+    if all(a.method == "ar" for a in plan.arms):
+        return
+    for qid, (sample, first) in enumerate(zip(samples, firsts)):
+        need = len(first) + plan.block_size + 1
+        if need > plan.max_model_len:
+            raise UsageError(f"prompt {qid} (dataset row {sample.row}) has {len(first)} tokens: with block "
+                             f"{plan.block_size} a speculative step needs {need} positions, over the context limit "
+                             f"{plan.max_model_len}, so no speculative arm would speculate; raise --max-model-len to "
+                             f"{need} or more, or run fewer or shorter prompts (--max-samples, another --dataset)")
+
+
 def check_resume_weights(folder: str, now: dict) -> None:
     """--resume with other weights at the same paths would mix two models' rows in one table: refused when the
     folder recorded its weights (config.json resolved.weights; folders written before it did are not checked)."""

@@ -162,3 +162,14 @@ def capped_label(rows: list[dict]) -> list[str]:
         return []
     return [f"tau capped by --max-new-tokens: {worst[0]:.0%} of {worst[1]}'s verify steps were a request's last, "
             "cut to the tokens its limit left (tau reads low; a larger --max-new-tokens narrows it)"]
+
+
+def context_label(rows: list[dict]) -> list[str]:
+    """A label when the context limit ends many requests (CAPPED_SHARE or more of them, every arm's together):
+    they stopped short of --max-new-tokens, each arm timed on fewer tokens than asked, and a speculative arm's last
+    steps before the limit were plain target steps (tail_steps)."""
+    cut = sum(r.get("stop_reason") == "max_model_len" for r in rows)
+    if not rows or cut / len(rows) < CAPPED_SHARE:
+        return []
+    return [f"generation cut by --max-model-len: {cut} of {len(rows)} measured requests stopped at the context "
+            "limit, short of --max-new-tokens (a larger --max-model-len lets them finish)"]

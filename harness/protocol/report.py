@@ -246,7 +246,7 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
         "tau_order": replicates.tau_order(g.rows, g.arms, out_arms, optimal, base, g.prompts, n_boot, seed),
         "ar_rounds_off_median": _ar_off_median(g, out_arms, ar),
         "design": design, "labels": list(labels or []) + untimed + replicates.labels(out_arms, design, g.deterministic)
-        + replicates.capped_label(g.measured),
+        + replicates.capped_label(g.measured) + replicates.context_label(g.measured),
         "conventions": conventions(),
     })
 

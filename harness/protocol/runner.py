@@ -18,8 +18,8 @@ from harness.protocol import distributed, divergence, rank_report, replays, repo
 from harness.protocol.build import Arm, build_arms, build_random_arms, prepare
 from harness.protocol.config import RunConfig
 from harness.protocol.console import describe, label
-from harness.protocol.plan import (RESUMES, RunPlan, check_resume, check_unfinished, record_resume, resume_count,
-                                   run_folder)
+from harness.protocol.plan import (RESUMES, RunPlan, check_resume, check_room, check_unfinished, record_resume,
+                                   resume_count, run_folder)
 from harness.protocol.data import dataset_provenance, load_samples, render_prompt
 from core.errors import UsageError
 from harness.decode.loop import DecodeSettings, Generation, generate
@@ -214,7 +214,8 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     mine, rows_path = shard.mine(samples), shard.rows_path(folder)
     done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(plan.resume))}
     check_unfinished(plan, folder, done, [q for q, _ in mine], shard.launched)  # before any model loads
-    models = load_models(plan, samples, choose_ops(plan), watch)
+    models = load_models(plan, samples, choose_ops(plan), watch,  # first turns with no room to speculate: refused
+                         rendered=lambda _, firsts: check_room(plan, samples, firsts))
     target = models.target
     if cfg.fp32_logits:
         target.use_fp32_logits()
