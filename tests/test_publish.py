@@ -164,6 +164,33 @@ def test_rebuild_works_from_samples_and_config_alone(tmp_path, capsys):
         "samples.jsonl.gz (or plain samples.jsonl) and config.json" in err, err
 
 
+def test_rebuild_of_an_interrupted_run_keeps_to_its_complete_rounds(tmp_path, capsys, no_plots):
+    """--help says an interrupted run is rebuilt from "its complete rounds"; every row was summarised (a round
+    holding AR's prompts and one of drafter-only's gave `13.2 (1 round)` rows and a `-+--` one). Now only the
+    rounds in which every arm of config.json decoded every prompt (rounds.complete_rounds, as --resume counts
+    decodes), as the live report would have had them, and a label says so; with none, one line and nothing written."""
+    folder = tmp_path / "run"
+    config = {"dataset": "toy", "resolved": {"rounds": 4, "arms": ["AR", "xPress(K=6)"]}}
+    rows = example()  # rounds 1 (warmup) to 3, complete; round 4 stopped after AR and one xPress prompt
+    partial = [row("AR", q, 4, 0.1) for q in range(3)] + [row("xPress(K=6)", 0, 4, 0.1, accept=[2])]
+    report.write_results(folder, config, {}, rows + partial, report.summarize(rows, n_boot=50))
+    (folder / "summary.json").unlink()
+    assert report.main(["--rebuild", str(folder)]) == 0
+    s, live = json.loads((folder / "summary.json").read_text()), report.summarize(rows, n_boot=50)
+    assert s["rounds"] == live["rounds"] and s["incomplete_rounds"] == []
+    assert [s["arms"][a]["pooled_tok_s"]["values"] for a in live["arms"]] == \
+        [live["arms"][a]["pooled_tok_s"]["values"] for a in live["arms"]]
+    assert "interrupted: 3 of 4 rounds complete, the rest left out" in s["labels"]
+    capsys.readouterr()
+    first = [row("AR", q, 1, 0.1, warmup=False) for q in range(3)] + [row("xPress(K=6)", 0, 1, 0.1, warmup=False)]
+    report.write_results(folder, config, {}, first, s)  # the finding's folder: round 1 measured, unfinished
+    (folder / "summary.json").unlink()
+    assert report.main(["--rebuild", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no complete round in its rows" in err and "--resume" in err, err
+    assert not (folder / "summary.json").exists()
+
+
 def test_rebuild_keeps_what_the_runner_added_beside_the_rows(tmp_path, capsys):
     """compile stats and kernel fallbacks cannot be recomputed from samples.jsonl: --rebuild carries them over."""
     folder = tmp_path / "run"

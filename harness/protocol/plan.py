@@ -22,6 +22,7 @@ from typing import Mapping
 from core.errors import UsageError
 from harness.protocol.config import RunConfig
 from harness.protocol.results_io import atomic_write, rows_file
+from harness.protocol.rounds import complete_rounds
 
 # Flags that may differ between an interrupted run and its --resume.
 RESUME_FREE = ("resume", "run_id", "results_dir", "answer_file", "trace", "explain", "reference_dtype",
@@ -185,8 +186,8 @@ def check_unfinished(plan: "RunPlan", folder: str, done: set, qids: list[int], l
     share is checked only in a single process.)"""
     if not plan.resume or launched or not os.path.isfile(os.path.join(folder, "summary.json")):
         return
-    want = {(r, a, q) for r in range(1, plan.rounds + 1) for a in plan.arm_names for q in qids}
-    if want and want <= done:
+    rounds = list(range(1, plan.rounds + 1))
+    if qids and complete_rounds(done, rounds, plan.arm_names, qids) == rounds:
         raise UsageError(f"--resume {folder}: the run is finished (every decode in its rows, its summary.json "
                          f"written), so there is nothing to run; to rewrite its tables, python -m "
                          f"harness.protocol.report --rebuild {folder}")

@@ -25,7 +25,7 @@ from harness.protocol.labels import RANDOM_MARK, config_labels, weights_label  #
 from harness.protocol.plan import check_run_folder, resume_count
 from harness.protocol.results_io import ROWS, atomic_write, read_folder_rows, rows_file, write_rows
 from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
-from harness.protocol.rounds import paired_ratios
+from harness.protocol.rounds import complete_rounds, paired_ratios
 from harness.protocol.tables import (format_console_table, format_conventions, format_csv, format_markdown_table,
                                      format_multi_dataset_table, run_labels)
 
@@ -320,7 +320,8 @@ def _load_folder(folder: str) -> dict:
 def rebuild(folder: str) -> dict:
     """Recompute a results folder's tables, README.md, plots and summary.json (this schema version; the old one may
     be any up to it) from its rows (samples.jsonl.gz; an interrupted run's or an older folder's plain samples.jsonl)
-    and config.json; the rows themselves are not touched."""
+    and config.json, keeping to its complete rounds (an interrupted run's others are left out, as its live report
+    would have had none of them); the rows themselves are not touched."""
     path = Path(folder)
     check_run_folder(folder)
     need = f"--rebuild recomputes a run's tables from its {ROWS} (or plain samples.jsonl) and config.json"
@@ -328,8 +329,18 @@ def rebuild(folder: str) -> dict:
     if rows_file(path) is None:
         raise UsageError(f"{folder}: no {ROWS}; {need}")
     old = _read_json(folder, "summary.json") if (path / "summary.json").is_file() else {}  # none: an interrupted run
-    summary = summarize(read_folder_rows(path), tau_from_warmup=bool(config.get("compat_reference")),
-                        labels=config_labels({**config, "resumes": resume_count(folder)}), run=facts.run_facts(config))
+    rows, saved = read_folder_rows(path), config.get("resolved") or {}
+    _checked(rows)  # a malformed row's one line before the rounds are read from the rows
+    rounds = list(range(1, saved["rounds"] + 1)) if saved.get("rounds") else sorted({r["round"] for r in rows})
+    done = {(r["round"], r["arm"], r["question_id"]) for r in rows}  # the complete rounds: what the run reports
+    kept = complete_rounds(done, rounds, saved.get("arms") or {a for _, a, _ in done}, {q for _, _, q in done})
+    if not kept:
+        raise UsageError(f"{folder}: no complete round in its rows (every arm's decode of every prompt), so nothing "
+                         f"to summarize; continue the run: benchmark_compile_all.py --resume {folder}")
+    cut = [] if kept == rounds else [f"interrupted: {len(kept)} of {len(rounds)} rounds complete, the rest left out"]
+    summary = summarize([r for r in rows if r["round"] in kept], tau_from_warmup=bool(config.get("compat_reference")),
+                        labels=config_labels({**config, "resumes": resume_count(folder)}) + cut,
+                        run=facts.run_facts(config))
     for key in ("compile", "kernel_fallbacks"):  # what the runner adds beside the rows' statistics
         if key in old:
             summary[key] = old[key]

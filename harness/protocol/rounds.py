@@ -46,6 +46,12 @@ def validate_rounds(rounds: int, warmup: int, n_arms: int) -> str | None:
     return None
 
 
+def complete_rounds(done: set, rounds, arms, qids) -> list[int]:
+    """The rounds (of `rounds`) in which every arm decoded every prompt: `done` holds the (round, arm, question id)
+    decodes in a run's rows (a decode's turns are written together, once it finished), as --resume counts them."""
+    return [n for n in rounds if all((n, a, q) in done for a in arms for q in qids)]
+
+
 def rotation(arms: list[str], rounds: int) -> list[list[str]]:
     """Order of the arms in each round; element r-1 is round r, the list rotated left by (r-1) mod n."""
     n = len(arms)
