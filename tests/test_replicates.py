@@ -47,7 +47,11 @@ def test_tau_over_seeds_pools_every_round_warmup_included_exactly_its_rows():
     xp = s["arms"]["xPress(K=2)"]
     assert xp["tau_rounds"] == [1, 2, 3, 4] and xp["tau_seeds"] == 4
     assert xp["tau_per_step"] == pytest.approx(sum(pooled(XP[r]) for r in XP) / 4)
-    assert "warmup included" in xp["tau_source"] and "FEWER THAN 5 SEEDS (4" in xp["tau_source"]
+    assert "(rounds 1, 2, 3, 4: warmup included: round 1, each" in xp["tau_source"]
+    assert "FEWER THAN 5 SEEDS (4" in xp["tau_source"]
+    # a run without a warmup round said "warmup included" all the same
+    cold = report.summarize([{**r, "warmup": False} for r in sampled_rows()], n_boot=200)["arms"]["xPress(K=2)"]
+    assert "(rounds 1, 2, 3, 4: no warmup round among them, each" in cold["tau_source"]
     assert "tau over 4 seed(s), fewer than 5" in s["labels"]
     # timing still comes from the measured rounds only
     assert xp["rounds"] == [2, 3, 4] and len(xp["pooled_tok_s"]["values"]) == 3

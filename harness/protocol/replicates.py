@@ -35,12 +35,16 @@ def seeds_short(n: int) -> str | None:
 
 def sampled_tau(rows: list[dict], arm: str, prompts: list[int], per_round, keys, why: str) -> dict:
     """tau_source, tau_rounds_agree, tau_seeds, tau_rounds and the tau statistics (`keys` of per_round(rows)) of a
-    sampled run: the mean of the per-replicate values over every replicate round."""
+    sampled run: the mean of the per-replicate values over every replicate round (a warmup round's too, named as
+    such; a run without one says so)."""
     by = turn0(rows, arm)
     reps = replicate_rounds(rows, arm, prompts)
     pr = [per_round([by[rnd][q] for q in prompts]) for rnd in reps]
     short = seeds_short(len(reps))
-    source = (f"mean over {len(reps)} sampling replicates (rounds {', '.join(map(str, reps))}: warmup included, each "
+    warm = sorted({r["round"] for r in rows if r["warmup"]} & set(reps))
+    which = (f"warmup included: round{'s' * (len(warm) > 1)} {', '.join(map(str, warm))}" if warm
+             else "no warmup round among them")
+    source = (f"mean over {len(reps)} sampling replicates (rounds {', '.join(map(str, reps))}: {which}, each "
               f"round its own seeded stream; {why})" + (f"; {short}" if short else ""))
     return {"tau_source": source, "tau_rounds_agree": None, "tau_seeds": len(reps), "tau_rounds": reps,
             **{k: np.mean([m[k] for m in pr], axis=0).tolist() if pr else float("nan") for k in keys}}
