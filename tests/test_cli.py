@@ -75,6 +75,9 @@ def test_ar_only_and_skip_ar(files, tmp_path):
     (["--ar-only", "--xpress-refine-passes", "4"], "--ar-only and --xpress-refine-passes exclude each other"),
     (["--ar-only", "--fair-k-list", "2"], "--ar-only and --fair-k-list exclude each other"),
     (["--drafter-only", "--xpress-refine-passes", "4"], "--drafter-only runs no xPress arm"),  # K was ignored
+    (["--drafter-only", "--xpress-topc", "16"], "--xpress-topc would have no effect: --drafter-only runs no refiner"),
+    (["--ar-only", "--block-size", "4", "--compile-refiner"],
+     "--compile-refiner and --block-size would have no effect: --ar-only runs AR alone; drop them or --ar-only"),
     (["--block-size", "1"], "--block-size 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--temperature", "-1"], "--temperature"),

@@ -131,5 +131,5 @@ def test_block_other_than_16_and_quantized_targets_are_refused():
 
 
 def test_given_flags_are_the_explicit_ones():
-    c = parse_args(["--model-name-or-path", "t", "--ar-only", "--dataset", "x", "--xpress-topc", "0"])
+    c = parse_args(["--model-name-or-path", "t", "--draft-name-or-path", "d", "--dataset", "x", "--xpress-topc", "0"])
     assert "xpress_topc" in c.given and "xpress_refine_passes" not in c.given and "dataset" in c.given

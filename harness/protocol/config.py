@@ -101,6 +101,12 @@ class RunConfig:
         return not self.ar_only
 
 
+# typed flags that only a refiner arm, or only a drafter, reads (--draft-temperature is left out: the bench script
+# passes it on every run)
+REFINER_FLAGS = ("xpress_topc", "xpress_prev_anchor", "no_fold_mixer", "compile_refiner", "refine_numerics")
+DRAFTER_FLAGS = ("block_size", "draft_noise", "scripted_accept")
+
+
 def validate(c: RunConfig) -> None:
     """Everything that can be wrong without reading a model."""
     if c.ar_only and c.skip_ar:
@@ -112,6 +118,12 @@ def validate(c: RunConfig) -> None:
         if chosen:
             raise UsageError(f"--ar-only and {' and '.join(chosen)} exclude each other (--ar-only runs AR alone, no "
                              "drafter); pick one")
+    idle = [f"--{k.replace('_', '-')}" for k in (REFINER_FLAGS + DRAFTER_FLAGS if c.ar_only else REFINER_FLAGS
+                                                  if c.drafter_only else ()) if k in c.given]
+    if idle:  # typed, and nothing in the run reads them
+        mode = "--ar-only runs AR alone" if c.ar_only else "--drafter-only runs no refiner"
+        raise UsageError(f"{' and '.join(idle)} would have no effect: {mode}; drop {'them' if idle[1:] else 'it'} "
+                         f"or {mode.split()[0]}")
     if c.drafter_only and c.xpress_refine_passes and "xpress_refine_passes" in c.given:
         raise UsageError(f"--xpress-refine-passes {c.xpress_refine_passes} sets xPress's K, and --drafter-only runs no "
                          "xPress arm (K=0); drop one of them")
