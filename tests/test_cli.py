@@ -84,8 +84,9 @@ def test_ar_only_and_skip_ar(files, tmp_path):
     (["--draft-noise", "uniform"], "--draft-noise uniform"),  # greedy drafts draw no noise: it had no effect
     (["--record-logit-gaps", "--temperature", "1"], "--record-logit-gaps"),  # T>0: no divergence is reported
     (["--answer-file", "/nonexistent-dir/x.jsonl"], "does not exist"),
-    (["--answer-file", str(ROOT)], "is a directory"),  # it failed only after the whole run, on a temporary name
-    (["--trace", str(ROOT)], "is a directory"),
+    (["--answer-file", str(ROOT)], "names a directory"),  # it failed only after the whole run, on a temporary name
+    (["--trace", str(ROOT)], "names a directory"),
+    (["--trace", "new-folder/"], "--trace new-folder/: names a directory"),  # not there yet, but named as a folder
     (["--attn-implementation", "flash_attention_2"], "attn-implementation"),
     (["--max-samples", "0"], "max"),
     (["--max-model-len", "10"], "raise --max-model-len above"),  # a prompt longer than the limit: what to raise

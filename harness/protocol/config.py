@@ -334,8 +334,8 @@ def check_model_path(flag: str, spec: str) -> None:
 def check_writable(path: str, flag: str, example: str) -> None:
     """An output file's folder must exist and be writable, and the path must not be a folder itself (writing it
     failed only after the whole run)."""
-    if os.path.isdir(path):
-        raise UsageError(f"{flag} {path}: is a directory, and {flag} names a file; name one inside it, e.g. "
+    if os.path.isdir(path) or path.endswith(os.sep):  # a trailing separator names a folder, new or not
+        raise UsageError(f"{flag} {path}: names a directory, and {flag} takes a file; name one inside it, e.g. "
                          f"{flag} {os.path.join(path, example)}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
