@@ -238,8 +238,14 @@ def test_a_first_turn_with_no_room_to_speculate_is_refused_before_loading(data, 
                                      f"a speculative step needs {need} positions, over the context limit "
                                      f"{need - 1}") in err and f"raise --max-model-len to {need}" in err, err
     assert not (tmp_path / "r").exists()
-    plan_mod.check_room(SimpleNamespace(arms=(plan_mod.ArmSpec("AR", "ar"),), block_size=16, max_model_len=need - 1),
+    tight = dict(block_size=16, max_model_len=need - 1)
+    plan_mod.check_room(SimpleNamespace(arms=(plan_mod.ArmSpec("AR", "ar"),), resume=None, **tight),
                         samples, firsts)  # AR alone: no error
+    spec = (plan_mod.ArmSpec("AR", "ar"), plan_mod.ArmSpec("drafter-only", "drafter-only"))
+    with pytest.raises(UsageError, match="no speculative arm would speculate"):
+        plan_mod.check_room(SimpleNamespace(arms=spec, resume=None, **tight), samples, firsts)
+    # a folder that started so (before this check) resumes as it started: its summary carries the context label
+    plan_mod.check_room(SimpleNamespace(arms=spec, resume="results/old", **tight), samples, firsts)
     monkeypatch.setattr(presets, "build_random", real)
     assert cli.main(argv + ["--max-model-len", str(need), "--drafter-only", "--skip-ar"]) == 0
     rows = results_io.read_folder_rows(tmp_path / "r" / "p")

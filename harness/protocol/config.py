@@ -111,22 +111,8 @@ def validate(c: RunConfig) -> None:
     """Everything that can be wrong without reading a model."""
     if c.ar_only and c.skip_ar:
         raise UsageError("--ar-only and --skip-ar exclude each other; pick one")
-    if c.ar_only:  # each of these selects a drafter's arm, which --ar-only would drop without a word
-        chosen = [flag for flag, on in (("--drafter-only", c.drafter_only), ("--cotrained-drafter-only",
-                  c.cotrained_drafter_only), ("--xpress-refine-passes", "xpress_refine_passes" in c.given),
-                  ("--fair-k-list", c.fair_k_list is not None)) if on]
-        if chosen:
-            raise UsageError(f"--ar-only and {' and '.join(chosen)} exclude each other (--ar-only runs AR alone, no "
-                             "drafter); pick one")
-    idle = [f"--{k.replace('_', '-')}" for k in (REFINER_FLAGS + DRAFTER_FLAGS if c.ar_only else REFINER_FLAGS
-                                                  if c.drafter_only else ()) if k in c.given]
-    if idle:  # typed, and nothing in the run reads them
-        mode = "--ar-only runs AR alone" if c.ar_only else "--drafter-only runs no refiner"
-        raise UsageError(f"{' and '.join(idle)} would have no effect: {mode}; drop {'them' if idle[1:] else 'it'} "
-                         f"or {mode.split()[0]}")
-    if c.drafter_only and c.xpress_refine_passes and "xpress_refine_passes" in c.given:
-        raise UsageError(f"--xpress-refine-passes {c.xpress_refine_passes} sets xPress's K, and --drafter-only runs no "
-                         "xPress arm (K=0); drop one of them")
+    if not c.resume:  # a folder started before these checks resumes as it ran (it cannot drop a saved flag)
+        check_no_effect(c)
     if c.random_weights:
         from harness.protocol.presets import preset
         preset(c.random_weights)
@@ -149,13 +135,6 @@ def validate(c: RunConfig) -> None:
         raise UsageError(f"--reference-dtype {c.reference_dtype!r}: use auto, float32 or none")
     if c.reference_dtype == "float32" and c.temperature >= 1e-5:
         raise UsageError("--reference-dtype float32 compares AR's greedy text and needs --temperature 0; drop it")
-    if c.record_logit_gaps and c.temperature >= 1e-5:  # at T > 0 no divergence from AR is checked (divergence.py)
-        raise UsageError("--record-logit-gaps reports each divergence from AR's greedy text with its logit gaps and "
-                         "needs --temperature 0 (at T > 0 the texts differ by design, none is reported); drop it")
-    if c.draft_noise != "gumbel" and c.draft_temperature_used < 1e-5:
-        raise UsageError(f"--draft-noise {c.draft_noise} is the noise of sampled drafts, and the drafts here are "
-                         "greedy (draft temperature 0): it changes nothing; give --draft-temperature > 0 (or "
-                         "--temperature > 0), or drop it")
     if c.scripted_accept is not None and c.scripted_accept < 0:
         raise UsageError(f"--scripted-accept {c.scripted_accept}: must be >= 0")
     from harness.protocol.spyre_contract import check_run, is_spyre
@@ -329,6 +308,33 @@ def check_model_path(flag: str, spec: str) -> None:
     if looks_local(spec) and not os.path.exists(os.path.expanduser(spec)):
         raise UsageError(f"{flag} {spec}: no such path (a local directory or .gguf file must exist; a hub id "
                          "has the form user/repo)")
+
+
+def check_no_effect(c: RunConfig) -> None:
+    """Typed flags that the run would drop or never read: refused, so that a run does what its command says."""
+    if c.ar_only:  # each of these selects a drafter's arm, which --ar-only would drop without a word
+        chosen = [flag for flag, on in (("--drafter-only", c.drafter_only), ("--cotrained-drafter-only",
+                  c.cotrained_drafter_only), ("--xpress-refine-passes", "xpress_refine_passes" in c.given),
+                  ("--fair-k-list", c.fair_k_list is not None)) if on]
+        if chosen:
+            raise UsageError(f"--ar-only and {' and '.join(chosen)} exclude each other (--ar-only runs AR alone, no "
+                             "drafter); pick one")
+    idle = [f"--{k.replace('_', '-')}" for k in (REFINER_FLAGS + DRAFTER_FLAGS if c.ar_only else REFINER_FLAGS
+                                                  if c.drafter_only else ()) if k in c.given]
+    if idle:  # typed, and nothing in the run reads them
+        mode = "--ar-only runs AR alone" if c.ar_only else "--drafter-only runs no refiner"
+        raise UsageError(f"{' and '.join(idle)} would have no effect: {mode}; drop {'them' if idle[1:] else 'it'} "
+                         f"or {mode.split()[0]}")
+    if c.drafter_only and c.xpress_refine_passes and "xpress_refine_passes" in c.given:
+        raise UsageError(f"--xpress-refine-passes {c.xpress_refine_passes} sets xPress's K, and --drafter-only runs no "
+                         "xPress arm (K=0); drop one of them")
+    if c.record_logit_gaps and c.temperature >= 1e-5:  # at T > 0 no divergence from AR is checked (divergence.py)
+        raise UsageError("--record-logit-gaps reports each divergence from AR's greedy text with its logit gaps and "
+                         "needs --temperature 0 (at T > 0 the texts differ by design, none is reported); drop it")
+    if c.draft_noise != "gumbel" and c.draft_temperature_used < 1e-5:
+        raise UsageError(f"--draft-noise {c.draft_noise} is the noise of sampled drafts, and the drafts here are "
+                         "greedy (draft temperature 0): it changes nothing; give --draft-temperature > 0 (or "
+                         "--temperature > 0), or drop it")
 
 
 def check_writable(path: str, flag: str, example: str) -> None:

@@ -198,7 +198,7 @@ def check_room(plan: "RunPlan", samples, firsts) -> None:
     takes only while pos + block < the context limit (harness.decode.loop.generate; pos starts at the prompt's
     length). Without it every speculative arm decodes the prompt with plain target steps, and its speedup is no
     speculative decoding's. A later turn's prompt holds the replies before it: not known before decoding."""
-    if all(a.method == "ar" for a in plan.arms):
+    if plan.resume or all(a.method == "ar" for a in plan.arms):  # a resumed folder goes on as it started
         return
     for qid, (sample, first) in enumerate(zip(samples, firsts)):
         need = len(first) + plan.block_size + 1
