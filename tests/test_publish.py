@@ -189,6 +189,13 @@ def test_rebuild_of_an_interrupted_run_keeps_to_its_complete_rounds(tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no complete round in its rows" in err and "--resume" in err, err
     assert not (folder / "summary.json").exists()
+    # with a good folder first, that refusal still comes before anything is rewritten ("every folder checked
+    # before any is rewritten"): the good folder rebuilt A, then failed on B
+    good = tmp_path / "good"
+    report.write_results(good, {"dataset": "toy2"}, {}, rows, report.summarize(rows, n_boot=50))
+    (good / "table.md").write_text("old")
+    assert report.main(["--rebuild", str(good), str(folder)]) == 2
+    assert (good / "table.md").read_text() == "old"
 
 
 def test_rebuild_keeps_what_the_runner_added_beside_the_rows(tmp_path, capsys):
@@ -227,8 +234,8 @@ def test_out_naming_a_directory_is_refused_before_anything_is_written(tmp_path, 
     (folder / "table.md").write_text("old")
     assert report.main(["--rebuild", str(folder), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert err == f"error: --out {tmp_path}: is a directory; name the markdown file to write, e.g. " \
-        f"{tmp_path / 'table.md'}\n", err
+    assert err == f"error: --out {tmp_path}: names a directory, and --out takes a file; name one inside it, e.g. " \
+        f"--out {tmp_path / 'table.md'}\n", err
     assert (folder / "table.md").read_text() == "old"
 
 

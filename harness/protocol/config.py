@@ -345,6 +345,7 @@ def check_writable(path: str, flag: str, example: str) -> None:
                          f"{flag} {os.path.join(path, example)}")
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise UsageError(f"{path}: folder {folder} does not exist")
+        raise UsageError(f"{flag} {path}: folder {folder} does not exist; create it, or name a file in a folder that "
+                         "does")
     if not os.access(folder, os.W_OK):
-        raise UsageError(f"{path}: folder {folder} is not writable")
+        raise UsageError(f"{flag} {path}: folder {folder} is not writable; name a file in a folder you can write")

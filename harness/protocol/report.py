@@ -22,6 +22,7 @@ from core.errors import Parser, UsageError, cli_exit
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
 from harness.protocol.labels import RANDOM_MARK, config_labels, weights_label  # noqa: F401 (re-exported)
+from harness.protocol.config import check_writable
 from harness.protocol.plan import check_run_folder, resume_count
 from harness.protocol.results_io import ROWS, atomic_write, read_folder_rows, rows_file, write_rows
 from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
@@ -264,9 +265,7 @@ def _clean(x):
     return x
 
 
-# ------------------------------------------------------------------------------------------------ results folder
-
-def _json(obj) -> str:
+def _json(obj) -> str:  # the results folder's JSON files
     return json.dumps(_clean(obj), indent=2, ensure_ascii=False, allow_nan=False, default=str) + "\n"
 
 
@@ -302,7 +301,6 @@ def _read_json(folder: str, name: str, missing: str = "is the run finished? (sum
 
 
 def _load_folder(folder: str) -> dict:
-    path = Path(folder)
     check_run_folder(folder)
     loaded = {name: _read_json(folder, name) for name in ("summary.json", "config.json")}
     s = loaded["summary.json"]
@@ -313,30 +311,35 @@ def _load_folder(folder: str) -> dict:
         if not isinstance(o, dict) or o.get("arm") not in s["arms"]:
             raise UsageError(f"{folder}/summary.json: optimal[{method!r}] names no arm of the summary")
     config = loaded["config.json"]
-    dataset = s.get("dataset") or (config.get("dataset") if isinstance(config, dict) else None) or path.name
+    dataset = s.get("dataset") or (config.get("dataset") if isinstance(config, dict) else None) or Path(folder).name
     return {"folder": folder, "dataset": dataset, "temperature": s.get("temperature"), "summary": s, "config": config}
 
 
-def rebuild(folder: str) -> dict:
-    """Recompute a results folder's tables, README.md, plots and summary.json (this schema version; the old one may
-    be any up to it) from its rows (samples.jsonl.gz; an interrupted run's or an older folder's plain samples.jsonl)
-    and config.json, keeping to its complete rounds (an interrupted run's others are left out, as its live report
-    would have had none of them); the rows themselves are not touched."""
-    path = Path(folder)
+def rebuildable(folder: str) -> tuple[dict, list[dict], list[int], list[int]]:
+    """config.json, the rows, the rounds and the complete ones (every arm's decode of every prompt), checked."""
     check_run_folder(folder)
     need = f"--rebuild recomputes a run's tables from its {ROWS} (or plain samples.jsonl) and config.json"
     config = _read_json(folder, "config.json", need)
-    if rows_file(path) is None:
+    if rows_file(Path(folder)) is None:
         raise UsageError(f"{folder}: no {ROWS}; {need}")
-    old = _read_json(folder, "summary.json") if (path / "summary.json").is_file() else {}  # none: an interrupted run
-    rows, saved = read_folder_rows(path), config.get("resolved") or {}
+    rows, saved = read_folder_rows(Path(folder)), config.get("resolved") or {}
     _checked(rows)  # a malformed row's one line before the rounds are read from the rows
     rounds = list(range(1, saved["rounds"] + 1)) if saved.get("rounds") else sorted({r["round"] for r in rows})
-    done = {(r["round"], r["arm"], r["question_id"]) for r in rows}  # the complete rounds: what the run reports
+    done = {(r["round"], r["arm"], r["question_id"]) for r in rows}
     kept = complete_rounds(done, rounds, saved.get("arms") or {a for _, a, _ in done}, {q for _, _, q in done})
     if not kept:
         raise UsageError(f"{folder}: no complete round in its rows (every arm's decode of every prompt), so nothing "
                          f"to summarize; continue the run: benchmark_compile_all.py --resume {folder}")
+    return config, rows, rounds, kept
+
+
+def rebuild(folder: str, read: tuple | None = None) -> dict:
+    """A folder's tables, README.md, plots and summary.json (this schema version) recomputed from its rows (plain
+    samples.jsonl too) and config.json, over its complete rounds (rebuildable: what the live report had; `read` if
+    done); the rows are not touched."""
+    path = Path(folder)
+    config, rows, rounds, kept = read or rebuildable(folder)
+    old = _read_json(folder, "summary.json") if (path / "summary.json").is_file() else {}  # none: an interrupted run
     cut = [] if kept == rounds else [f"interrupted: {len(kept)} of {len(rounds)} rounds complete, the rest left out"]
     summary = summarize([r for r in rows if r["round"] in kept], tau_from_warmup=bool(config.get("compat_reference")),
                         labels=config_labels({**config, "resumes": resume_count(folder)}) + cut,
@@ -369,16 +372,13 @@ def main(argv: list[str] | None = None) -> int:
                                               "(with --rebuild: samples.jsonl.gz and config.json)")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--rebuild", action="store_true", help="first recompute each folder's tables, plots and "
-                   "summary.json from its samples.jsonl.gz (or plain samples.jsonl) and config.json (an interrupted run's: its "
-                   "complete rounds)")
+                   "summary.json from its samples.jsonl.gz (or plain samples.jsonl) and config.json (an interrupted "
+                   "run's: its complete rounds)")
     ns = p.parse_args(argv)
 
     def work():
-        if ns.out and os.path.isdir(ns.out):
-            raise UsageError(f"--out {ns.out}: is a directory; name the markdown file to write, e.g. "
-                             f"{os.path.join(ns.out, 'table.md')}")
-        if ns.out and not os.path.isdir(os.path.dirname(os.path.abspath(ns.out))):
-            raise UsageError(f"--out {ns.out}: folder {os.path.dirname(os.path.abspath(ns.out))} does not exist")
+        if ns.out:
+            check_writable(ns.out, "--out", "table.md")
         from harness.protocol.merge import distinct, format_merged
         for f in ns.folders:  # every folder checked before any is rewritten, the datasets' clash too
             check_run_folder(f)
@@ -386,8 +386,9 @@ def main(argv: list[str] | None = None) -> int:
             from harness.protocol.merge import groups
             for members in groups([_entry(f) for f in ns.folders]).values():
                 distinct(members)
-        for f in ns.folders if ns.rebuild else ():
-            rebuild(f)
+        read = {f: rebuildable(f) for f in ns.folders} if ns.rebuild else {}  # every folder's refusal first
+        for f, got in read.items():
+            rebuild(f, got)
         text = format_merged([_load_folder(f) for f in ns.folders], distinct)
         if ns.out:
             atomic_write(ns.out, text)
