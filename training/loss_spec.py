@@ -9,8 +9,9 @@ string, and an unknown name or a weight that is not a number > 0 is refused with
 models.<name>.per_position_loss_weight and dpace_alpha are speculators 0.9.0's weights of a block's slots in that loss
 (losses/utils.py): fixed-exp-decay, exp(-(k - 1) / gamma) at slot k (models.<name>.gamma), what every model here
 trained with before the field existed (its default when none is passed); or dpace (D-PACE, the weighting speculators'
-own command line picks for a dflash drafter), which weighs a slot by the draft's smoothed confidence in the slots
-before it, read from the term's elementwise loss as exp(-loss): the cross-entropy's, so the loss must be ce alone."""
+own command line picks for a dflash drafter), which weighs slot k by the expected accepted run from it on (the sum
+over i >= k of the product of the draft's smoothed confidences through slot i), the confidence read from the term's
+elementwise loss as exp(-loss): the cross-entropy's, so the loss must be ce alone."""
 from __future__ import annotations
 
 import json
