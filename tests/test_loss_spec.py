@@ -54,14 +54,16 @@ def test_slot_weights_default_to_what_ran_before_and_take_dpace_with_ce_alone():
     # the defaults leave a model's key as it was (tests/test_training_anchor_bias.py pins the presets' keys); another
     # weighting is another model, so a checkpoint of one does not resume as the other
     from training.config import model_fingerprint
+    dpace = ["models.drafter.per_position_loss_weight=dpace"]
     cfgs = [load_config("toy", ["models.drafter.loss_fn=ce"] + extra) for extra in
-            ([], ["models.drafter.per_position_loss_weight=dpace"], ["models.drafter.dpace_alpha=0.25"])]
+            ([], dpace, dpace + ["models.drafter.dpace_alpha=0.25"])]
     assert len({model_fingerprint(c, "drafter") for c in cfgs}) == 3
 
 
 @pytest.mark.parametrize("sets, says", [(["per_position_loss_weight=linear"], "'linear' is not one of"),
                                         (["dpace_alpha=0"], r"dpace_alpha must be a number in \(0, 1\]"),
                                         (["dpace_alpha=true"], r"\(got True\)"), (["dpace_alpha=1.5"], "got 1.5"),
+                                        (["dpace_alpha=0.3"], "read only with per_position_loss_weight dpace"),
                                         (["per_position_loss_weight=dpace"], "cross-entropy alone"),
                                         (["per_position_loss_weight=dpace", "loss_fn=tv"], "cross-entropy alone")])
 def test_bad_slot_weights_are_refused_with_the_config(sets, says):

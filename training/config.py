@@ -72,13 +72,13 @@ MODEL_DEFAULTS = {
     "loss_fn": '{"ce": 0.1, "tv": 0.9}', "gamma": 4.0, "init_from": None, "freeze_backbone": False,
     "xpress_rank": 64, "xpress_mlp_ratio": 2, "num_jacobi_passes": 6, "consistency_weight": 0.3,
     "consistency_passes": 3, "base_anchor_weight": 0.6, "markov_rank": 64, "markov_head_type": "vanilla",
-    "enable_confidence_head": True, "per_position_loss_weight": "fixed-exp-decay", "dpace_alpha": 0.5,
+    "enable_confidence_head": True, "per_position_loss_weight": "fixed-exp-decay", "dpace_alpha": loss_spec.DPACE_ALPHA,
     "epochs": None, "lr": None, "max_steps": None, "max_minutes": None, "anchor_bias": 0.0,
     "grow": False, "backbone_lr_scale": 1.0,
 }
 RANK_KEY = {"xpress": "xpress_rank", "dspark": "markov_rank"}  # a head type's own rank (MODEL_DEFAULTS has both)
 MODEL_ADDED_LATER = {"anchor_bias": 0.0, "grow": False, "backbone_lr_scale": 1.0,  # the value models trained before had
-                     "per_position_loss_weight": "fixed-exp-decay", "dpace_alpha": 0.5}  # (speculators 0.9.0's default)
+                     "per_position_loss_weight": "fixed-exp-decay", "dpace_alpha": loss_spec.DPACE_ALPHA}
 
 
 NAME_MAPS = ("models", "sampled_by_group")  # sections keyed by names (any key; a child config replaces them whole)

@@ -23,6 +23,7 @@ from core.errors import UsageError
 # them with the installed speculators where it is installed
 NAMES = ("ce", "jsd", "kl_div", "lk_hybrid", "nla", "rkl", "tv")
 POSITION_WEIGHTS = ("fixed-exp-decay", "dpace")  # speculators 0.9.0's per_position_loss_weight choices
+DPACE_ALPHA = 0.5  # speculators 0.9.0's default dpace_alpha
 
 
 def mapping(spec):
@@ -66,6 +67,9 @@ def check_positions(where: str, m: dict) -> None:
                          "(fixed-exp-decay: exp(-(k - 1) / gamma) at slot k; dpace: D-PACE)")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
         raise UsageError(f"{where}: dpace_alpha must be a number in (0, 1] (got {alpha!r})")
+    if how != "dpace" and alpha != DPACE_ALPHA:  # else two runs alike would differ in their models' keys
+        raise UsageError(f"{where}: dpace_alpha {alpha!r} is read only with per_position_loss_weight dpace, and this "
+                         f"model's is {how}: set --set models.NAME.per_position_loss_weight=dpace, or drop dpace_alpha")
     weights = mapping(m["loss_fn"])
     if how == "dpace" and m["loss_fn"] != "ce" and (weights is None or set(weights) != {"ce"}):
         raise UsageError(f"{where}: per_position_loss_weight dpace reads the draft's confidence from the loss as "
