@@ -76,6 +76,7 @@ from core.protocols import Drafter, Refiner
 from harness.decode.batch_checks import check_batch
 from harness.decode.batch_step import RowsStep
 from harness.decode.batch_target import BatchTarget
+from harness.decode.capture_plan import room_to_speculate
 from harness.decode.graphs import StepGraphs
 from harness.decode.loop import DecodeSettings, Generation, _check, _Decode
 from harness.decode.state import DecodeState
@@ -309,7 +310,7 @@ class _Batch:
         steps = 0
         while any(live := self.live()):
             steps += 1
-            spec = [self.spec_arm and on and run.request.pos + self.width < self.limit
+            spec = [self.spec_arm and on and room_to_speculate(run.request.pos, self.width, self.limit)
                     for on, run in zip(live, self.runs)]
             read = self._rows_read(live, spec) if self.rows_step_on else self.step(live, spec)
             freed = []

@@ -17,10 +17,16 @@ from harness.decode.graphs import StepGraphs
 from harness.decode.state import DecodeState
 
 
+def room_to_speculate(pos: int, width: int, limit: int) -> bool:
+    """The decode loops' rule (harness.decode.loop, batch_loop): a speculative step at `pos` writes `width`
+    positions and needs one more inside the context limit; past that the steps are plain target steps."""
+    return pos + width < limit
+
+
 def shape_at(pos: int, limit: int, capacity: int, bucket: int, width: int) -> tuple[bool, int, int]:
     """(speculative, width, length) of the step a decode with block `width` runs at position `pos`: speculative
-    while pos + width < limit, a plain target step (width 1) after that and on an AR arm."""
-    speculative = width > 1 and pos + width < limit
+    while room_to_speculate, a plain target step (width 1) after that and on an AR arm."""
+    speculative = width > 1 and room_to_speculate(pos, width, limit)
     w = width if speculative else 1
     return speculative, w, StepGraphs.length(pos + w, bucket, capacity)
 

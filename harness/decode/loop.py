@@ -23,6 +23,7 @@ import torch
 
 from core.protocols import Drafter, IdentityRefiner, Proposal, RefineContext, Refiner
 from harness.decode.accounting import REFERENCE, STANDARD, Accounting, accounting_for
+from harness.decode.capture_plan import room_to_speculate
 from core.devices import Backend
 from core.errors import UsageError
 from harness.decode.graphs import check_use_graph
@@ -385,7 +386,7 @@ def generate(target, prompt: list[int], settings: DecodeSettings, backend: Backe
     first_id = run.prefill()
     r.first_token(first_id, settings.stop_ids)
     while not r.stop or r.extra:  # r.extra: the policy's step after an EOS, counted, emitting nothing
-        speculative = drafter is not None and r.pos + width < limit
+        speculative = drafter is not None and room_to_speculate(r.pos, width, limit)
         w = width if speculative else 1
         res = run.step(speculative, w, r.pos, mark)
         accepted, stop_at = res.packed.tolist()  # the one host sync per step

@@ -267,7 +267,6 @@ def from_saved(folder: str, values: dict, typed: set[str]) -> dict:
 def settle(values: dict, typed: set[str]) -> dict:
     """What the command line decides beyond single flags, after the setup filled its settings (not on --resume,
     whose config.json holds the settled values):
-    * --drafter-only compares AR with the drafter alone: a setup's refiner heads are left out;
     * a refiner path not typed comes from its env variable (XPRESS_CKPT / MK_CKPT; empty: no such arm), read here
       and nowhere else (not with --random-weights or --ar-only, which take no checkpoint);
     * --refine-numerics spyre copies to the host inside the step, so a setup does not turn --use-graph on."""
@@ -276,8 +275,6 @@ def settle(values: dict, typed: set[str]) -> dict:
     for key, var in ENV_OF.items():
         if key in typed and out[key]:
             continue
-        if out["drafter_only"] and out.get("preset"):
-            out[key] = None
         if not out[key] and var in os.environ and not (out["random_weights"] or out["ar_only"]):
             out[key] = os.environ[var] or None
     if out["refine_numerics"] == "spyre" and "use_graph" not in typed:

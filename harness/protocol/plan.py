@@ -200,9 +200,10 @@ def check_room(plan: "RunPlan", samples, firsts) -> None:
     speculative decoding's. A later turn's prompt holds the replies before it: not known before decoding."""
     if plan.resume or all(a.method == "ar" for a in plan.arms):  # a resumed folder goes on as it started
         return
+    from harness.decode.capture_plan import room_to_speculate  # the loops' rule (imports torch: only here)
     for qid, (sample, first) in enumerate(zip(samples, firsts)):
-        need = len(first) + plan.block_size + 1
-        if need > plan.max_model_len:
+        need = len(first) + plan.block_size + 1  # the first position at which room_to_speculate holds
+        if not room_to_speculate(len(first), plan.block_size, plan.max_model_len):
             raise UsageError(f"prompt {qid} (dataset row {sample.row}) has {len(first)} tokens: with block "
                              f"{plan.block_size} a speculative step needs {need} positions, over the context limit "
                              f"{plan.max_model_len}, so no speculative arm would speculate; raise --max-model-len to "
