@@ -243,9 +243,12 @@ def test_a_first_turn_with_no_room_to_speculate_is_refused_before_loading(data, 
                         samples, firsts)  # AR alone: no error
     spec = (plan_mod.ArmSpec("AR", "ar"), plan_mod.ArmSpec("drafter-only", "drafter-only"))
     with pytest.raises(UsageError, match="no speculative arm would speculate"):
-        plan_mod.check_room(SimpleNamespace(arms=spec, resume=None, **tight), samples, firsts)
+        plan_mod.check_room(SimpleNamespace(arms=spec, resume=None, target_config=None, **tight), samples, firsts)
+    short = SimpleNamespace(max_position_embeddings=need - 1)  # a target without that many positions
+    with pytest.raises(UsageError, match=f"the target has {need - 1} positions, so run fewer or shorter prompts"):
+        plan_mod.check_room(SimpleNamespace(arms=spec, resume=None, target_config=short, **tight), samples, firsts)
     # a folder that started so (before this check) resumes as it started: its summary carries the context label
-    plan_mod.check_room(SimpleNamespace(arms=spec, resume="results/old", **tight), samples, firsts)
+    plan_mod.check_room(SimpleNamespace(arms=spec, resume="results/old", target_config=None, **tight), samples, firsts)
     monkeypatch.setattr(presets, "build_random", real)
     assert cli.main(argv + ["--max-model-len", str(need), "--drafter-only", "--skip-ar"]) == 0
     rows = results_io.read_folder_rows(tmp_path / "r" / "p")

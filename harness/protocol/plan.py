@@ -204,10 +204,13 @@ def check_room(plan: "RunPlan", samples, firsts) -> None:
     for qid, (sample, first) in enumerate(zip(samples, firsts)):
         need = len(first) + plan.block_size + 1  # the first position at which room_to_speculate holds
         if not room_to_speculate(len(first), plan.block_size, plan.max_model_len):
+            known = int(getattr(plan.target_config, "max_position_embeddings", 0) or 0)
+            raise_it = (f"raise --max-model-len to {need} or more, or " if not known or need <= known else
+                        f"the target has {known} positions, so ")  # above them the limit is refused (build.py)
             raise UsageError(f"prompt {qid} (dataset row {sample.row}) has {len(first)} tokens: with block "
                              f"{plan.block_size} a speculative step needs {need} positions, over the context limit "
-                             f"{plan.max_model_len}, so no speculative arm would speculate; raise --max-model-len to "
-                             f"{need} or more, or run fewer or shorter prompts (--max-samples, another --dataset)")
+                             f"{plan.max_model_len}, so no speculative arm would speculate; {raise_it}run fewer or "
+                             "shorter prompts (--max-samples, another --dataset)")
 
 
 def check_resume_weights(folder: str, now: dict) -> None:
