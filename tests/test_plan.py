@@ -253,3 +253,17 @@ def test_a_first_turn_with_no_room_to_speculate_is_refused_before_loading(data, 
     assert cli.main(argv + ["--max-model-len", str(need), "--drafter-only", "--skip-ar"]) == 0
     rows = results_io.read_folder_rows(tmp_path / "r" / "p")
     assert [r["spec_steps"] for r in rows if r["question_id"] == 1 and r["turn"] == 0 and r["method"] != "ar"] == [1]
+
+
+def test_a_folder_started_with_a_flag_now_refused_as_without_effect_still_resumes(tmp_path):
+    """A run folder saved with a flag that had no effect (greedy drafts with --draft-noise uniform, refused for new
+    runs since) is not refused on --resume, which cannot drop a saved flag: it goes on as it started."""
+    saved = {"model_name_or_path": "t", "draft_name_or_path": "d", "dataset": "x", "draft_noise": "uniform",
+             "temperature": 0.0}
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "config.json").write_text(json.dumps(saved))
+    assert parse_args(["--resume", str(tmp_path / "r")]).draft_noise == "uniform"
+    with pytest.raises(UsageError, match="--draft-noise uniform is the noise of sampled drafts"):
+        parse_args(["--model-name-or-path", "t", "--draft-name-or-path", "d", "--dataset", "x", "--draft-noise",
+                    "uniform"])
+

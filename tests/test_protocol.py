@@ -9,7 +9,6 @@ import pytest
 
 import benchmark_compile_all as cli
 import harness.protocol.runner as runner
-from core.errors import UsageError
 from harness.protocol.results_io import read_folder_rows, read_rows
 from tiny import write_run_fixture
 
@@ -389,19 +388,3 @@ def test_a_saved_config_with_a_non_finite_temperature_is_refused(full_run, tmp_p
     path.write_text(path.read_text().replace('"temperature": 0.0', '"temperature": NaN'))
     assert cli.main(["--resume", str(tmp_path / "r")]) == 2
     assert "--temperature nan: must be a finite number" in capsys.readouterr().err
-
-
-def test_a_folder_started_with_a_flag_now_refused_as_without_effect_still_resumes(full_run, tmp_path):
-    """A run folder saved with a flag that had no effect (greedy drafts with --draft-noise uniform, refused for new
-    runs since) is not refused on --resume, which cannot drop a saved flag: it goes on as it started."""
-    from harness.protocol.flags import parse_args
-    shutil.copytree(full_run, tmp_path / "r")
-    path = tmp_path / "r" / "config.json"
-    saved = json.loads(path.read_text())
-    assert saved["draft_noise"] == "gumbel" and saved["temperature"] == 0.0
-    path.write_text(json.dumps({**saved, "draft_noise": "uniform"}))
-    assert parse_args(["--resume", str(tmp_path / "r")]).draft_noise == "uniform"
-    with pytest.raises(UsageError, match="--draft-noise uniform is the noise of sampled drafts"):
-        parse_args(["--model-name-or-path", "t", "--draft-name-or-path", "d", "--dataset", "x", "--draft-noise",
-                    "uniform"])
-
