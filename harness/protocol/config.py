@@ -217,8 +217,6 @@ def validate(c: RunConfig) -> None:
                          "drafter-only arm it runs anyway; give K >= 1 (or --fair-k-list), or drop the xPress head")
     if c.fair and c.drafter_only and (c.xpress_refiner_path or c.markov_refiner_path):
         raise UsageError(drafter_only_conflict(c))
-    if c.drafter_only and "fair_k_list" in c.given:  # it ran AR and drafter-only, the K list ignored
-        raise UsageError("--fair-k-list lists xPress's K, and --drafter-only runs no xPress arm; drop one of them")
     if c.fair and c.ar_only:
         raise UsageError("--ar-only with --fair-interleave: the protocol compares arms; drop one")
     if c.cotrained_drafter_only:
@@ -325,9 +323,11 @@ def check_no_effect(c: RunConfig) -> None:
         mode = "--ar-only runs AR alone" if c.ar_only else "--drafter-only runs no refiner"
         raise UsageError(f"{' and '.join(idle)} would have no effect: {mode}; drop {'them' if idle[1:] else 'it'} "
                          f"or {mode.split()[0]}")
-    if c.drafter_only and c.xpress_refine_passes and "xpress_refine_passes" in c.given:
-        raise UsageError(f"--xpress-refine-passes {c.xpress_refine_passes} sets xPress's K, and --drafter-only runs no "
-                         "xPress arm (K=0); drop one of them")
+    ks = [f"--{k.replace('_', '-')} {getattr(c, k)}" for k in ("fair_k_list", "xpress_refine_passes")
+          if c.drafter_only and k in c.given and getattr(c, k)]  # a typed K for the arm it runs without (K=0 is it)
+    if ks:
+        raise UsageError(f"{' and '.join(ks)} set{'s' * (len(ks) == 1)} xPress's K, and --drafter-only runs no xPress "
+                         "arm (K=0); drop one of them")
     if c.record_logit_gaps and c.temperature >= 1e-5:  # at T > 0 no divergence from AR is checked (divergence.py)
         raise UsageError("--record-logit-gaps reports each divergence from AR's greedy text with its logit gaps and "
                          "needs --temperature 0 (at T > 0 the texts differ by design, none is reported); drop it")

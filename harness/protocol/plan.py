@@ -202,8 +202,8 @@ def check_room(plan: "RunPlan", samples, firsts) -> None:
         return
     from harness.decode.capture_plan import room_to_speculate  # the loops' rule (imports torch: only here)
     for qid, (sample, first) in enumerate(zip(samples, firsts)):
-        need = len(first) + plan.block_size + 1  # the first position at which room_to_speculate holds
         if not room_to_speculate(len(first), plan.block_size, plan.max_model_len):
+            need = len(first) + plan.block_size + 1  # the smallest limit at which it holds
             known = int(getattr(plan.target_config, "max_position_embeddings", 0) or 0)
             raise_it = (f"raise --max-model-len to {need} or more, or " if not known or need <= known else
                         f"the target has {known} positions, so ")  # above them the limit is refused (build.py)
