@@ -206,11 +206,10 @@ def test_speedup_error_bars_are_the_ci(monkeypatch, tmp_path):
     assert (x0, x1) == (4, 4) and (round(y0, 9), round(y1, 9)) == (1.2, 1.9)
 
 
-def script_argv(tmp_path, env, *args, rc=0):
+def run_script(tmp_path, env, *args, rc=0):
     """Runs bench_fair_fast.sh with a python3 on PATH that hands its -c checks to the real one and records the
     command the script execs (benchmark_compile_all.py's argv) instead of running it, exiting with rc (the script
-    must pass it on: it execs): the script's exit code and the argv it builds are its behaviour; the CLI then runs
-    in-process (no interpreter start, no torch import). test_protocol's script run execs the real python3."""
+    must pass it on: it execs). Returns the process and that argv (None: the script never reached its exec)."""
     import sys
     shim, out = tmp_path / "bin", tmp_path / "argv"
     shim.mkdir(exist_ok=True)
@@ -222,8 +221,16 @@ def script_argv(tmp_path, env, *args, rc=0):
     env = {**env, "PATH": f"{shim}{os.pathsep}{env.get('PATH', '')}"}
     proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), *args], env=env, capture_output=True,
                           text=True, timeout=600)
-    assert proc.returncode == rc, proc.stderr[-2000:]
-    return out.read_text().split("\0")[:-1]
+    return proc, out.read_text().split("\0")[:-1] if out.exists() else None
+
+
+def script_argv(tmp_path, env, *args, rc=0):
+    """run_script's argv, the exit code checked: the script's exit code and the argv it builds are its behaviour;
+    the CLI then runs in-process (no interpreter start, no torch import). test_protocol's script run execs the real
+    python3."""
+    proc, argv = run_script(tmp_path, env, *args, rc=rc)
+    assert proc.returncode == rc and argv is not None, proc.stderr[-2000:]
+    return argv
 
 
 @pytest.mark.parametrize("args, env, says", [(["--dataset", "gsm8k"], {}, "'--dataset' is not a dataset"),
@@ -234,21 +241,12 @@ def test_the_bench_script_refuses_what_it_would_drop_or_misread(tmp_path, args, 
     """A flag where the dataset goes, a third argument and a USE_GRAPH that is neither 1 nor 0 were run as if
     absent (or failed later in the CLI's argument parser); one line, exit 2, nothing run. --help prints the
     header's usage and runs nothing."""
-    out = tmp_path / "argv"
-    shim = tmp_path / "python3"  # records an exec of the CLI; the -c checks go to the real interpreter
-    shim.write_text(f'#!/usr/bin/env bash\n[ "$1" = benchmark_compile_all.py ] && {{ touch {out}; exit 0; }}\n'
-                    'exec "$REAL" "$@"\n')
-    shim.chmod(0o755)
-    import sys
     base = {k: v for k, v in os.environ.items() if k not in ("USE_GRAPH", "RESUME", "EXTRA_ARGS")}
-    base.update(PATH=f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}", REAL=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), *args], env={**base, **env},
-                          capture_output=True, text=True, timeout=60)
+    proc, argv = run_script(tmp_path, {**base, **env}, *args)
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and says in proc.stderr, proc.stderr
-    assert not out.exists()
-    proc = subprocess.run(["bash", str(ROOT / "bench_fair_fast.sh"), "--help"], env=base, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0 and not out.exists() and proc.stdout.startswith("The paired protocol as one run")
+    assert argv is None
+    proc, argv = run_script(tmp_path, base, "--help")
+    assert proc.returncode == 0 and argv is None and proc.stdout.startswith("The paired protocol as one run")
     assert "EXTRA_ARGS" in proc.stdout and "set -e" not in proc.stdout
 
 
