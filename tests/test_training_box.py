@@ -227,7 +227,7 @@ def test_fit_box_plans_the_steps_the_box_holds_and_anneals(data, tmp_path, monke
     def capped(step, rate, left_s, reserve, planned):
         seen.append((step, rate, left_s, reserve, planned))
         assert real(step, rate, left_s, reserve, planned) > step  # the arithmetic itself: test_fitted_total_arithmetic
-        return step + 12 if len(seen) == 1 else step  # the next pass's fit again: never shorter (test below)
+        return step + 12 if len(seen) == 1 else 16  # the probes after it find the same plan (tests below)
     monkeypatch.setattr(training.fit, "fitted_total", capped)
     cfg = box_config(data, tmp_path, epochs=200, eval_prompts=0, max_minutes=BOX_MINUTES, on_deadline="finish",
                      fit_box=True, fit_probe_steps=3, fit_reserve=0.2, warmup_ratio=0.1)
@@ -237,10 +237,10 @@ def test_fit_box_plans_the_steps_the_box_holds_and_anneals(data, tmp_path, monke
     box = json.loads((d / "box.json").read_text())
     fit = manifest["fit"]
     step, rate, left, reserve, planned = seen[0]
-    assert len(seen) == 2 and step == 4 and rate > 0 and 0 < left < BOX_MINUTES * 60 and reserve == 0.2
+    assert len(seen) >= 2 and step == 4 and rate > 0 and 0 < left < BOX_MINUTES * 60 and reserve == 0.2
     assert fit == box["fit"] and fit["probe_steps"] == [1, 4] and fit["planned_steps"] == planned
     assert fit["fitted_steps"] == 16 < planned and manifest["planned_steps"] == 16 and fit["warmup_steps"] == 2
-    assert fit["refit"]["fitted_steps"] == 16 and fit["refit"]["warmup_steps"] is None  # a shorter fit is not taken
+    assert fit["refit"]["fitted_steps"] == 16 and fit["refit"]["warmup_steps"] is None and "shortened" not in fit
     assert not manifest["truncated"] and manifest["global_step"] == 16
     lr = [v if isinstance(v, float) else next(iter(v.values())) for v in (r["lr"] for r in _rows(tmp_path / "w"))]
     assert max(lr) > 10 * lr[-1]  # annealed by the re-planned cosine
@@ -265,14 +265,50 @@ def test_the_next_pass_fits_again_when_the_box_holds_more(data, tmp_path, monkey
     manifest = json.loads((d / "manifest.json").read_text())
     box = json.loads((d / "box.json").read_text())
     fit, per_pass = manifest["fit"], box["epochs"][0]["steps"]
-    assert len(seen) == 2 and seen[0] == 4 and fit["fitted_steps"] == seen[1] + 10 > 16
-    assert per_pass >= 4  # the fit (after step 4) fell in the first pass, so the second probes again
     r = fit["refit"]  # its clock starts after the second pass's first step, global step per_pass + 1
-    assert r["probe_steps"] == [per_pass + 1, per_pass + 4] and r["probe_steps"][1] == seen[1]
+    assert seen[0] == 4 and fit["fitted_steps"] == r["probe_steps"][1] + 10 > 16 and "shortened" not in fit
+    assert per_pass >= 4  # the fit (after step 4) fell in the first pass, so the second probes again
+    assert r["probe_steps"] == [per_pass + 1, per_pass + 4] and r["probe_steps"][1] in seen
     # the warmup (the first fit's: ceil(0.1 x 16) = 2) is long over: it keeps its length, not 0.1 of the new plan
     assert fit["warmup_steps"] == 2 and math.ceil(0.1 * fit["fitted_steps"]) > 2
     assert r["warmup_steps"] == 2 and r["before"] == 16 and r["fitted_steps"] == fit["fitted_steps"]
     assert manifest["global_step"] == manifest["planned_steps"] == fit["fitted_steps"] and not manifest["truncated"]
+    lr = [v if isinstance(v, float) else next(iter(v.values())) for v in (r["lr"] for r in _rows(tmp_path / "w"))]
+    assert max(lr) > 10 * lr[-1]
+
+
+@pytest.mark.parametrize("shorter_at", ["guard", "refit"])
+def test_a_slower_stretch_after_the_fit_shortens_the_plan(data, tmp_path, monkeypatch, shorter_at):
+    """The fit cut the plan to 16 steps; a later probe finds the box holds only 2 steps past its end (a slower
+    stretch: the fit probed steps the online target's cache served). `guard`: one of the probes that follow the
+    fit, back to back, in the first pass; `refit`: the next pass's probe. The plan is shortened there, the schedule
+    re-planned over it, and the run ends at the shorter plan, annealed and not truncated. Power: without the
+    shortening the run goes on to the fit's 16 steps (the 30 s box holds them)."""
+    import training.fit
+    seen = []
+
+    def fitted(step, rate, left_s, reserve, planned):
+        seen.append(step)
+        return step + 12 if len(seen) == 1 else step + 2
+    monkeypatch.setattr(training.fit, "fitted_total", fitted)
+    seq = 64 if shorter_at == "guard" else 1024  # small steps: many in a pass; large: the next pass comes first
+    cfg = box_config(data, tmp_path, epochs=200, eval_prompts=0, max_minutes=0.5, on_deadline="finish", fit_box=True,
+                     fit_probe_steps=3, fit_reserve=0.2, warmup_ratio=0.1, total_seq_len=seq)
+    assert run_cli("all", "--config", cfg, "--workdir", staged(data, tmp_path / "w")) == 0
+    d = tmp_path / "w" / "train" / "drafter"
+    manifest = json.loads((d / "manifest.json").read_text())
+    box = json.loads((d / "box.json").read_text())
+    fit, per_pass = manifest["fit"], box["epochs"][0]["steps"]
+    assert seen[0] == 4 and fit["planned_steps"] > 16 and len(fit["shortened"]) == 1, (seen, fit)
+    short = fit["shortened"][0]
+    assert short["before"] == 16 and short["fitted_steps"] == seen[1] + 2 < 16
+    assert short["probe_steps"][1] == seen[1] and short["warmup_steps"] == 2  # the first fit's warmup kept
+    if shorter_at == "guard":  # the window after the fit's: its clock starts after step 5, ends 3 steps on
+        assert per_pass > 8 and short["probe_steps"] == [5, 8] and "refit" not in fit, (per_pass, fit)
+    else:
+        assert per_pass < 8 and fit["refit"]["before"] == 16 and fit["refit"]["fitted_steps"] == seen[1] + 2
+    assert manifest["global_step"] == manifest["planned_steps"] == fit["fitted_steps"] == seen[1] + 2
+    assert not manifest["truncated"]
     lr = [v if isinstance(v, float) else next(iter(v.values())) for v in (r["lr"] for r in _rows(tmp_path / "w"))]
     assert max(lr) > 10 * lr[-1]
 

@@ -10,13 +10,20 @@ one. The fit is recorded in the manifest and box.json. It depends on the machine
 may plan another number of steps; a resumed checkpoint plans from its own box.
 
 Where the fit shortened the plan, the next pass of the training loop (the next epoch) probes its rate again, over
-as many steps after its first, and where the box now holds more, the plan is fitted again, longer, never shorter
-(`refit` in the record): the online target's cache (train.taps_cache_gib) makes the epochs after the first faster
-than the first, where the first probe ran. The schedule is re-planned from the step it is at: its LR rises by what
+as many steps after its first, and where the box now holds more, the plan is fitted again, longer (`refit` in
+the record; where it holds less, shorter, below): the online target's cache (train.taps_cache_gib) makes the
+epochs after the first faster than the first, where the first probe ran. The schedule is re-planned from the step it is at: its LR rises by what
 the longer decay puts there (a cosine at step s of T then of T' > T); a warmup already over keeps its length (its
 ratio of the longer plan would start a second warmup). Both probes leave out the time of what the box times apart
 inside them (held-out evaluations, checkpoints, validation, a profile's summary), so a probe that spans a pass's
 end (its checkpoint and validation) still measures steps.
+
+After the fit, the rate is probed again over each `train.fit_probe_steps` steps in turn, and where the box no longer
+holds the plan, the plan ends sooner, re-planned there (`shortened` in the record; the refit's probe shortens it
+too). The fit's own probe may run faster than the rest: a second model of a job starts on the sequences whose tapped
+layers the first model's steps left in the online target's cache (2026-12-07: a D-PACE drafter's probe measured 9.3
+steps/s there, its next pass 5.8; its plan of 2,553 steps was cut by the deadline at 1,934, its cosine LR still at
+15% of its peak).
 """
 from __future__ import annotations
 

@@ -99,6 +99,7 @@ class PipelineTrainer(Trainer):
         self._fit = fit if fit and max_seconds else None  # training/fit.py; needs a box
         self.fit_record: dict | None = None
         self._refit = None  # training/fit.py: the second Probe, in the pass after the fit's
+        self._guard = None  # training/fit.py: the probes after the fit, back to back; a slower stretch shortens it
         self._epoch_start = (0, 0, 0)  # epoch, global step and local step where this epoch's loop started
         self._eval_fn, self._eval_every, self._stop_after = eval_fn, eval_every, stop_after_step
         self._metrics_file = metrics_file
@@ -186,6 +187,7 @@ class PipelineTrainer(Trainer):
         print(f"fit to the box: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s left "
               f"(reserve {100 * f['reserve']:.0f}%): plan {f['planned']} -> {total} steps"
               + (f", warmup {warm}" if warm is not None else " (all of it fits)"), flush=True)
+        self._guard = Probe(1, f["probe"], self.box.sync, self._apart)
 
     def _apart(self) -> float:
         """The seconds of what the box times apart from the steps (a probe leaves them out)."""
@@ -194,12 +196,13 @@ class PipelineTrainer(Trainer):
     def _maybe_refit(self):
         """training/fit.py: the pass after the fit's probes its rate again, over as many steps after its first; where
         the box now holds more of the plan (a faster pass: the online target's cache serves the epochs after the
-        first), the plan is fitted again, longer (never shorter: the deadline still stops a slower run)."""
+        first), the plan is fitted again, longer; where it holds less, shorter (`_shorten`)."""
         from training.fit import replan, warmup_done
         f, got = self._fit, self._probed(self._refit)
         if got is None:
             return
         self._refit = None
+        self._guard = Probe(1, f["probe"], self.box.sync, self._apart)
         g1, rate, left, total = got
         before = self.fit_record["fitted_steps"]
         warm = None
@@ -207,10 +210,37 @@ class PipelineTrainer(Trainer):
             warm = replan(self.schedulers, total, f["warmup_ratio"], warmup_done(self.schedulers, self.global_step))
             self.fit_record["fitted_steps"] = total
         self.fit_record["refit"] = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
-                                    "box_left_s": round(left, 1), "before": before,
-                                    "fitted_steps": max(total, before), "warmup_steps": warm}
+                                    "box_left_s": round(left, 1), "before": before, "fitted_steps": total,
+                                    "warmup_steps": warm}
         print(f"fit again, in the next pass: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s "
-              f"left: plan {before} -> {max(total, before)} steps", flush=True)
+              f"left: plan {before} -> {total} steps", flush=True)
+        if total < before:
+            self._shorten(g1, rate, left, total)
+
+    def _maybe_shorten(self):
+        """training/fit.py: after the fits, the step rate over each `probe` steps in turn (`_shorten`)."""
+        got = self._probed(self._guard)
+        if got is None:
+            return
+        self._guard = Probe(1, self._fit["probe"], self.box.sync, self._apart)
+        if got[3] < self.fit_record["fitted_steps"]:
+            self._shorten(*got)
+
+    def _shorten(self, g1: int, rate: float, left: float, total: int):
+        """Where the box no longer holds the plan (a slower stretch: the fit's probe ran on steps that the online
+        target's cache served, as a second model trained after the first gets them at its start), the plan ends
+        sooner, re-planned to end annealed instead of cut by the deadline with its LR still high."""
+        from training.fit import replan, warmup_done, warmup_running
+        step, before = self.global_step, self.fit_record["fitted_steps"]
+        warm = warmup_done(self.schedulers, step)  # a warmup over or under way keeps its length (as the fits do)
+        warm = replan(self.schedulers, total, self._fit["warmup_ratio"],
+                      warm if warm is not None else warmup_running(self.schedulers, step, total))
+        self.fit_record["fitted_steps"] = total
+        self.fit_record.setdefault("shortened", []).append(
+            {"probe_steps": [g1, step], "steps_per_s": round(rate, 3), "box_left_s": round(left, 1),
+             "before": before, "fitted_steps": total, "warmup_steps": warm})
+        print(f"fit shorter: {rate:.2f} steps/s over steps {g1}-{step}, {left:.0f} s left: plan {before} -> {total} "
+              f"steps", flush=True)
 
     @property
     def planned_steps(self) -> int | None:
@@ -227,6 +257,8 @@ class PipelineTrainer(Trainer):
             self._maybe_fit()
         elif self._refit is not None:
             self._maybe_refit()
+        elif self._guard is not None:
+            self._maybe_shorten()
         if self.planned_steps is not None and self.global_step >= self.planned_steps:  # the fitted plan's end
             self.fit_reached = True
             self._finish_here()
@@ -270,6 +302,7 @@ class PipelineTrainer(Trainer):
         if self.fit_record is not None and "refit" not in self.fit_record and self._refit is None \
                 and self.fit_record["fitted_steps"] < self.fit_record["planned_steps"]:
             self._refit = Probe(1, self._fit["probe"], self.box.sync, self._apart)  # the fit cut the plan: again
+            self._guard = None  # paused while the refit probes; it starts anew after
         skip = getattr(self, "_resume_local_step", 0) if epoch == getattr(self, "current_epoch", epoch) else 0
         self._epoch_start = (epoch, self.global_step, skip)
         swap = not torch.accelerator.is_available()
