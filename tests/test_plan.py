@@ -267,3 +267,22 @@ def test_a_folder_started_with_a_flag_now_refused_as_without_effect_still_resume
         parse_args(["--model-name-or-path", "t", "--draft-name-or-path", "d", "--dataset", "x", "--draft-noise",
                     "uniform"])
 
+
+
+def test_an_arm_names_a_refiners_drafter_only_where_the_refiner_carries_one(data, tmp_path):
+    """build.plan_arms, the one list of arms for checkpoints and --random-weights alike (build.RandomHead): the
+    drafter-only arm of a refiner run is "co-trained", and runs that refiner's drafter, only where its checkpoint
+    carries one; a head trained on a frozen drafter (no draft_state) has its drafter-only arm on the base drafter,
+    named so. Power: the old list named every such arm "co-trained" and pointed it at the checkpoint."""
+    from harness.protocol.build import plan_arms
+    from harness.protocol.plan import ArmSpec
+    base = RANDOM + ["--data-dir", str(data), "--results-dir", str(tmp_path)]
+    head = SimpleNamespace(kind="xpress", draft_state=None)
+    own = SimpleNamespace(kind="xpress", draft_state={"w": 0})
+    alone = parse_args(base + ["--drafter-only"])
+    assert plan_arms(alone, {"xpress": head}, 3, 0, [3])[-1] == ArmSpec("drafter-only", "drafter-only")
+    assert plan_arms(alone, {"xpress": own}, 3, 0, [3])[-1] == ArmSpec("drafter-only (co-trained)", "drafter-only",
+                                                                      weights="xpress")
+    paired = parse_args(base + ["--fair-interleave"])
+    assert [a.weights for a in plan_arms(paired, {"xpress": head}, 3, 0, [3])] == [None, None, None]
+    assert [a.weights for a in plan_arms(paired, {"xpress": own}, 3, 0, [3])] == [None, None, "xpress"]

@@ -114,28 +114,27 @@ def context_limit(cfg: RunConfig, tcfg) -> int:
     return limit
 
 
+@dataclass(frozen=True)
+class RandomHead:
+    """--random-weights: a refiner built from the preset's config, standing in for a checkpoint in plan_arms (no
+    weights, so no co-trained drafter of its own)."""
+    kind: str
+    draft_state: None = None
+
+
 def _prepare_random(cfg: RunConfig, backend: Backend, place: dict) -> RunPlan:
-    """--random-weights: every arm from one preset's random models (no configs or checkpoints to check)."""
+    """--random-weights: every arm from one preset's random models (no configs or checkpoints to check); the arms
+    are plan_arms' with both refiners in paired rounds and xPress outside them (none under --drafter-only)."""
     from harness.protocol.presets import hf_config, preset
     tcfg = hf_config(preset(cfg.random_weights))
     limit = context_limit(cfg, tcfg)
-    k = cfg.xpress_refine_passes
+    block, k, topc = cfg.block_size or 16, cfg.xpress_refine_passes, cfg.xpress_topc
     if cfg.run_spec:
-        check_scripted(cfg, cfg.block_size or 16)
-    if cfg.fair:
-        specs = [ArmSpec("AR", "ar")] if cfg.run_ar else []  # --skip-ar, as plan_arms honours it
-        specs.append(ArmSpec("drafter-only", "drafter-only"))
-        if not cfg.drafter_only:  # --drafter-only: AR against the drafter alone, in paired rounds
-            specs += [ArmSpec("Markov", "markov")]
-            specs += [ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k) for k in cfg.k_list]
-    else:
-        specs = [ArmSpec("AR", "ar")] if cfg.run_ar else []
-        if cfg.run_spec:
-            specs.append(ArmSpec("drafter-only", "drafter-only") if cfg.drafter_only or k == 0 else
-                         ArmSpec(_xpress_name(k, cfg.xpress_topc), "xpress", k))
-    rounds, warmup, note = _rounds(cfg, len(specs))
-    return RunPlan(cfg, backend, tcfg, None, cfg.block_size or 16, limit, {}, tuple(specs), rounds, warmup, k,
-                   cfg.xpress_topc, note, **place)
+        check_scripted(cfg, block)
+    heads = {} if cfg.drafter_only else {h: RandomHead(h) for h in ((XPRESS, MARKOV) if cfg.fair else (XPRESS,))}
+    arms = plan_arms(cfg, heads, k, topc, cfg.k_list)
+    rounds, warmup, note = _rounds(cfg, len(arms))
+    return RunPlan(cfg, backend, tcfg, None, block, limit, {}, tuple(arms), rounds, warmup, k, topc, note, **place)
 
 
 def _compiled(refiner, cfg: RunConfig, watch=None):
@@ -189,9 +188,15 @@ def _xpress_name(k: int, topc: int) -> str:
     return f"xPress(K={k}, C={topc})" if topc else f"xPress(K={k})"  # --refine-numerics is in the run config
 
 
-def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint], passes: int, topc: int,
-              k_list: list[int]) -> list[ArmSpec]:
-    """The arms of a run; `passes`, `topc`, `k_list`: K, C and the K values as resolved (Spyre's contract)."""
+def _own_drafter(ck) -> str | None:
+    """The refiner kind whose co-trained drafter an arm of `ck` runs with (ArmSpec.weights), or None: the base one."""
+    return ck.kind if ck.draft_state else None
+
+
+def plan_arms(cfg: RunConfig, ckpts: dict, passes: int, topc: int, k_list: list[int]) -> list[ArmSpec]:
+    """The arms of a run; `ckpts`: the refiners by kind (RefinerCheckpoint, or RandomHead); `passes`, `topc`,
+    `k_list`: K, C and the K values as resolved (Spyre's contract). An arm's `weights` names its refiner where that
+    refiner carries a co-trained drafter of its own, which the arm's drafts then come from."""
     arms = [ArmSpec("AR", "ar")] if cfg.run_ar else []
     if not cfg.run_spec:
         return arms
@@ -201,18 +206,19 @@ def plan_arms(cfg: RunConfig, ckpts: dict[str, RefinerCheckpoint], passes: int, 
         if cfg.cotrained_drafter_only:
             arms += cotrained_arms(ckpts)
         if mk:
-            arms.append(ArmSpec("Markov", "markov", weights=MARKOV))
+            arms.append(ArmSpec("Markov", "markov", weights=_own_drafter(mk)))
         if xp:
-            arms += [ArmSpec(_xpress_name(k, topc), "xpress", k, XPRESS) for k in k_list]
+            arms += [ArmSpec(_xpress_name(k, topc), "xpress", k, _own_drafter(xp)) for k in k_list]
         return arms
     ck = xp or mk
     if ck is None:
         return arms + [ArmSpec("drafter-only", "drafter-only")]
-    if cfg.drafter_only or (ck is xp and passes == 0):
-        return arms + [ArmSpec("drafter-only (co-trained)", "drafter-only", weights=ck.kind)]
+    if cfg.drafter_only or (ck is xp and passes == 0):  # the refiner's own drafter alone, where it carries one
+        return arms + [ArmSpec("drafter-only (co-trained)" if _own_drafter(ck) else "drafter-only",
+                               "drafter-only", weights=_own_drafter(ck))]
     if ck is xp:
-        return arms + [ArmSpec(_xpress_name(passes, topc), "xpress", passes, XPRESS)]
-    return arms + [ArmSpec("Markov", "markov", weights=MARKOV)]
+        return arms + [ArmSpec(_xpress_name(passes, topc), "xpress", passes, _own_drafter(xp))]
+    return arms + [ArmSpec("Markov", "markov", weights=_own_drafter(mk))]
 
 
 COTRAINED_ARMS = {XPRESS: "drafter-only (xPress's drafter)", MARKOV: "drafter-only (Markov's drafter)"}
