@@ -122,6 +122,16 @@ def test_model_record_carries_the_cache_and_a_second_fit(tmp_path):
     (tmp_path / "box.json").write_text(json.dumps(box))
     assert planned(model_record(tmp_path, {"model": "drafter", "steps": 20, "planned_steps": 20})) == \
         "20 (fitted from 36)"
+    # the rate probes after the fit shortened it (training/fit.py), after the second fit or without one
+    box["fit"] = {"planned_steps": 36, "fitted_steps": 14, "refit": {"before": 20, "fitted_steps": 30},
+                  "shortened": [{"before": 30, "fitted_steps": 17}, {"before": 17, "fitted_steps": 14}]}
+    (tmp_path / "box.json").write_text(json.dumps(box))
+    assert planned(model_record(tmp_path, {"model": "drafter", "steps": 14, "planned_steps": 14})) == \
+        "14 (fitted from 36 to 20, then to 30 by a second fit, then shortened to 14 by the rate probes after the fit)"
+    box["fit"] = {"planned_steps": 36, "fitted_steps": 14, "shortened": [{"before": 20, "fitted_steps": 14}]}
+    (tmp_path / "box.json").write_text(json.dumps(box))
+    assert planned(model_record(tmp_path, {"model": "drafter", "steps": 14, "planned_steps": 14})) == \
+        "14 (fitted from 36 to 20, then shortened to 14 by the rate probes after the fit)"
 
 
 def test_the_box_table_shows_the_share_of_steps_after_the_compiling_first_step(tmp_path):

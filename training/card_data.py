@@ -84,6 +84,8 @@ def model_record(d: Path, summary: dict) -> dict:
         out["planned_before_fit"], out["first_fit"] = fit["planned_steps"], refit["before"]
     elif fit.get("planned_steps") not in (None, fit.get("fitted_steps")):  # the box fit shortened the plan
         out["planned_before_fit"] = fit["planned_steps"]
+    if fit.get("shortened"):  # the rate probes after the fit shortened the plan (training/fit.py): from what
+        out["shortened_from"] = fit["shortened"][0]["before"]
     out["selection"], out["heldout"] = _tau(acc.get("selection")), _tau(acc.get("heldout"))
     if _bench(acc):
         out["bench"] = _bench(acc)

@@ -81,11 +81,19 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
 
 
 def planned(m: dict) -> str:
-    """The plan the model finished; where the box fit (training/fit.py) shortened it, the plan before the fit too."""
-    before, first = m.get("planned_before_fit"), m.get("first_fit")
+    """The plan the model finished; where the box fit (training/fit.py) shortened it, the plan before the fit too,
+    and the plans a second fit and the rate probes after the fit made of it."""
+    before, first, short = m.get("planned_before_fit"), m.get("first_fit"), m.get("shortened_from")
+    final = m["planned_steps"]
+    if before is None:
+        return str(final)
     if first is not None:  # training/fit.py's second fit, in the next epoch, lengthened the first fit's plan
-        return f"{m['planned_steps']} (fitted from {before} to {first}, then to {m['planned_steps']} by a second fit)"
-    return str(m["planned_steps"]) if before is None else f"{m['planned_steps']} (fitted from {before})"
+        text = f"fitted from {before} to {first}, then to {final if short is None else short} by a second fit"
+    else:
+        text = f"fitted from {before}" + ("" if short is None else f" to {short}")
+    if short is not None:
+        text += f", then shortened to {final} by the rate probes after the fit"
+    return f"{final} ({text})"
 
 
 def this_run(box: dict) -> str:
