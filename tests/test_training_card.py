@@ -112,26 +112,36 @@ def test_model_record_carries_the_cache_and_a_second_fit(tmp_path):
     box = {"parts_s": {"steps": 1.0}, "steps": 36, "epochs": [{"epoch": 0, "first_step": 0, "steps": 12,
                                                                "steady_tokens_per_s": 1000.04}],
            "taps_cache": cache,
-           "fit": {"planned_steps": 36, "fitted_steps": 36, "refit": {"before": 20, "fitted_steps": 36}}}
+           "fit": {"planned_steps": 36, "fitted_steps": 36,
+                   "refit": {"probe_steps": [13, 16], "before": 20, "fitted_steps": 36}}}
     (tmp_path / "box.json").write_text(json.dumps(box))
     m = model_record(tmp_path, {"model": "drafter", "steps": 36, "planned_steps": 36})
     assert m["box"]["taps_cache"] == cache and m["box"]["epochs"][0]["steady_tokens_per_s"] == 1000.0
     assert planned(m) == "36 (fitted from 36 to 20, then to 36 by a second fit)"
     assert "The online target's cache" in "\n".join(time_section({}, [m]))
-    box["fit"] = {"planned_steps": 36, "fitted_steps": 20, "refit": {"before": 20, "fitted_steps": 20}}
+    box["fit"] = {"planned_steps": 36, "fitted_steps": 20,
+                  "refit": {"probe_steps": [13, 16], "before": 20, "fitted_steps": 20}}
     (tmp_path / "box.json").write_text(json.dumps(box))
     assert planned(model_record(tmp_path, {"model": "drafter", "steps": 20, "planned_steps": 20})) == \
         "20 (fitted from 36)"
-    # the rate probes after the fit shortened it (training/fit.py), after the second fit or without one
-    box["fit"] = {"planned_steps": 36, "fitted_steps": 14, "refit": {"before": 20, "fitted_steps": 30},
-                  "shortened": [{"before": 30, "fitted_steps": 17}, {"before": 17, "fitted_steps": 14}]}
-    (tmp_path / "box.json").write_text(json.dumps(box))
-    assert planned(model_record(tmp_path, {"model": "drafter", "steps": 14, "planned_steps": 14})) == \
-        "14 (fitted from 36 to 20, then to 30 by a second fit, then shortened to 14 by the rate probes after the fit)"
-    box["fit"] = {"planned_steps": 36, "fitted_steps": 14, "shortened": [{"before": 20, "fitted_steps": 14}]}
-    (tmp_path / "box.json").write_text(json.dumps(box))
-    assert planned(model_record(tmp_path, {"model": "drafter", "steps": 14, "planned_steps": 14})) == \
-        "14 (fitted from 36 to 20, then shortened to 14 by the rate probes after the fit)"
+    # the rate probes after the fit shortened it (training/fit.py): after the second fit, before it (in step
+    # order, whatever order the record keeps them in), or with none; a second fit that shortened it
+    def fit_reads(fit):
+        box["fit"] = {"planned_steps": 36, **fit}
+        (tmp_path / "box.json").write_text(json.dumps(box))
+        return planned(model_record(tmp_path, {"model": "drafter", "planned_steps": fit["fitted_steps"]}))
+    by = ", then shortened to {} by the rate probes after the fit"
+    assert fit_reads({"fitted_steps": 14, "refit": {"probe_steps": [13, 16], "before": 20, "fitted_steps": 30},
+                      "shortened": [{"probe_steps": [21, 24], "before": 30, "fitted_steps": 17},
+                                    {"probe_steps": [25, 28], "before": 17, "fitted_steps": 14}]}) == \
+        "14 (fitted from 36 to 20, then to 30 by a second fit" + by.format(17) + by.format(14) + ")"
+    assert fit_reads({"fitted_steps": 24, "refit": {"probe_steps": [13, 16], "before": 18, "fitted_steps": 24},
+                      "shortened": [{"probe_steps": [9, 12], "before": 20, "fitted_steps": 18}]}) == \
+        "24 (fitted from 36 to 20" + by.format(18) + ", then to 24 by a second fit)"
+    assert fit_reads({"fitted_steps": 14, "shortened": [{"probe_steps": [9, 12], "before": 20, "fitted_steps": 14}]}) \
+        == "14 (fitted from 36 to 20" + by.format(14) + ")"
+    assert fit_reads({"fitted_steps": 17, "refit": {"probe_steps": [13, 16], "before": 20, "fitted_steps": 17}}) == \
+        "17 (fitted from 36 to 20, then to 17 by a second fit)"
 
 
 def test_the_box_table_shows_the_share_of_steps_after_the_compiling_first_step(tmp_path):

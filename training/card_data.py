@@ -79,13 +79,12 @@ def model_record(d: Path, summary: dict) -> dict:
             out["box"]["earlier"] = [{"status": e.get("status"), "steps": e.get("steps"),
                                       "wall_s": _round(e.get("wall_s"), 1)} for e in box["earlier"]]
     fit = (box or {}).get("fit") or {}
-    refit = fit.get("refit") or {}
-    if refit.get("before") is not None and refit["fitted_steps"] > refit["before"]:  # a second fit lengthened it
-        out["planned_before_fit"], out["first_fit"] = fit["planned_steps"], refit["before"]
+    changes = plan_changes(fit)
+    if changes:  # a second fit, or the rate probes after the fit, moved the fit's plan (training/fit.py)
+        out["planned_before_fit"], out["first_fit"] = fit["planned_steps"], changes[0][2]
+        out["plan_changes"] = [[by, steps] for _, by, _, steps in changes]
     elif fit.get("planned_steps") not in (None, fit.get("fitted_steps")):  # the box fit shortened the plan
         out["planned_before_fit"] = fit["planned_steps"]
-    if fit.get("shortened"):  # the rate probes after the fit shortened the plan (training/fit.py): from what
-        out["shortened_from"] = fit["shortened"][0]["before"]
     out["selection"], out["heldout"] = _tau(acc.get("selection")), _tau(acc.get("heldout"))
     if _bench(acc):
         out["bench"] = _bench(acc)
@@ -97,6 +96,17 @@ def model_record(d: Path, summary: dict) -> dict:
         if _bench(warm):
             out["warm_start"]["bench"] = _bench(warm)
     return out
+
+
+def plan_changes(fit: dict) -> list[tuple[int, str, int, int]]:
+    """What moved the fit's plan after it, in step order: (step, "refit" | "probes", plan before, plan after) for
+    the next pass's second fit (where it changed the plan; an older record kept the plan when it found a shorter one)
+    and each shortening by the rate probes after the fit."""
+    refit = fit.get("refit") or {}
+    out = [(refit["probe_steps"][1], "refit", refit["before"], refit["fitted_steps"])] \
+        if refit.get("before") is not None and refit["fitted_steps"] != refit["before"] else []
+    out += [(s["probe_steps"][1], "probes", s["before"], s["fitted_steps"]) for s in fit.get("shortened") or []]
+    return sorted(out)
 
 
 def _bench(acc: dict) -> dict:

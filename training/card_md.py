@@ -82,17 +82,17 @@ def training_section(models: list[dict], where: str | None = None) -> list[str]:
 
 def planned(m: dict) -> str:
     """The plan the model finished; where the box fit (training/fit.py) shortened it, the plan before the fit too,
-    and the plans a second fit and the rate probes after the fit made of it."""
-    before, first, short = m.get("planned_before_fit"), m.get("first_fit"), m.get("shortened_from")
-    final = m["planned_steps"]
+    and what the next pass's second fit and the rate probes after the fit made of it, in order."""
+    before, first, final = m.get("planned_before_fit"), m.get("first_fit"), m["planned_steps"]
     if before is None:
         return str(final)
-    if first is not None:  # training/fit.py's second fit, in the next epoch, lengthened the first fit's plan
-        text = f"fitted from {before} to {first}, then to {final if short is None else short} by a second fit"
-    else:
-        text = f"fitted from {before}" + ("" if short is None else f" to {short}")
-    if short is not None:
-        text += f", then shortened to {final} by the rate probes after the fit"
+    changes = m.get("plan_changes")
+    if changes is None and first is not None:  # a card.json from before plan_changes: a second fit lengthened it
+        changes = [["refit", final]]
+    text = f"fitted from {before}" + ("" if first is None else f" to {first}")
+    for by, steps in changes or []:
+        text += f", then to {steps} by a second fit" if by == "refit" else \
+            f", then shortened to {steps} by the rate probes after the fit"
     return f"{final} ({text})"
 
 

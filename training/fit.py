@@ -10,20 +10,21 @@ one. The fit is recorded in the manifest and box.json. It depends on the machine
 may plan another number of steps; a resumed checkpoint plans from its own box.
 
 Where the fit shortened the plan, the next pass of the training loop (the next epoch) probes its rate again, over
-as many steps after its first, and where the box now holds more, the plan is fitted again, longer (`refit` in
-the record; where it holds less, shorter, below): the online target's cache (train.taps_cache_gib) makes the
-epochs after the first faster than the first, where the first probe ran. The schedule is re-planned from the step it is at: its LR rises by what
-the longer decay puts there (a cosine at step s of T then of T' > T); a warmup already over keeps its length (its
-ratio of the longer plan would start a second warmup). Both probes leave out the time of what the box times apart
-inside them (held-out evaluations, checkpoints, validation, a profile's summary), so a probe that spans a pass's
-end (its checkpoint and validation) still measures steps.
+as many steps after its first, and where the box now holds more, the plan is fitted again, longer (`refit` in the
+record; where it holds less, shorter): the online target's cache (train.taps_cache_gib) makes the epochs after the
+first faster than the first, where the first probe ran. The schedule is re-planned from the step it is at: its LR
+rises by what the longer decay puts there (a cosine at step s of T then of T' > T); a warmup already over keeps its
+length (its ratio of the longer plan would start a second warmup). Both probes leave out the time of what the box
+times apart inside them (held-out evaluations, checkpoints, validation, a profile's summary), so a probe that spans
+a pass's end (its checkpoint and validation) still measures steps.
 
 After the fit, the rate is probed again over each `train.fit_probe_steps` steps in turn, and where the box no longer
-holds the plan, the plan ends sooner, re-planned there (`shortened` in the record; the refit's probe shortens it
-too). The fit's own probe may run faster than the rest: a second model of a job starts on the sequences whose tapped
-layers the first model's steps left in the online target's cache (2026-12-07: a D-PACE drafter's probe measured 9.3
-steps/s there, its next pass 5.8; its plan of 2,553 steps was cut by the deadline at 1,934, its cosine LR still at
-15% of its peak).
+holds the plan (by more than SHORTEN_SLACK of the steps left), the plan ends sooner, re-planned there (`shortened`
+in the record). These later probes, and the refit's, keep free the seconds the fit reserved, not its share of what
+is left. The fit's own probe may run faster than the rest: a second model of a job starts on the sequences whose
+tapped layers the first model's steps left in the online target's cache (2026-12-07: a D-PACE drafter's probe
+measured 9.3 steps/s there, its next pass 5.8; its plan of 2,553 steps was cut by the deadline at 1,934, its cosine
+LR still at 15% of its peak).
 """
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ def start_of(schedulers) -> int:
     """The global step the schedules began at (0 unless restarted, or with no schedule: train.scheduler none)."""
     return int(schedulers[0].lr_lambdas[0].keywords.get("schedule_start", 0)) if schedulers else 0
 
+
+# the probes after the fit shorten the plan only where the box falls short of it by more than this share of the steps
+# left: one window's rate carries noise (and a stall the box does not time apart), and shortening on every window
+# that ran below the fit's rate would walk the plan down to the slowest window's (training/trainer.py _maybe_shorten)
+SHORTEN_SLACK = 0.03
 
 SCHEDULERS = ("linear", "cosine", "none")  # speculators 0.9.0's TrainerConfig.scheduler_type
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import warnings
 from pathlib import Path
@@ -162,14 +163,17 @@ class PipelineTrainer(Trainer):
 
     def _probed(self, probe) -> tuple[int, float, float, int] | None:
         """A finished probe (training/fit.py Probe): the step its clock started at, the steps/s, the box's seconds
-        left and the plan they fit (fitted_total, looked up per call: tests replace it); None while it runs."""
+        left and the plan they fit (fitted_total, looked up per call: tests replace it); None while it runs. The
+        probes after the fit keep the seconds the fit reserved (its share of what was left then), not that share of
+        what is left now, which shrinks as the box runs out."""
         from training.fit import fitted_total
         got = probe.tick(self.global_step)
         if got is None:
             return None
         (g1, rate), f = got, self._fit
         left = self._deadline - time.monotonic()
-        return g1, rate, left, fitted_total(self.global_step, rate, left, f["reserve"], f["planned"])
+        reserve = f["reserve"] if self.fit_record is None else min(1.0, self._reserve_s / max(left, 1e-9))
+        return g1, rate, left, fitted_total(self.global_step, rate, left, reserve, f["planned"])
 
     def _maybe_fit(self):
         """training/fit.py: time this process's `probe` steps after the first one and any profile, then fit the plan
@@ -187,6 +191,7 @@ class PipelineTrainer(Trainer):
         print(f"fit to the box: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s left "
               f"(reserve {100 * f['reserve']:.0f}%): plan {f['planned']} -> {total} steps"
               + (f", warmup {warm}" if warm is not None else " (all of it fits)"), flush=True)
+        self._reserve_s = f["reserve"] * left  # what the later probes keep free (_probed)
         self._guard = Probe(1, f["probe"], self.box.sync, self._apart)
 
     def _apart(self) -> float:
@@ -196,51 +201,58 @@ class PipelineTrainer(Trainer):
     def _maybe_refit(self):
         """training/fit.py: the pass after the fit's probes its rate again, over as many steps after its first; where
         the box now holds more of the plan (a faster pass: the online target's cache serves the epochs after the
-        first), the plan is fitted again, longer; where it holds less, shorter (`_shorten`)."""
+        first), the plan is fitted again, longer; where it holds less, shorter (`_replan_shorter`)."""
         from training.fit import replan, warmup_done
         f, got = self._fit, self._probed(self._refit)
         if got is None:
             return
         self._refit = None
-        self._guard = Probe(1, f["probe"], self.box.sync, self._apart)
+        self._guard = Probe(1, f["probe"], self.box.sync, self._apart)  # the probes after the fit go on
         g1, rate, left, total = got
         before = self.fit_record["fitted_steps"]
         warm = None
         if total > before:  # a warmup already over keeps its length (its ratio of more steps would restart it)
             warm = replan(self.schedulers, total, f["warmup_ratio"], warmup_done(self.schedulers, self.global_step))
-            self.fit_record["fitted_steps"] = total
+        elif total < before:
+            warm = self._replan_shorter(total)
+        self.fit_record["fitted_steps"] = total
         self.fit_record["refit"] = {"probe_steps": [g1, self.global_step], "steps_per_s": round(rate, 3),
                                     "box_left_s": round(left, 1), "before": before, "fitted_steps": total,
                                     "warmup_steps": warm}
         print(f"fit again, in the next pass: {rate:.2f} steps/s over steps {g1}-{self.global_step}, {left:.0f} s "
               f"left: plan {before} -> {total} steps", flush=True)
-        if total < before:
-            self._shorten(g1, rate, left, total)
 
     def _maybe_shorten(self):
-        """training/fit.py: after the fits, the step rate over each `probe` steps in turn (`_shorten`)."""
+        """training/fit.py: after the fits, the step rate over each `probe` steps in turn; where the box no longer
+        holds the plan, by more than fit.SHORTEN_SLACK of the steps left (a window's noise, which would otherwise
+        walk the plan down to the slowest window's), the plan ends sooner (`_replan_shorter`)."""
+        from training.fit import SHORTEN_SLACK
         got = self._probed(self._guard)
         if got is None:
             return
         self._guard = Probe(1, self._fit["probe"], self.box.sync, self._apart)
-        if got[3] < self.fit_record["fitted_steps"]:
-            self._shorten(*got)
-
-    def _shorten(self, g1: int, rate: float, left: float, total: int):
-        """Where the box no longer holds the plan (a slower stretch: the fit's probe ran on steps that the online
-        target's cache served, as a second model trained after the first gets them at its start), the plan ends
-        sooner, re-planned to end annealed instead of cut by the deadline with its LR still high."""
-        from training.fit import replan, warmup_done, warmup_running
+        g1, rate, left, total = got
         step, before = self.global_step, self.fit_record["fitted_steps"]
-        warm = warmup_done(self.schedulers, step)  # a warmup over or under way keeps its length (as the fits do)
-        warm = replan(self.schedulers, total, self._fit["warmup_ratio"],
-                      warm if warm is not None else warmup_running(self.schedulers, step, total))
+        if total >= before - max(1, math.ceil(SHORTEN_SLACK * (before - step))):
+            return
+        warm = self._replan_shorter(total)
         self.fit_record["fitted_steps"] = total
         self.fit_record.setdefault("shortened", []).append(
             {"probe_steps": [g1, step], "steps_per_s": round(rate, 3), "box_left_s": round(left, 1),
              "before": before, "fitted_steps": total, "warmup_steps": warm})
         print(f"fit shorter: {rate:.2f} steps/s over steps {g1}-{step}, {left:.0f} s left: plan {before} -> {total} "
               f"steps", flush=True)
+
+    def _replan_shorter(self, total: int) -> int:
+        """The schedules re-planned to end at `total`, sooner than planned: a slower stretch (the fit's probe ran on
+        steps that the online target's cache served, as a second model trained after the first gets them at its
+        start) ends annealed there instead of cut by the deadline with its LR still high. A warmup over or under way
+        keeps its length, as the fits keep it; returns the warmup steps."""
+        from training.fit import replan, warmup_done, warmup_running
+        step = self.global_step
+        warm = warmup_done(self.schedulers, step)
+        return replan(self.schedulers, total, self._fit["warmup_ratio"],
+                      warm if warm is not None else warmup_running(self.schedulers, step, total))
 
     @property
     def planned_steps(self) -> int | None:
