@@ -286,3 +286,17 @@ def test_an_arm_names_a_refiners_drafter_only_where_the_refiner_carries_one(data
     paired = parse_args(base + ["--fair-interleave"])
     assert [a.weights for a in plan_arms(paired, {"xpress": head}, 3, 0, [3])] == [None, None, None]
     assert [a.weights for a in plan_arms(paired, {"xpress": own}, 3, 0, [3])] == [None, None, "xpress"]
+
+
+def test_a_resume_whose_arms_this_version_names_otherwise_is_refused(data, tmp_path):
+    """plan.check_resume_arms, on the --random-weights path too (the run path: test_tiny_runs' resume test): the
+    arms in the folder's config.json against the plan's, before any model loads."""
+    cfg = parse_args(RANDOM + ["--data-dir", str(data), "--results-dir", str(tmp_path), "--fair-interleave"])
+    folder = tmp_path / "old"
+    folder.mkdir()
+    arms = [a.name for a in prepare(cfg).arms]
+    (folder / "config.json").write_text(json.dumps({"resolved": {"arms": arms}}))
+    assert prepare(cfg, resume=str(folder)).arm_names == arms
+    (folder / "config.json").write_text(json.dumps({"resolved": {"arms": arms[:-1] + ["xPress(K=9)"]}}))
+    with pytest.raises(UsageError, match=r"the run was started with .*xPress\(K=9\)"):
+        prepare(cfg, resume=str(folder))

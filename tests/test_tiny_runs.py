@@ -305,6 +305,17 @@ def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_pat
     with pytest.raises(UsageError, match="the markov weights differ"):
         check_resume_weights(str(folder), changed)
     check_resume_weights(str(folder), {**changed, "markov": {**changed["markov"], "scheme": 0}})
+    # arms this version names otherwise than the folder (an older version's names) are refused the same way
+    config = (folder / "config.json").read_text()
+    arms = json.loads(config)["resolved"]["arms"]
+    (folder / "config.json").write_text(config.replace('"drafter-only"', '"drafter-only (co-trained)"'))
+    capsys.readouterr()
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "started with" in err[0] and "drafter-only (co-trained)" in err[0], err
+    assert (folder / "samples.jsonl").read_text() == rows[0] + "\n" and not (folder / "resumes.json").exists()
+    (folder / "config.json").write_text(config)
+    assert "drafter-only" in arms
     assert cli.main(["--resume", str(folder), "--quiet"]) == 0
 
 

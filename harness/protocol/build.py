@@ -16,7 +16,7 @@ from harness.protocol.algorithms import (DFlashConfig, DFlashDrafter, MARKOV, Ma
                                          validate_against, validate_topc, xpress_head_from_state)
 from core.checkpoints import local_model_dir
 from harness.protocol.config import RunConfig
-from harness.protocol.plan import ArmSpec, RunPlan, check_resume_weights
+from harness.protocol.plan import ArmSpec, RunPlan, check_resume_arms, check_resume_weights
 from harness.protocol.data import validate_dataset_args
 from core.devices import Backend, resolve_backend
 from core.errors import UsageError
@@ -55,7 +55,10 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
     check_use_graph(cfg.use_graph, backend.kind)
     place = dict(device=device, folder=folder, resume=cfg.resume if resume is None else resume)
     if cfg.random_weights:
-        return _prepare_random(cfg, backend, place)
+        plan = _prepare_random(cfg, backend, place)
+        if plan.resume:
+            check_resume_arms(plan.resume, plan.arm_names)
+        return plan
     tcfg = load_target_config(cfg.model_name_or_path, parse_overrides(cfg.hf_overrides))
     limit = context_limit(cfg, tcfg)
     dcfg, block, ckpts, draft_path = None, 1, {}, None
@@ -82,6 +85,7 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
                    draft_path, spyre, **place)
     if plan.resume:  # before any model loads: the rows already written must come from the weights about to load
         check_resume_weights(plan.resume, plan.weights)
+        check_resume_arms(plan.resume, plan.arm_names)
     return plan
 
 

@@ -245,7 +245,8 @@ def check_cotrained_drafter_only(c: RunConfig) -> None:
     (harness.protocol.build.cotrained_arms; whether a checkpoint carries one is known once its header is read)."""
     if not c.fair:
         raise UsageError("--cotrained-drafter-only adds arms to the paired rounds: add --fair-interleave (outside them, "
-                         "--drafter-only with a refiner path already runs that refiner's co-trained drafter)")
+                         "--drafter-only with a refiner path already runs that refiner's co-trained drafter, where it "
+                         "carries one)")
     if c.random_weights:
         raise UsageError("--cotrained-drafter-only: --random-weights builds one drafter and no refiner carries its own; "
                          "drop one of them")

@@ -225,6 +225,17 @@ def check_resume_weights(folder: str, now: dict) -> None:
                          "(config.json resolved.weights); put those weights back, or start a new run")
 
 
+def check_resume_arms(folder: str, now: list[str]) -> None:
+    """--resume of a folder whose arms this version names otherwise (config.json resolved.arms; e.g. an older
+    version's "drafter-only (co-trained)" for a refiner that carries no drafter of its own) would rerun those arms
+    under the new names beside the old rows: refused, naming both lists."""
+    saved = (json.loads(open(os.path.join(folder, "config.json")).read()).get("resolved") or {}).get("arms")
+    if saved is not None and list(saved) != list(now):
+        raise UsageError(f"--resume {folder}: this version plans the arms {', '.join(now)}, the run was started with "
+                         f"{', '.join(saved)} (config.json resolved.arms); finish it with the version that started "
+                         "it, or start a new run")
+
+
 def record_resume(path: str, reused: int, total: int) -> dict:
     """Append this resume to the folder's resumes.json (a list, oldest first): when, and how many of the
     (round, arm, prompt) decodes it reused from the rows already written."""
