@@ -142,6 +142,9 @@ def test_model_record_carries_the_cache_and_a_second_fit(tmp_path):
         == "14 (fitted from 36 to 20" + by.format(14) + ")"
     assert fit_reads({"fitted_steps": 17, "refit": {"probe_steps": [13, 16], "before": 20, "fitted_steps": 17}}) == \
         "17 (fitted from 36 to 20, then to 17 by a second fit)"
+    # a card.json written before plan_changes (results/smollm2-135m-v3's): its second fit lengthened the plan
+    assert planned({"planned_steps": 36, "planned_before_fit": 40, "first_fit": 20}) == \
+        "36 (fitted from 40 to 20, then to 36 by a second fit)"
 
 
 def test_the_box_table_shows_the_share_of_steps_after_the_compiling_first_step(tmp_path):

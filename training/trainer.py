@@ -192,7 +192,11 @@ class PipelineTrainer(Trainer):
               f"(reserve {100 * f['reserve']:.0f}%): plan {f['planned']} -> {total} steps"
               + (f", warmup {warm}" if warm is not None else " (all of it fits)"), flush=True)
         self._reserve_s = f["reserve"] * left  # what the later probes keep free (_probed)
-        self._guard = Probe(1, f["probe"], self.box.sync, self._apart)
+        self._guard = self._window()
+
+    def _window(self) -> Probe:
+        """A probe of the next `fit_probe_steps` steps after the next one (the refit's, and each after the fit)."""
+        return Probe(1, self._fit["probe"], self.box.sync, self._apart)
 
     def _apart(self) -> float:
         """The seconds of what the box times apart from the steps (a probe leaves them out)."""
@@ -207,7 +211,7 @@ class PipelineTrainer(Trainer):
         if got is None:
             return
         self._refit = None
-        self._guard = Probe(1, f["probe"], self.box.sync, self._apart)  # the probes after the fit go on
+        self._guard = self._window()  # the probes after the fit go on
         g1, rate, left, total = got
         before = self.fit_record["fitted_steps"]
         warm = None
@@ -230,7 +234,7 @@ class PipelineTrainer(Trainer):
         got = self._probed(self._guard)
         if got is None:
             return
-        self._guard = Probe(1, self._fit["probe"], self.box.sync, self._apart)
+        self._guard = self._window()
         g1, rate, left, total = got
         step, before = self.global_step, self.fit_record["fitted_steps"]
         if total >= before - max(1, math.ceil(SHORTEN_SLACK * (before - step))):
@@ -313,7 +317,7 @@ class PipelineTrainer(Trainer):
         self._reseed()
         if self.fit_record is not None and "refit" not in self.fit_record and self._refit is None \
                 and self.fit_record["fitted_steps"] < self.fit_record["planned_steps"]:
-            self._refit = Probe(1, self._fit["probe"], self.box.sync, self._apart)  # the fit cut the plan: again
+            self._refit = self._window()  # the fit cut the plan: again
             self._guard = None  # paused while the refit probes; it starts anew after
         skip = getattr(self, "_resume_local_step", 0) if epoch == getattr(self, "current_epoch", epoch) else 0
         self._epoch_start = (epoch, self.global_step, skip)

@@ -54,11 +54,16 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
     backend = resolve_backend(device, cfg.dtype)
     check_use_graph(cfg.use_graph, backend.kind)
     place = dict(device=device, folder=folder, resume=cfg.resume if resume is None else resume)
-    if cfg.random_weights:
-        plan = _prepare_random(cfg, backend, place)
-        if plan.resume:
-            check_resume_arms(plan.resume, plan.arm_names)
-        return plan
+    plan = _prepare_random(cfg, backend, place) if cfg.random_weights else _prepare_models(cfg, backend, place)
+    if plan.resume:  # before any model loads: the rows already written must come from the weights and arms planned
+        if not cfg.random_weights:  # (random weights: the preset's, with fixed seeds)
+            check_resume_weights(plan.resume, plan.weights)
+        check_resume_arms(plan.resume, plan.arm_names)
+    return plan
+
+
+def _prepare_models(cfg: RunConfig, backend: Backend, place: dict) -> RunPlan:
+    """The plan of a run on named models: their configs, the drafter's and the refiners' headers read and checked."""
     tcfg = load_target_config(cfg.model_name_or_path, parse_overrides(cfg.hf_overrides))
     limit = context_limit(cfg, tcfg)
     dcfg, block, ckpts, draft_path = None, 1, {}, None
@@ -75,18 +80,14 @@ def prepare(cfg: RunConfig, device: str | None = None, folder: str | None = None
         check_scripted(cfg, block)
         ckpts = _refiner_checkpoints(cfg, dcfg, tcfg, block)
     spyre, passes, topc = None, cfg.xpress_refine_passes, cfg.xpress_topc
-    if is_spyre(device):  # the serving contract, from configs and checkpoint headers: still nothing loaded
+    if is_spyre(place["device"]):  # the serving contract, from configs and checkpoint headers: still nothing loaded
         spyre = check_models(cfg, tcfg, block, ckpts.get(XPRESS))
         passes, topc = spyre.passes, spyre.shortlist
     k_list = cfg.k_list if cfg.fair_k_list is not None else [passes]
     arms = plan_arms(cfg, ckpts, passes, topc, k_list)
     rounds, warmup, note = _rounds(cfg, len(arms))
-    plan = RunPlan(cfg, backend, tcfg, dcfg, block, limit, ckpts, tuple(arms), rounds, warmup, passes, topc, note,
+    return RunPlan(cfg, backend, tcfg, dcfg, block, limit, ckpts, tuple(arms), rounds, warmup, passes, topc, note,
                    draft_path, spyre, **place)
-    if plan.resume:  # before any model loads: the rows already written must come from the weights about to load
-        check_resume_weights(plan.resume, plan.weights)
-        check_resume_arms(plan.resume, plan.arm_names)
-    return plan
 
 
 def check_scripted(cfg: RunConfig, block: int) -> None:

@@ -213,10 +213,15 @@ def check_room(plan: "RunPlan", samples, firsts) -> None:
                              "shorter prompts (--max-samples, another --dataset)")
 
 
+def saved_resolved(folder: str) -> dict:
+    """The "resolved" section of a run folder's config.json (what the run worked out: arms, weights, ...)."""
+    return json.loads(open(os.path.join(folder, "config.json")).read()).get("resolved") or {}
+
+
 def check_resume_weights(folder: str, now: dict) -> None:
     """--resume with other weights at the same paths would mix two models' rows in one table: refused when the
     folder recorded its weights (config.json resolved.weights; folders written before it did are not checked)."""
-    saved = (json.loads(open(os.path.join(folder, "config.json")).read()).get("resolved") or {}).get("weights") or {}
+    saved = saved_resolved(folder).get("weights") or {}
     scheme = lambda d: (d or {}).get("scheme")  # noqa: E731  (digests of another recipe are not compared)
     diff = sorted(k for k in set(saved) | set(now) if scheme(saved.get(k)) == scheme(now.get(k))
                   and saved.get(k) != now.get(k))
@@ -229,7 +234,7 @@ def check_resume_arms(folder: str, now: list[str]) -> None:
     """--resume of a folder whose arms this version names otherwise (config.json resolved.arms; e.g. an older
     version's "drafter-only (co-trained)" for a refiner that carries no drafter of its own) would rerun those arms
     under the new names beside the old rows: refused, naming both lists."""
-    saved = (json.loads(open(os.path.join(folder, "config.json")).read()).get("resolved") or {}).get("arms")
+    saved = saved_resolved(folder).get("arms")
     if saved is not None and list(saved) != list(now):
         raise UsageError(f"--resume {folder}: this version plans the arms {', '.join(now)}, the run was started with "
                          f"{', '.join(saved)} (config.json resolved.arms); finish it with the version that started "
