@@ -88,11 +88,11 @@ def compare(base_spec: str, new_spec: str, only: str | None = None) -> list[dict
 
 
 def line(r: dict) -> str:
+    from harness.protocol.ci_text import verdict
     lo, hi = r["ratio_ci95"]
-    verdict = "higher" if lo > 1 else "lower" if hi < 1 else "no difference shown"
     arms = f"{r['arms'][0]} -> {r['arms'][1]}" if r["arms"][0] != r["arms"][1] else r["arms"][0]
     return (f"{r['set']} ({r['prompts']} prompts, {arms}): {r['base']:.3f} -> {r['new']:.3f}, ratio {r['ratio']:.3f} "
-            f"[{lo:.3f}, {hi:.3f}] (paired bootstrap over prompts, 95%): {verdict}")
+            f"[{lo:.3f}, {hi:.3f}] (paired bootstrap over prompts, 95%): {verdict(r['ratio_ci95'])}")
 
 
 def main(argv=None) -> int:

@@ -26,3 +26,9 @@ def ci_bracket(ci, units: int | None, fmt: str = ".2f") -> str:
         return " [CI n/a]"
     few = f"; {units} units" if units is not None and units < FEW_CI_UNITS else ""
     return f" [{format(lo, fmt)}, {format(hi, fmt)}{few}]"
+
+
+def verdict(ci) -> str:
+    """What a paired ratio's 95% CI shows: "higher" (above 1), "lower" (below 1), else "no difference shown"."""
+    lo, hi = ci
+    return "higher" if lo > 1 else "lower" if hi < 1 else "no difference shown"

@@ -1,0 +1,164 @@
+"""Two finished runs compared arm by arm in τ, paired over their prompts: another drafter or other heads (or the
+same weights on another machine) measured with the same target, protocol and prompts.
+
+    python -m harness.protocol.compare_runs BASE NEW [--arm drafter-only --arm Markov ...] [--json OUT]
+
+BASE and NEW are results folders (benchmark_compile_all.py --run-id ...) with their summary.json. For each arm
+both ran (default: every shared arm but AR, whose τ is 1 by definition), τ per verify step of NEW over BASE with a
+paired bootstrap 95% CI (harness.protocol.metrics.paired_tau_ci, the statistic of each table's τ gain): prompts are
+resampled together, and at T>0 the sampling replicates (rounds) both runs have, too. A greedy run's rounds decode
+the same text, so each run gives its one τ round (summary.json's tau_rounds), as its table does.
+
+Refused before anything is compared: a run with scripted acceptance (its τ was set, not measured), folders of
+different targets or protocols (the facts the merged report groups
+by: model, quantization, device, dtype, kernels, max_new_tokens, the reference's accounting, the draft temperature,
+CUDA graphs, compiling, top-C), different temperatures or block sizes, or different prompts (each first turn's
+dataset row and token count). Only τ is compared: the two runs' rounds were not interleaved, so their times do not
+pair; each run's speedup over its own AR is the speed comparison (its table).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from core.errors import Parser, UsageError, cli_exit
+from harness.protocol import facts
+from harness.protocol.ci_text import ci_bracket, verdict
+from harness.protocol.merge import GROUP_KEYS, digests
+
+ALIASES = {"drafter": "drafter-only", "ar": "AR", "markov": "Markov"}
+
+
+def load(folder: str) -> dict:
+    """The folder as the report reads it (summary.json and config.json checked), with its rows."""
+    from harness.protocol.report import _load_folder
+    from harness.protocol.results_io import read_folder_rows
+    entry = _load_folder(folder)
+    return {**entry, "rows": read_folder_rows(Path(folder))}
+
+
+def _prompts(run: dict) -> dict[int, tuple]:
+    """question id -> (dataset row, prompt tokens) of every first turn the run decoded."""
+    return {r["question_id"]: (r.get("dataset_row"), r.get("prompt_tokens")) for r in run["rows"] if r["turn"] == 0}
+
+
+def check_same(base: dict, new: dict) -> list[int]:
+    """UsageError naming the first fact, setting or prompt the two runs differ in; else the shared question ids."""
+    fb, fn = (facts.of(r["summary"], r["config"]) for r in (base, new))
+    scripted = [r["folder"] for r, f in ((base, fb), (new, fn)) if f.get("scripted_accept") not in (None, "unknown")]
+    if scripted:
+        raise UsageError(f"compare_runs: {scripted[0]} scripted its acceptance (--scripted-accept): its τ was set, "
+                         "not measured, so there is nothing to compare")
+    for key in GROUP_KEYS:
+        if fb[key] != fn[key]:
+            raise UsageError(f"compare_runs: the runs differ in {key} ({fb[key]} and {fn[key]}); compare runs of "
+                             "the same target and protocol")
+    for key, what in (("temperature", "temperature"), ("block_size", "block size")):
+        vb, vn = base["summary"].get(key), new["summary"].get(key)
+        if vb != vn:
+            raise UsageError(f"compare_runs: the runs differ in {what} ({vb} and {vn}); compare runs made alike")
+    if base["dataset"] != new["dataset"]:
+        raise UsageError(f"compare_runs: the runs decoded different datasets ({base['dataset']} and "
+                         f"{new['dataset']})")
+    pb, pn = _prompts(base), _prompts(new)
+    if pb != pn:
+        q = next((q for q in sorted(set(pb) | set(pn)) if pb.get(q) != pn.get(q)))
+        raise UsageError(f"compare_runs: prompt {q} differs (dataset row and tokens {pb.get(q)} and {pn.get(q)}): "
+                         "the runs decoded different prompts; give both the same --dataset and --max-samples")
+    return sorted(pb)
+
+
+def arm_names(base: dict, new: dict, wanted: list[str] | None) -> list[str]:
+    shared = [a for a in base["summary"]["arms"] if a in new["summary"]["arms"]]
+    if not wanted:
+        names = [a for a in shared if a != "AR"]
+        if not names:
+            raise UsageError("compare_runs: the runs share no speculative arm")
+        return names
+    out = []
+    for a in wanted:
+        name = ALIASES.get(a, a)
+        if name == "AR":
+            raise UsageError("compare_runs: --arm AR: AR's τ is 1 by definition; name a speculative arm")
+        if name not in shared:
+            raise UsageError(f"compare_runs: --arm {a}: not an arm of both runs (shared: {', '.join(shared)})")
+        out.append(name)
+    return out
+
+
+def _greedy(base: dict, new: dict) -> bool:
+    return bool(base["summary"].get("greedy") and new["summary"].get("greedy"))
+
+
+def replicate_rounds(base: dict, new: dict, arm: str) -> tuple[list[int], list[int]]:
+    """The rounds each run's τ of `arm` pairs over: a greedy run's one τ round each; at T>0 the sampling
+    replicates both have (the same round numbers: each round its own seeded streams)."""
+    rb, rn = (r["summary"]["arms"][arm].get("tau_rounds") or [] for r in (base, new))
+    if not rb or not rn:
+        raise UsageError(f"compare_runs: {arm}: a run records no τ rounds (summary.json before they were kept); "
+                         "rewrite it with python -m harness.protocol.report --rebuild FOLDER")
+    if _greedy(base, new):
+        return rb[:1], rn[:1]
+    common = [r for r in rb if r in set(rn)]
+    if not common:
+        raise UsageError(f"compare_runs: {arm}: the runs share no sampling replicate (rounds {rb} and {rn})")
+    return common, common
+
+
+def compare(base_dir: str, new_dir: str, wanted: list[str] | None = None) -> dict:
+    from harness.protocol.metrics import paired_tau_ci, tau_over_replicates
+    from harness.protocol.replicates import _matrices
+    base, new = load(base_dir), load(new_dir)
+    prompts = check_same(base, new)
+    out = []
+    for arm in arm_names(base, new, wanted):
+        rounds_b, rounds_n = replicate_rounds(base, new, arm)
+        mb, mn = _matrices(base["rows"], arm, rounds_b, prompts), _matrices(new["rows"], arm, rounds_n, prompts)
+        ci = paired_tau_ci(*mn, *mb)
+        out.append({"arm": arm, "prompts": len(prompts), "replicates": len(rounds_b),
+                    "rounds": [rounds_b, rounds_n], "base": tau_over_replicates(*mb),
+                    "new": tau_over_replicates(*mn), **ci})
+    return {"base": base_dir, "new": new_dir, "dataset": base["dataset"],
+            "temperature": base["summary"].get("temperature"), "greedy": _greedy(base, new),
+            "weights": [digests((r["config"].get("resolved") or {}).get("weights")) for r in (base, new)],
+            "arms": out}
+
+
+def lines(result: dict) -> list[str]:
+    wb, wn = result["weights"]
+    out = [f"BASE {result['base']} ({wb})", f"NEW  {result['new']} ({wn})"]
+    for a in result["arms"]:
+        reps = "greedy: one τ round each" if result["greedy"] else f"{a['replicates']} sampling replicates"
+        units = a["prompts"] * a["replicates"]
+        out.append(f"{a['arm']} ({a['prompts']} prompts, {reps}): τ {a['base']:.3f} -> {a['new']:.3f}, ratio "
+                   f"{a['ratio']:.3f}{ci_bracket(a['ratio_ci95'], units, '.3f')} (paired bootstrap over prompts, "
+                   f"95%): {verdict(a['ratio_ci95'])}")
+    out.append("speed is not compared: the two runs' rounds were not interleaved (each table's speedup over its own "
+               "AR is)")
+    return out
+
+
+def main(argv=None) -> int:
+    p = Parser(prog="python -m harness.protocol.compare_runs", description=__doc__.split("\n\n")[0])
+    p.add_argument("base", help="the reference run's results folder")
+    p.add_argument("new", help="the run compared against it")
+    p.add_argument("--arm", action="append", default=None,
+                   help="an arm of both runs (drafter-only, Markov, xPress(K=4), ...; repeatable); default: every "
+                        "shared speculative arm")
+    p.add_argument("--json", default=None, help="also write the comparison to this file")
+    args = p.parse_args(argv)
+
+    def work():
+        result = compare(args.base, args.new, args.arm)
+        if args.json:  # before anything is printed: a path that cannot be written fails the command whole
+            try:
+                Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+            except OSError as e:
+                raise UsageError(f"compare_runs: --json {args.json}: cannot write it ({e.strerror})") from None
+        print("\n".join(lines(result)))
+    return cli_exit(work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""python -m harness.protocol.compare_runs: two runs' τ per arm, paired over their prompts (and at T>0 over the
+sampling replicates both have), from tiny CLI runs with two drafters."""
+import json
+import shutil
+
+import pytest
+
+import benchmark_compile_all as cli
+from harness.protocol import compare_runs, report, results_io
+from tiny import write_run_fixture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour."]}, {"turns": ["Count to four."]}]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Tiny runs on the same prompts, greedy (a0) and sampled (a1: two rounds, both replicates), a greedy run on
+    fewer prompts, and copies of a0 and a1 whose drafter-only rows of prompt 1 merge their first two verify steps
+    into one (the same tokens in one step fewer: a higher τ, as a better drafter's), rebuilt into their tables."""
+    root = tmp_path_factory.mktemp("compare_runs")
+    files = write_run_fixture(root / "files", PROMPTS, xpress_std=0.02, markov_std=0.02)
+    out = root / "res"
+
+    def run(run_id, *extra):
+        argv = ["--model-name-or-path", str(files / "target"), "--draft-name-or-path", str(files / "drafter"),
+                "--xpress-refiner-path", str(files / "xpress.pt"), "--markov-refiner-path", str(files / "markov.pt"),
+                "--dataset", "mini", "--data-dir", str(files / "data"), "--max-new-tokens", "8", "--device", "cpu",
+                "--fair-interleave", "2", "--fair-warmup-rounds", "1", "--fair-k-list", "1", "--results-dir",
+                str(out), "--run-id", run_id, *extra]
+        assert cli.main(argv) == 0
+        return str(out / run_id)
+
+    got = {"a0": run("a0"), "a1": run("a1", "--temperature", "1"), "a0_two": run("a0_two", "--max-samples", "2"),
+           "a0_nowarm": run("a0_nowarm", "--fair-warmup-rounds", "0")}
+    scripted = ["--random-weights", "tiny", "--scripted-accept", "2", "--dataset", "mini", "--data-dir",
+                str(files / "data"), "--max-new-tokens", "8", "--device", "cpu", "--results-dir", str(out)]
+    assert cli.main(scripted + ["--run-id", "scripted"]) == 0
+    got["scripted"] = str(out / "scripted")
+    for t in "01":
+        got[f"b{t}"] = _better_drafter_only(got[f"a{t}"], out / f"b{t}")
+    return got
+
+
+def _better_drafter_only(src, dst) -> str:
+    shutil.copytree(src, dst)
+    rows = results_io.read_folder_rows(dst)
+    for r in rows:
+        if r["arm"] == "drafter-only" and r["question_id"] == 1:
+            a, c = r["accept_lengths"], r["accepted"]
+            assert len(a) >= 2
+            r["accept_lengths"], r["accepted"] = [a[0] + a[1]] + a[2:], [c[0] + c[1] + 1] + c[2:]
+    results_io.write_rows(dst, rows)
+    report.rebuild(str(dst))
+    return str(dst)
+
+
+def _summary_tau(folder, arm):
+    return json.loads(open(f"{folder}/summary.json").read())["arms"][arm]["tau_per_step"]
+
+
+def test_a_run_against_itself_is_equal_in_every_speculative_arm(runs):
+    r = compare_runs.compare(runs["a0"], runs["a0"])
+    assert [a["arm"] for a in r["arms"]] == ["drafter-only", "Markov", "xPress(K=1)"]  # AR is not compared
+    for a in r["arms"]:
+        assert a["ratio"] == 1.0 and a["ratio_ci95"] == [1.0, 1.0] and a["prompts"] == 3
+
+
+def test_greedy_runs_pair_their_one_tau_round_whichever_it_was(runs):
+    """A greedy run's rounds decode the same text: a run without a warmup round (its τ round is 1) pairs with one
+    that had one (its τ round is 2)."""
+    r = compare_runs.compare(runs["a0"], runs["a0_nowarm"])
+    assert all(a["ratio"] == 1.0 and a["rounds"] == [[2], [1]] for a in r["arms"])
+
+
+@pytest.mark.parametrize("t", ["0", "1"])
+def test_each_side_is_its_own_tables_tau_and_the_ratio_pairs_them(runs, t):
+    """Each side's τ is the one its table prints (summary.json: at T>0 the mean over the replicate rounds), the ratio
+    is NEW over BASE, and only the arm whose rows differ moves; at T=1 both rounds pair as replicates."""
+    base, new = runs["a" + t], runs["b" + t]
+    r = compare_runs.compare(base, new)
+    assert r["greedy"] is (t == "0")
+    for a in r["arms"]:
+        assert a["base"] == pytest.approx(_summary_tau(base, a["arm"]), rel=1e-12)
+        assert a["new"] == pytest.approx(_summary_tau(new, a["arm"]), rel=1e-12)
+        assert a["ratio"] == pytest.approx(a["new"] / a["base"], rel=1e-12)
+        assert a["replicates"] == (1 if t == "0" else 2)
+    moved = {a["arm"]: a["ratio"] for a in r["arms"] if a["ratio"] != 1.0}
+    assert list(moved) == ["drafter-only"] and moved["drafter-only"] > 1
+
+
+def test_prompts_pair_by_question_not_by_row_order(runs, monkeypatch):
+    """NEW's rows read in reverse order give the same comparison: each prompt is paired with itself."""
+    want = compare_runs.compare(runs["a1"], runs["b1"])
+    read = results_io.read_folder_rows
+    monkeypatch.setattr(results_io, "read_folder_rows", lambda folder: list(reversed(read(folder))))
+    assert compare_runs.compare(runs["a1"], runs["b1"]) == want
+
+
+def test_the_cli_prints_a_line_an_arm_and_writes_json(runs, tmp_path, capsys):
+    out = tmp_path / "cmp.json"
+    assert compare_runs.main([runs["a0"], runs["b0"], "--arm", "drafter", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert [a["arm"] for a in saved["arms"]] == ["drafter-only"]
+    assert "drafter-only (3 prompts, greedy: one τ round each)" in text and "speed is not compared" in text
+    assert f"ratio {saved['arms'][0]['ratio']:.3f}" in text
+
+
+@pytest.mark.parametrize("which, extra, message", [
+    ("a0_two", [], "differs (dataset row and tokens"),
+    ("a1", [], "differ in draft_temperature"),
+    ("b0", ["--arm", "AR"], "AR's τ is 1 by definition"),
+    ("b0", ["--arm", "xPress(K=4)"], "not an arm of both runs (shared: AR, drafter-only, Markov, xPress(K=1))"),
+])
+def test_runs_that_do_not_pair_are_refused_in_one_line_and_nothing_is_written(runs, tmp_path, capsys, which, extra,
+                                                                               message):
+    out = tmp_path / "cmp.json"
+    assert compare_runs.main([runs["a0"], runs[which], *extra, "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and not out.exists()
+
+
+def test_scripted_acceptance_is_not_compared(runs, capsys):
+    assert compare_runs.main([runs["scripted"], runs["scripted"]]) == 2
+    assert "scripted its acceptance" in capsys.readouterr().err
+
+
+def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
+    assert compare_runs.main([str(tmp_path / "none"), str(tmp_path)]) == 2
+    assert "not a results folder" in capsys.readouterr().err
