@@ -14,13 +14,12 @@ Prints one line per set; --json writes them too.
 """
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
 
 from core.checkpoints import read_json
-from core.errors import Parser, UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit, write_json_arg
 
 
 ARM = re.compile(r"tau_\w+")
@@ -105,11 +104,8 @@ def main(argv=None) -> int:
 
     def work():
         rows = compare(args.base, args.new, args.set)
-        if args.json:  # before anything is printed: a path that cannot be written fails the command whole
-            try:
-                Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
-            except OSError as e:
-                raise UsageError(f"compare_tau: --json {args.json}: cannot write it ({e.strerror})") from None
+        if args.json:
+            write_json_arg(args.json, rows, "compare_tau")
         for r in rows:
             print(line(r))
         if rows[0].get("skipped"):

@@ -18,11 +18,10 @@ pair; each run's speedup over its own AR is the speed comparison (its table).
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from core.errors import Parser, UsageError, cli_exit
+from core.errors import Parser, UsageError, cli_exit, write_json_arg
 from harness.protocol import facts
 from harness.protocol.ci_text import ci_bracket, verdict
 from harness.protocol.merge import GROUP_KEYS, digests
@@ -151,11 +150,8 @@ def main(argv=None) -> int:
 
     def work():
         result = compare(args.base, args.new, args.arm)
-        if args.json:  # before anything is printed: a path that cannot be written fails the command whole
-            try:
-                Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-            except OSError as e:
-                raise UsageError(f"compare_runs: --json {args.json}: cannot write it ({e.strerror})") from None
+        if args.json:
+            write_json_arg(args.json, result, "compare_runs")
         print("\n".join(lines(result)))
     return cli_exit(work)
 
