@@ -130,3 +130,9 @@ def test_scripted_acceptance_is_not_compared(runs, capsys):
 def test_a_folder_that_is_not_a_run_is_refused(tmp_path, capsys):
     assert compare_runs.main([str(tmp_path / "none"), str(tmp_path)]) == 2
     assert "not a results folder" in capsys.readouterr().err
+
+
+def test_an_unwritable_json_path_fails_the_command_before_it_prints(runs, tmp_path, capsys):
+    assert compare_runs.main([runs["a0"], runs["b0"], "--json", str(tmp_path / "no" / "cmp.json")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "--json" in err and "cannot write it" in err and err.count("\n") == 1
