@@ -104,7 +104,7 @@ def test_the_cli_prints_a_line_an_arm_and_writes_json(runs, tmp_path, capsys):
     text = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert [a["arm"] for a in saved["arms"]] == ["drafter-only"]
-    assert "drafter-only (3 prompts, greedy: one τ round each)" in text and "speed is not compared" in text
+    assert "drafter-only (3 prompts, one τ round each)" in text and "speed is not compared" in text
     assert f"ratio {saved['arms'][0]['ratio']:.3f}" in text
 
 

@@ -86,19 +86,16 @@ def arm_names(base: dict, new: dict, wanted: list[str] | None) -> list[str]:
     return out
 
 
-def _greedy(base: dict, new: dict) -> bool:
-    return bool(base["summary"].get("greedy") and new["summary"].get("greedy"))
-
-
 def replicate_rounds(base: dict, new: dict, arm: str) -> tuple[list[int], list[int]]:
-    """The rounds each run's τ of `arm` pairs over: a greedy run's one τ round each; at T>0 the sampling
-    replicates both have (the same round numbers: each round its own seeded streams)."""
+    """The rounds each run's τ of `arm` pairs over: where each run's table took τ from one round (a greedy run's
+    rounds decode the same text), those two; else the sampling replicates both have (the same round numbers: each
+    round its own seeded streams; drafts sampled at Td > 0 vary by round even when the target is greedy)."""
     rb, rn = (r["summary"]["arms"][arm].get("tau_rounds") or [] for r in (base, new))
     if not rb or not rn:
         raise UsageError(f"compare_runs: {arm}: a run records no τ rounds (summary.json before they were kept); "
                          "rewrite it with python -m harness.protocol.report --rebuild FOLDER")
-    if _greedy(base, new):
-        return rb[:1], rn[:1]
+    if len(rb) == 1 and len(rn) == 1:
+        return rb, rn
     common = [r for r in rb if r in set(rn)]
     if not common:
         raise UsageError(f"compare_runs: {arm}: the runs share no sampling replicate (rounds {rb} and {rn})")
@@ -119,7 +116,8 @@ def compare(base_dir: str, new_dir: str, wanted: list[str] | None = None) -> dic
                     "rounds": [rounds_b, rounds_n], "base": tau_over_replicates(*mb),
                     "new": tau_over_replicates(*mn), **ci})
     return {"base": base_dir, "new": new_dir, "dataset": base["dataset"],
-            "temperature": base["summary"].get("temperature"), "greedy": _greedy(base, new),
+            "temperature": base["summary"].get("temperature"),
+            "greedy": bool(base["summary"].get("greedy") and new["summary"].get("greedy")),
             "weights": [digests((r["config"].get("resolved") or {}).get("weights")) for r in (base, new)],
             "arms": out}
 
@@ -128,7 +126,8 @@ def lines(result: dict) -> list[str]:
     wb, wn = result["weights"]
     out = [f"BASE {result['base']} ({wb})", f"NEW  {result['new']} ({wn})"]
     for a in result["arms"]:
-        reps = "greedy: one τ round each" if result["greedy"] else f"{a['replicates']} sampling replicates"
+        n = a["replicates"]
+        reps = "one τ round each" if n == 1 and result["greedy"] else f"{n} sampling replicate{'s' * (n > 1)}"
         units = a["prompts"] * a["replicates"]
         out.append(f"{a['arm']} ({a['prompts']} prompts, {reps}): τ {a['base']:.3f} -> {a['new']:.3f}, ratio "
                    f"{a['ratio']:.3f}{ci_bracket(a['ratio_ci95'], units, '.3f')} (paired bootstrap over prompts, "
