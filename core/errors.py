@@ -35,13 +35,3 @@ def cli_exit(work: Callable[[], object]) -> int:
         return 130
     return 0
 
-
-def write_json_arg(path: str, obj, who: str) -> None:
-    """A command's `--json PATH` output, written before the command prints anything: a path that cannot be written
-    fails the command whole, in one line naming `who` (the command) and the path."""
-    import json
-    from pathlib import Path
-    try:
-        Path(path).write_text(json.dumps(obj, indent=1) + "\n")
-    except OSError as e:
-        raise UsageError(f"{who}: --json {path}: cannot write it ({e.strerror})") from None

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from core.checkpoints import read_json
-from core.errors import Parser, UsageError, cli_exit, write_json_arg
+from core.errors import Parser, UsageError, cli_exit
+from core.json_out import write_json_arg
 
 
 ARM = re.compile(r"tau_\w+")

@@ -29,6 +29,9 @@ def ci_bracket(ci, units: int | None, fmt: str = ".2f") -> str:
 
 
 def verdict(ci) -> str:
-    """What a paired ratio's 95% CI shows: "higher" (above 1), "lower" (below 1), else "no difference shown"."""
-    lo, hi = ci
+    """What a paired ratio's 95% CI shows: "higher" (above 1), "lower" (below 1), "no difference shown", or "no CI"
+    where there is none (too few units: NaN or None ends)."""
+    lo, hi = ci or (None, None)
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (lo, hi)):
+        return "no CI"
     return "higher" if lo > 1 else "lower" if hi < 1 else "no difference shown"

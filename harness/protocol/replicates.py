@@ -50,7 +50,7 @@ def sampled_tau(rows: list[dict], arm: str, prompts: list[int], per_round, keys,
             **{k: np.mean([m[k] for m in pr], axis=0).tolist() if pr else float("nan") for k in keys}}
 
 
-def _matrices(rows: list[dict], arm: str, rounds: list[int], prompts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def tau_matrices(rows: list[dict], arm: str, rounds: list[int], prompts: list[int]) -> tuple[np.ndarray, np.ndarray]:
     by = turn0(rows, arm)
     lengths = [[sum(by[rnd][q]["accept_lengths"]) for q in prompts] for rnd in rounds]
     steps = [[len(by[rnd][q]["accept_lengths"]) for q in prompts] for rnd in rounds]
@@ -65,7 +65,7 @@ def tau_gain(rows: list[dict], arm: str, ref: str, rounds_of: dict[str, list[int
     common = [r for r in rounds_of.get(arm, []) if r in set(rounds_of.get(ref, []))]
     if not common or not prompts:
         return None
-    ci = metrics.paired_tau_ci(*_matrices(rows, arm, common, prompts), *_matrices(rows, ref, common, prompts),
+    ci = metrics.paired_tau_ci(*tau_matrices(rows, arm, common, prompts), *tau_matrices(rows, ref, common, prompts),
                                n_boot=n_boot, seed=seed)
     return {"ref": ref, "seeds": len(common), "prompts": len(prompts), "rounds": common, **ci}
 

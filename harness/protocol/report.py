@@ -15,10 +15,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from harness.protocol import comparisons, costs, facts, metrics, replicates
 from core.errors import Parser, UsageError, cli_exit
+from core.json_out import json_safe
 from harness.protocol.plots import write_plots
 from harness.protocol.rank_report import format_ranks
 from harness.protocol.labels import RANDOM_MARK, config_labels, weights_label  # noqa: F401 (re-exported)
@@ -236,7 +235,7 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
     costs.add(out_arms, g.by, g.used, ar, n_boot, seed)
     optimal = comparisons.optimal(g.arms, out_arms, rows, g.prompts)
     untimed = [UNTIMED_LABEL] if any(r.get("timed") is False for r in g.measured) else []
-    return _clean({
+    return json_safe({
         "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "run": run or facts.run_facts(None), "dataset": g.dataset, "temperature": g.temperature,
         "greedy": g.greedy, "block_size": max(i["block_size"] for i in g.arms.values()),
         "rounds": {"all": g.all_rounds, "warmup": g.warm_rounds,
@@ -252,21 +251,8 @@ def summarize(rows: list[dict], n_boot: int = 2000, seed: int = 0, tau_from_warm
     })
 
 
-def _clean(x):
-    """JSON-safe: NaN and inf become None, numpy scalars become Python numbers."""
-    if isinstance(x, dict):
-        return {str(k): _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (float, np.floating)):
-        return float(x) if math.isfinite(x) else None
-    return x
-
-
 def _json(obj) -> str:  # the results folder's JSON files
-    return json.dumps(_clean(obj), indent=2, ensure_ascii=False, allow_nan=False, default=str) + "\n"
+    return json.dumps(json_safe(obj), indent=2, ensure_ascii=False, allow_nan=False, default=str) + "\n"
 
 
 def write_results(folder: str | os.PathLike, config: dict, env: dict, rows: list[dict], summary: dict,
@@ -300,7 +286,7 @@ def _read_json(folder: str, name: str, missing: str = "is the run finished? (sum
         raise UsageError(f"{folder}/{name}: not valid JSON ({e})") from None
 
 
-def _load_folder(folder: str) -> dict:
+def load_folder(folder: str) -> dict:
     check_run_folder(folder)
     loaded = {name: _read_json(folder, name) for name in ("summary.json", "config.json")}
     s = loaded["summary.json"]
@@ -389,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         read = {f: rebuildable(f) for f in ns.folders} if ns.rebuild else {}  # every folder's refusal first
         for f, got in read.items():
             rebuild(f, got)
-        text = format_merged([_load_folder(f) for f in ns.folders], distinct)
+        text = format_merged([load_folder(f) for f in ns.folders], distinct)
         if ns.out:
             atomic_write(ns.out, text)
         sys.stdout.write(text)
