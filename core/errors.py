@@ -34,4 +34,3 @@ def cli_exit(work: Callable[[], object]) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     return 0
-
