@@ -27,12 +27,12 @@ from functools import lru_cache
 from pathlib import Path
 
 from core.errors import UsageError
+from harness.protocol.labels import arm_name
 
 REGISTRY: dict = {}
 RUNS = "results/smollm2-135m"
 # the first trained weights' tables of the previous protocol (opt_k, opt_gain_end)
 H200 = [f"results/smollm2-135m-v1/h200_96tok/{d}_t{t}" for t in (0, 1) for d in ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")]
-ALIASES = {"ar": "AR", "drafter": "drafter-only", "markov": "Markov"}
 
 
 def quantity(name: str):
@@ -56,14 +56,6 @@ def run_dir(root: Path, folder: str) -> Path:
 
 def summary(root: Path, folder: str) -> dict:
     return _json(run_dir(root, folder) / "summary.json")
-
-
-def arm_name(a: str) -> str:
-    if a in ALIASES:
-        return ALIASES[a]
-    if a[:1] == "x" and a[1:].isdigit():
-        return f"xPress(K={a[1:]})"
-    return a
 
 
 def arm(root: Path, folder: str, a: str) -> dict:

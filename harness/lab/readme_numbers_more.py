@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from core.errors import UsageError
+from harness.protocol.labels import arm_name
 from harness.lab.readme_numbers_keys import _json, arm, end, fmt, quantity, run_dir, sp, tau
 
 GPU_CHECK = "results/perf/gpu_check"
@@ -28,7 +29,6 @@ def bench(root, name: str, folder: str = GPU_CHECK) -> dict:
 
 
 def bench_arm(root, name: str, a: str, folder: str = GPU_CHECK) -> dict:
-    from harness.lab.readme_numbers_keys import arm_name
     want = arm_name(a)
     for row in bench(root, name, folder)["arms"]:
         if row["arm"] == want:
@@ -95,7 +95,6 @@ def q_predicted_gap(root, name, folder, a, d=0):
 
 # --- the --trace A/B (results/trace_ab/inprocess.json, cli_ab.json) ----------------------------------------------
 def trace_way(root, a: str, way: str) -> dict:
-    from harness.lab.readme_numbers_keys import arm_name
     ways = {"untraced": "untraced", "before": "traced, before", "after": "traced, after"}
     return _json(root / "results/trace_ab/inprocess.json")["per_arm"][arm_name(a)][ways[way]]
 
@@ -235,7 +234,6 @@ def q_ar_self(root, a, b, sep="/"):
 
 # --- sweeps (results/sweeps/NAME/: sweep.json, and the step breakdown from samples.jsonl.gz) ---------------------
 def _sweep_entry(root, folder: str, b: str, c: str, a: str) -> dict:
-    from harness.lab.readme_numbers_keys import arm_name
     for p in _json(root / "results/sweeps" / folder / "sweep.json")["points"]:
         if p["batch_size"] == int(b) and p["context_len"] == int(c):
             if arm_name(a) not in p["arms"]:
@@ -312,7 +310,6 @@ def q_sweep_same(root, folder, b, c, a):
 def q_sweep_step(root, folder, b, c, a, field, d=2):
     """The step breakdown's FIELD (ms_per_step, tokens_per_step, step_cost, token_gain) of ARM at B and context C,
     recomputed from results/sweeps/FOLDER/samples.jsonl.gz (harness.protocol.sweep_steps)."""
-    from harness.lab.readme_numbers_keys import arm_name
     entry = _sweep_steps(root, folder).get((int(b), int(c), arm_name(a)))
     if entry is None:
         raise UsageError(f"readme_numbers: sweep {folder} has no step entry for {arm_name(a)!r} at B={b}, C={c}")

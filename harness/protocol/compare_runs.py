@@ -25,10 +25,10 @@ from core.errors import Parser, UsageError, cli_exit
 from core.json_out import write_json_arg
 from harness.protocol import facts
 from harness.protocol.ci_text import ci_bracket, verdict
+from harness.protocol.labels import arm_name
 from harness.protocol.merge import GROUP_KEYS, digests
-
-ALIASES = {"drafter": "drafter-only", "ar": "AR", "markov": "Markov"}
-
+from harness.protocol.metrics import paired_tau_ci, tau_over_replicates
+from harness.protocol.replicates import replicate_rounds, tau_matrices
 
 def load(folder: str) -> dict:
     """The folder as the report reads it (summary.json and config.json checked), with its rows."""
@@ -88,7 +88,7 @@ def arm_names(base: dict, new: dict, wanted: list[str] | None) -> list[str]:
         return names
     out = []
     for a in wanted:
-        name = ALIASES.get(a, a)
+        name = arm_name(a)
         if name == "AR":
             raise UsageError("compare_runs: --arm AR: AR's τ is 1 by definition; name a speculative arm")
         if name not in shared:
@@ -102,7 +102,6 @@ def paired_rounds(base: dict, new: dict, arm: str, prompts: list[int]) -> tuple[
     rounds decode the same text), those two; else the sampling replicates both have (the same round numbers: each
     round its own seeded streams; drafts sampled at Td > 0 vary by round even when the target is greedy). Each
     round must hold the arm's first turn of every prompt, as the table's τ did."""
-    from harness.protocol.replicates import replicate_rounds
     taken = []
     for run in (base, new):
         rounds = run["summary"]["arms"][arm].get("tau_rounds") or []
@@ -125,8 +124,6 @@ def paired_rounds(base: dict, new: dict, arm: str, prompts: list[int]) -> tuple[
 
 
 def compare(base_dir: str, new_dir: str, wanted: list[str] | None = None) -> dict:
-    from harness.protocol.metrics import paired_tau_ci, tau_over_replicates
-    from harness.protocol.replicates import tau_matrices
     base, new = load(base_dir), load(new_dir)
     prompts = check_same(base, new)
     out = []
@@ -168,8 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("base", help="the reference run's results folder")
     p.add_argument("new", help="the run compared against it")
     p.add_argument("--arm", action="append", default=None,
-                   help="an arm of both runs (drafter-only, Markov, xPress(K=4), ...; repeatable); default: every "
-                        "shared speculative arm")
+                   help="an arm of both runs (drafter-only, Markov, xPress(K=4), ... or drafter, markov, x4; "
+                        "repeatable); default: every shared speculative arm")
     p.add_argument("--json", default=None, help="also write the comparison to this file")
     args = p.parse_args(argv)
 

@@ -44,3 +44,16 @@ def recorded_weights(summary: dict, config: dict) -> str | None:
     from harness.protocol.tables import run_labels
     texts = (RANDOM_LABEL, RANDOM_ONLY_LABEL, SCRIPTED_LABEL, RANDOM_HEADS)  # what weights_label writes
     return next((x for x in run_labels(summary) if x in texts), None)
+
+
+ARM_ALIASES = {"ar": "AR", "drafter": "drafter-only", "markov": "Markov"}
+
+
+def arm_name(a: str) -> str:
+    """An arm as summary.json names it, from the shorthand commands and README markers take: `ar`, `drafter`,
+    `markov`, `x4` (xPress at K=4); any other name is taken as written."""
+    if a in ARM_ALIASES:
+        return ARM_ALIASES[a]
+    if a[:1] == "x" and a[1:].isdigit():
+        return f"xPress(K={a[1:]})"
+    return a
