@@ -56,6 +56,8 @@ def test_bench_fair_fast_script_end_to_end(files, tmp_path):
     assert {r["dataset_row"] for r in rows} == {0, 2}  # the two-turn one among them: data.subset_rows)
     config = json.loads((folder / "config.json").read_text())
     order = config["resolved"]["rotation"]
+    plan = config["resolved"]["prompt_rows"]  # question id i is dataset row plan[i] (the subset's order)
+    assert sorted(plan) == [0, 2] and all(r["dataset_row"] == plan[r["question_id"]] for r in rows)
     measured = order[1:]
     for slot in range(5):  # every arm in every slot exactly once over the measured rounds
         assert {r[slot] for r in measured} == arms

@@ -198,6 +198,37 @@ def test_rebuild_of_an_interrupted_run_keeps_to_its_complete_rounds(tmp_path, ca
     assert (good / "table.md").read_text() == "old"
 
 
+def test_rebuild_counts_the_prompts_its_run_planned_not_those_its_rows_hold(tmp_path, capsys, no_plots):
+    """config.json's resolved.prompt_rows is the run's prompt set. Rows that lack a prompt in every round (a lost
+    samples.rank{r}.jsonl; a one-arm run stopped between prompts) made every round complete over the prompts the
+    rows held: a table over fewer prompts, unlabelled. Now they leave no complete round, and a row of a prompt the
+    run did not plan there is refused; a folder written before runs recorded the plan is read as before."""
+    rows, folder = example(), tmp_path / "run"  # question ids 0-2 (dataset rows 10-12), rounds 1-3 complete
+    live = report.summarize(rows, n_boot=50)
+
+    def rebuilt(prompt_rows):
+        resolved = {"rounds": 3, "arms": ["AR", "xPress(K=6)"]}
+        if prompt_rows is not None:
+            resolved["prompt_rows"] = prompt_rows
+        report.write_results(folder, {"dataset": "toy", "resolved": resolved}, {}, rows, live)
+        (folder / "summary.json").unlink()
+        code, err = report.main(["--rebuild", str(folder)]), capsys.readouterr().err
+        return code, err, json.loads((folder / "summary.json").read_text()) if code == 0 else None
+
+    for prompt_rows in ([10, 11, 12], None):  # the plan the rows hold; no plan recorded (an older folder)
+        code, _, s = rebuilt(prompt_rows)
+        assert code == 0 and s["rounds"] == live["rounds"] and not any("interrupted" in x for x in s["labels"])
+    code, err, _ = rebuilt([10, 11, 12, 13])  # a fourth prompt planned, decoded in no round
+    assert code == 2 and err.count("\n") == 1 and "no complete round in its rows" in err, err
+    assert not (folder / "summary.json").exists()
+    code, err, _ = rebuilt([10, 11, 99])
+    assert code == 2 and err.count("\n") == 1 and "a row of question id 2 (dataset row 12) is not the run's: its " \
+        "config.json planned dataset row 99 there (resolved.prompt_rows, 3 prompts)" in err, err
+    code, err, _ = rebuilt([10, 11])
+    assert code == 2 and "a row of question id 2 (dataset row 12) is not the run's: its config.json planned no " \
+        "prompt there" in err, err
+
+
 def test_rebuild_keeps_what_the_runner_added_beside_the_rows(tmp_path, capsys):
     """compile stats and kernel fallbacks cannot be recomputed from samples.jsonl: --rebuild carries them over."""
     folder = tmp_path / "run"

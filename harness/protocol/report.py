@@ -25,7 +25,7 @@ from harness.protocol.config import check_writable
 from harness.protocol.plan import check_run_folder, resume_count
 from harness.protocol.results_io import ROWS, atomic_write, read_folder_rows, rows_file, write_rows
 from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
-from harness.protocol.rounds import complete_rounds, paired_ratios
+from harness.protocol.rounds import complete_rounds, paired_ratios, run_prompts
 from harness.protocol.tables import (format_console_table, format_conventions, format_csv, format_markdown_table,
                                      format_multi_dataset_table, run_labels)
 
@@ -312,7 +312,8 @@ def rebuildable(folder: str) -> tuple[dict, list[dict], list[int], list[int]]:
     _checked(rows)  # a malformed row's one line before the rounds are read from the rows
     rounds = list(range(1, saved["rounds"] + 1)) if saved.get("rounds") else sorted({r["round"] for r in rows})
     done = {(r["round"], r["arm"], r["question_id"]) for r in rows}
-    kept = complete_rounds(done, rounds, saved.get("arms") or {a for _, a, _ in done}, {q for _, _, q in done})
+    qids = run_prompts(folder, saved.get("prompt_rows"), rows)  # the planned prompts where config.json names them
+    kept = complete_rounds(done, rounds, saved.get("arms") or {a for _, a, _ in done}, qids)
     if not kept:
         raise UsageError(f"{folder}: no complete round in its rows (every arm's decode of every prompt), so nothing "
                          f"to summarize; continue the run: benchmark_compile_all.py --resume {folder}")

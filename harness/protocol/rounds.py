@@ -46,6 +46,23 @@ def validate_rounds(rounds: int, warmup: int, n_arms: int) -> str | None:
     return None
 
 
+def run_prompts(where: str, planned: list[int] | None, rows: list[dict]) -> list[int]:
+    """A run's question ids: those its config.json planned (resolved.prompt_rows: question id i is dataset row
+    planned[i]), every row checked against that plan; in a folder written before runs recorded it, those its rows
+    hold (a prompt with no row at all then goes unnoticed, e.g. a lost samples.rank{r}.jsonl)."""
+    if planned is None:
+        return sorted({r["question_id"] for r in rows})
+    for r in rows:
+        q = r["question_id"]
+        if not (isinstance(q, int) and 0 <= q < len(planned)) or r.get("dataset_row", planned[q]) != planned[q]:
+            plan = f"dataset row {planned[q]}" if isinstance(q, int) and 0 <= q < len(planned) else "no prompt"
+            raise UsageError(f"{where}: a row of question id {q} (dataset row {r.get('dataset_row')}) is not the "
+                             f"run's: its config.json planned {plan} there (resolved.prompt_rows, "
+                             f"{len(planned)} prompts); rows of another run were added to it, so its tables would "
+                             "mix two runs")
+    return list(range(len(planned)))
+
+
 def complete_rounds(done: set, rounds, arms, qids) -> list[int]:
     """The rounds (of `rounds`) in which every arm decoded every prompt: `done` holds the (round, arm, question id)
     decodes in a run's rows (a decode's turns are written together, once it finished), as --resume counts them."""

@@ -232,7 +232,8 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     os.makedirs(folder, exist_ok=True)
     config = {**dataclasses.asdict(cfg), "resolved": {
         **plan.resolved(), "stop_ids": list(models.stops), "rotation": order,
-        "dataset": dataset_provenance(cfg.dataset, cfg.data_dir), "label": label(cfg), "kernels": target.kernels}}
+        "dataset": dataset_provenance(cfg.dataset, cfg.data_dir), "label": label(cfg), "kernels": target.kernels,
+        "prompt_rows": [s.row for s in samples]}}  # question id i is dataset row prompt_rows[i] (report --rebuild)
     shard.annotate(config)
     if not plan.resume and shard.main:
         atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
@@ -344,8 +345,7 @@ def _measure(plan: RunPlan, models: Models, settings: DecodeSettings, work: Work
     if done.get("replays") or done.get("reference_decodes"):
         print(f"[divergence] after the rounds, untimed: {done['replays']} replay(s) up to a first divergence, "
               f"{done['reference_decodes']} {replays.reference_dtype(cfg)} scoring(s) of AR's text "
-              f"(teacher-forced: a {replays.reference_dtype(cfg)} greedy decode through its first divergence)",
-              file=out)
+              f"(teacher-forced: a {replays.reference_dtype(cfg)} greedy decode to its first divergence)", file=out)
     return _report(plan, models, work, order, shard, watch, out)
 
 
