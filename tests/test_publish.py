@@ -161,7 +161,7 @@ def test_rebuild_works_from_samples_and_config_alone(tmp_path, capsys):
     assert report.main(["--rebuild", str(folder)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no samples.jsonl.gz; --rebuild recomputes a run's tables from its " \
-        "samples.jsonl.gz (or plain samples.jsonl) and config.json" in err, err
+        "samples.jsonl.gz (or plain samples.jsonl, or a torchrun run's samples.rank{r}.jsonl) and config.json" in err, err
 
 
 def test_rebuild_of_an_interrupted_run_keeps_to_its_complete_rounds(tmp_path, capsys, no_plots):
@@ -227,6 +227,39 @@ def test_rebuild_counts_the_prompts_its_run_planned_not_those_its_rows_hold(tmp_
     code, err, _ = rebuilt([10, 11])
     assert code == 2 and "a row of question id 2 (dataset row 12) is not the run's: its config.json planned no " \
         "prompt there" in err, err
+
+
+def test_rebuild_reads_a_torchrun_runs_rows_of_every_rank(tmp_path, capsys, no_plots):
+    """A torchrun run stopped before rank 0 merged its rows leaves a samples.rank{r}.jsonl a rank (its prompts
+    round-robin); --rebuild said "no samples.jsonl.gz". Now the ranks' rows are read in the merge's order and give
+    the tables of all the rows; with a rank's file lost, its prompts leave no complete round (config.json's
+    prompt_rows), not tables over the other rank's prompts alone."""
+    from harness.protocol import rounds
+    from harness.protocol.results_io import read_folder_rows
+    rows, folder = example(), tmp_path / "run"
+    order = [["AR", "xPress(K=6)"], ["xPress(K=6)", "AR"], ["AR", "xPress(K=6)"]]
+    config = {"dataset": "toy", "resolved": {"rounds": 3, "arms": ["AR", "xPress(K=6)"], "rotation": order,
+                                             "prompt_rows": [10, 11, 12], "distributed": {"world_size": 2}}}
+    live = report.summarize(rows, n_boot=50)
+    report.write_results(folder, config, {}, rows, live)
+    (folder / "summary.json").unlink()
+    (folder / "samples.jsonl.gz").unlink()
+    for rank in (0, 1):  # plain JSON lines, as ranks append them; rank r decodes question ids r, r + 2, ...
+        (folder / f"samples.rank{rank}.jsonl").write_text(
+            "".join(json.dumps(r) + "\n" for r in rows if r["question_id"] % 2 == rank))
+    merged = read_folder_rows(folder)
+    assert merged == rounds.run_order(rows, order) and len(merged) == len(rows)
+    assert [(r["round"], r["arm"]) for r in merged][:4] == [(1, "AR")] * 4  # round 1: AR first (q 0-2 and a turn 1)
+    assert report.main(["--rebuild", str(folder)]) == 0
+    s = json.loads((folder / "summary.json").read_text())
+    assert s["rounds"] == live["rounds"] and s["arms"]["AR"]["pooled_tok_s"]["values"] == \
+        live["arms"]["AR"]["pooled_tok_s"]["values"]
+    assert sorted(p.name for p in folder.glob("samples*")) == ["samples.rank0.jsonl", "samples.rank1.jsonl"]
+    (folder / "samples.rank1.jsonl").unlink()  # rank 1 (question id 1) lost
+    (folder / "summary.json").unlink()
+    capsys.readouterr()
+    assert report.main(["--rebuild", str(folder)]) == 2
+    assert "no complete round in its rows" in capsys.readouterr().err
 
 
 def test_rebuild_keeps_what_the_runner_added_beside_the_rows(tmp_path, capsys):

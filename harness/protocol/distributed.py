@@ -188,11 +188,8 @@ class Shard:
         if not self.main:
             return None
         self.info = {"ranks": [info for _, _, info in sorted(parts, key=lambda p: p[0])]}
-        merged = [r for _, part, _ in parts for r in part]
-        slot = {(rnd, arm): i for rnd, names in enumerate(order, start=1) for i, arm in enumerate(names)}
-        merged.sort(key=lambda r: (r["round"], slot.get((r["round"], r["arm"]), len(slot)), r["question_id"],
-                                   r["turn"]))
-        return merged
+        from harness.protocol.rounds import run_order
+        return run_order([r for _, part, _ in parts for r in part], order)
 
     def close(self) -> None:
         """The process group destroyed. Past the merge (the last collective: every rank got through it), the ranks

@@ -23,7 +23,8 @@ from harness.protocol.rank_report import format_ranks
 from harness.protocol.labels import RANDOM_MARK, config_labels, weights_label  # noqa: F401 (re-exported)
 from harness.protocol.config import check_writable
 from harness.protocol.plan import check_run_folder, resume_count
-from harness.protocol.results_io import ROWS, atomic_write, read_folder_rows, rows_file, write_rows
+from harness.protocol.results_io import (ROWS, atomic_write, rank_rows_files, read_folder_rows, rows_file,
+                                        write_rows)
 from harness.protocol.summary_schema import SCHEMA, SCHEMA_VERSION, conventions, version
 from harness.protocol.rounds import complete_rounds, paired_ratios, run_prompts
 from harness.protocol.tables import (format_console_table, format_conventions, format_csv, format_markdown_table,
@@ -304,9 +305,10 @@ def load_folder(folder: str) -> dict:
 def rebuildable(folder: str) -> tuple[dict, list[dict], list[int], list[int]]:
     """config.json, the rows, the rounds and the complete ones (every arm's decode of every prompt), checked."""
     check_run_folder(folder)
-    need = f"--rebuild recomputes a run's tables from its {ROWS} (or plain samples.jsonl) and config.json"
+    need = (f"--rebuild recomputes a run's tables from its {ROWS} (or plain samples.jsonl, or a torchrun run's "
+            "samples.rank{r}.jsonl) and config.json")
     config = _read_json(folder, "config.json", need)
-    if rows_file(Path(folder)) is None:
+    if rows_file(Path(folder)) is None and not rank_rows_files(folder):
         raise UsageError(f"{folder}: no {ROWS}; {need}")
     rows, saved = read_folder_rows(Path(folder)), config.get("resolved") or {}
     _checked(rows)  # a malformed row's one line before the rounds are read from the rows
@@ -359,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "(with --rebuild: samples.jsonl.gz and config.json)")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--rebuild", action="store_true", help="first recompute each folder's tables, plots and "
-                   "summary.json from its samples.jsonl.gz (or plain samples.jsonl) and config.json (an interrupted "
-                   "run's: its complete rounds)")
+                   "summary.json from its samples.jsonl.gz (or plain samples.jsonl, or a torchrun run's samples.rank{r}.jsonl) "
+                   "and config.json (an interrupted run's: its complete rounds)")
     ns = p.parse_args(argv)
 
     def work():

@@ -41,12 +41,30 @@ def rows_file(folder: str | os.PathLike) -> Path | None:
     return None
 
 
+def rank_rows_files(folder: str | os.PathLike) -> list[Path]:
+    """A torchrun run's rows, a samples.rank{r}.jsonl a rank (harness.protocol.distributed), by rank: what ranks
+    append to and resume from, and all a run stopped before rank 0 merged them into ROWS leaves."""
+    ranks = [(p.name[len("samples.rank"):-len(".jsonl")], p) for p in Path(folder).glob("samples.rank*.jsonl")]
+    return [p for r, p in sorted((int(r), p) for r, p in ranks if r.isdigit())]
+
+
 def read_folder_rows(folder: str | os.PathLike) -> list[dict]:
-    """Every row of a results folder (rows_file): its samples.jsonl.gz, or its plain samples.jsonl."""
+    """Every row of a results folder: its rows_file (samples.jsonl.gz, or a plain samples.jsonl); where it has
+    neither, every rank's samples.rank{r}.jsonl, in a single-process run's order (rounds.run_order, of the rotation
+    in its config.json), as rank 0 merges them."""
     path = rows_file(folder)
-    if path is None:
-        raise UsageError(f"{folder}: no {ROWS} (nor a plain {LIVE_ROWS}); a run writes its rows there")
-    return read_rows(path)
+    if path is not None:
+        return read_rows(path)
+    ranks = rank_rows_files(folder)
+    if not ranks:
+        raise UsageError(f"{folder}: no {ROWS} (nor a plain {LIVE_ROWS}, nor a torchrun run's samples.rank{{r}}.jsonl);"
+                         " a run writes its rows there")
+    from harness.protocol.rounds import run_order
+    try:
+        order = json.loads((Path(folder) / "config.json").read_text())["resolved"]["rotation"]
+    except (OSError, ValueError, KeyError, TypeError):
+        order = []  # no rotation recorded: by round, question id and turn
+    return run_order([r for p in ranks for r in read_rows(p)], order)
 
 
 def rows_text(rows: list[dict]) -> str:

@@ -63,6 +63,14 @@ def run_prompts(where: str, planned: list[int] | None, rows: list[dict]) -> list
     return list(range(len(planned)))
 
 
+def run_order(rows: list[dict], order: list[list[str]]) -> list[dict]:
+    """Rows in a single-process run's order: round, the arm's slot in that round (`order`, the rotation), question
+    id, turn; how a torchrun run's rows from every rank are put together."""
+    slot = {(rnd, arm): i for rnd, names in enumerate(order, start=1) for i, arm in enumerate(names)}
+    return sorted(rows, key=lambda r: (r.get("round", 0), slot.get((r.get("round"), r.get("arm")), len(slot)),
+                                       r.get("question_id", 0), r.get("turn", 0)))
+
+
 def complete_rounds(done: set, rounds, arms, qids) -> list[int]:
     """The rounds (of `rounds`) in which every arm decoded every prompt: `done` holds the (round, arm, question id)
     decodes in a run's rows (a decode's turns are written together, once it finished), as --resume counts them."""
