@@ -316,6 +316,26 @@ def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_pat
     assert (folder / "samples.jsonl").read_text() == rows[0] + "\n" and not (folder / "resumes.json").exists()
     (folder / "config.json").write_text(config)
     assert "drafter-only" in arms
+    # a dataset file that changed since the run started (its sha256 in resolved.dataset), or other rows of it
+    # (resolved.prompt_rows), would mix two prompt sets in one table: refused the same way
+    data = next((files / "data").glob("mini*"))
+    text = data.read_text()
+    try:
+        data.write_text(text.replace("Add 2 and 3.", "Add 2 and 4."))  # the same rows, one prompt edited
+        capsys.readouterr()
+        assert cli.main(["--resume", str(folder), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "the dataset's sha256 is" in err[0] and "put back the dataset file" in err[0], err
+    finally:
+        data.write_text(text)
+    saved = json.loads(config)
+    resolved, saved["resolved"]["prompt_rows"] = dict(saved["resolved"]), [7]
+    (folder / "config.json").write_text(json.dumps(saved, indent=2))
+    assert cli.main(["--resume", str(folder), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"its prompts are dataset rows {resolved['prompt_rows']}, not [7]" in err[0], err
+    assert (folder / "samples.jsonl").read_text() == rows[0] + "\n" and not (folder / "resumes.json").exists()
+    (folder / "config.json").write_text(config)
     assert cli.main(["--resume", str(folder), "--quiet"]) == 0
 
 

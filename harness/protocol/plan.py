@@ -178,13 +178,30 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
                          "(its config.json supplies every setting: --resume DIR alone continues it)")
 
 
-def check_unfinished(plan: "RunPlan", folder: str, done: set, qids: list[int], launched: bool) -> None:
-    """--resume of a finished run (every (round, arm, prompt) decode in its rows and its summary.json written,
-    which the run does last): nothing would run, and the run's records would be rewritten (env.json with this
-    machine, the tables labelled resumed): refused. A run that stopped after its last decode but before its summary
-    (the T=0 marks, the report) resumes, and finishes those. (A torchrun rank decides nothing alone: each rank's
-    share is checked only in a single process.)"""
-    if not plan.resume or launched or not os.path.isfile(os.path.join(folder, "summary.json")):
+def check_unfinished(plan: "RunPlan", folder: str, done: set, samples: list, mine: list, launched: bool) -> None:
+    """--resume, before any model loads. Of other prompts than the run started with (its dataset file changed:
+    the sha256 in config.json resolved.dataset; or other rows of it: resolved.prompt_rows, where recorded): the
+    rows of two prompt sets would make one table: refused. Of a finished run (every (round, arm, prompt) decode in
+    its rows and its summary.json written, which the run does last): nothing would run, and the run's records would
+    be rewritten (env.json with this machine, the tables labelled resumed): refused. A run that stopped after its
+    last decode but before its summary (the T=0 marks, the report) resumes, and finishes those. (A torchrun rank
+    decides nothing alone: each rank's share, `mine`, is checked only in a single process.)"""
+    if not plan.resume:
+        return
+    saved = saved_resolved(folder)
+    before, now = (saved.get("dataset") or {}).get("sha256"), None
+    if before:
+        from harness.protocol.data import dataset_provenance
+        now = dataset_provenance(plan.config.dataset, plan.config.data_dir).get("sha256")
+    planned, rows = saved.get("prompt_rows"), [s.row for s in samples]
+    if (before and now and now != before) or (planned is not None and list(planned) != rows):
+        what = (f"the dataset's sha256 is {now[:12]}, not {before[:12]}" if before and now and now != before else
+                f"its prompts are dataset rows {rows[:6]}, not {list(planned)[:6]}")
+        raise UsageError(f"--resume {folder}: {what} (config.json resolved.dataset and prompt_rows), so its "
+                         "tables would mix two prompt sets; put back the dataset file it started with, or start a new "
+                         "run")
+    qids = [q for q, _ in mine]
+    if launched or not os.path.isfile(os.path.join(folder, "summary.json")):
         return
     rounds = list(range(1, plan.rounds + 1))
     if qids and complete_rounds(done, rounds, plan.arm_names, qids) == rounds:

@@ -213,7 +213,7 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
     mine, rows_path = shard.mine(samples), shard.rows_path(folder)
     done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(plan.resume))}
-    check_unfinished(plan, folder, done, [q for q, _ in mine], shard.launched)  # before any model loads
+    check_unfinished(plan, folder, done, samples, mine, shard.launched)  # before any model loads
     models = load_models(plan, samples, choose_ops(plan), watch,  # first turns with no room to speculate: refused
                          rendered=lambda _, firsts: check_room(plan, samples, firsts))
     target = models.target
