@@ -361,8 +361,8 @@ def main(argv: list[str] | None = None) -> int:
                                               "(with --rebuild: samples.jsonl.gz and config.json)")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--rebuild", action="store_true", help="first recompute each folder's tables, plots and "
-                   "summary.json from its samples.jsonl.gz (or plain samples.jsonl, or a torchrun run's samples.rank{r}.jsonl) "
-                   "and config.json (an interrupted run's: its complete rounds)")
+                   "summary.json from its samples.jsonl.gz (or plain samples.jsonl, or a torchrun run's "
+                   "samples.rank{r}.jsonl) and config.json (an interrupted run's: its complete rounds)")
     ns = p.parse_args(argv)
 
     def work():
