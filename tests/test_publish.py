@@ -161,7 +161,8 @@ def test_rebuild_works_from_samples_and_config_alone(tmp_path, capsys):
     assert report.main(["--rebuild", str(folder)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no samples.jsonl.gz; --rebuild recomputes a run's tables from its " \
-        "samples.jsonl.gz (or plain samples.jsonl, or a torchrun run's samples.rank{r}.jsonl) and config.json" in err, err
+        "samples.jsonl.gz (or plain samples.jsonl, or a torchrun run's samples.rank{r}.jsonl) and config.json" \
+        in err, err
 
 
 def test_rebuild_of_an_interrupted_run_keeps_to_its_complete_rounds(tmp_path, capsys, no_plots):
@@ -259,7 +260,14 @@ def test_rebuild_reads_a_torchrun_runs_rows_of_every_rank(tmp_path, capsys, no_p
     (folder / "summary.json").unlink()
     capsys.readouterr()
     assert report.main(["--rebuild", str(folder)]) == 2
-    assert "no complete round in its rows" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no samples.rank1.jsonl of its 2 ranks' rows" in err and \
+        "torchrun --nproc-per-node 2 benchmark_compile_all.py --resume" in err, err
+    # where the rank files are all there but a prompt was never decoded, the planned prompts still leave no round
+    (folder / "samples.rank1.jsonl").write_text("")
+    assert report.main(["--rebuild", str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no complete round in its rows" in err and "torchrun --nproc-per-node 2" in err
 
 
 def test_rebuild_keeps_what_the_runner_added_beside_the_rows(tmp_path, capsys):

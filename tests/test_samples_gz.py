@@ -44,7 +44,8 @@ def test_a_legacy_plain_folder_is_read_and_a_plain_file_beside_the_gz_wins(tmp_p
     assert results_io.read_folder_rows(tmp_path) == ROWS[:1]
     (tmp_path / "samples.jsonl.gz").unlink()
     assert results_io.rows_file(tmp_path) is None
-    with pytest.raises(UsageError, match=r"no samples.jsonl.gz \(nor a plain samples.jsonl\)"):
+    with pytest.raises(UsageError, match=r"no samples.jsonl.gz \(nor a plain samples.jsonl, nor a torchrun run's "
+                       r"samples.rank\{r\}.jsonl\)"):
         results_io.read_folder_rows(tmp_path)
 
 

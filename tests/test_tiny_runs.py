@@ -325,7 +325,8 @@ def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_pat
         capsys.readouterr()
         assert cli.main(["--resume", str(folder), "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "the dataset's sha256 is" in err[0] and "put back the dataset file" in err[0], err
+        assert len(err) == 1 and f"the dataset file {data} changed since it started (sha256 " in err[0] and \
+            "put that data back" in err[0], err
     finally:
         data.write_text(text)
     saved = json.loads(config)
@@ -333,9 +334,12 @@ def test_a_resume_with_other_weights_at_the_same_paths_is_refused(files, tmp_pat
     (folder / "config.json").write_text(json.dumps(saved, indent=2))
     assert cli.main(["--resume", str(folder), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"its prompts are dataset rows {resolved['prompt_rows']}, not [7]" in err[0], err
+    assert len(err) == 1 and "this harness picks 1 dataset row(s) for its prompts, the run planned 1 (config.json " \
+        f"resolved.prompt_rows), first apart at question id 0 ({resolved['prompt_rows'][0]} against 7)" in err[0], err
     assert (folder / "samples.jsonl").read_text() == rows[0] + "\n" and not (folder / "resumes.json").exists()
-    (folder / "config.json").write_text(config)
+    # a folder written before runs recorded either (no prompt_rows, no dataset sha256) resumes unchecked
+    del saved["resolved"]["prompt_rows"], saved["resolved"]["dataset"]["sha256"]
+    (folder / "config.json").write_text(json.dumps(saved, indent=2))
     assert cli.main(["--resume", str(folder), "--quiet"]) == 0
 
 

@@ -179,27 +179,15 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
 
 
 def check_unfinished(plan: "RunPlan", folder: str, done: set, samples: list, mine: list, launched: bool) -> None:
-    """--resume, before any model loads. Of other prompts than the run started with (its dataset file changed:
-    the sha256 in config.json resolved.dataset; or other rows of it: resolved.prompt_rows, where recorded): the
-    rows of two prompt sets would make one table: refused. Of a finished run (every (round, arm, prompt) decode in
-    its rows and its summary.json written, which the run does last): nothing would run, and the run's records would
-    be rewritten (env.json with this machine, the tables labelled resumed): refused. A run that stopped after its
-    last decode but before its summary (the T=0 marks, the report) resumes, and finishes those. (A torchrun rank
-    decides nothing alone: each rank's share, `mine`, is checked only in a single process.)"""
+    """--resume, before any model loads. Of other prompts than the run started with: refused (check_resume_prompts).
+    Of a finished run (every (round, arm, prompt) decode in its rows and its summary.json written, which the run
+    does last): nothing would run, and the run's records would be rewritten (env.json with this machine, the tables
+    labelled resumed): refused. A run that stopped after its last decode but before its summary (the T=0 marks, the
+    report) resumes, and finishes those. (A torchrun rank decides nothing alone: each rank's share, `mine`, is
+    checked only in a single process.)"""
     if not plan.resume:
         return
-    saved = saved_resolved(folder)
-    before, now = (saved.get("dataset") or {}).get("sha256"), None
-    if before:
-        from harness.protocol.data import dataset_provenance
-        now = dataset_provenance(plan.config.dataset, plan.config.data_dir).get("sha256")
-    planned, rows = saved.get("prompt_rows"), [s.row for s in samples]
-    if (before and now and now != before) or (planned is not None and list(planned) != rows):
-        what = (f"the dataset's sha256 is {now[:12]}, not {before[:12]}" if before and now and now != before else
-                f"its prompts are dataset rows {rows[:6]}, not {list(planned)[:6]}")
-        raise UsageError(f"--resume {folder}: {what} (config.json resolved.dataset and prompt_rows), so its "
-                         "tables would mix two prompt sets; put back the dataset file it started with, or start a new "
-                         "run")
+    check_resume_prompts(plan, folder, [s.row for s in samples])
     qids = [q for q, _ in mine]
     if launched or not os.path.isfile(os.path.join(folder, "summary.json")):
         return
@@ -208,6 +196,32 @@ def check_unfinished(plan: "RunPlan", folder: str, done: set, samples: list, min
         raise UsageError(f"--resume {folder}: the run is finished (every decode in its rows, its summary.json "
                          f"written), so there is nothing to run; to rewrite its tables, python -m "
                          f"harness.protocol.report --rebuild {folder}")
+
+
+def check_resume_prompts(plan: "RunPlan", folder: str, rows: list[int]) -> None:
+    """--resume on other prompts than the run started with would put two prompt sets' rows in one table: refused
+    when the dataset's sha256 differs from config.json's resolved.dataset (a local file edited, or an unpinned hub
+    dataset that changed) or the rows chosen differ from its resolved.prompt_rows (the same file, another choice of
+    rows: another harness version's subset). A folder written before either was recorded is not checked for it."""
+    saved = saved_resolved(folder)
+    before = (saved.get("dataset") or {}).get("sha256")
+    if before:
+        from harness.protocol.data import dataset_provenance
+        now = dataset_provenance(plan.config.dataset, plan.config.data_dir)
+        if now.get("sha256") and now["sha256"] != before:
+            what = (f"the dataset file {now['file']} changed since it started" if now["source"] == "local" else
+                    f"the hub dataset {now['repo']} (revision {now['revision']}) changed since it started")
+            raise UsageError(f"--resume {folder}: {what} (sha256 {now['sha256'][:12]}, not {before[:12]} as "
+                             "config.json resolved.dataset records), so its tables would mix two prompt sets; put "
+                             "that data back, or start a new run")
+    planned = saved.get("prompt_rows")
+    if planned is not None and list(planned) != rows:
+        i = next((i for i, (a, b) in enumerate(zip(planned, rows)) if a != b), min(len(planned), len(rows)))
+        raise UsageError(f"--resume {folder}: this harness picks {len(rows)} dataset row(s) for its prompts, the run "
+                         f"planned {len(planned)} (config.json resolved.prompt_rows), first apart at question id {i} "
+                         f"({rows[i] if i < len(rows) else 'none'} against "
+                         f"{planned[i] if i < len(planned) else 'none'}), so its tables would mix two prompt sets; "
+                         "resume it with the harness version that started it, or start a new run")
 
 
 def check_room(plan: "RunPlan", samples, firsts) -> None:

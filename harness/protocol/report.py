@@ -311,14 +311,22 @@ def rebuildable(folder: str) -> tuple[dict, list[dict], list[int], list[int]]:
     if rows_file(Path(folder)) is None and not rank_rows_files(folder):
         raise UsageError(f"{folder}: no {ROWS}; {need}")
     rows, saved = read_folder_rows(Path(folder)), config.get("resolved") or {}
+    world = int((saved.get("distributed") or {}).get("world_size") or 0)
+    ranks = [] if rows_file(Path(folder)) else rank_rows_files(folder)
+    lost = [r for r in range(world) if Path(folder, f"samples.rank{r}.jsonl") not in ranks] if ranks else []
+    if lost:  # the rows of a torchrun run rank 0 never merged, one file short: its prompts would go missing
+        raise UsageError(f"{folder}: no samples.rank{lost[0]}.jsonl of its {world} ranks' rows, so its prompts' "
+                         "decodes are lost; put that file back, or continue the run: "
+                         f"torchrun --nproc-per-node {world} benchmark_compile_all.py --resume {folder}")
     _checked(rows)  # a malformed row's one line before the rounds are read from the rows
     rounds = list(range(1, saved["rounds"] + 1)) if saved.get("rounds") else sorted({r["round"] for r in rows})
     done = {(r["round"], r["arm"], r["question_id"]) for r in rows}
     qids = run_prompts(folder, saved.get("prompt_rows"), rows)  # the planned prompts where config.json names them
     kept = complete_rounds(done, rounds, saved.get("arms") or {a for _, a, _ in done}, qids)
     if not kept:
+        launch = f"torchrun --nproc-per-node {world}" if world else "python3"
         raise UsageError(f"{folder}: no complete round in its rows (every arm's decode of every prompt), so nothing "
-                         f"to summarize; continue the run: benchmark_compile_all.py --resume {folder}")
+                         f"to summarize; continue the run: {launch} benchmark_compile_all.py --resume {folder}")
     return config, rows, rounds, kept
 
 
@@ -358,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m harness.protocol.report", description="One table over several results folders "
                "(rows = datasets), one per target and protocol (harness.protocol.merge).")
     p.add_argument("folders", nargs="+", help="results folders, each with summary.json and config.json "
-                                              "(with --rebuild: samples.jsonl.gz and config.json)")
+                                              "(with --rebuild: the rows and config.json)")
     p.add_argument("--out", help="also write the table to this markdown file")
     p.add_argument("--rebuild", action="store_true", help="first recompute each folder's tables, plots and "
                    "summary.json from its samples.jsonl.gz (or plain samples.jsonl, or a torchrun run's "

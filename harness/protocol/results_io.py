@@ -61,10 +61,14 @@ def read_folder_rows(folder: str | os.PathLike) -> list[dict]:
                          " a run writes its rows there")
     from harness.protocol.rounds import run_order
     try:
-        order = json.loads((Path(folder) / "config.json").read_text())["resolved"]["rotation"]
+        order = json.loads((Path(folder) / "config.json").read_text())["resolved"]["rotation"] or []
     except (OSError, ValueError, KeyError, TypeError):
         order = []  # no rotation recorded: by round, question id and turn
-    return run_order([r for p in ranks for r in read_rows(p)], order)
+    rows = [r for p in ranks for r in read_rows(p)]
+    try:
+        return run_order(rows, order)
+    except TypeError:  # a malformed row (a null or text round, say): as read, for the report's one-line check
+        return rows
 
 
 def rows_text(rows: list[dict]) -> str:
