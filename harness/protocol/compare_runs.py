@@ -30,6 +30,7 @@ from harness.protocol.merge import GROUP_KEYS, digests
 from harness.protocol.metrics import paired_tau_ci, tau_over_replicates
 from harness.protocol.replicates import replicate_rounds, tau_matrices
 
+
 def load(folder: str) -> dict:
     """The folder as the report reads it (summary.json and config.json checked), with its rows."""
     from harness.protocol.report import load_folder

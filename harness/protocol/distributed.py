@@ -29,6 +29,7 @@ import os
 from datetime import timedelta
 
 from core.errors import UsageError
+from harness.protocol.rounds import run_order
 
 LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # The final gather waits for the slowest rank: shards of a long benchmark may finish hours apart. A rank that dies
@@ -188,7 +189,6 @@ class Shard:
         if not self.main:
             return None
         self.info = {"ranks": [info for _, _, info in sorted(parts, key=lambda p: p[0])]}
-        from harness.protocol.rounds import run_order
         return run_order([r for _, part, _ in parts for r in part], order)
 
     def close(self) -> None:

@@ -308,11 +308,12 @@ def rebuildable(folder: str) -> tuple[dict, list[dict], list[int], list[int]]:
     need = (f"--rebuild recomputes a run's tables from its {ROWS} (or plain samples.jsonl, or a torchrun run's "
             "samples.rank{r}.jsonl) and config.json")
     config = _read_json(folder, "config.json", need)
-    if rows_file(Path(folder)) is None and not rank_rows_files(folder):
+    merged = rows_file(Path(folder))
+    ranks = [] if merged else rank_rows_files(folder)  # a torchrun run's rows, where rank 0 never merged them
+    if merged is None and not ranks:
         raise UsageError(f"{folder}: no {ROWS}; {need}")
     rows, saved = read_folder_rows(Path(folder)), config.get("resolved") or {}
     world = int((saved.get("distributed") or {}).get("world_size") or 0)
-    ranks = [] if rows_file(Path(folder)) else rank_rows_files(folder)
     lost = [r for r in range(world) if Path(folder, f"samples.rank{r}.jsonl") not in ranks] if ranks else []
     if lost:  # the rows of a torchrun run rank 0 never merged, one file short: its prompts would go missing
         raise UsageError(f"{folder}: no samples.rank{lost[0]}.jsonl of its {world} ranks' rows, so its prompts' "

@@ -15,6 +15,7 @@ import zlib
 from pathlib import Path
 
 from core.errors import UsageError
+from harness.protocol.rounds import run_order
 
 _REPO = Path(__file__).resolve().parents[2]
 COMMIT_FILE = ".xb_commit"  # harness/lab/device_tree.sh stash writes it: the commit of a tree copied without .git
@@ -59,7 +60,6 @@ def read_folder_rows(folder: str | os.PathLike) -> list[dict]:
     if not ranks:
         raise UsageError(f"{folder}: no {ROWS} (nor a plain {LIVE_ROWS}, nor a torchrun run's samples.rank{{r}}.jsonl);"
                          " a run writes its rows there")
-    from harness.protocol.rounds import run_order
     try:
         order = json.loads((Path(folder) / "config.json").read_text())["resolved"]["rotation"] or []
     except (OSError, ValueError, KeyError, TypeError):
