@@ -163,6 +163,19 @@ def test_a_summary_older_than_its_rows_is_refused_not_crashed(runs, tmp_path, ca
     assert "Markov's τ rounds [2] lack rows of some prompt" in err and "--rebuild" in err and err.count("\n") == 1
 
 
+def test_another_dataset_file_is_refused_even_with_the_same_rows_and_tokens(runs, tmp_path, capsys):
+    """An edited prompt file can keep every row's token count: config.json's recorded sha256 tells them apart."""
+    other = tmp_path / "other"
+    shutil.copytree(runs["b0"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    before = cfg["resolved"]["dataset"]["sha256"]
+    cfg["resolved"]["dataset"]["sha256"] = "f" * 64
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert compare_runs.main([runs["a0"], str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"sha256 {before[:12]} and ffffffffffff" in err and err.count("\n") == 1
+
+
 def test_scripted_acceptance_is_not_compared(runs, capsys):
     assert compare_runs.main([runs["scripted"], runs["scripted"]]) == 2
     assert "scripted its acceptance" in capsys.readouterr().err

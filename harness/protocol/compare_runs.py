@@ -12,8 +12,8 @@ the same text, so each run gives its one τ round (summary.json's tau_rounds), a
 Refused before anything is compared: a run with scripted acceptance (its τ was set, not measured), and runs
 that differ in what changes τ other than the weights: the temperature, the facts the merged report groups by
 (model, quantization, device, dtype, kernels, max_new_tokens, the reference's accounting, the draft temperature,
-CUDA graphs, compiling, top-C), the block size, the settings in SETTINGS and the context limit, or the prompts (each
-first turn's dataset row and token count). Only τ is compared: the two runs' rounds were not interleaved, so their
+CUDA graphs, compiling, top-C), the block size, the settings in SETTINGS and the context limit, or the prompts (the
+dataset file's sha256 where both recorded it, and each first turn's dataset row and token count). Only τ is compared: the two runs' rounds were not interleaved, so their
 times do not pair; each run's speedup over its own AR is the speed comparison (its table).
 """
 from __future__ import annotations
@@ -72,6 +72,11 @@ def check_same(base: dict, new: dict) -> list[int]:
     if base["dataset"] != new["dataset"]:
         raise UsageError(f"compare_runs: the runs decoded different datasets ({base['dataset']} and "
                          f"{new['dataset']}); compare runs of one --dataset")
+    hb, hn = (((r["config"].get("resolved") or {}).get("dataset") or {}).get("sha256") for r in (base, new))
+    if hb and hn and hb != hn:  # same rows and token counts can still be other text (an edited file)
+        raise UsageError(f"compare_runs: the runs read different {base['dataset']} data (sha256 {hb[:12]} and "
+                         f"{hn[:12]} in config.json resolved.dataset), so their prompts differ; compare runs of one "
+                         "dataset file")
     pb, pn = _prompts(base), _prompts(new)
     if pb != pn:
         q = next((q for q in sorted(set(pb) | set(pn)) if pb.get(q) != pn.get(q)))
