@@ -2,6 +2,7 @@
 sweeps_gpu.sh). The device tool ends a call when the command's output pipe closes; a job launched as
 `(cd DIR && setsid nohup CMD > LOG &)` left the backgrounded and-list's shell holding that pipe until the job ended,
 so every `start` call of 2026-12-06 ran to its limit (60 s of device time a call, the log's tail never shown)."""
+import json
 import os
 import re
 import shutil
@@ -129,6 +130,36 @@ def test_jobhead_swaps_the_jobs_head_into_the_shipped_folder(tmp_path):
     assert (w / "JOBHEAD").read_text().splitlines() == [
         f"xpress: the job's export/xpress ({tmp_path / 'xrun'}), not the shipped head",
         f"markov: the job's export/markov_gated ({tmp_path / 'xrun'}), not the shipped head"]
+
+
+def test_warmheads_puts_the_shipped_heads_beside_the_warm_drafter_for_the_continue_preset(tmp_path):
+    """`warmheads` copies the shipped heads and their heads.json next to the warm drafter, keeping the warm
+    export's manifest.json; smollm2-gpu-heads-continue then warm-starts each head from the slot heads.json gives its
+    name (markov/ for markov_gated). Refused before `warm`, and when the carry lacks a head."""
+    from training.config import load_config
+    from training.warm import source
+    script, env = _copy_script(tmp_path / "repo"), _weights(tmp_path)
+    heads = {"shipped": {"drafter": "weights/smollm2-135m/drafter", "xpress": "xpress", "markov": "markov_gated"}}
+    (tmp_path / "gpu4" / "shipped" / "heads.json").write_text(json.dumps(heads))
+    (tmp_path / "gpu4" / "shipped" / "manifest.json").write_text('{"shipped drafter": 1}')
+    run = lambda *a: subprocess.run(["bash", str(script), *a], capture_output=True, text=True, env=env, timeout=60)
+    warm = tmp_path / "warm"
+    shutil.move(warm / "drafter", tmp_path / "away")
+    r = run("warmheads")
+    assert r.returncode == 3 and "run warm first" in r.stderr
+    shutil.move(tmp_path / "away", warm / "drafter")
+    shutil.move(tmp_path / "gpu4" / "shipped" / "markov", tmp_path / "away")
+    r = run("warmheads")
+    assert r.returncode == 3 and "shipped/markov is missing" in r.stderr
+    shutil.move(tmp_path / "away", tmp_path / "gpu4" / "shipped" / "markov")
+    r = run("warmheads")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in warm.iterdir()) == ["drafter", "heads.json", "manifest.json", "markov", "xpress"]
+    assert (warm / "manifest.json").read_text() == "{}"  # the warm export's, not the shipped drafter's
+    cfg = load_config("smollm2-gpu-heads-continue", [f"train.warm_start={warm}"])
+    assert cfg["train"]["warm_mode"] == "restart"
+    assert source(cfg, "xpress") == warm / "xpress" and source(cfg, "markov_gated") == warm / "markov"
+    assert source(cfg, "markov_vanilla") is None
 
 
 @pytest.mark.parametrize("tres", [None, "res2"])

@@ -190,7 +190,7 @@ def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(data, tmp_path, ca
     ("train.total_seq_len=0", "train.total_seq_len must be an integer >= 1"),
     ("train.val_batches=-1", "train.val_batches must be an integer >= 0"),
     ("train.eval_share=2", "train.eval_share must be a fraction in [0, 1]"),
-    ("train.warm_start=/no/such/export", "not an export folder"),
+    ("train.warm_start=/no/such/export", "neither an export folder (manifest.json) nor shipped weights"),
     ("train.loss_impl=liger", "train.loss_impl 'liger': use one of auto, fused, eager"),
     ("train.loss_impl=fused", "fused runs on CUDA only"),
     ("acceptance.dtype=fp8", "acceptance.dtype 'fp8': use auto or one of"),

@@ -68,6 +68,40 @@ def test_ship_takes_the_drafter_from_the_heads_folder_and_it_decodes(runs):
     assert got == want
 
 
+def test_shipped_heads_continue_on_a_drafter_under_the_names_their_ship_manifest_gives(runs, tmp_path):
+    """train.warm_start = a shipped folder: each head starts from the slot whose model has its name in the ship
+    manifest (heads.json, as weights/smollm2-135m has it: markov/ holds the model markov_gated), on its init_from
+    drafter's frozen backbone. At lr 1e-30 (the config takes no 0) a step moves a weight by about 1e-30, far below
+    fp32's resolution at the weights' magnitudes, so each head ends as it started: the shipped tensors, where a head
+    not loaded from its slot would differ from them by its random initialisation."""
+    from core.checkpoints import read_tensors, shard_files
+    from safetensors.torch import load_file
+    from training.ship import ship
+    shipped = tmp_path / "shipped"
+    ship(runs / "work", shipped)
+    manifest = json.loads((shipped / "manifest.json").read_text())
+    manifest["shipped"]["markov"] = "markov_gated"  # the name the shipped weights' heads run gave its Markov head
+    (shipped / "heads.json").write_text(json.dumps(manifest))
+    cfg = json.loads((runs / "cfg.json").read_text())  # the heads run's: same target and data, so its stages hold
+    cfg["models"] = {"xpress": cfg["models"]["xpress"], "markov_gated": cfg["models"]["markov"]}
+    for m in cfg["models"].values():
+        m["lr"] = 1e-30
+    cfg["train"].update(warm_start=str(shipped), warm_mode="restart")
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    work = tmp_path / "work"
+    shutil.copytree(runs / "work", work, ignore=lambda d, names: ["train", "export"] if d == str(runs / "work") else [])
+    assert run_cli("train", "--config", tmp_path / "cfg.json", "--workdir", work) == 0
+    backbone = read_tensors(shard_files(runs / "warm" / "drafter", "warm"))
+    for name, slot in (("xpress", "xpress"), ("markov_gated", "markov")):
+        m = json.loads((work / "train" / name / "manifest.json").read_text())
+        start = json.loads((shipped / slot / "train_state.json").read_text())["global_step"]
+        assert m["complete"] and m["global_step"] > start  # counted on from the shipped head's step
+        final = load_file(str(work / "train" / name / m["final"] / "model.safetensors"))
+        head = read_tensors(shard_files(shipped / slot, slot))
+        for k, v in {**head, **backbone}.items():
+            assert torch.allclose(final[k], v.to(final[k].dtype), rtol=0, atol=1e-20), (name, k)
+
+
 def test_bad_init_from_folders_are_refused_before_loading(runs, tmp_path):
     from training.config import load_config
 

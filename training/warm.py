@@ -36,9 +36,31 @@ STATE = "train_state.json"
 
 
 def source(cfg: dict, name: str) -> Path | None:
+    """The folder models.NAME starts from: `<warm_start>/NAME`, or, in a shipped weights folder (training.ship's
+    output: weights/smollm2-135m), the slot its ship manifest says held a model of that name (`markov/` for the
+    model `markov_gated`), so shipped heads continue on another drafter under their own names."""
     root = cfg["train"]["warm_start"]
-    d = Path(root) / name if root else None
-    return d if d is not None and (d / "config.json").is_file() else None
+    if not root:
+        return None
+    for d in (Path(root) / name, *(Path(root) / slot for slot in shipped_slots(Path(root), name))):
+        if (d / "config.json").is_file():
+            return d
+    return None
+
+
+SHIP_MANIFESTS = ("heads.json", "manifest.json")  # a shipped folder's (weights/smollm2-135m), then ship's own output's
+
+
+def shipped_slots(root: Path, name: str) -> list[str]:
+    """The slots (drafter, xpress, markov) of a shipped folder that training.ship filled from the model NAME."""
+    for f in SHIP_MANIFESTS:
+        try:
+            shipped = json.loads((root / f).read_text()).get("shipped")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(shipped, dict):
+            return [slot for slot, model in shipped.items() if model == name and slot != name]
+    return []
 
 
 def identity(cfg: dict, name: str) -> list | None:

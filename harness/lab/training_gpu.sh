@@ -11,6 +11,8 @@
 #            bash harness/lab/training_gpu.sh warm             # carry .gpu3 (with a warm start only): keeps it
 #            bash harness/lab/training_gpu.sh data DIR NAME    # carry DIR (pieces of `python -m training.travel
 #                                                              # pack`): stages made in an earlier session
+#            bash harness/lab/training_gpu.sh warmheads        # carry .gpu4 (after warm): the shipped heads beside
+#                                                              # the warm drafter, for smollm2-gpu-heads-continue
 #            bash harness/lab/training_gpu.sh cache            # carry .gpu5 (when an earlier session brought a
 #                                                              # compile cache back): train.compile_cache loads it
 #            bash harness/lab/training_gpu.sh start [ARGS...]  # carry .gpu2: the GGUF whole, the job started
@@ -142,6 +144,17 @@ case "${1:-}" in
     ;;
   warm)  # its own call: the GGUF's part 2 (47 MB) and a warm export (37 MB) are over 64 MiB together
     rm -rf "$WARM" && cp -r .gpu3/warm "$WARM" && du -sh "$WARM"
+    ;;
+  warmheads)  # carry .gpu4 (`heads` here), after `warm`: the shipped heads beside the warm drafter, so that a heads
+    # config warm-starts them on it (smollm2-gpu-heads-continue; training/warm.py maps markov/ to the model
+    # heads.json names); the warm export's own manifest.json stays
+    [[ -d $WARM/drafter ]] || { echo "error: no warm drafter on this machine ($WARM/drafter); run warm first" >&2; exit 3; }
+    for f in xpress markov heads.json; do
+      [[ -e $SHIPPED_DIR/shipped/$f ]] || { echo "error: $SHIPPED_DIR/shipped/$f is missing: run 'training_gpu.sh" \
+          "heads weights/smollm2-135m' here and carry $SHIPPED_DIR" >&2; exit 3; }
+      rm -rf "${WARM:?}/$f" && cp -r "$SHIPPED_DIR/shipped/$f" "$WARM/"
+    done
+    ls "$WARM"
     ;;
   data)
     dir=${2:?data DIR NAME: the folder of travel pieces}; name=${3:?data DIR NAME: the pack name}
