@@ -106,3 +106,24 @@ def test_the_config_wants_a_path_and_keeps_it_out_of_fingerprints():
     assert model_fingerprint(base, "drafter") == model_fingerprint(withc, "drafter")  # run control
     with pytest.raises(UsageError, match="train.compile_cache must be a file path"):
         load_config("toy", ["train.compile_cache=3"], "/tmp/w")
+
+
+def test_a_loaded_file_with_autotuning_results_is_kept_by_the_next_save():
+    """A GPU run's file holds autotune artifacts, whose encode refuses already-encoded content: recording the loaded
+    artifacts through record_artifact raised there, keep_loaded returned False and the heads' job of 2026-12-07
+    kept the old file, losing what it compiled. Here a file of one autotune and one inductor artifact is loaded into
+    a fresh artifact manager: the merge holds, and a save of this process (which compiled nothing) writes both."""
+    import torch
+    import torch._inductor.codecache  # noqa: F401 (registers the inductor kind)
+    import torch._inductor.runtime.autotune_cache  # noqa: F401 (registers the autotune kind)
+    from torch.compiler._cache import CacheArtifactManager as manager
+    from training import compiling
+    with manager.with_fresh_cache():
+        manager.record_artifact("autotune", "tune-key", {"num_warps": 4})
+        manager.record_artifact("inductor", "graph-key", b"compiled graph")
+        data, _ = manager.serialize()
+    with manager.with_fresh_cache():
+        assert compiling.keep_loaded(data)
+        out, info = torch.compiler.save_cache_artifacts()
+        assert {k: len(v) for k, v in info.artifacts.items()} == {"autotune": 1, "inductor": 1}
+        assert manager.deserialize(out) == manager.deserialize(data)

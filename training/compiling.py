@@ -146,12 +146,18 @@ def keep_loaded(data: bytes) -> bool:
     """save_cache_artifacts (torch 2.13) writes what this process compiled or used from the caches, not what it
     loaded and never used: a heads-only run would save a file without the drafter's graphs. The loaded artifacts are
     recorded again so that every save keeps them (torch.compiler._cache, private: where this torch lacks it, False,
-    and save_cache then never replaces the file with fewer artifacts)."""
+    and save_cache then never replaces the file with fewer artifacts). They are recorded as deserialize returns
+    them: record_artifact would encode their content again, and the autotune kind's encode asserts that its content
+    is not bytes yet (torch 2.13 here), so a GPU run's file, which holds autotuning results, failed the merge (the
+    device's torch 2.11 too: on 2026-12-07 the heads' job kept the drafter's file and lost what the xPress head
+    compiled, 88 s of its first step)."""
     try:
         from torch.compiler._cache import CacheArtifactManager as manager
         for kind, items in (manager.deserialize(data) or {}).items():
             for a in items:
-                manager.record_artifact(kind, a.key, a.content)
+                if a not in manager._seen_artifacts:  # as record_artifact does after encoding
+                    manager._new_cache_artifacts[kind].append(a)
+                    manager._seen_artifacts.add(a)
     except Exception:  # noqa: BLE001 (private API: any change in it only means the merge is off)
         return False
     return True
