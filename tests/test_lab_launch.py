@@ -151,6 +151,7 @@ def test_warmheads_puts_the_shipped_heads_beside_the_warm_drafter_for_the_contin
     shutil.move(tmp_path / "gpu4" / "shipped" / "markov", tmp_path / "away")
     r = run("warmheads")
     assert r.returncode == 3 and "shipped/markov is missing" in r.stderr
+    assert not (warm / "xpress").exists()  # nothing copied before every head is found
     shutil.move(tmp_path / "away", tmp_path / "gpu4" / "shipped" / "markov")
     r = run("warmheads")
     assert r.returncode == 0, r.stderr

@@ -127,3 +127,18 @@ def test_a_loaded_file_with_autotuning_results_is_kept_by_the_next_save():
         out, info = torch.compiler.save_cache_artifacts()
         assert {k: len(v) for k, v in info.artifacts.items()} == {"autotune": 1, "inductor": 1}
         assert manager.deserialize(out) == manager.deserialize(data)
+
+
+def test_a_save_with_fewer_artifacts_than_were_loaded_never_replaces_the_file(tmp_path):
+    """Even where the merge reported success: a save holding fewer artifacts than the loaded file keeps the file."""
+    import torch._inductor.codecache  # noqa: F401 (registers the inductor kind)
+    from torch.compiler._cache import CacheArtifactManager as manager
+    from training import compiling
+    path = tmp_path / "cc.bin"
+    path.write_bytes(b"the loaded file")
+    with manager.with_fresh_cache():
+        manager.record_artifact("inductor", "graph-key", b"compiled graph")
+        for merged, why in ((True, "the merge did not hold"), (False, "cannot carry")):
+            rec = compiling.save_cache(str(path), {"artifacts": {"inductor": 3}, "merged": merged})
+            assert rec["saved_bytes"] == 0 and why in rec["note"] and path.read_bytes() == b"the loaded file"
+        assert compiling.save_cache(str(path), {"artifacts": {"inductor": 1}, "merged": True})["saved_bytes"] > 0

@@ -82,6 +82,7 @@ def test_shipped_heads_continue_on_a_drafter_under_the_names_their_ship_manifest
     manifest = json.loads((shipped / "manifest.json").read_text())
     manifest["shipped"]["markov"] = "markov_gated"  # the name the shipped weights' heads run gave its Markov head
     (shipped / "heads.json").write_text(json.dumps(manifest))
+    (shipped / "manifest.json").unlink()  # heads.json alone makes it a warm-start folder (the config's check)
     cfg = json.loads((runs / "cfg.json").read_text())  # the heads run's: same target and data, so its stages hold
     cfg["models"] = {"xpress": cfg["models"]["xpress"], "markov_gated": cfg["models"]["markov"]}
     for m in cfg["models"].values():
@@ -100,6 +101,45 @@ def test_shipped_heads_continue_on_a_drafter_under_the_names_their_ship_manifest
         head = read_tensors(shard_files(shipped / slot, slot))
         for k, v in {**head, **backbone}.items():
             assert torch.allclose(final[k], v.to(final[k].dtype), rtol=0, atol=1e-20), (name, k)
+
+
+def _ship_folder(root, shipped, slots=("drafter", "xpress", "markov")):
+    for slot in slots:
+        (root / slot).mkdir(parents=True)
+        (root / slot / "config.json").write_text("{}")
+    (root / "heads.json").write_text(shipped if isinstance(shipped, str) else json.dumps({"shipped": shipped}))
+    return root
+
+
+def test_a_slot_is_the_models_its_ship_manifest_names(tmp_path):
+    """A folder named after one model that the ship manifest says holds another is that other's alone (a D-PACE
+    drafter shipped from the model drafter_dpace is not the control drafter's start), so no two models share one; a
+    path as the drafter's entry (an init_from drafter) leaves drafter/ to the model drafter."""
+    from training.warm import source
+    root = _ship_folder(tmp_path / "w", {"drafter": "drafter_dpace", "xpress": "xpress", "markov": "markov_gated"})
+
+    def cfg(*names):
+        return {"train": {"warm_start": str(root)}, "models": {n: {"grow": False} for n in names}}
+
+    c = cfg("drafter", "drafter_dpace", "markov", "markov_gated", "xpress")
+    assert [source(c, n) for n in c["models"]] == [None, root / "drafter", None, root / "markov", root / "xpress"]
+    (root / "heads.json").write_text(json.dumps({"shipped": {"drafter": "weights/x/drafter", "xpress": "xpress"}}))
+    assert source(cfg("drafter"), "drafter") == root / "drafter"
+
+
+@pytest.mark.parametrize("heads, message", [
+    ("{not json", "does not read as JSON"),
+    (json.dumps({"shipped": ["xpress"]}), "must map slot folders"),
+    (json.dumps({"shipped": {"../other/xpress": "xpress"}}), "must map slot folders"),
+])
+def test_a_ship_manifest_that_cannot_be_read_is_refused_with_the_config(tmp_path, heads, message):
+    """Ignored, it would leave a head meant to continue training from scratch; a slot must be a folder of the
+    shipped folder, not a path out of it."""
+    from training.config import load_config
+    root = _ship_folder(tmp_path / "w", heads)
+    with pytest.raises(UsageError, match=message) as e:
+        load_config(str(write_config(tmp_path, tiny_models(heads=False))), [f"train.warm_start={root}"])
+    assert "\n" not in str(e.value)
 
 
 def test_bad_init_from_folders_are_refused_before_loading(runs, tmp_path):

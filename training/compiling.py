@@ -173,9 +173,9 @@ def save_cache(path: str, rec: dict) -> dict:
         return {**rec, "saved_bytes": rec.get("saved_bytes", 0)}
     data, info = out
     saved = {k: len(v) for k, v in info.artifacts.items()}
-    if not rec.get("merged", True) and sum(saved.values()) < sum(rec.get("artifacts", {}).values()):
-        return {**rec, "saved_bytes": 0, "note": "kept the loaded file: this torch cannot carry its unused "
-                                                 "artifacts into a new one, which would hold fewer"}
+    if sum(saved.values()) < sum(rec.get("artifacts", {}).values()):  # merged or not: never a file with fewer
+        why = "the merge did not hold" if rec.get("merged", True) else "this torch cannot carry its unused artifacts"
+        return {**rec, "saved_bytes": 0, "note": f"kept the loaded file: the new one would hold fewer ({why})"}
     p = Path(path)
     tmp = p.with_name(p.name + ".tmp")
     try:

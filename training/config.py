@@ -299,7 +299,7 @@ def validate_steps(cfg: dict) -> None:
         raise UsageError(f"config train.warm_mode {t['warm_mode']!r}: use resume (the same run continued), extend "
                          "(fresh data: its epochs after the warm step, the schedule extended by them) or restart "
                          "(extend with the LR schedule begun anew at the warm step)")
-    if ws is not None and not any((Path(ws) / f).is_file() for f in ("manifest.json", "heads.json")):
+    if ws is not None and not any((repo_path(ws) / f).is_file() for f in ("manifest.json", "heads.json")):
         raise UsageError(f"config train.warm_start {ws}: neither an export folder (manifest.json) nor shipped weights "
                          "(heads.json); give e.g. runs/<config>/export or weights/smollm2-135m")
     grow.check_warm(cfg)

@@ -47,13 +47,15 @@ def check_options(where: str, m: dict) -> None:
 
 
 def check_warm(cfg: dict) -> None:
-    """A grown model starts from init_from at step 0; a warm-start folder for it as well is a contradiction."""
+    """A grown model starts from init_from at step 0; a warm-start folder for it as well is a contradiction. Every
+    model's folder is looked up here, with the config: a ship manifest that cannot be read is refused before loading."""
     from training.warm import source
     for name, m in cfg["models"].items():
-        if m["grow"] and source(cfg, name) is not None:
+        d = source(cfg, name)
+        if m["grow"] and d is not None:
             raise UsageError(f"config models.{name}: grow starts it from init_from at step 0, and train.warm_start "
-                             f"{cfg['train']['warm_start']} has a {name} folder to continue it from; drop one of the "
-                             "two (harness/lab/training_gpu.sh start: WARM_START=0)")
+                             f"has a folder to continue it from ({d}); drop one of the two "
+                             "(harness/lab/training_gpu.sh start: WARM_START=0)")
 
 
 def check_sizes(where: str, m: dict, theirs: dict, source: str, folder: bool) -> None:

@@ -1,6 +1,7 @@
-"""Warm start (`train.warm_start` = an export folder, e.g. what a time-boxed session brought back): each model with
-a folder there starts from its exported weights (bf16, sharded) and continues the LR schedule from the global step
-the export recorded in `<model>/train_state.json` (written by the export stage from the train manifest).
+"""Warm start (`train.warm_start` = an export folder, e.g. what a time-boxed session brought back, or a shipped
+weights folder, whose ship manifest names the model each slot holds): each model with a folder there starts from
+its exported weights (bf16, sharded) and continues the LR schedule from the global step the export recorded in
+`<model>/train_state.json` (written by the export stage from the train manifest).
 
 What a warm restart loses against resuming a checkpoint: the optimizer state (AdamW's first and second moments and
 their step counts: the new optimizer starts them at zero, so its first updates are bias-corrected as a fresh
@@ -36,13 +37,20 @@ STATE = "train_state.json"
 
 
 def source(cfg: dict, name: str) -> Path | None:
-    """The folder models.NAME starts from: `<warm_start>/NAME`, or, in a shipped weights folder (training.ship's
-    output: weights/smollm2-135m), the slot its ship manifest says held a model of that name (`markov/` for the
-    model `markov_gated`), so shipped heads continue on another drafter under their own names."""
+    """The folder models.NAME starts from: `<warm_start>/NAME` (a path absolute or relative to the repository), or,
+    in a shipped weights folder (training.ship's output: weights/smollm2-135m), the slot its ship manifest says held
+    a model of that name (`markov/` for the model `markov_gated`), so shipped heads continue on another drafter under
+    their own names. A slot that held a model of another name is not NAME's, even when named NAME, so no two models
+start from one folder."""
     root = cfg["train"]["warm_start"]
     if not root:
         return None
-    for d in (Path(root) / name, *(Path(root) / slot for slot in shipped_slots(Path(root), name))):
+    from training.store import repo_path
+    root = repo_path(root)
+    shipped = ship_map(root)
+    own = shipped.get(name)
+    mine = [name] if own is None or own == name or "/" in str(own) else []  # a path: the drafter ship took from
+    for d in (root / slot for slot in mine + [s for s, m in shipped.items() if m == name and s != name]):
         if (d / "config.json").is_file():
             return d
     return None
@@ -51,16 +59,28 @@ def source(cfg: dict, name: str) -> Path | None:
 SHIP_MANIFESTS = ("heads.json", "manifest.json")  # a shipped folder's (weights/smollm2-135m), then ship's own output's
 
 
-def shipped_slots(root: Path, name: str) -> list[str]:
-    """The slots (drafter, xpress, markov) of a shipped folder that training.ship filled from the model NAME."""
+def ship_map(root: Path) -> dict:
+    """{slot: the model ship filled it from} of a shipped folder's manifest, or {} for an export folder (whose
+    manifest.json has no "shipped"). One that cannot be read is refused: ignoring it would train a head from scratch
+    that was meant to continue."""
     for f in SHIP_MANIFESTS:
-        try:
-            shipped = json.loads((root / f).read_text()).get("shipped")
-        except (OSError, ValueError, AttributeError):
+        path = root / f
+        if not path.is_file():
             continue
-        if isinstance(shipped, dict):
-            return [slot for slot, model in shipped.items() if model == name and slot != name]
-    return []
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise UsageError(f"train.warm_start: {path} does not read as JSON ({e}); copy the shipped folder "
+                             "again") from None
+        shipped = doc.get("shipped") if isinstance(doc, dict) else None
+        if shipped is None:
+            continue
+        if not isinstance(shipped, dict) or any(not isinstance(s, str) or "/" in s or s in ("", ".", "..")
+                                                for s in shipped):
+            raise UsageError(f"train.warm_start: {path}'s \"shipped\" must map slot folders of {root} to model "
+                             f"names (training.ship writes it), not {shipped!r}")
+        return shipped
+    return {}
 
 
 def identity(cfg: dict, name: str) -> list | None:

@@ -148,12 +148,13 @@ case "${1:-}" in
   warmheads)  # carry .gpu4 (`heads` here), after `warm`: the shipped heads beside the warm drafter, so that a heads
     # config warm-starts them on it (smollm2-gpu-heads-continue; training/warm.py maps markov/ to the model
     # heads.json names); the warm export's own manifest.json stays
-    [[ -d $WARM/drafter ]] || { echo "error: no warm drafter on this machine ($WARM/drafter); run warm first" >&2; exit 3; }
-    for f in xpress markov heads.json; do
+    [[ -d $WARM/drafter ]] || { echo "error: no warm drafter on this machine ($WARM/drafter); run warm first" >&2
+                                exit 3; }
+    for f in xpress markov heads.json; do  # every one checked before any is copied: no half-filled warm folder
       [[ -e $SHIPPED_DIR/shipped/$f ]] || { echo "error: $SHIPPED_DIR/shipped/$f is missing: run 'training_gpu.sh" \
           "heads weights/smollm2-135m' here and carry $SHIPPED_DIR" >&2; exit 3; }
-      rm -rf "${WARM:?}/$f" && cp -r "$SHIPPED_DIR/shipped/$f" "$WARM/"
     done
+    for f in xpress markov heads.json; do rm -rf "${WARM:?}/$f" && cp -r "$SHIPPED_DIR/shipped/$f" "$WARM/"; done
     ls "$WARM"
     ;;
   data)

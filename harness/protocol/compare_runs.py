@@ -13,8 +13,9 @@ Refused before anything is compared: a run with scripted acceptance (its τ was 
 that differ in what changes τ other than the weights: the temperature, the facts the merged report groups by
 (model, quantization, device, dtype, kernels, max_new_tokens, the reference's accounting, the draft temperature,
 CUDA graphs, compiling, top-C), the block size, the settings in SETTINGS and the context limit, or the prompts (the
-dataset file's sha256 where both recorded it, and each first turn's dataset row and token count). Only τ is compared: the two runs' rounds were not interleaved, so their
-times do not pair; each run's speedup over its own AR is the speed comparison (its table).
+dataset file's sha256 where both recorded it, and each first turn's dataset row and token count). Only τ is
+compared: the two runs' rounds were not interleaved, so their times do not pair; each run's speedup over its own AR
+is the speed comparison (its table).
 """
 from __future__ import annotations
 
