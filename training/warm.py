@@ -41,7 +41,7 @@ def source(cfg: dict, name: str) -> Path | None:
     in a shipped weights folder (training.ship's output: weights/smollm2-135m), the slot its ship manifest says held
     a model of that name (`markov/` for the model `markov_gated`), so shipped heads continue on another drafter under
     their own names. A slot that held a model of another name is not NAME's, even when named NAME, so no two models
-start from one folder."""
+    start from one folder."""
     root = cfg["train"]["warm_start"]
     if not root:
         return None
