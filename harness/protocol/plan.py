@@ -178,7 +178,8 @@ def check_resume(cfg: RunConfig, folder: str) -> None:
                          "(its config.json supplies every setting: --resume DIR alone continues it)")
 
 
-def check_unfinished(plan: "RunPlan", folder: str, done: set, samples: list, mine: list, launched: bool) -> None:
+def check_unfinished(plan: "RunPlan", folder: str, done: set, samples: list, mine: list, launched: bool,
+                     provenance: dict) -> None:
     """--resume, before any model loads. Of other prompts than the run started with: refused (check_resume_prompts).
     Of a finished run (every (round, arm, prompt) decode in its rows and its summary.json written, which the run
     does last): nothing would run, and the run's records would be rewritten (env.json with this machine, the tables
@@ -187,7 +188,7 @@ def check_unfinished(plan: "RunPlan", folder: str, done: set, samples: list, min
     checked only in a single process.)"""
     if not plan.resume:
         return
-    check_resume_prompts(plan, folder, [s.row for s in samples])
+    check_resume_prompts(folder, [s.row for s in samples], provenance)
     qids = [q for q, _ in mine]
     if launched or not os.path.isfile(os.path.join(folder, "summary.json")):
         return
@@ -198,16 +199,15 @@ def check_unfinished(plan: "RunPlan", folder: str, done: set, samples: list, min
                          f"harness.protocol.report --rebuild {folder}")
 
 
-def check_resume_prompts(plan: "RunPlan", folder: str, rows: list[int]) -> None:
+def check_resume_prompts(folder: str, rows: list[int], now: dict) -> None:
     """--resume on other prompts than the run started with would put two prompt sets' rows in one table: refused
     when the dataset's sha256 differs from config.json's resolved.dataset (a local file edited, or an unpinned hub
     dataset that changed) or the rows chosen differ from its resolved.prompt_rows (the same file, another choice of
-    rows: another harness version's subset). A folder written before either was recorded is not checked for it."""
+    rows: another harness version's subset). `now`: the dataset's provenance in this process (the one config.json
+    records). A folder written before either was recorded is not checked for it."""
     saved = saved_resolved(folder)
     before = (saved.get("dataset") or {}).get("sha256")
     if before:
-        from harness.protocol.data import dataset_provenance
-        now = dataset_provenance(plan.config.dataset, plan.config.data_dir)
         if now.get("sha256") and now["sha256"] != before:
             what = (f"the dataset file {now['file']} changed since it started" if now["source"] == "local" else
                     f"the hub dataset {now['repo']} (revision {now['revision']}) changed since it started")

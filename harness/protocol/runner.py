@@ -211,9 +211,10 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
     plan = prepare(cfg, device=device, folder=folder, resume=resume)  # the one plan every later step reads
     out = out if shard.main else open(os.devnull, "w")  # rank 0 speaks for the run; errors reach every stderr
     samples = load_samples(cfg.dataset, cfg.data_dir, cfg.max_samples)
+    provenance = dataset_provenance(cfg.dataset, cfg.data_dir)  # once: --resume's check and config.json
     mine, rows_path = shard.mine(samples), shard.rows_path(folder)
     done = {(r["round"], r["arm"], r["question_id"]) for r in shard.done(rows_path, bool(plan.resume))}
-    check_unfinished(plan, folder, done, samples, mine, shard.launched)  # before any model loads
+    check_unfinished(plan, folder, done, samples, mine, shard.launched, provenance)  # before any model loads
     models = load_models(plan, samples, choose_ops(plan), watch,  # first turns with no room to speculate: refused
                          rendered=lambda _, firsts: check_room(plan, samples, firsts))
     target = models.target
@@ -231,9 +232,8 @@ def _run(cfg: RunConfig, out, watch, shard) -> dict | None:
 
     os.makedirs(folder, exist_ok=True)
     config = {**dataclasses.asdict(cfg), "resolved": {
-        **plan.resolved(), "stop_ids": list(models.stops), "rotation": order,
-        "dataset": dataset_provenance(cfg.dataset, cfg.data_dir), "label": label(cfg), "kernels": target.kernels,
-        "prompt_rows": [s.row for s in samples]}}  # question id i is dataset row prompt_rows[i] (report --rebuild)
+        **plan.resolved(), "stop_ids": list(models.stops), "rotation": order, "dataset": provenance, "label":
+        label(cfg), "kernels": target.kernels, "prompt_rows": [s.row for s in samples]}}  # question id i: that row
     shard.annotate(config)
     if not plan.resume and shard.main:
         atomic_write(os.path.join(folder, "config.json"), json.dumps(config, indent=2, default=str))
