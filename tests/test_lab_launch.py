@@ -223,3 +223,24 @@ def test_a_second_tables_job_without_benchmarks_starts_in_its_own_xtab(tmp_path)
     finally:  # a job still waiting for its bench.done (the bug) is released, so nothing is left running
         if xtab.is_dir() and not (xtab / "bench.done").exists():
             (xtab / "bench.done").write_text("rc=released by the test\n")
+
+
+@pytest.mark.parametrize("cell_s, runs", [("", {"gsm8k_t0"}), ("100", {"gsm8k_t0", "gsm8k_t1"}),
+                                          ("150", set())])
+def test_tables_deadline_estimates_a_cell_by_its_temperature(tmp_path, cell_s, runs):
+    """`smollm2_gpu.sh tables 0 1` with 145 s to its DEADLINE, in a copy whose bench_fair_fast.sh only writes the
+    cell: unset, CELL_S is 130 s at T=0 (the cell runs) and 160 s at T=1 (skipped); a set CELL_S holds for both.
+    The old flat 200 s skipped both, as it skipped humaneval and mt-bench with 197 s of 470 unused (2026-12-07)."""
+    repo = tmp_path / "repo"
+    script = _copy_script(repo, "smollm2_gpu.sh")
+    (repo / "bench_fair_fast.sh").write_text('#!/bin/bash\nd="$OUTDIR/${1}_t$2"; mkdir -p "$d" && touch "$d/r" "$d/table.md"\n')
+    (repo / "bench_fair_fast.sh").chmod(0o755)
+    env = dict(os.environ, DATASETS="gsm8k", RES=str(tmp_path / "res"), DEADLINE=str(int(time.time()) + 145))
+    env.pop("CELL_S", None)
+    if cell_s:
+        env["CELL_S"] = cell_s
+    out = subprocess.run(["bash", str(script), "tables", "0", "1"], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    ran = {p.parent.name for p in (tmp_path / "res").glob("*/r")}
+    assert ran == runs, out
+    assert out.count("skipped (deadline)") == 2 - len(runs), out

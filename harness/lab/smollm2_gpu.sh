@@ -33,7 +33,10 @@ HEADS=${HEADS:-xpress markov_vanilla markov_gated}
 # session's device time), a warm torch.compile cache and the data stages already done: see weights/smollm2-135m
 DRAFTER_MIN=${DRAFTER_MIN:-0}
 HEAD_MIN=${HEAD_MIN:-0}
-CELL_S=${CELL_S:-200}  # about 102 s x 1.4 for a T=0 cell of K_LIST=1,2,4 (7 balanced rounds, an estimate)
+# CELL_S: a cell's estimate for DEADLINE, unset: 130 s at T=0 and 160 s at T>0, about 1.4x what cells of K_LIST=1,2,4
+# took on an H100 (2026-12-07: T=0 cells 82-93 s apart in env.json; T=1 about 110 s). The earlier 200 s skipped
+# humaneval and mt-bench on 2026-12-07 with 197 s of a 470 s deadline unused.
+cell_s() { if [[ -n ${CELL_S:-} ]]; then echo "$CELL_S"; elif [[ $1 == 0 ]]; then echo 130; else echo 160; fi; }
 
 stage() { python3 -m training "$@" --config "$CONFIG" --workdir "$WORK"; }
 
@@ -70,7 +73,7 @@ case "${1:-}" in
       for ds in $DATASETS; do
         id="${ds}_t${T}"
         if [[ -f "$RES/$id/summary.json" ]]; then echo "$id: done"; continue; fi
-        if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) + CELL_S > DEADLINE )); then echo "$id: skipped (deadline)"; continue; fi
+        if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) + $(cell_s "$T") > DEADLINE )); then echo "$id: skipped (deadline)"; continue; fi
         extra="--run-id $id ${TABLE_ARGS---kernels triton --batch-invariant}"
         [[ $ds == mt-bench ]] && extra+=" --first-turn-only"
         rm -rf "${RES:?}/$id"

@@ -80,7 +80,7 @@ case "${1:-}" in
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
     export -f bench_job
     (cd "$TCODE" && env $ENVS XPRESS_BENCH_WEIGHTS=$TW/smollm2-135m RES=$R DEADLINE=$deadline \
-        TABLE_ARGS="${TABLE_ARGS---kernels triton --batch-invariant}" CELL_S=${CELL_S:-200} setsid nohup bash -c \
+        TABLE_ARGS="${TABLE_ARGS---kernels triton --batch-invariant}" CELL_S=${CELL_S:-} setsid nohup bash -c \
         'while [[ ! -f '$J'/bench.done ]]; do sleep 2; done; bash harness/lab/smollm2_gpu.sh tables '"$ts"';
          echo "rc=$?" > '$J'/tables.done
          if [[ -z ${NOBENCH:-} ]] && (( $(date +%s) + 240 < DEADLINE )); then bench_job qwen3-8b; fi' \
