@@ -63,3 +63,14 @@ def no_plots(monkeypatch):
     plots-interrupted resume); the torchrun/accelerate runs of test_distributed draw theirs, unread."""
     from harness.protocol import report
     monkeypatch.setattr(report, "write_plots", lambda *a, **k: [])
+
+
+@pytest.fixture(scope="module")
+def no_plots_module():
+    """no_plots for a whole module, its module fixtures' runs included (test_compare_runs' nine CLI runs drew about
+    1.4 s of plots each, and matplotlib's first figure in a process costs about 3.5 s more, on the 2-core machine,
+    2026-12-07): for modules whose checks read no plot."""
+    from harness.protocol import report
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(report, "write_plots", lambda *a, **k: [])
+        yield

@@ -13,7 +13,7 @@ from drafters.dflash import save_dflash
 from tiny import save_tiny_checkpoint, tiny_drafter, tiny_target
 
 # tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_plots_module")
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import benchmark_compile_all as cli
 from tiny import write_run_fixture
 
 # tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_plots_module")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import benchmark_compile_all as cli
 from harness.protocol import compare_runs, report, results_io
 from tiny import write_run_fixture
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_plots_module")
 
 PROMPTS = [{"turns": ["Add 2 and 3."]}, {"turns": ["Name a colour."]}, {"turns": ["Count to four."]}]
 

@@ -15,7 +15,7 @@ from harness.protocol.results_io import read_folder_rows
 from tiny import write_run_fixture
 
 # tiny shapes: one intra-op thread (conftest.one_thread), as the other tiny-model modules run
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "no_plots_module")
 
 
 PLANT = 3  # the new token at which the target double plants its divergence

@@ -16,6 +16,7 @@ from harness.protocol.flags import parse_args
 from harness.protocol.presets import ByteTokenizer
 
 RANDOM = ["--random-weights", "tiny", "--dataset", "mini", "--device", "cpu"]
+pytestmark = pytest.mark.usefixtures("no_plots_module")  # no check here reads a plot
 
 
 @pytest.fixture()

@@ -131,7 +131,7 @@ def test_the_shipped_heads_fit_the_drafter():
     assert load_refiner_checkpoint(w / "markov", "markov").variant == "gated"
 
 
-def test_the_embedded_default_is_lossless_and_accepts_with_the_shipped_weights(smollm2, tmp_path):
+def test_the_embedded_default_is_lossless_and_accepts_with_the_shipped_weights(smollm2, tmp_path, no_plots):
     """The main job's models on CPU fp32 (2 gsm8k prompts, 16 tokens; the warmup decodes as many): every arm's
     output equals AR's, and the trained drafter accepts (random weights give tau ~1.0; the shipped drafter's
     held-out tau is about 2.8; here, measured with the step-3,588 weights: 3.75 for drafter-only, Markov and xPress K=2)."""
