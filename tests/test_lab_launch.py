@@ -233,7 +233,8 @@ def test_tables_deadline_estimates_a_cell_by_its_temperature(tmp_path, cell_s, r
     The old flat 200 s skipped both, as it skipped humaneval and mt-bench with 197 s of 470 unused (2026-12-07)."""
     repo = tmp_path / "repo"
     script = _copy_script(repo, "smollm2_gpu.sh")
-    (repo / "bench_fair_fast.sh").write_text('#!/bin/bash\nd="$OUTDIR/${1}_t$2"; mkdir -p "$d" && touch "$d/r" "$d/table.md"\n')
+    (repo / "bench_fair_fast.sh").write_text('#!/bin/bash\nd="$OUTDIR/${1}_t$2"\n'
+                                             'mkdir -p "$d" && touch "$d/r" "$d/table.md"\n')
     (repo / "bench_fair_fast.sh").chmod(0o755)
     env = dict(os.environ, DATASETS="gsm8k", RES=str(tmp_path / "res"), DEADLINE=str(int(time.time()) + 145))
     env.pop("CELL_S", None)

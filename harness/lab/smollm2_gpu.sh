@@ -73,7 +73,9 @@ case "${1:-}" in
       for ds in $DATASETS; do
         id="${ds}_t${T}"
         if [[ -f "$RES/$id/summary.json" ]]; then echo "$id: done"; continue; fi
-        if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) + $(cell_s "$T") > DEADLINE )); then echo "$id: skipped (deadline)"; continue; fi
+        if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) + $(cell_s "$T") > DEADLINE )); then
+          echo "$id: skipped (deadline)"; continue
+        fi
         extra="--run-id $id ${TABLE_ARGS---kernels triton --batch-invariant}"
         [[ $ds == mt-bench ]] && extra+=" --first-turn-only"
         rm -rf "${RES:?}/$id"
