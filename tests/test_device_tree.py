@@ -11,25 +11,25 @@ CAP = 64 * 2**20
 GGUF_PART = 50_000_000  # the SmolLM2 GGUF travels in two parts, the larger this size
 
 
-def test_the_tree_without_weights_and_results_fits_the_device_with_a_gguf_part():
+def tracked_bytes(leave_out: tuple = ()) -> int:
+    """The bytes of the tracked files, less those under the folders `leave_out`; skips outside a git checkout."""
     try:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout")
-    files = [f for f in out.decode().split("\0") if f and not f.startswith(("weights/", "results/"))]
-    size = sum((ROOT / f).stat().st_size for f in files if (ROOT / f).is_file())
+    files = [ROOT / f for f in out.decode().split("\0") if f and not f.startswith(leave_out)]
+    return sum(f.stat().st_size for f in files if f.is_file())
+
+
+def test_the_tree_without_weights_and_results_fits_the_device_with_a_gguf_part():
+    size = tracked_bytes(("weights/", "results/"))
     assert size + GGUF_PART < CAP, f"{size / 2**20:.1f} MiB of tracked files outside weights/ and results/"
 
 
 def test_size_reports_every_tracked_file():
     """`device_tree.sh size` sums every tracked file: its du ran through xargs, which split the list into batches,
     and the last batch's total was reported (99 MiB of 160 on 2026-12-07)."""
-    try:
-        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("not a git checkout")
-    files = [ROOT / f for f in out.decode().split("\0") if f]
-    size = sum(f.stat().st_size for f in files if f.is_file())
+    size = tracked_bytes()
     said = subprocess.run(["bash", str(ROOT / "harness" / "lab" / "device_tree.sh"), "size"], capture_output=True,
                           text=True, check=True).stdout
     assert said.startswith(f"tracked: {size // 2**20} MiB;"), said
