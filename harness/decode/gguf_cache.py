@@ -8,8 +8,9 @@ de-quantized weights, the converted tokenizer, the config and generation config)
 directory ($XPRESS_BENCH_CACHE or ~/.cache/xpress-bench, in hf/), and every later load reads that directory.
 
 Loading the directory at a dtype gives the same tensors, bit for bit, as loading the GGUF at that dtype (the GGUF
-loader de-quantizes to float32 and casts; so does this), the same tokenizer and the same config
-(tests/test_gguf_cache.py). The directory's name is keyed by the file (its resolved path and sha256) and by the
+loader de-quantizes to float32 and casts; so does this), the same tokenizer and the same config: every conversion
+checks what it saved against what the GGUF loader returned before the directory is put in place (`verify`), so the
+file each user converts is checked, not only the tests' (tests/test_gguf_cache.py, on a tiny Q4_1 GGUF). The directory's name is keyed by the file (its resolved path and sha256) and by the
 versions of transformers, tokenizers, gguf and torch, so a changed file or library converts again; a directory is renamed
 into place only when complete. XPRESS_BENCH_GGUF_CACHE=0 reads the GGUF itself every time, as before. The run's
 config.json still names the .gguf file: the directory is only a faster way to read it.
@@ -143,6 +144,66 @@ def save_plain(model, tokenizer, folder) -> None:
     tokenizer.save_pretrained(folder)
 
 
+# set by save_pretrained or by the directory's name, read by nothing in the harness
+CONFIG_BOOKKEEPING = frozenset({"dtype", "architectures", "_name_or_path", "transformers_version"})
+# texts the reloaded tokenizer must encode as the GGUF's does: words, digits, code, spaces, newlines, non-ASCII
+PROBES = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+          "def add(a, b):\n    return a + b  # 2 + 3 = 5\n\n", "  leading spaces,\ttabs and trailing  ",
+          "Écrivez 3 phrases: naïve café, 東京, emoji 🙂.")
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
+
+
+def verify(folder: Path, model, tokenizer) -> None:
+    """What `folder` gives a later load against what the GGUF loader returned (`model` in float32, `tokenizer`):
+    every saved tensor equal bit for bit, every tensor not saved tied to one that is; the same config less
+    bookkeeping; a tokenizer of the same class with the same vocabulary, added tokens, chat template, special ids,
+    pipeline (a fast tokenizer's tokenizer.json: merges, pre-tokenizer, decoder) and encodings of PROBES and of the
+    chat template's rendering. The tensors are read one at a time from the
+    saved files (no second copy of the model). RuntimeError names the first difference."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer
+
+    def differs(what):
+        raise RuntimeError(f"the converted directory differs from the GGUF's load: {what}")
+    state = model.state_dict()
+    saved = set()
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                if name not in state:
+                    differs(f"{name} is saved but not in the model")
+                if t.dtype != state[name].dtype or not torch.equal(t, state[name]):
+                    differs(f"tensor {name}")
+                saved.add(name)
+    ptrs = {state[n].data_ptr() for n in saved}
+    for name in state.keys() - saved:
+        if state[name].data_ptr() not in ptrs:
+            differs(f"tensor {name} is not saved and not tied to a saved one")
+    got = AutoConfig.from_pretrained(str(folder)).to_dict()
+    want = model.config.to_dict()
+    for k in (got.keys() | want.keys()) - CONFIG_BOOKKEEPING:
+        if got.get(k) != want.get(k):
+            differs(f"config {k}: {got.get(k)!r} against {want.get(k)!r}")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    if type(tok) is not type(tokenizer):
+        differs(f"tokenizer class {type(tok).__name__} against {type(tokenizer).__name__}")
+    checks = {"vocabulary": (tok.get_vocab(), tokenizer.get_vocab()), "chat template": (tok.chat_template,
+              tokenizer.chat_template), "added tokens": (tok.added_tokens_decoder, tokenizer.added_tokens_decoder)}
+    checks.update({name: (getattr(tok, name), getattr(tokenizer, name)) for name in SPECIAL_IDS})
+    if hasattr(tokenizer, "backend_tokenizer"):  # a fast tokenizer: its whole pipeline (vocabulary, merges, ...)
+        checks["tokenizer pipeline"] = tuple(getattr(t, "backend_tokenizer", t).to_str() for t in (tok, tokenizer))
+    checks.update({f"encoding of {text!r}": (tok.encode(text), tokenizer.encode(text)) for text in PROBES})
+    if tokenizer.chat_template:
+        chat = [{"role": "user", "content": PROBES[0]}]
+        checks["chat rendering"] = tuple(t.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+                                         for t in (tok, tokenizer))
+    for what, (a, b) in checks.items():
+        if a != b:
+            differs(what)
+
+
 def convert(gguf: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -156,6 +217,7 @@ def convert(gguf: Path) -> str:
     tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}.", suffix=".part"))
     try:
         save_plain(model, tokenizer, tmp)
+        verify(tmp, model, tokenizer)
         (tmp / STAMP).write_text(json.dumps(src, indent=2) + "\n")
         _fsync_tree(tmp)
         if final.exists() and cached(str(gguf)) is None:
