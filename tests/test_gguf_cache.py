@@ -63,7 +63,8 @@ def test_a_converted_gguf_loads_without_the_gguf_and_gives_the_same_model(tmp_pa
     assert not [p for p in os.listdir(os.path.dirname(folder)) if p.endswith(".part")]
     ref_tok = AutoTokenizer.from_pretrained(**where)
     # transformers' GGUF reader dequantizes to fp32 and casts to the dtype asked for
-    ref = {dtype: AutoModelForCausalLM.from_pretrained(**where, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    ref = {dtype: AutoModelForCausalLM.from_pretrained(**where, dtype=dtype)
+           for dtype in (torch.float32, torch.bfloat16)}
     ref_config = copy.deepcopy(ref[torch.float32].config)
     del ref_config.quantization_config  # the quantizer's mark, which the load adds
     _no_gguf_reads(monkeypatch)  # from here on, any parse of the GGUF itself fails

@@ -10,9 +10,9 @@ directory ($XPRESS_BENCH_CACHE or ~/.cache/xpress-bench, in hf/), and every late
 Loading the directory at a dtype gives the same tensors, bit for bit, as loading the GGUF at that dtype (the GGUF
 loader de-quantizes to float32 and casts; so does this), the same tokenizer and the same config: every conversion
 checks what it saved against what the GGUF loader returned before the directory is put in place (`verify`), so the
-file each user converts is checked, not only the tests' (tests/test_gguf_cache.py, on a tiny Q4_1 GGUF). The directory's name is keyed by the file (its resolved path and sha256) and by the
-versions of transformers, tokenizers, gguf and torch, so a changed file or library converts again; a directory is renamed
-into place only when complete. XPRESS_BENCH_GGUF_CACHE=0 reads the GGUF itself every time, as before. The run's
+file each user converts is checked, not only the tests' (tests/test_gguf_cache.py, on a tiny Q4_1 GGUF). The
+directory's name is keyed by the file (its resolved path and sha256) and by the versions of transformers, tokenizers,
+gguf and torch, so a changed file or library converts again; a directory is renamed into place only when complete. XPRESS_BENCH_GGUF_CACHE=0 reads the GGUF itself every time, as before. The run's
 config.json still names the .gguf file: the directory is only a faster way to read it.
 """
 from __future__ import annotations
