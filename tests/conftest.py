@@ -28,21 +28,24 @@ def pytest_configure(config):
 # so that the modules go out in this order: the longest first, the short ones last, where they fill the gaps, so the
 # two workers end together (longest-processing-time first). xdist's order put the 47 s compile-cache module and the
 # 34 s GGUF module among the last handed out (3 and 4 tests), while the other worker idled. Seconds: each module's
-# summed --durations in a whole-suite run on the 2-core machine unloaded (2026-12-07, after that day's test-speed
-# commits; 933 s summed, 499 s wall); only the order matters. A module missing here counts 0 and keeps its place.
+# summed --durations in a whole-suite run on the 2-core machine unloaded (2026-12-07 evening, an AMD EPYC host:
+# 1,213 s summed, 649 s wall; test_gguf_cache.py as measured after its move to a tiny GGUF); only the order
+# matters. A module missing here counts 0 and keeps its place.
 MODULE_SECONDS = {
-    "test_sampling.py": 73, "test_distributed.py": 50, "test_batch_invariant.py": 40, "test_protocol.py": 38,
-    "test_ops.py": 34, "test_training_toy.py": 33, "test_sampling_rows.py": 32, "test_gguf_cache.py": 31,
-    "test_training_compile_cache.py": 30, "test_smollm2.py": 30, "test_batch_decode_sampled.py": 27,
-    "test_cli_refiners.py": 25, "test_kernels.py": 23, "test_batch_refine_twin.py": 23, "test_training_box.py": 20,
-    "test_topp.py": 18, "test_stacked_ops.py": 18, "test_loop.py": 18, "test_without_triton.py": 17,
-    "test_batch_graphs.py": 14, "test_wide_rows.py": 13, "test_training_online.py": 13, "test_tiny_runs.py": 13,
-    "test_compiling.py": 13, "test_training_rows.py": 12, "test_sweep.py": 12, "test_batch_refill.py": 11,
-    "test_batch_neighbours.py": 11, "test_xpress_latent.py": 9, "test_lab_launch.py": 9, "test_capture_plan.py": 9,
-    "test_batch_decode.py": 9, "test_training_inputs.py": 8, "test_training_compile.py": 8,
-    "test_spyre_numerics.py": 8, "test_readme_numbers.py": 8, "test_publish.py": 8,
-    "test_batched_generate_triton.py": 8, "test_training_pipeline.py": 7, "test_divergence.py": 7,
-    "test_bench_refiner.py": 7, "test_xpress.py": 6, "test_verify.py": 6, "test_cli.py": 6, "test_batch_draft.py": 6
+    "test_sampling.py": 101, "test_distributed.py": 63, "test_ops.py": 54, "test_training_toy.py": 50,
+    "test_sampling_rows.py": 45, "test_batch_invariant.py": 43, "test_training_compile_cache.py": 41,
+    "test_smollm2.py": 40, "test_protocol.py": 39, "test_batch_decode_sampled.py": 38,
+    "test_batch_refine_twin.py": 31, "test_kernels.py": 31, "test_training_box.py": 26, "test_topp.py": 25,
+    "test_stacked_ops.py": 23, "test_loop.py": 20, "test_without_triton.py": 20, "test_tiny_runs.py": 16,
+    "test_compare_runs.py": 16, "test_xpress_latent.py": 15, "test_compiling.py": 15, "test_training_online.py": 15,
+    "test_batch_graphs.py": 15, "test_sweep.py": 14, "test_batch_neighbours.py": 14, "test_wide_rows.py": 14,
+    "test_readme_numbers.py": 14, "test_training_rows.py": 14, "test_batched_generate_triton.py": 13,
+    "test_publish.py": 13, "test_batch_decode.py": 13, "test_batch_refill.py": 12, "test_capture_plan.py": 12,
+    "test_cli_refiners.py": 11, "test_training_inputs.py": 11, "test_spyre_numerics.py": 10,
+    "test_training_compile.py": 10, "test_lab_launch.py": 10, "test_bench_refiner.py": 10,
+    "test_training_pipeline.py": 9, "test_verify.py": 8, "test_training_init_from.py": 7, "test_xpress.py": 7,
+    "test_cli.py": 7, "test_training_restart.py": 7, "test_gemma4.py": 7, "test_batched_generate.py": 6,
+    "test_gguf_cache.py": 6, "test_bench_flex.py": 6, "test_training_scale.py": 6, "test_batch_draft.py": 6
 }
 
 
