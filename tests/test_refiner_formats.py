@@ -241,7 +241,7 @@ def test_a_heads_only_export_says_there_is_nothing_to_convert(tmp_path):
 
 def test_a_trained_folder_names_its_step(tmp_path):
     """The [refiner] line printed step=None for every trained head: the step of an export is in train_state.json
-    beside it (the shipped xPress head: 986 steps), read for both folder layouts; a folder without one has None."""
+    beside it (the shipped xPress head: at step 1,894), read for both folder layouts; a folder without one has None."""
     import json
     import shutil
     from pathlib import Path
@@ -249,7 +249,7 @@ def test_a_trained_folder_names_its_step(tmp_path):
     from refiners.formats import load_refiner_checkpoint
     shipped = Path(__file__).resolve().parents[1] / "weights" / "smollm2-135m"
     want = json.loads((shipped / "xpress" / "train_state.json").read_text())["global_step"]
-    assert load_refiner_checkpoint(shipped / "xpress", "xpress").step == want == 986
+    assert load_refiner_checkpoint(shipped / "xpress", "xpress").step == want == 1894
     assert load_refiner_checkpoint(shipped / "markov", "markov").step == \
         json.loads((shipped / "markov" / "train_state.json").read_text())["global_step"]
     bare = tmp_path / "bare"

@@ -84,13 +84,13 @@ def test_the_warm_start_drafter_is_a_complete_export():
     w = REPO / "weights" / "smollm2-135m"
     d = warm.source({"train": {"warm_start": str(w)}}, "drafter")
     # the steps heads.json (training.ship's manifest) records: the drafter the heads froze, and the xPress head
-    # (smollm2-gpu-heads-gsm8k3; xpress/ is also what a warm start of a model named xpress reads). A drafter or head
-    # copied in from another run than the one shipped fails here.
+    # (smollm2-gpu-heads-continue, from its step 986; xpress/ is also what a warm start of a model named xpress
+    # reads). A drafter or head copied in from another run than the one shipped fails here.
     ship = json.loads((w / "heads.json").read_text())
     assert d == w / "drafter" and warm.train_state(d) == ship["drafter_from"]["train_state"]
-    assert warm.train_state(d)["global_step"] == 13289
+    assert warm.train_state(d)["global_step"] == 2869  # smollm2-gpu-drafter-dpace-long's steps, counted from 0
     xpress = warm.train_state(warm.source({"train": {"warm_start": str(w)}}, "xpress"))
-    assert xpress["global_step"] == ship["models"][ship["shipped"]["xpress"]]["global_step"] == 986
+    assert xpress["global_step"] == ship["models"][ship["shipped"]["xpress"]]["global_step"] == 1894
     for role in ("xpress", "markov"):  # each head's own record against what ship recorded of its run
         rec, state = ship["models"][ship["shipped"][role]], json.loads((w / role / "train_state.json").read_text())
         assert (state["global_step"], state["planned_steps"], state["truncated"]) == \
