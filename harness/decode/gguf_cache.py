@@ -12,8 +12,9 @@ loader de-quantizes to float32 and casts; so does this), the same tokenizer and 
 checks what it saved against what the GGUF loader returned before the directory is put in place (`verify`), so the
 file each user converts is checked, not only the tests' (tests/test_gguf_cache.py, on a tiny Q4_1 GGUF). The
 directory's name is keyed by the file (its resolved path and sha256) and by the versions of transformers, tokenizers,
-gguf and torch, so a changed file or library converts again; a directory is renamed into place only when complete. XPRESS_BENCH_GGUF_CACHE=0 reads the GGUF itself every time, as before. The run's
-config.json still names the .gguf file: the directory is only a faster way to read it.
+gguf and torch, so a changed file or library converts again; a directory is renamed into place only when complete.
+XPRESS_BENCH_GGUF_CACHE=0 reads the GGUF itself every time, as before. The run's config.json still names the .gguf
+file: the directory is only a faster way to read it.
 """
 from __future__ import annotations
 
@@ -158,8 +159,8 @@ def verify(folder: Path, model, tokenizer) -> None:
     every saved tensor equal bit for bit, every tensor not saved tied to one that is; the same config less
     bookkeeping; a tokenizer of the same class with the same vocabulary, added tokens, chat template, special ids,
     pipeline (a fast tokenizer's tokenizer.json: merges, pre-tokenizer, decoder) and encodings of PROBES and of the
-    chat template's rendering. The tensors are read one at a time from the
-    saved files (no second copy of the model). RuntimeError names the first difference."""
+    chat template's rendering. The tensors are read one at a time from the saved files (no second copy of the
+    model). RuntimeError names the first difference."""
     import torch
     from safetensors import safe_open
     from transformers import AutoConfig, AutoTokenizer
