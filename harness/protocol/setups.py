@@ -73,8 +73,9 @@ EMBEDDED_CUDA = dict(max_samples=7, max_new_tokens=512, fair_k_list="1", fair_in
 
 # The CPU main job's wall time on the idle 2-core development machine (shipped weights, GGUF cached, model fetch
 # excluded; results/perf/NOTES.md): --help quotes it, and README.md must quote the same (tests/test_help_facts.py).
-CPU_MAIN_JOB_WALL_S = 259  # 2026-12-06, the step-13,289 weights, on a CPU that ran AR at 12.2 tok/s (100 s on
-#                           2026-12-04 with the step-3,588 weights, AR at 29.9 tok/s; 234 s on 2026-12-03 with the
+CPU_MAIN_JOB_WALL_S = 220  # 2026-12-07, the step-16,158 weights, on an AMD EPYC that ran AR at 11.4 tok/s (259 s
+#                           on 2026-12-06 with the step-13,289 weights, AR at 12.2 tok/s; 100 s on 2026-12-04 with the
+#                           step-3,588 weights on an Intel Xeon, AR at 29.9 tok/s; 234 s on 2026-12-03 with the
 #                           step-2,248 weights on an AMD EPYC; the older, unbalanced size: 154 s on another day)
 
 
