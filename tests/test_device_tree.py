@@ -35,6 +35,29 @@ def test_size_reports_every_tracked_file():
     assert said.startswith(f"tracked: {size // 2**20} MiB;"), said
 
 
+def test_size_counts_what_is_in_the_tree_while_stashed(tmp_path):
+    """`device_tree.sh size` while weights/ and results/ are stashed (tracked files missing): du skipped them and
+    exited 1, and set -e with pipefail ended the script with no output and a failing status. It now reports the
+    bytes present, which is what travels."""
+    import shutil
+    repo = tmp_path / "repo"
+    (repo / "harness" / "lab").mkdir(parents=True)
+    shutil.copy(ROOT / "harness" / "lab" / "device_tree.sh", repo / "harness" / "lab" / "device_tree.sh")
+    for rel, size in (("code.py", 3 * 2**20), ("weights/w.bin", 5 * 2**20), ("results/r.json", 2 * 2**20)):
+        (repo / rel).parent.mkdir(parents=True, exist_ok=True)
+        (repo / rel).write_bytes(b"x" * size)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    for cmd in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "t"]):
+        subprocess.run(git + cmd, check=True, capture_output=True)
+    size = ["bash", str(repo / "harness" / "lab" / "device_tree.sh"), "size"]
+    said = subprocess.run(size, capture_output=True, text=True, check=True).stdout
+    assert said.startswith("tracked: 10 MiB; without weights/ and results/: 3 MiB"), said
+    shutil.rmtree(repo / "weights")
+    shutil.rmtree(repo / "results")
+    said = subprocess.run(size, capture_output=True, text=True)
+    assert said.returncode == 0 and said.stdout.startswith("tracked: 3 MiB; without weights/ and results/: 3 MiB"), said
+
+
 def test_training_gpu_back_brings_records_and_the_export_not_data_or_checkpoints(tmp_path):
     """harness/lab/training_gpu.sh back: records.tgz holds the stage manifests, each model's JSON and metrics, the
     selection and held-out prompts and the log, but no training prompts, response parts or fp32 checkpoints; the export WHAT comes in parts that join to the

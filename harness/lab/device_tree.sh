@@ -3,7 +3,7 @@
 # weights and the committed results). During a device session, move those two folders out of the tree and carry
 # what the device needs (wheels, the GGUF in parts, weights) in ignored folders named in `carry`:
 #
-#   bash harness/lab/device_tree.sh size          # tracked bytes: all, without weights/ and results/
+#   bash harness/lab/device_tree.sh size          # tracked bytes in the tree: all, without weights/ and results/
 #   bash harness/lab/device_tree.sh stash DIR     # move weights/ and results/ to DIR (before the device calls)
 #   bash harness/lab/device_tree.sh restore DIR   # move them back (after the last call)
 #   bash harness/lab/device_tree.sh mark          # (stash does it) .xb_commit anew: again after every commit or
@@ -14,9 +14,11 @@
 # beside the code and results_io.environment records it as the run's git_sha; restore removes it.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-# every file in one du (its --files0-from): xargs split the list into batches, each with its own total, and the last
-# batch's total was reported (99 MiB of 160 on 2026-12-07)
-tracked() { git ls-files -z "$@" | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1; }
+# the tracked files present in the tree (PATHSPEC...), in one du (its --files0-from): xargs split the list into batches,
+# each with its own total, and the last batch's total was reported (99 MiB of 160 on 2026-12-07). While stashed,
+# weights/ and results/ are missing: du skips them and exits 1, which is no failure here (set -e and pipefail
+# ended `size` without a word)
+tracked() { { git ls-files -z "$@" | du -cb --files0-from=- 2>/dev/null || true; } | tail -1 | cut -f1; }
 mark() {  # the tree that travels against HEAD: weights/ and results/ (stashed) and the file itself left out
   local sha; sha=$(git rev-parse HEAD)
   [[ -z $(git status --porcelain -- . ':(exclude)weights' ':(exclude)results' ':(exclude).xb_commit') ]] ||
@@ -25,7 +27,7 @@ mark() {  # the tree that travels against HEAD: weights/ and results/ (stashed) 
 }
 case "${1:-}" in
   size)
-    all=$(tracked); rest=$(git ls-files -z | grep -zv '^weights/\|^results/' | du -cb --files0-from=- | tail -1 | cut -f1)
+    all=$(tracked); rest=$(tracked -- . ':(exclude)weights' ':(exclude)results')
     echo "tracked: $(( all / 1048576 )) MiB; without weights/ and results/: $(( rest / 1048576 )) MiB (cap 64 MiB)"
     ;;
   stash)
