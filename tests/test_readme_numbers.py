@@ -170,6 +170,13 @@ def test_the_protocol_families_read_the_divergence_and_ratio_fields(tmp_path):
     assert R["ref_identical_of"](root, f) == "10/35" and R["ref_divergences"](root, f) == "2"
     assert (R["ref_gap_end"](root, f, "min", 3), R["ref_gap_end"](root, f, "max", 3)) == ("0.002", "0.112")
     assert R["beyond_bound"](root, f) == "1"
+    # the mean over folders of the paired ratio (issue 26's five-dataset mean): a second folder at 1.1000
+    other = root / "results" / "smollm2-135m" / "mbpp_t0"
+    other.mkdir()
+    s["arms"]["drafter-only"]["tau_gain"]["ratio"] = 1.1
+    (other / "summary.json").write_text(json.dumps(s))
+    assert R["tau_ratio_mean"](root, "gsm8k_t0,mbpp_t0", "drafter") == "1.062"
+    assert R["tau_ratio_mean"](root, "mbpp_t0", "drafter", 2) == "1.10"
 
 
 def test_the_shipping_families_read_gain_order_card_and_ranges_over_folders(tmp_path):

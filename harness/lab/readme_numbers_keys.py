@@ -146,6 +146,14 @@ def q_tau_ratio(root, folder, a, which="value", d=3):
     return value_or_end(arm(root, folder, a)["tau_gain"], "ratio", "ratio_ci95", which, d)
 
 
+@quantity("tau_ratio_mean")
+def q_tau_ratio_mean(root, folders, a, d=3):
+    """The arithmetic mean over FOLDERS (`,`-separated) of an arm's paired τ ratio over drafter-only (issue 26's
+    "averaged over the five datasets")."""
+    vals = [arm(root, f, a)["tau_gain"]["ratio"] for f in folders.split(",")]
+    return fmt(sum(vals) / len(vals), d)
+
+
 @quantity("xgain")
 def q_xgain(root, folder, a, which="value", d=3):
     """An arm's throughput over drafter-only's (the median over rounds of the per-round paired ratio, the tables'
