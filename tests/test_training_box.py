@@ -197,6 +197,8 @@ def test_warm_mode_extend_runs_its_epochs_after_the_warm_step(data, tmp_path, ca
     ("acceptance.bench_prompts=0", "acceptance.bench_prompts must be an integer >= 1"),
     ('acceptance.bench=["gsm8k"]', "gsm8k"),
     ("acceptance.bench_max_seconds=-1", "acceptance.bench_max_seconds must be a number of seconds >= 0"),
+    ("acceptance.sampled_temperatures=[0]", "acceptance.sampled_temperatures [0]: a list of distinct temperatures > 0"),
+    ("acceptance.sampled_temperatures=[1,1]", "acceptance.sampled_temperatures [1, 1]: a list of distinct"),
     ("train.rows_in_memory=1", "train.rows_in_memory must be true or false"),
     ("train.profile_steps=-1", "train.profile_steps must be an integer >= 0"),
     ("train.compile_target=all", "train.compile_target 'all': use one of auto, layers, none"),

@@ -148,6 +148,38 @@ def test_acceptance_keeps_each_prompt_and_pairs_two_records(toy, tmp_path, capsy
     assert "heldout (8 prompts, tau_drafter -> tau_xpress_K3)" in capsys.readouterr().out
 
 
+def test_sampled_temperatures_measure_every_arm_sampled_on_seeded_streams(toy, tmp_path, capsys):
+    """acceptance.sampled_temperatures=[1]: the finished models are measured again (the setting is in the record's
+    key), every arm also sampled at T=1 (tau_<arm>_T1, per-prompt counts that sum to it), the greedy arms unchanged.
+    The drafter's record and the head's decode the same frozen drafter: with each prompt's stream seeded, their
+    sampled drafter-only counts are equal prompt by prompt, so compare_tau pairs them at exactly 1 [1, 1].
+    Power: without the setting no _T1 key is written (KeyError); decoding at T=0 under the _T1 keys gives exactly the
+    greedy tau and fails the `!=`; unseeded streams (the global generator, advanced by the drafter's own greedy and
+    sampled decodes in between) give different counts and fail the equality."""
+    from training import compare_tau
+    root, _ = toy
+    work = tmp_path / "work"
+    shutil.copytree(root / "work", work, ignore=shutil.ignore_patterns("export"))
+    sets = toy_sets(root) + ["acceptance.sampled_temperatures=[1]"]
+    assert run_cli("train", "--config", "toy", "--workdir", work, *cli_sets(sets)) == 0
+    assert "tau_drafter_T1=" in capsys.readouterr().out
+    files = {m: work / "train" / m / "acceptance.json" for m in ("drafter", "xpress")}
+    before = {m: json.loads((root / "work" / "train" / m / "acceptance.json").read_text()) for m in files}
+    for m, f in files.items():
+        rec = json.loads(f.read_text())
+        for name in ("selection", "heldout"):
+            r, old = rec[name], before[m][name]
+            greedy = [k for k in old if k.startswith("tau_")]
+            assert {k: r[k] for k in greedy} == {k: old[k] for k in greedy}  # the greedy decode, as it was
+            for arm in greedy:
+                pp = r["per_prompt"][arm + "_T1"]
+                assert len(pp) == r["prompts"]
+                assert sum(t for t, _ in pp) / sum(n for _, n in pp) == pytest.approx(r[arm + "_T1"], rel=1e-12)
+                assert r[arm + "_T1"] != r[arm], (m, name, arm)
+    same = compare_tau.compare(f"{files['drafter']}:tau_drafter_T1", f"{files['xpress']}:tau_drafter_T1")
+    assert [(r["ratio"], r["ratio_ci95"]) for r in same] == [(1.0, [1.0, 1.0])] * 2
+
+
 def test_exported_heads_on_the_benchmark_prompts(toy):
     """The exported files in the harness, on the eval prompts (never trained on): the target speaks its language,
     greedy decoding equals AR for both arms, and the taus order as in training."""

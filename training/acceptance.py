@@ -8,11 +8,20 @@ results on the same prompts compare with a paired CI (training/compare_tau.py).
 
 Which prompts: during training (periodic and final evaluations), the first `train.eval_prompts` of the selection
 set (prompts/selection.jsonl); after training (training/evaluate.py), every final model on the whole selection set
-and the whole held-out set. Every result names its set."""
+and the whole held-out set. Every result names its set.
+
+Sampled tau: `measure(..., temperatures=(1.0,))` also decodes every arm at each temperature T > 0 (target and drafts
+at T, rejection-sampling verification: the harness's T>0 path) on the same prompts, as keys with a suffix
+(`tau_drafter_T1`, `tau_xpress_K1_T0p7`: `temperature_suffix`). Prompt i draws from its own stream, seeded by
+SAMPLED_SEED + i, so two models measured on the same prompts see the same random numbers, and their per-prompt counts
+pair in training/compare_tau.py like the greedy ones. A greedy tau says nothing of how a drafter's whole
+distribution overlaps the target's, which is what a sampled draft's acceptance is (the argmax-only `ce` loss can raise
+the one and lower the other)."""
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import torch
 
@@ -70,9 +79,10 @@ class HeldOut:
         self.k_list = tuple(k_list)
         self.target = Target(hf_model, backend, capacity=self.settings.max_model_len)
 
-    def _lengths(self, prompt, drafter, refiner=None):
-        return generate(self.target, prompt, self.settings, self.backend, drafter=drafter,
-                        refiner=refiner).accept_lengths
+    def _lengths(self, prompt, drafter, refiner=None, settings=None, seed=None):
+        gen = None if seed is None else self.backend.generator(seed)
+        return generate(self.target, prompt, settings or self.settings, self.backend, drafter=drafter,
+                        refiner=refiner, generator=gen).accept_lengths
 
     def _tau(self, prompts, drafter, refiner=None) -> float:
         return tau_per_step([self._lengths(p, drafter, refiner) for p in prompts])
@@ -92,27 +102,41 @@ class HeldOut:
         return self.measure(cfg, {k: v.detach() for k, v in model.state_dict().items()}, max_seconds)
 
     @torch.no_grad()
-    def measure(self, cfg: dict, state: dict, max_seconds: float = 0.0, prompts=None, groups=None) -> dict:
+    def measure(self, cfg: dict, state: dict, max_seconds: float = 0.0, prompts=None, groups=None,
+                temperatures=()) -> dict:
         """tau of a speculators config dict + state dict on `prompts` (default: the ones given at construction;
         each must fit the capacity those set). `groups`: one name per prompt (its source); the result then has
-        each group's pooled tau under "by_source"."""
+        each group's pooled tau under "by_source". `temperatures`: each T > 0 measured too (the module's
+        docstring); the time cap's share is then split over every arm at every temperature."""
         prompts = self.prompts if prompts is None else prompts
         dmodel, make, kind = harness_models(cfg, state, self.backend, self.hf.config.num_hidden_layers)
         self.target.set_taps(dmodel.config.target_layer_ids)
         drafter = DFlashDrafter(dmodel, self.target.embed, self.target.lm_head, self.backend)
-        arms = 1 + (kind == "markov") + (len(self.k_list) if kind == "xpress" else 0)
+        heads = {"markov": {"tau_markov": 0}, "xpress": {f"tau_xpress_K{k}": k for k in self.k_list}}.get(kind, {})
+        arms = (1 + len(heads)) * (1 + len(temperatures))
         per_arm = {"tau_drafter": self._first_arm(prompts, drafter, max_seconds / arms)}
         n = len(per_arm["tau_drafter"])
-        if kind == "markov":
-            per_arm["tau_markov"] = [self._lengths(p, drafter, make(0)) for p in prompts[:n]]
-        elif kind == "xpress":
-            for k in self.k_list:
-                per_arm[f"tau_xpress_K{k}"] = [self._lengths(p, drafter, make(k)) for p in prompts[:n]]
+        for arm, k in heads.items():
+            per_arm[arm] = [self._lengths(p, drafter, make(k)) for p in prompts[:n]]
+        for t in temperatures:
+            sampled, sfx = replace(self.settings, temperature=float(t)), temperature_suffix(t)
+            for arm, k in {"tau_drafter": None, **heads}.items():
+                per_arm[arm + sfx] = [self._lengths(p, drafter, None if k is None else make(k), sampled,
+                                                    SAMPLED_SEED + i) for i, p in enumerate(prompts[:n])]
         out = {**{arm: tau_per_step(v) for arm, v in per_arm.items()}, "prompts": n,
                "per_prompt": per_prompt(per_arm, prompts[:n])}
         if groups is not None:
             out["by_source"] = by_group(per_arm, list(groups)[:n])
         return out
+
+
+SAMPLED_SEED = 1234  # prompt i of a sampled measurement draws from the stream seeded SAMPLED_SEED + i
+
+
+def temperature_suffix(t: float) -> str:
+    """The tau keys' suffix at a sampling temperature: 1 -> "_T1", 0.7 -> "_T0p7" (letters, digits and _ only,
+    so `FILE:tau_drafter_T0p7` names an arm in training/compare_tau.py)."""
+    return "_T" + f"{float(t):g}".replace(".", "p").replace("-", "m")
 
 
 def prompt_key(ids) -> str:

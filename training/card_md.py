@@ -176,7 +176,10 @@ def tau_section(models: list[dict], shipped: dict | None, chooses: bool = True,
            f"(training/evaluate.py). {what}; the held-out set is "
            "reported only and read by no choice. τ = accepted tokens per verify step, the bonus token included."
            + (" A `bench:NAME` set is the first prompts of that benchmark (data/eval, acceptance.bench), the same in "
-              "every run, reported only." if any(m.get("bench") for m in models) else ""), ""]
+              "every run, reported only." if any(m.get("bench") for m in models) else "")
+           + (" A key ending `_T<T>` (`p` for the point) is that arm sampled at temperature T "
+              "(acceptance.sampled_temperatures), each prompt on its own seeded stream, reported only."
+              if any("_T" in k for k in keys) else ""), ""]
     rows = []
     for m in models:
         for label, r in measured_sets(m):

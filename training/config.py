@@ -61,9 +61,9 @@ DEFAULTS = {
     "export": {"dtype": "bfloat16", "max_shard_mib": 15, "max_total_mb": 0},
     # after training: every final model on the whole selection and held-out sets (0: no time cap, every prompt)
     # dtype auto: bfloat16 on CUDA (the decode's CUDA graphs too), the target's float32 elsewhere; bench: data/eval
-    # datasets measured the protocol's way (report only; training/evaluate.py)
+    # datasets measured the protocol's way, sampled_temperatures each T > 0 sampled too (report only; evaluate.py)
     "acceptance": {"selection_max_seconds": 0, "heldout_max_seconds": 0, "dtype": "auto", "bench": [],
-                   "bench_prompts": 32, "bench_max_seconds": 0},
+                   "bench_prompts": 32, "bench_max_seconds": 0, "sampled_temperatures": []},
     "models": {},
 }
 
@@ -293,7 +293,7 @@ def validate_steps(cfg: dict) -> None:
                          "speculators' Triton kernels, CUDA only)")
     if t["loss_impl"] == "fused" and t["device"] == "cpu":
         raise UsageError("config train.loss_impl fused runs on CUDA only; use eager (or auto) with train.device=cpu")
-    validate_acceptance(cfg)
+    config_numbers.check_acceptance(cfg, DTYPE_NAMES)
     ws = t["warm_start"]
     if t["warm_mode"] not in WARM_MODES:
         raise UsageError(f"config train.warm_mode {t['warm_mode']!r}: use resume (the same run continued), extend "
@@ -303,25 +303,6 @@ def validate_steps(cfg: dict) -> None:
         raise UsageError(f"config train.warm_start {ws}: neither an export folder (manifest.json) nor shipped weights "
                          "(heads.json); give e.g. runs/<config>/export or weights/smollm2-135m")
     grow.check_warm(cfg)
-
-
-def validate_acceptance(cfg: dict) -> None:
-    a = cfg["acceptance"]
-    if a["dtype"] not in ("auto",) + DTYPE_NAMES:
-        raise UsageError(f"config acceptance.dtype {a['dtype']!r}: use auto or one of {', '.join(DTYPE_NAMES)}")
-    for key in ("selection_max_seconds", "heldout_max_seconds", "bench_max_seconds"):
-        if not isinstance(a[key], (int, float)) or isinstance(a[key], bool) or a[key] < 0:
-            raise UsageError(f"config acceptance.{key} must be a number of seconds >= 0 (0: no cap)")
-    if not isinstance(a["bench_prompts"], int) or isinstance(a["bench_prompts"], bool) or a["bench_prompts"] < 1:
-        raise UsageError("config acceptance.bench_prompts must be an integer >= 1")
-    from harness.protocol.data import validate_dataset_args
-    if not isinstance(a["bench"], list):
-        raise UsageError("config acceptance.bench must be a list of data/eval dataset names, e.g. [\"gsm8k\"]")
-    for name in a["bench"]:
-        try:
-            validate_dataset_args(name, str(repo_path(cfg["prompts"]["eval_dir"])), a["bench_prompts"])
-        except UsageError as e:
-            raise UsageError(f"config acceptance.bench {name!r} (read from prompts.eval_dir): {e}") from None
 
 
 def init_export(cfg: dict, name: str) -> Path | None:

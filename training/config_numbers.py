@@ -1,8 +1,11 @@
 """The config's schedule numbers, checked when it loads (before any stage writes): train.epochs, lr, weight_decay,
 warmup_ratio, train_ratio, the step counts, and each model's own epochs, lr and max_steps. A bad value here used to
 surface only at the train stage, after the data stages had run (a str epoch count as a TypeError, a negative one
-as a nonsense warm-start message, a negative lr as torch's own ValueError)."""
+as a nonsense warm-start message, a negative lr as torch's own ValueError). check_acceptance: the acceptance
+section's (training/evaluate.py)."""
 from __future__ import annotations
+
+import math
 
 from core.errors import UsageError
 
@@ -41,3 +44,31 @@ def check(cfg: dict) -> None:
                                  f"(got {m[key]!r})")
         if m["lr"] is not None and (not _number(m["lr"]) or m["lr"] <= 0):
             raise UsageError(f"config models.{name}.lr must be a number > 0, or null for train.lr (got {m['lr']!r})")
+
+
+def check_acceptance(cfg: dict, dtypes: tuple) -> None:
+    """The acceptance section (training/evaluate.py): its dtype (auto or one of `dtypes`), time caps, benchmark
+    datasets and sampled temperatures."""
+    from training.store import repo_path
+    a = cfg["acceptance"]
+    if a["dtype"] not in ("auto",) + dtypes:
+        raise UsageError(f"config acceptance.dtype {a['dtype']!r}: use auto or one of {', '.join(dtypes)}")
+    for key in ("selection_max_seconds", "heldout_max_seconds", "bench_max_seconds"):
+        if not isinstance(a[key], (int, float)) or isinstance(a[key], bool) or a[key] < 0:
+            raise UsageError(f"config acceptance.{key} must be a number of seconds >= 0 (0: no cap)")
+    if not isinstance(a["bench_prompts"], int) or isinstance(a["bench_prompts"], bool) or a["bench_prompts"] < 1:
+        raise UsageError("config acceptance.bench_prompts must be an integer >= 1")
+    ts = a["sampled_temperatures"]
+    if not isinstance(ts, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                           and math.isfinite(t) and t > 0 for t in ts) or len(set(ts)) != len(ts):
+        raise UsageError(f"config acceptance.sampled_temperatures {ts!r}: a list of distinct temperatures > 0 at "
+                         "which tau is measured sampled as well as greedy, e.g. [1] (--set "
+                         "'acceptance.sampled_temperatures=[1]'); [] for greedy only")
+    from harness.protocol.data import validate_dataset_args
+    if not isinstance(a["bench"], list):
+        raise UsageError("config acceptance.bench must be a list of data/eval dataset names, e.g. [\"gsm8k\"]")
+    for name in a["bench"]:
+        try:
+            validate_dataset_args(name, str(repo_path(cfg["prompts"]["eval_dir"])), a["bench_prompts"])
+        except UsageError as e:
+            raise UsageError(f"config acceptance.bench {name!r} (read from prompts.eval_dir): {e}") from None

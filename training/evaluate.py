@@ -6,6 +6,8 @@ settings).
      "selection": {"set": "selection", "of": 32, "prompts": 32, "tau_drafter": 2.1, "tau_markov": 2.2, "seconds": 9.1},
      "heldout":   {"set": "heldout",   "of": 64, "prompts": 64, ...}}
 
+With acceptance.sampled_temperatures (e.g. [1]) every arm is also measured sampled at each T, as tau_<arm>_T<T>
+(training/acceptance.py), reported (the card, compare_tau) and read by no choice.
 training/ship.py chooses on "selection" only; "heldout" is reported (the card, the ship manifest) and read by no
 choice. Each of the two has "by_source": the pooled tau of each prompt source (training/domains.py group_of).
 `acceptance.bench` names benchmark datasets (data/eval files, the protocol's subset and rendering,
@@ -57,11 +59,13 @@ def eval_key(cfg: dict, name: str, final: Path, warm: Path | None = None) -> str
     grown = {"grown": True} if cfg["models"][name]["grow"] else {}  # a grown model's start, not a warm start's
     what = {"warm_start": export_digest(warm), **grown} if warm is not None else \
         {"model": model_fingerprint(cfg, name), "final": final.name}
-    return fingerprint({**what, "prompts": read_manifest(out_dir(cfg))["key"], "acceptance": cfg["acceptance"],
+    ac = {k: v for k, v in cfg["acceptance"].items() if not (k == "sampled_temperatures" and v == [])}  # its
+    # default, left out: a record made before the key existed keeps its key
+    return fingerprint({**what, "prompts": read_manifest(out_dir(cfg))["key"], "acceptance": ac,
                         "max_new_tokens": tc["eval_max_new_tokens"], "k": tc["eval_k"]})
 
 
-def measure(held, final: Path, ids: dict, caps: dict, groups: dict) -> dict:
+def measure(held, final: Path, ids: dict, caps: dict, groups: dict, temperatures=()) -> dict:
     from core.checkpoints import read_tensors, shard_files
     cfg_dict = json.loads((final / "config.json").read_text())
     one = final / "model.safetensors"  # a checkpoint's weights (beside its optimizer's), else an export's shards
@@ -69,7 +73,7 @@ def measure(held, final: Path, ids: dict, caps: dict, groups: dict) -> dict:
     out = {}
     for s in ids:
         t = time.perf_counter()
-        r = held.measure(cfg_dict, state, caps[s], ids[s], groups.get(s))
+        r = held.measure(cfg_dict, state, caps[s], ids[s], groups.get(s), temperatures)
         out[s] = {"set": s, "of": len(ids[s]), **r, "seconds": round(time.perf_counter() - t, 3)}
     return out
 
@@ -138,7 +142,7 @@ def run(cfg: dict, names: list[str], make_held) -> dict:
         else:
             m = json.loads((model_dir(cfg, n) / "manifest.json").read_text())
             src = {"final": final.name, "global_step": m.get("global_step")}
-        rec = {"key": key, **src, **label, **measure(held, final, ids, caps, groups)}
+        rec = {"key": key, **src, **label, **measure(held, final, ids, caps, groups, ac["sampled_temperatures"])}
         model_dir(cfg, n).mkdir(parents=True, exist_ok=True)
         write_json(model_dir(cfg, n) / file, rec)
         if not warm:
