@@ -206,12 +206,12 @@ def test_a_second_tables_job_without_benchmarks_starts_in_its_own_xtab(tmp_path)
     code, w = tmp_path / "code", tmp_path / "w"
     (code / "harness" / "lab").mkdir(parents=True)
     (code / "harness" / "lab" / "smollm2_gpu.sh").write_text(
-        'echo "cells $2 into $RES of $XPRESS_BENCH_WEIGHTS"\n')
+        'echo "cells $2 into $RES of $XPRESS_BENCH_WEIGHTS without [$SKIP]"\n')
     for m in ("drafter", "xpress", "markov"):
         (w / "smollm2-135m" / m).mkdir(parents=True)
     xtab, xres = tmp_path / "xtab2", tmp_path / "res2"
     env = {**os.environ, "NOBENCH": "1", "XTAB": str(xtab), "XRES": str(xres), "JOB_CODE": str(code),
-           "WDIR": str(w), "DATASETS": "gsm8k", "START_WAIT": "0"}
+           "WDIR": str(w), "DATASETS": "gsm8k", "START_WAIT": "0", "SKIP": "mbpp_t0 gsm8k_t1"}
     r = subprocess.run(["bash", str(script), "start", "0"], cwd=repo,
                        capture_output=True, text=True, env=env, timeout=60)
     done = xtab / "tables.done"
@@ -219,10 +219,25 @@ def test_a_second_tables_job_without_benchmarks_starts_in_its_own_xtab(tmp_path)
         assert r.returncode == 0, r.stderr
         _wait_for(done)
         assert done.is_file() and done.read_text().strip() == "rc=0", (xtab / "tables.log").read_text()
-        assert f"cells 0 into {xres} of {w / 'smollm2-135m'}" in (xtab / "tables.log").read_text()
+        assert f"cells 0 into {xres} of {w / 'smollm2-135m'} without [mbpp_t0 gsm8k_t1]" in \
+            (xtab / "tables.log").read_text()  # SKIP reaches the job (the cells another session measured)
     finally:  # a job still waiting for its bench.done (the bug) is released, so nothing is left running
         if xtab.is_dir() and not (xtab / "bench.done").exists():
             (xtab / "bench.done").write_text("rc=released by the test\n")
+
+
+def test_tables_skip_names_cells_not_to_run(tmp_path):
+    """SKIP="gsm8k_t0 mbpp_t1": `tables 0 1` over gsm8k and mbpp runs the other two cells and says which it skipped
+    (the thirty-third session marked four measured cells done with empty summary.json files instead)."""
+    repo = tmp_path / "repo"
+    script = _copy_script(repo, "smollm2_gpu.sh")
+    (repo / "bench_fair_fast.sh").write_text('#!/bin/bash\nd="$OUTDIR/${1}_t$2"\nmkdir -p "$d" && touch "$d/r"\n')
+    (repo / "bench_fair_fast.sh").chmod(0o755)
+    env = dict(os.environ, DATASETS="gsm8k mbpp", RES=str(tmp_path / "res"), SKIP="gsm8k_t0 mbpp_t1")
+    out = subprocess.run(["bash", str(script), "tables", "0", "1"], env=env, capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert {p.parent.name for p in (tmp_path / "res").glob("*/r")} == {"mbpp_t0", "gsm8k_t1"}, out
+    assert "gsm8k_t0: skipped (SKIP)" in out and "mbpp_t1: skipped (SKIP)" in out
 
 
 @pytest.mark.parametrize("cell_s, runs", [("", {"gsm8k_t0"}), ("100", {"gsm8k_t0", "gsm8k_t1"}),

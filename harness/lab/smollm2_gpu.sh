@@ -12,7 +12,8 @@
 # TABLE_ARGS: flags appended to every cell; unset, the shipped tables' kernels (--kernels triton --batch-invariant:
 # every arm's T=0 output equals AR's in bf16); set it empty for --kernels auto (2026-12-05 a candidate's tables ran
 # so by mistake: results/perf/candidate_tables_h200/README.md).
-# DEADLINE (epoch seconds) makes `tables` skip a cell that would not finish in time (CELL_S: the estimate).
+# DEADLINE (epoch seconds) makes `tables` skip a cell that would not finish in time (CELL_S: the estimate); SKIP
+# names cells not to run (ids, e.g. "gsm8k_t0 mbpp_t0": measured elsewhere, on another machine or commit).
 # The tables are the embedded default's own CUDA run (its size: harness/protocol/setups.py EMBEDDED_CUDA, now 7
 # prompts x 512 new tokens x 4 arms x 5 rounds; the tables of results/smollm2-135m/ ran at it, 60-120 s a cell on an
 # H200 with K 1,2,4); mt-bench measures its first
@@ -73,6 +74,7 @@ case "${1:-}" in
       for ds in $DATASETS; do
         id="${ds}_t${T}"
         if [[ -f "$RES/$id/summary.json" ]]; then echo "$id: done"; continue; fi
+        if [[ " ${SKIP:-} " == *" $id "* ]]; then echo "$id: skipped (SKIP)"; continue; fi
         if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) + $(cell_s "$T") > DEADLINE )); then
           echo "$id: skipped (deadline)"; continue
         fi

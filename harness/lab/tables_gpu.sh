@@ -20,7 +20,8 @@
 #   here:    harness/lab/device_tree.sh restore DIR; tar xzf tables.tgz -C results/smollm2-135m; tar xzf bench.tgz
 #
 # TABLE_ARGS (flags appended to every cell; unset: --kernels triton --batch-invariant, the shipped tables'),
-# DEADLINE_S (seconds from `start` after which no new cell begins), DATASETS, K_LIST, ROUNDS and MAX_SAMPLES pass
+# DEADLINE_S (seconds from `start` after which no new cell begins), SKIP (cell ids not to run, e.g. the T=0 cells
+# another session measured), DATASETS, K_LIST, ROUNDS and MAX_SAMPLES pass
 # through to smollm2_gpu.sh and bench_fair_fast.sh; XRES and XTAB move the folders and logs (a second job's: with
 # NOBENCH, `start` alone in its XTAB suffices). Both jobs run from a copy of the code in /tmp/code (JOB_CODE; WDIR
 # moves /tmp/w, the weights), so the tree that each call re-sends cannot change them; START_WAIT (default 5) is how
@@ -80,7 +81,8 @@ case "${1:-}" in
     deadline=$(( $(date +%s) + ${DEADLINE_S:-1200} ))
     export -f bench_job
     (cd "$TCODE" && env $ENVS XPRESS_BENCH_WEIGHTS=$TW/smollm2-135m RES=$R DEADLINE=$deadline \
-        TABLE_ARGS="${TABLE_ARGS---kernels triton --batch-invariant}" CELL_S=${CELL_S:-} setsid nohup bash -c \
+        TABLE_ARGS="${TABLE_ARGS---kernels triton --batch-invariant}" CELL_S=${CELL_S:-} SKIP="${SKIP:-}" \
+        setsid nohup bash -c \
         'while [[ ! -f '$J'/bench.done ]]; do sleep 2; done; bash harness/lab/smollm2_gpu.sh tables '"$ts"';
          echo "rc=$?" > '$J'/tables.done
          if [[ -z ${NOBENCH:-} ]] && (( $(date +%s) + 240 < DEADLINE )); then bench_job qwen3-8b; fi' \
