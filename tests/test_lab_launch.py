@@ -227,13 +227,14 @@ def test_a_second_tables_job_without_benchmarks_starts_in_its_own_xtab(tmp_path)
 
 
 def test_tables_skip_names_cells_not_to_run(tmp_path):
-    """SKIP="gsm8k_t0 mbpp_t1": `tables 0 1` over gsm8k and mbpp runs the other two cells and says which it skipped
-    (the thirty-third session marked four measured cells done with empty summary.json files instead)."""
+    """SKIP="gsm8k_t0,mbpp_t1" (commas or spaces): `tables 0 1` over gsm8k and mbpp runs the other two cells and
+    says which it skipped (the thirty-third session marked four measured cells done with empty summary.json files
+    instead)."""
     repo = tmp_path / "repo"
     script = _copy_script(repo, "smollm2_gpu.sh")
     (repo / "bench_fair_fast.sh").write_text('#!/bin/bash\nd="$OUTDIR/${1}_t$2"\nmkdir -p "$d" && touch "$d/r"\n')
     (repo / "bench_fair_fast.sh").chmod(0o755)
-    env = dict(os.environ, DATASETS="gsm8k mbpp", RES=str(tmp_path / "res"), SKIP="gsm8k_t0 mbpp_t1")
+    env = dict(os.environ, DATASETS="gsm8k mbpp", RES=str(tmp_path / "res"), SKIP="gsm8k_t0,mbpp_t1")
     out = subprocess.run(["bash", str(script), "tables", "0", "1"], env=env, capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert {p.parent.name for p in (tmp_path / "res").glob("*/r")} == {"mbpp_t0", "gsm8k_t1"}, out

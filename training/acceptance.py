@@ -107,14 +107,15 @@ class HeldOut:
         """tau of a speculators config dict + state dict on `prompts` (default: the ones given at construction;
         each must fit the capacity those set). `groups`: one name per prompt (its source); the result then has
         each group's pooled tau under "by_source". `temperatures`: each T > 0 measured too (the module's
-        docstring); the time cap's share is then split over every arm at every temperature."""
+        docstring), on the prompts the greedy drafter arm reached within its share of the cap, which they leave as
+        it was: the greedy records are those of a run without them, and a capped set takes up to about
+        (1 + len(temperatures)) times its cap."""
         prompts = self.prompts if prompts is None else prompts
         dmodel, make, kind = harness_models(cfg, state, self.backend, self.hf.config.num_hidden_layers)
         self.target.set_taps(dmodel.config.target_layer_ids)
         drafter = DFlashDrafter(dmodel, self.target.embed, self.target.lm_head, self.backend)
         heads = {"markov": {"tau_markov": 0}, "xpress": {f"tau_xpress_K{k}": k for k in self.k_list}}.get(kind, {})
-        arms = (1 + len(heads)) * (1 + len(temperatures))
-        per_arm = {"tau_drafter": self._first_arm(prompts, drafter, max_seconds / arms)}
+        per_arm = {"tau_drafter": self._first_arm(prompts, drafter, max_seconds / (1 + len(heads)))}
         n = len(per_arm["tau_drafter"])
         for arm, k in heads.items():
             per_arm[arm] = [self._lengths(p, drafter, make(k)) for p in prompts[:n]]

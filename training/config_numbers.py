@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 from core.errors import UsageError
+from harness.decode.sampling import GREEDY_BELOW
 
 TRAIN_INTS = (("epochs", 1), ("save_every", 0), ("eval_every", 0), ("eval_prompts", 0), ("eval_max_new_tokens", 1),
               ("num_workers", 0), ("stop_after_step", 0), ("max_minutes", 0))  # key, the least value
@@ -58,10 +59,12 @@ def check_acceptance(cfg: dict, dtypes: tuple) -> None:
             raise UsageError(f"config acceptance.{key} must be a number of seconds >= 0 (0: no cap)")
     if not isinstance(a["bench_prompts"], int) or isinstance(a["bench_prompts"], bool) or a["bench_prompts"] < 1:
         raise UsageError("config acceptance.bench_prompts must be an integer >= 1")
-    ts = a["sampled_temperatures"]
+    ts = a["sampled_temperatures"]  # under GREEDY_BELOW the decode is greedy: not a sampled measurement
     if not isinstance(ts, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                                           and math.isfinite(t) and t > 0 for t in ts) or len(set(ts)) != len(ts):
-        raise UsageError(f"config acceptance.sampled_temperatures {ts!r}: a list of distinct temperatures > 0 at "
+                                           and math.isfinite(t) and t >= GREEDY_BELOW for t in ts) \
+            or len(set(ts)) != len(ts):
+        raise UsageError(f"config acceptance.sampled_temperatures {ts!r}: a list of distinct temperatures >= "
+                         f"{GREEDY_BELOW:g} (below it the decode is greedy) at "
                          "which tau is measured sampled as well as greedy, e.g. [1] (--set "
                          "'acceptance.sampled_temperatures=[1]'); [] for greedy only")
     from harness.protocol.data import validate_dataset_args

@@ -154,8 +154,9 @@ def q_held_out(root, name, key, d=2):
 
 @quantity("held_out_end")
 def q_held_out_end(root, name, prefix, which, d=2):
-    """One end of a model's held-out τ over the keys starting with PREFIX (tau_xpress_K: every K)."""
-    vals = [v for k, v in held_out(model(root, name)).items() if k.startswith(prefix)]
+    """One end of a model's held-out greedy τ over the keys starting with PREFIX (tau_xpress_K: every K); the
+    sampled keys (suffix _T<T>, acceptance.sampled_temperatures) are not among them."""
+    vals = [v for k, v in held_out(model(root, name)).items() if k.startswith(prefix) and "_T" not in k]
     return end(vals, which, d)
 
 

@@ -28,6 +28,8 @@ WORK=${WORK:-runs/smollm2-gpu}
 RES=${RES:-results/smollm2-135m}
 DATASETS=${DATASETS:-gsm8k math500 humaneval mbpp mt-bench}
 DATASETS=${DATASETS//,/ }  # "gsm8k,mbpp" as "gsm8k mbpp" (a comma list made one cell of an unknown dataset)
+SKIP=${SKIP:-}
+SKIP=${SKIP//,/ }  # the cells not to run, "gsm8k_t0,mbpp_t0" as "gsm8k_t0 mbpp_t0" too
 DRAFTERS=${DRAFTERS:-drafter}
 HEADS=${HEADS:-xpress markov_vanilla markov_gated}
 # time boxes in minutes (0: none); the shipped weights were trained with DRAFTER_MIN=2 HEAD_MIN=1.2 (the
@@ -74,7 +76,7 @@ case "${1:-}" in
       for ds in $DATASETS; do
         id="${ds}_t${T}"
         if [[ -f "$RES/$id/summary.json" ]]; then echo "$id: done"; continue; fi
-        if [[ " ${SKIP:-} " == *" $id "* ]]; then echo "$id: skipped (SKIP)"; continue; fi
+        if [[ " $SKIP " == *" $id "* ]]; then echo "$id: skipped (SKIP)"; continue; fi
         if [[ -n "${DEADLINE:-}" ]] && (( $(date +%s) + $(cell_s "$T") > DEADLINE )); then
           echo "$id: skipped (deadline)"; continue
         fi
