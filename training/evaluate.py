@@ -32,6 +32,9 @@ from training.store import export_digest, read_manifest, repo_path, write_json
 FILE = "acceptance.json"
 WARM_FILE = "acceptance_warm.json"  # a warm-started drafter's starting weights, measured the same way
 SETS = ("selection", "heldout")
+# acceptance keys added after records were made, at the value those ran with: left out of a record's key at that
+# value, so an earlier record keeps its key (training.config's ADDED_LATER does the same for a model's fingerprint)
+ADDED_LATER = {"sampled_temperatures": []}
 
 
 def read_set(cfg: dict, name: str) -> list[dict]:
@@ -59,8 +62,7 @@ def eval_key(cfg: dict, name: str, final: Path, warm: Path | None = None) -> str
     grown = {"grown": True} if cfg["models"][name]["grow"] else {}  # a grown model's start, not a warm start's
     what = {"warm_start": export_digest(warm), **grown} if warm is not None else \
         {"model": model_fingerprint(cfg, name), "final": final.name}
-    ac = {k: v for k, v in cfg["acceptance"].items() if not (k == "sampled_temperatures" and v == [])}  # its
-    # default, left out: a record made before the key existed keeps its key
+    ac = {k: v for k, v in cfg["acceptance"].items() if ADDED_LATER.get(k, ...) != v}
     return fingerprint({**what, "prompts": read_manifest(out_dir(cfg))["key"], "acceptance": ac,
                         "max_new_tokens": tc["eval_max_new_tokens"], "k": tc["eval_k"]})
 
