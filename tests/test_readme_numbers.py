@@ -284,8 +284,12 @@ def test_the_weights_families_read_heads_json_else_the_ship_manifest(tmp_path):
         "drafter": {"held_out": {"tau_drafter": 2.05}}}}))
     assert R["weights_mb"](tmp_path) == "55.2" and R["held_out"](tmp_path, "drafter", "tau_drafter") == "2.05"
     (w / "heads.json").write_text(json.dumps({"total_bytes": 69.3167e6, "models": {
-        "xpress": {"heldout": {"tau_drafter": 2.3018, "tau_xpress_K1": 2.4703}}}}))
+        "xpress": {"heldout": {"tau_drafter": 2.3018, "tau_xpress_K1": 2.4703, "tau_xpress_K3": 2.61,
+                               "tau_xpress_K1_T1": 1.9, "tau_xpress_K3_T1": 2.9}}}}))
     assert R["weights_mb"](tmp_path) == "69.3" and R["held_out"](tmp_path, "xpress", "tau_xpress_K1") == "2.47"
+    # a range over every K is of the greedy keys only: the sampled ones (acceptance.sampled_temperatures) stay out
+    ends = [R["held_out_end"](tmp_path, "xpress", "tau_xpress_K", w) for w in ("min", "max")]
+    assert ends == ["2.47", "2.61"], ends
 
 
 def test_the_json_and_bench_batch_families_read_their_files_and_name_what_is_missing(tmp_path):
